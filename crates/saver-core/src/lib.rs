@@ -1,0 +1,81 @@
+//! # saver-core
+//!
+//! The data model and the save plan of **saver**, a checkpoint framework for large recommendation
+//! models. This crate does no file I/O: it describes a model, decides what goes where, and produces
+//! the bytes; `saver-io` writes, commits, reads and reshards.
+//!
+//! ## The model
+//!
+//! A recommendation model is mostly *sparse* state: embedding hashtables keyed by 64-bit feature
+//! ids ([`SparseTable`]), each row holding several *slots* ([`SlotSpec`]): the embedding, optimizer
+//! state such as an Adagrad accumulator or Adam's m and v, counters such as frequency or last
+//! update step. The rest is *dense* ([`DenseTensor`]): MLP weights and dense optimizer state.
+//! [`EmbeddingTable`] is a ready concurrent table on `dashmap` that trainers can use directly and
+//! that loads restore into by default.
+//!
+//! ## The partition rule
+//!
+//! Training runs as N workers, each owning one partition of every table. [`PartitionRule`] says
+//! which: an id hashes into one of 2^16 buckets, and shard `j` of `M` owns a contiguous range of
+//! buckets. Rows are written grouped by bucket with a bucket index, so a checkpoint saved by N
+//! workers can be loaded by any M workers reading only the rows each needs.
+//!
+//! ## Saving
+//!
+//! A save is planned ([`plan()`]) from a [`SaveInput`] and [`PlanOptions`]:
+//!
+//! * the output is made of *write blocks*, one tensor each: the ids of a table partition, one slot
+//!   of that partition (rows aligned with the ids), a bucket index, or one dense tensor;
+//! * [`Filters`] (closures) keep or drop blocks and rows: drop optimizer slots for serving, keep
+//!   rows seen at least 5 times, keep some tables. A table stays consistent whatever they do;
+//! * the [`SavePlan`] fixes every file, header and byte offset before a byte is written, and then
+//!   produces bytes lazily, chunk by chunk ([`SavePlan::produce`]), from any number of threads.
+//!
+//! ```
+//! use saver_core::{plan, Dtype, EmbeddingTable, Filters, KeyDtype, PlanOptions, SaveInput, SlotSpec};
+//!
+//! let table = EmbeddingTable::new("user", KeyDtype::I64, vec![
+//!     SlotSpec::new("embedding", Dtype::F32, vec![4]),
+//!     SlotSpec::new("freq", Dtype::I64, vec![]),
+//! ])?;
+//! for id in -50i64..50 {
+//!     table.upsert(id as u64, |row| {
+//!         row.slot_mut::<f32>(0).fill(id as f32);
+//!         row.slot_mut::<i64>(1)[0] = id.rem_euclid(7);
+//!     });
+//! }
+//! let opts = PlanOptions {
+//!     shard_num: 4,
+//!     // Serving export: no counters, and only rows seen at least 3 times.
+//!     filters: Filters::new().exclude_slots("freq")?.keep_rows(|row| row.scalar("freq").unwrap() >= 3.0),
+//!     ..PlanOptions::default()
+//! };
+//! let plan = plan(SaveInput::new().table(&table), &opts)?;
+//! let rows: usize = plan.shards().iter().flat_map(|s| &s.partitions).map(|p| p.rows.len()).sum();
+//! assert_eq!(rows, (-50i64..50).filter(|id| id.rem_euclid(7) >= 3).count());
+//! # Ok::<(), saver_core::Error>(())
+//! ```
+//!
+//! The manifest types ([`Manifest`], [`ShardManifest`]) describe a written checkpoint; the format
+//! is specified in `docs/FORMAT.md`.
+
+#![warn(missing_docs)]
+
+pub mod dtype;
+pub mod error;
+pub mod filter;
+pub mod manifest;
+pub mod naming;
+pub mod partition;
+pub mod plan;
+pub mod table;
+pub mod tensor;
+
+pub use dtype::{Dtype, KeyDtype};
+pub use error::{Error, Result};
+pub use filter::{BlockInfo, BlockKind, Filters, ScalarCondition};
+pub use manifest::{Manifest, ShardManifest, FORMAT_VERSION};
+pub use partition::PartitionRule;
+pub use plan::{plan, ForeignRows, PlanOptions, SaveInput, SavePlan};
+pub use table::{EmbeddingTable, RowView, SlotSpec, SparseTable, TableSnapshot};
+pub use tensor::DenseTensor;

@@ -1,0 +1,166 @@
+//! Names: what a table, slot or dense tensor may be called, and how their tensors and files are
+//! named on disk.
+//!
+//! Sparse tensors are named `<table>/<slot>:s<shard>.<segment>` (plus the reserved slots `ids` and
+//! `__buckets__`). Table and slot names may not contain `/` or `:`, so those names can never
+//! collide with each other; dense tensors keep their own names, and the planner checks the whole set
+//! for collisions before writing.
+
+use crate::error::{Error, Result};
+
+/// Slot name of the ids tensor of a table segment.
+pub const IDS: &str = "ids";
+/// Slot name of the bucket index tensor of a table segment.
+pub const BUCKET_INDEX: &str = "__buckets__";
+/// safetensors reserves this key for string metadata.
+pub const SAFETENSORS_METADATA: &str = "__metadata__";
+/// File name of the Hugging Face style global index; its presence is the commit point.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// Longest name accepted for a table, slot or dense tensor.
+pub const MAX_NAME_LEN: usize = 512;
+
+fn invalid(what: &'static str, name: &str, why: impl Into<String>) -> Error {
+    Error::InvalidName {
+        what,
+        name: name.to_string(),
+        why: why.into(),
+    }
+}
+
+fn check_common(what: &'static str, name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(invalid(what, name, "it is empty"));
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(invalid(
+            what,
+            name,
+            format!("longer than {MAX_NAME_LEN} bytes"),
+        ));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(invalid(what, name, "it contains a control character"));
+    }
+    Ok(())
+}
+
+/// Checks a table name: non-empty, no `/`, `:` or control characters.
+pub fn check_table_name(name: &str) -> Result<()> {
+    check_common("table", name)?;
+    if name.contains(['/', ':']) {
+        return Err(invalid("table", name, "'/' and ':' are reserved"));
+    }
+    Ok(())
+}
+
+/// Checks a slot name: as a table name, and not one of the reserved slot names.
+pub fn check_slot_name(name: &str) -> Result<()> {
+    check_common("slot", name)?;
+    if name.contains(['/', ':']) {
+        return Err(invalid("slot", name, "'/' and ':' are reserved"));
+    }
+    if name == IDS || name == BUCKET_INDEX {
+        return Err(invalid(
+            "slot",
+            name,
+            "this slot name is reserved for the table's ids",
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a dense tensor name: non-empty, no control characters, not the safetensors metadata key.
+pub fn check_dense_name(name: &str) -> Result<()> {
+    check_common("dense tensor", name)?;
+    if name == SAFETENSORS_METADATA {
+        return Err(invalid("dense tensor", name, "reserved by safetensors"));
+    }
+    Ok(())
+}
+
+/// Tensor name of one slot (or [`IDS`] / [`BUCKET_INDEX`]) of one segment of a table partition.
+pub fn sparse_tensor_name(table: &str, slot: &str, shard: u32, segment: u32) -> String {
+    format!("{table}/{slot}:s{shard}.{segment}")
+}
+
+/// Checks a save id: 1 to 64 characters of `[A-Za-z0-9_-]`, because it becomes part of file names.
+pub fn check_save_id(id: &str) -> Result<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidOption {
+            option: "save_id",
+            why: format!("{id:?} must be 1 to 64 characters of A-Z, a-z, 0-9, '-' and '_'"),
+        })
+    }
+}
+
+/// Data file name of file `file` of shard `shard` of the save `save_id`.
+///
+/// Deterministic, so processes of a multi-process save never need to agree on names at run time,
+/// and different per save, so a new save never overwrites the files of the checkpoint it replaces.
+pub fn data_file_name(save_id: &str, shard: u32, file: u32) -> String {
+    format!("model-{save_id}-s{shard:05}-f{file:04}.safetensors")
+}
+
+/// File name of the manifest one shard writes once its data are durable.
+pub fn shard_manifest_name(save_id: &str, shard: u32) -> String {
+    format!("saver-{save_id}-s{shard:05}.shard.json")
+}
+
+/// File name of the global manifest.
+pub fn manifest_name(save_id: &str) -> String {
+    format!("saver-{save_id}.manifest.json")
+}
+
+/// File name of the marker a process creates exclusively to become the one that commits.
+pub fn commit_claim_name(save_id: &str) -> String {
+    format!("saver-{save_id}.commit-claim")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        assert!(check_table_name("user_id").is_ok());
+        assert!(check_table_name("").is_err());
+        assert!(check_table_name("a/b").is_err());
+        assert!(check_table_name("a:b").is_err());
+        assert!(check_table_name("a\nb").is_err());
+        assert!(check_slot_name("ids").is_err());
+        assert!(check_slot_name("__buckets__").is_err());
+        assert!(check_slot_name("embedding").is_ok());
+        assert!(check_dense_name("mlp/0.weight:0").is_ok());
+        assert!(check_dense_name("__metadata__").is_err());
+        assert!(check_dense_name(&"x".repeat(MAX_NAME_LEN + 1)).is_err());
+        let e = check_table_name("a/b").unwrap_err().to_string();
+        assert!(e.contains("\"a/b\""), "{e}");
+    }
+
+    #[test]
+    fn save_ids_are_file_name_safe() {
+        assert!(check_save_id("step-100_a").is_ok());
+        assert!(check_save_id("").is_err());
+        assert!(check_save_id("../x").is_err());
+        assert!(check_save_id(&"a".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn file_names_are_deterministic() {
+        assert_eq!(
+            data_file_name("abc", 3, 1),
+            "model-abc-s00003-f0001.safetensors"
+        );
+        assert_eq!(
+            sparse_tensor_name("user", "embedding", 2, 0),
+            "user/embedding:s2.0"
+        );
+    }
+}

@@ -1,0 +1,240 @@
+//! Producing a plan's bytes lazily, in bounded chunks.
+//!
+//! The writer asks [`SavePlan::chunks`] for the work list and calls [`SavePlan::produce`] for each
+//! chunk from any thread. A row chunk reads a run of rows of a segment *once*, all kept slots
+//! together (so a row is never torn across slot tensors), and hands out the ids bytes and every
+//! slot's bytes as [`Piece`]s, each with its destination. Nothing larger than one chunk is ever
+//! materialised; ids, bucket indexes and dense tensors are handed out without a copy.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use crate::error::Error;
+
+use super::{Loc, SavePlan};
+
+/// One unit of writer work.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Chunk {
+    /// Rows `rows` (relative to the segment) of a segment: its ids and every kept slot.
+    Rows {
+        /// Planned shard position.
+        shard: usize,
+        /// Partition within the shard.
+        partition: usize,
+        /// Segment within the partition.
+        segment: usize,
+        /// Row range within the segment.
+        rows: Range<usize>,
+    },
+    /// The bucket index of a segment.
+    BucketIndex {
+        /// Planned shard position.
+        shard: usize,
+        /// Partition within the shard.
+        partition: usize,
+        /// Segment within the partition.
+        segment: usize,
+    },
+    /// Bytes `bytes` of a dense tensor.
+    Dense {
+        /// Planned shard position.
+        shard: usize,
+        /// Index into the shard's dense list.
+        dense: usize,
+        /// Byte range within the tensor.
+        bytes: Range<u64>,
+    },
+}
+
+/// Bytes bound for one tensor at one offset.
+#[derive(Debug)]
+pub struct Piece<'b> {
+    /// Planned shard position.
+    pub shard: usize,
+    /// Where the tensor is.
+    pub loc: Loc,
+    /// Offset within the tensor.
+    pub offset: u64,
+    /// The bytes.
+    pub bytes: &'b [u8],
+}
+
+/// Reusable buffers of one writer thread.
+#[derive(Default)]
+pub struct ChunkBuffer {
+    slots: Vec<Vec<u8>>,
+}
+
+/// Raw little-endian bytes of a `u64` slice, without a copy on little-endian machines.
+fn u64_bytes(v: &[u64]) -> Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        Cow::Borrowed(bytemuck::cast_slice(v))
+    } else {
+        Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
+
+impl SavePlan<'_> {
+    /// Every chunk of every planned shard, interleaved across files so that threads spread over them.
+    pub fn chunks(&self) -> Vec<Chunk> {
+        let chunk_bytes = self.opts.chunk_bytes;
+        let mut out = Vec::new();
+        for (s, shard) in self.shards.iter().enumerate() {
+            for (p, part) in shard.partitions.iter().enumerate() {
+                let t = &self.tables[part.table];
+                let row_bytes = 8 + part
+                    .slots
+                    .iter()
+                    .map(|&k| t.slot_bytes[k] as u64)
+                    .sum::<u64>();
+                let step = (chunk_bytes / row_bytes).max(1) as usize;
+                for (g, seg) in part.segments.iter().enumerate() {
+                    out.push(Chunk::BucketIndex {
+                        shard: s,
+                        partition: p,
+                        segment: g,
+                    });
+                    let n = seg.rows.len();
+                    let mut r = 0;
+                    while r < n {
+                        let end = (r + step).min(n);
+                        out.push(Chunk::Rows {
+                            shard: s,
+                            partition: p,
+                            segment: g,
+                            rows: r..end,
+                        });
+                        r = end;
+                    }
+                }
+            }
+            for (d, dp) in shard.dense.iter().enumerate() {
+                let len = self.dense[dp.dense].byte_len();
+                let mut b = 0;
+                while b < len {
+                    let end = (b + chunk_bytes).min(len);
+                    out.push(Chunk::Dense {
+                        shard: s,
+                        dense: d,
+                        bytes: b..end,
+                    });
+                    b = end;
+                }
+            }
+        }
+        out
+    }
+
+    /// Bytes a chunk produces (for progress reporting).
+    pub fn chunk_len(&self, chunk: &Chunk) -> u64 {
+        match chunk {
+            Chunk::Rows {
+                shard,
+                partition,
+                rows,
+                ..
+            } => {
+                let part = &self.shards[*shard].partitions[*partition];
+                let t = &self.tables[part.table];
+                let row = 8 + part
+                    .slots
+                    .iter()
+                    .map(|&k| t.slot_bytes[k] as u64)
+                    .sum::<u64>();
+                row * rows.len() as u64
+            }
+            Chunk::BucketIndex {
+                shard,
+                partition,
+                segment,
+            } => {
+                self.shards[*shard].partitions[*partition].segments[*segment]
+                    .bucket_index
+                    .len() as u64
+                    * 8
+            }
+            Chunk::Dense { bytes, .. } => bytes.end - bytes.start,
+        }
+    }
+
+    /// Produces a chunk's bytes and hands each piece to `sink`.
+    pub fn produce<E: From<Error>>(
+        &self,
+        chunk: &Chunk,
+        buf: &mut ChunkBuffer,
+        sink: &mut dyn FnMut(Piece<'_>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        match chunk {
+            Chunk::Rows {
+                shard,
+                partition,
+                segment,
+                rows,
+            } => {
+                let part = &self.shards[*shard].partitions[*partition];
+                let seg = &part.segments[*segment];
+                let table = &self.tables[part.table];
+                let abs = seg.rows.start + rows.start..seg.rows.start + rows.end;
+                let ids = &table.ids[abs];
+                let n = ids.len();
+                buf.slots.resize_with(table.slots.len(), Vec::new);
+                for (s, b) in buf.slots.iter_mut().enumerate() {
+                    let want = if part.slots.contains(&s) {
+                        n * table.slot_bytes[s]
+                    } else {
+                        0
+                    };
+                    b.resize(want, 0);
+                }
+                {
+                    let mut outs: Vec<&mut [u8]> =
+                        buf.slots.iter_mut().map(Vec::as_mut_slice).collect();
+                    table.snapshot.read_rows(ids, &mut outs).map_err(E::from)?;
+                }
+                sink(Piece {
+                    shard: *shard,
+                    loc: seg.ids,
+                    offset: rows.start as u64 * 8,
+                    bytes: &u64_bytes(ids),
+                })?;
+                for (k, &s) in part.slots.iter().enumerate() {
+                    sink(Piece {
+                        shard: *shard,
+                        loc: seg.slots[k],
+                        offset: (rows.start * table.slot_bytes[s]) as u64,
+                        bytes: &buf.slots[s],
+                    })?;
+                }
+                Ok(())
+            }
+            Chunk::BucketIndex {
+                shard,
+                partition,
+                segment,
+            } => {
+                let seg = &self.shards[*shard].partitions[*partition].segments[*segment];
+                sink(Piece {
+                    shard: *shard,
+                    loc: seg.index_loc,
+                    offset: 0,
+                    bytes: &u64_bytes(&seg.bucket_index),
+                })
+            }
+            Chunk::Dense {
+                shard,
+                dense,
+                bytes,
+            } => {
+                let dp = &self.shards[*shard].dense[*dense];
+                let data = self.dense[dp.dense].data();
+                sink(Piece {
+                    shard: *shard,
+                    loc: dp.loc,
+                    offset: bytes.start,
+                    bytes: &data[bytes.start as usize..bytes.end as usize],
+                })
+            }
+        }
+    }
+}

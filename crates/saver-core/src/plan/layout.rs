@@ -1,0 +1,360 @@
+//! Phase two of planning: cut partitions into segments, place dense tensors on shards, pack the
+//! blocks of each shard into files balanced by bytes, and fix every header and offset.
+
+use std::ops::Range;
+
+use crate::dtype::Dtype;
+use crate::error::Result;
+use crate::filter::{BlockInfo, BlockKind, Filters};
+use crate::naming::{data_file_name, sparse_tensor_name, BUCKET_INDEX, IDS};
+use crate::partition::PartitionRule;
+use crate::tensor::DenseTensor;
+
+use super::header::{render_header, FileFacts, HeaderTensor};
+use super::scan::ScannedTable;
+use super::{DensePlan, FilePlan, Loc, PartitionPlan, PlanOptions, SegmentPlan, ShardPlan};
+
+/// Blocks are never cut smaller than this for balancing: tiny tensors only cost header space.
+const MIN_BALANCE_BLOCK: u64 = 1 << 20;
+
+/// Assigns dense tensors to shards, largest first onto the least-loaded shard (ties: lowest shard).
+/// Every process of a multi-process save computes the same assignment from the same tensors.
+pub(crate) fn assign_dense(dense: &[DenseTensor<'_>], shard_num: u32) -> Vec<u32> {
+    let mut order: Vec<usize> = (0..dense.len()).collect();
+    order.sort_by(|&a, &b| {
+        dense[b]
+            .byte_len()
+            .cmp(&dense[a].byte_len())
+            .then_with(|| dense[a].name().cmp(dense[b].name()))
+    });
+    // Only as many bins as tensors are ever needed, so a huge shard count costs nothing.
+    let bins = (shard_num as usize).min(dense.len().max(1));
+    let mut load = vec![0u64; bins];
+    let mut out = vec![0u32; dense.len()];
+    for i in order {
+        let (bin, _) = load
+            .iter()
+            .enumerate()
+            .min_by_key(|&(j, &l)| (l, j))
+            .expect("at least one bin");
+        load[bin] += dense[i].byte_len();
+        out[i] = bin as u32;
+    }
+    out
+}
+
+/// Longest-processing-time packing of `sizes` into `bins` bins; returns each item's bin.
+pub(crate) fn pack(sizes: &[u64], bins: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(a.cmp(&b)));
+    let mut load = vec![0u64; bins];
+    let mut out = vec![0usize; sizes.len()];
+    for i in order {
+        let (bin, _) = load
+            .iter()
+            .enumerate()
+            .min_by_key(|&(j, &l)| (l, j))
+            .expect("at least one bin");
+        load[bin] += sizes[i];
+        out[i] = bin;
+    }
+    out
+}
+
+/// Splits a bucket range into consecutive segments of at most `max_rows` rows (a single bucket
+/// larger than that forms a segment of its own). An empty range of rows yields no segment.
+pub(crate) fn cut_segments(
+    table: &ScannedTable<'_>,
+    buckets: Range<u32>,
+    max_rows: u64,
+) -> Vec<Range<u32>> {
+    let rows = table.rows_in(buckets.clone());
+    if rows.is_empty() {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut seg_start = buckets.start;
+    let mut acc = 0u64;
+    for b in buckets.clone() {
+        let n = table.bucket_start[b as usize + 1] - table.bucket_start[b as usize];
+        if acc > 0 && acc + n > max_rows {
+            out.push(seg_start..b);
+            seg_start = b;
+            acc = 0;
+        }
+        acc += n;
+    }
+    out.push(seg_start..buckets.end);
+    out
+}
+
+/// The bucket index of a segment: `(bucket << 48) | first_row` per non-empty bucket.
+fn bucket_index(table: &ScannedTable<'_>, buckets: Range<u32>) -> Vec<u64> {
+    let base = table.bucket_start[buckets.start as usize];
+    buckets
+        .filter(|&b| table.bucket_start[b as usize + 1] > table.bucket_start[b as usize])
+        .map(|b| (u64::from(b) << 48) | (table.bucket_start[b as usize] - base))
+        .collect()
+}
+
+/// What a block is, so its location can be recorded once files are packed.
+enum BlockRef {
+    Ids {
+        partition: usize,
+        segment: usize,
+    },
+    Index {
+        partition: usize,
+        segment: usize,
+    },
+    Slot {
+        partition: usize,
+        segment: usize,
+        slot: usize,
+    },
+    Dense {
+        dense: usize,
+    },
+}
+
+struct Block {
+    tensor: HeaderTensor,
+    len: u64,
+    what: BlockRef,
+}
+
+pub(crate) fn layout_shard(
+    shard: u32,
+    pos: usize,
+    tables: &[ScannedTable<'_>],
+    dense: &[DenseTensor<'_>],
+    dense_shard: &[u32],
+    filters: &Filters,
+    opts: &PlanOptions,
+) -> Result<ShardPlan> {
+    let n = opts.shard_num;
+    let range = PartitionRule::bucket_range(shard, n);
+
+    // Partitions and the shard's byte estimate, to size segments for balance.
+    let mut partitions = Vec::new();
+    let mut estimate = 0u64;
+    for (t, table) in tables.iter().enumerate() {
+        let Some(slots) = table.kept[pos].clone() else {
+            continue;
+        };
+        let rows = table.rows_in(range.clone());
+        let row_bytes = 8 + slots
+            .iter()
+            .map(|&s| table.slot_bytes[s] as u64)
+            .sum::<u64>();
+        estimate += rows.len() as u64 * row_bytes;
+        partitions.push(PartitionPlan {
+            table: t,
+            buckets: range.clone(),
+            rows,
+            slots,
+            segments: Vec::new(),
+        });
+    }
+    let dense_here: Vec<usize> = (0..dense.len())
+        .filter(|&d| dense_shard[d] == shard)
+        .filter(|&d| {
+            filters.keep_block(&BlockInfo {
+                kind: BlockKind::Dense,
+                table: None,
+                slot: None,
+                dense: Some(dense[d].name()),
+                shard,
+            })
+        })
+        .collect();
+    estimate += dense_here.iter().map(|&d| dense[d].byte_len()).sum::<u64>();
+    let files_estimate = estimate.div_ceil(opts.max_file_size).max(1);
+    let target_block = if files_estimate == 1 {
+        opts.max_block_bytes
+    } else {
+        (estimate / files_estimate / 4)
+            .max(MIN_BALANCE_BLOCK.min(opts.max_block_bytes))
+            .min(opts.max_block_bytes)
+    };
+
+    let mut blocks: Vec<Block> = Vec::new();
+    for (p, part) in partitions.iter_mut().enumerate() {
+        let table = &tables[part.table];
+        let widest = part
+            .slots
+            .iter()
+            .map(|&s| table.slot_bytes[s] as u64)
+            .max()
+            .unwrap_or(0)
+            .max(8);
+        let max_rows = (target_block / widest).clamp(1, u64::from(u32::MAX));
+        for (si, seg_buckets) in cut_segments(table, part.buckets.clone(), max_rows)
+            .into_iter()
+            .enumerate()
+        {
+            let rows = table.rows_in(seg_buckets.clone());
+            let nrows = rows.len() as u64;
+            let index = bucket_index(table, seg_buckets.clone());
+            let seg = si as u32;
+            blocks.push(Block {
+                len: nrows * 8,
+                tensor: HeaderTensor {
+                    name: sparse_tensor_name(&table.name, IDS, shard, seg),
+                    dtype: table.key_dtype.dtype(),
+                    shape: vec![nrows],
+                    start: 0,
+                    end: 0,
+                },
+                what: BlockRef::Ids {
+                    partition: p,
+                    segment: si,
+                },
+            });
+            blocks.push(Block {
+                len: index.len() as u64 * 8,
+                tensor: HeaderTensor {
+                    name: sparse_tensor_name(&table.name, BUCKET_INDEX, shard, seg),
+                    dtype: Dtype::U64,
+                    shape: vec![index.len() as u64],
+                    start: 0,
+                    end: 0,
+                },
+                what: BlockRef::Index {
+                    partition: p,
+                    segment: si,
+                },
+            });
+            for (k, &s) in part.slots.iter().enumerate() {
+                let spec = &table.slots[s];
+                let mut shape = vec![nrows];
+                shape.extend_from_slice(&spec.shape);
+                blocks.push(Block {
+                    len: nrows * table.slot_bytes[s] as u64,
+                    tensor: HeaderTensor {
+                        name: sparse_tensor_name(&table.name, &spec.name, shard, seg),
+                        dtype: spec.dtype,
+                        shape,
+                        start: 0,
+                        end: 0,
+                    },
+                    what: BlockRef::Slot {
+                        partition: p,
+                        segment: si,
+                        slot: k,
+                    },
+                });
+            }
+            part.segments.push(SegmentPlan {
+                index: seg,
+                buckets: seg_buckets,
+                rows,
+                bucket_index: index,
+                ids: Loc::default(),
+                index_loc: Loc::default(),
+                slots: vec![Loc::default(); part.slots.len()],
+            });
+        }
+    }
+    let mut dense_plans = Vec::new();
+    for &d in &dense_here {
+        let t = &dense[d];
+        blocks.push(Block {
+            len: t.byte_len(),
+            tensor: HeaderTensor {
+                name: t.name().to_string(),
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+                start: 0,
+                end: 0,
+            },
+            what: BlockRef::Dense {
+                dense: dense_plans.len(),
+            },
+        });
+        dense_plans.push(DensePlan {
+            dense: d,
+            loc: Loc::default(),
+        });
+    }
+
+    // Pack blocks into files: as few as max_file_size allows, more while a file overflows and
+    // could still be split.
+    let sizes: Vec<u64> = blocks.iter().map(|b| b.len).collect();
+    let total: u64 = sizes.iter().sum();
+    let mut nfiles = (total.div_ceil(opts.max_file_size).max(1) as usize).min(blocks.len().max(1));
+    let assignment = loop {
+        let a = pack(&sizes, nfiles);
+        let mut load = vec![(0u64, 0usize); nfiles];
+        for (i, &f) in a.iter().enumerate() {
+            load[f].0 += sizes[i];
+            load[f].1 += 1;
+        }
+        let overflow = load
+            .iter()
+            .any(|&(bytes, count)| bytes > opts.max_file_size && count > 1);
+        if !overflow || nfiles >= blocks.len() {
+            break a;
+        }
+        nfiles += 1;
+    };
+
+    let mut per_file: Vec<Vec<usize>> = vec![Vec::new(); nfiles];
+    for (i, &f) in assignment.iter().enumerate() {
+        per_file[f].push(i);
+    }
+    per_file.retain(|v| !v.is_empty());
+
+    let mut files = Vec::with_capacity(per_file.len());
+    for (fi, members) in per_file.iter().enumerate() {
+        let mut off = 0u64;
+        let mut tensors = Vec::with_capacity(members.len());
+        for (ti, &b) in members.iter().enumerate() {
+            let block = &blocks[b];
+            let mut t = block.tensor.clone();
+            t.start = off;
+            t.end = off + block.len;
+            off = t.end;
+            tensors.push(t);
+            let loc = Loc {
+                file: fi,
+                tensor: ti,
+            };
+            match block.what {
+                BlockRef::Ids { partition, segment } => {
+                    partitions[partition].segments[segment].ids = loc
+                }
+                BlockRef::Index { partition, segment } => {
+                    partitions[partition].segments[segment].index_loc = loc
+                }
+                BlockRef::Slot {
+                    partition,
+                    segment,
+                    slot,
+                } => partitions[partition].segments[segment].slots[slot] = loc,
+                BlockRef::Dense { dense } => dense_plans[dense].loc = loc,
+            }
+        }
+        let facts = FileFacts {
+            save_id: &opts.save_id,
+            shard,
+            shard_num: n,
+            file: fi as u32,
+        };
+        let header = render_header(&facts, &tensors, &vec![0; tensors.len()], opts.alignment);
+        files.push(FilePlan {
+            name: data_file_name(&opts.save_id, shard, fi as u32),
+            index: fi as u32,
+            data_start: header.len() as u64,
+            data_len: off,
+            tensors,
+        });
+    }
+
+    Ok(ShardPlan {
+        shard,
+        files,
+        partitions,
+        dense: dense_plans,
+    })
+}

@@ -1,0 +1,489 @@
+//! The save plan: every file, header and byte range of a save, computed before any byte is written.
+//!
+//! [`plan`] takes the model ([`SaveInput`]) and [`PlanOptions`] and returns a [`SavePlan`]:
+//!
+//! 1. *Scan*: each table is snapshotted; its ids (and, only if a row filter needs them, its slot
+//!    values) are scanned once; rows kept by the filters and owned by a planned shard are sorted
+//!    by (bucket, id). From here on the set of saved rows is fixed.
+//! 2. *Layout*: each planned shard gets one partition per table (the rows of its bucket range),
+//!    cut into segments at bucket boundaries so no tensor is unbounded; dense tensors are spread
+//!    over shards by bytes; each shard's blocks are packed into files by bytes; every header is
+//!    rendered with placeholder checksums of the final width, fixing every offset.
+//!
+//! The plan is pure and deterministic: the same tables, tensors and options always give the same
+//! plan and, written, the same bytes, whatever `parallel` is and whether one process plans all
+//! shards or each process plans its own.
+
+mod chunks;
+pub mod header;
+mod layout;
+mod scan;
+
+use std::collections::{BTreeMap, HashSet};
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+pub use chunks::{Chunk, ChunkBuffer, Piece};
+use header::{render_header, FileFacts, HeaderTensor};
+use scan::ScannedTable;
+
+use crate::error::{Error, Result};
+use crate::filter::Filters;
+use crate::manifest::{
+    DenseManifest, FileManifest, PartitionManifest, SegmentManifest, ShardManifest, TableManifest,
+    TensorRef, FORMAT_NAME, FORMAT_VERSION,
+};
+use crate::naming::{check_dense_name, check_save_id, check_table_name};
+use crate::partition::PartitionRule;
+use crate::table::SparseTable;
+use crate::tensor::DenseTensor;
+
+/// What to do with rows a process holds that the partition rule assigns to a shard it does not plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ForeignRows {
+    /// Refuse to plan: saving would silently lose those rows. The safe default.
+    #[default]
+    Error,
+    /// Skip them: right when every process holds the whole table (replicated, or generated).
+    Skip,
+}
+
+/// The model to save: sparse tables and dense tensors.
+#[derive(Default)]
+pub struct SaveInput<'a> {
+    /// Sparse tables.
+    pub tables: Vec<&'a dyn SparseTable>,
+    /// Dense tensors.
+    pub dense: Vec<DenseTensor<'a>>,
+}
+
+impl<'a> SaveInput<'a> {
+    /// An empty model.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a table.
+    pub fn table(mut self, table: &'a dyn SparseTable) -> Self {
+        self.tables.push(table);
+        self
+    }
+
+    /// Adds a dense tensor.
+    pub fn dense(mut self, tensor: DenseTensor<'a>) -> Self {
+        self.dense.push(tensor);
+        self
+    }
+}
+
+/// How to plan a save.
+#[derive(Clone, Debug)]
+pub struct PlanOptions {
+    /// Number of shards of the checkpoint (≥ 1).
+    pub shard_num: u32,
+    /// `Some(i)`: plan only shard `i` (one process of a multi-process save). `None`: every shard.
+    pub shard_index: Option<u32>,
+    /// Writer threads. Does not change the layout, only how it is written.
+    pub parallel: usize,
+    /// Largest data file (bytes); a single tensor larger than this gets a file of its own.
+    pub max_file_size: u64,
+    /// Largest tensor a table partition is cut into (bytes per slot tensor).
+    pub max_block_bytes: u64,
+    /// Bytes a writer thread produces at a time; its buffer size.
+    pub chunk_bytes: u64,
+    /// The data section of every file starts at a multiple of this (a power of two, ≥ 8).
+    pub alignment: u64,
+    /// Block and row filters.
+    pub filters: Filters,
+    /// What to do with rows owned by shards this process does not plan.
+    pub foreign_rows: ForeignRows,
+    /// Identifies the save; part of every file name. See `docs/FORMAT.md`.
+    pub save_id: String,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        Self {
+            shard_num: 1,
+            shard_index: None,
+            parallel: std::thread::available_parallelism().map_or(2, usize::from),
+            max_file_size: 2 << 30,
+            max_block_bytes: 256 << 20,
+            chunk_bytes: 8 << 20,
+            alignment: 4096,
+            filters: Filters::new(),
+            foreign_rows: ForeignRows::Error,
+            save_id: "checkpoint".into(),
+        }
+    }
+}
+
+impl PlanOptions {
+    /// Checks every option, naming the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        if self.shard_num == 0 {
+            return Err(Error::ZeroShards);
+        }
+        if let Some(i) = self.shard_index {
+            if i >= self.shard_num {
+                return Err(Error::ShardOutOfRange {
+                    index: i,
+                    num: self.shard_num,
+                });
+            }
+        }
+        let bad = |option, why: &str| {
+            Err(Error::InvalidOption {
+                option,
+                why: why.into(),
+            })
+        };
+        if self.parallel == 0 {
+            return bad("parallel", "must be at least 1");
+        }
+        if self.max_file_size < 4096 {
+            return bad("max_file_size", "must be at least 4 KiB");
+        }
+        if self.max_block_bytes < 4096 {
+            return bad("max_block_bytes", "must be at least 4 KiB");
+        }
+        if !(4096..=1 << 30).contains(&self.chunk_bytes) {
+            return bad("chunk_bytes", "must be between 4 KiB and 1 GiB");
+        }
+        if !self.alignment.is_power_of_two() || !(8..=1 << 20).contains(&self.alignment) {
+            return bad("alignment", "must be a power of two between 8 and 1 MiB");
+        }
+        check_save_id(&self.save_id)
+    }
+}
+
+/// Where a tensor is within its shard: file number and tensor number in that file.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Loc {
+    /// Index into [`ShardPlan::files`].
+    pub file: usize,
+    /// Index into [`FilePlan::tensors`].
+    pub tensor: usize,
+}
+
+/// One segment: a run of rows of a partition covering a contiguous bucket range.
+#[derive(Clone, Debug)]
+pub struct SegmentPlan {
+    /// Segment number within the partition.
+    pub index: u32,
+    /// Buckets covered.
+    pub buckets: Range<u32>,
+    /// Rows, as a range of the table's sorted ids.
+    pub rows: Range<usize>,
+    /// The bucket index tensor's values.
+    pub bucket_index: Vec<u64>,
+    /// Where the ids go.
+    pub ids: Loc,
+    /// Where the bucket index goes.
+    pub index_loc: Loc,
+    /// Where each kept slot goes (order of [`PartitionPlan::slots`]).
+    pub slots: Vec<Loc>,
+}
+
+/// One table's rows in one shard.
+#[derive(Clone, Debug)]
+pub struct PartitionPlan {
+    /// Index of the table in the plan.
+    pub table: usize,
+    /// The shard's bucket range.
+    pub buckets: Range<u32>,
+    /// Rows, as a range of the table's sorted ids.
+    pub rows: Range<usize>,
+    /// Kept slots (indices into the table's slots).
+    pub slots: Vec<usize>,
+    /// Segments in bucket order.
+    pub segments: Vec<SegmentPlan>,
+}
+
+/// A dense tensor placed in a shard.
+#[derive(Clone, Debug)]
+pub struct DensePlan {
+    /// Index of the tensor in the input.
+    pub dense: usize,
+    /// Where it goes.
+    pub loc: Loc,
+}
+
+/// One data file.
+#[derive(Clone, Debug)]
+pub struct FilePlan {
+    /// File name (see [`crate::naming::data_file_name`]).
+    pub name: String,
+    /// File number within the shard.
+    pub index: u32,
+    /// Offset of the data section: the header's exact length.
+    pub data_start: u64,
+    /// Length of the data section.
+    pub data_len: u64,
+    /// Tensors in data order, with offsets relative to the data section.
+    pub tensors: Vec<HeaderTensor>,
+}
+
+impl FilePlan {
+    /// Total file size.
+    pub fn file_len(&self) -> u64 {
+        self.data_start + self.data_len
+    }
+}
+
+/// Everything one shard writes.
+#[derive(Clone, Debug)]
+pub struct ShardPlan {
+    /// The shard.
+    pub shard: u32,
+    /// Its data files.
+    pub files: Vec<FilePlan>,
+    /// One partition per table whose ids block is kept.
+    pub partitions: Vec<PartitionPlan>,
+    /// Dense tensors placed here.
+    pub dense: Vec<DensePlan>,
+}
+
+/// A complete plan. Holds the table snapshots, so rows removed by training threads meanwhile can
+/// still be written.
+pub struct SavePlan<'a> {
+    opts: PlanOptions,
+    tables: Vec<ScannedTable<'a>>,
+    dense: Vec<DenseTensor<'a>>,
+    shards: Vec<ShardPlan>,
+}
+
+/// Checks names and cross-input collisions before anything is snapshotted.
+fn validate_input(input: &SaveInput<'_>) -> Result<()> {
+    let mut tables = HashSet::new();
+    for t in &input.tables {
+        check_table_name(t.name())?;
+        if !tables.insert(t.name()) {
+            return Err(Error::DuplicateName {
+                what: "table",
+                name: t.name().into(),
+            });
+        }
+    }
+    let mut dense = HashSet::new();
+    for d in &input.dense {
+        check_dense_name(d.name())?;
+        if !dense.insert(d.name()) {
+            return Err(Error::DuplicateName {
+                what: "dense tensor",
+                name: d.name().into(),
+            });
+        }
+        // A dense tensor named like a sparse tensor of a known table would collide in the index.
+        if let Some((prefix, suffix)) = d.name().rsplit_once(':') {
+            let table = prefix.split('/').next().unwrap_or("");
+            let sparse_like = suffix.strip_prefix('s').is_some_and(|s| {
+                s.split_once('.').is_some_and(|(a, b)| {
+                    !a.is_empty()
+                        && !b.is_empty()
+                        && (a.to_owned() + b).bytes().all(|c| c.is_ascii_digit())
+                })
+            });
+            if sparse_like && prefix.contains('/') && tables.contains(table) {
+                return Err(Error::NameCollision {
+                    name: d.name().into(),
+                    first: format!("table {table:?}"),
+                    second: "a dense tensor".into(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Plans a save. See the module docs.
+pub fn plan<'a>(input: SaveInput<'a>, opts: &PlanOptions) -> Result<SavePlan<'a>> {
+    opts.validate()?;
+    validate_input(&input)?;
+    let shards: Vec<u32> = match opts.shard_index {
+        Some(i) => vec![i],
+        None => (0..opts.shard_num).collect(),
+    };
+    let tables: Vec<ScannedTable<'a>> = input
+        .tables
+        .par_iter()
+        .map(|t| {
+            scan::scan_table(
+                *t,
+                opts.shard_num,
+                &shards,
+                &opts.filters,
+                opts.foreign_rows,
+            )
+        })
+        .collect::<Result<_>>()?;
+    let dense_shard = layout::assign_dense(&input.dense, opts.shard_num);
+    let shard_plans = shards
+        .par_iter()
+        .enumerate()
+        .map(|(pos, &s)| {
+            layout::layout_shard(
+                s,
+                pos,
+                &tables,
+                &input.dense,
+                &dense_shard,
+                &opts.filters,
+                opts,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(SavePlan {
+        opts: opts.clone(),
+        tables,
+        dense: input.dense,
+        shards: shard_plans,
+    })
+}
+
+impl<'a> SavePlan<'a> {
+    /// The options the plan was made with.
+    pub fn options(&self) -> &PlanOptions {
+        &self.opts
+    }
+
+    /// The planned shards, in shard order.
+    pub fn shards(&self) -> &[ShardPlan] {
+        &self.shards
+    }
+
+    /// The sorted ids of a partition (as raw bits), in the order they are written.
+    pub fn partition_ids(&self, part: &PartitionPlan) -> &[u64] {
+        &self.tables[part.table].ids[part.rows.clone()]
+    }
+
+    /// Name of the table a partition belongs to.
+    pub fn table_name(&self, table: usize) -> &str {
+        &self.tables[table].name
+    }
+
+    /// The input dense tensor `d`.
+    pub fn dense_tensor(&self, d: usize) -> &DenseTensor<'a> {
+        &self.dense[d]
+    }
+
+    /// Total bytes of tensor data over all planned files.
+    pub fn data_bytes(&self) -> u64 {
+        self.shards
+            .iter()
+            .flat_map(|s| &s.files)
+            .map(|f| f.data_len)
+            .sum()
+    }
+
+    /// Total bytes of all planned files, headers included.
+    pub fn file_bytes(&self) -> u64 {
+        self.shards
+            .iter()
+            .flat_map(|s| &s.files)
+            .map(FilePlan::file_len)
+            .sum()
+    }
+
+    /// The final header of file `file` of planned shard `pos`, with the tensors' checksums.
+    pub fn header(&self, pos: usize, file: usize, crcs: &[u32]) -> Vec<u8> {
+        let shard = &self.shards[pos];
+        let f = &shard.files[file];
+        let facts = FileFacts {
+            save_id: &self.opts.save_id,
+            shard: shard.shard,
+            shard_num: self.opts.shard_num,
+            file: f.index,
+        };
+        let h = render_header(&facts, &f.tensors, crcs, self.opts.alignment);
+        debug_assert_eq!(h.len() as u64, f.data_start);
+        h
+    }
+
+    /// The manifest of planned shard `pos` once written: `crcs[file][tensor]` are the checksums.
+    pub fn shard_manifest(
+        &self,
+        pos: usize,
+        crcs: &[Vec<u32>],
+        user_metadata: &BTreeMap<String, String>,
+        trainer_state: Option<String>,
+    ) -> ShardManifest {
+        let shard = &self.shards[pos];
+        let tref = |loc: Loc| {
+            let f = &shard.files[loc.file];
+            let t = &f.tensors[loc.tensor];
+            TensorRef {
+                file: f.name.clone(),
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                offset: f.data_start + t.start,
+                len: t.end - t.start,
+                crc32: crcs[loc.file][loc.tensor],
+            }
+        };
+        let tables = shard
+            .partitions
+            .iter()
+            .map(|p| {
+                let t = &self.tables[p.table];
+                let slots: Vec<_> = p.slots.iter().map(|&s| t.slots[s].clone()).collect();
+                TableManifest {
+                    name: t.name.clone(),
+                    key_dtype: t.key_dtype,
+                    rows: p.rows.len() as u64,
+                    partitions: vec![PartitionManifest {
+                        shard: shard.shard,
+                        buckets: [p.buckets.start, p.buckets.end],
+                        rows: p.rows.len() as u64,
+                        slots: slots.iter().map(|s| s.name.clone()).collect(),
+                        segments: p
+                            .segments
+                            .iter()
+                            .map(|s| SegmentManifest {
+                                index: s.index,
+                                buckets: [s.buckets.start, s.buckets.end],
+                                rows: s.rows.len() as u64,
+                                ids: tref(s.ids),
+                                bucket_index: tref(s.index_loc),
+                                slots: s.slots.iter().map(|&l| tref(l)).collect(),
+                            })
+                            .collect(),
+                    }],
+                    slots,
+                }
+            })
+            .collect();
+        ShardManifest {
+            format: FORMAT_NAME.into(),
+            format_version: FORMAT_VERSION,
+            save_id: self.opts.save_id.clone(),
+            partition: PartitionRule::default(),
+            shard_num: self.opts.shard_num,
+            shard: shard.shard,
+            tables,
+            dense: shard
+                .dense
+                .iter()
+                .map(|d| DenseManifest {
+                    shard: shard.shard,
+                    tensor: tref(d.loc),
+                })
+                .collect(),
+            files: shard
+                .files
+                .iter()
+                .map(|f| FileManifest {
+                    name: f.name.clone(),
+                    shard: shard.shard,
+                    bytes: f.file_len(),
+                    data_start: f.data_start,
+                    tensors: f.tensors.len() as u32,
+                })
+                .collect(),
+            user_metadata: user_metadata.clone(),
+            trainer_state,
+        }
+    }
+}

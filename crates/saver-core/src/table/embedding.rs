@@ -1,0 +1,421 @@
+//! [`EmbeddingTable`]: a concurrent sparse table on `dashmap`, ready to train with and to load into.
+
+use std::sync::{Arc, RwLock, Weak};
+
+use dashmap::DashMap;
+
+use super::{validate_slots, RowChunk, SlotSpec, SparseTable, TableSnapshot};
+use crate::dtype::KeyDtype;
+use crate::error::{Error, Result};
+use crate::naming::check_table_name;
+
+/// Rows are stored as `u64` words so that every slot can be viewed as `f32`/`i64`/… in place:
+/// each slot starts at an 8-byte aligned offset within the row.
+type Row = Box<[u64]>;
+
+/// Rows removed while a snapshot is alive, kept so the snapshot can still write them.
+type Graveyard = DashMap<u64, Row>;
+
+/// A concurrent embedding table: many threads insert, update, read and remove rows while another
+/// thread saves it.
+///
+/// All slots of a row live in one allocation behind one map entry, so readers and the saver see a
+/// row either wholly before or wholly after an update, never torn. Ids are raw 64-bit patterns;
+/// `i64` ids are stored as their two's-complement bits.
+pub struct EmbeddingTable {
+    name: String,
+    key_dtype: KeyDtype,
+    slots: Vec<SlotSpec>,
+    slot_bytes: Vec<usize>,
+    slot_offsets: Vec<usize>,
+    row_words: usize,
+    rows: DashMap<u64, Row>,
+    /// Live snapshots' graveyards. Removal takes the read lock, snapshot creation the write lock,
+    /// so a removal either finishes before a snapshot starts scanning or sees its graveyard.
+    snapshots: RwLock<Vec<Weak<Graveyard>>>,
+}
+
+/// Mutable access to one row's slots, handed to update closures.
+pub struct RowMut<'a> {
+    table: &'a EmbeddingTable,
+    words: &'a mut [u64],
+}
+
+impl RowMut<'_> {
+    /// The raw bytes of slot `s` (by index).
+    pub fn slot_bytes_mut(&mut self, s: usize) -> &mut [u8] {
+        let off = self.table.slot_offsets[s];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.words[..]);
+        &mut bytes[off..off + self.table.slot_bytes[s]]
+    }
+
+    /// Slot `s` viewed as elements of `T` (e.g. `f32` for an F32 slot). Panics if the slot's byte
+    /// length is not a multiple of `size_of::<T>()`; alignment always holds up to 8 bytes.
+    pub fn slot_mut<T: bytemuck::Pod>(&mut self, s: usize) -> &mut [T] {
+        bytemuck::cast_slice_mut(self.slot_bytes_mut(s))
+    }
+}
+
+impl EmbeddingTable {
+    /// An empty table with the given slots.
+    pub fn new(name: impl Into<String>, key_dtype: KeyDtype, slots: Vec<SlotSpec>) -> Result<Self> {
+        let name = name.into();
+        check_table_name(&name)?;
+        let slot_bytes = validate_slots(&name, &slots)?;
+        let mut slot_offsets = Vec::with_capacity(slots.len());
+        let mut off = 0usize;
+        for &b in &slot_bytes {
+            slot_offsets.push(off);
+            off += b.div_ceil(8) * 8;
+        }
+        Ok(Self {
+            name,
+            key_dtype,
+            slots,
+            slot_bytes,
+            slot_offsets,
+            row_words: off / 8,
+            rows: DashMap::new(),
+            snapshots: RwLock::new(Vec::new()),
+        })
+    }
+
+    /// Index of a slot by name.
+    pub fn slot_index(&self, name: &str) -> Option<usize> {
+        self.slots.iter().position(|s| s.name == name)
+    }
+
+    fn check_row(&self, values: &[&[u8]]) -> Result<()> {
+        if values.len() != self.slots.len() {
+            return Err(Error::LengthMismatch {
+                what: "row slot count of table",
+                name: self.name.clone(),
+                expected: self.slots.len() as u64,
+                actual: values.len() as u64,
+            });
+        }
+        for (s, v) in values.iter().enumerate() {
+            if v.len() != self.slot_bytes[s] {
+                return Err(Error::LengthMismatch {
+                    what: "slot row",
+                    name: format!("{}/{}", self.name, self.slots[s].name),
+                    expected: self.slot_bytes[s] as u64,
+                    actual: v.len() as u64,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn build_row(&self, values: &[&[u8]]) -> Row {
+        let mut row = vec![0u64; self.row_words].into_boxed_slice();
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut row[..]);
+        for (s, v) in values.iter().enumerate() {
+            let off = self.slot_offsets[s];
+            bytes[off..off + v.len()].copy_from_slice(v);
+        }
+        row
+    }
+
+    /// Inserts or replaces the row of `id`; `values[s]` holds the bytes of slot `s`.
+    pub fn insert(&self, id: u64, values: &[&[u8]]) -> Result<()> {
+        self.check_row(values)?;
+        self.rows.insert(id, self.build_row(values));
+        Ok(())
+    }
+
+    /// Inserts many rows: `slots[s]` holds `ids.len()` rows of slot `s` back to back. Used by loads.
+    pub fn insert_chunk(&self, ids: &[u64], slots: &[&[u8]]) -> Result<()> {
+        if slots.len() != self.slots.len() {
+            return Err(Error::LengthMismatch {
+                what: "slot count of chunk for table",
+                name: self.name.clone(),
+                expected: self.slots.len() as u64,
+                actual: slots.len() as u64,
+            });
+        }
+        for (s, v) in slots.iter().enumerate() {
+            let expected = self.slot_bytes[s] as u64 * ids.len() as u64;
+            if v.len() as u64 != expected {
+                return Err(Error::LengthMismatch {
+                    what: "slot chunk",
+                    name: format!("{}/{}", self.name, self.slots[s].name),
+                    expected,
+                    actual: v.len() as u64,
+                });
+            }
+        }
+        let mut row_values: Vec<&[u8]> = vec![&[]; self.slots.len()];
+        for (r, &id) in ids.iter().enumerate() {
+            for (s, v) in slots.iter().enumerate() {
+                let b = self.slot_bytes[s];
+                row_values[s] = &v[r * b..(r + 1) * b];
+            }
+            self.rows.insert(id, self.build_row(&row_values));
+        }
+        Ok(())
+    }
+
+    /// Updates the row of `id` in place under its lock; inserts a zeroed row first if absent.
+    pub fn upsert<R>(&self, id: u64, update: impl FnOnce(&mut RowMut<'_>) -> R) -> R {
+        let mut entry = self
+            .rows
+            .entry(id)
+            .or_insert_with(|| vec![0u64; self.row_words].into_boxed_slice());
+        let mut row = RowMut {
+            table: self,
+            words: &mut entry,
+        };
+        update(&mut row)
+    }
+
+    /// Updates the row of `id` in place if it exists; returns whether it did.
+    pub fn update(&self, id: u64, update: impl FnOnce(&mut RowMut<'_>)) -> bool {
+        match self.rows.get_mut(&id) {
+            Some(mut entry) => {
+                let mut row = RowMut {
+                    table: self,
+                    words: &mut entry,
+                };
+                update(&mut row);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A copy of the bytes of slot `slot` of the row of `id`.
+    pub fn get_slot(&self, id: u64, slot: usize) -> Option<Vec<u8>> {
+        let row = self.rows.get(&id)?;
+        let bytes: &[u8] = bytemuck::cast_slice(&row[..]);
+        let off = self.slot_offsets[slot];
+        Some(bytes[off..off + self.slot_bytes[slot]].to_vec())
+    }
+
+    /// Whether the table holds `id`.
+    pub fn contains(&self, id: u64) -> bool {
+        self.rows.contains_key(&id)
+    }
+
+    /// Removes the row of `id`; returns whether it existed. A live snapshot keeps the removed row.
+    pub fn remove(&self, id: u64) -> bool {
+        let guard = self.snapshots.read().unwrap_or_else(|e| e.into_inner());
+        match self.rows.remove(&id) {
+            Some((id, row)) => {
+                let live: Vec<Arc<Graveyard>> = guard.iter().filter_map(Weak::upgrade).collect();
+                if let Some((last, rest)) = live.split_last() {
+                    for g in rest {
+                        g.entry(id).or_insert_with(|| row.clone());
+                    }
+                    last.entry(id).or_insert(row);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Removes every row for which `keep` returns false (e.g. eviction of cold rows).
+    pub fn retain(&self, mut keep: impl FnMut(u64) -> bool) {
+        let doomed: Vec<u64> = self
+            .rows
+            .iter()
+            .filter(|e| !keep(*e.key()))
+            .map(|e| *e.key())
+            .collect();
+        for id in doomed {
+            self.remove(id);
+        }
+    }
+
+    /// Bytes of one row of each slot.
+    pub fn slot_row_bytes(&self) -> &[usize] {
+        &self.slot_bytes
+    }
+
+    /// Every id currently held, unordered.
+    pub fn ids(&self) -> Vec<u64> {
+        self.rows.iter().map(|e| *e.key()).collect()
+    }
+
+    fn copy_row_into(&self, row: &[u64], r: usize, out: &mut [&mut [u8]]) {
+        let bytes: &[u8] = bytemuck::cast_slice(row);
+        for (s, dst) in out.iter_mut().enumerate() {
+            if dst.is_empty() {
+                continue;
+            }
+            let b = self.slot_bytes[s];
+            let off = self.slot_offsets[s];
+            dst[r * b..(r + 1) * b].copy_from_slice(&bytes[off..off + b]);
+        }
+    }
+}
+
+impl SparseTable for EmbeddingTable {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn key_dtype(&self) -> KeyDtype {
+        self.key_dtype
+    }
+
+    fn slots(&self) -> &[SlotSpec] {
+        &self.slots
+    }
+
+    fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    fn snapshot(&self) -> Result<Box<dyn TableSnapshot + '_>> {
+        let graveyard = Arc::new(Graveyard::new());
+        {
+            let mut list = self.snapshots.write().unwrap_or_else(|e| e.into_inner());
+            list.retain(|w| w.strong_count() > 0);
+            list.push(Arc::downgrade(&graveyard));
+        }
+        Ok(Box::new(EmbeddingSnapshot {
+            table: self,
+            graveyard,
+        }))
+    }
+}
+
+struct EmbeddingSnapshot<'t> {
+    table: &'t EmbeddingTable,
+    graveyard: Arc<Graveyard>,
+}
+
+impl TableSnapshot for EmbeddingSnapshot<'_> {
+    fn scan(
+        &self,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let t = self.table;
+        let max_rows = max_rows.max(1);
+        let mut ids = Vec::with_capacity(max_rows.min(1 << 16));
+        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.slots.len()];
+        let mut flush = |ids: &mut Vec<u64>, values: &mut Vec<Vec<u8>>| -> Result<()> {
+            let slices: Vec<&[u8]> = if with_values {
+                values.iter().map(Vec::as_slice).collect()
+            } else {
+                Vec::new()
+            };
+            visit(RowChunk {
+                ids,
+                slots: &slices,
+            })?;
+            ids.clear();
+            values.iter_mut().for_each(Vec::clear);
+            Ok(())
+        };
+        // Collect ids per dashmap shard guard-free: iter() holds one shard read lock at a time.
+        for entry in t.rows.iter() {
+            ids.push(*entry.key());
+            if with_values {
+                let bytes: &[u8] = bytemuck::cast_slice(&entry.value()[..]);
+                for (s, v) in values.iter_mut().enumerate() {
+                    let off = t.slot_offsets[s];
+                    v.extend_from_slice(&bytes[off..off + t.slot_bytes[s]]);
+                }
+            }
+            if ids.len() == max_rows {
+                drop(entry);
+                flush(&mut ids, &mut values)?;
+            }
+        }
+        if !ids.is_empty() {
+            flush(&mut ids, &mut values)?;
+        }
+        Ok(())
+    }
+
+    fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
+        let t = self.table;
+        for (r, id) in ids.iter().enumerate() {
+            if let Some(row) = t.rows.get(id) {
+                t.copy_row_into(&row, r, out);
+            } else if let Some(row) = self.graveyard.get(id) {
+                t.copy_row_into(&row, r, out);
+            } else {
+                return Err(Error::Table {
+                    table: t.name.clone(),
+                    message: format!(
+                        "id {} was in the snapshot but can no longer be read",
+                        t.key_dtype.format_id(*id)
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::Dtype;
+
+    fn table() -> EmbeddingTable {
+        EmbeddingTable::new(
+            "t",
+            KeyDtype::I64,
+            vec![
+                SlotSpec::new("embedding", Dtype::F32, vec![3]),
+                SlotSpec::new("freq", Dtype::I64, vec![]),
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn insert_update_read() {
+        let t = table();
+        let e: Vec<u8> = [1f32, 2., 3.]
+            .iter()
+            .flat_map(|f| f.to_le_bytes())
+            .collect();
+        t.insert(-5i64 as u64, &[&e, &7i64.to_le_bytes()]).unwrap();
+        t.upsert(-5i64 as u64, |r| r.slot_mut::<i64>(1)[0] += 1);
+        assert_eq!(t.get_slot(-5i64 as u64, 1).unwrap(), 8i64.to_le_bytes());
+        assert_eq!(t.get_slot(-5i64 as u64, 0).unwrap(), e);
+        let err = t.insert(1, &[&e[..8], &[0; 8]]).unwrap_err().to_string();
+        assert!(err.contains("t/embedding"), "{err}");
+    }
+
+    #[test]
+    fn snapshot_keeps_removed_rows_and_ignores_new_ones() {
+        let t = table();
+        for id in 0..100u64 {
+            t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
+        }
+        let snap = t.snapshot().unwrap();
+        let mut seen = Vec::new();
+        snap.scan(7, false, &mut |c| {
+            seen.extend_from_slice(c.ids);
+            Ok(())
+        })
+        .unwrap();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..100).collect::<Vec<_>>());
+        for id in 0..50 {
+            assert!(t.remove(id));
+        }
+        t.upsert(1000, |_| ());
+        let mut emb = vec![0u8; 12 * 100];
+        let mut freq = vec![0u8; 8 * 100];
+        snap.read_rows(&seen, &mut [&mut emb, &mut freq]).unwrap();
+        for (r, id) in seen.iter().enumerate() {
+            assert_eq!(freq[r * 8..r * 8 + 8], (*id as i64).to_le_bytes());
+        }
+        drop(snap);
+        // Without a snapshot, removal frees the row for good.
+        assert!(t.remove(60));
+        let snap = t.snapshot().unwrap();
+        let err = snap.read_rows(&[60], &mut [&mut emb[..12], &mut freq[..8]]);
+        assert!(err.unwrap_err().to_string().contains("id 60"));
+    }
+}

@@ -1,0 +1,223 @@
+//! Sparse tables: the trait a trainer's hashtable implements, and [`EmbeddingTable`], a ready one.
+//!
+//! A table has 64-bit ids and, per id, one row of every *slot*: the embedding, optimizer state
+//! (Adagrad accumulator, Adam m and v), counters. saver reads a table in two passes:
+//!
+//! 1. [`SparseTable::snapshot`] fixes the set of rows to save. The planner scans the snapshot's ids
+//!    (and, only when a row filter needs them, its slot values) to decide which rows to keep and
+//!    where they go. From then on, the set of saved rows is fixed: rows inserted later are not saved,
+//!    rows removed later are still readable through the snapshot.
+//! 2. The writer asks the snapshot for the rows of a bounded list of ids at a time
+//!    ([`TableSnapshot::read_rows`]), all slots of a row together, so a saved row is never torn:
+//!    its embedding and its optimizer state come from the same moment.
+
+mod embedding;
+
+pub use embedding::EmbeddingTable;
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::{Dtype, KeyDtype};
+use crate::error::{Error, Result};
+use crate::naming::check_slot_name;
+use crate::tensor::byte_len;
+
+/// One slot of a table: its name, element type and the shape of one row of it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SlotSpec {
+    /// Slot name, e.g. `embedding`, `adagrad`, `freq`.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape of one row: `[64]` for a 64-wide embedding, `[]` for a scalar counter.
+    pub shape: Vec<u64>,
+}
+
+impl SlotSpec {
+    /// A slot spec.
+    pub fn new(name: impl Into<String>, dtype: Dtype, shape: Vec<u64>) -> Self {
+        Self {
+            name: name.into(),
+            dtype,
+            shape,
+        }
+    }
+
+    /// Bytes of one row of this slot, checked.
+    pub fn row_bytes(&self) -> Result<u64> {
+        byte_len(&self.name, self.dtype, &self.shape)
+    }
+}
+
+/// Validates a table's slot list: names legal and distinct, row sizes whole bytes and sane.
+/// Returns each slot's row byte size.
+pub fn validate_slots(table: &str, slots: &[SlotSpec]) -> Result<Vec<usize>> {
+    let mut sizes = Vec::with_capacity(slots.len());
+    for (i, slot) in slots.iter().enumerate() {
+        check_slot_name(&slot.name)?;
+        if slots[..i].iter().any(|s| s.name == slot.name) {
+            return Err(Error::DuplicateName {
+                what: "slot",
+                name: format!("{table}/{}", slot.name),
+            });
+        }
+        let bytes = byte_len(&format!("{table}/{}", slot.name), slot.dtype, &slot.shape)?;
+        // A single row over 1 GiB is certainly a mistake (a transposed shape, say), and refusing it
+        // keeps every buffer sized from a row count bounded.
+        if bytes > 1 << 30 {
+            return Err(Error::BadShape {
+                name: format!("{table}/{}", slot.name),
+                shape: slot.shape.clone(),
+                dtype: slot.dtype.name().into(),
+                why: "makes one row larger than 1 GiB",
+            });
+        }
+        sizes.push(bytes as usize);
+    }
+    Ok(sizes)
+}
+
+/// A bounded run of rows handed out by [`TableSnapshot::scan`]: ids, and when asked for, the
+/// matching rows of every slot.
+pub struct RowChunk<'a> {
+    /// Raw id bits, one per row.
+    pub ids: &'a [u64],
+    /// `slots[s]` holds `ids.len()` rows of slot `s`, back to back; empty when values were not asked for.
+    pub slots: &'a [&'a [u8]],
+}
+
+/// One row as a row filter sees it.
+#[derive(Clone, Copy)]
+pub struct RowView<'a> {
+    table: &'a str,
+    key_dtype: KeyDtype,
+    id: u64,
+    specs: &'a [SlotSpec],
+    values: &'a [&'a [u8]],
+}
+
+impl<'a> RowView<'a> {
+    /// A view of one row; `values[s]` is the row's bytes of slot `s`.
+    pub fn new(
+        table: &'a str,
+        key_dtype: KeyDtype,
+        id: u64,
+        specs: &'a [SlotSpec],
+        values: &'a [&'a [u8]],
+    ) -> Self {
+        Self {
+            table,
+            key_dtype,
+            id,
+            specs,
+            values,
+        }
+    }
+
+    /// The table's name.
+    pub fn table(&self) -> &str {
+        self.table
+    }
+
+    /// The id's raw bits.
+    pub fn id_bits(&self) -> u64 {
+        self.id
+    }
+
+    /// The id as a signed number (meaningful for I64 tables).
+    pub fn id_i64(&self) -> i64 {
+        self.id as i64
+    }
+
+    /// The table's key dtype.
+    pub fn key_dtype(&self) -> KeyDtype {
+        self.key_dtype
+    }
+
+    /// The raw bytes of a slot of this row, or `None` if the table has no such slot.
+    pub fn slot_bytes(&self, slot: &str) -> Option<&'a [u8]> {
+        let i = self.specs.iter().position(|s| s.name == slot)?;
+        self.values.get(i).copied()
+    }
+
+    /// A scalar slot as `f64`, whatever its numeric dtype (for thresholds such as `freq >= 5`).
+    /// `None` if the slot is missing, not a one-element row, or not a plain numeric dtype.
+    pub fn scalar(&self, slot: &str) -> Option<f64> {
+        let i = self.specs.iter().position(|s| s.name == slot)?;
+        let spec = &self.specs[i];
+        if crate::tensor::element_count(&spec.shape) != Some(1) {
+            return None;
+        }
+        scalar_as_f64(spec.dtype, self.values.get(i)?)
+    }
+
+    /// A slot as `f32` values, if its dtype is F32.
+    pub fn f32s(&self, slot: &str) -> Option<Vec<f32>> {
+        let i = self.specs.iter().position(|s| s.name == slot)?;
+        if self.specs[i].dtype != Dtype::F32 {
+            return None;
+        }
+        Some(
+            self.values[i]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        )
+    }
+}
+
+/// Reads one little-endian element of a plain numeric dtype as `f64`.
+pub fn scalar_as_f64(dtype: Dtype, b: &[u8]) -> Option<f64> {
+    fn arr<const N: usize>(b: &[u8]) -> Option<[u8; N]> {
+        b.get(..N)?.try_into().ok()
+    }
+    Some(match dtype {
+        Dtype::BOOL | Dtype::U8 => f64::from(*b.first()?),
+        Dtype::I8 => f64::from(*b.first()? as i8),
+        Dtype::I16 => f64::from(i16::from_le_bytes(arr(b)?)),
+        Dtype::U16 => f64::from(u16::from_le_bytes(arr(b)?)),
+        Dtype::I32 => f64::from(i32::from_le_bytes(arr(b)?)),
+        Dtype::U32 => f64::from(u32::from_le_bytes(arr(b)?)),
+        Dtype::I64 => i64::from_le_bytes(arr(b)?) as f64,
+        Dtype::U64 => u64::from_le_bytes(arr(b)?) as f64,
+        Dtype::F32 => f64::from(f32::from_le_bytes(arr(b)?)),
+        Dtype::F64 => f64::from_le_bytes(arr(b)?),
+        _ => return None,
+    })
+}
+
+/// A sparse embedding table, as saver sees it. Implement this for your trainer's hashtable.
+pub trait SparseTable: Send + Sync {
+    /// The table's name; unique within a model. No `/`, `:` or control characters.
+    fn name(&self) -> &str;
+    /// Whether ids are signed or unsigned.
+    fn key_dtype(&self) -> KeyDtype;
+    /// The slots every row has, in a fixed order.
+    fn slots(&self) -> &[SlotSpec];
+    /// Current number of rows (a hint: it may change while training runs).
+    fn len(&self) -> usize;
+    /// Whether the table has no rows (a hint, like [`Self::len`]).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Fixes the set of rows a save will write. See the module docs for the contract.
+    fn snapshot(&self) -> Result<Box<dyn TableSnapshot + '_>>;
+}
+
+/// A consistent view of a table's row set, taken by [`SparseTable::snapshot`].
+pub trait TableSnapshot: Send + Sync {
+    /// Visits every id of the snapshot exactly once, at most `max_rows` at a time. With
+    /// `with_values`, each chunk also carries every slot's rows (row filters look at them);
+    /// without, `RowChunk::slots` may be empty and the implementation should not copy rows.
+    fn scan(
+        &self,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
+    ) -> Result<()>;
+
+    /// Copies the rows of `ids` (all ids this snapshot's scan produced) into `out`: `out[s]` has
+    /// room for exactly `ids.len()` rows of slot `s`, or is empty when slot `s` is not wanted. All slots of one row must come from the same
+    /// moment. An id the snapshot cannot produce is an error, never a silently zeroed row.
+    fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()>;
+}

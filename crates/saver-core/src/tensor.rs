@@ -1,0 +1,130 @@
+//! Shapes and dense tensors.
+
+use std::borrow::Cow;
+
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+
+/// Number of elements of a shape, refusing overflow.
+pub fn element_count(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d))
+}
+
+/// Exact byte length of a tensor of `shape` and `dtype`, with an error naming `name` when the shape
+/// overflows or ends mid-byte.
+pub fn byte_len(name: &str, dtype: Dtype, shape: &[u64]) -> Result<u64> {
+    let bad = |why| Error::BadShape {
+        name: name.to_string(),
+        shape: shape.to_vec(),
+        dtype: dtype.name().to_string(),
+        why,
+    };
+    let n = element_count(shape).ok_or_else(|| bad("has more elements than fit in 64 bits"))?;
+    if dtype.bits() % 8 != 0 && n.checked_mul(dtype.bits()).is_some_and(|b| b % 8 != 0) {
+        return Err(bad("does not fill a whole number of bytes"));
+    }
+    dtype
+        .byte_len(n)
+        .ok_or_else(|| bad("has a byte size that does not fit in 64 bits"))
+}
+
+/// A dense tensor to save: MLP weights, dense optimizer state, anything that is not a sparse table.
+///
+/// The bytes are borrowed when the trainer can keep them alive for the duration of the save (no
+/// copy), or owned. They are little-endian, row-major, as safetensors stores them.
+#[derive(Clone, Debug)]
+pub struct DenseTensor<'a> {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    data: Cow<'a, [u8]>,
+}
+
+impl<'a> DenseTensor<'a> {
+    /// A tensor over `data`, checked: `data.len()` must equal the shape's element count × dtype size.
+    pub fn new(
+        name: impl Into<String>,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        data: impl Into<Cow<'a, [u8]>>,
+    ) -> Result<Self> {
+        let name = name.into();
+        let data = data.into();
+        let expected = byte_len(&name, dtype, &shape)?;
+        if expected != data.len() as u64 {
+            return Err(Error::LengthMismatch {
+                what: "dense tensor",
+                name,
+                expected,
+                actual: data.len() as u64,
+            });
+        }
+        Ok(Self {
+            name,
+            dtype,
+            shape,
+            data,
+        })
+    }
+
+    /// A tensor of `f32` values, borrowed without copy where the platform is little-endian.
+    pub fn from_f32(name: impl Into<String>, shape: Vec<u64>, values: &'a [f32]) -> Result<Self> {
+        Self::new(
+            name,
+            Dtype::F32,
+            shape,
+            bytemuck::cast_slice::<f32, u8>(values),
+        )
+    }
+
+    /// The tensor's name, as written in the checkpoint.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Shape.
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    /// The raw bytes.
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// Byte length.
+    pub fn byte_len(&self) -> u64 {
+        self.data.len() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dense_tensor_checks_length() {
+        assert!(DenseTensor::new("w", Dtype::F32, vec![2, 3], vec![0u8; 24]).is_ok());
+        let err = DenseTensor::new("w", Dtype::F32, vec![2, 3], vec![0u8; 23]).unwrap_err();
+        assert!(err.to_string().contains("\"w\""), "{err}");
+        assert!(
+            err.to_string().contains("expected 24 bytes, got 23"),
+            "{err}"
+        );
+        let err = DenseTensor::new("big", Dtype::U8, vec![u64::MAX, 2], vec![]).unwrap_err();
+        assert!(err.to_string().contains("big"), "{err}");
+        let err = DenseTensor::new("nib", Dtype::F4, vec![3], vec![0u8; 2]).unwrap_err();
+        assert!(err.to_string().contains("whole number of bytes"), "{err}");
+    }
+
+    #[test]
+    fn scalar_and_empty_shapes() {
+        assert_eq!(byte_len("s", Dtype::F64, &[]).unwrap(), 8);
+        assert_eq!(byte_len("e", Dtype::F64, &[0, 5]).unwrap(), 0);
+    }
+}
