@@ -1,1 +1,19 @@
-//! wip
+//! # saver
+//!
+//! Checkpoints for large recommendation models: sharded safetensors files written in parallel,
+//! committed crash-safely, loadable by any number of workers. This crate re-exports the two
+//! libraries so that a trainer depends on one crate:
+//!
+//! * [`core`] (`saver-core`): tables, dense tensors, filters, the partition rule, the save plan;
+//! * [`io`] (`saver-io`): save, commit, open, restore with resharding, verify.
+//!
+//! The most used items are also re-exported at the top level.
+
+pub use saver_core as core;
+pub use saver_io as io;
+
+pub use saver_core::{
+    DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype, PartitionRule, PlanOptions, SaveInput,
+    SlotSpec, SparseTable,
+};
+pub use saver_io::{save, verify, Checkpoint, LoadOptions, SaveOptions, Status};

@@ -1,1 +1,35 @@
-//! wip
+//! # saver-io
+//!
+//! Turns a [`saver_core::SavePlan`] into a checkpoint on storage, and a checkpoint back into tables.
+//!
+//! * [`save`] / [`save_to`]: plan, write every planned shard with `parallel` threads using
+//!   positional writes and bounded buffers, CRC32 every tensor on the way, make files durable,
+//!   write the shard manifest, and commit. Multi-process saves (one process per shard, in any order,
+//!   possibly on several hosts sharing a filesystem) commit exactly once, through an exclusive
+//!   claim; [`SaveOptions::wait`] waits for the set with a timeout naming the missing shards.
+//! * [`Checkpoint::open`]: validates index, manifest and every header without reading data.
+//! * [`Checkpoint::restore`] / [`Checkpoint::load_into`]: load for shard `j` of any `M`, reading
+//!   only the byte ranges that shard needs.
+//! * [`verify()`]: recomputes every CRC32 and reports, per file and tensor, what is missing,
+//!   truncated or corrupt; tells "incomplete" (never committed) from "corrupt".
+//!
+//! All file access goes through the [`storage::Storage`] trait; [`storage::LocalFs`] is the POSIX
+//! backend and [`storage::FaultyStorage`] injects failures for tests.
+
+#![warn(missing_docs)]
+
+pub mod commit;
+pub mod error;
+pub mod header;
+pub mod index;
+pub mod reader;
+pub mod restore;
+pub mod storage;
+pub mod verify;
+pub mod writer;
+
+pub use error::{Error, Result};
+pub use reader::Checkpoint;
+pub use restore::{LoadOptions, LoadReport, LoadedDense, Restored, RestoredShard, TableSink};
+pub use verify::{verify, verify_storage, Status, VerifyReport};
+pub use writer::{save, save_to, SaveOptions, SaveReport};

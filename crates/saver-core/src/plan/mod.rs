@@ -474,12 +474,14 @@ impl<'a> SavePlan<'a> {
             files: shard
                 .files
                 .iter()
-                .map(|f| FileManifest {
+                .enumerate()
+                .map(|(i, f)| FileManifest {
                     name: f.name.clone(),
                     shard: shard.shard,
                     bytes: f.file_len(),
                     data_start: f.data_start,
                     tensors: f.tensors.len() as u32,
+                    header_crc32: crc32fast::hash(&self.header(pos, i, &crcs[i])),
                 })
                 .collect(),
             user_metadata: user_metadata.clone(),

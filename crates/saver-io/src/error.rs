@@ -1,0 +1,98 @@
+//! The error type of saver-io. Every message names the file, tensor, table or shard concerned.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use thiserror::Error;
+
+/// Errors of writing, committing, reading, verifying and restoring checkpoints.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A planning or data-model error.
+    #[error(transparent)]
+    Core(#[from] saver_core::Error),
+    /// An operating-system I/O error on a file.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done ("write", "fsync", "rename", …).
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The directory holds a committed checkpoint and overwriting was not asked for.
+    #[error("{dir} already holds a committed checkpoint (save id {save_id}); pass overwrite to replace it")]
+    Exists {
+        /// The directory.
+        dir: PathBuf,
+        /// The committed save id.
+        save_id: String,
+    },
+    /// The checkpoint was never committed (no index), or shards are missing.
+    #[error("{dir} is not a complete checkpoint: {what}")]
+    Incomplete {
+        /// The directory.
+        dir: PathBuf,
+        /// What is missing.
+        what: String,
+    },
+    /// Waiting for the other shards of a multi-process save timed out.
+    #[error("timed out after {waited:?} waiting for save {save_id} to be committed; missing shards: {missing:?}")]
+    Timeout {
+        /// The save.
+        save_id: String,
+        /// Shards whose manifests never appeared.
+        missing: Vec<u32>,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// A committed file's bytes or structure are wrong.
+    #[error("corrupt checkpoint file {file}: {what}")]
+    Corrupt {
+        /// The file, relative to the checkpoint directory.
+        file: String,
+        /// What is wrong (names the tensor where one is concerned).
+        what: String,
+    },
+    /// A name in an index or manifest points outside the checkpoint directory.
+    #[error("refusing file name {name:?}: {why}")]
+    UnsafePath {
+        /// The name.
+        name: String,
+        /// Why.
+        why: &'static str,
+    },
+    /// The checkpoint was written by a format version this build does not read.
+    #[error("{file}: format version {found} is not supported (this build reads version {supported})")]
+    UnsupportedVersion {
+        /// The file declaring it.
+        file: String,
+        /// The version found.
+        found: String,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// What the caller asked to load does not fit the checkpoint or the target.
+    #[error("{0}")]
+    Mismatch(String),
+    /// An option's value is unusable.
+    #[error("invalid option {option}: {why}")]
+    InvalidOption {
+        /// The option.
+        option: &'static str,
+        /// Why.
+        why: String,
+    },
+}
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Attaches the operation and path to an `io::Error`.
+pub(crate) fn io_err(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
+    let path = path.into();
+    move |source| Error::Io { op, path, source }
+}

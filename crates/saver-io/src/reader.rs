@@ -1,0 +1,299 @@
+//! Opening a committed checkpoint: index, manifest and every data file's header are validated
+//! against each other before any tensor byte is read.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+
+use saver_core::manifest::{FileManifest, FORMAT_NAME};
+use saver_core::naming::{shard_manifest_name, INDEX_FILE};
+use saver_core::{Manifest, TableManifestExt as _, FORMAT_VERSION};
+
+use crate::commit::MAX_JSON_BYTES;
+use crate::error::{Error, Result};
+use crate::header::{read_header, MAX_HEADER_BYTES};
+use crate::index::Index;
+use crate::storage::{check_file_name, LocalFs, ReadHandle, Storage};
+
+/// A data file, opened and checked.
+pub(crate) struct OpenFile {
+    pub handle: Box<dyn ReadHandle>,
+}
+
+/// A committed checkpoint, opened for reading.
+pub struct Checkpoint {
+    storage: Arc<dyn Storage>,
+    index: Index,
+    manifest: Manifest,
+    files: HashMap<String, OpenFile>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("location", &self.storage.location())
+            .field("save_id", &self.manifest.save_id)
+            .finish()
+    }
+}
+
+/// Describes what an uncommitted directory holds, for the "incomplete" message.
+pub(crate) fn describe_incomplete(storage: &dyn Storage) -> Result<String> {
+    let names = storage.list()?;
+    let mut saves: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    for n in &names {
+        if let Some(rest) = n.strip_prefix("saver-").and_then(|r| r.strip_suffix(".shard.json")) {
+            if let Some((id, shard)) = rest.rsplit_once("-s") {
+                if let Ok(s) = shard.parse() {
+                    saves.entry(id.to_string()).or_default().push(s);
+                }
+            }
+        }
+    }
+    let mut what = format!("no {INDEX_FILE} (never committed)");
+    for (id, shards) in saves {
+        // Read one shard manifest to learn how many shards the save needs.
+        let total = shards
+            .first()
+            .and_then(|&s| crate::commit::read_shard_manifest(storage, &id, s).ok())
+            .map(|m| m.shard_num);
+        match total {
+            Some(n) => {
+                let missing: Vec<u32> = (0..n).filter(|s| !shards.contains(s)).collect();
+                what += &format!("; save {id}: {} of {n} shards written, missing shards {missing:?}", shards.len());
+            }
+            None => what += &format!("; save {id}: shards {shards:?} written"),
+        }
+    }
+    if names.is_empty() {
+        what += "; the directory is empty";
+    }
+    Ok(what)
+}
+
+/// Reads the index and the manifest it names, checking they agree.
+pub(crate) fn load_manifest(storage: &dyn Storage) -> Result<(Index, Manifest)> {
+    if !storage.exists(INDEX_FILE)? {
+        return Err(Error::Incomplete {
+            dir: storage.location().into(),
+            what: describe_incomplete(storage)?,
+        });
+    }
+    let index = Index::parse(&storage.get(INDEX_FILE, MAX_JSON_BYTES)?, INDEX_FILE)?;
+    let name = &index.metadata.saver_manifest;
+    let bytes = storage.get(name, MAX_JSON_BYTES)?;
+    if crc32fast::hash(&bytes) != index.metadata.saver_manifest_crc32 {
+        return Err(Error::Corrupt {
+            file: name.clone(),
+            what: "checksum does not match the one recorded in the index".into(),
+        });
+    }
+    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
+        file: name.clone(),
+        what: format!("not valid JSON: {e}"),
+    })?;
+    if value.get("format_version").and_then(|v| v.as_u64()) != Some(u64::from(FORMAT_VERSION)) {
+        return Err(Error::UnsupportedVersion {
+            file: name.clone(),
+            found: value.get("format_version").map_or("none".into(), |v| v.to_string()),
+            supported: FORMAT_VERSION,
+        });
+    }
+    let manifest: Manifest = serde_json::from_value(value).map_err(|e| Error::Corrupt {
+        file: name.clone(),
+        what: format!("not a saver manifest: {e}"),
+    })?;
+    check_manifest(&manifest, &index, name)?;
+    Ok((index, manifest))
+}
+
+/// Internal consistency of a manifest, and agreement with its index.
+fn check_manifest(m: &Manifest, index: &Index, file: &str) -> Result<()> {
+    let bad = |what: String| Error::Corrupt {
+        file: file.to_string(),
+        what,
+    };
+    if m.format != FORMAT_NAME {
+        return Err(bad(format!("format is {:?}, not {FORMAT_NAME:?}", m.format)));
+    }
+    if m.save_id != index.metadata.saver_save_id {
+        return Err(bad(format!("save id {} differs from the index's {}", m.save_id, index.metadata.saver_save_id)));
+    }
+    m.partition.validate()?;
+    if m.shard_num == 0 {
+        return Err(bad("zero shards".into()));
+    }
+    for f in &m.files {
+        check_file_name(&f.name)?;
+    }
+    let mut refs: HashMap<&str, &str> = HashMap::new();
+    for t in m.tensor_refs() {
+        check_file_name(&t.file)?;
+        if refs.insert(&t.name, &t.file).is_some() {
+            return Err(bad(format!("tensor {:?} is listed twice", t.name)));
+        }
+        if !m.files.iter().any(|f| f.name == t.file) {
+            return Err(bad(format!("tensor {:?} is in file {:?}, which is not listed", t.name, t.file)));
+        }
+    }
+    for t in &m.tables {
+        t.check_consistency().map_err(|e| bad(e.to_string()))?;
+    }
+    if refs.len() != index.weight_map.len() {
+        return Err(Error::Corrupt {
+            file: INDEX_FILE.into(),
+            what: format!("lists {} tensors, the manifest {}", index.weight_map.len(), refs.len()),
+        });
+    }
+    for (name, f) in &index.weight_map {
+        if refs.get(name.as_str()) != Some(&f.as_str()) {
+            return Err(Error::Corrupt {
+                file: INDEX_FILE.into(),
+                what: format!("tensor {name:?} maps to {f:?}, which the manifest does not say"),
+            });
+        }
+    }
+    let total: u64 = m.total_tensor_bytes();
+    if index.metadata.total_size != total {
+        return Err(Error::Corrupt {
+            file: INDEX_FILE.into(),
+            what: format!("total_size {} but the tensors hold {total} bytes", index.metadata.total_size),
+        });
+    }
+    Ok(())
+}
+
+/// Opens a data file and checks its size and header against the manifest.
+pub(crate) fn open_file(storage: &dyn Storage, m: &Manifest, fm: &FileManifest) -> Result<OpenFile> {
+    let corrupt = |what: String| Error::Corrupt {
+        file: fm.name.clone(),
+        what,
+    };
+    let handle = storage.open(&fm.name)?;
+    if handle.len() != fm.bytes {
+        return Err(corrupt(format!(
+            "{} bytes, the manifest says {} ({})",
+            handle.len(),
+            fm.bytes,
+            if handle.len() < fm.bytes { "truncated" } else { "extended" }
+        )));
+    }
+    if fm.data_start > MAX_HEADER_BYTES + 8 || fm.data_start > fm.bytes {
+        return Err(corrupt(format!("data start {} is impossible", fm.data_start)));
+    }
+    let mut raw = vec![0u8; fm.data_start as usize];
+    handle.read_at(0, &mut raw)?;
+    if crc32fast::hash(&raw) != fm.header_crc32 {
+        return Err(corrupt("header checksum does not match the manifest".into()));
+    }
+    let header = read_header(handle.as_ref(), &fm.name)?;
+    if header.data_start != fm.data_start {
+        return Err(corrupt(format!("data starts at {}, the manifest says {}", header.data_start, fm.data_start)));
+    }
+    let expected: HashMap<&str, &saver_core::manifest::TensorRef> =
+        m.tensor_refs().filter(|t| t.file == fm.name).map(|t| (t.name.as_str(), t)).collect();
+    if expected.len() != header.tensors.len() {
+        return Err(corrupt(format!(
+            "{} tensors in the header, {} in the manifest",
+            header.tensors.len(),
+            expected.len()
+        )));
+    }
+    for t in &header.tensors {
+        let r = expected
+            .get(t.name.as_str())
+            .ok_or_else(|| corrupt(format!("tensor {:?} is not in the manifest", t.name)))?;
+        if r.dtype != t.dtype || r.shape != t.shape || r.offset != t.offset || r.len != t.len {
+            return Err(corrupt(format!("tensor {:?} differs between header and manifest", t.name)));
+        }
+    }
+    Ok(OpenFile { handle })
+}
+
+impl Checkpoint {
+    /// Opens the checkpoint in directory `dir`.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        Self::open_storage(Arc::new(LocalFs::open_dir(dir.as_ref())?))
+    }
+
+    /// Opens the checkpoint in `storage`.
+    pub fn open_storage(storage: Arc<dyn Storage>) -> Result<Self> {
+        let (index, manifest) = load_manifest(storage.as_ref())?;
+        let mut files = HashMap::new();
+        for fm in &manifest.files {
+            files.insert(fm.name.clone(), open_file(storage.as_ref(), &manifest, fm)?);
+        }
+        Ok(Self {
+            storage,
+            index,
+            manifest,
+            files,
+        })
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The global index.
+    pub fn index(&self) -> &Index {
+        &self.index
+    }
+
+    /// Where the checkpoint is.
+    pub fn location(&self) -> String {
+        self.storage.location()
+    }
+
+    /// Shard `shard`'s trainer state, decoded as `T`.
+    pub fn trainer_state<T: DeserializeOwned>(&self, shard: u32) -> Result<Option<T>> {
+        Ok(self.manifest.trainer_state(shard)?)
+    }
+
+    /// Reads `buf.len()` bytes of tensor `t` from byte `offset` of the tensor.
+    pub fn read_tensor_range(&self, t: &saver_core::manifest::TensorRef, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let end = offset.checked_add(buf.len() as u64);
+        if end.is_none_or(|e| e > t.len) {
+            return Err(Error::Mismatch(format!(
+                "read of {} bytes at {offset} is outside tensor {:?} ({} bytes)",
+                buf.len(),
+                t.name,
+                t.len
+            )));
+        }
+        let f = self.files.get(&t.file).ok_or_else(|| Error::Corrupt {
+            file: t.file.clone(),
+            what: "not opened".into(),
+        })?;
+        f.handle.read_at(t.offset + offset, buf)
+    }
+
+    /// Reads a dense tensor whole, checking its CRC32.
+    pub fn read_dense(&self, name: &str) -> Result<Vec<u8>> {
+        let d = self
+            .manifest
+            .dense
+            .iter()
+            .find(|d| d.tensor.name == name)
+            .ok_or_else(|| Error::Mismatch(format!("no dense tensor {name:?} in {}", self.location())))?;
+        let mut buf = vec![0u8; d.tensor.len as usize];
+        self.read_tensor_range(&d.tensor, 0, &mut buf)?;
+        if crc32fast::hash(&buf) != d.tensor.crc32 {
+            return Err(Error::Corrupt {
+                file: d.tensor.file.clone(),
+                what: format!("tensor {name:?} fails its CRC32 check"),
+            });
+        }
+        Ok(buf)
+    }
+
+    /// Names of the shard manifests of this checkpoint (kept for forensics).
+    pub fn shard_manifest_names(&self) -> Vec<String> {
+        (0..self.manifest.shard_num)
+            .map(|s| shard_manifest_name(&self.manifest.save_id, s))
+            .collect()
+    }
+}

@@ -1,0 +1,124 @@
+//! [`FaultyStorage`]: wraps a storage and fails on command, to test every failure path.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::{ReadHandle, Storage, WriteHandle};
+use crate::error::{Error, Result};
+
+/// Which operation fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The n-th positional write (counting from 0) fails, as with a full disk (ENOSPC).
+    WriteNumber(u64),
+    /// Every write after `n` bytes in total fails with ENOSPC: a disk of that size.
+    DiskFullAfter(u64),
+    /// The n-th commit (fsync + rename) fails, as with an I/O error at fsync.
+    CommitNumber(u64),
+}
+
+/// A storage that injects one kind of fault into an inner storage.
+#[derive(Debug)]
+pub struct FaultyStorage<S> {
+    inner: S,
+    fault: Fault,
+    state: Arc<Counters>,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    writes: AtomicU64,
+    bytes: AtomicU64,
+    commits: AtomicU64,
+}
+
+impl<S: Storage> FaultyStorage<S> {
+    /// Wraps `inner`, failing as `fault` says.
+    pub fn new(inner: S, fault: Fault) -> Self {
+        Self {
+            inner,
+            fault,
+            state: Arc::default(),
+        }
+    }
+}
+
+fn injected(what: &str) -> Error {
+    Error::Io {
+        op: "write",
+        path: "(injected fault)".into(),
+        source: std::io::Error::new(std::io::ErrorKind::StorageFull, what.to_string()),
+    }
+}
+
+struct FaultyWrite {
+    inner: Box<dyn WriteHandle>,
+    fault: Fault,
+    state: Arc<Counters>,
+}
+
+impl WriteHandle for FaultyWrite {
+    fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        let n = self.state.writes.fetch_add(1, Ordering::SeqCst);
+        let total = self.state.bytes.fetch_add(buf.len() as u64, Ordering::SeqCst) + buf.len() as u64;
+        match self.fault {
+            Fault::WriteNumber(k) if n == k => return Err(injected("no space left on device (injected)")),
+            Fault::DiskFullAfter(limit) if total > limit => {
+                return Err(injected("no space left on device (injected)"))
+            }
+            _ => {}
+        }
+        self.inner.write_at(offset, buf)
+    }
+
+    fn commit(self: Box<Self>, durable: bool) -> Result<()> {
+        let n = self.state.commits.fetch_add(1, Ordering::SeqCst);
+        if self.fault == Fault::CommitNumber(n) {
+            self.inner.abort();
+            return Err(injected("I/O error at fsync (injected)"));
+        }
+        self.inner.commit(durable)
+    }
+
+    fn abort(self: Box<Self>) {
+        self.inner.abort()
+    }
+}
+
+impl<S: Storage> Storage for FaultyStorage<S> {
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+
+    fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>> {
+        Ok(Box::new(FaultyWrite {
+            inner: self.inner.create(name, len)?,
+            fault: self.fault,
+            state: self.state.clone(),
+        }))
+    }
+
+    fn create_exclusive(&self, name: &str, bytes: &[u8]) -> Result<bool> {
+        self.inner.create_exclusive(name, bytes)
+    }
+
+    fn open(&self, name: &str) -> Result<Box<dyn ReadHandle>> {
+        self.inner.open(name)
+    }
+
+    fn exists(&self, name: &str) -> Result<bool> {
+        self.inner.exists(name)
+    }
+
+    fn list(&self) -> Result<Vec<String>> {
+        self.inner.list()
+    }
+
+    fn remove(&self, name: &str) -> Result<()> {
+        self.inner.remove(name)
+    }
+
+    fn sync_dir(&self) -> Result<()> {
+        self.inner.sync_dir()
+    }
+}

@@ -1,0 +1,213 @@
+//! [`LocalFs`]: a checkpoint directory on a POSIX filesystem, local or shared (NFS, Lustre, …).
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{ErrorKind, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{check_file_name, ReadHandle, Storage, WriteHandle};
+use crate::error::{io_err, Error, Result};
+
+/// Suffix marker of temporary files: `<final name>.tmp-<pid>-<n>`.
+pub(crate) const TMP_MARK: &str = ".tmp-";
+
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A checkpoint directory on a POSIX filesystem.
+#[derive(Clone, Debug)]
+pub struct LocalFs {
+    dir: PathBuf,
+}
+
+impl LocalFs {
+    /// Uses `dir`, creating it (and its parents) if needed.
+    pub fn create_dir(dir: impl Into<PathBuf>) -> Result<Self> {
+        let dir = dir.into();
+        fs::create_dir_all(&dir).map_err(io_err("create directory", &dir))?;
+        Ok(Self { dir })
+    }
+
+    /// Uses an existing directory.
+    pub fn open_dir(dir: impl Into<PathBuf>) -> Result<Self> {
+        let dir = dir.into();
+        let meta = fs::metadata(&dir).map_err(io_err("open directory", &dir))?;
+        if !meta.is_dir() {
+            return Err(Error::Io {
+                op: "open directory",
+                path: dir,
+                source: std::io::Error::new(ErrorKind::NotADirectory, "not a directory"),
+            });
+        }
+        Ok(Self { dir })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn path(&self, name: &str) -> Result<PathBuf> {
+        check_file_name(name)?;
+        Ok(self.dir.join(name))
+    }
+}
+
+struct LocalWrite {
+    file: File,
+    tmp: PathBuf,
+    dest: PathBuf,
+    dir: PathBuf,
+}
+
+impl WriteHandle for LocalWrite {
+    fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.file.write_all_at(buf, offset).map_err(io_err("write", &self.tmp))
+    }
+
+    fn commit(self: Box<Self>, durable: bool) -> Result<()> {
+        let result = (|| {
+            if durable {
+                self.file.sync_all().map_err(io_err("fsync", &self.tmp))?;
+            }
+            fs::rename(&self.tmp, &self.dest).map_err(io_err("rename", &self.dest))?;
+            if durable {
+                sync_dir(&self.dir)?;
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+        result
+    }
+
+    fn abort(self: Box<Self>) {
+        let _ = fs::remove_file(&self.tmp);
+    }
+}
+
+struct LocalRead {
+    file: File,
+    len: u64,
+    path: PathBuf,
+}
+
+impl ReadHandle for LocalRead {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.file.read_exact_at(buf, offset).map_err(|e| {
+            if e.kind() == ErrorKind::UnexpectedEof {
+                Error::Corrupt {
+                    file: self.path.display().to_string(),
+                    what: format!("ends before byte {} (truncated)", offset + buf.len() as u64),
+                }
+            } else {
+                Error::Io {
+                    op: "read",
+                    path: self.path.clone(),
+                    source: e,
+                }
+            }
+        })
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err("fsync directory", dir))
+}
+
+impl Storage for LocalFs {
+    fn location(&self) -> String {
+        self.dir.display().to_string()
+    }
+
+    fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>> {
+        let dest = self.path(name)?;
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.dir.join(format!("{name}{TMP_MARK}{}-{n}", std::process::id()));
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(io_err("create", &tmp))?;
+        if let Err(e) = file.set_len(len) {
+            let _ = fs::remove_file(&tmp);
+            return Err(io_err("allocate", &tmp)(e));
+        }
+        Ok(Box::new(LocalWrite {
+            file,
+            tmp,
+            dest,
+            dir: self.dir.clone(),
+        }))
+    }
+
+    fn create_exclusive(&self, name: &str, bytes: &[u8]) -> Result<bool> {
+        let path = self.path(name)?;
+        match OpenOptions::new().write(true).create_new(true).open(&path) {
+            Ok(mut f) => {
+                f.write_all(bytes)
+                    .and_then(|_| f.sync_all())
+                    .map_err(io_err("write", &path))?;
+                sync_dir(&self.dir)?;
+                Ok(true)
+            }
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(io_err("create", &path)(e)),
+        }
+    }
+
+    fn open(&self, name: &str) -> Result<Box<dyn ReadHandle>> {
+        let path = self.path(name)?;
+        let meta = fs::symlink_metadata(&path).map_err(io_err("open", &path))?;
+        if !meta.file_type().is_file() {
+            return Err(Error::UnsafePath {
+                name: name.to_string(),
+                why: "not a regular file (symlinks are refused)",
+            });
+        }
+        let file = File::open(&path).map_err(io_err("open", &path))?;
+        let len = file.metadata().map_err(io_err("stat", &path))?.len();
+        Ok(Box::new(LocalRead { file, len, path }))
+    }
+
+    fn exists(&self, name: &str) -> Result<bool> {
+        let path = self.path(name)?;
+        match fs::symlink_metadata(&path) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(io_err("stat", &path)(e)),
+        }
+    }
+
+    fn list(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(&self.dir).map_err(io_err("list", &self.dir))? {
+            let entry = entry.map_err(io_err("list", &self.dir))?;
+            let is_file = entry.file_type().map(|t| t.is_file()).unwrap_or(false);
+            if let (true, Some(name)) = (is_file, entry.file_name().to_str()) {
+                out.push(name.to_string());
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    fn remove(&self, name: &str) -> Result<()> {
+        let path = self.path(name)?;
+        match fs::remove_file(&path) {
+            Err(e) if e.kind() != ErrorKind::NotFound => Err(io_err("remove", &path)(e)),
+            _ => Ok(()),
+        }
+    }
+
+    fn sync_dir(&self) -> Result<()> {
+        sync_dir(&self.dir)
+    }
+}

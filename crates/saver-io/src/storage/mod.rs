@@ -1,0 +1,111 @@
+//! Where checkpoint files live.
+//!
+//! Everything saver-io does to files goes through [`Storage`]: positional writes into new files,
+//! durable commit by rename, exclusive creation (for the commit claim), listing and positional
+//! reads. [`LocalFs`] implements it on a local or shared POSIX filesystem; [`FaultyStorage`] wraps
+//! any storage and injects failures, to test that every failure path leaves no half-valid
+//! checkpoint behind. An object-store backend implements the same trait.
+//!
+//! Names are single file names relative to the checkpoint directory. Every backend must refuse
+//! names that could leave it ([`check_file_name`]).
+
+mod faulty;
+mod local;
+
+use std::fmt;
+
+pub use faulty::{Fault, FaultyStorage};
+pub use local::LocalFs;
+
+/// The marker in the names of temporary files of [`LocalFs`].
+pub(crate) fn local_tmp_mark() -> &'static str {
+    local::TMP_MARK
+}
+
+use crate::error::{Error, Result};
+
+/// Refuses names that are empty, contain a path separator, are `.`/`..`, or contain NUL: a
+/// manifest or index from an untrusted source must not make us read or write outside the directory.
+pub fn check_file_name(name: &str) -> Result<()> {
+    let why = if name.is_empty() {
+        "empty"
+    } else if name.contains('/') || name.contains('\\') {
+        "contains a path separator"
+    } else if name == "." || name == ".." {
+        "names a directory"
+    } else if name.contains('\0') {
+        "contains NUL"
+    } else if name.len() > 255 {
+        "longer than 255 bytes"
+    } else {
+        return Ok(());
+    };
+    Err(Error::UnsafePath {
+        name: name.to_string(),
+        why,
+    })
+}
+
+/// A file being written. Becomes visible under its final name only on [`WriteHandle::commit`].
+pub trait WriteHandle: Send + Sync {
+    /// Writes `buf` at `offset`. Callable from several threads at once on disjoint ranges.
+    fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()>;
+    /// Makes the data durable (if asked), then atomically gives the file its final name.
+    fn commit(self: Box<Self>, durable: bool) -> Result<()>;
+    /// Discards the file.
+    fn abort(self: Box<Self>);
+}
+
+/// A file being read.
+pub trait ReadHandle: Send + Sync {
+    /// File length.
+    fn len(&self) -> u64;
+    /// Whether the file is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Fills `buf` from `offset`; an error if the file ends first.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
+}
+
+/// A directory of checkpoint files.
+pub trait Storage: Send + Sync + fmt::Debug {
+    /// A description for messages (the directory path, a bucket URL, …).
+    fn location(&self) -> String;
+    /// Starts writing `name` (of final size `len`) under a temporary name.
+    fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>>;
+    /// Writes a small file whole and atomically (temporary name, fsync if durable, rename).
+    fn put(&self, name: &str, bytes: &[u8], durable: bool) -> Result<()> {
+        let h = self.create(name, bytes.len() as u64)?;
+        if let Err(e) = h.write_at(0, bytes) {
+            h.abort();
+            return Err(e);
+        }
+        h.commit(durable)
+    }
+    /// Creates `name` with `bytes` only if it does not exist; `Ok(false)` if it did.
+    fn create_exclusive(&self, name: &str, bytes: &[u8]) -> Result<bool>;
+    /// Opens `name` for reading. Refuses anything but a regular file (no symlinks).
+    fn open(&self, name: &str) -> Result<Box<dyn ReadHandle>>;
+    /// Reads a whole small file, refusing files over `limit` bytes.
+    fn get(&self, name: &str, limit: u64) -> Result<Vec<u8>> {
+        let h = self.open(name)?;
+        if h.len() > limit {
+            return Err(Error::Corrupt {
+                file: name.to_string(),
+                what: format!("{} bytes, more than the {limit} allowed for this kind of file", h.len()),
+            });
+        }
+        let mut buf = vec![0u8; h.len() as usize];
+        h.read_at(0, &mut buf)?;
+        Ok(buf)
+    }
+    /// Whether `name` exists.
+    fn exists(&self, name: &str) -> Result<bool>;
+    /// Names of all files (not directories) in the directory.
+    fn list(&self) -> Result<Vec<String>>;
+    /// Removes `name`; not an error if it is already gone.
+    fn remove(&self, name: &str) -> Result<()>;
+    /// Makes completed renames durable (fsync of the directory on POSIX).
+    fn sync_dir(&self) -> Result<()>;
+}

@@ -1,0 +1,353 @@
+//! Writing a plan to storage and committing it: the save pipeline's last two stages.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crc32fast::Hasher;
+use rayon::prelude::*;
+use serde::Serialize;
+
+use saver_core::manifest::encode_trainer_state;
+use saver_core::naming::{check_save_id, shard_manifest_name};
+use saver_core::partition::fmix64;
+use saver_core::plan::{ChunkBuffer, Loc};
+use saver_core::{plan, PlanOptions, SaveInput, SavePlan};
+
+use crate::commit::{clear_own_leftovers, committed_save_id, try_commit, wait_for_commit, CommitState};
+use crate::error::{Error, Result};
+use crate::storage::{LocalFs, Storage, WriteHandle};
+
+/// Called with the number of bytes just written, from writer threads.
+pub type ProgressFn = dyn Fn(u64) + Send + Sync;
+
+/// How to save.
+#[derive(Clone)]
+pub struct SaveOptions {
+    /// Shards, filters, parallelism, file sizes. `plan.save_id` is ignored: see [`Self::save_id`].
+    pub plan: PlanOptions,
+    /// Identifies the save. All processes of a multi-process save must use the same one. Default:
+    /// random for a single-process save; derived from the model's description (shard count, table
+    /// and slot specs, dense names and shapes, user metadata) for a multi-process save, so that
+    /// processes agree without talking. Pass a unique one (e.g. `run7-step1200`) when several saves
+    /// of the same model may target one directory.
+    pub save_id: Option<String>,
+    /// fsync data, manifests and directory before each rename (default true). Without it a power
+    /// loss can lose a checkpoint that looked committed.
+    pub durable: bool,
+    /// Replace a committed checkpoint in the directory. The old one stays loadable until the new
+    /// one is committed, then its files are removed.
+    pub overwrite: bool,
+    /// Multi-process: wait up to this long for the other shards and the commit. `None`: return as
+    /// soon as this process's shard is durable (committing if it completes the set).
+    pub wait: Option<Duration>,
+    /// Free-form metadata stored in the manifest.
+    pub user_metadata: BTreeMap<String, String>,
+    /// This process's trainer state, already encoded (see [`Self::with_trainer_state`]).
+    pub trainer_state: Option<String>,
+    /// Progress callback.
+    pub progress: Option<Arc<ProgressFn>>,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        Self {
+            plan: PlanOptions::default(),
+            save_id: None,
+            durable: true,
+            overwrite: false,
+            wait: None,
+            user_metadata: BTreeMap::new(),
+            trainer_state: None,
+            progress: None,
+        }
+    }
+}
+
+impl SaveOptions {
+    /// Stores a typed trainer state (step, RNG state, data position…), read back with
+    /// [`crate::Checkpoint::trainer_state`].
+    pub fn with_trainer_state<T: Serialize>(mut self, state: &T) -> Result<Self> {
+        self.trainer_state = Some(encode_trainer_state(state)?);
+        Ok(self)
+    }
+}
+
+/// What a save did.
+#[derive(Clone, Debug, Serialize)]
+pub struct SaveReport {
+    /// The save id (part of every file name).
+    pub save_id: String,
+    /// Shards this call wrote.
+    pub shards: Vec<u32>,
+    /// Data files this call wrote.
+    pub files: usize,
+    /// Rows written, over all tables.
+    pub rows: u64,
+    /// Bytes written, headers included.
+    pub bytes_written: u64,
+    /// Seconds spent snapshotting and planning.
+    pub plan_seconds: f64,
+    /// Seconds spent writing data and making it durable.
+    pub write_seconds: f64,
+    /// Seconds spent committing (shard manifests, index; waiting, if asked).
+    pub commit_seconds: f64,
+    /// Whether the checkpoint is committed when the call returns.
+    pub committed: bool,
+    /// Whether this call wrote the index.
+    pub committed_here: bool,
+}
+
+/// Saves a model into directory `dir` (created if needed). See [`save_to`].
+pub fn save(dir: impl AsRef<Path>, input: SaveInput<'_>, opts: &SaveOptions) -> Result<SaveReport> {
+    let storage = LocalFs::create_dir(dir.as_ref())?;
+    save_to(&storage, input, opts)
+}
+
+fn random_save_id() -> String {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    let salt = fmix64(now.as_nanos() as u64 ^ (u64::from(std::process::id()) << 40));
+    format!("{}-{:08x}", now.as_secs(), salt as u32)
+}
+
+/// A save id all processes of a multi-process save derive alike from what they all know.
+fn derived_save_id(input: &SaveInput<'_>, opts: &SaveOptions) -> String {
+    let mut desc = format!("{}|", opts.plan.shard_num);
+    for t in &input.tables {
+        desc += &format!("{}:{}:{:?}|", t.name(), t.key_dtype(), t.slots());
+    }
+    for d in &input.dense {
+        desc += &format!("{}:{}:{:?}|", d.name(), d.dtype(), d.shape());
+    }
+    desc += &format!("{:?}", opts.user_metadata);
+    // FNV-1a, then a finalizer: stable across builds and platforms, unlike std's hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in desc.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("d{:016x}", fmix64(h))
+}
+
+/// Saves a model into `storage`: plans, writes every planned shard in parallel, makes it durable,
+/// writes the shard manifests and commits (single-process), or commits if this process completes
+/// the set of shards (multi-process).
+pub fn save_to(storage: &dyn Storage, input: SaveInput<'_>, opts: &SaveOptions) -> Result<SaveReport> {
+    let t0 = Instant::now();
+    let save_id = match &opts.save_id {
+        Some(id) => id.clone(),
+        None if opts.plan.shard_index.is_none() => random_save_id(),
+        None => derived_save_id(&input, opts),
+    };
+    check_save_id(&save_id)?;
+    let mut plan_opts = opts.plan.clone();
+    plan_opts.save_id = save_id.clone();
+    plan_opts.validate()?;
+
+    if let Some(existing) = committed_save_id(storage)? {
+        if existing == save_id {
+            return Err(Error::Mismatch(format!(
+                "{} already holds the committed save {save_id}; use another save id",
+                storage.location()
+            )));
+        }
+        if !opts.overwrite {
+            return Err(Error::Exists {
+                dir: storage.location().into(),
+                save_id: existing,
+            });
+        }
+    }
+    let shards: Vec<u32> = match plan_opts.shard_index {
+        Some(i) => vec![i],
+        None => (0..plan_opts.shard_num).collect(),
+    };
+    clear_own_leftovers(storage, &save_id, &shards, plan_opts.shard_index.is_none())?;
+
+    let plan = plan(input, &plan_opts)?;
+    let plan_seconds = t0.elapsed().as_secs_f64();
+
+    let t1 = Instant::now();
+    let crcs = write_plan(storage, &plan, plan_opts.parallel, opts.durable, opts.progress.as_deref())?;
+    for (pos, shard_crcs) in crcs.iter().enumerate() {
+        let m = plan.shard_manifest(pos, shard_crcs, &opts.user_metadata, opts.trainer_state.clone());
+        let json = serde_json::to_vec_pretty(&m).expect("manifests serialize");
+        storage.put(&shard_manifest_name(&save_id, plan.shards()[pos].shard), &json, opts.durable)?;
+    }
+    let write_seconds = t1.elapsed().as_secs_f64();
+
+    let t2 = Instant::now();
+    let n = plan_opts.shard_num;
+    let state = match (plan_opts.shard_index, opts.wait) {
+        (None, _) => try_commit(storage, &save_id, n, opts.durable)?,
+        (Some(_), Some(timeout)) => wait_for_commit(storage, &save_id, n, opts.durable, timeout)?,
+        (Some(_), None) => try_commit(storage, &save_id, n, opts.durable)?,
+    };
+    if plan_opts.shard_index.is_none() && state != CommitState::CommittedHere {
+        return Err(Error::Incomplete {
+            dir: storage.location().into(),
+            what: format!("single-process save {save_id} could not commit: {state:?}"),
+        });
+    }
+    let rows = plan
+        .shards()
+        .iter()
+        .flat_map(|s| &s.partitions)
+        .map(|p| p.rows.len() as u64)
+        .sum();
+    Ok(SaveReport {
+        save_id,
+        shards,
+        files: plan.shards().iter().map(|s| s.files.len()).sum(),
+        rows,
+        bytes_written: plan.file_bytes(),
+        plan_seconds,
+        write_seconds,
+        commit_seconds: t2.elapsed().as_secs_f64(),
+        committed: matches!(state, CommitState::Committed | CommitState::CommittedHere),
+        committed_here: state == CommitState::CommittedHere,
+    })
+}
+
+/// CRC of a piece, kept until all pieces of its tensor are known.
+struct PieceCrc {
+    shard: usize,
+    loc: Loc,
+    offset: u64,
+    len: u64,
+    hasher: Hasher,
+}
+
+/// Writes every file of the plan; returns `crcs[shard][file][tensor]`. On error, every file this
+/// call created is removed.
+pub fn write_plan(
+    storage: &dyn Storage,
+    plan: &SavePlan<'_>,
+    parallel: usize,
+    durable: bool,
+    progress: Option<&ProgressFn>,
+) -> Result<Vec<Vec<Vec<u32>>>> {
+    let mut handles: Vec<Vec<Box<dyn WriteHandle>>> = Vec::new();
+    let abort_all = |handles: Vec<Vec<Box<dyn WriteHandle>>>| handles.into_iter().flatten().for_each(|h| h.abort());
+    for shard in plan.shards() {
+        let mut files = Vec::new();
+        for f in &shard.files {
+            match storage.create(&f.name, f.file_len()) {
+                Ok(h) => files.push(h),
+                Err(e) => {
+                    files.into_iter().for_each(|h: Box<dyn WriteHandle>| h.abort());
+                    abort_all(handles);
+                    return Err(e);
+                }
+            }
+        }
+        handles.push(files);
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(parallel)
+        .thread_name(|i| format!("saver-write-{i}"))
+        .build()
+        .map_err(|e| Error::InvalidOption {
+            option: "parallel",
+            why: e.to_string(),
+        })?;
+    let chunks = plan.chunks();
+    let written: Result<Vec<Vec<PieceCrc>>> = pool.install(|| {
+        chunks
+            .par_iter()
+            .map_init(ChunkBuffer::default, |buf, chunk| {
+                let mut crcs = Vec::new();
+                plan.produce::<Error>(chunk, buf, &mut |piece| {
+                    let f = &plan.shards()[piece.shard].files[piece.loc.file];
+                    let t = &f.tensors[piece.loc.tensor];
+                    handles[piece.shard][piece.loc.file].write_at(f.data_start + t.start + piece.offset, piece.bytes)?;
+                    let mut hasher = Hasher::new();
+                    hasher.update(piece.bytes);
+                    crcs.push(PieceCrc {
+                        shard: piece.shard,
+                        loc: piece.loc,
+                        offset: piece.offset,
+                        len: piece.bytes.len() as u64,
+                        hasher,
+                    });
+                    if let Some(p) = progress {
+                        p(piece.bytes.len() as u64);
+                    }
+                    Ok(())
+                })?;
+                Ok(crcs)
+            })
+            .collect()
+    });
+    let finished = written.and_then(|pieces| {
+        let crcs = combine_crcs(plan, pieces.into_iter().flatten())?;
+        for (pos, shard) in plan.shards().iter().enumerate() {
+            for (f, _) in shard.files.iter().enumerate() {
+                handles[pos][f].write_at(0, &plan.header(pos, f, &crcs[pos][f]))?;
+            }
+        }
+        Ok(crcs)
+    });
+    let crcs = match finished {
+        Ok(c) => c,
+        Err(e) => {
+            abort_all(handles);
+            return Err(e);
+        }
+    };
+    // fsync and rename every file, several at once: fsync is where durable saves spend their time.
+    let commits: Vec<Result<()>> =
+        pool.install(|| handles.into_par_iter().flatten().map(|h| h.commit(durable)).collect());
+    if let Some(e) = commits.into_iter().find_map(Result::err) {
+        // Files already renamed carry this save's id and no manifest names them: they are never
+        // part of a checkpoint, and the next save of this shard or the next commit removes them.
+        return Err(e);
+    }
+    if durable {
+        storage.sync_dir()?;
+    }
+    Ok(crcs)
+}
+
+/// Combines per-piece CRCs into per-tensor CRCs, in offset order, checking every byte of every
+/// tensor was produced exactly once.
+fn combine_crcs(plan: &SavePlan<'_>, pieces: impl Iterator<Item = PieceCrc>) -> Result<Vec<Vec<Vec<u32>>>> {
+    let mut by_tensor: HashMap<(usize, usize, usize), Vec<PieceCrc>> = HashMap::new();
+    for p in pieces {
+        by_tensor.entry((p.shard, p.loc.file, p.loc.tensor)).or_default().push(p);
+    }
+    let mut out = Vec::with_capacity(plan.shards().len());
+    for (s, shard) in plan.shards().iter().enumerate() {
+        let mut files = Vec::with_capacity(shard.files.len());
+        for (f, file) in shard.files.iter().enumerate() {
+            let mut crcs = Vec::with_capacity(file.tensors.len());
+            for (t, tensor) in file.tensors.iter().enumerate() {
+                let mut pieces = by_tensor.remove(&(s, f, t)).unwrap_or_default();
+                pieces.sort_by_key(|p| p.offset);
+                let mut h = Hasher::new();
+                let mut next = 0;
+                for p in pieces {
+                    if p.offset != next {
+                        return Err(Error::Mismatch(format!(
+                            "internal: tensor {} was produced with a gap or overlap at byte {next}",
+                            tensor.name
+                        )));
+                    }
+                    next += p.len;
+                    h.combine(&p.hasher);
+                }
+                if next != tensor.end - tensor.start {
+                    return Err(Error::Mismatch(format!(
+                        "internal: tensor {} was produced with {next} of {} bytes",
+                        tensor.name,
+                        tensor.end - tensor.start
+                    )));
+                }
+                crcs.push(h.finalize());
+            }
+            files.push(crcs);
+        }
+        out.push(files);
+    }
+    Ok(out)
+}

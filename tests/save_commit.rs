@@ -1,0 +1,243 @@
+//! Saving and committing, through the public API.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::process::Command;
+use std::time::Duration;
+
+use common::{dir_bytes, Model};
+use saver::io::storage::{Fault, FaultyStorage, LocalFs};
+use saver::io::{save_to, Error};
+use saver::{save, Checkpoint, Filters, ForeignRows, LoadOptions, PlanOptions, SaveOptions};
+
+fn opts(shards: u32, parallel: usize) -> SaveOptions {
+    SaveOptions {
+        plan: PlanOptions {
+            shard_num: shards,
+            parallel,
+            max_file_size: 64 << 10,
+            ..PlanOptions::default()
+        },
+        save_id: Some("t1".into()),
+        ..SaveOptions::default()
+    }
+}
+
+#[test]
+fn every_file_is_valid_safetensors_with_the_saved_bytes() {
+    let m = Model::new(3000);
+    let dir = tempfile::tempdir().unwrap();
+    let report = save(dir.path(), m.input(), &opts(3, 4)).unwrap();
+    assert!(report.committed && report.committed_here);
+    assert!(report.files > 3, "small max file size gives several files per shard");
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let man = ckpt.manifest();
+    let mut ids_seen = BTreeSet::new();
+    for f in &man.files {
+        let bytes = std::fs::read(dir.path().join(&f.name)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(meta.metadata().as_ref().unwrap()["saver.save_id"], "t1");
+        for (name, view) in st.tensors() {
+            let r = man.tensor_refs().find(|t| t.name == name).unwrap();
+            assert_eq!(crc32fast::hash(view.data()), r.crc32, "{name}");
+            assert_eq!(format!("{:?}", view.dtype()), r.dtype.name());
+        }
+        assert_eq!((bytes.len() as u64 - f.data_start) % 1, 0);
+        assert_eq!(f.data_start % 4096, 0, "data section aligned");
+    }
+    // Rows in the files equal the table's rows, slot by slot.
+    let user = common::rows_of(&m.user);
+    let t = man.table("user").unwrap();
+    for p in &t.partitions {
+        for seg in &p.segments {
+            let read = |r: &saver::core::manifest::TensorRef| {
+                let bytes = std::fs::read(dir.path().join(&r.file)).unwrap();
+                bytes[r.offset as usize..(r.offset + r.len) as usize].to_vec()
+            };
+            let ids: Vec<u64> = read(&seg.ids).chunks(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+            for (k, slot) in seg.slots.iter().enumerate() {
+                let data = read(slot);
+                let w = data.len() / ids.len();
+                for (i, id) in ids.iter().enumerate() {
+                    assert_eq!(&data[i * w..(i + 1) * w], user[id][k].as_slice());
+                }
+            }
+            ids_seen.extend(ids);
+        }
+    }
+    assert_eq!(ids_seen.len(), user.len());
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("model.safetensors.index.json")).unwrap()).unwrap();
+    assert_eq!(index["metadata"]["total_size"].as_u64().unwrap(), man.total_tensor_bytes());
+    assert_eq!(index["weight_map"].as_object().unwrap().len(), man.tensor_refs().count());
+}
+
+#[test]
+fn identical_input_gives_identical_bytes_whatever_the_parallelism() {
+    let m = Model::new(2000);
+    let a = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir().unwrap();
+    save(a.path(), m.input(), &opts(4, 1)).unwrap();
+    save(b.path(), m.input(), &opts(4, 7)).unwrap();
+    assert_eq!(dir_bytes(a.path()), dir_bytes(b.path()));
+}
+
+#[test]
+fn overwrite_is_refused_unless_asked_and_keeps_the_old_checkpoint_until_commit() {
+    let m = Model::new(500);
+    let dir = tempfile::tempdir().unwrap();
+    save(dir.path(), m.input(), &opts(2, 2)).unwrap();
+    let before = dir_bytes(dir.path());
+    let mut o = opts(2, 2);
+    o.save_id = Some("t2".into());
+    let err = save(dir.path(), m.input(), &o).unwrap_err();
+    assert!(matches!(err, Error::Exists { .. }), "{err}");
+    assert!(err.to_string().contains("overwrite"), "{err}");
+    assert_eq!(dir_bytes(dir.path()), before, "a refused save touches nothing");
+
+    // An overwrite that fails before its commit leaves the old checkpoint loadable.
+    o.overwrite = true;
+    let faulty = FaultyStorage::new(LocalFs::open_dir(dir.path()).unwrap(), Fault::WriteNumber(3));
+    assert!(save_to(&faulty, m.input(), &o).is_err());
+    assert_eq!(Checkpoint::open(dir.path()).unwrap().manifest().save_id, "t1");
+    assert_eq!(saver::verify(dir.path(), 2).unwrap().status, saver::Status::Ok);
+
+    // A successful overwrite replaces it and removes the old files.
+    save(dir.path(), m.input(), &o).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    assert_eq!(ck.manifest().save_id, "t2");
+    assert!(dir_bytes(dir.path()).keys().all(|n| !n.contains("-t1")), "old files collected");
+}
+
+#[test]
+fn nothing_to_write_is_a_valid_empty_checkpoint() {
+    let m = Model::new(100);
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = opts(5, 16);
+    o.plan.filters = Filters::new().keep_blocks(|_| false);
+    let r = save(dir.path(), m.input(), &o).unwrap();
+    assert!(r.committed);
+    assert_eq!(r.files, 0);
+    assert_eq!(saver::verify(dir.path(), 1).unwrap().status, saver::Status::Ok);
+    let restored = Checkpoint::open(dir.path()).unwrap().restore(&LoadOptions::default()).unwrap();
+    assert!(restored.shards[0].tables.is_empty() && restored.dense.is_empty());
+}
+
+#[test]
+fn parallel_far_above_the_number_of_blocks() {
+    let m = Model::new(10);
+    let dir = tempfile::tempdir().unwrap();
+    let r = save(dir.path(), m.input(), &opts(1, 64)).unwrap();
+    assert!(r.committed);
+    let restored = Checkpoint::open(dir.path()).unwrap().restore(&LoadOptions::default()).unwrap();
+    assert_eq!(common::rows_of(&restored.shards[0].tables[1]), common::rows_of(&m.user));
+}
+
+#[test]
+fn a_shard_that_never_arrives_times_out_naming_it() {
+    let m = Model::new(300);
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = opts(3, 2);
+    o.plan.foreign_rows = ForeignRows::Skip;
+    o.wait = Some(Duration::from_millis(300));
+    for (shard, expect_missing) in [(0, vec![1, 2]), (2, vec![1])] {
+        o.plan.shard_index = Some(shard);
+        let started = std::time::Instant::now();
+        let err = save(dir.path(), m.input(), &o).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(10));
+        match err {
+            Error::Timeout { missing, .. } => assert_eq!(missing, expect_missing),
+            e => panic!("expected a timeout, got {e}"),
+        }
+    }
+    let err = Checkpoint::open(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("missing shards [1]"), "{err}");
+    assert_eq!(saver::verify(dir.path(), 1).unwrap().status, saver::Status::Incomplete);
+}
+
+#[test]
+fn failed_writes_leave_no_temporary_files_and_no_checkpoint() {
+    let m = Model::new(2000);
+    for fault in [Fault::WriteNumber(0), Fault::WriteNumber(17), Fault::DiskFullAfter(50_000), Fault::CommitNumber(1)] {
+        let dir = tempfile::tempdir().unwrap();
+        let faulty = FaultyStorage::new(LocalFs::open_dir(dir.path()).unwrap(), fault);
+        let err = save_to(&faulty, m.input(), &opts(2, 2)).unwrap_err();
+        assert!(err.to_string().contains("injected"), "{fault:?}: {err}");
+        let left: Vec<String> = dir_bytes(dir.path()).into_keys().collect();
+        assert!(left.iter().all(|n| !n.contains(".tmp-")), "{fault:?}: {left:?}");
+        assert!(Checkpoint::open(dir.path()).is_err());
+        // A new save into the same directory succeeds.
+        save(dir.path(), m.input(), &opts(2, 2)).unwrap();
+        assert_eq!(saver::verify(dir.path(), 1).unwrap().status, saver::Status::Ok);
+    }
+}
+
+/// Child mode of the multi-process test: save one shard and exit.
+#[test]
+fn multi_process_child() {
+    let (Ok(dir), Ok(shard)) = (std::env::var("SAVER_TEST_DIR"), std::env::var("SAVER_TEST_SHARD")) else {
+        return;
+    };
+    let m = Model::new(4000);
+    let mut o = opts(4, 2);
+    o.save_id = None; // derived identically by every process
+    o.plan.shard_index = Some(shard.parse().unwrap());
+    o.plan.foreign_rows = ForeignRows::Skip;
+    o.wait = Some(Duration::from_secs(60));
+    let r = save(&dir, m.input(), &o).unwrap();
+    assert!(r.committed);
+    println!("committed_here={}", r.committed_here);
+}
+
+#[test]
+fn n_processes_commit_exactly_once_and_match_the_single_process_save() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..4)
+        .map(|s| {
+            Command::new(&exe)
+                .args(["--exact", "multi_process_child", "--nocapture", "--test-threads=1"])
+                .env("SAVER_TEST_DIR", dir.path())
+                .env("SAVER_TEST_SHARD", s.to_string())
+                .output_async()
+        })
+        .collect();
+    let outputs: Vec<String> = children.into_iter().map(|c| c.wait()).collect();
+    let committers = outputs.iter().filter(|o| o.contains("committed_here=true")).count();
+    assert_eq!(committers, 1, "{outputs:?}");
+    let man = Checkpoint::open(dir.path()).unwrap().manifest().clone();
+
+    // The single-process save with the same save id is byte-identical.
+    let m = Model::new(4000);
+    let single = tempfile::tempdir().unwrap();
+    let mut o = opts(4, 3);
+    o.save_id = Some(man.save_id.clone());
+    save(single.path(), m.input(), &o).unwrap();
+    let mut a = dir_bytes(dir.path());
+    let mut b = dir_bytes(single.path());
+    // The claim file records which process committed; everything else must match.
+    a.retain(|n, _| !n.ends_with(".commit-claim"));
+    b.retain(|n, _| !n.ends_with(".commit-claim"));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    assert!(a == b, "multi-process and single-process checkpoints differ");
+}
+
+trait OutputAsync {
+    fn output_async(&mut self) -> Child;
+}
+struct Child(std::process::Child);
+impl OutputAsync for Command {
+    fn output_async(&mut self) -> Child {
+        Child(self.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap())
+    }
+}
+impl Child {
+    fn wait(self) -> String {
+        let out = self.0.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "child failed: {text}");
+        text
+    }
+}
