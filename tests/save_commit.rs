@@ -30,7 +30,10 @@ fn every_file_is_valid_safetensors_with_the_saved_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let report = save(dir.path(), m.input(), &opts(3, 4)).unwrap();
     assert!(report.committed && report.committed_here);
-    assert!(report.files > 3, "small max file size gives several files per shard");
+    assert!(
+        report.files > 3,
+        "small max file size gives several files per shard"
+    );
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     let man = ckpt.manifest();
     let mut ids_seen = BTreeSet::new();
@@ -56,7 +59,10 @@ fn every_file_is_valid_safetensors_with_the_saved_bytes() {
                 let bytes = std::fs::read(dir.path().join(&r.file)).unwrap();
                 bytes[r.offset as usize..(r.offset + r.len) as usize].to_vec()
             };
-            let ids: Vec<u64> = read(&seg.ids).chunks(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+            let ids: Vec<u64> = read(&seg.ids)
+                .chunks(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .collect();
             for (k, slot) in seg.slots.iter().enumerate() {
                 let data = read(slot);
                 let w = data.len() / ids.len();
@@ -68,10 +74,18 @@ fn every_file_is_valid_safetensors_with_the_saved_bytes() {
         }
     }
     assert_eq!(ids_seen.len(), user.len());
-    let index: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("model.safetensors.index.json")).unwrap()).unwrap();
-    assert_eq!(index["metadata"]["total_size"].as_u64().unwrap(), man.total_tensor_bytes());
-    assert_eq!(index["weight_map"].as_object().unwrap().len(), man.tensor_refs().count());
+    let index: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        index["metadata"]["total_size"].as_u64().unwrap(),
+        man.total_tensor_bytes()
+    );
+    assert_eq!(
+        index["weight_map"].as_object().unwrap().len(),
+        man.tensor_refs().count()
+    );
 }
 
 #[test]
@@ -95,20 +109,36 @@ fn overwrite_is_refused_unless_asked_and_keeps_the_old_checkpoint_until_commit()
     let err = save(dir.path(), m.input(), &o).unwrap_err();
     assert!(matches!(err, Error::Exists { .. }), "{err}");
     assert!(err.to_string().contains("overwrite"), "{err}");
-    assert_eq!(dir_bytes(dir.path()), before, "a refused save touches nothing");
+    assert_eq!(
+        dir_bytes(dir.path()),
+        before,
+        "a refused save touches nothing"
+    );
 
     // An overwrite that fails before its commit leaves the old checkpoint loadable.
     o.overwrite = true;
-    let faulty = FaultyStorage::new(LocalFs::open_dir(dir.path()).unwrap(), Fault::WriteNumber(3));
+    let faulty = FaultyStorage::new(
+        LocalFs::open_dir(dir.path()).unwrap(),
+        Fault::WriteNumber(3),
+    );
     assert!(save_to(&faulty, m.input(), &o).is_err());
-    assert_eq!(Checkpoint::open(dir.path()).unwrap().manifest().save_id, "t1");
-    assert_eq!(saver::verify(dir.path(), 2).unwrap().status, saver::Status::Ok);
+    assert_eq!(
+        Checkpoint::open(dir.path()).unwrap().manifest().save_id,
+        "t1"
+    );
+    assert_eq!(
+        saver::verify(dir.path(), 2).unwrap().status,
+        saver::Status::Ok
+    );
 
     // A successful overwrite replaces it and removes the old files.
     save(dir.path(), m.input(), &o).unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
     assert_eq!(ck.manifest().save_id, "t2");
-    assert!(dir_bytes(dir.path()).keys().all(|n| !n.contains("-t1")), "old files collected");
+    assert!(
+        dir_bytes(dir.path()).keys().all(|n| !n.contains("-t1")),
+        "old files collected"
+    );
 }
 
 #[test]
@@ -120,8 +150,14 @@ fn nothing_to_write_is_a_valid_empty_checkpoint() {
     let r = save(dir.path(), m.input(), &o).unwrap();
     assert!(r.committed);
     assert_eq!(r.files, 0);
-    assert_eq!(saver::verify(dir.path(), 1).unwrap().status, saver::Status::Ok);
-    let restored = Checkpoint::open(dir.path()).unwrap().restore(&LoadOptions::default()).unwrap();
+    assert_eq!(
+        saver::verify(dir.path(), 1).unwrap().status,
+        saver::Status::Ok
+    );
+    let restored = Checkpoint::open(dir.path())
+        .unwrap()
+        .restore(&LoadOptions::default())
+        .unwrap();
     assert!(restored.shards[0].tables.is_empty() && restored.dense.is_empty());
 }
 
@@ -131,8 +167,14 @@ fn parallel_far_above_the_number_of_blocks() {
     let dir = tempfile::tempdir().unwrap();
     let r = save(dir.path(), m.input(), &opts(1, 64)).unwrap();
     assert!(r.committed);
-    let restored = Checkpoint::open(dir.path()).unwrap().restore(&LoadOptions::default()).unwrap();
-    assert_eq!(common::rows_of(&restored.shards[0].tables[1]), common::rows_of(&m.user));
+    let restored = Checkpoint::open(dir.path())
+        .unwrap()
+        .restore(&LoadOptions::default())
+        .unwrap();
+    assert_eq!(
+        common::rows_of(&restored.shards[0].tables[1]),
+        common::rows_of(&m.user)
+    );
 }
 
 #[test]
@@ -154,30 +196,47 @@ fn a_shard_that_never_arrives_times_out_naming_it() {
     }
     let err = Checkpoint::open(dir.path()).unwrap_err().to_string();
     assert!(err.contains("missing shards [1]"), "{err}");
-    assert_eq!(saver::verify(dir.path(), 1).unwrap().status, saver::Status::Incomplete);
+    assert_eq!(
+        saver::verify(dir.path(), 1).unwrap().status,
+        saver::Status::Incomplete
+    );
 }
 
 #[test]
 fn failed_writes_leave_no_temporary_files_and_no_checkpoint() {
     let m = Model::new(2000);
-    for fault in [Fault::WriteNumber(0), Fault::WriteNumber(17), Fault::DiskFullAfter(50_000), Fault::CommitNumber(1)] {
+    for fault in [
+        Fault::WriteNumber(0),
+        Fault::WriteNumber(17),
+        Fault::DiskFullAfter(50_000),
+        Fault::CommitNumber(1),
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let faulty = FaultyStorage::new(LocalFs::open_dir(dir.path()).unwrap(), fault);
         let err = save_to(&faulty, m.input(), &opts(2, 2)).unwrap_err();
         assert!(err.to_string().contains("injected"), "{fault:?}: {err}");
         let left: Vec<String> = dir_bytes(dir.path()).into_keys().collect();
-        assert!(left.iter().all(|n| !n.contains(".tmp-")), "{fault:?}: {left:?}");
+        assert!(
+            left.iter().all(|n| !n.contains(".tmp-")),
+            "{fault:?}: {left:?}"
+        );
         assert!(Checkpoint::open(dir.path()).is_err());
         // A new save into the same directory succeeds.
         save(dir.path(), m.input(), &opts(2, 2)).unwrap();
-        assert_eq!(saver::verify(dir.path(), 1).unwrap().status, saver::Status::Ok);
+        assert_eq!(
+            saver::verify(dir.path(), 1).unwrap().status,
+            saver::Status::Ok
+        );
     }
 }
 
 /// Child mode of the multi-process test: save one shard and exit.
 #[test]
 fn multi_process_child() {
-    let (Ok(dir), Ok(shard)) = (std::env::var("SAVER_TEST_DIR"), std::env::var("SAVER_TEST_SHARD")) else {
+    let (Ok(dir), Ok(shard)) = (
+        std::env::var("SAVER_TEST_DIR"),
+        std::env::var("SAVER_TEST_SHARD"),
+    ) else {
         return;
     };
     let m = Model::new(4000);
@@ -198,14 +257,22 @@ fn n_processes_commit_exactly_once_and_match_the_single_process_save() {
     let children: Vec<_> = (0..4)
         .map(|s| {
             Command::new(&exe)
-                .args(["--exact", "multi_process_child", "--nocapture", "--test-threads=1"])
+                .args([
+                    "--exact",
+                    "multi_process_child",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
                 .env("SAVER_TEST_DIR", dir.path())
                 .env("SAVER_TEST_SHARD", s.to_string())
                 .output_async()
         })
         .collect();
     let outputs: Vec<String> = children.into_iter().map(|c| c.wait()).collect();
-    let committers = outputs.iter().filter(|o| o.contains("committed_here=true")).count();
+    let committers = outputs
+        .iter()
+        .filter(|o| o.contains("committed_here=true"))
+        .count();
     assert_eq!(committers, 1, "{outputs:?}");
     let man = Checkpoint::open(dir.path()).unwrap().manifest().clone();
 
@@ -221,7 +288,10 @@ fn n_processes_commit_exactly_once_and_match_the_single_process_save() {
     a.retain(|n, _| !n.ends_with(".commit-claim"));
     b.retain(|n, _| !n.ends_with(".commit-claim"));
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    assert!(a == b, "multi-process and single-process checkpoints differ");
+    assert!(
+        a == b,
+        "multi-process and single-process checkpoints differ"
+    );
 }
 
 trait OutputAsync {
@@ -230,13 +300,22 @@ trait OutputAsync {
 struct Child(std::process::Child);
 impl OutputAsync for Command {
     fn output_async(&mut self) -> Child {
-        Child(self.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap())
+        Child(
+            self.stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+        )
     }
 }
 impl Child {
     fn wait(self) -> String {
         let out = self.0.wait_with_output().unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(out.status.success(), "child failed: {text}");
         text
     }

@@ -9,7 +9,10 @@ use saver::{DenseTensor, Dtype, EmbeddingTable, KeyDtype, SlotSpec, SparseTable}
 /// Deterministic bytes of one slot row of an id: every byte derived from (id, slot, position).
 pub fn row_bytes(id: u64, slot: usize, len: usize) -> Vec<u8> {
     (0..len)
-        .map(|i| (saver::core::partition::fmix64(id ^ ((slot as u64) << 56) ^ (i as u64) << 40) >> 56) as u8)
+        .map(|i| {
+            (saver::core::partition::fmix64(id ^ ((slot as u64) << 56) ^ (i as u64) << 40) >> 56)
+                as u8
+        })
         .collect()
 }
 
@@ -18,7 +21,11 @@ pub fn table(name: &str, key: KeyDtype, slots: Vec<SlotSpec>, ids: &[u64]) -> Em
     let t = EmbeddingTable::new(name, key, slots).unwrap();
     let sizes = t.slot_row_bytes().to_vec();
     for &id in ids {
-        let rows: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(s, &n)| row_bytes(id, s, n)).collect();
+        let rows: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| row_bytes(id, s, n))
+            .collect();
         let refs: Vec<&[u8]> = rows.iter().map(Vec::as_slice).collect();
         t.insert(id, &refs).unwrap();
     }
@@ -35,8 +42,12 @@ pub struct Model {
 
 impl Model {
     pub fn new(rows: u64) -> Self {
-        let user_ids: Vec<u64> = (0..rows).map(|i| (i as i64 - rows as i64 / 2) as u64).collect();
-        let item_ids: Vec<u64> = (0..rows / 2).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        let user_ids: Vec<u64> = (0..rows)
+            .map(|i| (i as i64 - rows as i64 / 2) as u64)
+            .collect();
+        let item_ids: Vec<u64> = (0..rows / 2)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
         Model {
             user: table(
                 "user",
@@ -63,8 +74,13 @@ impl Model {
         saver::SaveInput::new()
             .table(&self.user)
             .table(&self.item)
-            .dense(DenseTensor::new("mlp.0.weight", Dtype::F32, vec![64, 32], self.w1.as_slice()).unwrap())
-            .dense(DenseTensor::new("mlp.0.bias", Dtype::F32, vec![32], self.w2.as_slice()).unwrap())
+            .dense(
+                DenseTensor::new("mlp.0.weight", Dtype::F32, vec![64, 32], self.w1.as_slice())
+                    .unwrap(),
+            )
+            .dense(
+                DenseTensor::new("mlp.0.bias", Dtype::F32, vec![32], self.w2.as_slice()).unwrap(),
+            )
     }
 }
 
@@ -83,6 +99,11 @@ pub fn dir_bytes(dir: &Path) -> BTreeMap<String, Vec<u8>> {
         .unwrap()
         .map(|e| e.unwrap())
         .filter(|e| e.file_type().unwrap().is_file())
-        .map(|e| (e.file_name().into_string().unwrap(), std::fs::read(e.path()).unwrap()))
+        .map(|e| {
+            (
+                e.file_name().into_string().unwrap(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
         .collect()
 }

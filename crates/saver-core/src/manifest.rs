@@ -191,49 +191,76 @@ impl TableManifestExt for TableManifest {
         let mut total = 0u64;
         for p in &self.partitions {
             if p.buckets[0] > p.buckets[1] || p.buckets[1] > crate::partition::BUCKETS {
-                return Err(bad(format!("shard {} has bucket range {:?}", p.shard, p.buckets)));
+                return Err(bad(format!(
+                    "shard {} has bucket range {:?}",
+                    p.shard, p.buckets
+                )));
             }
             let mut specs = Vec::new();
             for name in &p.slots {
-                specs.push(
-                    self.slots
-                        .iter()
-                        .find(|s| &s.name == name)
-                        .ok_or_else(|| bad(format!("shard {} lists unknown slot {name:?}", p.shard)))?,
-                );
+                specs.push(self.slots.iter().find(|s| &s.name == name).ok_or_else(|| {
+                    bad(format!("shard {} lists unknown slot {name:?}", p.shard))
+                })?);
             }
             let mut rows = 0u64;
             let mut next = p.buckets[0];
             for seg in &p.segments {
-                if seg.buckets[0] != next || seg.buckets[1] < seg.buckets[0] || seg.buckets[1] > p.buckets[1] {
-                    return Err(bad(format!("shard {} segment {} has bucket range {:?}", p.shard, seg.index, seg.buckets)));
+                if seg.buckets[0] != next
+                    || seg.buckets[1] < seg.buckets[0]
+                    || seg.buckets[1] > p.buckets[1]
+                {
+                    return Err(bad(format!(
+                        "shard {} segment {} has bucket range {:?}",
+                        p.shard, seg.index, seg.buckets
+                    )));
                 }
                 next = seg.buckets[1];
                 rows += seg.rows;
                 if seg.ids.dtype != self.key_dtype.dtype() || seg.ids.shape != [seg.rows] {
-                    return Err(bad(format!("tensor {:?} does not hold {} ids", seg.ids.name, seg.rows)));
+                    return Err(bad(format!(
+                        "tensor {:?} does not hold {} ids",
+                        seg.ids.name, seg.rows
+                    )));
                 }
                 if seg.bucket_index.dtype != Dtype::U64 || seg.bucket_index.shape.len() != 1 {
-                    return Err(bad(format!("tensor {:?} is not a U64 vector", seg.bucket_index.name)));
+                    return Err(bad(format!(
+                        "tensor {:?} is not a U64 vector",
+                        seg.bucket_index.name
+                    )));
                 }
                 if seg.slots.len() != specs.len() {
-                    return Err(bad(format!("shard {} segment {} has {} slot tensors for {} slots", p.shard, seg.index, seg.slots.len(), specs.len())));
+                    return Err(bad(format!(
+                        "shard {} segment {} has {} slot tensors for {} slots",
+                        p.shard,
+                        seg.index,
+                        seg.slots.len(),
+                        specs.len()
+                    )));
                 }
                 for (t, spec) in seg.slots.iter().zip(&specs) {
                     let mut shape = vec![seg.rows];
                     shape.extend_from_slice(&spec.shape);
                     if t.dtype != spec.dtype || t.shape != shape {
-                        return Err(bad(format!("tensor {:?} is {} {:?}, expected {} {:?}", t.name, t.dtype, t.shape, spec.dtype, shape)));
+                        return Err(bad(format!(
+                            "tensor {:?} is {} {:?}, expected {} {:?}",
+                            t.name, t.dtype, t.shape, spec.dtype, shape
+                        )));
                     }
                 }
             }
             if rows != p.rows {
-                return Err(bad(format!("shard {} has {} rows in segments but says {}", p.shard, rows, p.rows)));
+                return Err(bad(format!(
+                    "shard {} has {} rows in segments but says {}",
+                    p.shard, rows, p.rows
+                )));
             }
             total += rows;
         }
         if total != self.rows {
-            return Err(bad(format!("{} rows in partitions but says {}", total, self.rows)));
+            return Err(bad(format!(
+                "{} rows in partitions but says {}",
+                total, self.rows
+            )));
         }
         Ok(())
     }

@@ -44,7 +44,9 @@ pub fn committed_save_id(storage: &dyn Storage) -> Result<Option<String>> {
         return Ok(None);
     }
     let bytes = storage.get(INDEX_FILE, MAX_JSON_BYTES)?;
-    Ok(Some(Index::parse(&bytes, INDEX_FILE)?.metadata.saver_save_id))
+    Ok(Some(
+        Index::parse(&bytes, INDEX_FILE)?.metadata.saver_save_id,
+    ))
 }
 
 fn missing_shards(storage: &dyn Storage, save_id: &str, shard_num: u32) -> Result<Vec<u32>> {
@@ -55,7 +57,11 @@ fn missing_shards(storage: &dyn Storage, save_id: &str, shard_num: u32) -> Resul
 }
 
 /// Reads and parses shard `shard`'s manifest of `save_id`.
-pub(crate) fn read_shard_manifest(storage: &dyn Storage, save_id: &str, shard: u32) -> Result<ShardManifest> {
+pub(crate) fn read_shard_manifest(
+    storage: &dyn Storage,
+    save_id: &str,
+    shard: u32,
+) -> Result<ShardManifest> {
     let name = shard_manifest_name(save_id, shard);
     let bytes = storage.get(&name, MAX_JSON_BYTES)?;
     serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
@@ -65,7 +71,12 @@ pub(crate) fn read_shard_manifest(storage: &dyn Storage, save_id: &str, shard: u
 }
 
 /// Commits `save_id` if all its shards are present and nobody else is committing it.
-pub fn try_commit(storage: &dyn Storage, save_id: &str, shard_num: u32, durable: bool) -> Result<CommitState> {
+pub fn try_commit(
+    storage: &dyn Storage,
+    save_id: &str,
+    shard_num: u32,
+    durable: bool,
+) -> Result<CommitState> {
     if committed_save_id(storage)?.as_deref() == Some(save_id) {
         return Ok(CommitState::Committed);
     }
@@ -89,7 +100,9 @@ pub fn try_commit(storage: &dyn Storage, save_id: &str, shard_num: u32, durable:
         let manifest = Manifest::merge(shards)?;
         let json = serde_json::to_vec_pretty(&manifest).expect("manifests serialize");
         storage.put(&manifest_name(save_id), &json, durable)?;
-        let index = serde_json::to_vec_pretty(&Index::for_manifest(&manifest, crc32fast::hash(&json))).expect("indexes serialize");
+        let index =
+            serde_json::to_vec_pretty(&Index::for_manifest(&manifest, crc32fast::hash(&json)))
+                .expect("indexes serialize");
         storage.put(INDEX_FILE, &index, durable)?;
         collect_garbage(storage, save_id);
         Ok(())
@@ -103,7 +116,8 @@ pub fn try_commit(storage: &dyn Storage, save_id: &str, shard_num: u32, durable:
 
 /// Whether `name` is a file saver writes (data, manifests, claims, temporaries).
 pub(crate) fn is_saver_file(name: &str) -> bool {
-    (name.starts_with("model-") && (name.ends_with(".safetensors") || name.contains(".safetensors.tmp-")))
+    (name.starts_with("model-")
+        && (name.ends_with(".safetensors") || name.contains(".safetensors.tmp-")))
         || name.starts_with("saver-")
         || name.starts_with("model.safetensors.index.json.tmp-")
 }
@@ -129,7 +143,12 @@ fn collect_garbage(storage: &dyn Storage, committed: &str) {
 
 /// Removes leftovers of an earlier attempt of the same save for the given shards (temporary files
 /// and stale shard manifests), so they can never be mistaken for this attempt's.
-pub(crate) fn clear_own_leftovers(storage: &dyn Storage, save_id: &str, shards: &[u32], all_shards: bool) -> Result<()> {
+pub(crate) fn clear_own_leftovers(
+    storage: &dyn Storage,
+    save_id: &str,
+    shards: &[u32],
+    all_shards: bool,
+) -> Result<()> {
     for name in storage.list()? {
         if !belongs_to(&name, save_id) {
             continue;
@@ -137,7 +156,8 @@ pub(crate) fn clear_own_leftovers(storage: &dyn Storage, save_id: &str, shards: 
         let is_tmp = name.contains(crate::storage::local_tmp_mark());
         let mine = all_shards
             || shards.iter().any(|&s| {
-                name.starts_with(&format!("model-{save_id}-s{s:05}-")) || name == shard_manifest_name(save_id, s)
+                name.starts_with(&format!("model-{save_id}-s{s:05}-"))
+                    || name == shard_manifest_name(save_id, s)
             });
         let claim = name == commit_claim_name(save_id);
         if (mine && (is_tmp || name.ends_with(".shard.json"))) || (all_shards && claim) {

@@ -66,7 +66,9 @@ pub enum Error {
         why: &'static str,
     },
     /// The checkpoint was written by a format version this build does not read.
-    #[error("{file}: format version {found} is not supported (this build reads version {supported})")]
+    #[error(
+        "{file}: format version {found} is not supported (this build reads version {supported})"
+    )]
     UnsupportedVersion {
         /// The file declaring it.
         file: String,
@@ -92,7 +94,10 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Attaches the operation and path to an `io::Error`.
-pub(crate) fn io_err(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
+pub(crate) fn io_err(
+    op: &'static str,
+    path: impl Into<PathBuf>,
+) -> impl FnOnce(std::io::Error) -> Error {
     let path = path.into();
     move |source| Error::Io { op, path, source }
 }

@@ -55,7 +55,10 @@ impl<'de> Deserialize<'de> for Entries {
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Entries, A::Error> {
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Entries, A::Error> {
                 let mut v = Vec::new();
                 while let Some(e) = map.next_entry::<String, serde_json::Value>()? {
                     v.push(e);
@@ -83,25 +86,33 @@ pub fn read_header(h: &dyn ReadHandle, file: &str) -> Result<Header> {
     };
     let len = h.len();
     if len < 8 {
-        return Err(corrupt(format!("{len} bytes is too short for a safetensors header")));
+        return Err(corrupt(format!(
+            "{len} bytes is too short for a safetensors header"
+        )));
     }
     let mut n = [0u8; 8];
     h.read_at(0, &mut n)?;
     let n = u64::from_le_bytes(n);
     if n > MAX_HEADER_BYTES || n > len - 8 {
-        return Err(corrupt(format!("header length {n} exceeds the file ({len} bytes) or the 100 MB limit")));
+        return Err(corrupt(format!(
+            "header length {n} exceeds the file ({len} bytes) or the 100 MB limit"
+        )));
     }
     let mut buf = vec![0u8; n as usize];
     h.read_at(8, &mut buf)?;
-    let text = std::str::from_utf8(&buf).map_err(|e| corrupt(format!("header is not UTF-8: {e}")))?;
-    let Entries(entries) = serde_json::from_str(text).map_err(|e| corrupt(format!("header is not valid JSON: {e}")))?;
+    let text =
+        std::str::from_utf8(&buf).map_err(|e| corrupt(format!("header is not UTF-8: {e}")))?;
+    let Entries(entries) = serde_json::from_str(text)
+        .map_err(|e| corrupt(format!("header is not valid JSON: {e}")))?;
     let data_start = 8 + n;
     let mut seen = HashSet::new();
     let mut metadata = BTreeMap::new();
     let mut tensors = Vec::with_capacity(entries.len());
     for (name, value) in entries {
         if !seen.insert(name.clone()) {
-            return Err(corrupt(format!("tensor {name:?} appears twice in the header")));
+            return Err(corrupt(format!(
+                "tensor {name:?} appears twice in the header"
+            )));
         }
         if name == "__metadata__" {
             metadata = serde_json::from_value(value)
@@ -126,7 +137,9 @@ pub fn read_header(h: &dyn ReadHandle, file: &str) -> Result<Header> {
             name,
             dtype,
             shape: raw.shape,
-            offset: data_start.checked_add(start).ok_or_else(|| corrupt("offset overflow".into()))?,
+            offset: data_start
+                .checked_add(start)
+                .ok_or_else(|| corrupt("offset overflow".into()))?,
             len: expected,
         });
     }

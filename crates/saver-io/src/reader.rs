@@ -44,7 +44,10 @@ pub(crate) fn describe_incomplete(storage: &dyn Storage) -> Result<String> {
     let names = storage.list()?;
     let mut saves: BTreeMap<String, Vec<u32>> = BTreeMap::new();
     for n in &names {
-        if let Some(rest) = n.strip_prefix("saver-").and_then(|r| r.strip_suffix(".shard.json")) {
+        if let Some(rest) = n
+            .strip_prefix("saver-")
+            .and_then(|r| r.strip_suffix(".shard.json"))
+        {
             if let Some((id, shard)) = rest.rsplit_once("-s") {
                 if let Ok(s) = shard.parse() {
                     saves.entry(id.to_string()).or_default().push(s);
@@ -62,7 +65,10 @@ pub(crate) fn describe_incomplete(storage: &dyn Storage) -> Result<String> {
         match total {
             Some(n) => {
                 let missing: Vec<u32> = (0..n).filter(|s| !shards.contains(s)).collect();
-                what += &format!("; save {id}: {} of {n} shards written, missing shards {missing:?}", shards.len());
+                what += &format!(
+                    "; save {id}: {} of {n} shards written, missing shards {missing:?}",
+                    shards.len()
+                );
             }
             None => what += &format!("; save {id}: shards {shards:?} written"),
         }
@@ -97,7 +103,9 @@ pub(crate) fn load_manifest(storage: &dyn Storage) -> Result<(Index, Manifest)> 
     if value.get("format_version").and_then(|v| v.as_u64()) != Some(u64::from(FORMAT_VERSION)) {
         return Err(Error::UnsupportedVersion {
             file: name.clone(),
-            found: value.get("format_version").map_or("none".into(), |v| v.to_string()),
+            found: value
+                .get("format_version")
+                .map_or("none".into(), |v| v.to_string()),
             supported: FORMAT_VERSION,
         });
     }
@@ -116,10 +124,16 @@ fn check_manifest(m: &Manifest, index: &Index, file: &str) -> Result<()> {
         what,
     };
     if m.format != FORMAT_NAME {
-        return Err(bad(format!("format is {:?}, not {FORMAT_NAME:?}", m.format)));
+        return Err(bad(format!(
+            "format is {:?}, not {FORMAT_NAME:?}",
+            m.format
+        )));
     }
     if m.save_id != index.metadata.saver_save_id {
-        return Err(bad(format!("save id {} differs from the index's {}", m.save_id, index.metadata.saver_save_id)));
+        return Err(bad(format!(
+            "save id {} differs from the index's {}",
+            m.save_id, index.metadata.saver_save_id
+        )));
     }
     m.partition.validate()?;
     if m.shard_num == 0 {
@@ -135,7 +149,10 @@ fn check_manifest(m: &Manifest, index: &Index, file: &str) -> Result<()> {
             return Err(bad(format!("tensor {:?} is listed twice", t.name)));
         }
         if !m.files.iter().any(|f| f.name == t.file) {
-            return Err(bad(format!("tensor {:?} is in file {:?}, which is not listed", t.name, t.file)));
+            return Err(bad(format!(
+                "tensor {:?} is in file {:?}, which is not listed",
+                t.name, t.file
+            )));
         }
     }
     for t in &m.tables {
@@ -144,7 +161,11 @@ fn check_manifest(m: &Manifest, index: &Index, file: &str) -> Result<()> {
     if refs.len() != index.weight_map.len() {
         return Err(Error::Corrupt {
             file: INDEX_FILE.into(),
-            what: format!("lists {} tensors, the manifest {}", index.weight_map.len(), refs.len()),
+            what: format!(
+                "lists {} tensors, the manifest {}",
+                index.weight_map.len(),
+                refs.len()
+            ),
         });
     }
     for (name, f) in &index.weight_map {
@@ -159,14 +180,21 @@ fn check_manifest(m: &Manifest, index: &Index, file: &str) -> Result<()> {
     if index.metadata.total_size != total {
         return Err(Error::Corrupt {
             file: INDEX_FILE.into(),
-            what: format!("total_size {} but the tensors hold {total} bytes", index.metadata.total_size),
+            what: format!(
+                "total_size {} but the tensors hold {total} bytes",
+                index.metadata.total_size
+            ),
         });
     }
     Ok(())
 }
 
 /// Opens a data file and checks its size and header against the manifest.
-pub(crate) fn open_file(storage: &dyn Storage, m: &Manifest, fm: &FileManifest) -> Result<OpenFile> {
+pub(crate) fn open_file(
+    storage: &dyn Storage,
+    m: &Manifest,
+    fm: &FileManifest,
+) -> Result<OpenFile> {
     let corrupt = |what: String| Error::Corrupt {
         file: fm.name.clone(),
         what,
@@ -177,23 +205,38 @@ pub(crate) fn open_file(storage: &dyn Storage, m: &Manifest, fm: &FileManifest) 
             "{} bytes, the manifest says {} ({})",
             handle.len(),
             fm.bytes,
-            if handle.len() < fm.bytes { "truncated" } else { "extended" }
+            if handle.len() < fm.bytes {
+                "truncated"
+            } else {
+                "extended"
+            }
         )));
     }
     if fm.data_start > MAX_HEADER_BYTES + 8 || fm.data_start > fm.bytes {
-        return Err(corrupt(format!("data start {} is impossible", fm.data_start)));
+        return Err(corrupt(format!(
+            "data start {} is impossible",
+            fm.data_start
+        )));
     }
     let mut raw = vec![0u8; fm.data_start as usize];
     handle.read_at(0, &mut raw)?;
     if crc32fast::hash(&raw) != fm.header_crc32 {
-        return Err(corrupt("header checksum does not match the manifest".into()));
+        return Err(corrupt(
+            "header checksum does not match the manifest".into(),
+        ));
     }
     let header = read_header(handle.as_ref(), &fm.name)?;
     if header.data_start != fm.data_start {
-        return Err(corrupt(format!("data starts at {}, the manifest says {}", header.data_start, fm.data_start)));
+        return Err(corrupt(format!(
+            "data starts at {}, the manifest says {}",
+            header.data_start, fm.data_start
+        )));
     }
-    let expected: HashMap<&str, &saver_core::manifest::TensorRef> =
-        m.tensor_refs().filter(|t| t.file == fm.name).map(|t| (t.name.as_str(), t)).collect();
+    let expected: HashMap<&str, &saver_core::manifest::TensorRef> = m
+        .tensor_refs()
+        .filter(|t| t.file == fm.name)
+        .map(|t| (t.name.as_str(), t))
+        .collect();
     if expected.len() != header.tensors.len() {
         return Err(corrupt(format!(
             "{} tensors in the header, {} in the manifest",
@@ -206,7 +249,10 @@ pub(crate) fn open_file(storage: &dyn Storage, m: &Manifest, fm: &FileManifest) 
             .get(t.name.as_str())
             .ok_or_else(|| corrupt(format!("tensor {:?} is not in the manifest", t.name)))?;
         if r.dtype != t.dtype || r.shape != t.shape || r.offset != t.offset || r.len != t.len {
-            return Err(corrupt(format!("tensor {:?} differs between header and manifest", t.name)));
+            return Err(corrupt(format!(
+                "tensor {:?} differs between header and manifest",
+                t.name
+            )));
         }
     }
     Ok(OpenFile { handle })
@@ -254,7 +300,12 @@ impl Checkpoint {
     }
 
     /// Reads `buf.len()` bytes of tensor `t` from byte `offset` of the tensor.
-    pub fn read_tensor_range(&self, t: &saver_core::manifest::TensorRef, offset: u64, buf: &mut [u8]) -> Result<()> {
+    pub fn read_tensor_range(
+        &self,
+        t: &saver_core::manifest::TensorRef,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
         let end = offset.checked_add(buf.len() as u64);
         if end.is_none_or(|e| e > t.len) {
             return Err(Error::Mismatch(format!(
@@ -278,7 +329,9 @@ impl Checkpoint {
             .dense
             .iter()
             .find(|d| d.tensor.name == name)
-            .ok_or_else(|| Error::Mismatch(format!("no dense tensor {name:?} in {}", self.location())))?;
+            .ok_or_else(|| {
+                Error::Mismatch(format!("no dense tensor {name:?} in {}", self.location()))
+            })?;
         let mut buf = vec![0u8; d.tensor.len as usize];
         self.read_tensor_range(&d.tensor, 0, &mut buf)?;
         if crc32fast::hash(&buf) != d.tensor.crc32 {

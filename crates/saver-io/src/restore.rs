@@ -187,7 +187,12 @@ impl Checkpoint {
                 return Err(Error::Mismatch(format!(
                     "required table {r:?} is not in the checkpoint {} (it has: {})",
                     self.location(),
-                    self.manifest().tables.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")
+                    self.manifest()
+                        .tables
+                        .iter()
+                        .map(|t| t.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )));
             }
         }
@@ -219,19 +224,43 @@ impl Checkpoint {
         for &j in &targets {
             let mut ts = Vec::new();
             for t in &tables {
-                let name = opts.rename.get(&t.name).cloned().unwrap_or_else(|| t.name.clone());
-                ts.push(EmbeddingTable::new(name, t.key_dtype, Self::kept_slots(t, &exclude))?);
+                let name = opts
+                    .rename
+                    .get(&t.name)
+                    .cloned()
+                    .unwrap_or_else(|| t.name.clone());
+                ts.push(EmbeddingTable::new(
+                    name,
+                    t.key_dtype,
+                    Self::kept_slots(t, &exclude),
+                )?);
             }
-            shards.push(RestoredShard { shard: j, tables: ts });
+            shards.push(RestoredShard {
+                shard: j,
+                tables: ts,
+            });
         }
         let sinks: Vec<(u32, &TableManifest, &dyn TableSink)> = shards
             .iter()
-            .flat_map(|s| s.tables.iter().zip(&tables).map(move |(sink, t)| (s.shard, *t, sink as &dyn TableSink)))
+            .flat_map(|s| {
+                s.tables
+                    .iter()
+                    .zip(&tables)
+                    .map(move |(sink, t)| (s.shard, *t, sink as &dyn TableSink))
+            })
             .collect();
         let mut report = self.load_sinks(&sinks, opts)?;
-        let dense = if opts.load_dense { self.load_dense(opts, &mut report)? } else { Vec::new() };
+        let dense = if opts.load_dense {
+            self.load_dense(opts, &mut report)?
+        } else {
+            Vec::new()
+        };
         finish_report(&mut report);
-        Ok(Restored { shards, dense, report })
+        Ok(Restored {
+            shards,
+            dense,
+            report,
+        })
     }
 
     /// Loads target shard `shard` of `opts.shard_num` into user sinks: `sink_for` returns the sink
@@ -252,8 +281,10 @@ impl Checkpoint {
             .into());
         }
         let tables = self.selected_tables(opts)?;
-        let sinks: Vec<(u32, &TableManifest, &dyn TableSink)> =
-            tables.iter().filter_map(|t| sink_for(t).map(|s| (shard, *t, s))).collect();
+        let sinks: Vec<(u32, &TableManifest, &dyn TableSink)> = tables
+            .iter()
+            .filter_map(|t| sink_for(t).map(|s| (shard, *t, s)))
+            .collect();
         let mut report = self.load_sinks(&sinks, opts)?;
         finish_report(&mut report);
         Ok(report)
@@ -287,7 +318,12 @@ impl Checkpoint {
     }
 
     /// Reads the row range of `seg` within buckets `target`, using the bucket index.
-    fn rows_in(&self, seg: &SegmentManifest, target: &Range<u32>, report: &mut u64) -> Result<Range<u64>> {
+    fn rows_in(
+        &self,
+        seg: &SegmentManifest,
+        target: &Range<u32>,
+        report: &mut u64,
+    ) -> Result<Range<u64>> {
         let t = &seg.bucket_index;
         let mut raw = vec![0u8; t.len as usize];
         self.read_tensor_range(t, 0, &mut raw)?;
@@ -298,7 +334,10 @@ impl Checkpoint {
                 what: format!("tensor {:?} fails its CRC32 check", t.name),
             });
         }
-        let entries: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+        let entries: Vec<u64> = raw
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         let corrupt = |what: &str| Error::Corrupt {
             file: t.file.clone(),
             what: format!("bucket index {:?} {what}", t.name),
@@ -306,7 +345,10 @@ impl Checkpoint {
         let mut prev: Option<(u64, u64)> = None;
         for &e in &entries {
             let (b, r) = (e >> 48, e & ((1 << 48) - 1));
-            if prev.is_some_and(|(pb, pr)| b <= pb || r <= pr) || r >= seg.rows || (prev.is_none() && r != 0) {
+            if prev.is_some_and(|(pb, pr)| b <= pb || r <= pr)
+                || r >= seg.rows
+                || (prev.is_none() && r != 0)
+            {
                 return Err(corrupt("is not strictly increasing within the segment"));
             }
             if b < u64::from(seg.buckets[0]) || b >= u64::from(seg.buckets[1]) {
@@ -323,7 +365,11 @@ impl Checkpoint {
         Ok(first_row_at(target.start)..first_row_at(target.end))
     }
 
-    fn load_sinks(&self, sinks: &[(u32, &TableManifest, &dyn TableSink)], opts: &LoadOptions) -> Result<LoadReport> {
+    fn load_sinks(
+        &self,
+        sinks: &[(u32, &TableManifest, &dyn TableSink)],
+        opts: &LoadOptions,
+    ) -> Result<LoadReport> {
         let start = Instant::now();
         let mut report = LoadReport::default();
         let mut work = Vec::new();
@@ -337,9 +383,18 @@ impl Checkpoint {
                 )));
             }
             for want in sink.slots() {
-                let have = t.slots.iter().find(|s| s.name == want.name).ok_or_else(|| {
-                    Error::Mismatch(format!("table {:?} has no slot {:?} in {}", t.name, want.name, self.location()))
-                })?;
+                let have = t
+                    .slots
+                    .iter()
+                    .find(|s| s.name == want.name)
+                    .ok_or_else(|| {
+                        Error::Mismatch(format!(
+                            "table {:?} has no slot {:?} in {}",
+                            t.name,
+                            want.name,
+                            self.location()
+                        ))
+                    })?;
                 if have.dtype != want.dtype || have.shape != want.shape {
                     return Err(Error::Mismatch(format!(
                         "table {:?} slot {:?} is {} {:?} in the checkpoint, the target expects {} {:?}",
@@ -374,7 +429,10 @@ impl Checkpoint {
                     } else {
                         self.rows_in(seg, &(lo..hi), &mut report.bytes_read)?
                     };
-                    let row_bytes = 8 + slot_map.iter().map(|&k| seg.slots[k].len / seg.rows.max(1)).sum::<u64>();
+                    let row_bytes = 8 + slot_map
+                        .iter()
+                        .map(|&k| seg.slots[k].len / seg.rows.max(1))
+                        .sum::<u64>();
                     let step = (opts.chunk_bytes / row_bytes).max(1);
                     let mut r = rows.start;
                     while r < rows.end {
@@ -451,7 +509,10 @@ impl Checkpoint {
             let t = &w.seg.slots[s];
             read(t, t.len / w.seg.rows, &mut slotbufs[k])?;
         }
-        let ids: Vec<u64> = idbuf.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+        let ids: Vec<u64> = idbuf
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         // Ids must be in the target's buckets and sorted by (bucket, id): catches corrupt bytes in
         // partially read tensors, which no CRC covers.
         let mut prev: Option<(u32, u64)> = None;
@@ -484,7 +545,9 @@ impl Checkpoint {
         }
         let mut checked = 0;
         for t in self.manifest().tensor_refs() {
-            let Some(mut ps) = by.remove(&(t as *const TensorRef as usize)) else { continue };
+            let Some(mut ps) = by.remove(&(t as *const TensorRef as usize)) else {
+                continue;
+            };
             ps.sort_by_key(|p| p.offset);
             let mut h = Hasher::new();
             for p in &ps {

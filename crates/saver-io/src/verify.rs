@@ -114,7 +114,10 @@ pub fn verify_storage(storage: &dyn Storage, parallel: usize) -> Result<VerifyRe
                     Ok(f) => f,
                     Err(e) => return (0, 0, vec![problem(&e, &fm.name)]),
                 };
-                let refs: Vec<&TensorRef> = manifest.tensor_refs().filter(|t| t.file == fm.name).collect();
+                let refs: Vec<&TensorRef> = manifest
+                    .tensor_refs()
+                    .filter(|t| t.file == fm.name)
+                    .collect();
                 let mut problems = Vec::new();
                 let mut bytes = 0;
                 let mut buf = vec![0u8; 8 << 20];
@@ -140,7 +143,10 @@ pub fn verify_storage(storage: &dyn Storage, parallel: usize) -> Result<VerifyRe
                         problems.push(Problem {
                             file: fm.name.clone(),
                             tensor: Some(t.name.clone()),
-                            detail: format!("tensor {:?} fails its CRC32 check (bytes changed)", t.name),
+                            detail: format!(
+                                "tensor {:?} fails its CRC32 check (bytes changed)",
+                                t.name
+                            ),
                         });
                     }
                 }

@@ -15,7 +15,9 @@ use saver_core::partition::fmix64;
 use saver_core::plan::{ChunkBuffer, Loc};
 use saver_core::{plan, PlanOptions, SaveInput, SavePlan};
 
-use crate::commit::{clear_own_leftovers, committed_save_id, try_commit, wait_for_commit, CommitState};
+use crate::commit::{
+    clear_own_leftovers, committed_save_id, try_commit, wait_for_commit, CommitState,
+};
 use crate::error::{Error, Result};
 use crate::storage::{LocalFs, Storage, WriteHandle};
 
@@ -106,7 +108,9 @@ pub fn save(dir: impl AsRef<Path>, input: SaveInput<'_>, opts: &SaveOptions) -> 
 }
 
 fn random_save_id() -> String {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
     let salt = fmix64(now.as_nanos() as u64 ^ (u64::from(std::process::id()) << 40));
     format!("{}-{:08x}", now.as_secs(), salt as u32)
 }
@@ -132,7 +136,11 @@ fn derived_save_id(input: &SaveInput<'_>, opts: &SaveOptions) -> String {
 /// Saves a model into `storage`: plans, writes every planned shard in parallel, makes it durable,
 /// writes the shard manifests and commits (single-process), or commits if this process completes
 /// the set of shards (multi-process).
-pub fn save_to(storage: &dyn Storage, input: SaveInput<'_>, opts: &SaveOptions) -> Result<SaveReport> {
+pub fn save_to(
+    storage: &dyn Storage,
+    input: SaveInput<'_>,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
     let t0 = Instant::now();
     let save_id = match &opts.save_id {
         Some(id) => id.clone(),
@@ -168,11 +176,26 @@ pub fn save_to(storage: &dyn Storage, input: SaveInput<'_>, opts: &SaveOptions) 
     let plan_seconds = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
-    let crcs = write_plan(storage, &plan, plan_opts.parallel, opts.durable, opts.progress.as_deref())?;
+    let crcs = write_plan(
+        storage,
+        &plan,
+        plan_opts.parallel,
+        opts.durable,
+        opts.progress.as_deref(),
+    )?;
     for (pos, shard_crcs) in crcs.iter().enumerate() {
-        let m = plan.shard_manifest(pos, shard_crcs, &opts.user_metadata, opts.trainer_state.clone());
+        let m = plan.shard_manifest(
+            pos,
+            shard_crcs,
+            &opts.user_metadata,
+            opts.trainer_state.clone(),
+        );
         let json = serde_json::to_vec_pretty(&m).expect("manifests serialize");
-        storage.put(&shard_manifest_name(&save_id, plan.shards()[pos].shard), &json, opts.durable)?;
+        storage.put(
+            &shard_manifest_name(&save_id, plan.shards()[pos].shard),
+            &json,
+            opts.durable,
+        )?;
     }
     let write_seconds = t1.elapsed().as_secs_f64();
 
@@ -228,14 +251,18 @@ pub fn write_plan(
     progress: Option<&ProgressFn>,
 ) -> Result<Vec<Vec<Vec<u32>>>> {
     let mut handles: Vec<Vec<Box<dyn WriteHandle>>> = Vec::new();
-    let abort_all = |handles: Vec<Vec<Box<dyn WriteHandle>>>| handles.into_iter().flatten().for_each(|h| h.abort());
+    let abort_all = |handles: Vec<Vec<Box<dyn WriteHandle>>>| {
+        handles.into_iter().flatten().for_each(|h| h.abort())
+    };
     for shard in plan.shards() {
         let mut files = Vec::new();
         for f in &shard.files {
             match storage.create(&f.name, f.file_len()) {
                 Ok(h) => files.push(h),
                 Err(e) => {
-                    files.into_iter().for_each(|h: Box<dyn WriteHandle>| h.abort());
+                    files
+                        .into_iter()
+                        .for_each(|h: Box<dyn WriteHandle>| h.abort());
                     abort_all(handles);
                     return Err(e);
                 }
@@ -260,7 +287,8 @@ pub fn write_plan(
                 plan.produce::<Error>(chunk, buf, &mut |piece| {
                     let f = &plan.shards()[piece.shard].files[piece.loc.file];
                     let t = &f.tensors[piece.loc.tensor];
-                    handles[piece.shard][piece.loc.file].write_at(f.data_start + t.start + piece.offset, piece.bytes)?;
+                    handles[piece.shard][piece.loc.file]
+                        .write_at(f.data_start + t.start + piece.offset, piece.bytes)?;
                     let mut hasher = Hasher::new();
                     hasher.update(piece.bytes);
                     crcs.push(PieceCrc {
@@ -296,8 +324,13 @@ pub fn write_plan(
         }
     };
     // fsync and rename every file, several at once: fsync is where durable saves spend their time.
-    let commits: Vec<Result<()>> =
-        pool.install(|| handles.into_par_iter().flatten().map(|h| h.commit(durable)).collect());
+    let commits: Vec<Result<()>> = pool.install(|| {
+        handles
+            .into_par_iter()
+            .flatten()
+            .map(|h| h.commit(durable))
+            .collect()
+    });
     if let Some(e) = commits.into_iter().find_map(Result::err) {
         // Files already renamed carry this save's id and no manifest names them: they are never
         // part of a checkpoint, and the next save of this shard or the next commit removes them.
@@ -311,10 +344,16 @@ pub fn write_plan(
 
 /// Combines per-piece CRCs into per-tensor CRCs, in offset order, checking every byte of every
 /// tensor was produced exactly once.
-fn combine_crcs(plan: &SavePlan<'_>, pieces: impl Iterator<Item = PieceCrc>) -> Result<Vec<Vec<Vec<u32>>>> {
+fn combine_crcs(
+    plan: &SavePlan<'_>,
+    pieces: impl Iterator<Item = PieceCrc>,
+) -> Result<Vec<Vec<Vec<u32>>>> {
     let mut by_tensor: HashMap<(usize, usize, usize), Vec<PieceCrc>> = HashMap::new();
     for p in pieces {
-        by_tensor.entry((p.shard, p.loc.file, p.loc.tensor)).or_default().push(p);
+        by_tensor
+            .entry((p.shard, p.loc.file, p.loc.tensor))
+            .or_default()
+            .push(p);
     }
     let mut out = Vec::with_capacity(plan.shards().len());
     for (s, shard) in plan.shards().iter().enumerate() {

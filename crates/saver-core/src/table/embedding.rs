@@ -192,6 +192,16 @@ impl EmbeddingTable {
         Some(bytes[off..off + self.slot_bytes[slot]].to_vec())
     }
 
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Whether the table has no rows.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
     /// Whether the table holds `id`.
     pub fn contains(&self, id: u64) -> bool {
         self.rows.contains_key(&id)

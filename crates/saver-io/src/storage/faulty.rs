@@ -60,9 +60,15 @@ struct FaultyWrite {
 impl WriteHandle for FaultyWrite {
     fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
         let n = self.state.writes.fetch_add(1, Ordering::SeqCst);
-        let total = self.state.bytes.fetch_add(buf.len() as u64, Ordering::SeqCst) + buf.len() as u64;
+        let total = self
+            .state
+            .bytes
+            .fetch_add(buf.len() as u64, Ordering::SeqCst)
+            + buf.len() as u64;
         match self.fault {
-            Fault::WriteNumber(k) if n == k => return Err(injected("no space left on device (injected)")),
+            Fault::WriteNumber(k) if n == k => {
+                return Err(injected("no space left on device (injected)"))
+            }
             Fault::DiskFullAfter(limit) if total > limit => {
                 return Err(injected("no space left on device (injected)"))
             }

@@ -62,7 +62,9 @@ struct LocalWrite {
 
 impl WriteHandle for LocalWrite {
     fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
-        self.file.write_all_at(buf, offset).map_err(io_err("write", &self.tmp))
+        self.file
+            .write_all_at(buf, offset)
+            .map_err(io_err("write", &self.tmp))
     }
 
     fn commit(self: Box<Self>, durable: bool) -> Result<()> {
@@ -130,7 +132,9 @@ impl Storage for LocalFs {
     fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>> {
         let dest = self.path(name)?;
         let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tmp = self.dir.join(format!("{name}{TMP_MARK}{}-{n}", std::process::id()));
+        let tmp = self
+            .dir
+            .join(format!("{name}{TMP_MARK}{}-{n}", std::process::id()));
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)

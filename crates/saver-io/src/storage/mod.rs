@@ -93,7 +93,10 @@ pub trait Storage: Send + Sync + fmt::Debug {
         if h.len() > limit {
             return Err(Error::Corrupt {
                 file: name.to_string(),
-                what: format!("{} bytes, more than the {limit} allowed for this kind of file", h.len()),
+                what: format!(
+                    "{} bytes, more than the {limit} allowed for this kind of file",
+                    h.len()
+                ),
             });
         }
         let mut buf = vec![0u8; h.len() as usize];

@@ -1,0 +1,423 @@
+//! Loading back: round trips with resharding, selection, and every load error.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use common::{rows_of, table, Model};
+use proptest::prelude::*;
+use saver::io::{Error, TableSink};
+use saver::{
+    save, Checkpoint, Dtype, EmbeddingTable, KeyDtype, LoadOptions, PartitionRule, PlanOptions,
+    SaveOptions, SlotSpec,
+};
+
+fn save_opts(shards: u32) -> SaveOptions {
+    SaveOptions {
+        plan: PlanOptions {
+            shard_num: shards,
+            parallel: 2,
+            max_block_bytes: 16 << 10,
+            ..PlanOptions::default()
+        },
+        durable: false,
+        ..SaveOptions::default()
+    }
+}
+
+fn dtype_strategy() -> impl Strategy<Value = Dtype> {
+    prop_oneof![
+        Just(Dtype::BOOL),
+        Just(Dtype::F16),
+        Just(Dtype::BF16),
+        Just(Dtype::U64),
+        Just(Dtype::F32),
+        Just(Dtype::I8),
+        Just(Dtype::F64),
+        Just(Dtype::F8_E4M3),
+        Just(Dtype::C64),
+    ]
+}
+
+fn id_strategy() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        any::<u64>(),
+        (-500i64..500).prop_map(|x| x as u64),
+        Just(u64::MAX),
+        Just(i64::MIN as u64),
+        Just(i64::MAX as u64),
+        Just(0u64),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    #[test]
+    fn any_n_to_any_m_restores_exactly_the_saved_model(
+        ids in proptest::collection::btree_set(id_strategy(), 0..600),
+        dtypes in proptest::collection::vec(dtype_strategy(), 1..4),
+        dim in 1u64..6,
+        signed in any::<bool>(),
+        n in 1u32..17,
+        m in 1u32..17,
+    ) {
+        let ids: Vec<u64> = ids.into_iter().collect();
+        let slots: Vec<SlotSpec> = dtypes.iter().enumerate()
+            .map(|(i, &d)| SlotSpec::new(format!("s{i}"), d, if i == 0 { vec![] } else { vec![dim] }))
+            .collect();
+        let key = if signed { KeyDtype::I64 } else { KeyDtype::U64 };
+        let t = table("t", key, slots, &ids);
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), saver::SaveInput::new().table(&t), &save_opts(n)).unwrap();
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        let restored = ck.restore(&LoadOptions { shard_num: m, ..LoadOptions::default() }).unwrap();
+        let mut union = BTreeMap::new();
+        for shard in &restored.shards {
+            let part = rows_of(&shard.tables[0]);
+            for id in part.keys() {
+                prop_assert_eq!(PartitionRule::shard_of(*id, m), shard.shard, "id {} in the wrong shard", id);
+            }
+            let before = union.len();
+            let added = part.len();
+            union.extend(part);
+            prop_assert_eq!(union.len(), before + added, "an id was restored twice");
+        }
+        prop_assert_eq!(&union, &rows_of(&t));
+        prop_assert!(restored.report.read_amplification <= 1.1 || restored.report.bytes_kept < 100_000,
+            "amplification {}", restored.report.read_amplification);
+
+        // Loading one target shard alone gives the same rows as in the all-shards restore.
+        let j = m / 2;
+        let one = ck.restore(&LoadOptions { shard_num: m, shard_index: Some(j), ..LoadOptions::default() }).unwrap();
+        prop_assert_eq!(rows_of(&one.shards[0].tables[0]), rows_of(&restored.shards[j as usize].tables[0]));
+    }
+}
+
+fn saved_model(dir: &Path, shards: u32) -> Model {
+    let m = Model::new(3000);
+    save(dir, m.input(), &save_opts(shards)).unwrap();
+    m
+}
+
+#[test]
+fn resharding_8_to_3_reads_little_more_than_it_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Model::new(40_000);
+    save(dir.path(), m.input(), &save_opts(8)).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let mut total = 0;
+    for j in 0..3 {
+        let r = ck
+            .restore(&LoadOptions {
+                shard_num: 3,
+                shard_index: Some(j),
+                load_dense: false,
+                ..LoadOptions::default()
+            })
+            .unwrap();
+        assert!(
+            r.report.read_amplification <= 1.1,
+            "shard {j}: {}",
+            r.report.read_amplification
+        );
+        total += r.shards[0]
+            .tables
+            .iter()
+            .map(saver::SparseTable::len)
+            .sum::<usize>();
+    }
+    assert_eq!(total, m.user.len() + m.item.len());
+}
+
+#[test]
+fn selection_renaming_and_dense() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = saved_model(dir.path(), 4);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let mut rename = BTreeMap::new();
+    rename.insert("user".to_string(), "user_v2".to_string());
+    let r = ck
+        .restore(&LoadOptions {
+            tables: vec!["us*".into()],
+            exclude_slots: vec!["adagrad".into(), "freq".into()],
+            dense: vec!["*.bias".into()],
+            rename,
+            ..LoadOptions::default()
+        })
+        .unwrap();
+    let t = &r.shards[0].tables;
+    assert_eq!(t.len(), 1);
+    assert_eq!(saver::SparseTable::name(&t[0]), "user_v2");
+    assert_eq!(saver::SparseTable::slots(&t[0]).len(), 1);
+    let full = rows_of(&m.user);
+    for (id, slots) in rows_of(&t[0]) {
+        assert_eq!(slots[0], full[&id][0]);
+    }
+    assert_eq!(r.dense.len(), 1);
+    assert_eq!(r.dense[0].name, "mlp.0.bias");
+    assert_eq!(r.dense[0].data, m.w2);
+    // A closure selects tables too.
+    let r = ck
+        .restore(&LoadOptions {
+            table_filter: Some(std::sync::Arc::new(|n: &str| n == "item")),
+            ..LoadOptions::default()
+        })
+        .unwrap();
+    assert_eq!(rows_of(&r.shards[0].tables[0]), rows_of(&m.item));
+}
+
+#[test]
+fn trainer_state_reads_back_typed() {
+    #[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
+    struct State {
+        step: u64,
+        rng: [u64; 2],
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let m = Model::new(10);
+    let mut o = save_opts(2)
+        .with_trainer_state(&State {
+            step: 77,
+            rng: [1, 2],
+        })
+        .unwrap();
+    o.user_metadata.insert("model".into(), "dlrm".into());
+    save(dir.path(), m.input(), &o).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    assert_eq!(
+        ck.trainer_state::<State>(1).unwrap(),
+        Some(State {
+            step: 77,
+            rng: [1, 2]
+        })
+    );
+    assert_eq!(ck.manifest().user_metadata["model"], "dlrm");
+}
+
+#[test]
+fn user_sinks_get_mismatches_named() {
+    let dir = tempfile::tempdir().unwrap();
+    saved_model(dir.path(), 2);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let wrong_dtype = EmbeddingTable::new(
+        "user",
+        KeyDtype::I64,
+        vec![SlotSpec::new("embedding", Dtype::F16, vec![8])],
+    )
+    .unwrap();
+    let err = ck
+        .load_into(0, &LoadOptions::default(), &|t| {
+            (t.name == "user").then_some(&wrong_dtype as &dyn TableSink)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("\"user\"") && err.contains("\"embedding\"") && err.contains("F16"),
+        "{err}"
+    );
+    let wrong_shape = EmbeddingTable::new(
+        "user",
+        KeyDtype::I64,
+        vec![SlotSpec::new("embedding", Dtype::F32, vec![9])],
+    )
+    .unwrap();
+    let err = ck
+        .load_into(0, &LoadOptions::default(), &|t| {
+            (t.name == "user").then_some(&wrong_shape as &dyn TableSink)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("[9]"), "{err}");
+    let wrong_key = EmbeddingTable::new("user", KeyDtype::U64, vec![]).unwrap();
+    let err = ck
+        .load_into(0, &LoadOptions::default(), &|t| {
+            (t.name == "user").then_some(&wrong_key as &dyn TableSink)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("I64 ids"), "{err}");
+    let missing = EmbeddingTable::new(
+        "user",
+        KeyDtype::I64,
+        vec![SlotSpec::new("adam_m", Dtype::F32, vec![8])],
+    )
+    .unwrap();
+    let err = ck
+        .load_into(0, &LoadOptions::default(), &|t| {
+            (t.name == "user").then_some(&missing as &dyn TableSink)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no slot \"adam_m\""), "{err}");
+    let err = ck
+        .restore(&LoadOptions {
+            required_tables: vec!["clicks".into()],
+            ..LoadOptions::default()
+        })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("required table \"clicks\""), "{err}");
+    // A sink that only wants embeddings gets them, from shard 1 of 2.
+    let emb = EmbeddingTable::new(
+        "user",
+        KeyDtype::I64,
+        vec![SlotSpec::new("embedding", Dtype::F32, vec![8])],
+    )
+    .unwrap();
+    let r = ck
+        .load_into(
+            1,
+            &LoadOptions {
+                shard_num: 2,
+                ..LoadOptions::default()
+            },
+            &|t| (t.name == "user").then_some(&emb as &dyn TableSink),
+        )
+        .unwrap();
+    assert_eq!(r.rows as usize, saver::SparseTable::len(&emb));
+    assert!(saver::SparseTable::len(&emb) > 0);
+}
+
+fn flip(path: &Path, at: u64) {
+    let mut b = std::fs::read(path).unwrap();
+    b[at as usize] ^= 0x40;
+    std::fs::write(path, b).unwrap();
+}
+
+#[test]
+fn a_flipped_data_byte_is_caught_by_verify_and_refused_by_load() {
+    let dir = tempfile::tempdir().unwrap();
+    saved_model(dir.path(), 2);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let t = ck.manifest().table("user").unwrap().partitions[1].segments[0].slots[0].clone();
+    drop(ck);
+    flip(&dir.path().join(&t.file), t.offset + 5);
+    let v = saver::verify(dir.path(), 2).unwrap();
+    assert_eq!(v.status, saver::Status::Corrupt);
+    assert_eq!(v.problems.len(), 1);
+    assert_eq!(v.problems[0].tensor.as_deref(), Some(t.name.as_str()));
+    assert_eq!(v.problems[0].file, t.file);
+    let err = Checkpoint::open(dir.path())
+        .unwrap()
+        .restore(&LoadOptions::default())
+        .err()
+        .unwrap();
+    assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+    assert!(err.to_string().contains(&t.name), "{err}");
+}
+
+#[test]
+fn truncated_and_missing_files_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    saved_model(dir.path(), 2);
+    let man = Checkpoint::open(dir.path()).unwrap().manifest().clone();
+    let f = &man.files[0];
+    let path = dir.path().join(&f.name);
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
+    let err = Checkpoint::open(dir.path()).unwrap_err().to_string();
+    assert!(err.contains(&f.name) && err.contains("truncated"), "{err}");
+    let v = saver::verify(dir.path(), 1).unwrap();
+    assert_eq!(v.status, saver::Status::Corrupt);
+    assert!(
+        v.problems
+            .iter()
+            .any(|p| p.file == f.name && p.detail.contains("truncated")),
+        "{:?}",
+        v.problems
+    );
+
+    std::fs::remove_file(&path).unwrap();
+    let err = Checkpoint::open(dir.path()).unwrap_err().to_string();
+    assert!(err.contains(&f.name), "{err}");
+    let v = saver::verify(dir.path(), 1).unwrap();
+    assert_eq!(v.status, saver::Status::Corrupt);
+    assert!(
+        v.problems.iter().any(|p| p.file.contains(&f.name)),
+        "{:?}",
+        v.problems
+    );
+}
+
+#[test]
+fn a_hand_edited_index_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    saved_model(dir.path(), 2);
+    let path = dir.path().join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["weight_map"]["ghost/tensor"] = serde_json::json!("model-nowhere.safetensors");
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    let err = Checkpoint::open(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("model.safetensors.index.json"), "{err}");
+
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["metadata"]["saver_manifest"] = serde_json::json!("../outside.json");
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    let err = Checkpoint::open(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("../outside.json") && err.contains("path separator"),
+        "{err}"
+    );
+
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["metadata"]["saver_format_version"] = serde_json::json!(99);
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    let err = Checkpoint::open(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("format version 99"), "{err}");
+}
+
+#[test]
+fn a_directory_without_a_commit_is_refused_with_what_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = Checkpoint::open(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("never committed") && err.contains("empty"),
+        "{err}"
+    );
+    assert_eq!(
+        saver::verify(dir.path(), 1).unwrap().status,
+        saver::Status::Incomplete
+    );
+    let err = Checkpoint::open(dir.path().join("nope"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("nope"), "{err}");
+}
+
+#[test]
+fn partial_reads_check_ids_structurally() {
+    // A flipped id byte in a tensor read only in part (resharding) is still caught.
+    let dir = tempfile::tempdir().unwrap();
+    saved_model(dir.path(), 1);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let seg = ck.manifest().table("user").unwrap().partitions[0].segments[0].clone();
+    drop(ck);
+    // Corrupt every id of the segment so any target shard that reads part of it sees one.
+    let mut b = std::fs::read(dir.path().join(&seg.ids.file)).unwrap();
+    for i in 0..seg.rows {
+        b[(seg.ids.offset + i * 8 + 7) as usize] ^= 0x10;
+    }
+    std::fs::write(dir.path().join(&seg.ids.file), b).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let errs: BTreeSet<String> = (0..4)
+        .filter_map(|j| {
+            ck.restore(&LoadOptions {
+                shard_num: 4,
+                shard_index: Some(j),
+                ..LoadOptions::default()
+            })
+            .err()
+            .map(|e| e.to_string())
+        })
+        .collect();
+    assert!(!errs.is_empty());
+    assert!(
+        errs.iter()
+            .all(|e| e.contains("out of bucket order") || e.contains("CRC32")),
+        "{errs:?}"
+    );
+}
