@@ -13,7 +13,7 @@ pub use saver_core as core;
 pub use saver_io as io;
 
 pub use saver_core::{
-    DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype, PartitionRule, PlanOptions,
-    SaveInput, SlotSpec, SparseTable,
+    BlockKind, DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype, PartitionRule,
+    PlanOptions, SaveInput, SlotSpec, SparseTable,
 };
 pub use saver_io::{save, verify, Checkpoint, LoadOptions, SaveOptions, Status};

@@ -47,7 +47,17 @@ fn every_file_is_valid_safetensors_with_the_saved_bytes() {
             assert_eq!(crc32fast::hash(view.data()), r.crc32, "{name}");
             assert_eq!(format!("{:?}", view.dtype()), r.dtype.name());
         }
-        assert_eq!((bytes.len() as u64 - f.data_start) % 1, 0);
+        let data: u64 = man
+            .tensor_refs()
+            .filter(|t| t.file == f.name)
+            .map(|t| t.len)
+            .sum();
+        assert_eq!(
+            bytes.len() as u64,
+            f.data_start + data,
+            "{}: header + tensors, nothing else",
+            f.name
+        );
         assert_eq!(f.data_start % 4096, 0, "data section aligned");
     }
     // Rows in the files equal the table's rows, slot by slot.

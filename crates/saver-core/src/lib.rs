@@ -61,6 +61,7 @@
 
 #![warn(missing_docs)]
 
+pub mod cast;
 pub mod dtype;
 pub mod error;
 pub mod filter;
@@ -68,6 +69,7 @@ pub mod manifest;
 pub mod naming;
 pub mod partition;
 pub mod plan;
+pub mod synthetic;
 pub mod table;
 pub mod tensor;
 

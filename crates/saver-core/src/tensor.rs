@@ -20,7 +20,7 @@ pub fn byte_len(name: &str, dtype: Dtype, shape: &[u64]) -> Result<u64> {
         why,
     };
     let n = element_count(shape).ok_or_else(|| bad("has more elements than fit in 64 bits"))?;
-    if dtype.bits() % 8 != 0 && n.checked_mul(dtype.bits()).is_some_and(|b| b % 8 != 0) {
+    if !dtype.bits().is_multiple_of(8) && n.checked_mul(dtype.bits()).is_some_and(|b| b % 8 != 0) {
         return Err(bad("does not fill a whole number of bytes"));
     }
     dtype

@@ -19,10 +19,14 @@
 #![warn(missing_docs)]
 
 pub mod commit;
+pub mod digest;
 pub mod error;
+pub mod export;
 pub mod header;
+pub mod import;
 pub mod index;
 pub mod reader;
+pub mod reshard;
 pub mod restore;
 pub mod storage;
 pub mod verify;

@@ -52,24 +52,40 @@ pub fn render_header(
     crcs: &[u32],
     align: u64,
 ) -> Vec<u8> {
-    let mut json = String::with_capacity(256 + tensors.len() * 128);
-    json.push_str("{\"__metadata__\":{");
-    let _ = write!(
-        json,
-        "\"saver.format_version\":\"{FORMAT_VERSION}\",\"saver.save_id\":{},\"saver.shard\":\"{}\",\
-         \"saver.shard_num\":\"{}\",\"saver.file\":\"{}\",\"{CRC_KEY}\":\"",
-        json_str(facts.save_id),
-        facts.shard,
-        facts.shard_num,
-        facts.file
-    );
+    let mut crc_list = String::with_capacity(crcs.len() * 9);
     for (i, crc) in crcs.iter().enumerate() {
         if i > 0 {
-            json.push(' ');
+            crc_list.push(' ');
         }
-        let _ = write!(json, "{crc:08x}");
+        let _ = write!(crc_list, "{crc:08x}");
     }
-    json.push_str("\"}");
+    let metadata = [
+        ("saver.format_version", FORMAT_VERSION.to_string()),
+        ("saver.save_id", facts.save_id.to_string()),
+        ("saver.shard", facts.shard.to_string()),
+        ("saver.shard_num", facts.shard_num.to_string()),
+        ("saver.file", facts.file.to_string()),
+        (CRC_KEY, crc_list),
+    ];
+    render_header_with(&metadata, tensors, align)
+}
+
+/// Renders a safetensors header with the given `__metadata__` pairs, padded so the data section
+/// starts at a multiple of `align`.
+pub fn render_header_with(
+    metadata: &[(&str, String)],
+    tensors: &[HeaderTensor],
+    align: u64,
+) -> Vec<u8> {
+    let mut json = String::with_capacity(256 + tensors.len() * 128);
+    json.push_str("{\"__metadata__\":{");
+    for (i, (k, v)) in metadata.iter().enumerate() {
+        if i > 0 {
+            json.push(',');
+        }
+        let _ = write!(json, "{}:{}", json_str(k), json_str(v));
+    }
+    json.push('}');
     for t in tensors {
         let _ = write!(
             json,

@@ -202,6 +202,20 @@ impl EmbeddingTable {
         self.rows.is_empty()
     }
 
+    /// Appends the bytes of every slot of the row of `id`, in slot order, to `out`; returns
+    /// whether the row exists.
+    pub fn append_row(&self, id: u64, out: &mut Vec<u8>) -> bool {
+        let Some(row) = self.rows.get(&id) else {
+            return false;
+        };
+        let bytes: &[u8] = bytemuck::cast_slice(&row[..]);
+        for (s, &b) in self.slot_bytes.iter().enumerate() {
+            let off = self.slot_offsets[s];
+            out.extend_from_slice(&bytes[off..off + b]);
+        }
+        true
+    }
+
     /// Whether the table holds `id`.
     pub fn contains(&self, id: u64) -> bool {
         self.rows.contains_key(&id)

@@ -1,0 +1,218 @@
+//! Command-line definitions. The names and flags here are the interface scripts rely on.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// saver: save, inspect, verify, load, reshard and export checkpoints of large recommendation
+/// models (sparse embedding tables plus dense tensors) as sharded safetensors.
+#[derive(Parser, Debug)]
+#[command(name = "saver", version, propagate_version = true)]
+pub struct Cli {
+    /// The command.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Output options shared by every command.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct Output {
+    /// Print one JSON object on stdout instead of text (no progress bars).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The commands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Save a checkpoint of a synthetic model or of an existing model (plain safetensors or a
+    /// saver checkpoint of any shard count).
+    #[command(after_help = "Examples:
+  saver save --out /ckpt/step100 --synthetic small --shards 8 --parallel 16
+  saver save --out /ckpt/x --synthetic 'tables=8,rows=1000000,dim=64,slots=embedding+adagrad,dense=64MiB,seed=7'
+  saver save --out /ckpt/serve --from /dumps/emb --exclude-slots 'adagrad*' --keep-rows 'freq>=5'
+  # one process per shard (e.g. under a launcher), all with the same arguments but --shard-index:
+  saver save --out /shared/ckpt --synthetic criteo-kaggle,scale=0.1 --shards 4 --shard-index 2")]
+    Save(SaveArgs),
+    /// Show what a checkpoint holds: tables, slots, rows, dense tensors, shards, files, sizes.
+    #[command(after_help = "Example:\n  saver inspect /ckpt/step100 --json")]
+    Inspect {
+        /// Checkpoint directory.
+        dir: PathBuf,
+        #[command(flatten)]
+        out: Output,
+    },
+    /// Check a checkpoint completely: structure and the CRC32 of every tensor. Exit status: 0
+    /// intact, 3 incomplete (never committed), 4 corrupt, 1 other errors.
+    #[command(
+        after_help = "Example:\n  saver verify /ckpt/step100 || echo 'do not load this one'"
+    )]
+    Verify {
+        /// Checkpoint directory.
+        dir: PathBuf,
+        /// Reader threads.
+        #[arg(long, default_value_t = default_parallel())]
+        parallel: usize,
+        #[command(flatten)]
+        out: Output,
+    },
+    /// Restore a checkpoint into memory, for all M target shards or shard J of M, and report
+    /// rows, bytes, time, read amplification and the content digest.
+    #[command(
+        after_help = "Examples:\n  saver load /ckpt/step100\n  saver load /ckpt/step100 --shards 3 --shard-index 1 --json"
+    )]
+    Load {
+        /// Checkpoint directory.
+        dir: PathBuf,
+        /// Number of target shards M.
+        #[arg(long, default_value_t = 1)]
+        shards: u32,
+        /// Load only target shard J of M.
+        #[arg(long)]
+        shard_index: Option<u32>,
+        /// Reader threads.
+        #[arg(long, default_value_t = default_parallel())]
+        parallel: usize,
+        #[command(flatten)]
+        out: Output,
+    },
+    /// Rewrite a checkpoint for another number of shards.
+    #[command(
+        after_help = "Example:\n  saver reshard /ckpt/step100 --out /ckpt/step100-m3 --shards 3"
+    )]
+    Reshard {
+        /// Source checkpoint directory.
+        src: PathBuf,
+        /// Destination directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Number of shards of the new checkpoint.
+        #[arg(long)]
+        shards: u32,
+        /// Writer threads.
+        #[arg(long, default_value_t = default_parallel())]
+        parallel: usize,
+        /// Replace a committed checkpoint in the destination.
+        #[arg(long)]
+        overwrite: bool,
+        /// Skip fsync (faster, not crash-safe).
+        #[arg(long)]
+        no_fsync: bool,
+        #[command(flatten)]
+        out_fmt: Output,
+    },
+    /// Write a consolidated plain safetensors copy for serving or other tools: `<table>/ids`
+    /// (ascending), `<table>/<slot>` rows in the same order, dense tensors by name.
+    #[command(
+        after_help = "Example:\n  saver export /ckpt/step100 --out /serving/v7 --exclude-slots 'adagrad*' --dtype f16"
+    )]
+    Export {
+        /// Source checkpoint directory.
+        src: PathBuf,
+        /// Destination directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Largest file, e.g. 2GiB.
+        #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+        max_file_size: u64,
+        /// Leave out slots matching this glob.
+        #[arg(long)]
+        exclude_slots: Vec<String>,
+        /// Export only tables matching this glob.
+        #[arg(long)]
+        tables: Vec<String>,
+        /// Cast floating slots and dense tensors.
+        #[arg(long, value_enum)]
+        dtype: Option<CastDtype>,
+        /// Replace an existing export in the destination.
+        #[arg(long)]
+        overwrite: bool,
+        #[command(flatten)]
+        out_fmt: Output,
+    },
+    /// Print a digest of a model's content (table names, ids, slot rows, dense tensors),
+    /// independent of shard count, file layout and row order. Works on a checkpoint or on plain
+    /// safetensors (e.g. an export).
+    #[command(
+        after_help = "Example:\n  test \"$(saver digest /ckpt/a)\" = \"$(saver digest /ckpt/a-resharded)\""
+    )]
+    Digest {
+        /// Checkpoint directory, plain safetensors directory or file.
+        path: PathBuf,
+        /// Reader threads.
+        #[arg(long, default_value_t = default_parallel())]
+        parallel: usize,
+        #[command(flatten)]
+        out: Output,
+    },
+}
+
+/// Flags of `saver save`.
+#[derive(Args, Debug)]
+pub struct SaveArgs {
+    /// Checkpoint directory to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Generate the model: a preset (tiny, small, criteo-kaggle) and/or key=value pairs.
+    #[arg(long, conflicts_with = "from", required_unless_present = "from")]
+    pub synthetic: Option<String>,
+    /// Read the model from a plain safetensors file/directory or a saver checkpoint.
+    #[arg(long)]
+    pub from: Option<PathBuf>,
+    /// Number of shards N.
+    #[arg(long, default_value_t = 1)]
+    pub shards: u32,
+    /// Write only shard I of N (one process of a multi-process save); commits if it completes the set.
+    #[arg(long)]
+    pub shard_index: Option<u32>,
+    /// Writer threads.
+    #[arg(long, default_value_t = default_parallel())]
+    pub parallel: usize,
+    /// Largest data file, e.g. 512MiB.
+    #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+    pub max_file_size: u64,
+    /// Leave out slots matching this glob (repeatable).
+    #[arg(long)]
+    pub exclude_slots: Vec<String>,
+    /// Save only tables matching this glob (repeatable: a table matching any is kept).
+    #[arg(long)]
+    pub tables: Vec<String>,
+    /// Keep only rows whose scalar slot satisfies SLOT>=VALUE (also >, <=, <, ==, !=; repeatable).
+    #[arg(long)]
+    pub keep_rows: Vec<String>,
+    /// Replace a committed checkpoint in --out (the old one stays loadable until the new commit).
+    #[arg(long)]
+    pub overwrite: bool,
+    /// Skip fsync (faster, not crash-safe).
+    #[arg(long)]
+    pub no_fsync: bool,
+    /// Save id shared by all processes of a multi-process save (default: random for one process,
+    /// derived from the model description for several).
+    #[arg(long)]
+    pub save_id: Option<String>,
+    /// With --shard-index: wait up to this many seconds for the other shards and the commit.
+    #[arg(long)]
+    pub wait_seconds: Option<f64>,
+    #[command(flatten)]
+    pub out_fmt: Output,
+}
+
+/// Cast targets of `export --dtype`.
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum CastDtype {
+    /// 32-bit float.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    saver_core::synthetic::parse_size(s)
+        .ok_or_else(|| format!("{s:?} is not a size (e.g. 512MiB, 2GiB, 1048576)"))
+}
+
+fn default_parallel() -> usize {
+    std::thread::available_parallelism().map_or(2, usize::from)
+}

@@ -1,0 +1,55 @@
+//! `saver export`.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use saver_core::Dtype;
+use saver_io::export::{export, ExportOptions};
+use saver_io::Checkpoint;
+
+use super::CmdResult;
+use crate::cli::{CastDtype, Output};
+use crate::output;
+
+#[allow(clippy::too_many_arguments)]
+pub fn run(
+    src: &Path,
+    out: &Path,
+    max_file_size: u64,
+    exclude_slots: Vec<String>,
+    tables: Vec<String>,
+    dtype: Option<CastDtype>,
+    overwrite: bool,
+    fmt: Output,
+) -> CmdResult {
+    let ck = Checkpoint::open(src)?;
+    let r = export(
+        &ck,
+        out,
+        &ExportOptions {
+            max_file_size,
+            tables,
+            exclude_slots,
+            dtype: dtype.map(|d| match d {
+                CastDtype::F32 => Dtype::F32,
+                CastDtype::F16 => Dtype::F16,
+                CastDtype::Bf16 => Dtype::BF16,
+            }),
+            overwrite,
+            ..ExportOptions::default()
+        },
+    )?;
+    if fmt.json {
+        output::json(&r);
+    } else {
+        println!(
+            "exported {} tensors in {} files ({}) to {} in {:.2}s",
+            r.tensors,
+            r.files,
+            output::size(r.bytes_written),
+            out.display(),
+            r.seconds
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,124 @@
+//! `saver save`.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use saver_core::synthetic::{SyntheticModel, SyntheticSpec};
+use saver_core::{Filters, ForeignRows, ScalarCondition};
+use saver_io::{import, save, SaveOptions, SaveReport};
+
+use super::CmdResult;
+use crate::cli::SaveArgs;
+use crate::output;
+
+#[derive(Serialize)]
+struct Report<'a> {
+    out: String,
+    #[serde(flatten)]
+    save: &'a SaveReport,
+    input_seconds: f64,
+    throughput_bytes_per_second: f64,
+}
+
+fn filters(args: &SaveArgs) -> Result<Filters, Box<dyn std::error::Error>> {
+    let mut f = Filters::new();
+    for g in &args.exclude_slots {
+        f = f.exclude_slots(g)?;
+    }
+    if !args.tables.is_empty() {
+        let mut b = globset::GlobSetBuilder::new();
+        for g in &args.tables {
+            b.add(globset::Glob::new(g).map_err(|e| format!("--tables {g:?}: {e}"))?);
+        }
+        let set = b.build()?;
+        f = f.keep_blocks(move |blk| blk.table.is_none_or(|t| set.is_match(t)));
+    }
+    for c in &args.keep_rows {
+        let cond: ScalarCondition = c.parse().map_err(|e| format!("--keep-rows: {e}"))?;
+        f = f.keep_rows_where(cond);
+    }
+    Ok(f)
+}
+
+pub fn run(args: SaveArgs) -> CmdResult {
+    let mut opts = SaveOptions {
+        save_id: args.save_id.clone(),
+        durable: !args.no_fsync,
+        overwrite: args.overwrite,
+        wait: args.wait_seconds.map(Duration::from_secs_f64),
+        ..SaveOptions::default()
+    };
+    opts.plan.shard_num = args.shards;
+    opts.plan.shard_index = args.shard_index;
+    opts.plan.parallel = args.parallel;
+    opts.plan.max_file_size = args.max_file_size;
+    opts.plan.filters = filters(&args)?;
+    // Every process builds or reads the whole model and saves its own shard of it.
+    opts.plan.foreign_rows = ForeignRows::Skip;
+    opts.plan.validate()?;
+
+    let t0 = Instant::now();
+    let synthetic;
+    let imported;
+    let input = match (&args.synthetic, &args.from) {
+        (Some(spec), _) => {
+            let spec: SyntheticSpec = spec.parse()?;
+            synthetic = SyntheticModel::generate(&spec)?;
+            synthetic.input()
+        }
+        (None, Some(path)) => {
+            imported = import::read_model(path, args.parallel)?;
+            if opts.trainer_state.is_none() {
+                opts.trainer_state = imported.trainer_state.clone();
+            }
+            opts.user_metadata = imported.user_metadata.clone();
+            imported.input()?
+        }
+        (None, None) => return Err("one of --synthetic or --from is required".into()),
+    };
+    let input_seconds = t0.elapsed().as_secs_f64();
+
+    let progress = output::byte_progress(args.out_fmt.json, "writing");
+    opts.progress = progress.as_ref().map(|(_, f)| f.clone());
+    let report = save(&args.out, input, &opts)?;
+    if let Some((bar, _)) = progress {
+        bar.finish_and_clear();
+    }
+    let throughput = report.bytes_written as f64 / report.write_seconds.max(1e-9);
+    if args.out_fmt.json {
+        output::json(&Report {
+            out: args.out.display().to_string(),
+            save: &report,
+            input_seconds,
+            throughput_bytes_per_second: throughput,
+        });
+    } else {
+        println!(
+            "saved {} rows in {} files ({}) to {} in {:.2}s ({}); save id {}",
+            report.rows,
+            report.files,
+            output::size(report.bytes_written),
+            args.out.display(),
+            report.write_seconds,
+            output::rate(report.bytes_written, report.write_seconds),
+            report.save_id
+        );
+        println!(
+            "  model input {:.2}s, plan {:.2}s, commit {:.2}s; {}",
+            input_seconds,
+            report.plan_seconds,
+            report.commit_seconds,
+            match (report.committed, report.committed_here) {
+                (true, true) => "committed".to_string(),
+                (true, false) => "committed by another process".to_string(),
+                _ => format!(
+                    "shard(s) {:?} durable, waiting for the other shards to commit",
+                    report.shards
+                ),
+            }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,47 @@
+//! `saver verify`.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use saver_io::{verify, Status};
+
+use super::CmdResult;
+use crate::cli::Output;
+use crate::output;
+
+pub fn run(dir: &Path, parallel: usize, out: Output) -> CmdResult {
+    let r = verify(dir, parallel)?;
+    if out.json {
+        output::json(&r);
+    } else {
+        match r.status {
+            Status::Ok => println!(
+                "ok: {} is complete and intact ({} files, {} tensors, {} checked)",
+                dir.display(),
+                r.files,
+                r.tensors,
+                output::size(r.bytes)
+            ),
+            Status::Incomplete => eprintln!(
+                "incomplete: {} is not a committed checkpoint",
+                dir.display()
+            ),
+            Status::Corrupt => eprintln!(
+                "corrupt: {} has {} problem(s)",
+                dir.display(),
+                r.problems.len()
+            ),
+        }
+        for p in &r.problems {
+            match &p.tensor {
+                Some(t) => eprintln!("  {}: tensor {t:?}: {}", p.file, p.detail),
+                None => eprintln!("  {}: {}", p.file, p.detail),
+            }
+        }
+    }
+    Ok(match r.status {
+        Status::Ok => ExitCode::SUCCESS,
+        Status::Incomplete => ExitCode::from(3),
+        Status::Corrupt => ExitCode::from(4),
+    })
+}

@@ -1,0 +1,45 @@
+//! Printing: human-readable text or one JSON object, and progress bars on terminals only.
+
+use std::io::IsTerminal;
+use std::sync::Arc;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use saver_io::writer::ProgressFn;
+use serde::Serialize;
+
+/// Bytes as `1.5 GiB`.
+pub fn size(n: u64) -> String {
+    bytesize::ByteSize::b(n).display().iec().to_string()
+}
+
+/// Bytes per second as `1.2 GiB/s`.
+pub fn rate(bytes: u64, seconds: f64) -> String {
+    if seconds <= 0.0 {
+        return "-".into();
+    }
+    format!("{}/s", size((bytes as f64 / seconds) as u64))
+}
+
+/// Prints `value` as one line of JSON on stdout.
+pub fn json<T: Serialize>(value: &T) {
+    println!(
+        "{}",
+        serde_json::to_string(value).expect("reports serialize")
+    );
+}
+
+/// A byte-progress spinner on stderr, or nothing when stderr is not a terminal or JSON is asked.
+pub fn byte_progress(json: bool, what: &'static str) -> Option<(ProgressBar, Arc<ProgressFn>)> {
+    if json || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} {bytes} ({bytes_per_sec}) {elapsed}")
+            .expect("valid template"),
+    );
+    bar.set_message(what);
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    let b = bar.clone();
+    Some((bar, Arc::new(move |n| b.inc(n))))
+}

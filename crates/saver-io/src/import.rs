@@ -1,0 +1,270 @@
+//! Bringing models from elsewhere: a plain safetensors file or directory (with or without
+//! `model.safetensors.index.json`), or an existing saver checkpoint of any shard count.
+//!
+//! In a plain input, a table is a 1-D I64/U64 tensor named `<table>/ids` with sibling tensors
+//! `<table>/<slot>` whose first dimension equals the number of ids; every other tensor is dense.
+//! This is also what [`crate::export`] writes, so an export can be saved again.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+use std::sync::Arc;
+
+use saver_core::naming::{check_slot_name, check_table_name, INDEX_FILE};
+use saver_core::{DenseTensor, EmbeddingTable, KeyDtype, SaveInput, SlotSpec};
+
+use crate::error::{Error, Result};
+use crate::header::{read_header, HeaderEntry};
+use crate::reader::Checkpoint;
+use crate::restore::{LoadOptions, LoadedDense, Restored};
+use crate::storage::{check_file_name, LocalFs, Storage};
+
+/// A model held in memory, ready to save.
+pub struct Model {
+    /// Tables.
+    pub tables: Vec<EmbeddingTable>,
+    /// Dense tensors.
+    pub dense: Vec<LoadedDense>,
+    /// Shard 0's trainer state, when the source was a saver checkpoint.
+    pub trainer_state: Option<String>,
+    /// User metadata, when the source was a saver checkpoint.
+    pub user_metadata: BTreeMap<String, String>,
+}
+
+impl Model {
+    /// The model as save input (dense tensors borrowed).
+    pub fn input(&self) -> Result<SaveInput<'_>> {
+        let mut input = SaveInput::new();
+        for t in &self.tables {
+            input = input.table(t);
+        }
+        for d in &self.dense {
+            input = input.dense(DenseTensor::new(
+                d.name.clone(),
+                d.dtype,
+                d.shape.clone(),
+                d.data.as_slice(),
+            )?);
+        }
+        Ok(input)
+    }
+
+    /// A model from a whole-checkpoint restore (one target shard).
+    pub fn from_restored(r: Restored, ckpt: &Checkpoint) -> Result<Self> {
+        let tables = r.shards.into_iter().flat_map(|s| s.tables).collect();
+        Ok(Self {
+            tables,
+            dense: r.dense,
+            trainer_state: ckpt
+                .manifest()
+                .shards
+                .first()
+                .and_then(|s| s.trainer_state.clone()),
+            user_metadata: ckpt.manifest().user_metadata.clone(),
+        })
+    }
+}
+
+/// Whether `dir` holds a saver checkpoint (its index says so).
+pub fn is_checkpoint(dir: &Path) -> bool {
+    std::fs::read(dir.join(INDEX_FILE))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .is_some_and(|v| v.pointer("/metadata/format").and_then(|f| f.as_str()) == Some("saver"))
+}
+
+/// Reads a model from `path`: a saver checkpoint directory, a plain safetensors directory, or one
+/// plain safetensors file. Every row is copied into memory.
+pub fn read_model(path: &Path, parallel: usize) -> Result<Model> {
+    if path.is_dir() && is_checkpoint(path) {
+        let ckpt = Checkpoint::open(path)?;
+        let r = ckpt.restore(&LoadOptions {
+            parallel,
+            ..LoadOptions::default()
+        })?;
+        return Model::from_restored(r, &ckpt);
+    }
+    read_plain(path)
+}
+
+fn plain_files(path: &Path) -> Result<(LocalFs, Vec<String>)> {
+    if path.is_file() {
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| Error::UnsafePath {
+                name: path.display().to_string(),
+                why: "not a UTF-8 file name",
+            })?;
+        return Ok((LocalFs::open_dir(dir)?, vec![name.to_string()]));
+    }
+    let storage = LocalFs::open_dir(path)?;
+    let files: Vec<String> = if storage.exists(INDEX_FILE)? {
+        let bytes = storage.get(INDEX_FILE, 1 << 30)?;
+        let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
+            file: INDEX_FILE.into(),
+            what: format!("not valid JSON: {e}"),
+        })?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::Corrupt {
+                file: INDEX_FILE.into(),
+                what: "no weight_map object".into(),
+            })?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(str::to_string))
+            .collect();
+        files.sort();
+        files.dedup();
+        files
+    } else {
+        storage
+            .list()?
+            .into_iter()
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect()
+    };
+    if files.is_empty() {
+        return Err(Error::Mismatch(format!(
+            "{} holds no .safetensors file",
+            path.display()
+        )));
+    }
+    for f in &files {
+        check_file_name(f)?;
+    }
+    Ok((storage, files))
+}
+
+/// Reads a plain safetensors file or directory.
+pub fn read_plain(path: &Path) -> Result<Model> {
+    let (storage, files) = plain_files(path)?;
+    let storage: Arc<dyn Storage> = Arc::new(storage);
+    // name -> (file, entry)
+    let mut tensors: BTreeMap<String, (String, HeaderEntry)> = BTreeMap::new();
+    let mut order: Vec<String> = Vec::new();
+    for f in &files {
+        let h = storage.open(f)?;
+        for t in read_header(h.as_ref(), f)?.tensors {
+            if tensors.contains_key(&t.name) {
+                return Err(Error::Mismatch(format!(
+                    "tensor {:?} appears in two input files",
+                    t.name
+                )));
+            }
+            order.push(t.name.clone());
+            tensors.insert(t.name.clone(), (f.clone(), t));
+        }
+    }
+    let read = |name: &str| -> Result<Vec<u8>> {
+        let (f, t) = &tensors[name];
+        let h = storage.open(f)?;
+        let mut buf = vec![0u8; t.len as usize];
+        h.read_at(t.offset, &mut buf)?;
+        Ok(buf)
+    };
+    let table_names: Vec<String> = order
+        .iter()
+        .filter_map(|n| n.strip_suffix("/ids"))
+        .filter(|t| check_table_name(t).is_ok())
+        .map(str::to_string)
+        .collect();
+    let mut used = HashSet::new();
+    let mut tables = Vec::new();
+    for table in &table_names {
+        let ids_name = format!("{table}/ids");
+        let ids_entry = &tensors[&ids_name].1;
+        let key = KeyDtype::from_dtype(ids_entry.dtype)
+            .filter(|_| ids_entry.shape.len() == 1)
+            .ok_or_else(|| {
+                Error::Mismatch(format!(
+                    "tensor {ids_name:?} must be a 1-D I64 or U64 tensor of ids, it is {} {:?}",
+                    ids_entry.dtype, ids_entry.shape
+                ))
+            })?;
+        let n = ids_entry.shape[0];
+        used.insert(ids_name.clone());
+        let prefix = format!("{table}/");
+        let mut slots = Vec::new();
+        for name in &order {
+            let Some(slot) = name.strip_prefix(&prefix) else {
+                continue;
+            };
+            if slot == "ids" || slot.contains('/') {
+                continue;
+            }
+            let e = &tensors[name].1;
+            if e.shape.first() != Some(&n) {
+                return Err(Error::Mismatch(format!(
+                    "tensor {name:?} has shape {:?} but table {table:?} has {n} ids: a slot's first dimension must equal the number of ids",
+                    e.shape
+                )));
+            }
+            check_slot_name(slot)?;
+            slots.push((
+                name.clone(),
+                SlotSpec::new(slot, e.dtype, e.shape[1..].to_vec()),
+            ));
+            used.insert(name.clone());
+        }
+        let ids: Vec<u64> = read(&ids_name)?
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let mut sorted = ids.clone();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::Mismatch(format!(
+                "table {table:?} (tensor {ids_name:?}) has duplicate id {}",
+                key.format_id(w[0])
+            )));
+        }
+        drop(sorted);
+        let t = EmbeddingTable::new(
+            table.clone(),
+            key,
+            slots.iter().map(|s| s.1.clone()).collect(),
+        )?;
+        let data: Vec<Vec<u8>> = slots
+            .iter()
+            .map(|(name, _)| read(name))
+            .collect::<Result<_>>()?;
+        let sizes = t.slot_row_bytes().to_vec();
+        const CHUNK: usize = 1 << 16;
+        for (c, chunk) in ids.chunks(CHUNK).enumerate() {
+            let lo = c * CHUNK;
+            let hi = lo + chunk.len();
+            let parts: Vec<&[u8]> = data
+                .iter()
+                .zip(&sizes)
+                .map(|(d, &b)| &d[lo * b..hi * b])
+                .collect();
+            t.insert_chunk(chunk, &parts)?;
+        }
+        tables.push(t);
+    }
+    let mut dense = Vec::new();
+    for name in &order {
+        if used.contains(name) {
+            continue;
+        }
+        let e = &tensors[name].1;
+        dense.push(LoadedDense {
+            name: name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data: read(name)?,
+        });
+    }
+    Ok(Model {
+        tables,
+        dense,
+        trainer_state: None,
+        user_metadata: BTreeMap::new(),
+    })
+}
