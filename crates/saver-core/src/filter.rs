@@ -213,6 +213,9 @@ impl FromStr for ScalarCondition {
         if slot.is_empty() {
             return Err(bad("no slot name"));
         }
+        if slot.contains(['<', '>', '=', '!']) {
+            return Err(bad("the slot name contains a comparison character"));
+        }
         let value: f64 = value
             .parse()
             .map_err(|_| bad("the value is not a number"))?;
@@ -292,7 +295,7 @@ mod tests {
             "a!=3".parse::<ScalarCondition>().unwrap().op,
             Comparison::Ne
         );
-        for bad in ["freq", ">=5", "freq>=x", ""] {
+        for bad in ["freq", ">=5", "freq>=x", "", "freq=>3", "a<>3"] {
             let e = bad.parse::<ScalarCondition>().unwrap_err().to_string();
             assert!(e.contains("SLOT>=VALUE"), "{bad}: {e}");
         }

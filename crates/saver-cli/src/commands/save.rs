@@ -79,6 +79,17 @@ pub fn run(args: SaveArgs) -> CmdResult {
         (None, None) => return Err("one of --synthetic or --from is required".into()),
     };
     let input_seconds = t0.elapsed().as_secs_f64();
+    // A condition on a slot no table has would silently keep every row.
+    for c in &args.keep_rows {
+        let cond: ScalarCondition = c.parse()?;
+        if !input
+            .tables
+            .iter()
+            .any(|t| t.slots().iter().any(|s| s.name == cond.slot))
+        {
+            return Err(format!("--keep-rows {c:?}: no table has a slot {:?}", cond.slot).into());
+        }
+    }
 
     let progress = output::byte_progress(args.out_fmt.json, "writing");
     opts.progress = progress.as_ref().map(|(_, f)| f.clone());

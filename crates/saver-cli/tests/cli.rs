@@ -1,0 +1,513 @@
+//! The `saver` binary, command by command, including its errors.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use safetensors::tensor::TensorView;
+use safetensors::Dtype as St;
+
+fn saver(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_saver"))
+        .args(args)
+        .output()
+        .expect("saver runs")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = saver(args);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "saver {args:?} failed: {}{}",
+        text,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let mut a = args.to_vec();
+    a.push("--json");
+    serde_json::from_str(ok(&a).trim()).expect("one JSON object")
+}
+
+/// Runs a failing command: returns (exit code, stderr), checking the message is one clear line.
+fn fails(args: &[&str]) -> (i32, String) {
+    let out = saver(args);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "saver {args:?} should fail");
+    assert!(
+        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+        "{err}"
+    );
+    (out.status.code().unwrap_or(-1), err)
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[test]
+fn the_main_job_save_8_shards_then_verify() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("ckpt");
+    let r = json(&[
+        "save",
+        "--out",
+        p(&out),
+        "--synthetic",
+        "tiny",
+        "--shards",
+        "8",
+        "--parallel",
+        "16",
+    ]);
+    assert!(r["bytes_written"].as_u64().unwrap() > 0);
+    assert!(r["write_seconds"].as_f64().unwrap() >= 0.0);
+    assert_eq!(r["rows"].as_u64().unwrap(), 3000);
+    assert_eq!(r["committed"], true);
+    let v = json(&["verify", p(&out)]);
+    assert_eq!(v["status"], "ok");
+    assert_eq!(v["files"].as_u64().unwrap(), 8);
+    assert!(ok(&["verify", p(&out)]).contains("complete and intact"));
+
+    let i = json(&["inspect", p(&out)]);
+    assert_eq!(i["shards"], 8);
+    assert_eq!(i["tables"].as_array().unwrap().len(), 3);
+    assert_eq!(i["tables"][0]["slots"][1]["name"], "adagrad");
+    assert_eq!(i["partition_rule"]["buckets"], 65536);
+    assert!(ok(&["inspect", p(&out)]).contains("tables:"));
+
+    let l = json(&["load", p(&out), "--shards", "3"]);
+    assert_eq!(l["rows"], 3000);
+    for k in [
+        "bytes_read",
+        "bytes_kept",
+        "load_seconds",
+        "read_amplification",
+    ] {
+        assert!(l[k].is_number(), "{k}");
+    }
+    let one = json(&["load", p(&out), "--shards", "3", "--shard-index", "1"]);
+    assert!(one["rows"].as_u64().unwrap() < 3000);
+    assert!(one["read_amplification"].as_f64().unwrap() <= 1.2);
+    assert_eq!(l["digest"].as_str().unwrap().len(), 64);
+}
+
+#[test]
+fn reshard_export_and_digest_agree() {
+    let d = tempfile::tempdir().unwrap();
+    let a = d.path().join("a");
+    let b = d.path().join("b");
+    let e = d.path().join("e");
+    let c = d.path().join("c");
+    ok(&[
+        "save",
+        "--out",
+        p(&a),
+        "--synthetic",
+        "tiny,rows=700",
+        "--shards",
+        "5",
+    ]);
+    ok(&["reshard", p(&a), "--out", p(&b), "--shards", "2"]);
+    assert_eq!(json(&["inspect", p(&b)])["shards"], 2);
+    ok(&["export", p(&b), "--out", p(&e), "--max-file-size", "16KiB"]);
+    ok(&["save", "--out", p(&c), "--from", p(&e), "--shards", "3"]);
+    let digests: Vec<String> = [&a, &b, &e, &c]
+        .iter()
+        .map(|x| ok(&["digest", p(x)]).trim().to_string())
+        .collect();
+    assert!(digests.iter().all(|x| x == &digests[0]), "{digests:?}");
+    assert_eq!(
+        json(&["load", p(&c)])["digest"].as_str().unwrap(),
+        digests[0]
+    );
+    // The export is split into files with an index, ids ascending.
+    let idx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(e.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let files: std::collections::BTreeSet<&str> = idx["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(files.len() > 1);
+    let f = idx["weight_map"]["t0/ids"].as_str().unwrap();
+    let bytes = std::fs::read(e.join(f)).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids: Vec<i64> = st
+        .tensor("t0/ids")
+        .unwrap()
+        .data()
+        .chunks(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+    // A cast export differs in content, and its dtype is f16.
+    let h = d.path().join("h");
+    ok(&[
+        "export",
+        p(&a),
+        "--out",
+        p(&h),
+        "--dtype",
+        "f16",
+        "--exclude-slots",
+        "adagrad",
+        "--tables",
+        "t1",
+    ]);
+    let bytes = std::fs::read(h.join("model-00001-of-00001.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.tensor("t1/embedding").unwrap().dtype(), St::F16);
+    assert!(st.tensor("t1/adagrad").is_err() && st.tensor("t0/ids").is_err());
+    assert_ne!(ok(&["digest", p(&h)]).trim(), digests[0]);
+}
+
+/// Writes a plain safetensors input with the reference crate.
+fn write_plain(path: &Path, tensors: Vec<(&str, St, Vec<usize>, Vec<u8>)>) {
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+fn le<T: Copy, const N: usize>(v: &[T], f: fn(T) -> [u8; N]) -> Vec<u8> {
+    v.iter().flat_map(|&x| f(x)).collect()
+}
+
+#[test]
+fn plain_round_trip_through_save_reshard_export() {
+    let d = tempfile::tempdir().unwrap();
+    let plain = d.path().join("plain.safetensors");
+    let ids: Vec<i64> = vec![i64::MIN, -5, 0, 7, 42, 1 << 40, i64::MAX];
+    let emb: Vec<f32> = (0..ids.len() * 3).map(|x| x as f32 * 0.5 - 3.0).collect();
+    let cnt: Vec<i32> = (0..ids.len() as i32).collect();
+    let uids: Vec<u64> = vec![1, 99, u64::MAX];
+    let w: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0];
+    write_plain(
+        &plain,
+        vec![
+            (
+                "user/ids",
+                St::I64,
+                vec![ids.len()],
+                le(&ids, i64::to_le_bytes),
+            ),
+            (
+                "user/emb",
+                St::F32,
+                vec![ids.len(), 3],
+                le(&emb, f32::to_le_bytes),
+            ),
+            (
+                "user/count",
+                St::I32,
+                vec![ids.len()],
+                le(&cnt, i32::to_le_bytes),
+            ),
+            ("geo/ids", St::U64, vec![3], le(&uids, u64::to_le_bytes)),
+            ("tower.w", St::F32, vec![2, 2], le(&w, f32::to_le_bytes)),
+        ],
+    );
+    let (s8, s3, ex) = (
+        d.path().join("s8"),
+        d.path().join("s3"),
+        d.path().join("ex"),
+    );
+    ok(&[
+        "save",
+        "--out",
+        p(&s8),
+        "--from",
+        p(&plain),
+        "--shards",
+        "8",
+    ]);
+    ok(&["reshard", p(&s8), "--out", p(&s3), "--shards", "3"]);
+    ok(&["export", p(&s3), "--out", p(&ex)]);
+    let orig = std::fs::read(&plain).unwrap();
+    let orig = safetensors::SafeTensors::deserialize(&orig).unwrap();
+    let back = std::fs::read(ex.join("model-00001-of-00001.safetensors")).unwrap();
+    let back = safetensors::SafeTensors::deserialize(&back).unwrap();
+    let mut names: Vec<String> = orig.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    let mut back_names: Vec<String> = back.names().into_iter().map(str::to_string).collect();
+    back_names.sort();
+    assert_eq!(names, back_names);
+    // The input's ids were ascending already, so every tensor must match byte for byte.
+    for n in &names {
+        let (a, b) = (orig.tensor(n).unwrap(), back.tensor(n).unwrap());
+        assert_eq!(
+            (a.dtype(), a.shape(), a.data()),
+            (b.dtype(), b.shape(), b.data()),
+            "{n}"
+        );
+    }
+    let d0 = ok(&["digest", p(&plain)]);
+    assert_eq!(d0, ok(&["digest", p(&s8)]));
+    assert_eq!(d0, ok(&["digest", p(&s3)]));
+    assert_eq!(d0, ok(&["digest", p(&ex)]));
+}
+
+#[test]
+fn bad_input_is_refused_with_one_clear_line_and_nothing_committed() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out");
+    let o = p(&out);
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["save", "--out", o, "--synthetic", "enormous"],
+            "unknown preset \"enormous\"",
+        ),
+        (
+            vec!["save", "--out", o, "--synthetic", "tables=x"],
+            "tables=x",
+        ),
+        (
+            vec![
+                "save",
+                "--out",
+                o,
+                "--synthetic",
+                "tiny",
+                "--keep-rows",
+                "freq=>3",
+            ],
+            "--keep-rows",
+        ),
+        (
+            vec![
+                "save",
+                "--out",
+                o,
+                "--synthetic",
+                "tiny",
+                "--keep-rows",
+                "clicks>=3",
+            ],
+            "no table has a slot \"clicks\"",
+        ),
+        (
+            vec!["save", "--out", o, "--synthetic", "tiny", "--shards", "0"],
+            "at least 1",
+        ),
+        (
+            vec![
+                "save",
+                "--out",
+                o,
+                "--synthetic",
+                "tiny",
+                "--shards",
+                "2",
+                "--shard-index",
+                "2",
+            ],
+            "shard index 2",
+        ),
+        (
+            vec![
+                "save",
+                "--out",
+                o,
+                "--synthetic",
+                "tiny",
+                "--exclude-slots",
+                "[x",
+            ],
+            "\"[x\"",
+        ),
+        (
+            vec!["save", "--out", o, "--from", "/no/such/input"],
+            "/no/such/input",
+        ),
+    ];
+    for (args, needle) in cases {
+        let (code, err) = fails(&args);
+        assert_eq!(code, 1, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+    let (code, err) = fails(&[
+        "save",
+        "--out",
+        o,
+        "--synthetic",
+        "tiny",
+        "--max-file-size",
+        "lots",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--max-file-size"), "{err}");
+    let (code, _) = fails(&["save", "--out", o]);
+    assert_eq!(code, 2);
+    let (code, _) = fails(&["frobnicate"]);
+    assert_eq!(code, 2);
+
+    // Ids and slots of different lengths, duplicate ids, bad id dtype: named, nothing written.
+    let plain = d.path().join("bad.safetensors");
+    let ids: Vec<i64> = vec![1, 2, 3];
+    write_plain(
+        &plain,
+        vec![
+            ("t/ids", St::I64, vec![3], le(&ids, i64::to_le_bytes)),
+            ("t/emb", St::F32, vec![2, 4], vec![0u8; 32]),
+        ],
+    );
+    let (_, err) = fails(&["save", "--out", o, "--from", p(&plain)]);
+    assert!(err.contains("\"t/emb\"") && err.contains("3 ids"), "{err}");
+    let dup: Vec<i64> = vec![5, -1, 5];
+    write_plain(
+        &plain,
+        vec![("t/ids", St::I64, vec![3], le(&dup, i64::to_le_bytes))],
+    );
+    let (_, err) = fails(&["save", "--out", o, "--from", p(&plain)]);
+    assert!(err.contains("duplicate id 5"), "{err}");
+    write_plain(&plain, vec![("t/ids", St::F32, vec![3], vec![0u8; 12])]);
+    let (_, err) = fails(&["save", "--out", o, "--from", p(&plain)]);
+    assert!(
+        err.contains("\"t/ids\"") && err.contains("I64 or U64"),
+        "{err}"
+    );
+    assert!(!out.join("model.safetensors.index.json").exists());
+
+    // Loading, verifying and inspecting what is not a checkpoint.
+    std::fs::create_dir_all(&out).unwrap();
+    let (code, err) = fails(&["load", o]);
+    assert_eq!(code, 1);
+    assert!(err.contains("not a complete checkpoint"), "{err}");
+    let (code, _) = fails(&["verify", o]);
+    assert_eq!(code, 3, "incomplete");
+    let (_, err) = fails(&["inspect", p(&d.path().join("missing"))]);
+    assert!(err.contains("missing"), "{err}");
+}
+
+#[test]
+fn overwrite_corruption_and_exit_codes() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("c");
+    let o = p(&out);
+    ok(&[
+        "save",
+        "--out",
+        o,
+        "--synthetic",
+        "tiny",
+        "--shards",
+        "2",
+        "--no-fsync",
+    ]);
+    let (code, err) = fails(&["save", "--out", o, "--synthetic", "tiny"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("--overwrite") || err.contains("overwrite"),
+        "{err}"
+    );
+    ok(&[
+        "save",
+        "--out",
+        o,
+        "--synthetic",
+        "tiny,seed=9",
+        "--overwrite",
+    ]);
+    let man = json(&["inspect", o]);
+    let file = man["files"][0]["name"].as_str().unwrap().to_string();
+    let path = out.join(&file);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let (code, err) = fails(&["verify", o]);
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains(&file) && err.contains("CRC32"), "{err}");
+    let (code, err) = fails(&["load", o]);
+    assert_eq!(code, 1);
+    assert!(err.contains(&file), "{err}");
+}
+
+#[test]
+fn n_cli_processes_save_one_checkpoint() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("mp");
+    let o = p(&out).to_string();
+    let children: Vec<_> = (0..3)
+        .map(|i| {
+            Command::new(env!("CARGO_BIN_EXE_saver"))
+                .args([
+                    "save",
+                    "--out",
+                    &o,
+                    "--synthetic",
+                    "tiny",
+                    "--shards",
+                    "3",
+                    "--shard-index",
+                    &i.to_string(),
+                    "--wait-seconds",
+                    "60",
+                    "--json",
+                ])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut committers = 0;
+    for c in children {
+        let c = c.wait_with_output().unwrap();
+        assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&c.stdout).unwrap();
+        assert_eq!(v["committed"], true);
+        committers += usize::from(v["committed_here"] == true);
+    }
+    assert_eq!(committers, 1);
+    assert_eq!(json(&["verify", &o])["status"], "ok");
+    let single = d.path().join("single");
+    ok(&[
+        "save",
+        "--out",
+        p(&single),
+        "--synthetic",
+        "tiny",
+        "--shards",
+        "1",
+    ]);
+    assert_eq!(ok(&["digest", &o]), ok(&["digest", p(&single)]));
+    // A shard process that runs alone and is told to wait names what is missing.
+    let lone = d.path().join("lone");
+    let (_, err) = fails(&[
+        "save",
+        "--out",
+        p(&lone),
+        "--synthetic",
+        "tiny",
+        "--shards",
+        "2",
+        "--shard-index",
+        "0",
+        "--wait-seconds",
+        "0.2",
+    ]);
+    assert!(err.contains("missing shards: [1]"), "{err}");
+}
+
+#[test]
+fn every_command_has_help_with_an_example() {
+    let mut seen = HashMap::new();
+    for cmd in [
+        "save", "inspect", "verify", "load", "reshard", "export", "digest",
+    ] {
+        let h = ok(&[cmd, "--help"]);
+        assert!(h.contains("Example"), "{cmd}: {h}");
+        seen.insert(cmd, h);
+    }
+    assert!(seen["save"].contains("--keep-rows"));
+    assert!(ok(&["--help"]).contains("reshard"));
+}
