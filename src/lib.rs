@@ -17,3 +17,7 @@ pub use saver_core::{
     PlanOptions, SaveInput, SlotSpec, SparseTable,
 };
 pub use saver_io::{save, verify, Checkpoint, LoadOptions, SaveOptions, Status};
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

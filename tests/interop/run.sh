@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Runs the Python interoperability test in its own venv (safetensors + numpy from PyPI).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+venv="${SAVER_INTEROP_VENV:-$root/target/interop-venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "safetensors>=0.4" "numpy>=1.24"
+cargo build --quiet -p saver-cli
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+"$venv/bin/python" "$root/tests/interop/interop.py" "$root/target/debug/saver" "$work"
