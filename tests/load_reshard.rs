@@ -421,3 +421,63 @@ fn partial_reads_check_ids_structurally() {
         "{errs:?}"
     );
 }
+
+/// Rows of a columnar table as id -> slot rows.
+fn rows_of_columns(t: &saver::io::columns::TableColumns) -> BTreeMap<u64, Vec<Vec<u8>>> {
+    let sizes: Vec<usize> = t
+        .slots
+        .iter()
+        .map(|s| s.row_bytes().unwrap() as usize)
+        .collect();
+    t.ids
+        .iter()
+        .enumerate()
+        .map(|(r, &id)| {
+            (
+                id,
+                t.data
+                    .iter()
+                    .zip(&sizes)
+                    .map(|(d, &b)| d[r * b..(r + 1) * b].to_vec())
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn columnar_loads_equal_the_tables_whole_and_per_target() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = saved_model(dir.path(), 5);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let all = ck.load_columns(&LoadOptions::default()).unwrap();
+    let user = all.tables.iter().find(|t| t.name == "user").unwrap();
+    assert_eq!(user.ids.len(), m.user.len());
+    assert_eq!(rows_of_columns(user), rows_of(&m.user));
+    assert_eq!(all.dense.len(), 2);
+    assert!(
+        all.report.read_amplification < 1.05,
+        "{}",
+        all.report.read_amplification
+    );
+    let mut union = BTreeMap::new();
+    for j in 0..3 {
+        let part = ck
+            .load_columns(&LoadOptions {
+                shard_num: 3,
+                shard_index: Some(j),
+                exclude_slots: vec!["adagrad".into()],
+                ..LoadOptions::default()
+            })
+            .unwrap();
+        let item = part.tables.iter().find(|t| t.name == "item").unwrap();
+        assert!(item
+            .ids
+            .iter()
+            .all(|&id| PartitionRule::shard_of(id, 3) == j));
+        union.extend(rows_of_columns(item));
+        let u = part.tables.iter().find(|t| t.name == "user").unwrap();
+        assert_eq!(u.slots.len(), 2, "adagrad excluded");
+    }
+    assert_eq!(union, rows_of(&m.item));
+}

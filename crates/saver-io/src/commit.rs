@@ -100,9 +100,10 @@ pub fn try_commit(
         let manifest = Manifest::merge(shards)?;
         let json = serde_json::to_vec_pretty(&manifest).expect("manifests serialize");
         storage.put(&manifest_name(save_id), &json, durable)?;
-        let index =
-            serde_json::to_vec_pretty(&Index::for_manifest(&manifest, crc32fast::hash(&json)))
-                .expect("indexes serialize");
+        // Compact on purpose: with no insignificant whitespace, every byte of the index carries
+        // meaning, so any change to it is detected (the index has no checksum of its own).
+        let index = serde_json::to_vec(&Index::for_manifest(&manifest, crc32fast::hash(&json)))
+            .expect("indexes serialize");
         storage.put(INDEX_FILE, &index, durable)?;
         collect_garbage(storage, save_id);
         Ok(())

@@ -18,6 +18,7 @@
 
 #![warn(missing_docs)]
 
+pub mod columns;
 pub mod commit;
 pub mod digest;
 pub mod error;

@@ -95,7 +95,7 @@ impl Default for LoadOptions {
     }
 }
 
-fn globs(option: &'static str, patterns: &[String]) -> Result<Option<GlobSet>> {
+pub(crate) fn globs(option: &'static str, patterns: &[String]) -> Result<Option<GlobSet>> {
     if patterns.is_empty() {
         return Ok(None);
     }
@@ -160,19 +160,49 @@ pub struct Restored {
     pub report: LoadReport,
 }
 
-/// One unit of read work.
-struct Work<'m> {
-    sink: usize,
-    table: &'m TableManifest,
-    seg: &'m SegmentManifest,
-    /// Which of the segment's slot tensors feed the sink's slots, in sink order.
-    slot_map: Arc<Vec<usize>>,
-    rows: Range<u64>,
-    target: Range<u32>,
-    whole: bool,
+/// The rows of one segment that one target needs.
+pub(crate) struct SegmentRead<'m> {
+    pub table: &'m TableManifest,
+    pub seg: &'m SegmentManifest,
+    /// Which of the segment's slot tensors feed the target's slots, in target order.
+    pub slot_map: Arc<Vec<usize>>,
+    pub rows: Range<u64>,
+    pub target: Range<u32>,
+    pub whole: bool,
 }
 
-struct PieceCrc {
+impl SegmentRead<'_> {
+    /// Bytes of one row as delivered (id plus wanted slots).
+    pub fn row_bytes(&self) -> u64 {
+        8 + self
+            .slot_map
+            .iter()
+            .map(|&k| self.seg.slots[k].len / self.seg.rows.max(1))
+            .sum::<u64>()
+    }
+
+    /// The row range cut into runs of about `chunk_bytes`.
+    pub fn chunks(&self, chunk_bytes: u64) -> impl Iterator<Item = Range<u64>> + '_ {
+        let step = (chunk_bytes / self.row_bytes()).max(1);
+        (self.rows.start..self.rows.end)
+            .step_by(step as usize)
+            .map(move |r| r..(r + step).min(self.rows.end))
+    }
+}
+
+/// The thread pool of one load.
+pub(crate) fn reader_pool(parallel: usize) -> Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(parallel.max(1))
+        .thread_name(|i| format!("saver-read-{i}"))
+        .build()
+        .map_err(|e| Error::InvalidOption {
+            option: "parallel",
+            why: e.to_string(),
+        })
+}
+
+pub(crate) struct PieceCrc {
     key: usize,
     offset: u64,
     hasher: Hasher,
@@ -180,7 +210,7 @@ struct PieceCrc {
 
 impl Checkpoint {
     /// The selected tables, in manifest order.
-    fn selected_tables(&self, opts: &LoadOptions) -> Result<Vec<&TableManifest>> {
+    pub(crate) fn selected_tables(&self, opts: &LoadOptions) -> Result<Vec<&TableManifest>> {
         let set = globs("tables", &opts.tables)?;
         for r in &opts.required_tables {
             if self.manifest().table(r).is_none() {
@@ -206,7 +236,7 @@ impl Checkpoint {
     }
 
     /// Slots of `t` a restore keeps.
-    fn kept_slots(t: &TableManifest, exclude: &Option<GlobSet>) -> Vec<SlotSpec> {
+    pub(crate) fn kept_slots(t: &TableManifest, exclude: &Option<GlobSet>) -> Vec<SlotSpec> {
         t.slots
             .iter()
             .filter(|s| exclude.as_ref().is_none_or(|g| !g.is_match(&s.name)))
@@ -356,13 +386,174 @@ impl Checkpoint {
             }
             prev = Some((b, r));
         }
-        let first_row_at = |bucket: u32| -> u64 {
-            entries
-                .iter()
-                .find(|&&e| (e >> 48) >= u64::from(bucket))
-                .map_or(seg.rows, |&e| e & ((1 << 48) - 1))
+        let row_of = |e: u64| e & ((1 << 48) - 1);
+        // The index may name only every k-th non-empty bucket (see FORMAT.md): the first row of
+        // `bucket` then lies in the group that starts at the last entry at or before it, and is
+        // found by scanning that group's ids (bounded by the ids tensor, so by the file size).
+        let mut first_row_at = |bucket: u32| -> Result<u64> {
+            if bucket >= seg.buckets[1] {
+                return Ok(seg.rows);
+            }
+            let pos = entries.partition_point(|&e| (e >> 48) <= u64::from(bucket));
+            if pos == 0 {
+                return Ok(0);
+            }
+            let start = row_of(entries[pos - 1]);
+            if entries[pos - 1] >> 48 == u64::from(bucket) {
+                return Ok(start);
+            }
+            let end = entries.get(pos).map_or(seg.rows, |&e| row_of(e));
+            let mut ids = vec![0u8; ((end - start) * 8) as usize];
+            self.read_tensor_range(&seg.ids, start * 8, &mut ids)?;
+            *report += ids.len() as u64;
+            let skip = ids
+                .chunks_exact(8)
+                .position(|c| {
+                    PartitionRule::bucket_of(u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                        >= bucket
+                })
+                .map_or(end - start, |k| k as u64);
+            Ok(start + skip)
         };
-        Ok(first_row_at(target.start)..first_row_at(target.end))
+        let lo = first_row_at(target.start)?;
+        let hi = first_row_at(target.end)?;
+        Ok(lo..hi)
+    }
+
+    /// Checks that table `t` of the checkpoint can fill a target with `key` ids and `wanted` slots.
+    pub(crate) fn check_target(
+        &self,
+        t: &TableManifest,
+        key: KeyDtype,
+        wanted: &[SlotSpec],
+    ) -> Result<()> {
+        if key != t.key_dtype {
+            return Err(Error::Mismatch(format!(
+                "table {:?} has {} ids, the target expects {key}",
+                t.name, t.key_dtype
+            )));
+        }
+        for want in wanted {
+            let have = t
+                .slots
+                .iter()
+                .find(|s| s.name == want.name)
+                .ok_or_else(|| {
+                    Error::Mismatch(format!(
+                        "table {:?} has no slot {:?} in {}",
+                        t.name,
+                        want.name,
+                        self.location()
+                    ))
+                })?;
+            if have.dtype != want.dtype || have.shape != want.shape {
+                return Err(Error::Mismatch(format!(
+                    "table {:?} slot {:?} is {} {:?} in the checkpoint, the target expects {} {:?}",
+                    t.name, want.name, have.dtype, have.shape, want.dtype, want.shape
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The reads that deliver buckets `target` of table `t` with slots `wanted`: one per segment
+    /// overlapping the target, with its row range found through the segment's bucket index.
+    pub(crate) fn segment_reads<'m>(
+        &'m self,
+        t: &'m TableManifest,
+        wanted: &[SlotSpec],
+        target: &Range<u32>,
+        report: &mut LoadReport,
+    ) -> Result<Vec<SegmentRead<'m>>> {
+        let mut reads = Vec::new();
+        for p in &t.partitions {
+            let slot_map: Vec<usize> = wanted
+                .iter()
+                .map(|want| {
+                    p.slots.iter().position(|s| *s == want.name).ok_or_else(|| {
+                        Error::Mismatch(format!(
+                            "table {:?} slot {:?} was not saved for shard {} (filtered out)",
+                            t.name, want.name, p.shard
+                        ))
+                    })
+                })
+                .collect::<Result<_>>()?;
+            let slot_map = Arc::new(slot_map);
+            for seg in &p.segments {
+                let lo = seg.buckets[0].max(target.start);
+                let hi = seg.buckets[1].min(target.end);
+                if lo >= hi {
+                    continue;
+                }
+                let whole = seg.buckets[0] >= target.start && seg.buckets[1] <= target.end;
+                // The bucket index is read (and CRC-checked) even when the whole segment is
+                // wanted: it costs 8 bytes per non-empty bucket, and a load must refuse a
+                // corrupt checkpoint whatever tensor the corruption hit.
+                let rows = self.rows_in(seg, &(lo..hi), &mut report.bytes_read)?;
+                report.tensors_checked += 1;
+                debug_assert!(!whole || rows == (0..seg.rows));
+                reads.push(SegmentRead {
+                    table: t,
+                    seg,
+                    slot_map: slot_map.clone(),
+                    rows,
+                    target: lo..hi,
+                    whole,
+                });
+            }
+        }
+        Ok(reads)
+    }
+
+    /// Reads rows `rows` of `r`: ids (8 bytes each) into `ids`, wanted slots into `slots`. Records
+    /// CRC pieces of tensors read whole, and checks the ids against the bucket rule and order.
+    pub(crate) fn read_rows_into(
+        &self,
+        r: &SegmentRead<'_>,
+        rows: Range<u64>,
+        ids: &mut [u8],
+        slots: &mut [&mut [u8]],
+        pieces: &mut Vec<PieceCrc>,
+    ) -> Result<u64> {
+        let mut read = |t: &TensorRef, row_bytes: u64, buf: &mut [u8]| -> Result<()> {
+            let offset = rows.start * row_bytes;
+            self.read_tensor_range(t, offset, buf)?;
+            if r.whole {
+                let mut hasher = Hasher::new();
+                hasher.update(buf);
+                pieces.push(PieceCrc {
+                    key: t as *const TensorRef as usize,
+                    offset,
+                    hasher,
+                });
+            }
+            Ok(())
+        };
+        read(&r.seg.ids, 8, ids)?;
+        for (k, &s) in r.slot_map.iter().enumerate() {
+            let t = &r.seg.slots[s];
+            read(t, t.len / r.seg.rows, slots[k])?;
+        }
+        // Ids must be in the target's buckets and sorted by (bucket, id): catches corrupt bytes in
+        // partially read tensors, which no CRC covers.
+        let mut prev: Option<(u32, u64)> = None;
+        for c in ids.chunks_exact(8) {
+            let id = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+            let b = PartitionRule::bucket_of(id);
+            if !r.target.contains(&b) || prev.is_some_and(|p| p >= (b, id)) {
+                return Err(Error::Corrupt {
+                    file: r.seg.ids.file.clone(),
+                    what: format!(
+                        "tensor {:?} holds id {} out of bucket order (table {:?})",
+                        r.seg.ids.name,
+                        r.table.key_dtype.format_id(id),
+                        r.table.name
+                    ),
+                });
+            }
+            prev = Some((b, id));
+        }
+        Ok(ids.len() as u64 + slots.iter().map(|s| s.len() as u64).sum::<u64>())
     }
 
     fn load_sinks(
@@ -372,98 +563,47 @@ impl Checkpoint {
     ) -> Result<LoadReport> {
         let start = Instant::now();
         let mut report = LoadReport::default();
+        let mut reads = Vec::new();
         let mut work = Vec::new();
         for (i, &(j, t, sink)) in sinks.iter().enumerate() {
-            if sink.key_dtype() != t.key_dtype {
-                return Err(Error::Mismatch(format!(
-                    "table {:?} has {} ids, the target expects {}",
-                    t.name,
-                    t.key_dtype,
-                    sink.key_dtype()
-                )));
-            }
-            for want in sink.slots() {
-                let have = t
-                    .slots
-                    .iter()
-                    .find(|s| s.name == want.name)
-                    .ok_or_else(|| {
-                        Error::Mismatch(format!(
-                            "table {:?} has no slot {:?} in {}",
-                            t.name,
-                            want.name,
-                            self.location()
-                        ))
-                    })?;
-                if have.dtype != want.dtype || have.shape != want.shape {
-                    return Err(Error::Mismatch(format!(
-                        "table {:?} slot {:?} is {} {:?} in the checkpoint, the target expects {} {:?}",
-                        t.name, want.name, have.dtype, have.shape, want.dtype, want.shape
-                    )));
-                }
-            }
+            self.check_target(t, sink.key_dtype(), sink.slots())?;
             let target = PartitionRule::bucket_range(j, opts.shard_num);
-            for p in &t.partitions {
-                let slot_map: Vec<usize> = sink
-                    .slots()
-                    .iter()
-                    .map(|want| {
-                        p.slots.iter().position(|s| *s == want.name).ok_or_else(|| {
-                            Error::Mismatch(format!(
-                                "table {:?} slot {:?} was not saved for shard {} (filtered out)",
-                                t.name, want.name, p.shard
-                            ))
-                        })
-                    })
-                    .collect::<Result<_>>()?;
-                let slot_map = Arc::new(slot_map);
-                for seg in &p.segments {
-                    let lo = seg.buckets[0].max(target.start);
-                    let hi = seg.buckets[1].min(target.end);
-                    if lo >= hi {
-                        continue;
-                    }
-                    let whole = seg.buckets[0] >= target.start && seg.buckets[1] <= target.end;
-                    let rows = if whole {
-                        0..seg.rows
-                    } else {
-                        self.rows_in(seg, &(lo..hi), &mut report.bytes_read)?
-                    };
-                    let row_bytes = 8 + slot_map
-                        .iter()
-                        .map(|&k| seg.slots[k].len / seg.rows.max(1))
-                        .sum::<u64>();
-                    let step = (opts.chunk_bytes / row_bytes).max(1);
-                    let mut r = rows.start;
-                    while r < rows.end {
-                        let end = (r + step).min(rows.end);
-                        work.push(Work {
-                            sink: i,
-                            table: t,
-                            seg,
-                            slot_map: slot_map.clone(),
-                            rows: r..end,
-                            target: lo..hi,
-                            whole,
-                        });
-                        r = end;
-                    }
+            for r in self.segment_reads(t, sink.slots(), &target, &mut report)? {
+                for rows in r.chunks(opts.chunk_bytes) {
+                    work.push((i, reads.len(), rows));
                 }
+                reads.push(r);
             }
         }
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(opts.parallel.max(1))
-            .thread_name(|i| format!("saver-read-{i}"))
-            .build()
-            .map_err(|e| Error::InvalidOption {
-                option: "parallel",
-                why: e.to_string(),
-            })?;
+        let pool = reader_pool(opts.parallel)?;
         let results: Result<Vec<(u64, u64, Vec<PieceCrc>)>> = pool.install(|| {
             work.par_iter()
                 .map_init(
-                    || (Vec::<u8>::new(), Vec::<Vec<u8>>::new()),
-                    |(idbuf, slotbufs), w| self.read_work(w, sinks[w.sink].2, idbuf, slotbufs),
+                    || (Vec::<u8>::new(), Vec::<Vec<u8>>::new(), Vec::<u64>::new()),
+                    |(idbuf, slotbufs, ids), &(sink, read, ref rows)| {
+                        let r: &SegmentRead<'_> = &reads[read];
+                        let n = (rows.end - rows.start) as usize;
+                        idbuf.resize(n * 8, 0);
+                        slotbufs.resize_with(r.slot_map.len(), Vec::new);
+                        for (k, &s) in r.slot_map.iter().enumerate() {
+                            slotbufs[k].resize(n * (r.seg.slots[s].len / r.seg.rows) as usize, 0);
+                        }
+                        let mut pieces = Vec::new();
+                        let bytes = {
+                            let mut outs: Vec<&mut [u8]> =
+                                slotbufs.iter_mut().map(Vec::as_mut_slice).collect();
+                            self.read_rows_into(r, rows.clone(), idbuf, &mut outs, &mut pieces)?
+                        };
+                        ids.clear();
+                        ids.extend(
+                            idbuf
+                                .chunks_exact(8)
+                                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
+                        );
+                        let slices: Vec<&[u8]> = slotbufs.iter().map(Vec::as_slice).collect();
+                        sinks[sink].2.insert_chunk(ids, &slices)?;
+                        Ok((n as u64, bytes, pieces))
+                    },
                 )
                 .collect()
         });
@@ -479,66 +619,8 @@ impl Checkpoint {
         Ok(report)
     }
 
-    fn read_work(
-        &self,
-        w: &Work<'_>,
-        sink: &dyn TableSink,
-        idbuf: &mut Vec<u8>,
-        slotbufs: &mut Vec<Vec<u8>>,
-    ) -> Result<(u64, u64, Vec<PieceCrc>)> {
-        let n = (w.rows.end - w.rows.start) as usize;
-        let mut pieces = Vec::new();
-        let mut read = |t: &TensorRef, row_bytes: u64, buf: &mut Vec<u8>| -> Result<()> {
-            buf.resize(n * row_bytes as usize, 0);
-            let offset = w.rows.start * row_bytes;
-            self.read_tensor_range(t, offset, buf)?;
-            if w.whole {
-                let mut hasher = Hasher::new();
-                hasher.update(buf);
-                pieces.push(PieceCrc {
-                    key: t as *const TensorRef as usize,
-                    offset,
-                    hasher,
-                });
-            }
-            Ok(())
-        };
-        read(&w.seg.ids, 8, idbuf)?;
-        slotbufs.resize_with(w.slot_map.len(), Vec::new);
-        for (k, &s) in w.slot_map.iter().enumerate() {
-            let t = &w.seg.slots[s];
-            read(t, t.len / w.seg.rows, &mut slotbufs[k])?;
-        }
-        let ids: Vec<u64> = idbuf
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        // Ids must be in the target's buckets and sorted by (bucket, id): catches corrupt bytes in
-        // partially read tensors, which no CRC covers.
-        let mut prev: Option<(u32, u64)> = None;
-        for &id in &ids {
-            let b = PartitionRule::bucket_of(id);
-            if !w.target.contains(&b) || prev.is_some_and(|p| p >= (b, id)) {
-                return Err(Error::Corrupt {
-                    file: w.seg.ids.file.clone(),
-                    what: format!(
-                        "tensor {:?} holds id {} out of bucket order (table {:?})",
-                        w.seg.ids.name,
-                        w.table.key_dtype.format_id(id),
-                        w.table.name
-                    ),
-                });
-            }
-            prev = Some((b, id));
-        }
-        let slices: Vec<&[u8]> = slotbufs.iter().map(Vec::as_slice).collect();
-        sink.insert_chunk(&ids, &slices)?;
-        let bytes = idbuf.len() as u64 + slices.iter().map(|s| s.len() as u64).sum::<u64>();
-        Ok((n as u64, bytes, pieces))
-    }
-
     /// Combines the CRCs of tensors read whole and compares them with the manifest.
-    fn check_whole_crcs(&self, pieces: Vec<PieceCrc>) -> Result<u64> {
+    pub(crate) fn check_whole_crcs(&self, pieces: Vec<PieceCrc>) -> Result<u64> {
         let mut by: HashMap<usize, Vec<PieceCrc>> = HashMap::new();
         for p in pieces {
             by.entry(p.key).or_default().push(p);
@@ -580,7 +662,7 @@ fn target_shards(opts: &LoadOptions) -> Result<Vec<u32>> {
     }
 }
 
-fn finish_report(r: &mut LoadReport) {
+pub(crate) fn finish_report(r: &mut LoadReport) {
     r.read_amplification = if r.bytes_kept == 0 {
         1.0
     } else {

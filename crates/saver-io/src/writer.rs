@@ -287,8 +287,12 @@ pub fn write_plan(
                 plan.produce::<Error>(chunk, buf, &mut |piece| {
                     let f = &plan.shards()[piece.shard].files[piece.loc.file];
                     let t = &f.tensors[piece.loc.tensor];
-                    handles[piece.shard][piece.loc.file]
-                        .write_at(f.data_start + t.start + piece.offset, piece.bytes)?;
+                    let h = &handles[piece.shard][piece.loc.file];
+                    let at = f.data_start + t.start + piece.offset;
+                    h.write_at(at, piece.bytes)?;
+                    if durable {
+                        h.start_writeback(at, piece.bytes.len() as u64);
+                    }
                     let mut hasher = Hasher::new();
                     hasher.update(piece.bytes);
                     crcs.push(PieceCrc {

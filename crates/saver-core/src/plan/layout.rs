@@ -88,12 +88,22 @@ pub(crate) fn cut_segments(
     out
 }
 
-/// The bucket index of a segment: `(bucket << 48) | first_row` per non-empty bucket.
+/// The bucket index of a segment: `(bucket << 48) | first_row` for non-empty buckets. Where a
+/// segment has more non-empty buckets than `rows / 16` (narrow tables with about one row per
+/// bucket), only every k-th non-empty bucket gets an entry, so the index never costs more than
+/// about half a byte per row; readers scan the ids of one group to find an exact boundary.
 fn bucket_index(table: &ScannedTable<'_>, buckets: Range<u32>) -> Vec<u64> {
     let base = table.bucket_start[buckets.start as usize];
-    buckets
+    let rows = table.bucket_start[buckets.end as usize] - base;
+    let nonempty: Vec<u32> = buckets
         .filter(|&b| table.bucket_start[b as usize + 1] > table.bucket_start[b as usize])
-        .map(|b| (u64::from(b) << 48) | (table.bucket_start[b as usize] - base))
+        .collect();
+    let max_entries = (rows / 16).max(1) as usize;
+    let step = nonempty.len().div_ceil(max_entries).max(1);
+    nonempty
+        .iter()
+        .step_by(step)
+        .map(|&b| (u64::from(b) << 48) | (table.bucket_start[b as usize] - base))
         .collect()
 }
 

@@ -77,6 +77,10 @@ impl WriteHandle for FaultyWrite {
         self.inner.write_at(offset, buf)
     }
 
+    fn start_writeback(&self, offset: u64, len: u64) {
+        self.inner.start_writeback(offset, len)
+    }
+
     fn commit(self: Box<Self>, durable: bool) -> Result<()> {
         let n = self.state.commits.fetch_add(1, Ordering::SeqCst);
         if self.fault == Fault::CommitNumber(n) {

@@ -50,6 +50,9 @@ pub fn check_file_name(name: &str) -> Result<()> {
 pub trait WriteHandle: Send + Sync {
     /// Writes `buf` at `offset`. Callable from several threads at once on disjoint ranges.
     fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()>;
+    /// Hints that `[offset, offset + len)` is final and may be written back now, so that the
+    /// eventual durable commit has little left to flush. Default: nothing.
+    fn start_writeback(&self, _offset: u64, _len: u64) {}
     /// Makes the data durable (if asked), then atomically gives the file its final name.
     fn commit(self: Box<Self>, durable: bool) -> Result<()>;
     /// Discards the file.

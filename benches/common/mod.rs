@@ -1,0 +1,81 @@
+//! Shared pieces of the benchmarks: baselines measured in the same run as saver.
+#![allow(dead_code)]
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// The buffer size of the plain baselines (saver's default chunk size).
+pub const BUF: usize = 8 << 20;
+
+/// A plain sequential write of `bytes` bytes from one reused buffer: the physical limit a
+/// checkpoint writer is measured against. With `fsync`, the file is synced before returning.
+pub fn plain_write(path: &Path, bytes: u64, fsync: bool) {
+    let buf = vec![0x5au8; BUF];
+    let mut f = File::create(path).unwrap();
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(BUF as u64) as usize;
+        f.write_all(&buf[..n]).unwrap();
+        left -= n as u64;
+    }
+    if fsync {
+        f.sync_all().unwrap();
+    }
+}
+
+/// Reads every file whole into reused buffers, from `threads` threads (files split between them).
+pub fn plain_read(files: &[PathBuf], threads: usize) -> u64 {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || {
+                    let mut buf = vec![0u8; BUF];
+                    let mut total = 0u64;
+                    for f in files.iter().skip(t).step_by(threads) {
+                        let file = OpenOptions::new().read(true).open(f).unwrap();
+                        let len = file.metadata().unwrap().len();
+                        let mut off = 0;
+                        while off < len {
+                            let n = ((len - off) as usize).min(BUF);
+                            file.read_exact_at(&mut buf[..n], off).unwrap();
+                            off += n as u64;
+                        }
+                        total += len;
+                    }
+                    total
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).sum()
+    })
+}
+
+/// The data files of a checkpoint directory.
+pub fn data_files(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// A scratch directory for benchmark output: `SAVER_BENCH_DIR` or `target/bench-scratch` (on the
+/// same disk as the build, not a tmpfs, so writes measure the disk).
+pub fn scratch() -> PathBuf {
+    let dir = std::env::var_os("SAVER_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench-scratch"));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Bytes of a row-major model spec of about `bytes` bytes: 8 tables of dim-64 embedding + Adagrad.
+pub fn spec_of_size(bytes: u64) -> String {
+    let dense = (bytes / 32).min(256 << 20);
+    let rows = (bytes - dense) / 8 / (8 + 2 * 64 * 4);
+    format!("tables=8,rows={rows},dim=64,slots=embedding+adagrad,dense={dense},seed=3")
+}

@@ -1,0 +1,262 @@
+//! The figures of docs/BENCHMARKS.md: saver against the physical limit, on one model, in one run.
+//!
+//! `cargo bench --bench compare -- [--size 2GiB] [--runs 3]`
+//!
+//! For each configuration: a warm-up, then `--runs` timed runs; the median is reported, and each
+//! figure as a ratio to the baseline measured in the same run. Prints a Markdown report.
+
+mod common;
+
+use std::time::Instant;
+
+use saver::core::synthetic::{parse_size, SyntheticModel, SyntheticSpec};
+use saver::{save, Checkpoint, LoadOptions, SaveOptions};
+
+/// One benchmarked configuration: runs once, returns what it built (dropped untimed).
+type Run<'a> = Box<dyn FnMut() -> Box<dyn std::any::Any> + 'a>;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// Runs every configuration once per round, for a warm-up round and `runs` timed rounds, with a
+/// `sync` before each timed run so every run starts without dirty pages. Interleaving spreads this
+/// shared machine's noise evenly over saver and the baselines. Returns the median seconds of each.
+fn interleaved(runs: usize, configs: &mut [(String, Run<'_>)]) -> Vec<f64> {
+    let mut times = vec![Vec::new(); configs.len()];
+    for round in 0..=runs {
+        for (i, (_, f)) in configs.iter_mut().enumerate() {
+            // SAFETY: sync(2) has no preconditions.
+            unsafe { libc::sync() };
+            let t = Instant::now();
+            let result = f();
+            let secs = t.elapsed().as_secs_f64();
+            drop(result); // freeing what a run built (a restored model) is not part of its time
+            if round > 0 {
+                times[i].push(secs);
+            }
+        }
+    }
+    times.into_iter().map(median).collect()
+}
+
+/// Resident and peak-resident memory of this process, from /proc/self/status (bytes).
+fn rss() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |k: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Resets the peak-RSS counter (Linux: writing 5 to clear_refs), so VmHWM measures what follows.
+fn reset_peak() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+fn opts(parallel: usize, durable: bool, shards: u32) -> SaveOptions {
+    let mut o = SaveOptions {
+        durable,
+        overwrite: true,
+        ..SaveOptions::default()
+    };
+    o.plan.parallel = parallel;
+    o.plan.shard_num = shards;
+    o
+}
+
+fn gib_s(bytes: u64, secs: f64) -> String {
+    format!("{:.2} GiB/s", bytes as f64 / secs / (1u64 << 30) as f64)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |k: &str| {
+        args.iter()
+            .position(|a| a == k)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let size = arg("--size")
+        .and_then(|s| parse_size(&s))
+        .unwrap_or(2 << 30);
+    let runs: usize = arg("--runs").and_then(|s| s.parse().ok()).unwrap_or(3);
+    let dir = common::scratch().join("compare");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+
+    let spec: SyntheticSpec = common::spec_of_size(size).parse().unwrap();
+    let t = Instant::now();
+    let model = SyntheticModel::generate(&spec).unwrap();
+    eprintln!("generated {spec:?} in {:.1}s", t.elapsed().as_secs_f64());
+
+    // Memory first, while this process has never saved: peak RSS during a save minus RSS before.
+    let (before, _) = rss();
+    let measured = reset_peak();
+    let ck_dir = dir.join("ckpt");
+    let probe = save(&ck_dir, model.input(), &opts(4, true, 1)).unwrap();
+    let peak = measured.then(|| rss().1.saturating_sub(before));
+    let bytes = probe.bytes_written;
+    let chunk = saver::PlanOptions::default().chunk_bytes;
+    println!(
+        "## Save and load, {} model ({} rows, {} data files)\n",
+        human(bytes),
+        probe.rows,
+        probe.files
+    );
+    match peak {
+        Some(p) => println!(
+            "Save peak memory beyond the model (parallel 4, fsync, first save of the process): **{}**; \
+             bound 64 MiB + 4 × {} chunk = {}; the plan's sorted ids alone are {}.\n",
+            human(p), human(chunk), human((64 << 20) + 4 * chunk), human(probe.rows * 8)
+        ),
+        None => println!("(peak memory: /proc/self/clear_refs not writable here)\n"),
+    }
+    println!(
+        "Medians of {runs} rounds after a warm-up round; configurations interleaved within each round, \
+         `sync` before every run. Ratio: saver's throughput / the plain baseline's.\n"
+    );
+
+    let plain = dir.join("plain.bin");
+    let mut configs: Vec<(String, Run<'_>)> = Vec::new();
+    for durable in [true, false] {
+        let tag = if durable { "fsync" } else { "no fsync" };
+        let plain = plain.clone();
+        configs.push((
+            format!("plain sequential write ({tag})"),
+            Box::new(move || {
+                common::plain_write(&plain, bytes, durable);
+                Box::new(())
+            }),
+        ));
+        for (shards, p) in [(1u32, 1usize), (1, 2), (1, 4), (8, 4)] {
+            let out = dir.join(format!("save-{shards}-{p}-{durable}"));
+            let model = &model;
+            configs.push((
+                format!("saver save, {shards} shard(s), parallel {p} ({tag})"),
+                Box::new(move || {
+                    let _ = std::fs::remove_dir_all(&out);
+                    Box::new(save(&out, model.input(), &opts(p, durable, shards)).unwrap())
+                }),
+            ));
+        }
+    }
+    let times = interleaved(runs, &mut configs);
+    println!("| save | time | throughput | ratio to limit |\n| --- | --- | --- | --- |");
+    for (half, durable_times) in times.chunks(5).enumerate() {
+        let base = durable_times[0];
+        for (i, t) in durable_times.iter().enumerate() {
+            let name = &configs[half * 5 + i].0;
+            let ratio = if i == 0 {
+                "1.00 (limit)".to_string()
+            } else {
+                format!("{:.2}", base / t)
+            };
+            println!("| {name} | {t:.2} s | {} | {ratio} |", gib_s(bytes, *t));
+        }
+    }
+    drop(configs);
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let p = entry.unwrap().path();
+        if p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("save-"))
+        {
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
+    let _ = std::fs::remove_file(&plain);
+
+    // Loads from warm page cache.
+    let files = common::data_files(&ck_dir);
+    let ck = Checkpoint::open(&ck_dir).unwrap();
+    let mut loads: Vec<(String, Run<'_>)> = vec![(
+        "plain read into reused buffers, 2 threads".into(),
+        Box::new(|| Box::new(common::plain_read(&files, 2))),
+    )];
+    for p in [1usize, 2] {
+        let ck = &ck;
+        loads.push((
+            format!("saver load into new arrays (load_columns), parallel {p}"),
+            Box::new(move || {
+                Box::new(
+                    ck.load_columns(&LoadOptions {
+                        parallel: p,
+                        ..LoadOptions::default()
+                    })
+                    .unwrap(),
+                )
+            }),
+        ));
+    }
+    for p in [1usize, 2] {
+        let ck = &ck;
+        loads.push((
+            format!("saver restore into new hashtables (EmbeddingTable), parallel {p}"),
+            Box::new(move || {
+                Box::new(
+                    ck.restore(&LoadOptions {
+                        parallel: p,
+                        ..LoadOptions::default()
+                    })
+                    .unwrap(),
+                )
+            }),
+        ));
+    }
+    let times = interleaved(runs, &mut loads);
+    println!("\n| load (warm page cache) | time | throughput | ratio to limit |\n| --- | --- | --- | --- |");
+    for (i, t) in times.iter().enumerate() {
+        let ratio = if i == 0 {
+            "1.00 (limit)".to_string()
+        } else {
+            format!("{:.2}", times[0] / t)
+        };
+        println!(
+            "| {} | {t:.2} s | {} | {ratio} |",
+            loads[i].0,
+            gib_s(bytes, *t)
+        );
+    }
+    drop(loads);
+
+    // Resharding 8 -> 3.
+    let ck8_dir = dir.join("ckpt8");
+    save(&ck8_dir, model.input(), &opts(4, false, 8)).unwrap();
+    let ck8 = Checkpoint::open(&ck8_dir).unwrap();
+    println!("\n| resharding load 8 → 3 | rows | bytes read | bytes kept | read amplification | time |\n| --- | --- | --- | --- | --- | --- |");
+    for j in 0..3 {
+        let r = ck8
+            .restore(&LoadOptions {
+                shard_num: 3,
+                shard_index: Some(j),
+                parallel: 2,
+                ..LoadOptions::default()
+            })
+            .unwrap();
+        let rep = &r.report;
+        println!(
+            "| target shard {j} of 3 | {} | {} | {} | {:.4} | {:.2} s |",
+            rep.rows,
+            human(rep.bytes_read),
+            human(rep.bytes_kept),
+            rep.read_amplification,
+            rep.load_seconds
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn human(b: u64) -> String {
+    if b >= 1 << 30 {
+        format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    }
+}

@@ -1,0 +1,180 @@
+//! Owning loads into contiguous arrays: each selected table's ids and slot rows land in one buffer
+//! per column, read straight from the files into their final place (one copy, from `parallel`
+//! threads). For serving systems and tools that want arrays rather than a hashtable, and the
+//! fastest way to take a checkpoint into memory.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use saver_core::partition::BUCKETS;
+use saver_core::{KeyDtype, PartitionRule, SlotSpec};
+
+use crate::error::{Error, Result};
+use crate::reader::Checkpoint;
+use crate::restore::{
+    finish_report, globs, reader_pool, LoadOptions, LoadReport, LoadedDense, PieceCrc,
+};
+
+/// One table as arrays. Rows are in checkpoint order (by source shard, bucket, id), not sorted.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TableColumns {
+    /// Name in the checkpoint (renamed if `rename` says so).
+    pub name: String,
+    /// Id dtype; `ids` hold the raw 64 bits.
+    pub key_dtype: KeyDtype,
+    /// The loaded slots.
+    pub slots: Vec<SlotSpec>,
+    /// One id per row.
+    pub ids: Vec<u64>,
+    /// Per slot, the rows back to back (little-endian, row-major).
+    pub data: Vec<Vec<u8>>,
+}
+
+/// The result of [`Checkpoint::load_columns`].
+pub struct Columns {
+    /// Tables.
+    pub tables: Vec<TableColumns>,
+    /// Dense tensors.
+    pub dense: Vec<LoadedDense>,
+    /// Figures.
+    pub report: LoadReport,
+}
+
+/// One chunk of work with its destination slices.
+struct Job<'a, 'm> {
+    read: &'a crate::restore::SegmentRead<'m>,
+    rows: std::ops::Range<u64>,
+    ids: &'a mut [u64],
+    slots: Vec<&'a mut [u8]>,
+}
+
+impl Checkpoint {
+    /// Loads the selected tables (and dense tensors) into arrays: all rows, or with
+    /// `opts.shard_index = Some(j)`, the rows of shard `j` of `opts.shard_num`.
+    pub fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
+        let start = Instant::now();
+        if opts.shard_num == 0 {
+            return Err(saver_core::Error::ZeroShards.into());
+        }
+        let target = match opts.shard_index {
+            Some(j) if j >= opts.shard_num => {
+                return Err(saver_core::Error::ShardOutOfRange {
+                    index: j,
+                    num: opts.shard_num,
+                }
+                .into())
+            }
+            Some(j) => PartitionRule::bucket_range(j, opts.shard_num),
+            None => 0..BUCKETS,
+        };
+        let exclude = globs("exclude_slots", &opts.exclude_slots)?;
+        let mut report = LoadReport::default();
+        let mut plans = Vec::new();
+        for t in self.selected_tables(opts)? {
+            let slots = Self::kept_slots(t, &exclude);
+            self.check_target(t, t.key_dtype, &slots)?;
+            let reads = self.segment_reads(t, &slots, &target, &mut report)?;
+            plans.push((t, slots, reads));
+        }
+        let mut tables: Vec<TableColumns> = plans
+            .iter()
+            .map(|(t, slots, reads)| {
+                let rows: u64 = reads.iter().map(|r| r.rows.end - r.rows.start).sum();
+                let data = slots
+                    .iter()
+                    .map(|s| {
+                        let b = s.row_bytes().map_err(Error::from)?;
+                        Ok(vec![0u8; (rows * b) as usize])
+                    })
+                    .collect::<Result<_>>()?;
+                Ok(TableColumns {
+                    name: opts
+                        .rename
+                        .get(&t.name)
+                        .cloned()
+                        .unwrap_or_else(|| t.name.clone()),
+                    key_dtype: t.key_dtype,
+                    slots: slots.clone(),
+                    ids: vec![0u64; rows as usize],
+                    data,
+                })
+            })
+            .collect::<Result<_>>()?;
+
+        // Cut every destination into the disjoint pieces the chunks fill.
+        let mut jobs: Vec<Job<'_, '_>> = Vec::new();
+        for ((_, slots, reads), table) in plans.iter().zip(tables.iter_mut()) {
+            let row_bytes: Vec<usize> = slots
+                .iter()
+                .map(|s| s.row_bytes().unwrap_or(0) as usize)
+                .collect();
+            let mut ids_rest: &mut [u64] = &mut table.ids;
+            let mut data_rest: Vec<&mut [u8]> =
+                table.data.iter_mut().map(Vec::as_mut_slice).collect();
+            for read in reads {
+                for rows in read.chunks(opts.chunk_bytes) {
+                    let n = (rows.end - rows.start) as usize;
+                    let (ids, rest) = std::mem::take(&mut ids_rest).split_at_mut(n);
+                    ids_rest = rest;
+                    let mut slots_out = Vec::with_capacity(data_rest.len());
+                    for (k, d) in data_rest.iter_mut().enumerate() {
+                        let (head, rest) = std::mem::take(d).split_at_mut(n * row_bytes[k]);
+                        *d = rest;
+                        slots_out.push(head);
+                    }
+                    jobs.push(Job {
+                        read,
+                        rows,
+                        ids,
+                        slots: slots_out,
+                    });
+                }
+            }
+        }
+        let pool = reader_pool(opts.parallel)?;
+        let results: Result<Vec<(u64, u64, Vec<PieceCrc>)>> = pool.install(|| {
+            jobs.par_iter_mut()
+                .map(|job| {
+                    let mut pieces = Vec::new();
+                    let bytes = self.read_rows_into(
+                        job.read,
+                        job.rows.clone(),
+                        bytemuck::cast_slice_mut(job.ids),
+                        &mut job.slots,
+                        &mut pieces,
+                    )?;
+                    // Ids were read as little-endian bytes; a no-op on little-endian machines.
+                    job.ids.iter_mut().for_each(|x| *x = u64::from_le(*x));
+                    Ok((job.ids.len() as u64, bytes, pieces))
+                })
+                .collect()
+        });
+        drop(jobs);
+        let mut pieces = Vec::new();
+        for (rows, bytes, p) in results? {
+            report.rows += rows;
+            report.bytes_read += bytes;
+            report.bytes_kept += bytes;
+            pieces.extend(p);
+        }
+        report.tensors_checked += self.check_whole_crcs(pieces)?;
+        let dense = if opts.load_dense {
+            self.load_dense_tensors(opts)?
+        } else {
+            Vec::new()
+        };
+        for d in &dense {
+            report.bytes_read += d.data.len() as u64;
+            report.bytes_kept += d.data.len() as u64;
+            report.tensors_checked += 1;
+        }
+        report.load_seconds = start.elapsed().as_secs_f64();
+        finish_report(&mut report);
+        Ok(Columns {
+            tables,
+            dense,
+            report,
+        })
+    }
+}

@@ -1,0 +1,356 @@
+//! Crash safety: a save killed (SIGKILL) at any point never costs the previous checkpoint, never
+//! leaves anything that loads as a checkpoint unless it was committed, and never blocks the next
+//! save. Kill points are storage operations (every write, rename, claim, removal: so the commit
+//! phase is hit exactly) plus random moments, in a child process.
+//!
+//! `SAVER_CRASH_POINTS=N` raises the number of kill points per scenario (default 50).
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use saver::core::partition::fmix64;
+use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
+use saver::io::digest::restored_digest;
+use saver::io::storage::{LocalFs, ReadHandle, Storage, WriteHandle};
+use saver::io::{save_to, Error, Result};
+use saver::{save, Checkpoint, ForeignRows, LoadOptions, SaveOptions, Status};
+
+const SPEC_A: &str = "tables=3,rows=3000,dim=8,slots=embedding+adagrad+freq,dense=64KiB,seed=1";
+const SPEC_B: &str = "tables=3,rows=3000,dim=8,slots=embedding+adagrad+freq,dense=64KiB,seed=2";
+
+fn model(spec: &str) -> SyntheticModel {
+    SyntheticModel::generate(&spec.parse::<SyntheticSpec>().unwrap()).unwrap()
+}
+
+fn opts(id: &str) -> SaveOptions {
+    let mut o = SaveOptions {
+        save_id: Some(id.into()),
+        overwrite: true,
+        ..SaveOptions::default()
+    };
+    o.plan.shard_num = 2;
+    o.plan.parallel = 2;
+    o.plan.max_file_size = 32 << 10;
+    o.plan.chunk_bytes = 16 << 10;
+    o
+}
+
+/// Kills its own process with SIGKILL at the n-th mutating storage operation.
+#[derive(Debug)]
+struct KillAt {
+    inner: LocalFs,
+    at: u64,
+    ops: Arc<AtomicU64>,
+}
+
+impl KillAt {
+    fn tick(&self) {
+        if self.ops.fetch_add(1, Ordering::SeqCst) == self.at {
+            // SAFETY: sending a signal to ourselves; nothing after this runs.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+    }
+}
+
+struct KillWrite {
+    inner: Box<dyn WriteHandle>,
+    owner: Arc<KillAtShared>,
+}
+
+struct KillAtShared {
+    at: u64,
+    ops: Arc<AtomicU64>,
+}
+
+impl KillAtShared {
+    fn tick(&self) {
+        if self.ops.fetch_add(1, Ordering::SeqCst) == self.at {
+            // SAFETY: as above.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+    }
+}
+
+impl WriteHandle for KillWrite {
+    fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.owner.tick();
+        self.inner.write_at(offset, buf)
+    }
+    fn commit(self: Box<Self>, durable: bool) -> Result<()> {
+        self.owner.tick();
+        self.inner.commit(durable)?;
+        self.owner.tick();
+        Ok(())
+    }
+    fn abort(self: Box<Self>) {
+        self.inner.abort()
+    }
+}
+
+impl Storage for KillAt {
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+    fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>> {
+        self.tick();
+        Ok(Box::new(KillWrite {
+            inner: self.inner.create(name, len)?,
+            owner: Arc::new(KillAtShared {
+                at: self.at,
+                ops: self.ops.clone(),
+            }),
+        }))
+    }
+    fn create_exclusive(&self, name: &str, bytes: &[u8]) -> Result<bool> {
+        self.tick();
+        let r = self.inner.create_exclusive(name, bytes)?;
+        self.tick();
+        Ok(r)
+    }
+    fn open(&self, name: &str) -> Result<Box<dyn ReadHandle>> {
+        self.inner.open(name)
+    }
+    fn exists(&self, name: &str) -> Result<bool> {
+        self.inner.exists(name)
+    }
+    fn list(&self) -> Result<Vec<String>> {
+        self.inner.list()
+    }
+    fn remove(&self, name: &str) -> Result<()> {
+        self.tick();
+        self.inner.remove(name)
+    }
+    fn sync_dir(&self) -> Result<()> {
+        self.tick();
+        self.inner.sync_dir()
+    }
+}
+
+/// Child mode: save model B into SAVER_CRASH_DIR, killing ourselves at operation SAVER_CRASH_AT.
+#[test]
+fn crash_child() {
+    let (Ok(dir), Ok(at)) = (
+        std::env::var("SAVER_CRASH_DIR"),
+        std::env::var("SAVER_CRASH_AT"),
+    ) else {
+        return;
+    };
+    let m = model(SPEC_B);
+    let id = std::env::var("SAVER_CRASH_ID").unwrap();
+    let mut o = opts(&id);
+    if let Ok(shard) = std::env::var("SAVER_CRASH_SHARD") {
+        o.plan.shard_num = 3;
+        o.plan.shard_index = Some(shard.parse().unwrap());
+        o.plan.foreign_rows = ForeignRows::Skip;
+        o.wait = Some(Duration::from_secs(3));
+    }
+    let storage = KillAt {
+        inner: LocalFs::create_dir(&dir).unwrap(),
+        at: at.parse().unwrap(),
+        ops: Arc::default(),
+    };
+    match save_to(&storage, m.input(), &o) {
+        Ok(r) => println!(
+            "ops={} committed={}",
+            storage.ops.load(Ordering::SeqCst),
+            r.committed
+        ),
+        Err(e) => println!("error: {e}"),
+    }
+}
+
+fn spawn_child(dir: &Path, at: u64, id: &str, shard: Option<u32>) -> std::process::Child {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
+        .env("SAVER_CRASH_DIR", dir)
+        .env("SAVER_CRASH_AT", at.to_string())
+        .env("SAVER_CRASH_ID", id)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(s) = shard {
+        c.env("SAVER_CRASH_SHARD", s.to_string());
+    }
+    c.spawn().unwrap()
+}
+
+fn digest_of(dir: &Path) -> String {
+    let ck = Checkpoint::open(dir).unwrap();
+    restored_digest(&ck.restore(&LoadOptions::default()).unwrap())
+}
+
+fn points() -> u64 {
+    std::env::var("SAVER_CRASH_POINTS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(50)
+}
+
+/// After a kill: the directory holds either the old checkpoint or the new one, complete; or, if
+/// it had none, nothing that loads. Then a new save into it succeeds.
+fn check_after_kill(
+    dir: &Path,
+    had_old: Option<&str>,
+    old_digest: &str,
+    new_digest: &str,
+    b: &SyntheticModel,
+    round: u64,
+) {
+    let v = saver::verify(dir, 2).unwrap();
+    match v.status {
+        Status::Ok => {
+            let d = digest_of(dir);
+            assert!(
+                d == new_digest || (had_old.is_some() && d == old_digest),
+                "round {round}: a committed checkpoint with foreign content"
+            );
+        }
+        Status::Incomplete => {
+            assert!(
+                had_old.is_none(),
+                "round {round}: the old checkpoint was lost: {:?}",
+                v.problems
+            );
+            let err = Checkpoint::open(dir).unwrap_err();
+            assert!(
+                matches!(err, Error::Incomplete { .. }),
+                "round {round}: {err}"
+            );
+        }
+        Status::Corrupt => panic!(
+            "round {round}: a crash produced a corrupt checkpoint: {:?}",
+            v.problems
+        ),
+    }
+    // The next save into the same directory succeeds and commits cleanly.
+    save(dir, b.input(), &opts(&format!("retry{round}"))).unwrap();
+    assert_eq!(saver::verify(dir, 2).unwrap().status, Status::Ok);
+    assert_eq!(digest_of(dir), new_digest);
+    let leftovers: Vec<String> = common::dir_bytes(dir)
+        .into_keys()
+        .filter(|n| n.contains(".tmp-") || n.contains("crash"))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "round {round}: leftovers of the crashed attempt: {leftovers:?}"
+    );
+}
+
+#[test]
+fn killed_saves_never_cost_the_previous_checkpoint() {
+    let root = tempfile::tempdir().unwrap();
+    let a = model(SPEC_A);
+    let b = model(SPEC_B);
+    let sibling = root.path().join("previous");
+    save(&sibling, a.input(), &opts("prev")).unwrap();
+    let digest_a = digest_of(&sibling);
+
+    // How many storage operations a full save makes.
+    let probe = root.path().join("probe");
+    let out = spawn_child(&probe, u64::MAX, "crashprobe", None)
+        .wait_with_output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let total: u64 = text
+        .split("ops=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .expect("probe reports its op count");
+    let digest_b = digest_of(&probe);
+    assert_ne!(digest_a, digest_b);
+
+    let n = points();
+    let started = Instant::now();
+    let mut kills = 0;
+    for (scenario, had_old) in [("fresh", None), ("overwrite", Some("old"))] {
+        for k in 0..n {
+            // Spread over every operation, with the last ones (the commit) always included.
+            let at = if k < 5 {
+                total.saturating_sub(1 + k)
+            } else {
+                (k * 7919) % total.max(1)
+            };
+            let dir = root.path().join(format!("{scenario}{k}"));
+            if had_old.is_some() {
+                save(&dir, a.input(), &opts("old")).unwrap();
+            }
+            let out = spawn_child(&dir, at, &format!("crash{k}"), None)
+                .wait_with_output()
+                .unwrap();
+            let killed = out.status.code().is_none();
+            kills += usize::from(killed);
+            assert!(
+                killed || at >= total,
+                "op {at} of {total} did not kill the child: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+            check_after_kill(&dir, had_old, &digest_a, &digest_b, &b, k);
+            assert_eq!(
+                digest_of(&sibling),
+                digest_a,
+                "the sibling checkpoint changed"
+            );
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+    // Kills at random moments (SIGKILL from the parent), overwriting a committed checkpoint.
+    let mut rng = 0x5eed_u64;
+    for k in 0..n / 5 {
+        rng = fmix64(rng + 1);
+        let dir = root.path().join(format!("timed{k}"));
+        save(&dir, a.input(), &opts("old")).unwrap();
+        let mut child = spawn_child(&dir, u64::MAX, &format!("crash{k}"), None);
+        std::thread::sleep(Duration::from_micros(rng % 400_000));
+        let _ = child.kill();
+        let _ = child.wait();
+        check_after_kill(&dir, Some("old"), &digest_a, &digest_b, &b, 1000 + k);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    println!(
+        "{kills} op-indexed kills and {} timed kills over {total} storage ops in {:.1}s",
+        n / 5,
+        started.elapsed().as_secs_f64()
+    );
+    assert!(
+        kills as u64 >= n,
+        "at least {n} kill points must actually kill"
+    );
+}
+
+#[test]
+fn a_killed_shard_process_blocks_the_commit_and_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    // Shard 1 is killed at its 3rd storage operation; shards 0 and 2 wait 3 s, then time out.
+    let children: Vec<_> = [(0, u64::MAX), (1, 3), (2, u64::MAX)]
+        .iter()
+        .map(|&(s, at)| spawn_child(dir.path(), at, "mp", Some(s)))
+        .collect();
+    let outs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    assert!(outs[1].status.code().is_none(), "shard 1 was killed");
+    for s in [0, 2] {
+        let text = String::from_utf8_lossy(&outs[s].stdout);
+        assert!(
+            text.contains("error: timed out") && text.contains("missing shards: [1]"),
+            "shard {s}: {text}"
+        );
+    }
+    assert_eq!(
+        saver::verify(dir.path(), 1).unwrap().status,
+        Status::Incomplete
+    );
+    let err = Checkpoint::open(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("missing shards [1]"), "{err}");
+    assert!(!dir.path().join("model.safetensors.index.json").exists());
+}
