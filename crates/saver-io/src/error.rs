@@ -58,10 +58,12 @@ pub enum Error {
         what: String,
     },
     /// A name in an index or manifest points outside the checkpoint directory.
-    #[error("refusing file name {name:?}: {why}")]
+    #[error("refusing file name {name:?} (named in {named_in}): {why}")]
     UnsafePath {
         /// The name.
         name: String,
+        /// Where the name came from (an index, a manifest, a storage call).
+        named_in: String,
         /// Why.
         why: &'static str,
     },

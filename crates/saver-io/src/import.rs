@@ -97,6 +97,7 @@ fn plain_files(path: &Path) -> Result<(LocalFs, Vec<String>)> {
             .and_then(|n| n.to_str())
             .ok_or_else(|| Error::UnsafePath {
                 name: path.display().to_string(),
+                named_in: "the --from path".into(),
                 why: "not a UTF-8 file name",
             })?;
         return Ok((LocalFs::open_dir(dir)?, vec![name.to_string()]));
@@ -136,7 +137,7 @@ fn plain_files(path: &Path) -> Result<(LocalFs, Vec<String>)> {
         )));
     }
     for f in &files {
-        check_file_name(f)?;
+        check_file_name(f, &path.join(INDEX_FILE).display().to_string())?;
     }
     Ok((storage, files))
 }

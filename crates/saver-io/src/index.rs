@@ -14,6 +14,7 @@ use crate::storage::check_file_name;
 
 /// The `metadata` object of the index.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct IndexMetadata {
     /// Sum of all tensor byte lengths.
     pub total_size: u64,
@@ -31,6 +32,7 @@ pub struct IndexMetadata {
 
 /// The global index.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Index {
     /// Metadata.
     pub metadata: IndexMetadata,
@@ -77,10 +79,22 @@ impl Index {
             file: file.into(),
             what: format!("not a saver index: {e}"),
         })?;
-        check_save_id(&index.metadata.saver_save_id)?;
-        check_file_name(&index.metadata.saver_manifest)?;
+        if index.metadata.format != "saver" {
+            return Err(Error::Corrupt {
+                file: file.into(),
+                what: format!(
+                    "metadata.format is {:?}, not \"saver\"",
+                    index.metadata.format
+                ),
+            });
+        }
+        check_save_id(&index.metadata.saver_save_id).map_err(|e| Error::Corrupt {
+            file: file.into(),
+            what: e.to_string(),
+        })?;
+        check_file_name(&index.metadata.saver_manifest, file)?;
         for f in index.weight_map.values() {
-            check_file_name(f)?;
+            check_file_name(f, file)?;
         }
         Ok(index)
     }

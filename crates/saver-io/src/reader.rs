@@ -89,11 +89,20 @@ pub(crate) fn load_manifest(storage: &dyn Storage) -> Result<(Index, Manifest)> 
     }
     let index = Index::parse(&storage.get(INDEX_FILE, MAX_JSON_BYTES)?, INDEX_FILE)?;
     let name = &index.metadata.saver_manifest;
-    let bytes = storage.get(name, MAX_JSON_BYTES)?;
-    if crc32fast::hash(&bytes) != index.metadata.saver_manifest_crc32 {
+    let bytes = storage
+        .get(name, MAX_JSON_BYTES)
+        .map_err(|e| Error::Corrupt {
+            file: INDEX_FILE.into(),
+            what: format!("names manifest {name:?}, which cannot be read: {e}"),
+        })?;
+    let crc = crc32fast::hash(&bytes);
+    if crc != index.metadata.saver_manifest_crc32 {
         return Err(Error::Corrupt {
             file: name.clone(),
-            what: "checksum does not match the one recorded in the index".into(),
+            what: format!(
+                "checksum {crc:08x} differs from {:08x} recorded in {INDEX_FILE} (one of the two is corrupt)",
+                index.metadata.saver_manifest_crc32
+            ),
         });
     }
     let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
@@ -131,7 +140,7 @@ fn check_manifest(m: &Manifest, index: &Index, file: &str) -> Result<()> {
     }
     if m.save_id != index.metadata.saver_save_id {
         return Err(bad(format!(
-            "save id {} differs from the index's {}",
+            "save id {} differs from {INDEX_FILE}'s {}",
             m.save_id, index.metadata.saver_save_id
         )));
     }
@@ -140,11 +149,11 @@ fn check_manifest(m: &Manifest, index: &Index, file: &str) -> Result<()> {
         return Err(bad("zero shards".into()));
     }
     for f in &m.files {
-        check_file_name(&f.name)?;
+        check_file_name(&f.name, file)?;
     }
     let mut refs: HashMap<&str, &str> = HashMap::new();
     for t in m.tensor_refs() {
-        check_file_name(&t.file)?;
+        check_file_name(&t.file, file)?;
         if refs.insert(&t.name, &t.file).is_some() {
             return Err(bad(format!("tensor {:?} is listed twice", t.name)));
         }

@@ -223,20 +223,23 @@ impl EmbeddingTable {
 
     /// Removes the row of `id`; returns whether it existed. A live snapshot keeps the removed row.
     pub fn remove(&self, id: u64) -> bool {
+        // Held across the removal: a snapshot registered after this is taken never saw the row.
         let guard = self.snapshots.read().unwrap_or_else(|e| e.into_inner());
-        match self.rows.remove(&id) {
-            Some((id, row)) => {
-                let live: Vec<Arc<Graveyard>> = guard.iter().filter_map(Weak::upgrade).collect();
-                if let Some((last, rest)) = live.split_last() {
-                    for g in rest {
-                        g.entry(id).or_insert_with(|| row.clone());
-                    }
-                    last.entry(id).or_insert(row);
+        let live: Vec<Arc<Graveyard>> = guard.iter().filter_map(Weak::upgrade).collect();
+        if live.is_empty() {
+            return self.rows.remove(&id).is_some();
+        }
+        // Hand the row to every live snapshot inside `remove_if`, while its map entry is still
+        // write-locked: a snapshot reader then finds it in the map or in its graveyard, never in
+        // neither (removing first and handing over after left such a window).
+        self.rows
+            .remove_if(&id, |k, row| {
+                for g in &live {
+                    g.entry(*k).or_insert_with(|| row.clone());
                 }
                 true
-            }
-            None => false,
-        }
+            })
+            .is_some()
     }
 
     /// Removes every row for which `keep` returns false (e.g. eviction of cold rows).

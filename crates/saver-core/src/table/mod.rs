@@ -13,7 +13,7 @@
 
 mod embedding;
 
-pub use embedding::EmbeddingTable;
+pub use embedding::{EmbeddingTable, RowMut};
 
 use serde::{Deserialize, Serialize};
 

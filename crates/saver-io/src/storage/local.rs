@@ -49,7 +49,7 @@ impl LocalFs {
     }
 
     fn path(&self, name: &str) -> Result<PathBuf> {
-        check_file_name(name)?;
+        check_file_name(name, &format!("a request to {}", self.dir.display()))?;
         Ok(self.dir.join(name))
     }
 }
@@ -208,6 +208,7 @@ impl Storage for LocalFs {
         if !meta.file_type().is_file() {
             return Err(Error::UnsafePath {
                 name: name.to_string(),
+                named_in: self.dir.display().to_string(),
                 why: "not a regular file (symlinks are refused)",
             });
         }

@@ -26,7 +26,8 @@ use crate::error::{Error, Result};
 
 /// Refuses names that are empty, contain a path separator, are `.`/`..`, or contain NUL: a
 /// manifest or index from an untrusted source must not make us read or write outside the directory.
-pub fn check_file_name(name: &str) -> Result<()> {
+/// `named_in` says where the name was found, for the message.
+pub fn check_file_name(name: &str, named_in: &str) -> Result<()> {
     let why = if name.is_empty() {
         "empty"
     } else if name.contains('/') || name.contains('\\') {
@@ -42,6 +43,7 @@ pub fn check_file_name(name: &str) -> Result<()> {
     };
     Err(Error::UnsafePath {
         name: name.to_string(),
+        named_in: named_in.to_string(),
         why,
     })
 }
