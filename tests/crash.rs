@@ -44,11 +44,17 @@ fn opts(id: &str) -> SaveOptions {
 #[derive(Debug)]
 struct KillAt {
     inner: LocalFs,
-    at: u64,
-    ops: Arc<AtomicU64>,
+    counter: Arc<KillCounter>,
 }
 
-impl KillAt {
+/// The operation counter, shared by the storage and every file it opens.
+#[derive(Debug)]
+struct KillCounter {
+    at: u64,
+    ops: AtomicU64,
+}
+
+impl KillCounter {
     fn tick(&self) {
         if self.ops.fetch_add(1, Ordering::SeqCst) == self.at {
             // SAFETY: sending a signal to ourselves; nothing after this runs.
@@ -61,34 +67,18 @@ impl KillAt {
 
 struct KillWrite {
     inner: Box<dyn WriteHandle>,
-    owner: Arc<KillAtShared>,
-}
-
-struct KillAtShared {
-    at: u64,
-    ops: Arc<AtomicU64>,
-}
-
-impl KillAtShared {
-    fn tick(&self) {
-        if self.ops.fetch_add(1, Ordering::SeqCst) == self.at {
-            // SAFETY: as above.
-            unsafe {
-                libc::kill(libc::getpid(), libc::SIGKILL);
-            }
-        }
-    }
+    counter: Arc<KillCounter>,
 }
 
 impl WriteHandle for KillWrite {
     fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
-        self.owner.tick();
+        self.counter.tick();
         self.inner.write_at(offset, buf)
     }
     fn commit(self: Box<Self>, durable: bool) -> Result<()> {
-        self.owner.tick();
+        self.counter.tick();
         self.inner.commit(durable)?;
-        self.owner.tick();
+        self.counter.tick();
         Ok(())
     }
     fn abort(self: Box<Self>) {
@@ -101,19 +91,16 @@ impl Storage for KillAt {
         self.inner.location()
     }
     fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>> {
-        self.tick();
+        self.counter.tick();
         Ok(Box::new(KillWrite {
             inner: self.inner.create(name, len)?,
-            owner: Arc::new(KillAtShared {
-                at: self.at,
-                ops: self.ops.clone(),
-            }),
+            counter: self.counter.clone(),
         }))
     }
     fn create_exclusive(&self, name: &str, bytes: &[u8]) -> Result<bool> {
-        self.tick();
+        self.counter.tick();
         let r = self.inner.create_exclusive(name, bytes)?;
-        self.tick();
+        self.counter.tick();
         Ok(r)
     }
     fn open(&self, name: &str) -> Result<Box<dyn ReadHandle>> {
@@ -126,11 +113,11 @@ impl Storage for KillAt {
         self.inner.list()
     }
     fn remove(&self, name: &str) -> Result<()> {
-        self.tick();
+        self.counter.tick();
         self.inner.remove(name)
     }
     fn sync_dir(&self) -> Result<()> {
-        self.tick();
+        self.counter.tick();
         self.inner.sync_dir()
     }
 }
@@ -155,13 +142,15 @@ fn crash_child() {
     }
     let storage = KillAt {
         inner: LocalFs::create_dir(&dir).unwrap(),
-        at: at.parse().unwrap(),
-        ops: Arc::default(),
+        counter: Arc::new(KillCounter {
+            at: at.parse().unwrap(),
+            ops: AtomicU64::new(0),
+        }),
     };
     match save_to(&storage, m.input(), &o) {
         Ok(r) => println!(
             "ops={} committed={}",
-            storage.ops.load(Ordering::SeqCst),
+            storage.counter.ops.load(Ordering::SeqCst),
             r.committed
         ),
         Err(e) => println!("error: {e}"),

@@ -59,7 +59,7 @@ pub enum Command {
     /// Restore a checkpoint into memory, for all M target shards or shard J of M, and report
     /// rows, bytes, time, read amplification and the content digest.
     #[command(
-        after_help = "Examples:\n  saver load /ckpt/step100\n  saver load /ckpt/step100 --shards 3 --shard-index 1 --json"
+        after_help = "Examples:\n  saver load /ckpt/step100\n  saver load /ckpt/step100 --shards 3 --shard-index 1 --json\n  saver load /ckpt/step100 --into arrays"
     )]
     Load {
         /// Checkpoint directory.
@@ -73,6 +73,10 @@ pub enum Command {
         /// Reader threads.
         #[arg(long, default_value_t = default_parallel())]
         parallel: usize,
+        /// What to load into: concurrent hashtables (as a trainer resumes) or contiguous arrays
+        /// (as a serving system or a tool reads them; the fastest owning load).
+        #[arg(long, value_enum, default_value = "tables")]
+        into: LoadTarget,
         #[command(flatten)]
         out: Output,
     },
@@ -195,6 +199,15 @@ pub struct SaveArgs {
     pub wait_seconds: Option<f64>,
     #[command(flatten)]
     pub out_fmt: Output,
+}
+
+/// Targets of `load --into`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadTarget {
+    /// `EmbeddingTable`s, one per table and target shard.
+    Tables,
+    /// Contiguous arrays per table (ids and one array per slot).
+    Arrays,
 }
 
 /// Cast targets of `export --dtype`.

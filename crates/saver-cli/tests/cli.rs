@@ -93,6 +93,21 @@ fn the_main_job_save_8_shards_then_verify() {
     assert!(one["rows"].as_u64().unwrap() < 3000);
     assert!(one["read_amplification"].as_f64().unwrap() <= 1.2);
     assert_eq!(l["digest"].as_str().unwrap().len(), 64);
+    // Arrays and hashtables hold the same content.
+    let arrays = json(&["load", p(&out), "--into", "arrays"]);
+    assert_eq!(arrays["digest"], l["digest"]);
+    assert_eq!(arrays["rows"], 3000);
+    let part = json(&[
+        "load",
+        p(&out),
+        "--into",
+        "arrays",
+        "--shards",
+        "3",
+        "--shard-index",
+        "1",
+    ]);
+    assert_eq!(part["digest"], one["digest"]);
 }
 
 #[test]

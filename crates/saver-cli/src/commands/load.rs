@@ -5,11 +5,11 @@ use std::process::ExitCode;
 
 use serde::Serialize;
 
-use saver_io::digest::restored_digest;
+use saver_io::digest::{columns_digest, restored_digest};
 use saver_io::{Checkpoint, LoadOptions, LoadReport};
 
 use super::CmdResult;
-use crate::cli::Output;
+use crate::cli::{LoadTarget, Output};
 use crate::output;
 
 #[derive(Serialize)]
@@ -29,23 +29,36 @@ pub fn run(
     shards: u32,
     shard_index: Option<u32>,
     parallel: usize,
+    into: LoadTarget,
     out: Output,
 ) -> CmdResult {
     let ck = Checkpoint::open(dir)?;
-    let r = ck.restore(&LoadOptions {
+    let opts = LoadOptions {
         shard_num: shards,
         shard_index,
         parallel,
         ..LoadOptions::default()
-    })?;
+    };
+    let (load, dense, digest) = match into {
+        LoadTarget::Tables => {
+            let r = ck.restore(&opts)?;
+            let digest = restored_digest(&r);
+            (r.report, r.dense.len(), digest)
+        }
+        LoadTarget::Arrays => {
+            let c = ck.load_columns(&opts)?;
+            let digest = columns_digest(&c);
+            (c.report, c.dense.len(), digest)
+        }
+    };
     let report = Report {
         dir: dir.display().to_string(),
         shards,
         shard_index,
         tables: ck.manifest().tables.len(),
-        dense: r.dense.len(),
-        load: &r.report,
-        digest: restored_digest(&r),
+        dense,
+        load: &load,
+        digest,
     };
     if out.json {
         output::json(&report);
@@ -56,13 +69,13 @@ pub fn run(
         };
         println!(
             "loaded {which}: {} rows, {} dense tensors, {} kept of {} read (read amplification {:.3}) in {:.2}s ({})",
-            r.report.rows,
-            r.dense.len(),
-            output::size(r.report.bytes_kept),
-            output::size(r.report.bytes_read),
-            r.report.read_amplification,
-            r.report.load_seconds,
-            output::rate(r.report.bytes_read, r.report.load_seconds)
+            load.rows,
+            dense,
+            output::size(load.bytes_kept),
+            output::size(load.bytes_read),
+            load.read_amplification,
+            load.load_seconds,
+            output::rate(load.bytes_read, load.load_seconds)
         );
         println!("digest {}", report.digest);
     }

@@ -26,8 +26,9 @@ pub fn run(cmd: Command) -> CmdResult {
             shards,
             shard_index,
             parallel,
+            into,
             out,
-        } => load::run(&dir, shards, shard_index, parallel, out),
+        } => load::run(&dir, shards, shard_index, parallel, into, out),
         Command::Reshard {
             src,
             out,
