@@ -330,3 +330,32 @@ impl Child {
         text
     }
 }
+
+#[test]
+fn a_commit_claimed_by_a_dead_process_is_explained() {
+    let m = Model::new(200);
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = opts(2, 2);
+    o.plan.foreign_rows = ForeignRows::Skip;
+    o.plan.shard_index = Some(0);
+    save(dir.path(), m.input(), &o).unwrap();
+    // A process claimed the commit and died before writing the index.
+    std::fs::write(dir.path().join("saver-t1.commit-claim"), "pid 1\n").unwrap();
+    o.plan.shard_index = Some(1);
+    o.wait = Some(Duration::from_millis(200));
+    let err = save(dir.path(), m.input(), &o).unwrap_err().to_string();
+    assert!(
+        err.contains("saver-t1.commit-claim") && err.contains("did not finish"),
+        "{err}"
+    );
+    // Removing the claim, as the message says, lets the set commit.
+    std::fs::remove_file(dir.path().join("saver-t1.commit-claim")).unwrap();
+    let state =
+        saver::io::commit::try_commit(&LocalFs::open_dir(dir.path()).unwrap(), "t1", 2, true)
+            .unwrap();
+    assert_eq!(state, saver::io::commit::CommitState::CommittedHere);
+    assert_eq!(
+        saver::verify(dir.path(), 1).unwrap().status,
+        saver::Status::Ok
+    );
+}

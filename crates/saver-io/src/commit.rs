@@ -184,14 +184,23 @@ pub fn wait_for_commit(
             return Ok(state);
         }
         if start.elapsed() >= timeout {
-            let missing = match state {
-                CommitState::Missing(m) => m,
-                _ => Vec::new(),
-            };
-            return Err(Error::Timeout {
-                save_id: save_id.to_string(),
-                missing,
-                waited: start.elapsed(),
+            return Err(match state {
+                CommitState::Missing(missing) => Error::Timeout {
+                    save_id: save_id.to_string(),
+                    missing,
+                    waited: start.elapsed(),
+                },
+                // Every shard is there, but the process that claimed the commit never finished it.
+                _ => Error::Incomplete {
+                    dir: storage.location().into(),
+                    what: format!(
+                        "all shards of save {save_id} are written, but the process that claimed the commit \
+                         ({}) did not finish within {:?}; if it died, remove that file and save again, \
+                         or save under a new save id",
+                        commit_claim_name(save_id),
+                        start.elapsed()
+                    ),
+                },
             });
         }
         thread::sleep(pause.min(timeout.saturating_sub(start.elapsed())));

@@ -80,28 +80,48 @@ struct RawTensor {
 
 /// Reads and validates the header of `file`.
 pub fn read_header(h: &dyn ReadHandle, file: &str) -> Result<Header> {
-    let corrupt = |what: String| Error::Corrupt {
-        file: file.to_string(),
-        what,
-    };
     let len = h.len();
     if len < 8 {
-        return Err(corrupt(format!(
-            "{len} bytes is too short for a safetensors header"
-        )));
+        return Err(Error::Corrupt {
+            file: file.to_string(),
+            what: format!("{len} bytes is too short for a safetensors header"),
+        });
     }
     let mut n = [0u8; 8];
     h.read_at(0, &mut n)?;
     let n = u64::from_le_bytes(n);
     if n > MAX_HEADER_BYTES || n > len - 8 {
+        return Err(Error::Corrupt {
+            file: file.to_string(),
+            what: format!("header length {n} exceeds the file ({len} bytes) or the 100 MB limit"),
+        });
+    }
+    let mut buf = vec![0u8; 8 + n as usize];
+    h.read_at(0, &mut buf)?;
+    parse_header(&buf, len, file)
+}
+
+/// Validates a header already in memory: `prefix` starts at byte 0 of a file of `len` bytes and
+/// holds at least the length field and the JSON.
+pub fn parse_header(prefix: &[u8], len: u64, file: &str) -> Result<Header> {
+    let corrupt = |what: String| Error::Corrupt {
+        file: file.to_string(),
+        what,
+    };
+    let Some(n) = prefix.get(..8) else {
+        return Err(corrupt(format!(
+            "{len} bytes is too short for a safetensors header"
+        )));
+    };
+    let n = u64::from_le_bytes(n.try_into().expect("8 bytes"));
+    if n > MAX_HEADER_BYTES || n > len.saturating_sub(8) || 8 + n > prefix.len() as u64 {
         return Err(corrupt(format!(
             "header length {n} exceeds the file ({len} bytes) or the 100 MB limit"
         )));
     }
-    let mut buf = vec![0u8; n as usize];
-    h.read_at(8, &mut buf)?;
+    let buf = &prefix[8..8 + n as usize];
     let text =
-        std::str::from_utf8(&buf).map_err(|e| corrupt(format!("header is not UTF-8: {e}")))?;
+        std::str::from_utf8(buf).map_err(|e| corrupt(format!("header is not UTF-8: {e}")))?;
     let Entries(entries) = serde_json::from_str(text)
         .map_err(|e| corrupt(format!("header is not valid JSON: {e}")))?;
     let data_start = 8 + n;

@@ -13,7 +13,7 @@ use saver_core::{Manifest, TableManifestExt as _, FORMAT_VERSION};
 
 use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
-use crate::header::{read_header, MAX_HEADER_BYTES};
+use crate::header::{parse_header, MAX_HEADER_BYTES};
 use crate::index::Index;
 use crate::storage::{check_file_name, LocalFs, ReadHandle, Storage};
 
@@ -234,7 +234,8 @@ pub(crate) fn open_file(
             "header checksum does not match the manifest".into(),
         ));
     }
-    let header = read_header(handle.as_ref(), &fm.name)?;
+    // The bytes just checksummed are the header: parse them rather than read them again.
+    let header = parse_header(&raw, handle.len(), &fm.name)?;
     if header.data_start != fm.data_start {
         return Err(corrupt(format!(
             "data starts at {}, the manifest says {}",

@@ -17,28 +17,19 @@ use super::{DensePlan, FilePlan, Loc, PartitionPlan, PlanOptions, SegmentPlan, S
 /// Blocks are never cut smaller than this for balancing: tiny tensors only cost header space.
 const MIN_BALANCE_BLOCK: u64 = 1 << 20;
 
-/// Assigns dense tensors to shards, largest first onto the least-loaded shard (ties: lowest shard).
-/// Every process of a multi-process save computes the same assignment from the same tensors.
+/// Assigns dense tensors to shards, largest first onto the least-loaded shard (ties: lowest shard,
+/// then name order). Every process of a multi-process save computes the same assignment from the
+/// same tensors.
 pub(crate) fn assign_dense(dense: &[DenseTensor<'_>], shard_num: u32) -> Vec<u32> {
-    let mut order: Vec<usize> = (0..dense.len()).collect();
-    order.sort_by(|&a, &b| {
-        dense[b]
-            .byte_len()
-            .cmp(&dense[a].byte_len())
-            .then_with(|| dense[a].name().cmp(dense[b].name()))
-    });
+    // `pack` breaks size ties by position: order by name first so ties go by name.
+    let mut by_name: Vec<usize> = (0..dense.len()).collect();
+    by_name.sort_by(|&a, &b| dense[a].name().cmp(dense[b].name()));
+    let sizes: Vec<u64> = by_name.iter().map(|&i| dense[i].byte_len()).collect();
     // Only as many bins as tensors are ever needed, so a huge shard count costs nothing.
     let bins = (shard_num as usize).min(dense.len().max(1));
-    let mut load = vec![0u64; bins];
     let mut out = vec![0u32; dense.len()];
-    for i in order {
-        let (bin, _) = load
-            .iter()
-            .enumerate()
-            .min_by_key(|&(j, &l)| (l, j))
-            .expect("at least one bin");
-        load[bin] += dense[i].byte_len();
-        out[i] = bin as u32;
+    for (k, bin) in pack(&sizes, bins).into_iter().enumerate() {
+        out[by_name[k]] = bin as u32;
     }
     out
 }
