@@ -13,7 +13,8 @@ use saver_core::{KeyDtype, PartitionRule, SlotSpec};
 use crate::error::{Error, Result};
 use crate::reader::Checkpoint;
 use crate::restore::{
-    finish_report, globs, reader_pool, LoadOptions, LoadReport, LoadedDense, PieceCrc,
+    finish_report, globs, reader_pool, target_shards, LoadOptions, LoadReport, LoadedDense,
+    PieceCrc,
 };
 
 /// One table as arrays. Rows are in checkpoint order (by source shard, bucket, id), not sorted.
@@ -54,17 +55,9 @@ impl Checkpoint {
     /// `opts.shard_index = Some(j)`, the rows of shard `j` of `opts.shard_num`.
     pub fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
         let start = Instant::now();
-        if opts.shard_num == 0 {
-            return Err(saver_core::Error::ZeroShards.into());
-        }
+        // Validates shard_num and shard_index exactly as the hashtable restore does.
+        target_shards(opts)?;
         let target = match opts.shard_index {
-            Some(j) if j >= opts.shard_num => {
-                return Err(saver_core::Error::ShardOutOfRange {
-                    index: j,
-                    num: opts.shard_num,
-                }
-                .into())
-            }
             Some(j) => PartitionRule::bucket_range(j, opts.shard_num),
             None => 0..BUCKETS,
         };
@@ -160,15 +153,10 @@ impl Checkpoint {
         }
         report.tensors_checked += self.check_whole_crcs(pieces)?;
         let dense = if opts.load_dense {
-            self.load_dense_tensors(opts)?
+            self.load_dense(opts, &mut report)?
         } else {
             Vec::new()
         };
-        for d in &dense {
-            report.bytes_read += d.data.len() as u64;
-            report.bytes_kept += d.data.len() as u64;
-            report.tensors_checked += 1;
-        }
         report.load_seconds = start.elapsed().as_secs_f64();
         finish_report(&mut report);
         Ok(Columns {

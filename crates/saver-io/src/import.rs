@@ -5,9 +5,8 @@
 //! `<table>/<slot>` whose first dimension equals the number of ids; every other tensor is dense.
 //! This is also what [`crate::export`] writes, so an export can be saved again.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
-use std::sync::Arc;
 
 use saver_core::naming::{check_slot_name, check_table_name, INDEX_FILE};
 use saver_core::{DenseTensor, EmbeddingTable, KeyDtype, SaveInput, SlotSpec};
@@ -16,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::header::{read_header, HeaderEntry};
 use crate::reader::Checkpoint;
 use crate::restore::{LoadOptions, LoadedDense, Restored};
-use crate::storage::{check_file_name, LocalFs, Storage};
+use crate::storage::{check_file_name, LocalFs, ReadHandle, Storage};
 
 /// A model held in memory, ready to save.
 pub struct Model {
@@ -145,10 +144,11 @@ fn plain_files(path: &Path) -> Result<(LocalFs, Vec<String>)> {
 /// Reads a plain safetensors file or directory.
 pub fn read_plain(path: &Path) -> Result<Model> {
     let (storage, files) = plain_files(path)?;
-    let storage: Arc<dyn Storage> = Arc::new(storage);
     // name -> (file, entry)
     let mut tensors: BTreeMap<String, (String, HeaderEntry)> = BTreeMap::new();
     let mut order: Vec<String> = Vec::new();
+    // One handle per file, kept for reading the tensors after their headers.
+    let mut handles: HashMap<String, Box<dyn ReadHandle>> = HashMap::new();
     for f in &files {
         let h = storage.open(f)?;
         for t in read_header(h.as_ref(), f)?.tensors {
@@ -161,10 +161,11 @@ pub fn read_plain(path: &Path) -> Result<Model> {
             order.push(t.name.clone());
             tensors.insert(t.name.clone(), (f.clone(), t));
         }
+        handles.insert(f.clone(), h);
     }
     let read = |name: &str| -> Result<Vec<u8>> {
         let (f, t) = &tensors[name];
-        let h = storage.open(f)?;
+        let h = &handles[f];
         let mut buf = vec![0u8; t.len as usize];
         h.read_at(t.offset, &mut buf)?;
         Ok(buf)

@@ -326,7 +326,11 @@ impl Checkpoint {
         self.load_dense(opts, &mut r)
     }
 
-    fn load_dense(&self, opts: &LoadOptions, report: &mut LoadReport) -> Result<Vec<LoadedDense>> {
+    pub(crate) fn load_dense(
+        &self,
+        opts: &LoadOptions,
+        report: &mut LoadReport,
+    ) -> Result<Vec<LoadedDense>> {
         let set = globs("dense", &opts.dense)?;
         let mut out = Vec::new();
         for d in &self.manifest().dense {
@@ -647,7 +651,7 @@ impl Checkpoint {
     }
 }
 
-fn target_shards(opts: &LoadOptions) -> Result<Vec<u32>> {
+pub(crate) fn target_shards(opts: &LoadOptions) -> Result<Vec<u32>> {
     if opts.shard_num == 0 {
         return Err(saver_core::Error::ZeroShards.into());
     }
