@@ -176,6 +176,7 @@ impl SavePlan<'_> {
                 let seg = &part.segments[*segment];
                 let table = &self.tables[part.table];
                 let abs = seg.rows.start + rows.start..seg.rows.start + rows.end;
+                let handles = table.handles.get(abs.clone()).unwrap_or_default();
                 let ids = &table.ids[abs];
                 let n = ids.len();
                 buf.slots.resize_with(table.slots.len(), Vec::new);
@@ -190,7 +191,10 @@ impl SavePlan<'_> {
                 {
                     let mut outs: Vec<&mut [u8]> =
                         buf.slots.iter_mut().map(Vec::as_mut_slice).collect();
-                    table.snapshot.read_rows(ids, &mut outs).map_err(E::from)?;
+                    // SAFETY: `handles` is empty or came from this snapshot's scan, with `ids`,
+                    // and the sort moved them together.
+                    unsafe { table.snapshot.read_rows_by_handle(ids, handles, &mut outs) }
+                        .map_err(E::from)?;
                 }
                 sink(Piece {
                     shard: *shard,

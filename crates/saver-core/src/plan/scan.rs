@@ -22,6 +22,8 @@ pub(crate) struct ScannedTable<'a> {
     pub snapshot: Box<dyn TableSnapshot + 'a>,
     /// Kept ids sorted by (bucket, id bits).
     pub ids: Vec<u64>,
+    /// The snapshot's handle of each id in `ids`, or empty when it gave none.
+    pub handles: Vec<u64>,
     /// `bucket_start[b]..bucket_start[b + 1]` are the rows of bucket `b` in `ids`.
     pub bucket_start: Vec<u64>,
     /// For each planned shard (in plan order): whether its ids block is kept, and which slots.
@@ -94,10 +96,17 @@ pub(crate) fn scan_table<'a>(
     let with_values = filters.has_row_filters() && any_kept;
 
     let mut ids: Vec<u64> = Vec::with_capacity(if any_kept { table.len() } else { 0 });
+    let mut handles: Vec<u64> = Vec::with_capacity(ids.capacity());
+    // Handles are used only if every chunk had them for every row.
+    let mut all_handles = true;
     let mut foreign_count = 0u64;
     let mut foreign_first = None;
     if any_kept {
         snapshot.scan(SCAN_ROWS, with_values, &mut |chunk| {
+            all_handles &= chunk.handles.len() == chunk.ids.len();
+            if !all_handles {
+                handles = Vec::new();
+            }
             let mut row_vals: Vec<&[u8]> = vec![&[]; slots.len()];
             for (r, &id) in chunk.ids.iter().enumerate() {
                 let shard = PartitionRule::shard_of(id, shard_num);
@@ -129,6 +138,9 @@ pub(crate) fn scan_table<'a>(
                     }
                 }
                 ids.push(id);
+                if all_handles {
+                    handles.push(chunk.handles[r]);
+                }
             }
             Ok(())
         })?;
@@ -142,7 +154,7 @@ pub(crate) fn scan_table<'a>(
         });
     }
 
-    let (ids, bucket_start) = sort_by_bucket(ids);
+    let bucket_start = sort_by_bucket(&mut ids, &mut handles);
     if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
         return Err(Error::DuplicateId {
             table: name,
@@ -156,30 +168,133 @@ pub(crate) fn scan_table<'a>(
         slot_bytes,
         snapshot,
         ids,
+        handles,
         bucket_start,
         kept,
     })
 }
 
-/// Counting sort by bucket, then by id bits within each bucket: O(n) plus tiny per-bucket sorts,
-/// and deterministic whatever order the table produced its ids in.
-pub(crate) fn sort_by_bucket(ids: Vec<u64>) -> (Vec<u64>, Vec<u64>) {
-    let mut start = vec![0u64; BUCKETS as usize + 1];
-    for &id in &ids {
-        start[PartitionRule::bucket_of(id) as usize + 1] += 1;
+/// Sorts `ids` by bucket, then by id bits within each bucket, moving `handles` (empty, or one per
+/// id) along; returns where each bucket starts (`BUCKETS + 1` offsets).
+///
+/// In place, since for billions of rows a sorted copy would double the largest allocation of a
+/// save: two American-flag passes (each misplaced id swapped straight into its region) on the
+/// bucket's high then low byte, so each pass writes to only 256 region heads, which stay in cache
+/// (one pass over 2^16 regions would miss the cache on nearly every swap). Then tiny per-bucket
+/// sorts by id: deterministic whatever order the table produced its ids in.
+pub(crate) fn sort_by_bucket(ids: &mut [u64], handles: &mut [u64]) -> Vec<u64> {
+    let handles: &mut [u64] = if handles.len() == ids.len() {
+        handles
+    } else {
+        &mut []
+    };
+    let mut start = Vec::with_capacity(BUCKETS as usize + 1);
+    let high = flag_pass(ids, handles, |id| {
+        (PartitionRule::bucket_of(id) >> 8) as usize
+    });
+    for h in 0..256 {
+        let region = high[h]..high[h + 1];
+        let sub_handles = if handles.is_empty() {
+            &mut [][..]
+        } else {
+            &mut handles[region.clone()]
+        };
+        let low = flag_pass(&mut ids[region.clone()], sub_handles, |id| {
+            (PartitionRule::bucket_of(id) & 0xff) as usize
+        });
+        start.extend(low[..256].iter().map(|&l| (region.start + l) as u64));
     }
+    start.push(ids.len() as u64);
+
+    let mut pairs = Vec::new();
     for b in 0..BUCKETS as usize {
-        start[b + 1] += start[b];
+        let range = start[b] as usize..start[b + 1] as usize;
+        if handles.is_empty() {
+            ids[range].sort_unstable();
+        } else {
+            pairs.clear();
+            pairs.extend(
+                ids[range.clone()]
+                    .iter()
+                    .zip(&handles[range.clone()])
+                    .map(|(&i, &h)| (i, h)),
+            );
+            pairs.sort_unstable_by_key(|p| p.0);
+            for (k, (id, h)) in pairs.iter().enumerate() {
+                ids[range.start + k] = *id;
+                handles[range.start + k] = *h;
+            }
+        }
+    }
+    start
+}
+
+/// One in-place American-flag pass over 256 regions by `key(id) < 256`, moving `handles` (empty,
+/// or one per id) along. Returns the 257 region starts.
+fn flag_pass(ids: &mut [u64], handles: &mut [u64], key: impl Fn(u64) -> usize) -> Vec<usize> {
+    let mut start = vec![0usize; 257];
+    for &id in ids.iter() {
+        start[key(id) + 1] += 1;
+    }
+    for r in 0..256 {
+        start[r + 1] += start[r];
     }
     let mut next = start.clone();
-    let mut sorted = vec![0u64; ids.len()];
-    for id in ids {
-        let b = PartitionRule::bucket_of(id) as usize;
-        sorted[next[b] as usize] = id;
-        next[b] += 1;
+    for r in 0..256 {
+        while next[r] < start[r + 1] {
+            let i = next[r];
+            let target = key(ids[i]);
+            if target == r {
+                next[r] += 1;
+            } else {
+                // Everything before next[target] is already in place, so that slot is free.
+                let j = next[target];
+                ids.swap(i, j);
+                if !handles.is_empty() {
+                    handles.swap(i, j);
+                }
+                next[target] += 1;
+            }
+        }
     }
-    for b in 0..BUCKETS as usize {
-        sorted[start[b] as usize..start[b + 1] as usize].sort_unstable();
+    start
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #[test]
+        fn sort_orders_by_bucket_then_id_and_carries_handles(
+            ids in vec(prop_oneof![any::<u64>(), 0u64..64], 0..3000),
+            with_handles: bool,
+        ) {
+            let mut sorted = ids.clone();
+            // A handle any id maps to, so that a handle left behind by a swap shows.
+            let mut handles: Vec<u64> =
+                if with_handles { ids.iter().map(|&i| !i).collect() } else { Vec::new() };
+            let start = sort_by_bucket(&mut sorted, &mut handles);
+
+            let mut expected = ids.clone();
+            expected.sort_unstable_by_key(|&i| (PartitionRule::bucket_of(i), i));
+            prop_assert_eq!(&sorted, &expected);
+            if with_handles {
+                prop_assert!(handles.iter().zip(&sorted).all(|(&h, &i)| h == !i));
+            }
+            prop_assert_eq!(start.len(), BUCKETS as usize + 1);
+            for b in [0usize, 1, 255, 256, 4097, BUCKETS as usize] {
+                let below = ids.iter().filter(|&&i| (PartitionRule::bucket_of(i) as usize) < b).count();
+                prop_assert_eq!(start[b], below as u64);
+            }
+            for b in 0..BUCKETS as usize {
+                for &i in &sorted[start[b] as usize..start[b + 1] as usize] {
+                    prop_assert_eq!(PartitionRule::bucket_of(i) as usize, b);
+                }
+            }
+        }
     }
-    (sorted, start)
 }

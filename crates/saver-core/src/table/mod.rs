@@ -13,7 +13,7 @@
 
 mod embedding;
 
-pub use embedding::{EmbeddingTable, RowMut};
+pub use embedding::{EmbeddingTable, IdHashBuilder, IdHasher, RowMut};
 
 use serde::{Deserialize, Serialize};
 
@@ -82,6 +82,9 @@ pub fn validate_slots(table: &str, slots: &[SlotSpec]) -> Result<Vec<usize>> {
 pub struct RowChunk<'a> {
     /// Raw id bits, one per row.
     pub ids: &'a [u64],
+    /// Either empty, or one opaque handle per row that the snapshot gets back, with its id, in
+    /// [`TableSnapshot::read_rows_by_handle`] (e.g. the row's address, to skip a second lookup).
+    pub handles: &'a [u64],
     /// `slots[s]` holds `ids.len()` rows of slot `s`, back to back; empty when values were not asked for.
     pub slots: &'a [&'a [u8]],
 }
@@ -220,4 +223,21 @@ pub trait TableSnapshot: Send + Sync {
     /// room for exactly `ids.len()` rows of slot `s`, or is empty when slot `s` is not wanted. All slots of one row must come from the same
     /// moment. An id the snapshot cannot produce is an error, never a silently zeroed row.
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()>;
+
+    /// [`Self::read_rows`], given also the handle [`Self::scan`] produced with each id (or no
+    /// handles at all, `handles` empty). Tables whose handles locate rows directly make the save's
+    /// second pass over rows a plain sequence of memory reads; the default ignores handles.
+    ///
+    /// # Safety
+    /// `handles` is empty, or `handles[i]` is the handle this same snapshot's scan produced with
+    /// `ids[i]`: an implementation may dereference it as an address.
+    unsafe fn read_rows_by_handle(
+        &self,
+        ids: &[u64],
+        handles: &[u64],
+        out: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let _ = handles;
+        self.read_rows(ids, out)
+    }
 }

@@ -1,10 +1,14 @@
 //! [`EmbeddingTable`]: a concurrent sparse table on `dashmap`, ready to train with and to load into.
 
-use std::sync::{Arc, RwLock, Weak};
+mod hasher;
+mod snapshot;
 
-use dashmap::DashMap;
+use dashmap::{DashMap, Entry};
 
-use super::{validate_slots, RowChunk, SlotSpec, SparseTable, TableSnapshot};
+pub use hasher::{IdHashBuilder, IdHasher};
+use snapshot::{EmbeddingSnapshot, Retired};
+
+use super::{validate_slots, SlotSpec, SparseTable, TableSnapshot};
 use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
 use crate::naming::check_table_name;
@@ -12,9 +16,6 @@ use crate::naming::check_table_name;
 /// Rows are stored as `u64` words so that every slot can be viewed as `f32`/`i64`/… in place:
 /// each slot starts at an 8-byte aligned offset within the row.
 type Row = Box<[u64]>;
-
-/// Rows removed while a snapshot is alive, kept so the snapshot can still write them.
-type Graveyard = DashMap<u64, Row>;
 
 /// A concurrent embedding table: many threads insert, update, read and remove rows while another
 /// thread saves it.
@@ -29,10 +30,9 @@ pub struct EmbeddingTable {
     slot_bytes: Vec<usize>,
     slot_offsets: Vec<usize>,
     row_words: usize,
-    rows: DashMap<u64, Row>,
-    /// Live snapshots' graveyards. Removal takes the read lock, snapshot creation the write lock,
-    /// so a removal either finishes before a snapshot starts scanning or sees its graveyard.
-    snapshots: RwLock<Vec<Weak<Graveyard>>>,
+    rows: DashMap<u64, Row, IdHashBuilder>,
+    /// Rows that left the map while a snapshot might still read them.
+    retired: Retired,
 }
 
 /// Mutable access to one row's slots, handed to update closures.
@@ -59,6 +59,17 @@ impl RowMut<'_> {
 impl EmbeddingTable {
     /// An empty table with the given slots.
     pub fn new(name: impl Into<String>, key_dtype: KeyDtype, slots: Vec<SlotSpec>) -> Result<Self> {
+        Self::with_capacity(name, key_dtype, slots, 0)
+    }
+
+    /// An empty table with room for `rows` rows before its map grows (loads know their row count:
+    /// growing a map of millions of rows step by step rehashes every row several times).
+    pub fn with_capacity(
+        name: impl Into<String>,
+        key_dtype: KeyDtype,
+        slots: Vec<SlotSpec>,
+        rows: usize,
+    ) -> Result<Self> {
         let name = name.into();
         check_table_name(&name)?;
         let slot_bytes = validate_slots(&name, &slots)?;
@@ -75,8 +86,8 @@ impl EmbeddingTable {
             slot_bytes,
             slot_offsets,
             row_words: off / 8,
-            rows: DashMap::new(),
-            snapshots: RwLock::new(Vec::new()),
+            rows: DashMap::with_capacity_and_hasher(rows, IdHashBuilder),
+            retired: Retired::default(),
         })
     }
 
@@ -120,7 +131,7 @@ impl EmbeddingTable {
     /// Inserts or replaces the row of `id`; `values[s]` holds the bytes of slot `s`.
     pub fn insert(&self, id: u64, values: &[&[u8]]) -> Result<()> {
         self.check_row(values)?;
-        self.rows.insert(id, self.build_row(values));
+        self.put(id, self.build_row(values));
         Ok(())
     }
 
@@ -151,9 +162,21 @@ impl EmbeddingTable {
                 let b = self.slot_bytes[s];
                 row_values[s] = &v[r * b..(r + 1) * b];
             }
-            self.rows.insert(id, self.build_row(&row_values));
+            self.put(id, self.build_row(&row_values));
         }
         Ok(())
+    }
+
+    /// Inserts or replaces a built row; a replaced row may still be read by a snapshot.
+    fn put(&self, id: u64, row: Row) {
+        match self.rows.entry(id) {
+            // Retired while the entry is still locked: a reader by id finds the old row in the map
+            // or in `retired`, never in neither.
+            Entry::Occupied(mut o) => self.retired.retire(id, o.insert(row)),
+            Entry::Vacant(v) => {
+                v.insert(row);
+            }
+        }
     }
 
     /// Updates the row of `id` in place under its lock; inserts a zeroed row first if absent.
@@ -223,23 +246,16 @@ impl EmbeddingTable {
 
     /// Removes the row of `id`; returns whether it existed. A live snapshot keeps the removed row.
     pub fn remove(&self, id: u64) -> bool {
-        // Held across the removal: a snapshot registered after this is taken never saw the row.
-        let guard = self.snapshots.read().unwrap_or_else(|e| e.into_inner());
-        let live: Vec<Arc<Graveyard>> = guard.iter().filter_map(Weak::upgrade).collect();
-        if live.is_empty() {
-            return self.rows.remove(&id).is_some();
-        }
-        // Hand the row to every live snapshot inside `remove_if`, while its map entry is still
-        // write-locked: a snapshot reader then finds it in the map or in its graveyard, never in
-        // neither (removing first and handing over after left such a window).
-        self.rows
-            .remove_if(&id, |k, row| {
-                for g in &live {
-                    g.entry(*k).or_insert_with(|| row.clone());
-                }
+        match self.rows.entry(id) {
+            Entry::Occupied(mut o) => {
+                // Retired before the entry goes, under its lock (see `put`); the empty row left
+                // behind for that moment allocates nothing and nobody else can see it.
+                self.retired.retire(id, std::mem::take(o.get_mut()));
+                o.remove();
                 true
-            })
-            .is_some()
+            }
+            Entry::Vacant(_) => false,
+        }
     }
 
     /// Removes every row for which `keep` returns false (e.g. eviction of cold rows).
@@ -265,6 +281,7 @@ impl EmbeddingTable {
         self.rows.iter().map(|e| *e.key()).collect()
     }
 
+    /// Copies every wanted slot of `row` into row `r` of `out` (empty `out[s]`: slot not wanted).
     fn copy_row_into(&self, row: &[u64], r: usize, out: &mut [&mut [u8]]) {
         let bytes: &[u8] = bytemuck::cast_slice(row);
         for (s, dst) in out.iter_mut().enumerate() {
@@ -296,88 +313,7 @@ impl SparseTable for EmbeddingTable {
     }
 
     fn snapshot(&self) -> Result<Box<dyn TableSnapshot + '_>> {
-        let graveyard = Arc::new(Graveyard::new());
-        {
-            let mut list = self.snapshots.write().unwrap_or_else(|e| e.into_inner());
-            list.retain(|w| w.strong_count() > 0);
-            list.push(Arc::downgrade(&graveyard));
-        }
-        Ok(Box::new(EmbeddingSnapshot {
-            table: self,
-            graveyard,
-        }))
-    }
-}
-
-struct EmbeddingSnapshot<'t> {
-    table: &'t EmbeddingTable,
-    graveyard: Arc<Graveyard>,
-}
-
-impl TableSnapshot for EmbeddingSnapshot<'_> {
-    fn scan(
-        &self,
-        max_rows: usize,
-        with_values: bool,
-        visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
-    ) -> Result<()> {
-        let t = self.table;
-        let max_rows = max_rows.max(1);
-        let mut ids = Vec::with_capacity(max_rows.min(1 << 16));
-        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.slots.len()];
-        let mut flush = |ids: &mut Vec<u64>, values: &mut Vec<Vec<u8>>| -> Result<()> {
-            let slices: Vec<&[u8]> = if with_values {
-                values.iter().map(Vec::as_slice).collect()
-            } else {
-                Vec::new()
-            };
-            visit(RowChunk {
-                ids,
-                slots: &slices,
-            })?;
-            ids.clear();
-            values.iter_mut().for_each(Vec::clear);
-            Ok(())
-        };
-        // Collect ids per dashmap shard guard-free: iter() holds one shard read lock at a time.
-        for entry in t.rows.iter() {
-            ids.push(*entry.key());
-            if with_values {
-                let bytes: &[u8] = bytemuck::cast_slice(&entry.value()[..]);
-                for (s, v) in values.iter_mut().enumerate() {
-                    let off = t.slot_offsets[s];
-                    v.extend_from_slice(&bytes[off..off + t.slot_bytes[s]]);
-                }
-            }
-            if ids.len() == max_rows {
-                drop(entry);
-                flush(&mut ids, &mut values)?;
-            }
-        }
-        if !ids.is_empty() {
-            flush(&mut ids, &mut values)?;
-        }
-        Ok(())
-    }
-
-    fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
-        let t = self.table;
-        for (r, id) in ids.iter().enumerate() {
-            if let Some(row) = t.rows.get(id) {
-                t.copy_row_into(&row, r, out);
-            } else if let Some(row) = self.graveyard.get(id) {
-                t.copy_row_into(&row, r, out);
-            } else {
-                return Err(Error::Table {
-                    table: t.name.clone(),
-                    message: format!(
-                        "id {} was in the snapshot but can no longer be read",
-                        t.key_dtype.format_id(*id)
-                    ),
-                });
-            }
-        }
-        Ok(())
+        Ok(Box::new(EmbeddingSnapshot::new(self)))
     }
 }
 
@@ -413,36 +349,114 @@ mod tests {
         assert!(err.contains("t/embedding"), "{err}");
     }
 
+    /// Scans `snap`, returning ids and handles in scan order.
+    fn scan_all(snap: &dyn TableSnapshot) -> (Vec<u64>, Vec<u64>) {
+        let (mut ids, mut handles) = (Vec::new(), Vec::new());
+        snap.scan(7, false, &mut |c| {
+            ids.extend_from_slice(c.ids);
+            handles.extend_from_slice(c.handles);
+            Ok(())
+        })
+        .unwrap();
+        (ids, handles)
+    }
+
     #[test]
-    fn snapshot_keeps_removed_rows_and_ignores_new_ones() {
+    fn snapshot_keeps_removed_and_replaced_rows_and_ignores_new_ones() {
         let t = table();
         for id in 0..100u64 {
             t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
         }
         let snap = t.snapshot().unwrap();
-        let mut seen = Vec::new();
-        snap.scan(7, false, &mut |c| {
-            seen.extend_from_slice(c.ids);
-            Ok(())
-        })
-        .unwrap();
-        seen.sort_unstable();
-        assert_eq!(seen, (0..100).collect::<Vec<_>>());
+        let (ids, handles) = scan_all(snap.as_ref());
+        assert_eq!(handles.len(), ids.len());
+        let mut sorted = ids.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..100).collect::<Vec<_>>());
         for id in 0..50 {
             assert!(t.remove(id));
         }
+        // Replaced rows: the snapshot still reads through the old row's handle.
+        for id in 50..60 {
+            t.insert(id, &[&[0u8; 12], &(-1i64).to_le_bytes()]).unwrap();
+        }
         t.upsert(1000, |_| ());
+        assert_eq!(t.retired.kept(), 60);
+
         let mut emb = vec![0u8; 12 * 100];
         let mut freq = vec![0u8; 8 * 100];
-        snap.read_rows(&seen, &mut [&mut emb, &mut freq]).unwrap();
-        for (r, id) in seen.iter().enumerate() {
-            assert_eq!(freq[r * 8..r * 8 + 8], (*id as i64).to_le_bytes());
+        // SAFETY: the handles came from this snapshot's scan, with these ids.
+        unsafe { snap.read_rows_by_handle(&ids, &handles, &mut [&mut emb, &mut freq]) }.unwrap();
+        for (r, id) in ids.iter().enumerate() {
+            assert_eq!(
+                freq[r * 8..r * 8 + 8],
+                (*id as i64).to_le_bytes(),
+                "id {id}"
+            );
+        }
+        // By id alone: removed rows from the retired ones, replaced rows as they are now.
+        snap.read_rows(&ids, &mut [&mut emb, &mut freq]).unwrap();
+        for (r, &id) in ids.iter().enumerate() {
+            let want = if (50..60).contains(&id) {
+                -1
+            } else {
+                id as i64
+            };
+            assert_eq!(freq[r * 8..r * 8 + 8], want.to_le_bytes(), "id {id}");
         }
         drop(snap);
-        // Without a snapshot, removal frees the row for good.
+        // The last snapshot gone, retired rows are freed, and removal frees at once.
+        assert_eq!(t.retired.kept(), 0);
         assert!(t.remove(60));
+        assert_eq!(t.retired.kept(), 0);
         let snap = t.snapshot().unwrap();
         let err = snap.read_rows(&[60], &mut [&mut emb[..12], &mut freq[..8]]);
         assert!(err.unwrap_err().to_string().contains("id 60"));
+    }
+
+    #[test]
+    fn reads_by_handle_are_never_torn_while_rows_are_updated() {
+        // Each row's two slots always hold the same value; writers keep bumping both under the
+        // row's lock while a reader copies rows by handle. A torn copy would show unequal halves.
+        let t = EmbeddingTable::new(
+            "t",
+            KeyDtype::U64,
+            vec![
+                SlotSpec::new("a", Dtype::U64, vec![]),
+                SlotSpec::new("b", Dtype::U64, vec![]),
+            ],
+        )
+        .unwrap();
+        for id in 0..2000u64 {
+            t.upsert(id, |_| ());
+        }
+        let snap = t.snapshot().unwrap();
+        let (ids, handles) = scan_all(snap.as_ref());
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut v = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    v += 1;
+                    for id in (0..2000u64).step_by(7) {
+                        t.update(id, |r| {
+                            r.slot_mut::<u64>(0)[0] = v;
+                            r.slot_mut::<u64>(1)[0] = v;
+                        });
+                    }
+                }
+            });
+            let mut a = vec![0u8; 8 * ids.len()];
+            let mut b = vec![0u8; 8 * ids.len()];
+            let mut torn = 0;
+            for _ in 0..200 {
+                // SAFETY: the handles came from this snapshot's scan, with these ids.
+                unsafe { snap.read_rows_by_handle(&ids, &handles, &mut [&mut a, &mut b]) }.unwrap();
+                torn += a.chunks(8).zip(b.chunks(8)).filter(|(x, y)| x != y).count();
+            }
+            // Stop the writer before asserting: a failed assertion must not leave it spinning.
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(torn, 0, "rows copied while half-updated");
+        });
     }
 }

@@ -1,0 +1,255 @@
+//! Snapshots of an [`EmbeddingTable`]: a scan that hands out each row's address as its handle, and
+//! reads by handle that touch each row once, in whatever order the save wants.
+//!
+//! A save reads rows in bucket order, which is random with respect to where they are in memory.
+//! Looking each one up again in the map costs several cache and TLB misses per row (the map's
+//! control bytes, its slot, then the row); reading through the address found during the scan
+//! costs one, and since the addresses of the next rows are known, that one can be prefetched.
+//!
+//! Two rules keep the addresses valid and the reads untorn:
+//! - A row taken out of the map (removed, or replaced by `insert`) while any snapshot is alive is
+//!   *retired* instead of freed, and freed when the last snapshot ends.
+//! - A read holds the read lock of the dashmap shard the row's id belongs to, as `get` would, so
+//!   it never overlaps an in-place update (which holds that shard's write lock).
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use super::{EmbeddingTable, Row};
+use crate::error::{Error, Result};
+use crate::table::{RowChunk, TableSnapshot};
+
+/// Rows per read-lock hold: long enough to make locking free, short enough that a training thread
+/// updating a row of the same shard waits microseconds, not a whole chunk.
+const LOCK_RUN: usize = 256;
+
+/// Rows ahead of the one being copied whose memory is prefetched.
+const PREFETCH_AHEAD: usize = 16;
+
+/// Rows taken out of the map while a snapshot was alive.
+#[derive(Default)]
+pub(super) struct Retired {
+    /// Live snapshots. Changed only under `rows`'s lock; read without it on the fast path.
+    live: AtomicUsize,
+    rows: Mutex<RetiredRows>,
+}
+
+#[derive(Default)]
+struct RetiredRows {
+    /// The first version of each id to leave the map: what a read by id falls back to.
+    by_id: HashMap<u64, Row>,
+    /// Later versions of ids already in `by_id`: only kept alive for reads by handle.
+    later: Vec<Row>,
+}
+
+impl Retired {
+    /// Frees `row`, or keeps it until the last live snapshot ends.
+    ///
+    /// Called with the row's map entry write-locked. A snapshot that saw the row did so under the
+    /// shard's read lock, after registering; this caller took the write lock after that, so this
+    /// load sees the registration.
+    pub(super) fn retire(&self, id: u64, row: Row) {
+        if self.live.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
+        if self.live.load(Ordering::SeqCst) > 0 {
+            let rows = &mut *rows;
+            match rows.by_id.entry(id) {
+                Entry::Vacant(v) => {
+                    v.insert(row);
+                }
+                // The first version stays findable by id; this one stays alive for handles.
+                Entry::Occupied(_) => rows.later.push(row),
+            }
+        }
+    }
+
+    /// Copies the retired row of `id` with `copy`, if there is one.
+    fn with_row<R>(&self, id: u64, copy: impl FnOnce(&[u64]) -> R) -> Option<R> {
+        let rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
+        rows.by_id.get(&id).map(|row| copy(row))
+    }
+
+    fn begin(&self) {
+        let _rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
+        self.live.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn end(&self) {
+        let freed = {
+            let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
+            if self.live.fetch_sub(1, Ordering::SeqCst) == 1 {
+                std::mem::take(&mut *rows)
+            } else {
+                RetiredRows::default()
+            }
+        };
+        drop(freed);
+    }
+
+    /// Rows currently kept for live snapshots.
+    #[cfg(test)]
+    pub(super) fn kept(&self) -> usize {
+        let rows = self.rows.lock().unwrap();
+        rows.by_id.len() + rows.later.len()
+    }
+}
+
+/// The snapshot [`EmbeddingTable::snapshot`] returns.
+pub(super) struct EmbeddingSnapshot<'t> {
+    table: &'t EmbeddingTable,
+}
+
+impl<'t> EmbeddingSnapshot<'t> {
+    pub(super) fn new(table: &'t EmbeddingTable) -> Self {
+        table.retired.begin();
+        Self { table }
+    }
+
+    fn gone(&self, id: u64) -> Error {
+        let t = self.table;
+        Error::Table {
+            table: t.name.clone(),
+            message: format!(
+                "id {} was in the snapshot but can no longer be read",
+                t.key_dtype.format_id(id)
+            ),
+        }
+    }
+}
+
+impl Drop for EmbeddingSnapshot<'_> {
+    fn drop(&mut self) {
+        self.table.retired.end();
+    }
+}
+
+/// Asks the CPU to start loading the row at `addr`: its first and last cache lines.
+#[inline(always)]
+fn prefetch_row(addr: u64, row_bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let p = addr as *const i8;
+        // SAFETY: SSE is part of x86_64; a prefetch is a hint that never faults, whatever the
+        // address.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(p);
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(row_bytes.saturating_sub(1)));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (addr, row_bytes);
+}
+
+impl TableSnapshot for EmbeddingSnapshot<'_> {
+    fn scan(
+        &self,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let t = self.table;
+        let max_rows = max_rows.max(1);
+        let mut ids = Vec::with_capacity(max_rows.min(1 << 16));
+        let mut handles = Vec::with_capacity(ids.capacity());
+        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.slots.len()];
+        let mut flush =
+            |ids: &mut Vec<u64>, handles: &mut Vec<u64>, values: &mut Vec<Vec<u8>>| -> Result<()> {
+                let slices: Vec<&[u8]> = if with_values {
+                    values.iter().map(Vec::as_slice).collect()
+                } else {
+                    Vec::new()
+                };
+                visit(RowChunk {
+                    ids,
+                    handles,
+                    slots: &slices,
+                })?;
+                ids.clear();
+                handles.clear();
+                values.iter_mut().for_each(Vec::clear);
+                Ok(())
+            };
+        // iter() holds one shard's read lock at a time; `visit` runs with none held, since the
+        // row filter it calls is user code that may touch the table.
+        for entry in t.rows.iter() {
+            ids.push(*entry.key());
+            handles.push(entry.value().as_ptr() as u64);
+            if with_values {
+                let bytes: &[u8] = bytemuck::cast_slice(&entry.value()[..]);
+                for (s, v) in values.iter_mut().enumerate() {
+                    let off = t.slot_offsets[s];
+                    v.extend_from_slice(&bytes[off..off + t.slot_bytes[s]]);
+                }
+            }
+            if ids.len() == max_rows {
+                drop(entry);
+                flush(&mut ids, &mut handles, &mut values)?;
+            }
+        }
+        if !ids.is_empty() {
+            flush(&mut ids, &mut handles, &mut values)?;
+        }
+        Ok(())
+    }
+
+    fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
+        let t = self.table;
+        for (r, id) in ids.iter().enumerate() {
+            if let Some(row) = t.rows.get(id) {
+                t.copy_row_into(&row, r, out);
+            } else {
+                // Left the map since the scan: its first retired version.
+                t.retired
+                    .with_row(*id, |row| t.copy_row_into(row, r, out))
+                    .ok_or_else(|| self.gone(*id))?;
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn read_rows_by_handle(
+        &self,
+        ids: &[u64],
+        handles: &[u64],
+        out: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let t = self.table;
+        if handles.len() != ids.len() {
+            return self.read_rows(ids, out);
+        }
+        let row_bytes = t.row_words * 8;
+        for &h in handles.iter().take(PREFETCH_AHEAD) {
+            prefetch_row(h, row_bytes);
+        }
+        let shards = t.rows.shards();
+        let mut r = 0;
+        while r < ids.len() {
+            let shard = t.rows.determine_map(&ids[r]);
+            let _guard = shards[shard].read();
+            let run_end = (r + LOCK_RUN).min(ids.len());
+            loop {
+                if let Some(&ahead) = handles.get(r + PREFETCH_AHEAD) {
+                    prefetch_row(ahead, row_bytes);
+                }
+                // SAFETY: the caller guarantees `handles[r]` is the address this snapshot's scan
+                // found for `ids[r]`. That row is in the map or retired (see `Retired::retire`),
+                // so its memory lives until this snapshot ends and holds `row_words` words; the
+                // shard read lock held here excludes in-place updates, which hold the write lock
+                // of the id's shard; retired rows are never written.
+                let row =
+                    unsafe { std::slice::from_raw_parts(handles[r] as *const u64, t.row_words) };
+                t.copy_row_into(row, r, out);
+                r += 1;
+                if r == run_end || t.rows.determine_map(&ids[r]) != shard {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+}
