@@ -259,10 +259,12 @@ impl Checkpoint {
                     .get(&t.name)
                     .cloned()
                     .unwrap_or_else(|| t.name.clone());
-                ts.push(EmbeddingTable::new(
+                let rows = expected_rows(t, PartitionRule::bucket_range(j, opts.shard_num));
+                ts.push(EmbeddingTable::with_capacity(
                     name,
                     t.key_dtype,
                     Self::kept_slots(t, &exclude),
+                    rows,
                 )?);
             }
             shards.push(RestoredShard {
@@ -649,6 +651,24 @@ impl Checkpoint {
         }
         Ok(checked)
     }
+}
+
+/// Rows of `t` a target owning buckets `range` should receive: each saved partition's rows prorated
+/// by the share of its buckets the target owns (the rule spreads ids evenly over buckets). Sizing
+/// a table up front spares it rehashing every row each time it doubles. Bounded by the manifest's
+/// row counts, which `Checkpoint::open` checked against the tensors present in the files.
+fn expected_rows(t: &TableManifest, range: Range<u32>) -> usize {
+    let rows: u64 = t
+        .partitions
+        .iter()
+        .map(|p| {
+            let [lo, hi] = p.buckets;
+            let overlap = u64::from(hi.min(range.end).saturating_sub(lo.max(range.start)));
+            let width = u64::from(hi.saturating_sub(lo)).max(1);
+            (u128::from(p.rows) * u128::from(overlap)).div_ceil(u128::from(width)) as u64
+        })
+        .sum();
+    usize::try_from(rows).unwrap_or(usize::MAX)
 }
 
 pub(crate) fn target_shards(opts: &LoadOptions) -> Result<Vec<u32>> {
