@@ -481,3 +481,37 @@ fn columnar_loads_equal_the_tables_whole_and_per_target() {
     }
     assert_eq!(union, rows_of(&m.item));
 }
+
+#[test]
+fn huge_page_arrays_hold_the_same_rows() {
+    // 5 MiB per slot: large enough for the huge-page advice to apply to whole 2 MiB pages.
+    let dir = tempfile::tempdir().unwrap();
+    let ids: Vec<u64> = (0..40_000u64).map(|i| i * 7 + 3).collect();
+    let t = table(
+        "big",
+        KeyDtype::U64,
+        vec![
+            SlotSpec::new("embedding", Dtype::F32, vec![32]),
+            SlotSpec::new("adagrad", Dtype::F32, vec![32]),
+        ],
+        &ids,
+    );
+    let mut opts = save_opts(1);
+    opts.plan.max_block_bytes = 256 << 20;
+    save(dir.path(), saver::SaveInput::new().table(&t), &opts).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    for huge_pages in [false, true] {
+        let c = ck
+            .load_columns(&LoadOptions {
+                huge_pages,
+                chunk_bytes: 1 << 20,
+                ..LoadOptions::default()
+            })
+            .unwrap();
+        assert_eq!(
+            rows_of_columns(&c.tables[0]),
+            rows_of(&t),
+            "huge_pages {huge_pages}"
+        );
+    }
+}

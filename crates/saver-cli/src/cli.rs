@@ -77,6 +77,10 @@ pub enum Command {
         /// (as a serving system or a tool reads them; the fastest owning load).
         #[arg(long, value_enum, default_value = "tables")]
         into: LoadTarget,
+        /// With --into arrays: back the arrays with transparent huge pages (faster when the kernel
+        /// has huge pages free; may stall while it compacts memory when it has not).
+        #[arg(long)]
+        huge_pages: bool,
         #[command(flatten)]
         out: Output,
     },

@@ -94,7 +94,7 @@ fn the_main_job_save_8_shards_then_verify() {
     assert!(one["read_amplification"].as_f64().unwrap() <= 1.2);
     assert_eq!(l["digest"].as_str().unwrap().len(), 64);
     // Arrays and hashtables hold the same content.
-    let arrays = json(&["load", p(&out), "--into", "arrays"]);
+    let arrays = json(&["load", p(&out), "--into", "arrays", "--huge-pages"]);
     assert_eq!(arrays["digest"], l["digest"]);
     assert_eq!(arrays["rows"], 3000);
     let part = json(&[

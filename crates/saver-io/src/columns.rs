@@ -11,6 +11,7 @@ use saver_core::partition::BUCKETS;
 use saver_core::{KeyDtype, PartitionRule, SlotSpec};
 
 use crate::error::{Error, Result};
+use crate::memory::{prefault, zeroed_bytes, zeroed_u64s};
 use crate::reader::Checkpoint;
 use crate::restore::{
     finish_report, globs, reader_pool, target_shards, LoadOptions, LoadReport, LoadedDense,
@@ -78,7 +79,7 @@ impl Checkpoint {
                     .iter()
                     .map(|s| {
                         let b = s.row_bytes().map_err(Error::from)?;
-                        Ok(vec![0u8; (rows * b) as usize])
+                        Ok(zeroed_bytes((rows * b) as usize, opts.huge_pages))
                     })
                     .collect::<Result<_>>()?;
                 Ok(TableColumns {
@@ -89,7 +90,7 @@ impl Checkpoint {
                         .unwrap_or_else(|| t.name.clone()),
                     key_dtype: t.key_dtype,
                     slots: slots.clone(),
-                    ids: vec![0u64; rows as usize],
+                    ids: zeroed_u64s(rows as usize, opts.huge_pages),
                     data,
                 })
             })
@@ -130,6 +131,10 @@ impl Checkpoint {
             jobs.par_iter_mut()
                 .map(|job| {
                     let mut pieces = Vec::new();
+                    prefault(bytemuck::cast_slice_mut(job.ids));
+                    for s in job.slots.iter_mut() {
+                        prefault(s);
+                    }
                     let bytes = self.read_rows_into(
                         job.read,
                         job.rows.clone(),

@@ -26,6 +26,7 @@ pub mod export;
 pub mod header;
 pub mod import;
 pub mod index;
+mod memory;
 pub mod reader;
 pub mod reshard;
 pub mod restore;

@@ -75,6 +75,10 @@ pub struct LoadOptions {
     pub rename: BTreeMap<String, String>,
     /// Tables that must be in the checkpoint (by checkpoint name).
     pub required_tables: Vec<String>,
+    /// Ask the kernel for transparent huge pages for the arrays of [`Checkpoint::load_columns`]:
+    /// about twice as fast when huge pages are free, but a stall while the kernel compacts memory
+    /// when they are not (see `docs/BENCHMARKS.md`). Off by default.
+    pub huge_pages: bool,
 }
 
 impl Default for LoadOptions {
@@ -91,6 +95,7 @@ impl Default for LoadOptions {
             load_dense: true,
             rename: BTreeMap::new(),
             required_tables: Vec::new(),
+            huge_pages: false,
         }
     }
 }

@@ -30,6 +30,7 @@ pub fn run(
     shard_index: Option<u32>,
     parallel: usize,
     into: LoadTarget,
+    huge_pages: bool,
     out: Output,
 ) -> CmdResult {
     let ck = Checkpoint::open(dir)?;
@@ -37,6 +38,7 @@ pub fn run(
         shard_num: shards,
         shard_index,
         parallel,
+        huge_pages,
         ..LoadOptions::default()
     };
     let (load, dense, digest) = match into {

@@ -27,8 +27,9 @@ pub fn run(cmd: Command) -> CmdResult {
             shard_index,
             parallel,
             into,
+            huge_pages,
             out,
-        } => load::run(&dir, shards, shard_index, parallel, into, out),
+        } => load::run(&dir, shards, shard_index, parallel, into, huge_pages, out),
         Command::Reshard {
             src,
             out,
