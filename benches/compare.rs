@@ -1,6 +1,6 @@
 //! The figures of docs/BENCHMARKS.md: saver against the physical limit, on one model, in one run.
 //!
-//! `cargo bench --bench compare -- [--size 2GiB] [--runs 3]`
+//! `cargo bench --bench compare -- [--size 2GiB | --spec criteo-kaggle,scale=0.5] [--runs 3] [--memory-only]`
 //!
 //! For each configuration: a warm-up, then `--runs` timed runs; the median is reported, and each
 //! figure as a ratio to the baseline measured in the same run. Prints a Markdown report.
@@ -92,7 +92,10 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
 
-    let spec: SyntheticSpec = common::spec_of_size(size).parse().unwrap();
+    let spec: SyntheticSpec = arg("--spec")
+        .unwrap_or_else(|| common::spec_of_size(size))
+        .parse()
+        .unwrap();
     let t = Instant::now();
     let model = SyntheticModel::generate(&spec).unwrap();
     eprintln!("generated {spec:?} in {:.1}s", t.elapsed().as_secs_f64());
@@ -114,10 +117,13 @@ fn main() {
     match peak {
         Some(p) => println!(
             "Save peak memory beyond the model (parallel 4, fsync, first save of the process): **{}**; \
-             bound 64 MiB + 4 × {} chunk = {}; the plan's sorted ids alone are {}.\n",
-            human(p), human(chunk), human((64 << 20) + 4 * chunk), human(probe.rows * 8)
+             bound 64 MiB + 4 × {} chunk = {}; the plan's sorted ids and row handles alone are {}.\n",
+            human(p), human(chunk), human((64 << 20) + 4 * chunk), human(probe.rows * 16)
         ),
         None => println!("(peak memory: /proc/self/clear_refs not writable here)\n"),
+    }
+    if args.iter().any(|a| a == "--memory-only") {
+        return;
     }
     println!(
         "Medians of {runs} rounds after a warm-up round; configurations interleaved within each round, \
