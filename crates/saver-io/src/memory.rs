@@ -42,16 +42,9 @@ pub(crate) fn zeroed_u64s(len: usize, huge: bool) -> Vec<u64> {
 fn advise_huge_pages(ptr: *const u8, len: usize) {
     #[cfg(target_os = "linux")]
     if len >= 2 * HUGE_PAGE {
-        let page = 4096usize;
-        let start = (ptr as usize).div_ceil(page) * page;
-        let end = (ptr as usize + len) / page * page;
-        if end > start {
-            // SAFETY: the range lies inside the live allocation behind `ptr`; MADV_HUGEPAGE only
-            // changes how the kernel backs those pages, never their contents.
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-            }
-        }
+        // SAFETY: the range lies inside the live allocation behind `ptr`; MADV_HUGEPAGE only
+        // changes how the kernel backs those pages, never their contents.
+        unsafe { advise_interior(ptr, len, libc::MADV_HUGEPAGE) };
     }
     #[cfg(not(target_os = "linux"))]
     let _ = (ptr, len, HUGE_PAGE);
@@ -60,18 +53,28 @@ fn advise_huge_pages(ptr: *const u8, len: usize) {
 /// Faults in the pages of `buf` in one system call (Linux 5.14+), cheaper than one trap per page
 /// when the load's copy touches them. A hint like the above: older kernels refuse it, harmlessly.
 pub(crate) fn prefault(buf: &mut [u8]) {
+    // SAFETY: the range lies inside `buf`, which we hold mutably; populating for write keeps the
+    // contents.
     #[cfg(target_os = "linux")]
-    {
-        let page = 4096usize;
-        let ptr = buf.as_mut_ptr() as usize;
-        let start = ptr.div_ceil(page) * page;
-        let end = (ptr + buf.len()) / page * page;
-        if end > start {
-            // SAFETY: the range lies inside `buf`, which we hold mutably; populating for write
-            // keeps the contents.
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, MADV_POPULATE_WRITE);
-            }
-        }
+    unsafe {
+        advise_interior(buf.as_ptr(), buf.len(), MADV_POPULATE_WRITE)
+    };
+    #[cfg(not(target_os = "linux"))]
+    let _ = buf;
+}
+
+/// `madvise(advice)` on the whole 4 KiB pages inside `[ptr, ptr + len)`; errors are ignored, the
+/// advice being a hint.
+///
+/// # Safety
+/// `[ptr, ptr + len)` lies inside one live allocation, and `advice` keeps its contents.
+#[cfg(target_os = "linux")]
+unsafe fn advise_interior(ptr: *const u8, len: usize, advice: libc::c_int) {
+    let page = 4096usize;
+    let start = (ptr as usize).div_ceil(page) * page;
+    let end = (ptr as usize + len) / page * page;
+    if end > start {
+        // SAFETY: by the caller's contract.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice) };
     }
 }
