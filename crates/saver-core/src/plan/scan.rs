@@ -6,7 +6,9 @@ use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
 use crate::filter::{BlockInfo, BlockKind, Filters};
 use crate::partition::{PartitionRule, BUCKETS};
-use crate::table::{validate_slots, RowView, SlotSpec, SparseTable, TableSnapshot};
+use rayon::prelude::*;
+
+use crate::table::{validate_slots, RowChunk, RowView, SlotSpec, SparseTable, TableSnapshot};
 
 use super::ForeignRows;
 
@@ -69,6 +71,138 @@ fn kept_blocks(
         .collect()
 }
 
+/// What the scan of one part (or, merged, of a whole table) found.
+#[derive(Default)]
+struct Found {
+    ids: Vec<u64>,
+    /// One per id, unless some chunk came without handles: then empty for good.
+    handles: Vec<u64>,
+    without_handles: bool,
+    foreign_count: u64,
+    foreign_first: Option<u64>,
+}
+
+/// A row filter and what it needs to see rows: the filters, the key dtype, the slots.
+type RowFilter<'f> = (&'f Filters, KeyDtype, &'f [SlotSpec]);
+
+impl Found {
+    fn with_capacity(rows: usize) -> Self {
+        Self {
+            ids: Vec::with_capacity(rows),
+            handles: Vec::with_capacity(rows),
+            ..Self::default()
+        }
+    }
+
+    /// Takes the rows of `chunk` this process saves and that `row_filter` (if any) keeps.
+    fn add(
+        &mut self,
+        chunk: &RowChunk<'_>,
+        table: &str,
+        slot_bytes: &[usize],
+        row_filter: Option<RowFilter<'_>>,
+        keep: &impl Fn(u64) -> Option<bool>,
+    ) -> Result<()> {
+        if chunk.handles.len() != chunk.ids.len() && !self.without_handles {
+            self.without_handles = true;
+            self.handles = Vec::new();
+        }
+        let mut row_vals: Vec<&[u8]> = vec![&[]; slot_bytes.len()];
+        for (r, &id) in chunk.ids.iter().enumerate() {
+            match keep(id) {
+                None => {
+                    self.foreign_count += 1;
+                    self.foreign_first.get_or_insert(id);
+                    continue;
+                }
+                Some(false) => continue,
+                Some(true) => {}
+            }
+            if let Some((filters, key_dtype, slots)) = row_filter {
+                for (s, v) in row_vals.iter_mut().enumerate() {
+                    let b = slot_bytes[s];
+                    *v = chunk
+                        .slots
+                        .get(s)
+                        .and_then(|c| c.get(r * b..(r + 1) * b))
+                        .ok_or_else(|| Error::Table {
+                            table: table.to_string(),
+                            message: format!(
+                                "scan returned no values for slot {:?}",
+                                slots[s].name
+                            ),
+                        })?;
+                }
+                if !filters.keep_row(&RowView::new(table, key_dtype, id, slots, &row_vals)) {
+                    continue;
+                }
+            }
+            self.ids.push(id);
+            if !self.without_handles {
+                self.handles.push(chunk.handles[r]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Orders this part's rows by the bucket's high byte (the sort's first pass, done per part so
+    /// that parts do it concurrently); returns the 257 region starts.
+    fn by_high_byte(&mut self) -> Vec<usize> {
+        let handles: &mut [u64] = if self.without_handles {
+            &mut []
+        } else {
+            &mut self.handles
+        };
+        flag_pass(&mut self.ids, handles, high_byte)
+    }
+
+    /// One list of the parts' rows, ordered by the bucket's high byte, from parts so ordered
+    /// (`highs[p]`: part `p`'s region starts); returns it with its 257 region starts. Each part
+    /// is freed as soon as it is copied, so the peak stays near one copy of the rows.
+    fn merge(parts: Vec<Found>, highs: &[Vec<usize>]) -> (Found, Vec<usize>) {
+        let region_len = |p: usize, h: usize| highs[p][h + 1] - highs[p][h];
+        let mut starts = vec![0usize; 257];
+        for h in 0..256 {
+            starts[h + 1] = starts[h] + (0..parts.len()).map(|p| region_len(p, h)).sum::<usize>();
+        }
+        if parts.len() == 1 {
+            return (parts.into_iter().next().unwrap_or_default(), starts);
+        }
+        let rows = starts[256];
+        let without_handles = parts.iter().any(|p| p.without_handles);
+        let mut all = Found {
+            ids: vec![0; rows],
+            handles: if without_handles {
+                Vec::new()
+            } else {
+                vec![0; rows]
+            },
+            without_handles,
+            ..Found::default()
+        };
+        // Where part p's rows of region h go: after the region's rows from parts before p.
+        let mut next = starts.clone();
+        for (p, part) in parts.into_iter().enumerate() {
+            for h in 0..256 {
+                let from = highs[p][h]..highs[p][h + 1];
+                let to = next[h]..next[h] + from.len();
+                all.ids[to.clone()].copy_from_slice(&part.ids[from.clone()]);
+                if !without_handles {
+                    all.handles[to].copy_from_slice(&part.handles[from]);
+                }
+                next[h] += region_len(p, h);
+            }
+            all.foreign_count += part.foreign_count;
+            all.foreign_first = all.foreign_first.or(part.foreign_first);
+        }
+        (all, starts)
+    }
+}
+
+fn high_byte(id: u64) -> usize {
+    (PartitionRule::bucket_of(id) >> 8) as usize
+}
+
 pub(crate) fn scan_table<'a>(
     table: &'a dyn SparseTable,
     shard_num: u32,
@@ -85,66 +219,48 @@ pub(crate) fn scan_table<'a>(
 
     // shard -> position in `shards`, only needed when not every shard is planned.
     let all_planned = shards.len() as u64 == u64::from(shard_num);
-    let keeps_shard = |shard: u32| -> Option<usize> {
-        if all_planned {
+    // Whether a row is saved here: `Some(true)` yes, `Some(false)` its blocks are all dropped,
+    // `None` its shard is not planned by this process (a foreign row).
+    let keep = |id: u64| -> Option<bool> {
+        let shard = PartitionRule::shard_of(id, shard_num);
+        let pos = if all_planned {
             Some(shard as usize)
         } else {
             shards.iter().position(|&s| s == shard)
-        }
+        };
+        pos.map(|p| kept[p].is_some())
     };
     let any_kept = kept.iter().any(Option::is_some);
     let with_values = filters.has_row_filters() && any_kept;
 
-    let mut ids: Vec<u64> = Vec::with_capacity(if any_kept { table.len() } else { 0 });
-    let mut handles: Vec<u64> = Vec::with_capacity(ids.capacity());
-    // Handles are used only if every chunk had them for every row.
-    let mut all_handles = true;
-    let mut foreign_count = 0u64;
-    let mut foreign_first = None;
+    let mut found = Found::default();
+    let mut high = vec![0usize; 257];
     if any_kept {
-        snapshot.scan(SCAN_ROWS, with_values, &mut |chunk| {
-            all_handles &= chunk.handles.len() == chunk.ids.len();
-            if !all_handles {
-                handles = Vec::new();
-            }
-            let mut row_vals: Vec<&[u8]> = vec![&[]; slots.len()];
-            for (r, &id) in chunk.ids.iter().enumerate() {
-                let shard = PartitionRule::shard_of(id, shard_num);
-                let Some(pos) = keeps_shard(shard) else {
-                    foreign_count += 1;
-                    foreign_first.get_or_insert(id);
-                    continue;
-                };
-                if kept[pos].is_none() {
-                    continue;
-                }
-                if with_values {
-                    for (s, v) in row_vals.iter_mut().enumerate() {
-                        let b = slot_bytes[s];
-                        *v = chunk
-                            .slots
-                            .get(s)
-                            .and_then(|c| c.get(r * b..(r + 1) * b))
-                            .ok_or_else(|| Error::Table {
-                                table: name.clone(),
-                                message: format!(
-                                    "scan returned no values for slot {:?}",
-                                    slots[s].name
-                                ),
-                            })?;
-                    }
-                    if !filters.keep_row(&RowView::new(&name, key_dtype, id, &slots, &row_vals)) {
-                        continue;
-                    }
-                }
-                ids.push(id);
-                if all_handles {
-                    handles.push(chunk.handles[r]);
-                }
-            }
-            Ok(())
-        })?;
+        // Parts are scanned concurrently, each into its own lists; merged below.
+        let parts = snapshot.scan_parts().max(1);
+        let per_part = table.len() / parts + 1;
+        let scanned = (0..parts)
+            .into_par_iter()
+            .map(|part| {
+                let mut f = Found::with_capacity(per_part);
+                snapshot.scan_part(part, SCAN_ROWS, with_values, &mut |chunk| {
+                    let row_filter = with_values.then_some((filters, key_dtype, &slots[..]));
+                    f.add(&chunk, &name, &slot_bytes, row_filter, &keep)
+                })?;
+                let high = f.by_high_byte();
+                Ok((f, high))
+            })
+            .collect::<Result<Vec<(Found, Vec<usize>)>>>()?;
+        let (parts, highs): (Vec<Found>, Vec<Vec<usize>>) = scanned.into_iter().unzip();
+        (found, high) = Found::merge(parts, &highs);
     }
+    let Found {
+        mut ids,
+        mut handles,
+        foreign_count,
+        foreign_first,
+        ..
+    } = found;
     if foreign_count > 0 && foreign == ForeignRows::Error {
         return Err(Error::ForeignRows {
             table: name,
@@ -154,7 +270,7 @@ pub(crate) fn scan_table<'a>(
         });
     }
 
-    let bucket_start = sort_by_bucket(&mut ids, &mut handles);
+    let bucket_start = finish_sort(&mut ids, &mut handles, &high);
     if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
         return Err(Error::DuplicateId {
             table: name,
@@ -174,41 +290,58 @@ pub(crate) fn scan_table<'a>(
     })
 }
 
-/// Sorts `ids` by bucket, then by id bits within each bucket, moving `handles` (empty, or one per
-/// id) along; returns where each bucket starts (`BUCKETS + 1` offsets).
+/// Finishes sorting `ids` by bucket, then by id bits within each bucket, moving `handles` (empty,
+/// or one per id) along; returns where each bucket starts (`BUCKETS + 1` offsets). On entry the
+/// rows are already ordered by the bucket's high byte, region `h` at `high[h]..high[h + 1]`
+/// ([`Found::by_high_byte`] on each scanned part, then [`Found::merge`]).
 ///
 /// In place, since for billions of rows a sorted copy would double the largest allocation of a
 /// save: two American-flag passes (each misplaced id swapped straight into its region) on the
 /// bucket's high then low byte, so each pass writes to only 256 region heads, which stay in cache
 /// (one pass over 2^16 regions would miss the cache on nearly every swap). Then tiny per-bucket
-/// sorts by id: deterministic whatever order the table produced its ids in.
-pub(crate) fn sort_by_bucket(ids: &mut [u64], handles: &mut [u64]) -> Vec<u64> {
+/// sorts by id: deterministic whatever order the table produced its ids in. The high-byte pass
+/// runs per scanned part and the rest per high-byte region, all on the rayon pool.
+fn finish_sort(ids: &mut [u64], handles: &mut [u64], high: &[usize]) -> Vec<u64> {
     let handles: &mut [u64] = if handles.len() == ids.len() {
         handles
     } else {
         &mut []
     };
-    let mut start = Vec::with_capacity(BUCKETS as usize + 1);
-    let high = flag_pass(ids, handles, |id| {
-        (PartitionRule::bucket_of(id) >> 8) as usize
-    });
+    // The 256 high-byte regions are disjoint from here on: each is finished on its own thread.
+    let mut regions = Vec::with_capacity(256);
+    let (mut rest_ids, mut rest_handles) = (ids, handles);
     for h in 0..256 {
-        let region = high[h]..high[h + 1];
-        let sub_handles = if handles.is_empty() {
-            &mut [][..]
+        let len = high[h + 1] - high[h];
+        let (region_ids, tail_ids) = rest_ids.split_at_mut(len);
+        let (region_handles, tail_handles) = if rest_handles.is_empty() {
+            (&mut [][..], rest_handles)
         } else {
-            &mut handles[region.clone()]
+            rest_handles.split_at_mut(len)
         };
-        let low = flag_pass(&mut ids[region.clone()], sub_handles, |id| {
-            (PartitionRule::bucket_of(id) & 0xff) as usize
-        });
-        start.extend(low[..256].iter().map(|&l| (region.start + l) as u64));
+        regions.push((high[h], region_ids, region_handles));
+        (rest_ids, rest_handles) = (tail_ids, tail_handles);
     }
-    start.push(ids.len() as u64);
+    let low_starts: Vec<Vec<usize>> = regions
+        .into_par_iter()
+        .map(|(_, ids, handles)| sort_region(ids, handles))
+        .collect();
+    let mut start = Vec::with_capacity(BUCKETS as usize + 1);
+    for (h, low) in low_starts.iter().enumerate() {
+        start.extend(low[..256].iter().map(|&l| (high[h] + l) as u64));
+    }
+    start.push(high[256] as u64);
+    start
+}
 
+/// Sorts one high-byte region by the bucket's low byte, then each bucket by id; returns the 257
+/// bucket starts within the region.
+fn sort_region(ids: &mut [u64], handles: &mut [u64]) -> Vec<usize> {
+    let low = flag_pass(ids, handles, |id| {
+        (PartitionRule::bucket_of(id) & 0xff) as usize
+    });
     let mut pairs = Vec::new();
-    for b in 0..BUCKETS as usize {
-        let range = start[b] as usize..start[b + 1] as usize;
+    for b in 0..256 {
+        let range = low[b]..low[b + 1];
         if handles.is_empty() {
             ids[range].sort_unstable();
         } else {
@@ -226,7 +359,7 @@ pub(crate) fn sort_by_bucket(ids: &mut [u64], handles: &mut [u64]) -> Vec<u64> {
             }
         }
     }
-    start
+    low
 }
 
 /// One in-place American-flag pass over 256 regions by `key(id) < 256`, moving `handles` (empty,
@@ -267,17 +400,49 @@ mod tests {
 
     use super::*;
 
+    /// The planner's whole sort: parts (some may come without handles) each ordered by high
+    /// byte, merged, then finished.
+    fn sort_in_parts(
+        ids: &[u64],
+        cuts: &[usize],
+        handles_of: impl Fn(usize) -> bool,
+    ) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+        let mut bounds: Vec<usize> = cuts.iter().map(|&c| c.min(ids.len())).collect();
+        bounds.push(0);
+        bounds.push(ids.len());
+        bounds.sort_unstable();
+        let mut parts = Vec::new();
+        let mut highs = Vec::new();
+        for (p, w) in bounds.windows(2).enumerate() {
+            let mut f = Found::with_capacity(w[1] - w[0]);
+            f.ids.extend_from_slice(&ids[w[0]..w[1]]);
+            if handles_of(p) {
+                f.handles.extend(ids[w[0]..w[1]].iter().map(|&i| !i));
+            } else {
+                f.without_handles = true;
+                f.handles.clear();
+            }
+            highs.push(f.by_high_byte());
+            parts.push(f);
+        }
+        let (mut all, high) = Found::merge(parts, &highs);
+        let start = finish_sort(&mut all.ids, &mut all.handles, &high);
+        (all.ids, all.handles, start)
+    }
+
     proptest! {
         #[test]
         fn sort_orders_by_bucket_then_id_and_carries_handles(
             ids in vec(prop_oneof![any::<u64>(), 0u64..64], 0..3000),
+            cuts in vec(0usize..3000, 0..5),
             with_handles: bool,
+            part_without: Option<usize>,
         ) {
-            let mut sorted = ids.clone();
-            // A handle any id maps to, so that a handle left behind by a swap shows.
-            let mut handles: Vec<u64> =
-                if with_handles { ids.iter().map(|&i| !i).collect() } else { Vec::new() };
-            let start = sort_by_bucket(&mut sorted, &mut handles);
+            // A handle any id maps to, so that a handle left behind by a swap or a copy shows.
+            let has = |p: usize| with_handles && Some(p) != part_without;
+            let (sorted, handles, start) = sort_in_parts(&ids, &cuts, has);
+            let with_handles = (0..=cuts.len()).all(has);
+            prop_assert_eq!(handles.len(), if with_handles { ids.len() } else { 0 });
 
             let mut expected = ids.clone();
             expected.sort_unstable_by_key(|&i| (PartitionRule::bucket_of(i), i));

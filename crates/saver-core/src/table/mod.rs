@@ -219,6 +219,30 @@ pub trait TableSnapshot: Send + Sync {
         visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
     ) -> Result<()>;
 
+    /// Into how many parts [`Self::scan_part`] divides the rows. Planning scans the parts
+    /// concurrently, so a table with billions of rows is not scanned by one thread. Default 1.
+    fn scan_parts(&self) -> usize {
+        1
+    }
+
+    /// Visits every id of part `part` (below [`Self::scan_parts`]) exactly once, like
+    /// [`Self::scan`]; the parts together visit every id of the snapshot exactly once, and
+    /// different parts may be scanned at the same time from different threads. The default, for
+    /// one part, is [`Self::scan`].
+    fn scan_part(
+        &self,
+        part: usize,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
+    ) -> Result<()> {
+        if part == 0 {
+            self.scan(max_rows, with_values, visit)
+        } else {
+            Ok(())
+        }
+    }
+
     /// Copies the rows of `ids` (all ids this snapshot's scan produced) into `out`: `out[s]` has
     /// room for exactly `ids.len()` rows of slot `s`, or is empty when slot `s` is not wanted. All slots of one row must come from the same
     /// moment. An id the snapshot cannot produce is an error, never a silently zeroed row.

@@ -362,6 +362,36 @@ mod tests {
     }
 
     #[test]
+    fn scan_parts_together_visit_every_row_once_with_its_handle() {
+        let t = table();
+        for id in 0..5000u64 {
+            t.upsert(id.wrapping_mul(0x9e37_79b9_7f4a_7c15), |r| {
+                r.slot_mut::<i64>(1)[0] = id as i64
+            });
+        }
+        let snap = t.snapshot().unwrap();
+        assert!(snap.scan_parts() > 1, "a dashmap has several shards");
+        let (whole_ids, whole_handles) = scan_all(snap.as_ref());
+        let mut by_parts = Vec::new();
+        for part in 0..=snap.scan_parts() {
+            snap.scan_part(part, 100, false, &mut |c| {
+                assert_eq!(c.ids.len(), c.handles.len());
+                by_parts.extend(c.ids.iter().copied().zip(c.handles.iter().copied()));
+                Ok(())
+            })
+            .unwrap();
+        }
+        let mut whole: Vec<(u64, u64)> = whole_ids.into_iter().zip(whole_handles).collect();
+        whole.sort_unstable();
+        by_parts.sort_unstable();
+        assert_eq!(whole.len(), 5000);
+        assert_eq!(
+            by_parts, whole,
+            "parts (one past the last is empty) = the whole scan"
+        );
+    }
+
+    #[test]
     fn snapshot_keeps_removed_and_replaced_rows_and_ignores_new_ones() {
         let t = table();
         for id in 0..100u64 {

@@ -127,18 +127,21 @@ impl Drop for EmbeddingSnapshot<'_> {
     }
 }
 
-/// Asks the CPU to start loading the row at `addr`: its first and last cache lines.
+/// Asks the CPU to start loading the row at `addr`: every cache line it touches (a row of more
+/// than 128 bytes spans three or more, and a line left out costs a full miss per row).
 #[inline(always)]
 fn prefetch_row(addr: u64, row_bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let p = addr as *const i8;
-        // SAFETY: SSE is part of x86_64; a prefetch is a hint that never faults, whatever the
-        // address.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(p);
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(row_bytes.saturating_sub(1)));
+        const LINE: u64 = 64;
+        let end = addr.saturating_add(row_bytes.max(1) as u64 - 1);
+        let mut line = addr & !(LINE - 1);
+        while line <= end {
+            // SAFETY: SSE is part of x86_64; a prefetch is a hint that never faults, whatever
+            // the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+            line += LINE;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -152,7 +155,25 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         with_values: bool,
         visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
     ) -> Result<()> {
+        (0..self.scan_parts()).try_for_each(|p| self.scan_part(p, max_rows, with_values, visit))
+    }
+
+    /// One part per dashmap shard: each is a separate lock and a separate allocation.
+    fn scan_parts(&self) -> usize {
+        self.table.rows.shards().len()
+    }
+
+    fn scan_part(
+        &self,
+        part: usize,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
+    ) -> Result<()> {
         let t = self.table;
+        let Some(shard) = t.rows.shards().get(part) else {
+            return Ok(());
+        };
         let max_rows = max_rows.max(1);
         let mut ids = Vec::with_capacity(max_rows.min(1 << 16));
         let mut handles = Vec::with_capacity(ids.capacity());
@@ -174,20 +195,26 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
                 values.iter_mut().for_each(Vec::clear);
                 Ok(())
             };
-        // iter() holds one shard's read lock at a time; `visit` runs with none held, since the
-        // row filter it calls is user code that may touch the table.
-        for entry in t.rows.iter() {
-            ids.push(*entry.key());
-            handles.push(entry.value().as_ptr() as u64);
+        // The shard stays read-locked for its whole scan, `visit` included (as under
+        // `DashMap::iter`): a position in a hash table does not survive a writer in between. So
+        // a row filter may read the table but must not write to it.
+        let guard = shard.read();
+        // SAFETY: the guard keeps the table alive and unmodified for as long as the iterator and
+        // the references it yields are used (all within this block).
+        for bucket in unsafe { guard.iter() } {
+            // SAFETY: as above; the bucket was just yielded by the iterator.
+            let (id, row) = unsafe { bucket.as_ref() };
+            let row: &Row = row.get();
+            ids.push(*id);
+            handles.push(row.as_ptr() as u64);
             if with_values {
-                let bytes: &[u8] = bytemuck::cast_slice(&entry.value()[..]);
+                let bytes: &[u8] = bytemuck::cast_slice(&row[..]);
                 for (s, v) in values.iter_mut().enumerate() {
                     let off = t.slot_offsets[s];
                     v.extend_from_slice(&bytes[off..off + t.slot_bytes[s]]);
                 }
             }
             if ids.len() == max_rows {
-                drop(entry);
                 flush(&mut ids, &mut handles, &mut values)?;
             }
         }
