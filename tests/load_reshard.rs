@@ -197,6 +197,42 @@ fn trainer_state_reads_back_typed() {
 }
 
 #[test]
+fn reshard_keeps_every_row_dense_tensor_and_state() {
+    let (src, out) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let m = Model::new(5_000);
+    let mut o = save_opts(4).with_trainer_state(&123u64).unwrap();
+    o.user_metadata.insert("model".into(), "dlrm".into());
+    save(src.path(), m.input(), &o).unwrap();
+    let ck = Checkpoint::open(src.path()).unwrap();
+    let out_dir = out.path().join("three");
+    let r = saver::io::reshard::reshard(&ck, &out_dir, &save_opts(3)).unwrap();
+    assert_eq!(r.rows, 5_000 + 2_500);
+
+    assert_eq!(
+        saver::verify(&out_dir, 2).unwrap().status,
+        saver::Status::Ok
+    );
+    let new = Checkpoint::open(&out_dir).unwrap();
+    assert_eq!(new.manifest().shard_num, 3);
+    assert_eq!(new.trainer_state::<u64>(2).unwrap(), Some(123));
+    assert_eq!(new.manifest().user_metadata["model"], "dlrm");
+    let all = LoadOptions::default();
+    let (a, b) = (ck.restore(&all).unwrap(), new.restore(&all).unwrap());
+    assert_eq!(
+        saver::io::digest::restored_digest(&a),
+        saver::io::digest::restored_digest(&b)
+    );
+    let tables = &b.shards[0].tables;
+    let user = tables
+        .iter()
+        .find(|t| saver::SparseTable::name(*t) == "user")
+        .unwrap();
+    assert_eq!(rows_of(user), rows_of(&m.user));
+    let dense: BTreeMap<_, _> = b.dense.iter().map(|d| (d.name.as_str(), &d.data)).collect();
+    assert_eq!(dense["mlp.0.weight"], &m.w1);
+}
+
+#[test]
 fn user_sinks_get_mismatches_named() {
     let dir = tempfile::tempdir().unwrap();
     saved_model(dir.path(), 2);

@@ -90,6 +90,11 @@ impl Filters {
     }
 
     /// Adds a row filter.
+    ///
+    /// Row filters run during planning, on several threads at once (one per part of a table
+    /// being scanned), and a table may hold a lock over the part being scanned while they run
+    /// ([`crate::EmbeddingTable`] holds its shard's read lock): a filter must not write to the
+    /// table it filters.
     pub fn keep_rows(mut self, f: impl Fn(&RowView<'_>) -> bool + Send + Sync + 'static) -> Self {
         self.rows.push(Arc::new(f));
         self

@@ -79,5 +79,5 @@ pub use filter::{BlockInfo, BlockKind, Filters, ScalarCondition};
 pub use manifest::{Manifest, ShardManifest, TableManifestExt, FORMAT_VERSION};
 pub use partition::PartitionRule;
 pub use plan::{plan, ForeignRows, PlanOptions, SaveInput, SavePlan};
-pub use table::{EmbeddingTable, RowView, SlotSpec, SparseTable, TableSnapshot};
+pub use table::{ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSnapshot};
 pub use tensor::DenseTensor;

@@ -2,8 +2,10 @@
 
 use std::path::Path;
 
+use saver_core::table::ColumnTable;
+use saver_core::{DenseTensor, SaveInput};
+
 use crate::error::Result;
-use crate::import::Model;
 use crate::reader::Checkpoint;
 use crate::restore::LoadOptions;
 use crate::writer::{save, SaveOptions, SaveReport};
@@ -11,21 +13,45 @@ use crate::writer::{save, SaveOptions, SaveReport};
 /// Rewrites `src` into `out` with `opts.plan.shard_num` shards. Tables, slots, dense tensors and
 /// user metadata are kept; trainer state is per worker and does not map onto a new worker count,
 /// so shard 0's state is given to every new shard. The whole model is held in memory meanwhile.
+///
+/// The rows go through arrays ([`Checkpoint::load_columns`], then [`ColumnTable`]s), not
+/// hashtables: no allocation or insert per row, and since the source rows are already in bucket
+/// order, the save copies them in long runs.
 pub fn reshard(src: &Checkpoint, out: &Path, opts: &SaveOptions) -> Result<SaveReport> {
-    let restored = src.restore(&LoadOptions {
+    let columns = src.load_columns(&LoadOptions {
         parallel: opts.plan.parallel,
         ..LoadOptions::default()
     })?;
-    let model = Model::from_restored(restored, src)?;
+    let tables = columns
+        .tables
+        .into_iter()
+        .map(|t| ColumnTable::new(t.name, t.key_dtype, t.slots, t.ids, t.data))
+        .collect::<saver_core::Result<Vec<_>>>()?;
+    let mut input = SaveInput::new();
+    for t in &tables {
+        input = input.table(t);
+    }
+    for d in &columns.dense {
+        input = input.dense(DenseTensor::new(
+            d.name.clone(),
+            d.dtype,
+            d.shape.clone(),
+            d.data.as_slice(),
+        )?);
+    }
     let mut opts = opts.clone();
     opts.plan.shard_index = None;
+    let manifest = src.manifest();
     if opts.trainer_state.is_none() {
-        opts.trainer_state = model.trainer_state.clone();
+        opts.trainer_state = manifest
+            .shards
+            .first()
+            .and_then(|s| s.trainer_state.clone());
     }
-    for (k, v) in &model.user_metadata {
+    for (k, v) in &manifest.user_metadata {
         opts.user_metadata
             .entry(k.clone())
             .or_insert_with(|| v.clone());
     }
-    save(out, model.input()?, &opts)
+    save(out, input, &opts)
 }

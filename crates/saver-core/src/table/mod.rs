@@ -1,4 +1,5 @@
-//! Sparse tables: the trait a trainer's hashtable implements, and [`EmbeddingTable`], a ready one.
+//! Sparse tables: the trait a trainer's hashtable implements, [`EmbeddingTable`], a ready one, and
+//! [`ColumnTable`], read-only rows already in arrays (a loaded checkpoint being resharded).
 //!
 //! A table has 64-bit ids and, per id, one row of every *slot*: the embedding, optimizer state
 //! (Adagrad accumulator, Adam m and v), counters. saver reads a table in two passes:
@@ -11,8 +12,10 @@
 //!    ([`TableSnapshot::read_rows`]), all slots of a row together, so a saved row is never torn:
 //!    its embedding and its optimizer state come from the same moment.
 
+mod columns;
 mod embedding;
 
+pub use columns::ColumnTable;
 pub use embedding::{EmbeddingTable, IdHashBuilder, IdHasher, RowMut};
 
 use serde::{Deserialize, Serialize};

@@ -1,0 +1,346 @@
+//! [`ColumnTable`]: a read-only table over rows already held in arrays, one buffer per slot.
+//!
+//! Saving rows that are already in memory as arrays (a checkpoint loaded with `load_columns`, to be
+//! resharded; arrays a trainer exported) needs no hashtable: the scan hands out each row's index
+//! as its handle and the save copies rows straight out of the arrays. Rows that were adjacent in
+//! the arrays usually stay adjacent in the save (a checkpoint's rows are already in bucket order),
+//! so runs of them are copied at once.
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use crate::dtype::KeyDtype;
+use crate::error::{Error, Result};
+use crate::naming::check_table_name;
+
+use super::{validate_slots, RowChunk, SlotSpec, SparseTable, TableSnapshot};
+
+/// Rows per scan part: parts are scanned on separate threads.
+const PART_ROWS: usize = if cfg!(test) { 64 } else { 1 << 20 };
+
+/// A read-only table whose rows are in arrays: `ids[r]` is row `r`'s id and `data[s]` holds every
+/// row of slot `s` back to back (little-endian, row-major), as [`SparseTable`] for saving.
+pub struct ColumnTable {
+    name: String,
+    key_dtype: KeyDtype,
+    slots: Vec<SlotSpec>,
+    slot_bytes: Vec<usize>,
+    ids: Vec<u64>,
+    data: Vec<Vec<u8>>,
+    /// Row of each id, built only if a read by id (no handles) ever asks.
+    by_id: OnceLock<HashMap<u64, usize>>,
+}
+
+impl ColumnTable {
+    /// A table over `ids` and `data` (one buffer per slot of `slots`, `ids.len()` rows each),
+    /// taken without a copy. Duplicate ids are refused when the table is saved.
+    pub fn new(
+        name: impl Into<String>,
+        key_dtype: KeyDtype,
+        slots: Vec<SlotSpec>,
+        ids: Vec<u64>,
+        data: Vec<Vec<u8>>,
+    ) -> Result<Self> {
+        let name = name.into();
+        check_table_name(&name)?;
+        let slot_bytes = validate_slots(&name, &slots)?;
+        let bad = |message: String| Error::Table {
+            table: name.clone(),
+            message,
+        };
+        if data.len() != slots.len() {
+            return Err(bad(format!(
+                "{} slot buffers for {} slots",
+                data.len(),
+                slots.len()
+            )));
+        }
+        for (s, buf) in data.iter().enumerate() {
+            let want = ids.len() as u128 * slot_bytes[s] as u128;
+            if buf.len() as u128 != want {
+                return Err(bad(format!(
+                    "slot {:?} has {} bytes, {} rows of {} bytes need {want}",
+                    slots[s].name,
+                    buf.len(),
+                    ids.len(),
+                    slot_bytes[s]
+                )));
+            }
+        }
+        Ok(Self {
+            name,
+            key_dtype,
+            slots,
+            slot_bytes,
+            ids,
+            data,
+            by_id: OnceLock::new(),
+        })
+    }
+
+    /// The ids, one per row.
+    pub fn ids(&self) -> &[u64] {
+        &self.ids
+    }
+
+    /// Slot `s`'s rows, back to back.
+    pub fn slot_data(&self, s: usize) -> Option<&[u8]> {
+        self.data.get(s).map(Vec::as_slice)
+    }
+
+    /// Copies rows `from..from + n` of every wanted slot into rows `to..to + n` of `out`.
+    fn copy_rows(&self, from: usize, to: usize, n: usize, out: &mut [&mut [u8]]) {
+        for (s, dst) in out.iter_mut().enumerate() {
+            if dst.is_empty() {
+                continue;
+            }
+            let b = self.slot_bytes[s];
+            dst[to * b..(to + n) * b].copy_from_slice(&self.data[s][from * b..(from + n) * b]);
+        }
+    }
+
+    fn gone(&self, what: String) -> Error {
+        Error::Table {
+            table: self.name.clone(),
+            message: what,
+        }
+    }
+}
+
+impl SparseTable for ColumnTable {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn key_dtype(&self) -> KeyDtype {
+        self.key_dtype
+    }
+
+    fn slots(&self) -> &[SlotSpec] {
+        &self.slots
+    }
+
+    fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    fn snapshot(&self) -> Result<Box<dyn TableSnapshot + '_>> {
+        // The table is immutable: it is its own snapshot.
+        Ok(Box::new(ColumnSnapshot { table: self }))
+    }
+}
+
+struct ColumnSnapshot<'t> {
+    table: &'t ColumnTable,
+}
+
+impl TableSnapshot for ColumnSnapshot<'_> {
+    fn scan(
+        &self,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
+    ) -> Result<()> {
+        (0..self.scan_parts()).try_for_each(|p| self.scan_part(p, max_rows, with_values, visit))
+    }
+
+    fn scan_parts(&self) -> usize {
+        self.table.ids.len().div_ceil(PART_ROWS).max(1)
+    }
+
+    fn scan_part(
+        &self,
+        part: usize,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let t = self.table;
+        let start = part.saturating_mul(PART_ROWS).min(t.ids.len());
+        let end = start.saturating_add(PART_ROWS).min(t.ids.len());
+        let max_rows = max_rows.max(1);
+        let mut handles = Vec::with_capacity(max_rows.min(end - start));
+        let mut r = start;
+        while r < end {
+            let n = max_rows.min(end - r);
+            handles.clear();
+            handles.extend(r as u64..(r + n) as u64);
+            // Values are handed out in place: the rows are already back to back.
+            let slots: Vec<&[u8]> = if with_values {
+                (0..t.slots.len())
+                    .map(|s| &t.data[s][r * t.slot_bytes[s]..(r + n) * t.slot_bytes[s]])
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            visit(RowChunk {
+                ids: &t.ids[r..r + n],
+                handles: &handles,
+                slots: &slots,
+            })?;
+            r += n;
+        }
+        Ok(())
+    }
+
+    fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
+        let t = self.table;
+        let by_id = t
+            .by_id
+            .get_or_init(|| t.ids.iter().enumerate().map(|(r, &id)| (id, r)).collect());
+        for (r, id) in ids.iter().enumerate() {
+            let &from = by_id
+                .get(id)
+                .ok_or_else(|| t.gone(format!("no row has id {}", t.key_dtype.format_id(*id))))?;
+            t.copy_rows(from, r, 1, out);
+        }
+        Ok(())
+    }
+
+    unsafe fn read_rows_by_handle(
+        &self,
+        ids: &[u64],
+        handles: &[u64],
+        out: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let t = self.table;
+        if handles.len() != ids.len() {
+            return self.read_rows(ids, out);
+        }
+        let mut r = 0;
+        while r < handles.len() {
+            // A handle is a row index; checked, so that even a broken caller cannot read past
+            // the arrays or pair an id with another id's row.
+            let from = handles[r] as usize;
+            if t.ids.get(from) != Some(&ids[r]) {
+                return Err(t.gone(format!(
+                    "handle {} does not hold id {}",
+                    handles[r],
+                    t.key_dtype.format_id(ids[r])
+                )));
+            }
+            // Rows adjacent here and in the arrays are copied as one run.
+            let mut n = 1;
+            while r + n < handles.len()
+                && handles[r + n] == handles[r] + n as u64
+                && t.ids.get(from + n) == Some(&ids[r + n])
+            {
+                n += 1;
+            }
+            t.copy_rows(from, r, n, out);
+            r += n;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::dtype::Dtype;
+
+    fn slots() -> Vec<SlotSpec> {
+        vec![
+            SlotSpec::new("embedding", Dtype::F32, vec![2]),
+            SlotSpec::new("freq", Dtype::I64, vec![]),
+        ]
+    }
+
+    /// Row `r` holds id `ids[r]`, embedding bytes all equal to the id's low byte, freq = id.
+    fn table_of(ids: &[u64]) -> ColumnTable {
+        let emb = ids.iter().flat_map(|&i| [i as u8; 8]).collect();
+        let freq = ids.iter().flat_map(|&i| i.to_le_bytes()).collect();
+        ColumnTable::new("t", KeyDtype::U64, slots(), ids.to_vec(), vec![emb, freq]).unwrap()
+    }
+
+    fn assert_rows(ids: &[u64], emb: &[u8], freq: &[u8]) {
+        for (r, &id) in ids.iter().enumerate() {
+            assert_eq!(emb[r * 8..r * 8 + 8], [id as u8; 8], "row {r}");
+            assert_eq!(freq[r * 8..r * 8 + 8], id.to_le_bytes(), "row {r}");
+        }
+    }
+
+    #[test]
+    fn wrong_buffer_sizes_are_named() {
+        let err = ColumnTable::new(
+            "t",
+            KeyDtype::U64,
+            slots(),
+            vec![1, 2],
+            vec![vec![0; 16], vec![0; 15]],
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            err.contains("\"freq\"") && err.contains("15 bytes"),
+            "{err}"
+        );
+        let err = ColumnTable::new("t", KeyDtype::U64, slots(), vec![1], vec![vec![0; 8]])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("1 slot buffers for 2 slots"), "{err}");
+    }
+
+    #[test]
+    fn handles_that_do_not_match_their_ids_are_refused() {
+        let t = table_of(&[5, 6, 7]);
+        let snap = t.snapshot().unwrap();
+        let (mut emb, mut freq) = (vec![0u8; 16], vec![0u8; 16]);
+        for handles in [[0u64, 9], [1, 1]] {
+            // SAFETY: an implementation that checks its handles; the point of the test.
+            let r =
+                unsafe { snap.read_rows_by_handle(&[5, 6], &handles, &mut [&mut emb, &mut freq]) };
+            assert!(r.is_err(), "{handles:?}");
+        }
+        let err = snap
+            .read_rows(&[8], &mut [&mut emb[..8], &mut freq[..8]])
+            .unwrap_err();
+        assert!(err.to_string().contains("no row has id 8"), "{err}");
+    }
+
+    proptest! {
+        #[test]
+        fn reads_by_handle_and_by_id_give_each_ids_own_row(
+            ids in vec(any::<u64>(), 0..300),
+            picks in vec(any::<prop::sample::Index>(), 0..200),
+            max_rows in 1usize..50,
+        ) {
+            let t = table_of(&ids);
+            let snap = t.snapshot().unwrap();
+            let (mut seen, mut handles) = (Vec::new(), Vec::new());
+            for p in 0..=snap.scan_parts() {
+                snap.scan_part(p, max_rows, true, &mut |c| {
+                    assert!(c.ids.len() <= max_rows);
+                    assert_rows(c.ids, c.slots[0], c.slots[1]);
+                    seen.extend_from_slice(c.ids);
+                    handles.extend_from_slice(c.handles);
+                    Ok(())
+                }).unwrap();
+            }
+            prop_assert_eq!(&seen, &ids);
+
+            // Any selection of scanned rows, in any order, runs of adjacent rows included.
+            let sel: Vec<usize> = if ids.is_empty() { Vec::new() } else { picks.iter().map(|i| i.index(ids.len())).collect() };
+            let want: Vec<u64> = sel.iter().map(|&r| ids[r]).collect();
+            let sel_handles: Vec<u64> = sel.iter().map(|&r| handles[r]).collect();
+            let (mut emb, mut freq) = (vec![0u8; 8 * sel.len()], vec![0u8; 8 * sel.len()]);
+            // SAFETY: the handles came from this snapshot's scan, with these ids.
+            unsafe { snap.read_rows_by_handle(&want, &sel_handles, &mut [&mut emb, &mut freq]) }.unwrap();
+            assert_rows(&want, &emb, &freq);
+
+            let mut unique = ids.clone();
+            unique.sort_unstable();
+            unique.dedup();
+            if unique.len() == ids.len() {
+                let (mut emb, mut freq) = (vec![0u8; 8 * want.len()], vec![0u8; 8 * want.len()]);
+                snap.read_rows(&want, &mut [&mut emb, &mut freq]).unwrap();
+                assert_rows(&want, &emb, &freq);
+            }
+        }
+    }
+}
