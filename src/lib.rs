@@ -13,8 +13,8 @@ pub use saver_core as core;
 pub use saver_io as io;
 
 pub use saver_core::{
-    BlockKind, DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype, PartitionRule,
-    PlanOptions, SaveInput, SlotSpec, SparseTable,
+    BlockKind, ColumnTable, DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype,
+    PartitionRule, PlanOptions, SaveInput, SlotSpec, SparseTable,
 };
 pub use saver_io::{save, verify, Checkpoint, LoadOptions, SaveOptions, Status};
 

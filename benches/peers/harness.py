@@ -325,7 +325,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the harness")
     ap.add_argument("--sweep", default="64MiB,256MiB,1GiB,4GiB,8GiB", help="model sizes of the size sweep ('' for none)")
     ap.add_argument("--models", default="small,scale=10;criteo-kaggle,scale=0.5",
-                    help="';'-separated synthetic specs; the defaults give about 2 GiB each")
+                    help="';'-separated synthetic specs ('' for none); the defaults give about 2 GiB each")
     ap.add_argument("--work", default=os.path.join(ROOT, "target", "bench-peers"))
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks"))
     a = ap.parse_args()
@@ -346,7 +346,7 @@ def main():
             raise SystemExit(f"peers need safetensors, numpy and torch in this Python; or pass --no-peers\n{probe.stderr}")
         st, tv = probe.stdout.split()
         out.append(f"Peers: safetensors {st}, torch {tv} (PyPI wheels).")
-    models = ["tiny", "tables=2,rows=20000,dim=16,slots=embedding+adagrad,dense=1MiB"] if a.quick else a.models.split(";")
+    models = ["tiny", "tables=2,rows=20000,dim=16,slots=embedding+adagrad,dense=1MiB"] if a.quick else [m for m in a.models.split(";") if m]
     def write():
         # After every section, so a failure late in a long run keeps what was measured.
         with open(os.path.join(a.out, "peers.md"), "w") as f:
