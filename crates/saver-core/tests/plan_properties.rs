@@ -395,3 +395,42 @@ fn large_partitions_are_cut_into_bounded_segments() {
         }
     }
 }
+
+#[test]
+fn large_shards_are_split_into_files_for_the_writer_threads() {
+    // 8 dense tensors of 80 MiB (never touched: planning reads no data): 640 MiB in one shard.
+    let data = vec![0u8; 80 << 20];
+    let input = || {
+        (0..8).fold(SaveInput::new(), |input, i| {
+            input.dense(
+                DenseTensor::new(format!("w{i}"), Dtype::U8, vec![80 << 20], &data[..]).unwrap(),
+            )
+        })
+    };
+    let files = |split_files| {
+        let opts = PlanOptions {
+            split_files,
+            ..PlanOptions::default()
+        };
+        let p = plan(input(), &opts).unwrap();
+        let sizes: Vec<u64> = p.shards()[0]
+            .files
+            .iter()
+            .map(|f| f.tensors.iter().map(|t| t.end - t.start).sum())
+            .collect();
+        sizes
+    };
+    // One file per 256 MiB: 2 files of 320 MiB, whatever the writer threads.
+    assert_eq!(files(4), vec![320 << 20, 320 << 20]);
+    assert_eq!(files(1), vec![640 << 20]);
+    let err = plan(
+        input(),
+        &PlanOptions {
+            split_files: 0,
+            ..PlanOptions::default()
+        },
+    )
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("split_files"), "{err}");
+}

@@ -12,10 +12,20 @@ use crate::tensor::DenseTensor;
 
 use super::header::{render_header, FileFacts, HeaderTensor};
 use super::scan::ScannedTable;
-use super::{DensePlan, FilePlan, Loc, PartitionPlan, PlanOptions, SegmentPlan, ShardPlan};
+use super::{
+    DensePlan, FilePlan, Loc, PartitionPlan, PlanOptions, SegmentPlan, ShardPlan, SPLIT_FILE_BYTES,
+};
 
 /// Blocks are never cut smaller than this for balancing: tiny tensors only cost header space.
 const MIN_BALANCE_BLOCK: u64 = 1 << 20;
+
+/// The fewest files `bytes` of a shard's data go into: enough for `max_file_size`, and one per
+/// [`SPLIT_FILE_BYTES`] up to `split_files`.
+fn min_files(bytes: u64, opts: &PlanOptions) -> usize {
+    let for_size = bytes.div_ceil(opts.max_file_size);
+    let for_threads = (bytes / SPLIT_FILE_BYTES).min(opts.split_files as u64);
+    for_size.max(for_threads).max(1) as usize
+}
 
 /// Assigns dense tensors to shards, largest first onto the least-loaded shard (ties: lowest shard,
 /// then name order). Every process of a multi-process save computes the same assignment from the
@@ -170,7 +180,7 @@ pub(crate) fn layout_shard(
         })
         .collect();
     estimate += dense_here.iter().map(|&d| dense[d].byte_len()).sum::<u64>();
-    let files_estimate = estimate.div_ceil(opts.max_file_size).max(1);
+    let files_estimate = min_files(estimate, opts) as u64;
     let target_block = if files_estimate == 1 {
         opts.max_block_bytes
     } else {
@@ -279,11 +289,11 @@ pub(crate) fn layout_shard(
         });
     }
 
-    // Pack blocks into files: as few as max_file_size allows, more while a file overflows and
-    // could still be split.
+    // Pack blocks into files: as few as max_file_size and split_files allow, more while a file
+    // overflows and could still be split.
     let sizes: Vec<u64> = blocks.iter().map(|b| b.len).collect();
     let total: u64 = sizes.iter().sum();
-    let mut nfiles = (total.div_ceil(opts.max_file_size).max(1) as usize).min(blocks.len().max(1));
+    let mut nfiles = min_files(total, opts).min(blocks.len().max(1));
     let assignment = loop {
         let a = pack(&sizes, nfiles);
         let mut load = vec![(0u64, 0usize); nfiles];

@@ -39,6 +39,9 @@ use crate::partition::PartitionRule;
 use crate::table::SparseTable;
 use crate::tensor::DenseTensor;
 
+/// Data per file below which [`PlanOptions::split_files`] does not cut a shard further.
+pub const SPLIT_FILE_BYTES: u64 = 256 << 20;
+
 /// What to do with rows a process holds that the partition rule assigns to a shard it does not plan.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ForeignRows {
@@ -88,6 +91,11 @@ pub struct PlanOptions {
     pub parallel: usize,
     /// Largest data file (bytes); a single tensor larger than this gets a file of its own.
     pub max_file_size: u64,
+    /// A shard is cut into at least one file per [`SPLIT_FILE_BYTES`] of data, up to this many,
+    /// even below `max_file_size` (1: as few files as `max_file_size` allows). Writer threads
+    /// writing one file serialise on its lock; spread over files, they do not. Only the data's
+    /// size decides the file count, never `parallel`, so the layout stays deterministic.
+    pub split_files: usize,
     /// Largest tensor a table partition is cut into (bytes per slot tensor).
     pub max_block_bytes: u64,
     /// Bytes a writer thread produces at a time; its buffer size.
@@ -109,6 +117,7 @@ impl Default for PlanOptions {
             shard_index: None,
             parallel: std::thread::available_parallelism().map_or(2, usize::from),
             max_file_size: 2 << 30,
+            split_files: 4,
             max_block_bytes: 256 << 20,
             chunk_bytes: 8 << 20,
             alignment: 4096,
@@ -144,6 +153,9 @@ impl PlanOptions {
         }
         if self.max_file_size < 4096 {
             return bad("max_file_size", "must be at least 4 KiB");
+        }
+        if self.split_files == 0 {
+            return bad("split_files", "must be at least 1");
         }
         if self.max_block_bytes < 4096 {
             return bad("max_block_bytes", "must be at least 4 KiB");
