@@ -36,15 +36,7 @@ impl Model {
         for t in &self.tables {
             input = input.table(t);
         }
-        for d in &self.dense {
-            input = input.dense(DenseTensor::new(
-                d.name.clone(),
-                d.dtype,
-                d.shape.clone(),
-                d.data.as_slice(),
-            )?);
-        }
-        Ok(input)
+        with_dense(input, &self.dense)
     }
 
     /// A model from a whole-checkpoint restore (one target shard).
@@ -53,14 +45,35 @@ impl Model {
         Ok(Self {
             tables,
             dense: r.dense,
-            trainer_state: ckpt
-                .manifest()
-                .shards
-                .first()
-                .and_then(|s| s.trainer_state.clone()),
+            trainer_state: first_trainer_state(ckpt),
             user_metadata: ckpt.manifest().user_metadata.clone(),
         })
     }
+}
+
+/// `input` with `dense` added, borrowed.
+pub(crate) fn with_dense<'a>(
+    mut input: SaveInput<'a>,
+    dense: &'a [LoadedDense],
+) -> Result<SaveInput<'a>> {
+    for d in dense {
+        input = input.dense(DenseTensor::new(
+            d.name.clone(),
+            d.dtype,
+            d.shape.clone(),
+            d.data.as_slice(),
+        )?);
+    }
+    Ok(input)
+}
+
+/// Shard 0's trainer state: what a checkpoint rewritten for another worker count carries, since a
+/// worker's state does not map onto a new worker count.
+pub(crate) fn first_trainer_state(ckpt: &Checkpoint) -> Option<String> {
+    ckpt.manifest()
+        .shards
+        .first()
+        .and_then(|s| s.trainer_state.clone())
 }
 
 /// Whether `dir` holds a saver checkpoint (its index says so).

@@ -3,9 +3,10 @@
 use std::path::Path;
 
 use saver_core::table::ColumnTable;
-use saver_core::{DenseTensor, SaveInput};
+use saver_core::SaveInput;
 
 use crate::error::Result;
+use crate::import::{first_trainer_state, with_dense};
 use crate::reader::Checkpoint;
 use crate::restore::LoadOptions;
 use crate::writer::{save, SaveOptions, SaveReport};
@@ -31,24 +32,13 @@ pub fn reshard(src: &Checkpoint, out: &Path, opts: &SaveOptions) -> Result<SaveR
     for t in &tables {
         input = input.table(t);
     }
-    for d in &columns.dense {
-        input = input.dense(DenseTensor::new(
-            d.name.clone(),
-            d.dtype,
-            d.shape.clone(),
-            d.data.as_slice(),
-        )?);
-    }
+    let input = with_dense(input, &columns.dense)?;
     let mut opts = opts.clone();
     opts.plan.shard_index = None;
-    let manifest = src.manifest();
     if opts.trainer_state.is_none() {
-        opts.trainer_state = manifest
-            .shards
-            .first()
-            .and_then(|s| s.trainer_state.clone());
+        opts.trainer_state = first_trainer_state(src);
     }
-    for (k, v) in &manifest.user_metadata {
+    for (k, v) in &src.manifest().user_metadata {
         opts.user_metadata
             .entry(k.clone())
             .or_insert_with(|| v.clone());
