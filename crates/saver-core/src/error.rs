@@ -120,6 +120,14 @@ pub enum Error {
         /// The implementation's message.
         message: String,
     },
+    /// The plan could not move a table's sorted ids to, or back from, its spill store.
+    #[error("table {table:?}: plan spill: {source}")]
+    Spill {
+        /// The table.
+        table: String,
+        /// The store's error (names the file).
+        source: std::io::Error,
+    },
     /// A glob pattern did not parse.
     #[error("invalid glob {pattern:?}: {message}")]
     Glob {

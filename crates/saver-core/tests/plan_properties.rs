@@ -33,7 +33,7 @@ fn planned_rows(p: &SavePlan<'_>) -> Vec<(String, u64, u32)> {
     let mut out = Vec::new();
     for s in p.shards() {
         for part in &s.partitions {
-            for &id in p.partition_ids(part) {
+            for id in p.partition_ids(part).unwrap() {
                 out.push((p.table_name(part.table).to_string(), id, s.shard));
             }
         }

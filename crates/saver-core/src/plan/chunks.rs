@@ -63,6 +63,8 @@ pub struct Piece<'b> {
 /// Reusable buffers of one writer thread.
 #[derive(Default)]
 pub struct ChunkBuffer {
+    ids: Vec<u64>,
+    handles: Vec<u64>,
     slots: Vec<Vec<u8>>,
 }
 
@@ -176,11 +178,15 @@ impl SavePlan<'_> {
                 let seg = &part.segments[*segment];
                 let table = &self.tables[part.table];
                 let abs = seg.rows.start + rows.start..seg.rows.start + rows.end;
-                let handles = table.handles.get(abs.clone()).unwrap_or_default();
-                let ids = &table.ids[abs];
+                let ChunkBuffer {
+                    ids,
+                    handles,
+                    slots,
+                } = buf;
+                table.rows.copy(abs, true, ids, handles).map_err(E::from)?;
                 let n = ids.len();
-                buf.slots.resize_with(table.slots.len(), Vec::new);
-                for (s, b) in buf.slots.iter_mut().enumerate() {
+                slots.resize_with(table.slots.len(), Vec::new);
+                for (s, b) in slots.iter_mut().enumerate() {
                     let want = if part.slots.contains(&s) {
                         n * table.slot_bytes[s]
                     } else {
@@ -190,9 +196,9 @@ impl SavePlan<'_> {
                 }
                 {
                     let mut outs: Vec<&mut [u8]> =
-                        buf.slots.iter_mut().map(Vec::as_mut_slice).collect();
+                        slots.iter_mut().map(Vec::as_mut_slice).collect();
                     // SAFETY: `handles` is empty or came from this snapshot's scan, with `ids`,
-                    // and the sort moved them together.
+                    // and the region sort moved them together.
                     unsafe { table.snapshot.read_rows_by_handle(ids, handles, &mut outs) }
                         .map_err(E::from)?;
                 }
@@ -207,7 +213,7 @@ impl SavePlan<'_> {
                         shard: *shard,
                         loc: seg.slots[k],
                         offset: (rows.start * table.slot_bytes[s]) as u64,
-                        bytes: &buf.slots[s],
+                        bytes: &slots[s],
                     })?;
                 }
                 Ok(())

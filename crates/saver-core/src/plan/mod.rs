@@ -3,8 +3,10 @@
 //! [`plan`] takes the model ([`SaveInput`]) and [`PlanOptions`] and returns a [`SavePlan`]:
 //!
 //! 1. *Scan*: each table is snapshotted; its ids (and, only if a row filter needs them, its slot
-//!    values) are scanned once; rows kept by the filters and owned by a planned shard are sorted
-//!    by (bucket, id). From here on the set of saved rows is fixed.
+//!    values) are scanned once; rows kept by the filters and owned by a planned shard are counted
+//!    per bucket and grouped by the bucket's high byte, in memory or, past
+//!    [`PlanOptions::plan_memory`], in a [`Spill`] store. From here on the set of saved rows is
+//!    fixed. Each group is sorted by (bucket, id) when the writer first needs it (`rows`).
 //! 2. *Layout*: each planned shard gets one partition per table (the rows of its bucket range),
 //!    cut into segments at bucket boundaries so no tensor is unbounded; dense tensors are spread
 //!    over shards by bytes; each shard's blocks are packed into files by bytes; every header is
@@ -17,15 +19,18 @@
 mod chunks;
 pub mod header;
 mod layout;
+mod rows;
 mod scan;
 
 use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
 pub use chunks::{Chunk, ChunkBuffer, Piece};
 use header::{render_header, FileFacts, HeaderTensor};
+pub use rows::Spill;
 use scan::ScannedTable;
 
 use crate::error::{Error, Result};
@@ -100,6 +105,12 @@ pub struct PlanOptions {
     pub max_block_bytes: u64,
     /// Bytes a writer thread produces at a time; its buffer size.
     pub chunk_bytes: u64,
+    /// Most bytes the plan may hold of scanned ids and row handles (16 per row), over all tables.
+    /// A table that would go past it waits in the [`Spill`] store given to [`plan_with_spill`]
+    /// (saves put it in a nameless temporary file of the checkpoint directory), and then takes
+    /// 16 MiB per scanning thread and its 1/256th regions being written. Without a store,
+    /// everything stays in memory.
+    pub plan_memory: u64,
     /// The data section of every file starts at a multiple of this (a power of two, ≥ 8).
     pub alignment: u64,
     /// Block and row filters.
@@ -120,6 +131,7 @@ impl Default for PlanOptions {
             split_files: 4,
             max_block_bytes: 256 << 20,
             chunk_bytes: 8 << 20,
+            plan_memory: 1 << 30,
             alignment: 4096,
             filters: Filters::new(),
             foreign_rows: ForeignRows::Error,
@@ -309,24 +321,52 @@ fn validate_input(input: &SaveInput<'_>) -> Result<()> {
     Ok(())
 }
 
-/// Plans a save. See the module docs.
+/// Plans a save, every table's rows in memory. See the module docs.
 pub fn plan<'a>(input: SaveInput<'a>, opts: &PlanOptions) -> Result<SavePlan<'a>> {
+    plan_with_spill(input, opts, None)
+}
+
+/// Plans a save; tables whose rows would take the plan past [`PlanOptions::plan_memory`] wait
+/// in `spill` until written. The plan, and the bytes written, are the same either way.
+pub fn plan_with_spill<'a>(
+    input: SaveInput<'a>,
+    opts: &PlanOptions,
+    spill: Option<Arc<dyn Spill>>,
+) -> Result<SavePlan<'a>> {
     opts.validate()?;
     validate_input(&input)?;
     let shards: Vec<u32> = match opts.shard_index {
         Some(i) => vec![i],
         None => (0..opts.shard_num).collect(),
     };
+    // Tables in input order stay in memory while they fit the budget; the rest spill.
+    let mut budget = opts.plan_memory;
+    let spills: Vec<Option<Arc<dyn Spill>>> = input
+        .tables
+        .iter()
+        .map(|t| {
+            let need = t.len() as u64 * 16;
+            match spill.as_ref().filter(|_| need > budget) {
+                Some(s) => Some(Arc::clone(s)),
+                None => {
+                    budget = budget.saturating_sub(need);
+                    None
+                }
+            }
+        })
+        .collect();
     let tables: Vec<ScannedTable<'a>> = input
         .tables
         .par_iter()
-        .map(|t| {
+        .zip(spills)
+        .map(|(t, spill)| {
             scan::scan_table(
                 *t,
                 opts.shard_num,
                 &shards,
                 &opts.filters,
                 opts.foreign_rows,
+                spill,
             )
         })
         .collect::<Result<_>>()?;
@@ -366,8 +406,21 @@ impl<'a> SavePlan<'a> {
     }
 
     /// The sorted ids of a partition (as raw bits), in the order they are written.
-    pub fn partition_ids(&self, part: &PartitionPlan) -> &[u64] {
-        &self.tables[part.table].ids[part.rows.clone()]
+    pub fn partition_ids(&self, part: &PartitionPlan) -> Result<Vec<u64>> {
+        let (mut ids, mut handles) = (Vec::new(), Vec::new());
+        self.tables[part.table]
+            .rows
+            .copy(part.rows.clone(), false, &mut ids, &mut handles)?;
+        Ok(ids)
+    }
+
+    /// Rows of the tables that wait in the spill store rather than memory.
+    pub fn spilled_rows(&self) -> u64 {
+        self.tables
+            .iter()
+            .filter(|t| t.rows.spilled())
+            .map(|t| t.bucket_start[t.bucket_start.len() - 1])
+            .sum()
     }
 
     /// Name of the table a partition belongs to.

@@ -1,6 +1,8 @@
-//! Phase one of planning: snapshot each table, apply row filters, and sort the kept ids by bucket.
+//! Phase one of planning: snapshot each table, apply row filters, group the kept rows by the
+//! bucket's high byte and count every bucket (the rows are sorted later, see [`super::rows`]).
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
@@ -10,6 +12,7 @@ use rayon::prelude::*;
 
 use crate::table::{validate_slots, RowChunk, RowView, SlotSpec, SparseTable, TableSnapshot};
 
+use super::rows::{flag_pass, high_byte, MemoryPart, Spill, Spilled, TableRows};
 use super::ForeignRows;
 
 /// Rows per scan chunk: bounds the memory a scan with slot values uses.
@@ -22,18 +25,16 @@ pub(crate) struct ScannedTable<'a> {
     pub slots: Vec<SlotSpec>,
     pub slot_bytes: Vec<usize>,
     pub snapshot: Box<dyn TableSnapshot + 'a>,
-    /// Kept ids sorted by (bucket, id bits).
-    pub ids: Vec<u64>,
-    /// The snapshot's handle of each id in `ids`, or empty when it gave none.
-    pub handles: Vec<u64>,
-    /// `bucket_start[b]..bucket_start[b + 1]` are the rows of bucket `b` in `ids`.
+    /// The kept rows, in the order they are written: by (bucket, id bits).
+    pub rows: TableRows,
+    /// `bucket_start[b]..bucket_start[b + 1]` are the rows of bucket `b` in `rows`.
     pub bucket_start: Vec<u64>,
     /// For each planned shard (in plan order): whether its ids block is kept, and which slots.
     pub kept: Vec<Option<Vec<usize>>>,
 }
 
 impl ScannedTable<'_> {
-    /// Rows of `ids` in buckets `range`.
+    /// Rows (positions in `rows`) in buckets `range`.
     pub fn rows_in(&self, range: Range<u32>) -> Range<usize> {
         self.bucket_start[range.start as usize] as usize
             ..self.bucket_start[range.end as usize] as usize
@@ -145,70 +146,76 @@ impl Found {
         Ok(())
     }
 
-    /// Orders this part's rows by the bucket's high byte (the sort's first pass, done per part so
-    /// that parts do it concurrently); returns the 257 region starts.
-    fn by_high_byte(&mut self) -> Vec<usize> {
+    /// Orders this part's rows by region, the bucket's high byte (done per part so that parts
+    /// do it concurrently).
+    fn into_memory_part(mut self) -> MemoryPart {
         let handles: &mut [u64] = if self.without_handles {
             &mut []
         } else {
             &mut self.handles
         };
-        flag_pass(&mut self.ids, handles, high_byte)
-    }
-
-    /// One list of the parts' rows, ordered by the bucket's high byte, from parts so ordered
-    /// (`highs[p]`: part `p`'s region starts); returns it with its 257 region starts. Each part
-    /// is freed as soon as it is copied, so the peak stays near one copy of the rows.
-    fn merge(parts: Vec<Found>, highs: &[Vec<usize>]) -> (Found, Vec<usize>) {
-        let region_len = |p: usize, h: usize| highs[p][h + 1] - highs[p][h];
-        let mut starts = vec![0usize; 257];
-        for h in 0..256 {
-            starts[h + 1] = starts[h] + (0..parts.len()).map(|p| region_len(p, h)).sum::<usize>();
+        let high = flag_pass(&mut self.ids, handles, high_byte);
+        MemoryPart {
+            ids: self.ids,
+            handles: self.handles,
+            high,
         }
-        if parts.len() == 1 {
-            return (parts.into_iter().next().unwrap_or_default(), starts);
-        }
-        let rows = starts[256];
-        let without_handles = parts.iter().any(|p| p.without_handles);
-        let mut all = Found {
-            ids: vec![0; rows],
-            handles: if without_handles {
-                Vec::new()
-            } else {
-                vec![0; rows]
-            },
-            without_handles,
-            ..Found::default()
-        };
-        // Where part p's rows of region h go: after the region's rows from parts before p.
-        let mut next = starts.clone();
-        for (p, part) in parts.into_iter().enumerate() {
-            for h in 0..256 {
-                let from = highs[p][h]..highs[p][h + 1];
-                let to = next[h]..next[h] + from.len();
-                all.ids[to.clone()].copy_from_slice(&part.ids[from.clone()]);
-                if !without_handles {
-                    all.handles[to].copy_from_slice(&part.handles[from]);
-                }
-                next[h] += region_len(p, h);
-            }
-            all.foreign_count += part.foreign_count;
-            all.foreign_first = all.foreign_first.or(part.foreign_first);
-        }
-        (all, starts)
     }
 }
 
-fn high_byte(id: u64) -> usize {
-    (PartitionRule::bucket_of(id) >> 8) as usize
+/// What scanning threads collected: counts per bucket and, unless spilled, the rows.
+#[derive(Default)]
+struct Collected {
+    /// Rows per bucket (empty until the first part is counted).
+    counts: Vec<u64>,
+    parts: Vec<MemoryPart>,
+    without_handles: bool,
+    foreign_count: u64,
+    foreign_first: Option<u64>,
 }
 
+impl Collected {
+    fn count(&mut self, ids: &[u64]) {
+        if self.counts.is_empty() {
+            self.counts = vec![0; BUCKETS as usize];
+        }
+        for &id in ids {
+            self.counts[PartitionRule::bucket_of(id) as usize] += 1;
+        }
+    }
+
+    fn add_found(&mut self, f: &Found) {
+        self.without_handles |= f.without_handles;
+        self.foreign_count += f.foreign_count;
+        self.foreign_first = self.foreign_first.or(f.foreign_first);
+    }
+
+    fn merge(mut self, other: Self) -> Self {
+        if self.counts.is_empty() {
+            self.counts = other.counts;
+        } else if !other.counts.is_empty() {
+            self.counts
+                .iter_mut()
+                .zip(&other.counts)
+                .for_each(|(a, b)| *a += b);
+        }
+        self.parts.extend(other.parts);
+        self.without_handles |= other.without_handles;
+        self.foreign_count += other.foreign_count;
+        self.foreign_first = self.foreign_first.or(other.foreign_first);
+        self
+    }
+}
+
+/// Scans `table`: the rows planned shards keep, counted per bucket, held in memory or, when
+/// `spill` is given, moved to it as they are scanned.
 pub(crate) fn scan_table<'a>(
     table: &'a dyn SparseTable,
     shard_num: u32,
     shards: &[u32],
     filters: &Filters,
     foreign: ForeignRows,
+    spill: Option<Arc<dyn Spill>>,
 ) -> Result<ScannedTable<'a>> {
     let name = table.name().to_string();
     let slots = table.slots().to_vec();
@@ -232,35 +239,50 @@ pub(crate) fn scan_table<'a>(
     };
     let any_kept = kept.iter().any(Option::is_some);
     let with_values = filters.has_row_filters() && any_kept;
+    let spilled = spill.map(|s| Spilled::new(&name, s));
 
-    let mut found = Found::default();
-    let mut high = vec![0usize; 257];
+    let mut collected = Collected::default();
     if any_kept {
-        // Parts are scanned concurrently, each into its own lists; merged below.
+        // Parts are scanned concurrently; each thread counts buckets into its own array.
         let parts = snapshot.scan_parts().max(1);
-        let per_part = table.len() / parts + 1;
-        let scanned = (0..parts)
+        let per_part = if spilled.is_some() {
+            SCAN_ROWS
+        } else {
+            table.len() / parts + 1
+        };
+        collected = (0..parts)
             .into_par_iter()
-            .map(|part| {
+            .try_fold(Collected::default, |mut acc, part| {
                 let mut f = Found::with_capacity(per_part);
+                let mut buffer = spilled.as_ref().map(Spilled::buffer);
+                let mut counted = 0;
                 snapshot.scan_part(part, SCAN_ROWS, with_values, &mut |chunk| {
                     let row_filter = with_values.then_some((filters, key_dtype, &slots[..]));
-                    f.add(&chunk, &name, &slot_bytes, row_filter, &keep)
+                    f.add(&chunk, &name, &slot_bytes, row_filter, &keep)?;
+                    acc.count(&f.ids[counted..]);
+                    counted = f.ids.len();
+                    if let Some(b) = buffer.as_mut() {
+                        b.take(&mut f.ids, &mut f.handles)?;
+                        counted = 0;
+                    }
+                    Ok(())
                 })?;
-                let high = f.by_high_byte();
-                Ok((f, high))
+                acc.add_found(&f);
+                match buffer {
+                    Some(b) => b.finish()?,
+                    None => acc.parts.push(f.into_memory_part()),
+                }
+                Ok(acc)
             })
-            .collect::<Result<Vec<(Found, Vec<usize>)>>>()?;
-        let (parts, highs): (Vec<Found>, Vec<Vec<usize>>) = scanned.into_iter().unzip();
-        (found, high) = Found::merge(parts, &highs);
+            .try_reduce(Collected::default, |a, b| Ok(a.merge(b)))?;
     }
-    let Found {
-        mut ids,
-        mut handles,
+    let Collected {
+        counts,
+        parts,
+        without_handles,
         foreign_count,
         foreign_first,
-        ..
-    } = found;
+    } = collected;
     if foreign_count > 0 && foreign == ForeignRows::Error {
         return Err(Error::ForeignRows {
             table: name,
@@ -270,127 +292,30 @@ pub(crate) fn scan_table<'a>(
         });
     }
 
-    let bucket_start = finish_sort(&mut ids, &mut handles, &high);
-    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
-        return Err(Error::DuplicateId {
-            table: name,
-            id: key_dtype.format_id(w[0]),
-        });
+    let mut bucket_start = Vec::with_capacity(BUCKETS as usize + 1);
+    bucket_start.push(0);
+    for b in 0..BUCKETS as usize {
+        bucket_start.push(bucket_start[b] + counts.get(b).copied().unwrap_or(0));
     }
+    let region_start = (0..=256).map(|h| bucket_start[h << 8] as usize).collect();
+    let rows = TableRows::new(
+        &name,
+        key_dtype,
+        parts,
+        spilled,
+        !without_handles,
+        region_start,
+    );
     Ok(ScannedTable {
         name,
         key_dtype,
         slots,
         slot_bytes,
         snapshot,
-        ids,
-        handles,
+        rows,
         bucket_start,
         kept,
     })
-}
-
-/// Finishes sorting `ids` by bucket, then by id bits within each bucket, moving `handles` (empty,
-/// or one per id) along; returns where each bucket starts (`BUCKETS + 1` offsets). On entry the
-/// rows are already ordered by the bucket's high byte, region `h` at `high[h]..high[h + 1]`
-/// ([`Found::by_high_byte`] on each scanned part, then [`Found::merge`]).
-///
-/// In place, since for billions of rows a sorted copy would double the largest allocation of a
-/// save: two American-flag passes (each misplaced id swapped straight into its region) on the
-/// bucket's high then low byte, so each pass writes to only 256 region heads, which stay in cache
-/// (one pass over 2^16 regions would miss the cache on nearly every swap). Then tiny per-bucket
-/// sorts by id: deterministic whatever order the table produced its ids in. The high-byte pass
-/// runs per scanned part and the rest per high-byte region, all on the rayon pool.
-fn finish_sort(ids: &mut [u64], handles: &mut [u64], high: &[usize]) -> Vec<u64> {
-    let handles: &mut [u64] = if handles.len() == ids.len() {
-        handles
-    } else {
-        &mut []
-    };
-    // The 256 high-byte regions are disjoint from here on: each is finished on its own thread.
-    let mut regions = Vec::with_capacity(256);
-    let (mut rest_ids, mut rest_handles) = (ids, handles);
-    for h in 0..256 {
-        let len = high[h + 1] - high[h];
-        let (region_ids, tail_ids) = rest_ids.split_at_mut(len);
-        let (region_handles, tail_handles) = if rest_handles.is_empty() {
-            (&mut [][..], rest_handles)
-        } else {
-            rest_handles.split_at_mut(len)
-        };
-        regions.push((high[h], region_ids, region_handles));
-        (rest_ids, rest_handles) = (tail_ids, tail_handles);
-    }
-    let low_starts: Vec<Vec<usize>> = regions
-        .into_par_iter()
-        .map(|(_, ids, handles)| sort_region(ids, handles))
-        .collect();
-    let mut start = Vec::with_capacity(BUCKETS as usize + 1);
-    for (h, low) in low_starts.iter().enumerate() {
-        start.extend(low[..256].iter().map(|&l| (high[h] + l) as u64));
-    }
-    start.push(high[256] as u64);
-    start
-}
-
-/// Sorts one high-byte region by the bucket's low byte, then each bucket by id; returns the 257
-/// bucket starts within the region.
-fn sort_region(ids: &mut [u64], handles: &mut [u64]) -> Vec<usize> {
-    let low = flag_pass(ids, handles, |id| {
-        (PartitionRule::bucket_of(id) & 0xff) as usize
-    });
-    let mut pairs = Vec::new();
-    for b in 0..256 {
-        let range = low[b]..low[b + 1];
-        if handles.is_empty() {
-            ids[range].sort_unstable();
-        } else {
-            pairs.clear();
-            pairs.extend(
-                ids[range.clone()]
-                    .iter()
-                    .zip(&handles[range.clone()])
-                    .map(|(&i, &h)| (i, h)),
-            );
-            pairs.sort_unstable_by_key(|p| p.0);
-            for (k, (id, h)) in pairs.iter().enumerate() {
-                ids[range.start + k] = *id;
-                handles[range.start + k] = *h;
-            }
-        }
-    }
-    low
-}
-
-/// One in-place American-flag pass over 256 regions by `key(id) < 256`, moving `handles` (empty,
-/// or one per id) along. Returns the 257 region starts.
-fn flag_pass(ids: &mut [u64], handles: &mut [u64], key: impl Fn(u64) -> usize) -> Vec<usize> {
-    let mut start = vec![0usize; 257];
-    for &id in ids.iter() {
-        start[key(id) + 1] += 1;
-    }
-    for r in 0..256 {
-        start[r + 1] += start[r];
-    }
-    let mut next = start.clone();
-    for r in 0..256 {
-        while next[r] < start[r + 1] {
-            let i = next[r];
-            let target = key(ids[i]);
-            if target == r {
-                next[r] += 1;
-            } else {
-                // Everything before next[target] is already in place, so that slot is free.
-                let j = next[target];
-                ids.swap(i, j);
-                if !handles.is_empty() {
-                    handles.swap(i, j);
-                }
-                next[target] += 1;
-            }
-        }
-    }
-    start
 }
 
 #[cfg(test)]
@@ -398,21 +323,24 @@ mod tests {
     use proptest::collection::vec;
     use proptest::prelude::*;
 
+    use super::super::rows::tests::{FailingSpill, MemorySpill};
     use super::*;
 
-    /// The planner's whole sort: parts (some may come without handles) each ordered by high
-    /// byte, merged, then finished.
-    fn sort_in_parts(
+    /// The scan's grouping of `ids`, cut into parts at `cuts` (part `p` with handles iff
+    /// `handles_of(p)`; a handle is `!id`), into memory or `spill`; returns the rows and bucket
+    /// starts, as `scan_table` does.
+    fn group(
         ids: &[u64],
         cuts: &[usize],
         handles_of: impl Fn(usize) -> bool,
-    ) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+        spill: Option<Arc<dyn Spill>>,
+    ) -> Result<(TableRows, Vec<u64>)> {
         let mut bounds: Vec<usize> = cuts.iter().map(|&c| c.min(ids.len())).collect();
         bounds.push(0);
         bounds.push(ids.len());
         bounds.sort_unstable();
-        let mut parts = Vec::new();
-        let mut highs = Vec::new();
+        let spilled = spill.map(|s| Spilled::new("t", s));
+        let mut acc = Collected::default();
         for (p, w) in bounds.windows(2).enumerate() {
             let mut f = Found::with_capacity(w[1] - w[0]);
             f.ids.extend_from_slice(&ids[w[0]..w[1]]);
@@ -420,27 +348,69 @@ mod tests {
                 f.handles.extend(ids[w[0]..w[1]].iter().map(|&i| !i));
             } else {
                 f.without_handles = true;
-                f.handles.clear();
             }
-            highs.push(f.by_high_byte());
-            parts.push(f);
+            acc.count(&f.ids);
+            acc.add_found(&f);
+            match &spilled {
+                Some(s) => {
+                    let mut b = s.buffer();
+                    b.take(&mut f.ids, &mut f.handles)?;
+                    b.finish()?;
+                }
+                None => acc.parts.push(f.into_memory_part()),
+            }
         }
-        let (mut all, high) = Found::merge(parts, &highs);
-        let start = finish_sort(&mut all.ids, &mut all.handles, &high);
-        (all.ids, all.handles, start)
+        let mut start = vec![0u64];
+        for b in 0..BUCKETS as usize {
+            start.push(start[b] + acc.counts.get(b).copied().unwrap_or(0));
+        }
+        let region_start = (0..=256).map(|h| start[h << 8] as usize).collect();
+        let rows = TableRows::new(
+            "t",
+            KeyDtype::U64,
+            acc.parts,
+            spilled,
+            !acc.without_handles,
+            region_start,
+        );
+        Ok((rows, start))
+    }
+
+    /// Takes every row in pieces of `step`, as writer chunks do.
+    fn take_all(rows: &TableRows, n: usize, step: usize) -> Result<(Vec<u64>, Vec<u64>)> {
+        let (mut ids, mut handles) = (Vec::new(), Vec::new());
+        let (mut i, mut h) = (Vec::new(), Vec::new());
+        let mut at = 0;
+        while at < n {
+            let end = (at + step).min(n);
+            rows.copy(at..end, true, &mut i, &mut h)?;
+            ids.extend_from_slice(&i);
+            handles.extend_from_slice(&h);
+            at = end;
+        }
+        Ok((ids, handles))
     }
 
     proptest! {
         #[test]
-        fn sort_orders_by_bucket_then_id_and_carries_handles(
-            ids in vec(prop_oneof![any::<u64>(), 0u64..64], 0..3000),
+        fn rows_come_out_by_bucket_then_id_with_their_handles(
+            ids in vec(prop_oneof![any::<u64>(), 0u64..64], 0..3000).prop_map(|mut v| {
+                v.sort_unstable();
+                v.dedup();
+                v
+            }).prop_shuffle(),
             cuts in vec(0usize..3000, 0..5),
             with_handles: bool,
             part_without: Option<usize>,
+            spill: bool,
+            step in 1usize..700,
         ) {
             // A handle any id maps to, so that a handle left behind by a swap or a copy shows.
             let has = |p: usize| with_handles && Some(p) != part_without;
-            let (sorted, handles, start) = sort_in_parts(&ids, &cuts, has);
+            let store = spill.then(|| Arc::new(MemorySpill::default()) as Arc<dyn Spill>);
+            let (rows, start) = group(&ids, &cuts, has, store).unwrap();
+            prop_assert_eq!(rows.spilled(), spill);
+            let (sorted, handles) = take_all(&rows, ids.len(), step).unwrap();
             let with_handles = (0..=cuts.len()).all(has);
             prop_assert_eq!(handles.len(), if with_handles { ids.len() } else { 0 });
 
@@ -460,6 +430,41 @@ mod tests {
                     prop_assert_eq!(PartitionRule::bucket_of(i) as usize, b);
                 }
             }
+            // Every region was freed once taken; reading again sorts it again from the store.
+            let (mut again, mut again_handles) = (Vec::new(), Vec::new());
+            rows.copy(0..ids.len(), false, &mut again, &mut again_handles).unwrap();
+            prop_assert_eq!(&again, &sorted);
+            prop_assert_eq!(&again_handles, &handles);
         }
+
+        #[test]
+        fn a_repeated_id_is_named_when_its_region_is_sorted(
+            ids in vec(any::<u64>(), 1..500),
+            twin in any::<prop::sample::Index>(),
+            spill: bool,
+        ) {
+            let mut ids = ids;
+            let id = ids[twin.index(ids.len())];
+            ids.push(id);
+            let store = spill.then(|| Arc::new(MemorySpill::default()) as Arc<dyn Spill>);
+            let (rows, _) = group(&ids, &[ids.len() / 2], |_| true, store).unwrap();
+            let err = take_all(&rows, ids.len(), 64).unwrap_err();
+            prop_assert!(
+                matches!(&err, Error::DuplicateId { table, id: shown } if table == "t" && *shown == id.to_string()),
+                "{}", err
+            );
+        }
+    }
+
+    #[test]
+    fn a_failing_spill_is_an_error_naming_the_table() {
+        let ids: Vec<u64> = (0..5000).collect();
+        let err = match group(&ids, &[], |_| true, Some(Arc::new(FailingSpill))) {
+            Err(e) => e,
+            Ok((rows, _)) => take_all(&rows, ids.len(), 100).unwrap_err(),
+        };
+        let msg = err.to_string();
+        assert!(matches!(err, Error::Spill { .. }), "{msg}");
+        assert!(msg.contains("\"t\"") && msg.contains("disk full"), "{msg}");
     }
 }
