@@ -1,6 +1,7 @@
 //! The figures of docs/BENCHMARKS.md: saver against the physical limit, on one model, in one run.
 //!
-//! `cargo bench --bench compare -- [--size 2GiB | --spec criteo-kaggle,scale=0.5] [--runs 3] [--memory-only]`
+//! `cargo bench --bench compare -- [--size 2GiB | --spec criteo-kaggle,scale=0.5] [--runs 3]
+//! [--memory-only] [--plan-memory 64MiB]`
 //!
 //! For each configuration: a warm-up, then `--runs` timed runs; the median is reported, and each
 //! figure as a ratio to the baseline measured in the same run. Prints a Markdown report.
@@ -61,7 +62,7 @@ fn reset_peak() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
-fn opts(parallel: usize, durable: bool, shards: u32) -> SaveOptions {
+fn opts(parallel: usize, durable: bool, shards: u32, plan_memory: u64) -> SaveOptions {
     let mut o = SaveOptions {
         durable,
         overwrite: true,
@@ -69,6 +70,7 @@ fn opts(parallel: usize, durable: bool, shards: u32) -> SaveOptions {
     };
     o.plan.parallel = parallel;
     o.plan.shard_num = shards;
+    o.plan.plan_memory = plan_memory;
     o
 }
 
@@ -88,6 +90,9 @@ fn main() {
         .and_then(|s| parse_size(&s))
         .unwrap_or(2 << 30);
     let runs: usize = arg("--runs").and_then(|s| s.parse().ok()).unwrap_or(3);
+    let plan_memory = arg("--plan-memory")
+        .and_then(|s| parse_size(&s))
+        .unwrap_or(saver::PlanOptions::default().plan_memory);
     let dir = common::scratch().join("compare");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -104,7 +109,7 @@ fn main() {
     let (before, _) = rss();
     let measured = reset_peak();
     let ck_dir = dir.join("ckpt");
-    let probe = save(&ck_dir, model.input(), &opts(4, true, 1)).unwrap();
+    let probe = save(&ck_dir, model.input(), &opts(4, true, 1, plan_memory)).unwrap();
     let peak = measured.then(|| rss().1.saturating_sub(before));
     let bytes = probe.bytes_written;
     let chunk = saver::PlanOptions::default().chunk_bytes;
@@ -116,9 +121,10 @@ fn main() {
     );
     match peak {
         Some(p) => println!(
-            "Save peak memory beyond the model (parallel 4, fsync, first save of the process): **{}**; \
-             bound 64 MiB + 4 × {} chunk = {}; the plan's sorted ids and row handles alone are {}.\n",
-            human(p), human(chunk), human((64 << 20) + 4 * chunk), human(probe.rows * 16)
+            "Save peak memory beyond the model (parallel 4, fsync, first save of the process, plan memory \
+             {}): **{}**; bound 64 MiB + 4 × {} chunk = {}; {} of the plan's 16 bytes a row spilled.\n",
+            human(plan_memory), human(p), human(chunk), human((64 << 20) + 4 * chunk),
+            human(probe.spilled_rows * 16)
         ),
         None => println!("(peak memory: /proc/self/clear_refs not writable here)\n"),
     }
@@ -149,7 +155,9 @@ fn main() {
                 format!("saver save, {shards} shard(s), parallel {p} ({tag})"),
                 Box::new(move || {
                     let _ = std::fs::remove_dir_all(&out);
-                    Box::new(save(&out, model.input(), &opts(p, durable, shards)).unwrap())
+                    Box::new(
+                        save(&out, model.input(), &opts(p, durable, shards, plan_memory)).unwrap(),
+                    )
                 }),
             ));
         }
@@ -234,7 +242,7 @@ fn main() {
 
     // Resharding 8 -> 3.
     let ck8_dir = dir.join("ckpt8");
-    save(&ck8_dir, model.input(), &opts(4, false, 8)).unwrap();
+    save(&ck8_dir, model.input(), &opts(4, false, 8, plan_memory)).unwrap();
     let ck8 = Checkpoint::open(&ck8_dir).unwrap();
     println!("\n| resharding load 8 → 3 | rows | bytes read | bytes kept | read amplification | time |\n| --- | --- | --- | --- | --- | --- |");
     for j in 0..3 {

@@ -109,6 +109,41 @@ fn identical_input_gives_identical_bytes_whatever_the_parallelism() {
 }
 
 #[test]
+fn a_plan_past_its_memory_budget_spills_and_writes_the_same_bytes() {
+    let m = Model::new(3000);
+    for filtered in [false, true] {
+        let with = |plan_memory: u64| {
+            let mut o = opts(3, 2);
+            o.plan.plan_memory = plan_memory;
+            if filtered {
+                o.plan.filters = Filters::new().keep_rows(|r| r.id_bits() % 3 != 0);
+            }
+            o
+        };
+        let in_memory = tempfile::tempdir().unwrap();
+        let spilled = tempfile::tempdir().unwrap();
+        let all = save(in_memory.path(), m.input(), &with(u64::MAX)).unwrap();
+        assert_eq!(all.spilled_rows, 0);
+        let item_rows = (0..1500u64)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .filter(|id| !filtered || id % 3 != 0)
+            .count() as u64;
+        // 0: both tables spill; 50 000: the first (48 000 bytes of plan) fits, the second spills.
+        for (budget, spilled_rows) in [(0, all.rows), (50_000, item_rows)] {
+            let _ = std::fs::remove_dir_all(spilled.path());
+            let report = save(spilled.path(), m.input(), &with(budget)).unwrap();
+            assert!(report.committed);
+            assert_eq!(report.spilled_rows, spilled_rows, "budget {budget}");
+            assert_eq!(
+                dir_bytes(in_memory.path()),
+                dir_bytes(spilled.path()),
+                "budget {budget}, filtered {filtered}"
+            );
+        }
+    }
+}
+
+#[test]
 fn overwrite_is_refused_unless_asked_and_keeps_the_old_checkpoint_until_commit() {
     let m = Model::new(500);
     let dir = tempfile::tempdir().unwrap();

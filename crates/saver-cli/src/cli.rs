@@ -179,6 +179,10 @@ pub struct SaveArgs {
     /// Largest data file, e.g. 512MiB.
     #[arg(long, default_value = "2GiB", value_parser = parse_size)]
     pub max_file_size: u64,
+    /// Most memory the plan may hold of sorted ids and row handles (16 bytes a row); tables past
+    /// it wait in a nameless temporary file in --out until written, e.g. 64MiB.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    pub plan_memory: u64,
     /// Leave out slots matching this glob (repeatable).
     #[arg(long)]
     pub exclude_slots: Vec<String>,

@@ -67,6 +67,35 @@ fn the_main_job_save_8_shards_then_verify() {
     assert!(r["write_seconds"].as_f64().unwrap() >= 0.0);
     assert_eq!(r["rows"].as_u64().unwrap(), 3000);
     assert_eq!(r["committed"], true);
+    assert_eq!(r["spilled_rows"], 0);
+    // A plan over its memory budget spills its rows and writes the same checkpoint.
+    let spilled_out = d.path().join("spilled");
+    let s = json(&[
+        "save",
+        "--out",
+        p(&spilled_out),
+        "--synthetic",
+        "tiny",
+        "--shards",
+        "8",
+        "--plan-memory",
+        "0",
+    ]);
+    assert_eq!(s["spilled_rows"].as_u64().unwrap(), 3000);
+    assert!(ok(&[
+        "save",
+        "--out",
+        p(&d.path().join("s2")),
+        "--synthetic",
+        "tiny",
+        "--plan-memory",
+        "0"
+    ])
+    .contains("spilled"));
+    assert_eq!(
+        json(&["digest", p(&spilled_out)])["digest"],
+        json(&["digest", p(&out)])["digest"]
+    );
     let v = json(&["verify", p(&out)]);
     assert_eq!(v["status"], "ok");
     assert_eq!(v["files"].as_u64().unwrap(), 8);

@@ -12,8 +12,8 @@ use serde::Serialize;
 use saver_core::manifest::encode_trainer_state;
 use saver_core::naming::{check_save_id, shard_manifest_name};
 use saver_core::partition::fmix64;
-use saver_core::plan::{ChunkBuffer, Loc};
-use saver_core::{plan, PlanOptions, SaveInput, SavePlan};
+use saver_core::plan::{plan_with_spill, ChunkBuffer, Loc};
+use saver_core::{PlanOptions, SaveInput, SavePlan};
 
 use crate::commit::{
     clear_own_leftovers, committed_save_id, try_commit, wait_for_commit, CommitState,
@@ -89,6 +89,9 @@ pub struct SaveReport {
     pub rows: u64,
     /// Bytes written, headers included.
     pub bytes_written: u64,
+    /// Rows whose place in the plan waited in the spill file rather than memory
+    /// (`PlanOptions::plan_memory`).
+    pub spilled_rows: u64,
     /// Seconds spent snapshotting and planning.
     pub plan_seconds: f64,
     /// Seconds spent writing data and making it durable.
@@ -172,7 +175,16 @@ pub fn save_to(
     };
     clear_own_leftovers(storage, &save_id, &shards, plan_opts.shard_index.is_none())?;
 
-    let plan = plan(input, &plan_opts)?;
+    // Only a plan past its memory budget touches the spill; creating it costs one open.
+    let spill = input
+        .tables
+        .iter()
+        .map(|t| t.len() as u64 * 16)
+        .sum::<u64>()
+        .gt(&plan_opts.plan_memory)
+        .then(|| storage.spill())
+        .transpose()?;
+    let plan = plan_with_spill(input, &plan_opts, spill)?;
     let plan_seconds = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
@@ -224,6 +236,7 @@ pub fn save_to(
         files: plan.shards().iter().map(|s| s.files.len()).sum(),
         rows,
         bytes_written: plan.file_bytes(),
+        spilled_rows: plan.spilled_rows(),
         plan_seconds,
         write_seconds,
         commit_seconds: t2.elapsed().as_secs_f64(),

@@ -54,6 +54,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
     opts.plan.shard_index = args.shard_index;
     opts.plan.parallel = args.parallel;
     opts.plan.max_file_size = args.max_file_size;
+    opts.plan.plan_memory = args.plan_memory;
     opts.plan.filters = filters(&args)?;
     // Every process builds or reads the whole model and saves its own shard of it.
     opts.plan.foreign_rows = ForeignRows::Skip;
@@ -117,9 +118,14 @@ pub fn run(args: SaveArgs) -> CmdResult {
             report.save_id
         );
         println!(
-            "  model input {:.2}s, plan {:.2}s, commit {:.2}s; {}",
+            "  model input {:.2}s, plan {:.2}s{}, commit {:.2}s; {}",
             input_seconds,
             report.plan_seconds,
+            if report.spilled_rows > 0 {
+                format!(" ({} rows spilled past --plan-memory)", report.spilled_rows)
+            } else {
+                String::new()
+            },
             report.commit_seconds,
             match (report.committed, report.committed_here) {
                 (true, true) => "committed".to_string(),

@@ -131,4 +131,8 @@ impl<S: Storage> Storage for FaultyStorage<S> {
     fn sync_dir(&self) -> Result<()> {
         self.inner.sync_dir()
     }
+
+    fn spill(&self) -> Result<std::sync::Arc<dyn saver_core::plan::Spill>> {
+        self.inner.spill()
+    }
 }

@@ -250,4 +250,12 @@ impl Storage for LocalFs {
     fn sync_dir(&self) -> Result<()> {
         sync_dir(&self.dir)
     }
+
+    /// Beside the checkpoint: the same filesystem, which has room for the checkpoint, while the
+    /// system's temporary directory may be small or in memory.
+    fn spill(&self) -> Result<std::sync::Arc<dyn saver_core::plan::Spill>> {
+        Ok(std::sync::Arc::new(crate::spill::FileSpill::in_dir(
+            &self.dir,
+        )?))
+    }
 }

@@ -13,6 +13,11 @@ mod faulty;
 mod local;
 
 use std::fmt;
+use std::sync::Arc;
+
+use saver_core::plan::Spill;
+
+use crate::spill::FileSpill;
 
 pub use faulty::{Fault, FaultyStorage};
 pub use local::LocalFs;
@@ -116,4 +121,9 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn remove(&self, name: &str) -> Result<()>;
     /// Makes completed renames durable (fsync of the directory on POSIX).
     fn sync_dir(&self) -> Result<()>;
+    /// Where a save's plan spills the rows it keeps out of memory (`PlanOptions::plan_memory`).
+    /// Default: a nameless file in the system's temporary directory.
+    fn spill(&self) -> Result<Arc<dyn Spill>> {
+        Ok(Arc::new(FileSpill::in_dir(&std::env::temp_dir())?))
+    }
 }
