@@ -25,9 +25,15 @@ pub trait Spill: Send + Sync {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
 }
 
-/// Rows of one region a spilling scan buffers before appending them: few enough that 256 regions
-/// of ids and handles stay at 16 MiB per scanning thread, enough that appends are 32 KiB each.
-const SPILL_ROWS: usize = 2048;
+/// Bytes all threads scanning a spilled table may buffer at once (256 regions of ids and handles
+/// each): what a spilled plan holds, whatever the table's size.
+const SPILL_BUFFER_BYTES: usize = 32 << 20;
+
+/// Most rows of one region a scanning thread buffers before appending them: 16 KiB appends.
+const SPILL_ROWS_MAX: usize = 2048;
+
+/// Fewest: below this, appends get small enough for their system call to dominate.
+const SPILL_ROWS_MIN: usize = 64;
 
 /// The region of an id: its bucket's high byte.
 pub(crate) fn high_byte(id: u64) -> usize {
@@ -55,14 +61,19 @@ pub(crate) struct Spilled {
     table: String,
     spill: Arc<dyn Spill>,
     extents: Mutex<Vec<Vec<Extent>>>,
+    /// Rows a scanning thread buffers per region.
+    run_rows: usize,
 }
 
 impl Spilled {
     pub fn new(table: &str, spill: Arc<dyn Spill>) -> Self {
+        let threads = rayon::current_num_threads().max(1);
         Self {
             table: table.to_string(),
             spill,
             extents: Mutex::new(vec![Vec::new(); 256]),
+            run_rows: (SPILL_BUFFER_BYTES / (threads * 256 * 16))
+                .clamp(SPILL_ROWS_MIN, SPILL_ROWS_MAX),
         }
     }
 
@@ -115,7 +126,7 @@ impl SpillBuffer<'_> {
             let h = high_byte(id);
             self.ids[h].push(id);
             self.handles[h].push(handles.get(i).copied().unwrap_or(0));
-            if self.ids[h].len() == SPILL_ROWS {
+            if self.ids[h].len() >= self.to.run_rows {
                 self.flush(h)?;
             }
         }
