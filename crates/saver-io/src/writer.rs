@@ -12,7 +12,7 @@ use serde::Serialize;
 use saver_core::manifest::encode_trainer_state;
 use saver_core::naming::{check_save_id, shard_manifest_name};
 use saver_core::partition::fmix64;
-use saver_core::plan::{plan_with_spill, ChunkBuffer, Loc};
+use saver_core::plan::{plan_with_spill, tables_past_budget, ChunkBuffer, Loc};
 use saver_core::{PlanOptions, SaveInput, SavePlan};
 
 use crate::commit::{
@@ -175,13 +175,9 @@ pub fn save_to(
     };
     clear_own_leftovers(storage, &save_id, &shards, plan_opts.shard_index.is_none())?;
 
-    // Only a plan past its memory budget touches the spill; creating it costs one open.
-    let spill = input
-        .tables
-        .iter()
-        .map(|t| t.len() as u64 * 16)
-        .sum::<u64>()
-        .gt(&plan_opts.plan_memory)
+    // Only a plan past its memory budget touches the spill.
+    let spill = tables_past_budget(&input.tables, plan_opts.plan_memory)
+        .contains(&true)
         .then(|| storage.spill())
         .transpose()?;
     let plan = plan_with_spill(input, &plan_opts, spill)?;

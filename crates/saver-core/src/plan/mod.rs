@@ -321,6 +321,23 @@ fn validate_input(input: &SaveInput<'_>) -> Result<()> {
     Ok(())
 }
 
+/// Which of `tables` would take the plan past `plan_memory` (16 bytes a row): tables in input
+/// order stay in memory while they fit, the rest spill (given a [`Spill`] store).
+pub fn tables_past_budget(tables: &[&dyn SparseTable], plan_memory: u64) -> Vec<bool> {
+    let mut budget = plan_memory;
+    tables
+        .iter()
+        .map(|t| {
+            let need = t.len() as u64 * 16;
+            let past = need > budget;
+            if !past {
+                budget -= need;
+            }
+            past
+        })
+        .collect()
+}
+
 /// Plans a save, every table's rows in memory. See the module docs.
 pub fn plan<'a>(input: SaveInput<'a>, opts: &PlanOptions) -> Result<SavePlan<'a>> {
     plan_with_spill(input, opts, None)
@@ -339,21 +356,9 @@ pub fn plan_with_spill<'a>(
         Some(i) => vec![i],
         None => (0..opts.shard_num).collect(),
     };
-    // Tables in input order stay in memory while they fit the budget; the rest spill.
-    let mut budget = opts.plan_memory;
-    let spills: Vec<Option<Arc<dyn Spill>>> = input
-        .tables
-        .iter()
-        .map(|t| {
-            let need = t.len() as u64 * 16;
-            match spill.as_ref().filter(|_| need > budget) {
-                Some(s) => Some(Arc::clone(s)),
-                None => {
-                    budget = budget.saturating_sub(need);
-                    None
-                }
-            }
-        })
+    let spills: Vec<Option<Arc<dyn Spill>>> = tables_past_budget(&input.tables, opts.plan_memory)
+        .into_iter()
+        .map(|past| spill.as_ref().filter(|_| past).map(Arc::clone))
         .collect();
     let tables: Vec<ScannedTable<'a>> = input
         .tables

@@ -150,7 +150,8 @@ impl SpillBuffer<'_> {
     }
 }
 
-enum Store {
+/// Where a table's scanned rows wait.
+pub(crate) enum Store {
     Memory(Vec<MemoryPart>),
     Spilled(Spilled),
 }
@@ -181,23 +182,19 @@ pub(crate) struct TableRows {
 }
 
 impl TableRows {
-    /// Rows held in memory by `parts`, or in `spilled` when given. `region_start` comes from the
-    /// scan's bucket counts; `with_handles` is false when some rows came without a handle.
+    /// Rows waiting in `store`. `region_start` comes from the scan's bucket counts;
+    /// `with_handles` is false when some rows came without a handle.
     pub fn new(
         table: &str,
         key_dtype: KeyDtype,
-        parts: Vec<MemoryPart>,
-        spilled: Option<Spilled>,
+        store: Store,
         with_handles: bool,
         region_start: Vec<usize>,
     ) -> Self {
         Self {
             table: table.to_string(),
             key_dtype,
-            store: match spilled {
-                Some(s) => Store::Spilled(s),
-                None => Store::Memory(parts),
-            },
+            store,
             with_handles,
             region_start,
             cache: (0..256).map(|_| Mutex::default()).collect(),

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::table::{validate_slots, RowChunk, RowView, SlotSpec, SparseTable, TableSnapshot};
 
-use super::rows::{flag_pass, high_byte, MemoryPart, Spill, Spilled, TableRows};
+use super::rows::{flag_pass, high_byte, MemoryPart, Spill, Spilled, Store, TableRows};
 use super::ForeignRows;
 
 /// Rows per scan chunk: bounds the memory a scan with slot values uses.
@@ -207,6 +207,18 @@ impl Collected {
     }
 }
 
+/// Where each bucket's rows start (`BUCKETS + 1` offsets) and each high-byte region's (257), from
+/// the rows per bucket (`counts`, empty when no row was counted).
+fn starts(counts: &[u64]) -> (Vec<u64>, Vec<usize>) {
+    let mut bucket_start = Vec::with_capacity(BUCKETS as usize + 1);
+    bucket_start.push(0);
+    for b in 0..BUCKETS as usize {
+        bucket_start.push(bucket_start[b] + counts.get(b).copied().unwrap_or(0));
+    }
+    let region_start = (0..=256).map(|h| bucket_start[h << 8] as usize).collect();
+    (bucket_start, region_start)
+}
+
 /// Scans `table`: the rows planned shards keep, counted per bucket, held in memory or, when
 /// `spill` is given, moved to it as they are scanned.
 pub(crate) fn scan_table<'a>(
@@ -292,20 +304,12 @@ pub(crate) fn scan_table<'a>(
         });
     }
 
-    let mut bucket_start = Vec::with_capacity(BUCKETS as usize + 1);
-    bucket_start.push(0);
-    for b in 0..BUCKETS as usize {
-        bucket_start.push(bucket_start[b] + counts.get(b).copied().unwrap_or(0));
-    }
-    let region_start = (0..=256).map(|h| bucket_start[h << 8] as usize).collect();
-    let rows = TableRows::new(
-        &name,
-        key_dtype,
-        parts,
-        spilled,
-        !without_handles,
-        region_start,
-    );
+    let (bucket_start, region_start) = starts(&counts);
+    let store = match spilled {
+        Some(s) => Store::Spilled(s),
+        None => Store::Memory(parts),
+    };
+    let rows = TableRows::new(&name, key_dtype, store, !without_handles, region_start);
     Ok(ScannedTable {
         name,
         key_dtype,
@@ -360,16 +364,15 @@ mod tests {
                 None => acc.parts.push(f.into_memory_part()),
             }
         }
-        let mut start = vec![0u64];
-        for b in 0..BUCKETS as usize {
-            start.push(start[b] + acc.counts.get(b).copied().unwrap_or(0));
-        }
-        let region_start = (0..=256).map(|h| start[h << 8] as usize).collect();
+        let (start, region_start) = starts(&acc.counts);
+        let store = match spilled {
+            Some(s) => Store::Spilled(s),
+            None => Store::Memory(acc.parts),
+        };
         let rows = TableRows::new(
             "t",
             KeyDtype::U64,
-            acc.parts,
-            spilled,
+            store,
             !acc.without_handles,
             region_start,
         );
