@@ -144,6 +144,41 @@ fn a_plan_past_its_memory_budget_spills_and_writes_the_same_bytes() {
 }
 
 #[test]
+fn direct_io_writes_the_same_bytes_and_falls_back_where_unsupported() {
+    let m = Model::new(20_000);
+    // Files of several 1 MiB direct-I/O windows, and files smaller than one.
+    for max_file_size in [2 << 30, 64 << 10] {
+        let with = |direct_io: bool| {
+            let mut o = opts(3, 2);
+            o.plan.max_file_size = max_file_size;
+            o.direct_io = direct_io;
+            o
+        };
+        // In the build directory: /tmp may be a tmpfs, which has no O_DIRECT.
+        let buffered = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let direct = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        save(buffered.path(), m.input(), &with(false)).unwrap();
+        save(direct.path(), m.input(), &with(true)).unwrap();
+        assert_eq!(dir_bytes(buffered.path()), dir_bytes(direct.path()));
+        assert_eq!(
+            saver::verify(direct.path(), 2).unwrap().status,
+            saver::Status::Ok
+        );
+    }
+    // tmpfs refuses O_DIRECT: the save goes through the page cache.
+    if std::path::Path::new("/dev/shm").is_dir() {
+        let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        let mut o = opts(2, 2);
+        o.direct_io = true;
+        save(shm.path(), m.input(), &o).unwrap();
+        assert_eq!(
+            saver::verify(shm.path(), 2).unwrap().status,
+            saver::Status::Ok
+        );
+    }
+}
+
+#[test]
 fn overwrite_is_refused_unless_asked_and_keeps_the_old_checkpoint_until_commit() {
     let m = Model::new(500);
     let dir = tempfile::tempdir().unwrap();

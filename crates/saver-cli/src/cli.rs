@@ -198,6 +198,10 @@ pub struct SaveArgs {
     /// Skip fsync (faster, not crash-safe).
     #[arg(long)]
     pub no_fsync: bool,
+    /// Write data files with direct I/O (O_DIRECT, around the page cache) where the filesystem
+    /// supports it; durable saves only.
+    #[arg(long, conflicts_with = "no_fsync")]
+    pub direct_io: bool,
     /// Save id shared by all processes of a multi-process save (default: random for one process,
     /// derived from the model description for several).
     #[arg(long)]

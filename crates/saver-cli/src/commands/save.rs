@@ -47,6 +47,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
         save_id: args.save_id.clone(),
         durable: !args.no_fsync,
         overwrite: args.overwrite,
+        direct_io: args.direct_io,
         wait: args.wait_seconds.map(Duration::from_secs_f64),
         ..SaveOptions::default()
     };

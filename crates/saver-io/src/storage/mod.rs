@@ -9,6 +9,7 @@
 //! Names are single file names relative to the checkpoint directory. Every backend must refuse
 //! names that could leave it ([`check_file_name`]).
 
+mod direct;
 mod faulty;
 mod local;
 
