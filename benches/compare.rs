@@ -1,7 +1,7 @@
 //! The figures of docs/BENCHMARKS.md: saver against the physical limit, on one model, in one run.
 //!
 //! `cargo bench --bench compare -- [--size 2GiB | --spec criteo-kaggle,scale=0.5] [--runs 3]
-//! [--memory-only] [--plan-memory 64MiB]`
+//! [--memory-only] [--plan-memory 64MiB] [--direct-io]`
 //!
 //! For each configuration: a warm-up, then `--runs` timed runs; the median is reported, and each
 //! figure as a ratio to the baseline measured in the same run. Prints a Markdown report.
@@ -65,6 +65,7 @@ fn reset_peak() -> bool {
 fn opts(parallel: usize, durable: bool, shards: u32, plan_memory: u64) -> SaveOptions {
     let mut o = SaveOptions {
         durable,
+        direct_io: std::env::args().any(|a| a == "--direct-io"),
         overwrite: true,
         ..SaveOptions::default()
     };

@@ -140,8 +140,9 @@ fn crash_child() {
         o.plan.foreign_rows = ForeignRows::Skip;
         o.wait = Some(Duration::from_secs(3));
     }
+    let direct = std::env::var("SAVER_CRASH_DIRECT").is_ok();
     let storage = KillAt {
-        inner: LocalFs::create_dir(&dir).unwrap(),
+        inner: LocalFs::create_dir(&dir).unwrap().with_direct_io(direct),
         counter: Arc::new(KillCounter {
             at: at.parse().unwrap(),
             ops: AtomicU64::new(0),
@@ -157,8 +158,19 @@ fn crash_child() {
     }
 }
 
-fn spawn_child(dir: &Path, at: u64, id: &str, shard: Option<u32>) -> std::process::Child {
+/// Spawns a child saving into `dir` (with direct I/O if `direct`), killed at storage operation
+/// `at`.
+fn spawn_child(
+    dir: &Path,
+    at: u64,
+    id: &str,
+    shard: Option<u32>,
+    direct: bool,
+) -> std::process::Child {
     let mut c = Command::new(std::env::current_exe().unwrap());
+    if direct {
+        c.env("SAVER_CRASH_DIRECT", "1");
+    }
     c.args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
         .env("SAVER_CRASH_DIR", dir)
         .env("SAVER_CRASH_AT", at.to_string())
@@ -244,7 +256,7 @@ fn killed_saves_never_cost_the_previous_checkpoint() {
 
     // How many storage operations a full save makes.
     let probe = root.path().join("probe");
-    let out = spawn_child(&probe, u64::MAX, "crashprobe", None)
+    let out = spawn_child(&probe, u64::MAX, "crashprobe", None, false)
         .wait_with_output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -272,7 +284,8 @@ fn killed_saves_never_cost_the_previous_checkpoint() {
             if had_old.is_some() {
                 save(&dir, a.input(), &opts("old")).unwrap();
             }
-            let out = spawn_child(&dir, at, &format!("crash{k}"), None)
+            // Every other kill point writes with direct I/O.
+            let out = spawn_child(&dir, at, &format!("crash{k}"), None, k % 2 == 1)
                 .wait_with_output()
                 .unwrap();
             let killed = out.status.code().is_none();
@@ -297,7 +310,7 @@ fn killed_saves_never_cost_the_previous_checkpoint() {
         rng = fmix64(rng + 1);
         let dir = root.path().join(format!("timed{k}"));
         save(&dir, a.input(), &opts("old")).unwrap();
-        let mut child = spawn_child(&dir, u64::MAX, &format!("crash{k}"), None);
+        let mut child = spawn_child(&dir, u64::MAX, &format!("crash{k}"), None, k % 2 == 1);
         std::thread::sleep(Duration::from_micros(rng % 400_000));
         let _ = child.kill();
         let _ = child.wait();
@@ -321,7 +334,7 @@ fn a_killed_shard_process_blocks_the_commit_and_is_named() {
     // Shard 1 is killed at its 3rd storage operation; shards 0 and 2 wait 3 s, then time out.
     let children: Vec<_> = [(0, u64::MAX), (1, 3), (2, u64::MAX)]
         .iter()
-        .map(|&(s, at)| spawn_child(dir.path(), at, "mp", Some(s)))
+        .map(|&(s, at)| spawn_child(dir.path(), at, "mp", Some(s), false))
         .collect();
     let outs: Vec<_> = children
         .into_iter()

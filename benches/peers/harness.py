@@ -215,6 +215,11 @@ def measure_model(spec, work, runs, peers, out):
             d = os.path.join(work, "s1p2spill")
             cmd = [SAVER, "save", "--from", plain, "--out", d, "--parallel", "2", "--plan-memory", "64MiB", "--json"]
             save[f"saver save, 1 shard(s), parallel 2, --plan-memory 64MiB ({tag})"] = (cmd, rm(d), lambda js, w: saver_seconds(js))
+            # Durable writes around the page cache (opt-in).
+            for shards in (1, 8):
+                d = os.path.join(work, f"s{shards}p2direct")
+                cmd = [SAVER, "save", "--from", plain, "--out", d, "--shards", str(shards), "--parallel", "2", "--direct-io", "--json"]
+                save[f"saver save, {shards} shard(s), parallel 2, --direct-io ({tag})"] = (cmd, rm(d), lambda js, w: saver_seconds(js))
         if peers:
             f = os.path.join(work, "st.safetensors")
             save[f"peer: safetensors.numpy.save_file ({tag})"] = (py("st_save", plain, f, fsync), rm(f), lambda js, w: js["seconds"])
