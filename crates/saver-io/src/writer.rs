@@ -48,8 +48,9 @@ pub struct SaveOptions {
     pub user_metadata: BTreeMap<String, String>,
     /// This process's trainer state, already encoded (see [`Self::with_trainer_state`]).
     pub trainer_state: Option<String>,
-    /// Durable saves write data files with direct I/O (`O_DIRECT`) where the filesystem
-    /// supports it (default false). See [`LocalFs::with_direct_io`].
+    /// Durable saves by [`save`] write their files with direct I/O (`O_DIRECT`) where the
+    /// filesystem supports it (default false). [`save_to`] leaves it to the storage it is given
+    /// (see [`LocalFs::with_direct_io`]).
     pub direct_io: bool,
     /// Progress callback.
     pub progress: Option<Arc<ProgressFn>>,
