@@ -268,16 +268,16 @@ impl TableRows {
             }
             Store::Spilled(s) => {
                 let extents = s.extents.lock().unwrap_or_else(PoisonError::into_inner)[h].clone();
-                for e in extents {
+                for run in extents {
                     let at = ids.len();
-                    ids.resize(at + e.rows, 0);
+                    ids.resize(at + run.rows, 0);
                     s.spill
-                        .read_at(e.ids_at, bytemuck::cast_slice_mut(&mut ids[at..]))
+                        .read_at(run.ids_at, bytemuck::cast_slice_mut(&mut ids[at..]))
                         .map_err(|e| s.error(e))?;
                     if self.with_handles {
-                        handles.resize(at + e.rows, 0);
+                        handles.resize(at + run.rows, 0);
                         s.spill
-                            .read_at(e.handles_at, bytemuck::cast_slice_mut(&mut handles[at..]))
+                            .read_at(run.handles_at, bytemuck::cast_slice_mut(&mut handles[at..]))
                             .map_err(|e| s.error(e))?;
                     }
                 }
@@ -310,7 +310,7 @@ impl TableRows {
 /// An American-flag pass (each misplaced id swapped straight into its place) writes to only 256
 /// bucket heads, which stay in cache; the per-bucket sorts are tiny. The result depends only on
 /// the set of ids, whatever order the table produced them in.
-pub(crate) fn sort_region(ids: &mut [u64], handles: &mut [u64]) {
+fn sort_region(ids: &mut [u64], handles: &mut [u64]) {
     let low = flag_pass(ids, handles, |id| {
         (PartitionRule::bucket_of(id) & 0xff) as usize
     });
