@@ -6,9 +6,14 @@
 //! measured direct writes of the same data at half the time. `O_DIRECT` needs the offset, the
 //! length and the memory of every write aligned to the device's blocks, which a save's pieces
 //! (tensor rows at any offset) are not: each piece is copied into the window it falls in, and a
-//! window is written, whole and aligned, once every byte of it has arrived. Callers must write
-//! every byte of the file exactly once (the save writer checks that before committing); whatever
-//! is still open at commit is written then.
+//! window is written, whole and aligned, once every byte of it has arrived.
+//!
+//! Memory stays bounded: the save writer takes its chunks in file order, so the only windows
+//! being filled are those at each writer thread's position; a file's first window, which waits
+//! for the header until every tensor is written, goes through the page cache instead of being
+//! held; and window buffers are reused from a [`WindowPool`] rather than allocated per window.
+//! Callers must write every byte of the file exactly once: a window still unfilled at commit is
+//! an error, never a file with a hole.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -17,53 +22,72 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use memmap2::MmapMut;
+
 /// Bytes per window: large enough for the disk to stream, small enough that the windows a save
-/// keeps open (one per tensor being written, and the first of each file until its header comes)
-/// stay a few MiB.
+/// keeps open (a few per writer thread) stay a few MiB.
 const WINDOW: u64 = 1 << 20;
 
-/// Alignment of offsets, lengths and memory for `O_DIRECT` (the largest logical block size in
-/// common use).
+/// Alignment of offsets and lengths for `O_DIRECT` (the largest logical block size in common
+/// use). Window memory is page-aligned, being an anonymous mapping.
 const ALIGN: usize = 4096;
 
-/// A zeroed, `ALIGN`-aligned buffer of `WINDOW` bytes.
-struct AlignedBuf {
-    ptr: *mut u8,
+/// Window buffers, shared by every file a storage writes, so a save's window memory is the
+/// most it ever had in flight at once rather than one fresh buffer per MiB written.
+#[derive(Default)]
+pub(super) struct WindowPool {
+    free: Mutex<Vec<MmapMut>>,
+    /// Buffers ever allocated by this pool.
+    allocated: Mutex<usize>,
 }
 
-// SAFETY: the buffer is owned memory with no thread affinity; access goes through &mut.
-unsafe impl Send for AlignedBuf {}
-
-impl AlignedBuf {
-    fn layout() -> std::alloc::Layout {
-        std::alloc::Layout::from_size_align(WINDOW as usize, ALIGN).expect("valid layout")
+impl std::fmt::Debug for WindowPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WindowPool")
+            .field("allocated", &self.allocated())
+            .finish()
     }
+}
 
-    fn new() -> Self {
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(Self::layout()) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(Self::layout());
+impl WindowPool {
+    fn take(&self) -> io::Result<MmapMut> {
+        if let Some(buf) = self
+            .free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()
+        {
+            return Ok(buf);
         }
-        Self { ptr }
+        // An anonymous mapping: page-aligned, as O_DIRECT needs, and returned to the system
+        // whole when the pool goes, unlike heap memory.
+        let buf = MmapMut::map_anon(WINDOW as usize)?;
+        *self
+            .allocated
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) += 1;
+        Ok(buf)
     }
 
-    fn bytes(&mut self) -> &mut [u8] {
-        // SAFETY: `ptr` holds WINDOW initialised bytes owned by `self`.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, WINDOW as usize) }
+    fn give(&self, buf: MmapMut) {
+        self.free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(buf);
     }
-}
 
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, Self::layout()) }
+    /// Buffers allocated so far: the most windows that were ever open at once.
+    pub fn allocated(&self) -> usize {
+        *self
+            .allocated
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 }
 
 /// A window being filled.
 struct Window {
-    buf: AlignedBuf,
+    buf: MmapMut,
     /// Bytes of the window written so far.
     filled: u64,
 }
@@ -74,6 +98,7 @@ pub(super) struct DirectWrites {
     direct: File,
     /// The file's final length.
     len: u64,
+    pool: Arc<WindowPool>,
     open: Mutex<HashMap<u64, Arc<Mutex<Window>>>>,
 }
 
@@ -81,7 +106,7 @@ impl DirectWrites {
     /// Opens `path` (already created, of final length `len`) for direct writes; `None` where the
     /// filesystem does not support them (tmpfs, some network filesystems), so the caller writes
     /// through the page cache instead.
-    pub fn open(path: &Path, len: u64) -> Option<Self> {
+    pub fn open(path: &Path, len: u64, pool: Arc<WindowPool>) -> Option<Self> {
         let direct = OpenOptions::new()
             .write(true)
             .custom_flags(libc::O_DIRECT)
@@ -90,6 +115,7 @@ impl DirectWrites {
         Some(Self {
             direct,
             len,
+            pool,
             open: Mutex::new(HashMap::new()),
         })
     }
@@ -99,7 +125,8 @@ impl DirectWrites {
     }
 
     /// Copies `buf` into the windows it covers, writing each window it completes. `buffered` is
-    /// the same file without `O_DIRECT`, for a device that refuses the alignment.
+    /// the same file without `O_DIRECT`: the first window goes through it, and so does every
+    /// window on a device that refuses the alignment.
     pub fn write_at(&self, offset: u64, buf: &[u8], buffered: &File) -> io::Result<()> {
         if offset + buf.len() as u64 > self.len {
             return Err(io::Error::new(
@@ -113,26 +140,36 @@ impl DirectWrites {
         }
         let mut at = offset;
         let mut rest = buf;
+        if at < WINDOW {
+            // The first window waits for the header, written last: holding it would keep one
+            // buffer per file for the whole save.
+            let n = rest.len().min((WINDOW - at) as usize);
+            buffered.write_all_at(&rest[..n], at)?;
+            at += n as u64;
+            rest = &rest[n..];
+        }
         while !rest.is_empty() {
             let w = at / WINDOW;
             let in_window = (at - w * WINDOW) as usize;
             let window_len = self.window_len(w);
             let n = rest.len().min(window_len as usize - in_window);
-            let window = Arc::clone(
-                self.open
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .entry(w)
-                    .or_insert_with(|| {
-                        Arc::new(Mutex::new(Window {
-                            buf: AlignedBuf::new(),
+            let window = {
+                let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+                match open.get(&w) {
+                    Some(win) => Arc::clone(win),
+                    None => {
+                        let win = Arc::new(Mutex::new(Window {
+                            buf: self.pool.take()?,
                             filled: 0,
-                        }))
-                    }),
-            );
+                        }));
+                        open.insert(w, Arc::clone(&win));
+                        win
+                    }
+                }
+            };
             let full = {
                 let mut win = window.lock().unwrap_or_else(PoisonError::into_inner);
-                win.buf.bytes()[in_window..in_window + n].copy_from_slice(&rest[..n]);
+                win.buf[in_window..in_window + n].copy_from_slice(&rest[..n]);
                 win.filled += n as u64;
                 win.filled >= window_len
             };
@@ -141,8 +178,14 @@ impl DirectWrites {
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .remove(&w);
-                let mut win = window.lock().unwrap_or_else(PoisonError::into_inner);
-                self.write_window(w, &mut win.buf, buffered)?;
+                let win = window.lock().unwrap_or_else(PoisonError::into_inner);
+                let written = self.write_window(w, &win.buf, buffered);
+                drop(win);
+                if let Ok(win) = Arc::try_unwrap(window) {
+                    self.pool
+                        .give(win.into_inner().unwrap_or_else(PoisonError::into_inner).buf);
+                }
+                written?;
             }
             at += n as u64;
             rest = &rest[n..];
@@ -152,29 +195,33 @@ impl DirectWrites {
 
     /// Writes window `w` whole; the last window of the file is padded to the alignment (the
     /// padding is cut off by [`Self::finish`]).
-    fn write_window(&self, w: u64, buf: &mut AlignedBuf, buffered: &File) -> io::Result<()> {
+    fn write_window(&self, w: u64, buf: &[u8], buffered: &File) -> io::Result<()> {
         let len = self.window_len(w) as usize;
         let padded = len.next_multiple_of(ALIGN);
-        match self.direct.write_all_at(&buf.bytes()[..padded], w * WINDOW) {
+        match self.direct.write_all_at(&buf[..padded], w * WINDOW) {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                buffered.write_all_at(&buf.bytes()[..len], w * WINDOW)
+                buffered.write_all_at(&buf[..len], w * WINDOW)
             }
             other => other,
         }
     }
 
-    /// Writes the windows still open (bytes never written stay zero, as in a preallocated file)
-    /// and cuts the last window's padding off.
+    /// Checks every byte was written and cuts the last window's padding off.
     pub fn finish(&self, buffered: &File) -> io::Result<()> {
-        let open: Vec<(u64, Arc<Mutex<Window>>)> = self
-            .open
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .drain()
-            .collect();
-        for (w, window) in open {
-            let mut win = window.lock().unwrap_or_else(PoisonError::into_inner);
-            self.write_window(w, &mut win.buf, buffered)?;
+        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((&w, window)) = open.iter().min_by_key(|(&w, _)| w) {
+            let filled = window.lock().unwrap_or_else(PoisonError::into_inner).filled;
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{} of the bytes {}..{} were never written (and {} more windows are \
+                     incomplete)",
+                    self.window_len(w) - filled,
+                    w * WINDOW,
+                    w * WINDOW + self.window_len(w),
+                    open.len() - 1
+                ),
+            ));
         }
         if buffered.metadata()?.len() != self.len {
             buffered.set_len(self.len)?;
@@ -185,13 +232,15 @@ impl DirectWrites {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use proptest::prelude::*;
 
     use super::*;
 
-    /// Writes `data` as pieces cut at `cuts`, in the order `order` gives, from two threads.
-    fn write_in_pieces(data: &[u8], cuts: &[usize], seed: u64) -> Vec<u8> {
-        // Beside the sources rather than in /tmp, which may be a tmpfs without O_DIRECT.
+    /// A file of length `len` opened both ways, in a directory beside the sources rather than in
+    /// /tmp, which may be a tmpfs without O_DIRECT.
+    fn open_file(len: u64, pool: &Arc<WindowPool>) -> (tempfile::TempDir, File, DirectWrites) {
         let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
         let path = dir.path().join("f");
         let buffered = OpenOptions::new()
@@ -201,9 +250,29 @@ mod tests {
             .truncate(true)
             .open(&path)
             .unwrap();
-        buffered.set_len(data.len() as u64).unwrap();
-        let direct = DirectWrites::open(&path, data.len() as u64)
+        buffered.set_len(len).unwrap();
+        let direct = DirectWrites::open(&path, len, Arc::clone(pool))
             .expect("the test directory's filesystem supports O_DIRECT");
+        (dir, buffered, direct)
+    }
+
+    fn read_back(dir: &tempfile::TempDir) -> Vec<u8> {
+        std::fs::read(dir.path().join("f")).unwrap()
+    }
+
+    /// Writes `data` as pieces cut at `cuts`, shuffled by `seed`, from two threads, with window
+    /// buffers that already held another file's bytes.
+    fn write_in_pieces(data: &[u8], cuts: &[usize], seed: u64) -> Vec<u8> {
+        let pool = Arc::new(WindowPool::default());
+        let stale = vec![0xA5; 3 * WINDOW as usize + 7];
+        let (_d, buffered, direct) = open_file(stale.len() as u64, &pool);
+        for piece in stale.chunks(WINDOW as usize / 3) {
+            let at = piece.as_ptr() as usize - stale.as_ptr() as usize;
+            direct.write_at(at as u64, piece, &buffered).unwrap();
+        }
+        direct.finish(&buffered).unwrap();
+
+        let (dir, buffered, direct) = open_file(data.len() as u64, &pool);
         let mut bounds: Vec<usize> = cuts.iter().map(|&c| c % (data.len() + 1)).collect();
         bounds.extend([0, data.len()]);
         bounds.sort_unstable();
@@ -230,7 +299,7 @@ mod tests {
         });
         direct.finish(&buffered).unwrap();
         drop(direct);
-        std::fs::read(&path).unwrap()
+        read_back(&dir)
     }
 
     proptest! {
@@ -250,12 +319,59 @@ mod tests {
 
     #[test]
     fn a_write_past_the_planned_length_is_refused() {
-        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
-        let path = dir.path().join("f");
-        let buffered = File::create(&path).unwrap();
-        buffered.set_len(100).unwrap();
-        let direct = DirectWrites::open(&path, 100).unwrap();
+        let (_d, buffered, direct) = open_file(100, &Arc::default());
         let err = direct.write_at(90, &[1; 20], &buffered).unwrap_err();
         assert!(err.to_string().contains("past the planned length"), "{err}");
+    }
+
+    #[test]
+    fn bytes_never_written_are_an_error_at_commit_not_a_hole() {
+        let len = 3 * WINDOW + 100;
+        let (_d, buffered, direct) = open_file(len, &Arc::default());
+        let data = vec![7u8; len as usize];
+        let gap = 2 * WINDOW + 10..2 * WINDOW + 20;
+        direct
+            .write_at(0, &data[..gap.start as usize], &buffered)
+            .unwrap();
+        direct
+            .write_at(gap.end, &data[gap.end as usize..], &buffered)
+            .unwrap();
+        let err = direct.finish(&buffered).unwrap_err().to_string();
+        assert!(
+            err.contains("10 of the bytes 2097152..3145728 were never written"),
+            "{err}"
+        );
+    }
+
+    /// The save writer's pattern: threads take fixed-size chunks in file order.
+    #[test]
+    fn writing_in_order_keeps_a_few_windows_whatever_the_file_size() {
+        let pool = Arc::new(WindowPool::default());
+        let len = 24 * WINDOW + 5;
+        let (dir, buffered, direct) = open_file(len, &pool);
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+        let chunk = 700_001;
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| loop {
+                    let lo = next.fetch_add(1, Ordering::Relaxed) * chunk;
+                    if lo >= data.len() {
+                        break;
+                    }
+                    let hi = (lo + chunk).min(data.len());
+                    direct
+                        .write_at(lo as u64, &data[lo..hi], &buffered)
+                        .unwrap();
+                });
+            }
+        });
+        direct.finish(&buffered).unwrap();
+        assert!(read_back(&dir) == data, "content differs");
+        assert!(
+            pool.allocated() <= 6,
+            "{} window buffers for two writers",
+            pool.allocated()
+        );
     }
 }

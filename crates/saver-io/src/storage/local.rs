@@ -6,8 +6,9 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-use super::direct::DirectWrites;
+use super::direct::{DirectWrites, WindowPool};
 use super::{check_file_name, ReadHandle, Storage, WriteHandle};
 use crate::error::{io_err, Error, Result};
 
@@ -21,6 +22,8 @@ static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 pub struct LocalFs {
     dir: PathBuf,
     direct_io: bool,
+    /// Direct-I/O window buffers, reused by every file this storage (and its clones) writes.
+    windows: Arc<WindowPool>,
 }
 
 impl LocalFs {
@@ -31,6 +34,7 @@ impl LocalFs {
         Ok(Self {
             dir,
             direct_io: false,
+            windows: Arc::default(),
         })
     }
 
@@ -48,12 +52,15 @@ impl LocalFs {
         Ok(Self {
             dir,
             direct_io: false,
+            windows: Arc::default(),
         })
     }
 
     /// Writes new files with direct I/O (`O_DIRECT`, around the page cache) where the filesystem
     /// supports it, through the page cache where it does not. For durable saves: the data go
-    /// to the disk without a kernel copy or a later writeback. See `storage/direct.rs`.
+    /// to the disk without a kernel copy or a later writeback. Costs a few 1 MiB buffers per
+    /// writer thread, kept until the `LocalFs` and its clones are dropped. See
+    /// `storage/direct.rs`.
     pub fn with_direct_io(mut self, on: bool) -> Self {
         self.direct_io = on;
         self
@@ -206,7 +213,7 @@ impl Storage for LocalFs {
             return Err(io_err("allocate", &tmp)(e));
         }
         let direct = if self.direct_io {
-            DirectWrites::open(&tmp, len)
+            DirectWrites::open(&tmp, len, Arc::clone(&self.windows))
         } else {
             None
         };
