@@ -30,6 +30,7 @@ mod memory;
 pub mod reader;
 pub mod reshard;
 pub mod restore;
+mod schedule;
 pub mod spill;
 pub mod storage;
 pub mod verify;

@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -19,6 +20,7 @@ use crate::commit::{
     clear_own_leftovers, committed_save_id, try_commit, wait_for_commit, CommitState,
 };
 use crate::error::{Error, Result};
+use crate::schedule::{Claimer, FileQueues};
 use crate::storage::{LocalFs, Storage, WriteHandle};
 
 /// Called with the number of bytes just written, from writer threads.
@@ -293,39 +295,48 @@ pub fn write_plan(
             option: "parallel",
             why: e.to_string(),
         })?;
-    let chunks = plan.chunks();
-    let written: Result<Vec<Vec<PieceCrc>>> = pool.install(|| {
-        chunks
-            .par_iter()
-            .map_init(ChunkBuffer::default, |buf, chunk| {
-                let mut crcs = Vec::new();
-                plan.produce::<Error>(chunk, buf, &mut |piece| {
-                    let f = &plan.shards()[piece.shard].files[piece.loc.file];
-                    let t = &f.tensors[piece.loc.tensor];
-                    let h = &handles[piece.shard][piece.loc.file];
-                    let at = f.data_start + t.start + piece.offset;
-                    h.write_at(at, piece.bytes)?;
-                    if durable {
-                        h.start_writeback(at, piece.bytes.len() as u64);
-                    }
-                    let mut hasher = Hasher::new();
-                    hasher.update(piece.bytes);
-                    crcs.push(PieceCrc {
-                        shard: piece.shard,
-                        loc: piece.loc,
-                        offset: piece.offset,
-                        len: piece.bytes.len() as u64,
-                        hasher,
-                    });
-                    if let Some(p) = progress {
-                        p(piece.bytes.len() as u64);
-                    }
-                    Ok(())
-                })?;
-                Ok(crcs)
-            })
-            .collect()
+    // Each thread writes one file front to back: see `schedule.rs`.
+    let queues = FileQueues::new(plan.chunks().into_iter().map(|c| (plan.chunk_file(&c), c)));
+    let failed = AtomicBool::new(false);
+    let written: Vec<Result<Vec<PieceCrc>>> = pool.broadcast(|_| {
+        let mut buf = ChunkBuffer::default();
+        let mut crcs = Vec::new();
+        let mut at = Claimer::default();
+        while !failed.load(Ordering::Relaxed) {
+            let Some(chunk) = queues.claim(&mut at) else {
+                break;
+            };
+            let produced = plan.produce::<Error>(chunk, &mut buf, &mut |piece| {
+                let f = &plan.shards()[piece.shard].files[piece.loc.file];
+                let t = &f.tensors[piece.loc.tensor];
+                let h = &handles[piece.shard][piece.loc.file];
+                let at = f.data_start + t.start + piece.offset;
+                h.write_at(at, piece.bytes)?;
+                if durable {
+                    h.start_writeback(at, piece.bytes.len() as u64);
+                }
+                let mut hasher = Hasher::new();
+                hasher.update(piece.bytes);
+                crcs.push(PieceCrc {
+                    shard: piece.shard,
+                    loc: piece.loc,
+                    offset: piece.offset,
+                    len: piece.bytes.len() as u64,
+                    hasher,
+                });
+                if let Some(p) = progress {
+                    p(piece.bytes.len() as u64);
+                }
+                Ok(())
+            });
+            if let Err(e) = produced {
+                failed.store(true, Ordering::Relaxed);
+                return Err(e);
+            }
+        }
+        Ok(crcs)
     });
+    let written: Result<Vec<Vec<PieceCrc>>> = written.into_iter().collect();
     let finished = written.and_then(|pieces| {
         let crcs = combine_crcs(plan, pieces.into_iter().flatten())?;
         for (pos, shard) in plan.shards().iter().enumerate() {

@@ -78,7 +78,8 @@ fn u64_bytes(v: &[u64]) -> Cow<'_, [u8]> {
 }
 
 impl SavePlan<'_> {
-    /// Every chunk of every planned shard, interleaved across files so that threads spread over them.
+    /// Every chunk of every planned shard, in file order: writers that take them in turn advance
+    /// through each file together.
     pub fn chunks(&self) -> Vec<Chunk> {
         let chunk_bytes = self.opts.chunk_bytes;
         let mut out = Vec::new();
@@ -126,6 +127,42 @@ impl SavePlan<'_> {
             }
         }
         out
+    }
+
+    /// The file that receives most of a chunk's bytes, as (planned shard position, index into its
+    /// files). A row chunk's ids and slots may lie in different files; this is the file of its
+    /// widest slot.
+    pub fn chunk_file(&self, chunk: &Chunk) -> (usize, usize) {
+        match chunk {
+            Chunk::Rows {
+                shard,
+                partition,
+                segment,
+                ..
+            } => {
+                let part = &self.shards[*shard].partitions[*partition];
+                let seg = &part.segments[*segment];
+                let t = &self.tables[part.table];
+                let widest = part
+                    .slots
+                    .iter()
+                    .zip(&seg.slots)
+                    .max_by_key(|(&k, _)| t.slot_bytes[k])
+                    .map_or(seg.ids, |(_, loc)| *loc);
+                (*shard, widest.file)
+            }
+            Chunk::BucketIndex {
+                shard,
+                partition,
+                segment,
+            } => {
+                let seg = &self.shards[*shard].partitions[*partition].segments[*segment];
+                (*shard, seg.index_loc.file)
+            }
+            Chunk::Dense { shard, dense, .. } => {
+                (*shard, self.shards[*shard].dense[*dense].loc.file)
+            }
+        }
     }
 
     /// Bytes a chunk produces (for progress reporting).
