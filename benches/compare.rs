@@ -1,7 +1,7 @@
 //! The figures of docs/BENCHMARKS.md: saver against the physical limit, on one model, in one run.
 //!
 //! `cargo bench --bench compare -- [--size 2GiB | --spec criteo-kaggle,scale=0.5] [--runs 3]
-//! [--memory-only] [--plan-memory 64MiB] [--direct-io]`
+//! [--memory-only] [--plan-memory 64MiB] [--direct-io auto|on|off]`
 //!
 //! For each configuration: a warm-up, then `--runs` timed runs; the median is reported, and each
 //! figure as a ratio to the baseline measured in the same run. Prints a Markdown report.
@@ -11,7 +11,7 @@ mod common;
 use std::time::Instant;
 
 use saver::core::synthetic::{parse_size, SyntheticModel, SyntheticSpec};
-use saver::{save, Checkpoint, LoadOptions, SaveOptions};
+use saver::{save, Checkpoint, DirectIo, LoadOptions, SaveOptions};
 
 /// One benchmarked configuration: runs once, returns what it built (dropped untimed).
 type Run<'a> = Box<dyn FnMut() -> Box<dyn std::any::Any> + 'a>;
@@ -62,10 +62,26 @@ fn reset_peak() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// `--direct-io auto|on|off` (default auto, as in `SaveOptions`).
+fn direct_io() -> DirectIo {
+    let args: Vec<String> = std::env::args().collect();
+    match args
+        .iter()
+        .position(|a| a == "--direct-io")
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+    {
+        None | Some("auto") => DirectIo::Auto,
+        Some("on") => DirectIo::On,
+        Some("off") => DirectIo::Off,
+        Some(other) => panic!("--direct-io {other:?}: expected auto, on or off"),
+    }
+}
+
 fn opts(parallel: usize, durable: bool, shards: u32, plan_memory: u64) -> SaveOptions {
     let mut o = SaveOptions {
         durable,
-        direct_io: std::env::args().any(|a| a == "--direct-io"),
+        direct_io: direct_io(),
         overwrite: true,
         ..SaveOptions::default()
     };

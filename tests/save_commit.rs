@@ -9,7 +9,9 @@ use std::time::Duration;
 use common::{dir_bytes, Model};
 use saver::io::storage::{Fault, FaultyStorage, LocalFs};
 use saver::io::{save_to, Error};
-use saver::{save, Checkpoint, Filters, ForeignRows, LoadOptions, PlanOptions, SaveOptions};
+use saver::{
+    save, Checkpoint, DirectIo, Filters, ForeignRows, LoadOptions, PlanOptions, SaveOptions,
+};
 
 fn opts(shards: u32, parallel: usize) -> SaveOptions {
     SaveOptions {
@@ -148,7 +150,7 @@ fn direct_io_writes_the_same_bytes_and_falls_back_where_unsupported() {
     let m = Model::new(20_000);
     // Files of several 1 MiB direct-I/O windows, and files smaller than one.
     for max_file_size in [2 << 30, 64 << 10] {
-        let with = |direct_io: bool| {
+        let with = |direct_io| {
             let mut o = opts(3, 2);
             o.plan.max_file_size = max_file_size;
             o.direct_io = direct_io;
@@ -157,8 +159,8 @@ fn direct_io_writes_the_same_bytes_and_falls_back_where_unsupported() {
         // In the build directory: /tmp may be a tmpfs, which has no O_DIRECT.
         let buffered = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let direct = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-        save(buffered.path(), m.input(), &with(false)).unwrap();
-        save(direct.path(), m.input(), &with(true)).unwrap();
+        save(buffered.path(), m.input(), &with(DirectIo::Off)).unwrap();
+        save(direct.path(), m.input(), &with(DirectIo::On)).unwrap();
         assert_eq!(dir_bytes(buffered.path()), dir_bytes(direct.path()));
         assert_eq!(
             saver::verify(direct.path(), 2).unwrap().status,
@@ -168,8 +170,10 @@ fn direct_io_writes_the_same_bytes_and_falls_back_where_unsupported() {
     // tmpfs refuses O_DIRECT: the save goes through the page cache.
     if std::path::Path::new("/dev/shm").is_dir() {
         let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        // ... and the default does not even try there.
+        assert!(!LocalFs::open_dir(shm.path()).unwrap().suits_direct_io());
         let mut o = opts(2, 2);
-        o.direct_io = true;
+        o.direct_io = DirectIo::On;
         save(shm.path(), m.input(), &o).unwrap();
         assert_eq!(
             saver::verify(shm.path(), 2).unwrap().status,

@@ -198,10 +198,18 @@ pub struct SaveArgs {
     /// Skip fsync (faster, not crash-safe).
     #[arg(long)]
     pub no_fsync: bool,
-    /// Write data files with direct I/O (O_DIRECT, around the page cache) where the filesystem
-    /// supports it; durable saves only.
-    #[arg(long, conflicts_with = "no_fsync")]
-    pub direct_io: bool,
+    /// Write data files with direct I/O (O_DIRECT, around the page cache): auto on ext4 and XFS,
+    /// on wherever the filesystem accepts it (`--direct-io` alone), or off. Durable saves only.
+    #[arg(
+        long,
+        value_enum,
+        default_value_t = DirectIoWhen::Auto,
+        num_args = 0..=1,
+        default_missing_value = "on",
+        conflicts_with = "no_fsync",
+        require_equals = true
+    )]
+    pub direct_io: DirectIoWhen,
     /// Save id shared by all processes of a multi-process save (default: random for one process,
     /// derived from the model description for several).
     #[arg(long)]
@@ -211,6 +219,17 @@ pub struct SaveArgs {
     pub wait_seconds: Option<f64>,
     #[command(flatten)]
     pub out_fmt: Output,
+}
+
+/// Values of `save --direct-io`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DirectIoWhen {
+    /// On local disk filesystems that do it well (ext4, XFS).
+    Auto,
+    /// Wherever the filesystem accepts O_DIRECT.
+    On,
+    /// Always through the page cache.
+    Off,
 }
 
 /// Targets of `load --into`.

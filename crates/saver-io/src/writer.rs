@@ -50,10 +50,10 @@ pub struct SaveOptions {
     pub user_metadata: BTreeMap<String, String>,
     /// This process's trainer state, already encoded (see [`Self::with_trainer_state`]).
     pub trainer_state: Option<String>,
-    /// Durable saves by [`save`] write their files with direct I/O (`O_DIRECT`) where the
-    /// filesystem supports it (default false). [`save_to`] leaves it to the storage it is given
-    /// (see [`LocalFs::with_direct_io`]).
-    pub direct_io: bool,
+    /// Whether durable saves by [`save`] write their data files with direct I/O (`O_DIRECT`,
+    /// around the page cache). Default [`DirectIo::Auto`]. [`save_to`] leaves it to the storage
+    /// it is given (see [`LocalFs::with_direct_io`]).
+    pub direct_io: DirectIo,
     /// Progress callback.
     pub progress: Option<Arc<ProgressFn>>,
 }
@@ -68,7 +68,7 @@ impl Default for SaveOptions {
             wait: None,
             user_metadata: BTreeMap::new(),
             trainer_state: None,
-            direct_io: false,
+            direct_io: DirectIo::Auto,
             progress: None,
         }
     }
@@ -81,6 +81,25 @@ impl SaveOptions {
         self.trainer_state = Some(encode_trainer_state(state)?);
         Ok(self)
     }
+}
+
+/// When a durable save writes its data files with direct I/O.
+///
+/// Direct I/O skips the kernel's copy into the page cache and the writeback the fsync then waits
+/// for: durable saves took half the time in our measurements (docs/BENCHMARKS.md), and a large
+/// checkpoint no longer evicts the training data from the page cache. The checkpoint is then not
+/// in the page cache either, so a load right after a save on the same machine reads the disk.
+/// Saves without fsync always go through the page cache, where nothing waits for the disk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DirectIo {
+    /// On local disk filesystems known to do direct I/O well (ext4, XFS), off elsewhere
+    /// (network and FUSE filesystems, tmpfs, btrfs).
+    #[default]
+    Auto,
+    /// Wherever the filesystem accepts `O_DIRECT`.
+    On,
+    /// Never.
+    Off,
 }
 
 /// What a save did.
@@ -113,8 +132,14 @@ pub struct SaveReport {
 
 /// Saves a model into directory `dir` (created if needed). See [`save_to`].
 pub fn save(dir: impl AsRef<Path>, input: SaveInput<'_>, opts: &SaveOptions) -> Result<SaveReport> {
-    // Without fsync the page cache is the faster path: nothing waits for the disk.
-    let storage = LocalFs::create_dir(dir.as_ref())?.with_direct_io(opts.direct_io && opts.durable);
+    let storage = LocalFs::create_dir(dir.as_ref())?;
+    let direct = opts.durable
+        && match opts.direct_io {
+            DirectIo::Auto => storage.suits_direct_io(),
+            DirectIo::On => true,
+            DirectIo::Off => false,
+        };
+    let storage = storage.with_direct_io(direct);
     save_to(&storage, input, opts)
 }
 

@@ -7,10 +7,10 @@ use serde::Serialize;
 
 use saver_core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver_core::{Filters, ForeignRows, ScalarCondition};
-use saver_io::{import, save, SaveOptions, SaveReport};
+use saver_io::{import, save, DirectIo, SaveOptions, SaveReport};
 
 use super::CmdResult;
-use crate::cli::SaveArgs;
+use crate::cli::{DirectIoWhen, SaveArgs};
 use crate::output;
 
 #[derive(Serialize)]
@@ -47,7 +47,11 @@ pub fn run(args: SaveArgs) -> CmdResult {
         save_id: args.save_id.clone(),
         durable: !args.no_fsync,
         overwrite: args.overwrite,
-        direct_io: args.direct_io,
+        direct_io: match args.direct_io {
+            DirectIoWhen::Auto => DirectIo::Auto,
+            DirectIoWhen::On => DirectIo::On,
+            DirectIoWhen::Off => DirectIo::Off,
+        },
         wait: args.wait_seconds.map(Duration::from_secs_f64),
         ..SaveOptions::default()
     };

@@ -66,6 +66,27 @@ impl LocalFs {
         self
     }
 
+    /// Whether the directory is on a filesystem known to do direct I/O well: a local disk
+    /// filesystem (ext4, XFS). Network filesystems may accept `O_DIRECT` but turn each write into
+    /// a synchronous round trip, FUSE filesystems vary, tmpfs refuses it, and btrfs checksums
+    /// direct writes at a cost.
+    pub fn suits_direct_io(&self) -> bool {
+        const EXT4_SUPER_MAGIC: u64 = 0xEF53;
+        const XFS_SUPER_MAGIC: u64 = 0x5846_5342;
+        let Ok(path) = std::ffi::CString::new(self.dir.as_os_str().as_encoded_bytes()) else {
+            return false;
+        };
+        let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+        // SAFETY: a NUL-terminated path and a buffer of the right type, read only on success.
+        if unsafe { libc::statfs(path.as_ptr(), st.as_mut_ptr()) } != 0 {
+            return false;
+        }
+        // SAFETY: statfs succeeded and filled the buffer.
+        // f_type is i64 on x86-64 glibc, a 32-bit integer elsewhere.
+        let kind = unsafe { st.assume_init() }.f_type as u64;
+        matches!(kind, EXT4_SUPER_MAGIC | XFS_SUPER_MAGIC)
+    }
+
     /// The directory.
     pub fn dir(&self) -> &Path {
         &self.dir
