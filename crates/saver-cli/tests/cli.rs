@@ -140,6 +140,57 @@ fn the_main_job_save_8_shards_then_verify() {
 }
 
 #[test]
+fn every_direct_io_setting_writes_the_same_checkpoint() {
+    // Beside the build, not in /tmp: a tmpfs there would make every setting the page cache.
+    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut digests = Vec::new();
+    for setting in [
+        "--direct-io",
+        "--direct-io=on",
+        "--direct-io=off",
+        "--direct-io=auto",
+    ] {
+        let out = d.path().join(setting.trim_start_matches('-'));
+        // Several 1 MiB direct-I/O windows per file.
+        ok(&[
+            "save",
+            "--out",
+            p(&out),
+            "--synthetic",
+            "tiny,rows=20000",
+            "--shards",
+            "2",
+            "--parallel",
+            "3",
+            setting,
+        ]);
+        assert_eq!(json(&["verify", p(&out)])["status"], "ok");
+        digests.push(json(&["digest", p(&out)])["digest"].clone());
+    }
+    assert!(digests.windows(2).all(|w| w[0] == w[1]), "{digests:?}");
+
+    let (_, err) = fails(&[
+        "save",
+        "--out",
+        p(&d.path().join("x")),
+        "--synthetic",
+        "tiny",
+        "--direct-io",
+        "--no-fsync",
+    ]);
+    assert!(err.contains("--no-fsync"), "{err}");
+    let (_, err) = fails(&[
+        "save",
+        "--out",
+        p(&d.path().join("y")),
+        "--synthetic",
+        "tiny",
+        "--direct-io=sometimes",
+    ]);
+    assert!(err.contains("auto, on, off"), "{err}");
+}
+
+#[test]
 fn reshard_export_and_digest_agree() {
     let d = tempfile::tempdir().unwrap();
     let a = d.path().join("a");

@@ -326,9 +326,9 @@ pub fn write_plan(
     let written: Vec<Result<Vec<PieceCrc>>> = pool.broadcast(|_| {
         let mut buf = ChunkBuffer::default();
         let mut crcs = Vec::new();
-        let mut at = Claimer::default();
+        let mut place = Claimer::default();
         while !failed.load(Ordering::Relaxed) {
-            let Some(chunk) = queues.claim(&mut at) else {
+            let Some(chunk) = queues.claim(&mut place) else {
                 break;
             };
             let produced = plan.produce::<Error>(chunk, &mut buf, &mut |piece| {

@@ -78,8 +78,8 @@ fn u64_bytes(v: &[u64]) -> Cow<'_, [u8]> {
 }
 
 impl SavePlan<'_> {
-    /// Every chunk of every planned shard, in file order: writers that take them in turn advance
-    /// through each file together.
+    /// Every chunk of every planned shard: shard by shard, each partition's segments in order,
+    /// then the dense tensors. Each tensor is covered front to back.
     pub fn chunks(&self) -> Vec<Chunk> {
         let chunk_bytes = self.opts.chunk_bytes;
         let mut out = Vec::new();
