@@ -198,15 +198,14 @@ pub struct SaveArgs {
     /// Skip fsync (faster, not crash-safe).
     #[arg(long)]
     pub no_fsync: bool,
-    /// Write data files with direct I/O (O_DIRECT, around the page cache): auto on ext4 and XFS,
-    /// on wherever the filesystem accepts it (`--direct-io` alone), or off. Durable saves only.
+    /// Write data files with direct I/O (O_DIRECT, around the page cache): auto (durable saves on
+    /// ext4 and XFS), on wherever the filesystem accepts it (`--direct-io` alone), or off.
     #[arg(
         long,
         value_enum,
         default_value_t = DirectIoWhen::Auto,
         num_args = 0..=1,
         default_missing_value = "on",
-        conflicts_with = "no_fsync",
         require_equals = true
     )]
     pub direct_io: DirectIoWhen,
@@ -224,7 +223,7 @@ pub struct SaveArgs {
 /// Values of `save --direct-io`.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DirectIoWhen {
-    /// On local disk filesystems that do it well (ext4, XFS).
+    /// Durable saves on local disk filesystems that do it well (ext4, XFS).
     Auto,
     /// Wherever the filesystem accepts O_DIRECT.
     On,

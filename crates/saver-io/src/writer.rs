@@ -83,20 +83,20 @@ impl SaveOptions {
     }
 }
 
-/// When a durable save writes its data files with direct I/O.
+/// When a save writes its data files with direct I/O.
 ///
 /// Direct I/O skips the kernel's copy into the page cache and the writeback the fsync then waits
 /// for: durable saves took half the time in our measurements (docs/BENCHMARKS.md), and a large
 /// checkpoint no longer evicts the training data from the page cache. The checkpoint is then not
 /// in the page cache either, so a load right after a save on the same machine reads the disk.
-/// Saves without fsync always go through the page cache, where nothing waits for the disk.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DirectIo {
-    /// On local disk filesystems known to do direct I/O well (ext4, XFS), off elsewhere
-    /// (network and FUSE filesystems, tmpfs, btrfs).
+    /// For durable saves on local disk filesystems known to do direct I/O well (ext4, XFS); off
+    /// elsewhere (network and FUSE filesystems, tmpfs, btrfs) and for saves without fsync, which
+    /// leave the data in the page cache for the kernel to write when it likes.
     #[default]
     Auto,
-    /// Wherever the filesystem accepts `O_DIRECT`.
+    /// Wherever the filesystem accepts `O_DIRECT`, with or without fsync.
     On,
     /// Never.
     Off,
@@ -133,12 +133,11 @@ pub struct SaveReport {
 /// Saves a model into directory `dir` (created if needed). See [`save_to`].
 pub fn save(dir: impl AsRef<Path>, input: SaveInput<'_>, opts: &SaveOptions) -> Result<SaveReport> {
     let storage = LocalFs::create_dir(dir.as_ref())?;
-    let direct = opts.durable
-        && match opts.direct_io {
-            DirectIo::Auto => storage.suits_direct_io(),
-            DirectIo::On => true,
-            DirectIo::Off => false,
-        };
+    let direct = match opts.direct_io {
+        DirectIo::Auto => opts.durable && storage.suits_direct_io(),
+        DirectIo::On => true,
+        DirectIo::Off => false,
+    };
     let storage = storage.with_direct_io(direct);
     save_to(&storage, input, opts)
 }

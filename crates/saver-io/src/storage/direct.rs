@@ -214,12 +214,11 @@ impl DirectWrites {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!(
-                    "{} of the bytes {}..{} were never written (and {} more windows are \
-                     incomplete)",
+                    "{} of the bytes {}..{} were never written ({} incomplete windows in all)",
                     self.window_len(w) - filled,
                     w * WINDOW,
                     w * WINDOW + self.window_len(w),
-                    open.len() - 1
+                    open.len()
                 ),
             ));
         }
