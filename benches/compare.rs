@@ -62,32 +62,23 @@ fn reset_peak() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
-/// `--direct-io auto|on|off` (default auto, as in `SaveOptions`).
-fn direct_io() -> DirectIo {
-    let args: Vec<String> = std::env::args().collect();
-    match args
-        .iter()
-        .position(|a| a == "--direct-io")
-        .and_then(|i| args.get(i + 1))
-        .map(String::as_str)
-    {
-        None | Some("auto") => DirectIo::Auto,
-        Some("on") => DirectIo::On,
-        Some("off") => DirectIo::Off,
-        Some(other) => panic!("--direct-io {other:?}: expected auto, on or off"),
-    }
+/// The command-line settings every configuration shares.
+#[derive(Clone, Copy)]
+struct Flags {
+    plan_memory: u64,
+    direct_io: DirectIo,
 }
 
-fn opts(parallel: usize, durable: bool, shards: u32, plan_memory: u64) -> SaveOptions {
+fn opts(flags: &Flags, parallel: usize, durable: bool, shards: u32) -> SaveOptions {
     let mut o = SaveOptions {
         durable,
-        direct_io: direct_io(),
+        direct_io: flags.direct_io,
         overwrite: true,
         ..SaveOptions::default()
     };
     o.plan.parallel = parallel;
     o.plan.shard_num = shards;
-    o.plan.plan_memory = plan_memory;
+    o.plan.plan_memory = flags.plan_memory;
     o
 }
 
@@ -110,6 +101,16 @@ fn main() {
     let plan_memory = arg("--plan-memory")
         .and_then(|s| parse_size(&s))
         .unwrap_or(saver::PlanOptions::default().plan_memory);
+    let direct_io = match arg("--direct-io").as_deref() {
+        None | Some("auto") => DirectIo::Auto,
+        Some("on") => DirectIo::On,
+        Some("off") => DirectIo::Off,
+        Some(other) => panic!("--direct-io {other:?}: expected auto, on or off"),
+    };
+    let flags = Flags {
+        plan_memory,
+        direct_io,
+    };
     let dir = common::scratch().join("compare");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -126,7 +127,7 @@ fn main() {
     let (before, _) = rss();
     let measured = reset_peak();
     let ck_dir = dir.join("ckpt");
-    let probe = save(&ck_dir, model.input(), &opts(4, true, 1, plan_memory)).unwrap();
+    let probe = save(&ck_dir, model.input(), &opts(&flags, 4, true, 1)).unwrap();
     let peak = measured.then(|| rss().1.saturating_sub(before));
     let bytes = probe.bytes_written;
     let chunk = saver::PlanOptions::default().chunk_bytes;
@@ -172,9 +173,7 @@ fn main() {
                 format!("saver save, {shards} shard(s), parallel {p} ({tag})"),
                 Box::new(move || {
                     let _ = std::fs::remove_dir_all(&out);
-                    Box::new(
-                        save(&out, model.input(), &opts(p, durable, shards, plan_memory)).unwrap(),
-                    )
+                    Box::new(save(&out, model.input(), &opts(&flags, p, durable, shards)).unwrap())
                 }),
             ));
         }
@@ -259,7 +258,7 @@ fn main() {
 
     // Resharding 8 -> 3.
     let ck8_dir = dir.join("ckpt8");
-    save(&ck8_dir, model.input(), &opts(4, false, 8, plan_memory)).unwrap();
+    save(&ck8_dir, model.input(), &opts(&flags, 4, false, 8)).unwrap();
     let ck8 = Checkpoint::open(&ck8_dir).unwrap();
     println!("\n| resharding load 8 → 3 | rows | bytes read | bytes kept | read amplification | time |\n| --- | --- | --- | --- | --- | --- |");
     for j in 0..3 {

@@ -20,6 +20,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use memmap2::MmapMut;
@@ -34,19 +35,11 @@ const ALIGN: usize = 4096;
 
 /// Window buffers, shared by every file a storage writes, so a save's window memory is the
 /// most it ever had in flight at once rather than one fresh buffer per MiB written.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub(super) struct WindowPool {
     free: Mutex<Vec<MmapMut>>,
     /// Buffers ever allocated by this pool.
-    allocated: Mutex<usize>,
-}
-
-impl std::fmt::Debug for WindowPool {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WindowPool")
-            .field("allocated", &self.allocated())
-            .finish()
-    }
+    allocated: AtomicUsize,
 }
 
 impl WindowPool {
@@ -62,10 +55,7 @@ impl WindowPool {
         // An anonymous mapping: page-aligned, as O_DIRECT needs, and returned to the system
         // whole when the pool goes, unlike heap memory.
         let buf = MmapMut::map_anon(WINDOW as usize)?;
-        *self
-            .allocated
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) += 1;
+        self.allocated.fetch_add(1, Ordering::Relaxed);
         Ok(buf)
     }
 
@@ -77,11 +67,9 @@ impl WindowPool {
     }
 
     /// Buffers allocated so far: the most windows that were ever open at once.
-    pub fn allocated(&self) -> usize {
-        *self
-            .allocated
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+    #[cfg(test)]
+    fn allocated(&self) -> usize {
+        self.allocated.load(Ordering::Relaxed)
     }
 }
 
