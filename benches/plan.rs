@@ -3,12 +3,19 @@
 //!
 //! `plan` alone counts and groups the rows; their sort by (bucket, id) happens when the writer
 //! takes them, so `plan + sorted ids` (every partition's ids, as the writer sees them) is the
-//! figure to compare with plans made before that change.
+//! figure to compare with plans made before that change. `spilled` is the same with every table's
+//! rows in a spill file on the scratch disk (`--plan-memory 0`), read back as the writer would.
+
+use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use rayon::prelude::*;
+use saver::core::plan::Spill;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
+use saver::io::spill::FileSpill;
 use saver::{PlanOptions, SaveInput};
+
+mod common;
 
 fn plan(c: &mut Criterion) {
     // 33.76 M rows at scale 1; 0.8886 gives 30.0 M.
@@ -18,9 +25,14 @@ fn plan(c: &mut Criterion) {
     let mut g = c.benchmark_group("plan");
     g.sample_size(10);
     g.throughput(Throughput::Elements(rows));
+    let scratch = common::scratch();
     for shards in [1u32, 8] {
-        for sorted in [false, true] {
-            let what = if sorted { "plan + sorted ids" } else { "plan" };
+        for (sorted, spilled) in [(false, false), (true, false), (true, true)] {
+            let what = match (sorted, spilled) {
+                (false, _) => "plan",
+                (true, false) => "plan + sorted ids",
+                (true, true) => "plan + sorted ids, spilled",
+            };
             g.bench_function(
                 format!(
                     "{what}, 26 tables, {:.1}M rows, {shards} shards",
@@ -29,12 +41,18 @@ fn plan(c: &mut Criterion) {
                 |b| {
                     b.iter(|| {
                         let input: SaveInput<'_> = model.input();
-                        let p = saver::core::plan(
+                        // A fresh spill file per save, as `save` makes.
+                        let spill = spilled.then(|| {
+                            Arc::new(FileSpill::in_dir(&scratch).unwrap()) as Arc<dyn Spill>
+                        });
+                        let p = saver::core::plan::plan_with_spill(
                             input,
                             &PlanOptions {
                                 shard_num: shards,
+                                plan_memory: if spilled { 0 } else { 1 << 40 },
                                 ..PlanOptions::default()
                             },
+                            spill,
                         )
                         .unwrap();
                         assert!(p.data_bytes() > 0);
