@@ -27,7 +27,7 @@ pub trait Spill: Send + Sync {
 
 /// Bytes all threads scanning a spilled table may buffer at once (256 regions of ids and handles
 /// each): what a spilled plan holds, whatever the table's size.
-const SPILL_BUFFER_BYTES: usize = 32 << 20;
+const SPILL_BUFFER_BYTES: usize = 16 << 20;
 
 /// Most rows of one region a scanning thread buffers before appending them: 16 KiB appends.
 const SPILL_ROWS_MAX: usize = 2048;

@@ -26,8 +26,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use memmap2::MmapMut;
 
 /// Bytes per window: large enough for the disk to stream, small enough that the windows a save
-/// keeps open (a few per writer thread) stay a few MiB.
-const WINDOW: u64 = 1 << 20;
+/// keeps open (one per tensor a writer thread is in, and the next) stay a few MiB. Half a MiB
+/// wrote as fast as 1 MiB in an A/B on criteo (docs/BENCHMARKS.md) for half the memory.
+const WINDOW: u64 = 1 << 19;
 
 /// Alignment of offsets and lengths for `O_DIRECT` (the largest logical block size in common
 /// use). Window memory is page-aligned, being an anonymous mapping.
@@ -324,8 +325,9 @@ mod tests {
             .write_at(gap.end, &data[gap.end as usize..], &buffered)
             .unwrap();
         let err = direct.finish(&buffered).unwrap_err().to_string();
+        let window = format!("{}..{}", 2 * WINDOW, 3 * WINDOW);
         assert!(
-            err.contains("10 of the bytes 2097152..3145728 were never written"),
+            err.contains(&format!("10 of the bytes {window} were never written")),
             "{err}"
         );
     }
