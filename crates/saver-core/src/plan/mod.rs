@@ -107,9 +107,9 @@ pub struct PlanOptions {
     pub chunk_bytes: u64,
     /// Most bytes the plan may hold of scanned ids and row handles (16 per row), over all tables.
     /// A table that would go past it waits in the [`Spill`] store given to [`plan_with_spill`]
-    /// (saves put it in a nameless temporary file of the checkpoint directory), and then takes
-    /// at most 32 MiB of scan buffers (16 MiB per thread on few cores) and the 1/256th regions
-    /// being written. Without a store, everything stays in memory.
+    /// (saves put it in nameless temporary files of the checkpoint directory), and then takes
+    /// at most 16 MiB of scan buffers while scanning, and per writer thread about one unit of
+    /// at most 64 Ki rows (1 MiB) being written. Without a store, everything stays in memory.
     pub plan_memory: u64,
     /// The data section of every file starts at a multiple of this (a power of two, ≥ 8).
     pub alignment: u64,

@@ -5,7 +5,14 @@
 //! and dropped once the writer has taken all its rows. So the sort runs in the writer threads,
 //! between writes, on a region that fits in cache, instead of holding up the first write; and the
 //! scanned rows can wait in a [`Spill`] store instead of memory, which bounds the plan of a table
-//! of billions of rows to the scan's buffers and the few regions being written.
+//! of billions of rows to the scan's buffers and the few *units* being written.
+//!
+//! A unit is what is sorted and held at once: a region, or, for a spilled region of more than
+//! [`UNIT_ROWS`] rows (tables of more than about 16 M rows), a run of its buckets. Such a region
+//! is split the first time the writer reaches it: its spilled rows are read back a run at a time
+//! and appended again, by unit. That costs one more pass over the region's 16 bytes a row, and
+//! keeps what a writer thread holds at a few MiB, where a whole region of a table of a billion
+//! rows would be 64 MiB.
 
 use std::io;
 use std::ops::Range;
@@ -34,6 +41,13 @@ const SPILL_ROWS_MAX: usize = 2048;
 
 /// Fewest: below this, appends get small enough for their system call to dominate.
 const SPILL_ROWS_MIN: usize = 64;
+
+/// Most rows of a spilled region sorted and held at once (1 MiB of ids and handles); a larger
+/// region is split into units of whole buckets (a single bucket may exceed it).
+pub(crate) const UNIT_ROWS: usize = 1 << 16;
+
+/// Bytes a thread splitting a region buffers, across all of the region's units.
+const SPLIT_BUFFER_BYTES: usize = 1 << 20;
 
 /// The region of an id: its bucket's high byte.
 pub(crate) fn high_byte(id: u64) -> usize {
@@ -94,6 +108,13 @@ impl Spilled {
     }
 
     fn append(&self, h: usize, ids: &[u64], handles: &[u64]) -> Result<()> {
+        let run = self.append_run(ids, handles)?;
+        self.extents.lock().unwrap_or_else(PoisonError::into_inner)[h].push(run);
+        Ok(())
+    }
+
+    /// Stores one run of rows (`handles`: one per id) and returns where it is.
+    fn append_run(&self, ids: &[u64], handles: &[u64]) -> Result<Extent> {
         let ids_at = self
             .spill
             .append(bytemuck::cast_slice(ids))
@@ -102,11 +123,34 @@ impl Spilled {
             .spill
             .append(bytemuck::cast_slice(handles))
             .map_err(|e| self.error(e))?;
-        self.extents.lock().unwrap_or_else(PoisonError::into_inner)[h].push(Extent {
+        Ok(Extent {
             ids_at,
             handles_at,
             rows: ids.len(),
-        });
+        })
+    }
+
+    /// Appends the rows of `runs` to `ids` and, with `with_handles`, their handles to `handles`.
+    fn read_runs(
+        &self,
+        runs: &[Extent],
+        with_handles: bool,
+        ids: &mut Vec<u64>,
+        handles: &mut Vec<u64>,
+    ) -> Result<()> {
+        for run in runs {
+            let at = ids.len();
+            ids.resize(at + run.rows, 0);
+            self.spill
+                .read_at(run.ids_at, bytemuck::cast_slice_mut(&mut ids[at..]))
+                .map_err(|e| self.error(e))?;
+            if with_handles {
+                handles.resize(at + run.rows, 0);
+                self.spill
+                    .read_at(run.handles_at, bytemuck::cast_slice_mut(&mut handles[at..]))
+                    .map_err(|e| self.error(e))?;
+            }
+        }
         Ok(())
     }
 }
@@ -156,48 +200,113 @@ pub(crate) enum Store {
     Spilled(Spilled),
 }
 
-/// A region's sorted rows while the writer still needs them.
+/// A unit's sorted rows while the writer still needs them.
 #[derive(Default)]
 struct Cached {
     region: Option<Arc<Region>>,
-    /// Rows of the region the writer has taken.
+    /// Rows of the unit the writer has taken.
     taken: usize,
 }
 
-/// One region's rows, sorted by (bucket, id bits).
+/// One unit's rows, sorted by (bucket, id bits).
 struct Region {
     ids: Vec<u64>,
     handles: Vec<u64>,
 }
 
-/// A table's scanned rows, in the order they are written, produced region by region.
+/// What is sorted and held at once: a whole region, or one part of a split region.
+#[derive(Clone, Copy)]
+struct Unit {
+    region: usize,
+    /// `Some(p)`: part `p` of the region's [`Split`].
+    part: Option<usize>,
+}
+
+/// A spilled region too large to sort at once, cut into units of whole buckets.
+struct Split {
+    /// The part of each bucket of the region, by the bucket's low byte.
+    part_of_low: Vec<usize>,
+    parts: usize,
+    /// Each part's runs in the spill, once the region has been split.
+    runs: Mutex<Option<Arc<Vec<Vec<Extent>>>>>,
+}
+
+/// A table's scanned rows, in the order they are written, produced unit by unit.
 pub(crate) struct TableRows {
     table: String,
     key_dtype: KeyDtype,
     store: Store,
     with_handles: bool,
-    /// `region_start[h]..region_start[h + 1]`: region `h`'s rows in the table's sorted order.
-    region_start: Vec<usize>,
+    units: Vec<Unit>,
+    /// `unit_start[u]..unit_start[u + 1]`: unit `u`'s rows in the table's sorted order.
+    unit_start: Vec<usize>,
+    /// Per region: how it is split, when it is.
+    splits: Vec<Option<Split>>,
     cache: Vec<Mutex<Cached>>,
 }
 
 impl TableRows {
-    /// Rows waiting in `store`. `region_start` comes from the scan's bucket counts;
-    /// `with_handles` is false when some rows came without a handle.
+    /// Rows waiting in `store`. `bucket_start` (one per bucket, and the end) comes from the scan's
+    /// bucket counts; `with_handles` is false when some rows came without a handle. A spilled
+    /// region of more than `unit_rows` rows is sorted in units of at most that many (see the
+    /// module docs): [`UNIT_ROWS`] outside tests.
     pub fn new(
         table: &str,
         key_dtype: KeyDtype,
         store: Store,
         with_handles: bool,
-        region_start: Vec<usize>,
+        bucket_start: &[u64],
+        unit_rows: usize,
     ) -> Self {
+        let spilled = matches!(store, Store::Spilled(_));
+        let start = |b: usize| bucket_start[b] as usize;
+        let (mut units, mut unit_start, mut splits) = (Vec::new(), Vec::new(), Vec::new());
+        for h in 0..256 {
+            if !spilled || start((h + 1) << 8) - start(h << 8) <= unit_rows {
+                units.push(Unit {
+                    region: h,
+                    part: None,
+                });
+                unit_start.push(start(h << 8));
+                splits.push(None);
+                continue;
+            }
+            // Whole buckets, in order, while they fit.
+            let mut part_of_low = vec![0; 256];
+            let (mut part, mut rows) = (0, 0);
+            for (low, part_of) in part_of_low.iter_mut().enumerate() {
+                let b = (h << 8) | low;
+                let n = start(b + 1) - start(b);
+                if low == 0 || (rows > 0 && rows + n > unit_rows) {
+                    if low > 0 {
+                        part += 1;
+                    }
+                    units.push(Unit {
+                        region: h,
+                        part: Some(part),
+                    });
+                    unit_start.push(start(b));
+                    rows = 0;
+                }
+                *part_of = part;
+                rows += n;
+            }
+            splits.push(Some(Split {
+                part_of_low,
+                parts: part + 1,
+                runs: Mutex::new(None),
+            }));
+        }
+        unit_start.push(start(bucket_start.len() - 1));
         Self {
             table: table.to_string(),
             key_dtype,
             store,
             with_handles,
-            region_start,
-            cache: (0..256).map(|_| Mutex::default()).collect(),
+            cache: units.iter().map(|_| Mutex::default()).collect(),
+            units,
+            unit_start,
+            splits,
         }
     }
 
@@ -208,8 +317,8 @@ impl TableRows {
 
     /// Puts the ids of `range` (positions in the table's sorted order) in `ids` and, when the
     /// table has handles, their handles in `handles` (else leaves it empty). With `take`, the
-    /// rows count as written: a region is freed once all its rows are taken. Reading without
-    /// taking never keeps a region in memory.
+    /// rows count as written: a unit is freed once all its rows are taken. Reading without
+    /// taking never keeps a unit in memory.
     pub fn copy(
         &self,
         range: Range<usize>,
@@ -221,12 +330,12 @@ impl TableRows {
         handles.clear();
         let mut at = range.start;
         while at < range.end {
-            // The last region starting at or before `at`: the one holding it (empty regions
-            // start where the next one does).
-            let h = self.region_start.partition_point(|&s| s <= at) - 1;
-            let base = self.region_start[h];
-            let end = self.region_start[h + 1].min(range.end);
-            let region = self.region(h, if take { end - at } else { 0 })?;
+            // The last unit starting at or before `at`: the one holding it (empty units start
+            // where the next one does).
+            let u = self.unit_start.partition_point(|&s| s <= at) - 1;
+            let base = self.unit_start[u];
+            let end = self.unit_start[u + 1].min(range.end);
+            let region = self.unit(u, if take { end - at } else { 0 })?;
             ids.extend_from_slice(&region.ids[at - base..end - base]);
             if self.with_handles {
                 handles.extend_from_slice(&region.handles[at - base..end - base]);
@@ -236,14 +345,14 @@ impl TableRows {
         Ok(())
     }
 
-    /// Region `h`, sorted; `take` of its rows count as written.
-    fn region(&self, h: usize, take: usize) -> Result<Arc<Region>> {
-        let len = self.region_start[h + 1] - self.region_start[h];
-        // Held while sorting, so that two writer threads needing the region sort it once.
-        let mut cached = self.cache[h].lock().unwrap_or_else(PoisonError::into_inner);
+    /// Unit `u`, sorted; `take` of its rows count as written.
+    fn unit(&self, u: usize, take: usize) -> Result<Arc<Region>> {
+        let len = self.unit_start[u + 1] - self.unit_start[u];
+        // Held while sorting, so that two writer threads needing the unit sort it once.
+        let mut cached = self.cache[u].lock().unwrap_or_else(PoisonError::into_inner);
         let region = match &cached.region {
             Some(r) => Arc::clone(r),
-            None => Arc::new(self.sort(h, len)?),
+            None => Arc::new(self.sort(self.units[u], len)?),
         };
         if take > 0 {
             cached.taken += take;
@@ -252,8 +361,9 @@ impl TableRows {
         Ok(region)
     }
 
-    /// Gathers region `h`'s `len` rows and sorts them.
-    fn sort(&self, h: usize, len: usize) -> Result<Region> {
+    /// Gathers unit `unit`'s `len` rows and sorts them.
+    fn sort(&self, unit: Unit, len: usize) -> Result<Region> {
+        let h = unit.region;
         let mut ids = Vec::with_capacity(len);
         let mut handles = Vec::with_capacity(if self.with_handles { len } else { 0 });
         match &self.store {
@@ -266,28 +376,22 @@ impl TableRows {
                     }
                 }
             }
-            Store::Spilled(s) => {
-                let extents = s.extents.lock().unwrap_or_else(PoisonError::into_inner)[h].clone();
-                for run in extents {
-                    let at = ids.len();
-                    ids.resize(at + run.rows, 0);
-                    s.spill
-                        .read_at(run.ids_at, bytemuck::cast_slice_mut(&mut ids[at..]))
-                        .map_err(|e| s.error(e))?;
-                    if self.with_handles {
-                        handles.resize(at + run.rows, 0);
-                        s.spill
-                            .read_at(run.handles_at, bytemuck::cast_slice_mut(&mut handles[at..]))
-                            .map_err(|e| s.error(e))?;
-                    }
+            Store::Spilled(s) => match unit.part {
+                None => {
+                    let runs = s.extents.lock().unwrap_or_else(PoisonError::into_inner)[h].clone();
+                    s.read_runs(&runs, self.with_handles, &mut ids, &mut handles)?;
                 }
-            }
+                Some(p) => {
+                    let runs = self.split(h, s)?;
+                    s.read_runs(&runs[p], self.with_handles, &mut ids, &mut handles)?;
+                }
+            },
         }
         if ids.len() != len {
             return Err(Error::Table {
                 table: self.table.clone(),
                 message: format!(
-                    "internal: bucket region {h} holds {} rows, the scan counted {len}",
+                    "internal: a unit of bucket region {h} holds {} rows, the scan counted {len}",
                     ids.len()
                 ),
             });
@@ -301,6 +405,58 @@ impl TableRows {
             });
         }
         Ok(Region { ids, handles })
+    }
+
+    /// The runs of each part of split region `h`, splitting it on first use: its spilled runs
+    /// are read back one at a time and their rows appended again, by part.
+    fn split(&self, h: usize, s: &Spilled) -> Result<Arc<Vec<Vec<Extent>>>> {
+        let Some(split) = &self.splits[h] else {
+            unreachable!("a part of region {h}, which is not split")
+        };
+        // Held while splitting, so that threads needing other parts wait for this one split.
+        let mut done = split.runs.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(runs) = &*done {
+            return Ok(Arc::clone(runs));
+        }
+        let scanned = s.extents.lock().unwrap_or_else(PoisonError::into_inner)[h].clone();
+        let run_rows =
+            (SPLIT_BUFFER_BYTES / (split.parts * 16)).clamp(SPILL_ROWS_MIN, SPILL_ROWS_MAX);
+        let mut buffers = vec![(Vec::new(), Vec::new()); split.parts];
+        let mut runs = vec![Vec::new(); split.parts];
+        let (mut ids, mut handles) = (Vec::new(), Vec::new());
+        for run in &scanned {
+            ids.clear();
+            handles.clear();
+            // Handles too, even zeros, so that every run has both, as the scan's do.
+            s.read_runs(std::slice::from_ref(run), true, &mut ids, &mut handles)?;
+            for (&id, &handle) in ids.iter().zip(&handles) {
+                let p = split.part_of_low[(PartitionRule::bucket_of(id) & 0xff) as usize];
+                let (part_ids, part_handles): &mut (Vec<u64>, Vec<u64>) = &mut buffers[p];
+                part_ids.push(id);
+                part_handles.push(handle);
+                if part_ids.len() >= run_rows {
+                    runs[p].push(s.append_run(part_ids, part_handles)?);
+                    part_ids.clear();
+                    part_handles.clear();
+                }
+            }
+        }
+        for (p, (part_ids, part_handles)) in buffers.iter().enumerate() {
+            if !part_ids.is_empty() {
+                runs[p].push(s.append_run(part_ids, part_handles)?);
+            }
+        }
+        // The scan's runs of the region are dead space in the spill now; their list goes.
+        s.extents.lock().unwrap_or_else(PoisonError::into_inner)[h] = Vec::new();
+        let runs = Arc::new(runs);
+        *done = Some(Arc::clone(&runs));
+        Ok(runs)
+    }
+
+    /// Rows of each unit, in order (tests check no unit is larger than it must be).
+    #[cfg(test)]
+    pub fn unit_rows(&self) -> Vec<usize> {
+        self.unit_start.windows(2).map(|w| w[1] - w[0]).collect()
     }
 }
 

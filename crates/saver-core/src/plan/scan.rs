@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::table::{validate_slots, RowChunk, RowView, SlotSpec, SparseTable, TableSnapshot};
 
-use super::rows::{flag_pass, high_byte, MemoryPart, Spill, Spilled, Store, TableRows};
+use super::rows::{flag_pass, high_byte, MemoryPart, Spill, Spilled, Store, TableRows, UNIT_ROWS};
 use super::ForeignRows;
 
 /// Rows per scan chunk: bounds the memory a scan with slot values uses.
@@ -207,16 +207,15 @@ impl Collected {
     }
 }
 
-/// Where each bucket's rows start (`BUCKETS + 1` offsets) and each high-byte region's (257), from
-/// the rows per bucket (`counts`, empty when no row was counted).
-fn starts(counts: &[u64]) -> (Vec<u64>, Vec<usize>) {
+/// Where each bucket's rows start (`BUCKETS + 1` offsets), from the rows per bucket (`counts`,
+/// empty when no row was counted).
+fn bucket_starts(counts: &[u64]) -> Vec<u64> {
     let mut bucket_start = Vec::with_capacity(BUCKETS as usize + 1);
     bucket_start.push(0);
     for b in 0..BUCKETS as usize {
         bucket_start.push(bucket_start[b] + counts.get(b).copied().unwrap_or(0));
     }
-    let region_start = (0..=256).map(|h| bucket_start[h << 8] as usize).collect();
-    (bucket_start, region_start)
+    bucket_start
 }
 
 /// Scans `table`: the rows planned shards keep, counted per bucket, held in memory or, when
@@ -304,12 +303,19 @@ pub(crate) fn scan_table<'a>(
         });
     }
 
-    let (bucket_start, region_start) = starts(&counts);
+    let bucket_start = bucket_starts(&counts);
     let store = match spilled {
         Some(s) => Store::Spilled(s),
         None => Store::Memory(parts),
     };
-    let rows = TableRows::new(&name, key_dtype, store, !without_handles, region_start);
+    let rows = TableRows::new(
+        &name,
+        key_dtype,
+        store,
+        !without_handles,
+        &bucket_start,
+        UNIT_ROWS,
+    );
     Ok(ScannedTable {
         name,
         key_dtype,
@@ -331,13 +337,14 @@ mod tests {
     use super::*;
 
     /// The scan's grouping of `ids`, cut into parts at `cuts` (part `p` with handles iff
-    /// `handles_of(p)`; a handle is `!id`), into memory or `spill`; returns the rows and bucket
-    /// starts, as `scan_table` does.
+    /// `handles_of(p)`; a handle is `!id`), into memory or `spill` (sorted in units of at most
+    /// `unit_rows`); returns the rows and bucket starts, as `scan_table` does.
     fn group(
         ids: &[u64],
         cuts: &[usize],
         handles_of: impl Fn(usize) -> bool,
         spill: Option<Arc<dyn Spill>>,
+        unit_rows: usize,
     ) -> Result<(TableRows, Vec<u64>)> {
         let mut bounds: Vec<usize> = cuts.iter().map(|&c| c.min(ids.len())).collect();
         bounds.push(0);
@@ -364,7 +371,7 @@ mod tests {
                 None => acc.parts.push(f.into_memory_part()),
             }
         }
-        let (start, region_start) = starts(&acc.counts);
+        let start = bucket_starts(&acc.counts);
         let store = match spilled {
             Some(s) => Store::Spilled(s),
             None => Store::Memory(acc.parts),
@@ -374,7 +381,8 @@ mod tests {
             KeyDtype::U64,
             store,
             !acc.without_handles,
-            region_start,
+            &start,
+            unit_rows,
         );
         Ok((rows, start))
     }
@@ -406,12 +414,13 @@ mod tests {
             with_handles: bool,
             part_without: Option<usize>,
             spill: bool,
+            unit_rows in prop_oneof![Just(UNIT_ROWS), 1usize..16],
             step in 1usize..700,
         ) {
             // A handle any id maps to, so that a handle left behind by a swap or a copy shows.
             let has = |p: usize| with_handles && Some(p) != part_without;
             let store = spill.then(|| Arc::new(MemorySpill::default()) as Arc<dyn Spill>);
-            let (rows, start) = group(&ids, &cuts, has, store).unwrap();
+            let (rows, start) = group(&ids, &cuts, has, store, unit_rows).unwrap();
             prop_assert_eq!(rows.spilled(), spill);
             let (sorted, handles) = take_all(&rows, ids.len(), step).unwrap();
             let with_handles = (0..=cuts.len()).all(has);
@@ -433,7 +442,21 @@ mod tests {
                     prop_assert_eq!(PartitionRule::bucket_of(i) as usize, b);
                 }
             }
-            // Every region was freed once taken; reading again sorts it again from the store.
+            // A spilled unit holds at most `unit_rows` rows, unless it is a single bucket.
+            if spill {
+                let mut at = 0;
+                for len in rows.unit_rows() {
+                    let unit = &sorted[at..at + len];
+                    prop_assert!(
+                        len <= unit_rows
+                            || unit.iter().all(|&i| PartitionRule::bucket_of(i) == PartitionRule::bucket_of(unit[0])),
+                        "a unit of {} rows over {} buckets", len, unit.len()
+                    );
+                    at += len;
+                }
+                prop_assert_eq!(at, ids.len());
+            }
+            // Every unit was freed once taken; reading again sorts it again from the store.
             let (mut again, mut again_handles) = (Vec::new(), Vec::new());
             rows.copy(0..ids.len(), false, &mut again, &mut again_handles).unwrap();
             prop_assert_eq!(&again, &sorted);
@@ -445,12 +468,13 @@ mod tests {
             ids in vec(any::<u64>(), 1..500),
             twin in any::<prop::sample::Index>(),
             spill: bool,
+            unit_rows in prop_oneof![Just(UNIT_ROWS), 1usize..8],
         ) {
             let mut ids = ids;
             let id = ids[twin.index(ids.len())];
             ids.push(id);
             let store = spill.then(|| Arc::new(MemorySpill::default()) as Arc<dyn Spill>);
-            let (rows, _) = group(&ids, &[ids.len() / 2], |_| true, store).unwrap();
+            let (rows, _) = group(&ids, &[ids.len() / 2], |_| true, store, unit_rows).unwrap();
             let err = take_all(&rows, ids.len(), 64).unwrap_err();
             prop_assert!(
                 matches!(&err, Error::DuplicateId { table, id: shown } if table == "t" && *shown == id.to_string()),
@@ -462,7 +486,7 @@ mod tests {
     #[test]
     fn a_failing_spill_is_an_error_naming_the_table() {
         let ids: Vec<u64> = (0..5000).collect();
-        let err = match group(&ids, &[], |_| true, Some(Arc::new(FailingSpill))) {
+        let err = match group(&ids, &[], |_| true, Some(Arc::new(FailingSpill)), UNIT_ROWS) {
             Err(e) => e,
             Ok((rows, _)) => take_all(&rows, ids.len(), 100).unwrap_err(),
         };
