@@ -203,13 +203,13 @@ pub(crate) enum Store {
 /// A unit's sorted rows while the writer still needs them.
 #[derive(Default)]
 struct Cached {
-    region: Option<Arc<Region>>,
+    sorted: Option<Arc<SortedUnit>>,
     /// Rows of the unit the writer has taken.
     taken: usize,
 }
 
 /// One unit's rows, sorted by (bucket, id bits).
-struct Region {
+struct SortedUnit {
     ids: Vec<u64>,
     handles: Vec<u64>,
 }
@@ -335,10 +335,10 @@ impl TableRows {
             let u = self.unit_start.partition_point(|&s| s <= at) - 1;
             let base = self.unit_start[u];
             let end = self.unit_start[u + 1].min(range.end);
-            let region = self.unit(u, if take { end - at } else { 0 })?;
-            ids.extend_from_slice(&region.ids[at - base..end - base]);
+            let sorted = self.unit(u, if take { end - at } else { 0 })?;
+            ids.extend_from_slice(&sorted.ids[at - base..end - base]);
             if self.with_handles {
-                handles.extend_from_slice(&region.handles[at - base..end - base]);
+                handles.extend_from_slice(&sorted.handles[at - base..end - base]);
             }
             at = end;
         }
@@ -346,23 +346,23 @@ impl TableRows {
     }
 
     /// Unit `u`, sorted; `take` of its rows count as written.
-    fn unit(&self, u: usize, take: usize) -> Result<Arc<Region>> {
+    fn unit(&self, u: usize, take: usize) -> Result<Arc<SortedUnit>> {
         let len = self.unit_start[u + 1] - self.unit_start[u];
         // Held while sorting, so that two writer threads needing the unit sort it once.
         let mut cached = self.cache[u].lock().unwrap_or_else(PoisonError::into_inner);
-        let region = match &cached.region {
+        let sorted = match &cached.sorted {
             Some(r) => Arc::clone(r),
             None => Arc::new(self.sort(self.units[u], len)?),
         };
         if take > 0 {
             cached.taken += take;
-            cached.region = (cached.taken < len).then(|| Arc::clone(&region));
+            cached.sorted = (cached.taken < len).then(|| Arc::clone(&sorted));
         }
-        Ok(region)
+        Ok(sorted)
     }
 
     /// Gathers unit `unit`'s `len` rows and sorts them.
-    fn sort(&self, unit: Unit, len: usize) -> Result<Region> {
+    fn sort(&self, unit: Unit, len: usize) -> Result<SortedUnit> {
         let h = unit.region;
         let mut ids = Vec::with_capacity(len);
         let mut handles = Vec::with_capacity(if self.with_handles { len } else { 0 });
@@ -404,7 +404,7 @@ impl TableRows {
                 id: self.key_dtype.format_id(w[0]),
             });
         }
-        Ok(Region { ids, handles })
+        Ok(SortedUnit { ids, handles })
     }
 
     /// The runs of each part of split region `h`, splitting it on first use: its spilled runs
