@@ -102,15 +102,13 @@ impl Spilled {
     pub fn buffer(&self) -> SpillBuffer<'_> {
         SpillBuffer {
             to: self,
-            ids: vec![Vec::new(); 256],
-            handles: vec![Vec::new(); 256],
+            runs: RunBuffers::new(256, self.run_rows),
         }
     }
 
-    fn append(&self, h: usize, ids: &[u64], handles: &[u64]) -> Result<()> {
-        let run = self.append_run(ids, handles)?;
+    /// Files `run` as one of region `h`'s.
+    fn record(&self, h: usize, run: Extent) {
         self.extents.lock().unwrap_or_else(PoisonError::into_inner)[h].push(run);
-        Ok(())
     }
 
     /// Stores one run of rows (`handles`: one per id) and returns where it is.
@@ -158,8 +156,7 @@ impl Spilled {
 /// A scanning thread's buffers into a [`Spilled`]: one run per region, appended when full.
 pub(crate) struct SpillBuffer<'s> {
     to: &'s Spilled,
-    ids: Vec<Vec<u64>>,
-    handles: Vec<Vec<u64>>,
+    runs: RunBuffers,
 }
 
 impl SpillBuffer<'_> {
@@ -168,10 +165,9 @@ impl SpillBuffer<'_> {
     pub fn take(&mut self, ids: &mut Vec<u64>, handles: &mut Vec<u64>) -> Result<()> {
         for (i, &id) in ids.iter().enumerate() {
             let h = high_byte(id);
-            self.ids[h].push(id);
-            self.handles[h].push(handles.get(i).copied().unwrap_or(0));
-            if self.ids[h].len() >= self.to.run_rows {
-                self.flush(h)?;
+            let handle = handles.get(i).copied().unwrap_or(0);
+            if let Some(run) = self.runs.push(self.to, h, id, handle)? {
+                self.to.record(h, run);
             }
         }
         ids.clear();
@@ -179,18 +175,53 @@ impl SpillBuffer<'_> {
         Ok(())
     }
 
-    fn flush(&mut self, h: usize) -> Result<()> {
-        if !self.ids[h].is_empty() {
-            self.to.append(h, &self.ids[h], &self.handles[h])?;
-            self.ids[h].clear();
-            self.handles[h].clear();
+    /// Appends what is left.
+    pub fn finish(mut self) -> Result<()> {
+        for h in 0..256 {
+            if let Some(run) = self.runs.flush(self.to, h)? {
+                self.to.record(h, run);
+            }
         }
         Ok(())
     }
+}
 
-    /// Appends what is left.
-    pub fn finish(mut self) -> Result<()> {
-        (0..256).try_for_each(|h| self.flush(h))
+/// Rows buffered by key (a region while scanning, a part while splitting a region), each key's
+/// appended to the spill as a run once `run_rows` have gathered.
+struct RunBuffers {
+    ids: Vec<Vec<u64>>,
+    handles: Vec<Vec<u64>>,
+    run_rows: usize,
+}
+
+impl RunBuffers {
+    fn new(keys: usize, run_rows: usize) -> Self {
+        Self {
+            ids: vec![Vec::new(); keys],
+            handles: vec![Vec::new(); keys],
+            run_rows,
+        }
+    }
+
+    /// Buffers one row under `key`; returns the run appended to `to` when that fills the buffer.
+    fn push(&mut self, to: &Spilled, key: usize, id: u64, handle: u64) -> Result<Option<Extent>> {
+        self.ids[key].push(id);
+        self.handles[key].push(handle);
+        if self.ids[key].len() < self.run_rows {
+            return Ok(None);
+        }
+        self.flush(to, key)
+    }
+
+    /// Appends what `key` holds to `to`, if anything; returns the run.
+    fn flush(&mut self, to: &Spilled, key: usize) -> Result<Option<Extent>> {
+        if self.ids[key].is_empty() {
+            return Ok(None);
+        }
+        let run = to.append_run(&self.ids[key], &self.handles[key])?;
+        self.ids[key].clear();
+        self.handles[key].clear();
+        Ok(Some(run))
     }
 }
 
@@ -421,7 +452,7 @@ impl TableRows {
         let scanned = s.extents.lock().unwrap_or_else(PoisonError::into_inner)[h].clone();
         let run_rows =
             (SPLIT_BUFFER_BYTES / (split.parts * 16)).clamp(SPILL_ROWS_MIN, SPILL_ROWS_MAX);
-        let mut buffers = vec![(Vec::new(), Vec::new()); split.parts];
+        let mut buffers = RunBuffers::new(split.parts, run_rows);
         let mut runs = vec![Vec::new(); split.parts];
         let (mut ids, mut handles) = (Vec::new(), Vec::new());
         for run in &scanned {
@@ -431,19 +462,14 @@ impl TableRows {
             s.read_runs(std::slice::from_ref(run), true, &mut ids, &mut handles)?;
             for (&id, &handle) in ids.iter().zip(&handles) {
                 let p = split.part_of_low[(PartitionRule::bucket_of(id) & 0xff) as usize];
-                let (part_ids, part_handles): &mut (Vec<u64>, Vec<u64>) = &mut buffers[p];
-                part_ids.push(id);
-                part_handles.push(handle);
-                if part_ids.len() >= run_rows {
-                    runs[p].push(s.append_run(part_ids, part_handles)?);
-                    part_ids.clear();
-                    part_handles.clear();
+                if let Some(run) = buffers.push(s, p, id, handle)? {
+                    runs[p].push(run);
                 }
             }
         }
-        for (p, (part_ids, part_handles)) in buffers.iter().enumerate() {
-            if !part_ids.is_empty() {
-                runs[p].push(s.append_run(part_ids, part_handles)?);
+        for (p, part_runs) in runs.iter_mut().enumerate() {
+            if let Some(run) = buffers.flush(s, p)? {
+                part_runs.push(run);
             }
         }
         // The scan's runs of the region are dead space in the spill now; their list goes.
