@@ -143,6 +143,9 @@ fn the_main_job_save_8_shards_then_verify() {
 fn every_direct_io_setting_writes_the_same_checkpoint() {
     // Beside the build, not in /tmp: a tmpfs there would make every setting the page cache.
     let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let suits = saver_io::storage::LocalFs::open_dir(d.path())
+        .unwrap()
+        .suits_direct_io();
     let mut digests = Vec::new();
     let settings: [&[&str]; 5] = [
         &["--direct-io"],
@@ -166,7 +169,18 @@ fn every_direct_io_setting_writes_the_same_checkpoint() {
             "3",
         ];
         args.extend_from_slice(setting);
-        ok(&args);
+        let text = ok(&args);
+        // The report names the write path: every setting but `off` takes direct I/O where it
+        // suits the filesystem (the durable `auto` included).
+        let path = if setting != ["--direct-io=off"] && suits {
+            "written with direct I/O"
+        } else {
+            "written through the page cache"
+        };
+        assert!(
+            text.contains(path),
+            "{setting:?} should say {path:?}: {text}"
+        );
         assert_eq!(json(&["verify", p(&out)])["status"], "ok");
         digests.push(json(&["digest", p(&out)])["digest"].clone());
     }

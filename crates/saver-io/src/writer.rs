@@ -115,6 +115,9 @@ pub struct SaveReport {
     pub rows: u64,
     /// Bytes written, headers included.
     pub bytes_written: u64,
+    /// Data files written with direct I/O, around the page cache (see [`DirectIo`]); the rest
+    /// went through the page cache, by choice or because their filesystem refused `O_DIRECT`.
+    pub direct_io_files: usize,
     /// Rows whose place in the plan waited in the spill file rather than memory
     /// (`PlanOptions::plan_memory`).
     pub spilled_rows: u64,
@@ -216,14 +219,14 @@ pub fn save_to(
     let plan_seconds = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
-    let crcs = write_plan(
+    let written = write_plan(
         storage,
         &plan,
         plan_opts.parallel,
         opts.durable,
         opts.progress.as_deref(),
     )?;
-    for (pos, shard_crcs) in crcs.iter().enumerate() {
+    for (pos, shard_crcs) in written.crcs.iter().enumerate() {
         let m = plan.shard_manifest(
             pos,
             shard_crcs,
@@ -262,6 +265,7 @@ pub fn save_to(
         save_id,
         shards,
         files: plan.shards().iter().map(|s| s.files.len()).sum(),
+        direct_io_files: written.direct_io_files,
         rows,
         bytes_written: plan.file_bytes(),
         spilled_rows: plan.spilled_rows(),
@@ -282,15 +286,23 @@ struct PieceCrc {
     hasher: Hasher,
 }
 
-/// Writes every file of the plan; returns `crcs[shard][file][tensor]`. On error, every file this
-/// call created is removed.
+/// What [`write_plan`] wrote.
+#[derive(Debug)]
+pub struct PlanWritten {
+    /// CRC32 of every tensor, as `crcs[shard][file][tensor]`.
+    pub crcs: Vec<Vec<Vec<u32>>>,
+    /// Data files written with direct I/O (see [`WriteHandle::is_direct`]).
+    pub direct_io_files: usize,
+}
+
+/// Writes every file of the plan. On error, every file this call created is removed.
 pub fn write_plan(
     storage: &dyn Storage,
     plan: &SavePlan<'_>,
     parallel: usize,
     durable: bool,
     progress: Option<&ProgressFn>,
-) -> Result<Vec<Vec<Vec<u32>>>> {
+) -> Result<PlanWritten> {
     let mut handles: Vec<Vec<Box<dyn WriteHandle>>> = Vec::new();
     let abort_all = |handles: Vec<Vec<Box<dyn WriteHandle>>>| {
         handles.into_iter().flatten().for_each(|h| h.abort())
@@ -311,6 +323,7 @@ pub fn write_plan(
         }
         handles.push(files);
     }
+    let direct_io_files = handles.iter().flatten().filter(|h| h.is_direct()).count();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(parallel)
         .thread_name(|i| format!("saver-write-{i}"))
@@ -393,7 +406,10 @@ pub fn write_plan(
     if durable {
         storage.sync_dir()?;
     }
-    Ok(crcs)
+    Ok(PlanWritten {
+        crcs,
+        direct_io_files,
+    })
 }
 
 /// Combines per-piece CRCs into per-tensor CRCs, in offset order, checking every byte of every

@@ -123,7 +123,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
             report.save_id
         );
         println!(
-            "  model input {:.2}s, plan {:.2}s{}, commit {:.2}s; {}",
+            "  model input {:.2}s, plan {:.2}s{}, {}, commit {:.2}s; {}",
             input_seconds,
             report.plan_seconds,
             if report.spilled_rows > 0 {
@@ -131,6 +131,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
             } else {
                 String::new()
             },
+            write_path(report.direct_io_files, report.files),
             report.commit_seconds,
             match (report.committed, report.committed_here) {
                 (true, true) => "committed".to_string(),
@@ -143,4 +144,14 @@ pub fn run(args: SaveArgs) -> CmdResult {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// How the data files were written, for the text report: a slow save through the page cache on a
+/// disk that suits direct I/O is worth a look at `--direct-io`.
+fn write_path(direct: usize, files: usize) -> String {
+    match direct {
+        0 => "written through the page cache".to_string(),
+        d if d == files => "written with direct I/O".to_string(),
+        d => format!("{d} of {files} files written with direct I/O"),
+    }
 }

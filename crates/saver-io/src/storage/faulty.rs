@@ -81,6 +81,10 @@ impl WriteHandle for FaultyWrite {
         self.inner.start_writeback(offset, len)
     }
 
+    fn is_direct(&self) -> bool {
+        self.inner.is_direct()
+    }
+
     fn commit(self: Box<Self>, durable: bool) -> Result<()> {
         let n = self.state.commits.fetch_add(1, Ordering::SeqCst);
         if self.fault == Fault::CommitNumber(n) {

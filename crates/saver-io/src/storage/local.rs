@@ -116,6 +116,10 @@ impl WriteHandle for LocalWrite {
         .map_err(io_err("write", &self.tmp))
     }
 
+    fn is_direct(&self) -> bool {
+        self.direct.is_some()
+    }
+
     fn start_writeback(&self, offset: u64, len: u64) {
         if self.direct.is_some() {
             return; // nothing waits in the page cache

@@ -61,6 +61,11 @@ pub trait WriteHandle: Send + Sync {
     /// Hints that `[offset, offset + len)` is final and may be written back now, so that the
     /// eventual durable commit has little left to flush. Default: nothing.
     fn start_writeback(&self, _offset: u64, _len: u64) {}
+    /// Whether this file's data goes around the page cache (direct I/O), so a report can say
+    /// which write path a save took. Default: false.
+    fn is_direct(&self) -> bool {
+        false
+    }
     /// Makes the data durable (if asked), then atomically gives the file its final name.
     fn commit(self: Box<Self>, durable: bool) -> Result<()>;
     /// Discards the file.
