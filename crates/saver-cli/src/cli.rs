@@ -180,9 +180,10 @@ pub struct SaveArgs {
     #[arg(long, default_value = "2GiB", value_parser = parse_size)]
     pub max_file_size: u64,
     /// Most memory the plan may hold of sorted ids and row handles (16 bytes a row); tables past
-    /// it wait in nameless temporary files in --out until written. 16MiB keeps a save within
-    /// about 64 MiB + 8 MiB per writer thread beyond the model.
-    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    /// it wait in nameless temporary files in --out until written. The default keeps a save
+    /// within about 64 MiB + 8 MiB per writer thread beyond the model; raise it (e.g. 1GiB) to
+    /// spare a network filesystem the spill's extra 16 bytes a row of I/O.
+    #[arg(long, default_value = "16MiB", value_parser = parse_size)]
     pub plan_memory: u64,
     /// Leave out slots matching this glob (repeatable).
     #[arg(long)]

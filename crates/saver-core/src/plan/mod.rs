@@ -110,6 +110,11 @@ pub struct PlanOptions {
     /// (saves put it in nameless temporary files of the checkpoint directory), and then takes
     /// at most 16 MiB of scan buffers while scanning, and per writer thread about one unit of
     /// at most 64 Ki rows (1 MiB) being written. Without a store, everything stays in memory.
+    ///
+    /// Default 16 MiB (a million rows): a save then holds about 64 MiB + `parallel` ×
+    /// `chunk_bytes` beyond the model, whatever its size. Spilling writes and reads 16 bytes a row
+    /// once more; on a local disk that took no measurable time (docs/BENCHMARKS.md). Raise it
+    /// where that I/O costs more than memory, e.g. a checkpoint on a network filesystem.
     pub plan_memory: u64,
     /// The data section of every file starts at a multiple of this (a power of two, ≥ 8).
     pub alignment: u64,
@@ -131,7 +136,7 @@ impl Default for PlanOptions {
             split_files: 4,
             max_block_bytes: 256 << 20,
             chunk_bytes: 8 << 20,
-            plan_memory: 1 << 30,
+            plan_memory: 16 << 20,
             alignment: 4096,
             filters: Filters::new(),
             foreign_rows: ForeignRows::Error,
