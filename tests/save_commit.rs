@@ -146,6 +146,30 @@ fn a_plan_past_its_memory_budget_spills_and_writes_the_same_bytes() {
 }
 
 #[test]
+fn spilled_regions_larger_than_a_unit_are_split_and_write_the_same_bytes() {
+    // About 78 user rows and 39 item rows per region (1/256 of the buckets). With 4 KiB chunks a
+    // writer thread holds units of 32 rows, so every region of both spilled tables is split into
+    // units of whole buckets, which must come out as if never split.
+    let m = Model::new(20_000);
+    let with = |plan_memory: u64| {
+        let mut o = opts(3, 2);
+        o.plan.plan_memory = plan_memory;
+        o.plan.chunk_bytes = 4096;
+        o
+    };
+    let in_memory = tempfile::tempdir().unwrap();
+    let split = tempfile::tempdir().unwrap();
+    let all = save(in_memory.path(), m.input(), &with(u64::MAX)).unwrap();
+    let report = save(split.path(), m.input(), &with(0)).unwrap();
+    assert_eq!(report.spilled_rows, all.rows);
+    assert_eq!(dir_bytes(in_memory.path()), dir_bytes(split.path()));
+    assert_eq!(
+        saver::verify(split.path(), 2).unwrap().status,
+        saver::Status::Ok
+    );
+}
+
+#[test]
 fn direct_io_writes_the_same_bytes_and_falls_back_where_unsupported() {
     let m = Model::new(20_000);
     // Files of several 1 MiB direct-I/O windows, and files smaller than one.

@@ -42,9 +42,13 @@ const SPILL_ROWS_MAX: usize = 2048;
 /// Fewest: below this, appends get small enough for their system call to dominate.
 const SPILL_ROWS_MIN: usize = 64;
 
-/// Most rows of a spilled region sorted and held at once (1 MiB of ids and handles); a larger
-/// region is split into units of whole buckets (a single bucket may exceed it).
-pub(crate) const UNIT_ROWS: usize = 1 << 16;
+/// Most rows of a spilled region a writer thread sorts and holds at once: 16 bytes each, an
+/// eighth of its chunk buffer (64 Ki rows, 1 MiB, at the default 8 MiB chunk), so that the one
+/// knob which sizes a writer thread's memory sizes this too. A larger region is split into units
+/// of whole buckets (a single bucket may exceed it).
+pub(crate) fn unit_rows(chunk_bytes: u64) -> usize {
+    usize::try_from(chunk_bytes / 128).map_or(usize::MAX, |n| n.max(1))
+}
 
 /// Bytes a thread splitting a region buffers, across all of the region's units.
 const SPLIT_BUFFER_BYTES: usize = 1 << 20;

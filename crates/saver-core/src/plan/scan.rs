@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::table::{validate_slots, RowChunk, RowView, SlotSpec, SparseTable, TableSnapshot};
 
-use super::rows::{flag_pass, high_byte, MemoryPart, Spill, Spilled, Store, TableRows, UNIT_ROWS};
+use super::rows::{flag_pass, high_byte, MemoryPart, Spill, Spilled, Store, TableRows};
 use super::ForeignRows;
 
 /// Rows per scan chunk: bounds the memory a scan with slot values uses.
@@ -219,7 +219,8 @@ fn bucket_starts(counts: &[u64]) -> Vec<u64> {
 }
 
 /// Scans `table`: the rows planned shards keep, counted per bucket, held in memory or, when
-/// `spill` is given, moved to it as they are scanned.
+/// `spill` is given, moved to it as they are scanned (and read back in units of at most
+/// `unit_rows`, see [`super::rows::unit_rows`]).
 pub(crate) fn scan_table<'a>(
     table: &'a dyn SparseTable,
     shard_num: u32,
@@ -227,6 +228,7 @@ pub(crate) fn scan_table<'a>(
     filters: &Filters,
     foreign: ForeignRows,
     spill: Option<Arc<dyn Spill>>,
+    unit_rows: usize,
 ) -> Result<ScannedTable<'a>> {
     let name = table.name().to_string();
     let slots = table.slots().to_vec();
@@ -314,7 +316,7 @@ pub(crate) fn scan_table<'a>(
         store,
         !without_handles,
         &bucket_start,
-        UNIT_ROWS,
+        unit_rows,
     );
     Ok(ScannedTable {
         name,
@@ -334,7 +336,19 @@ mod tests {
     use proptest::prelude::*;
 
     use super::super::rows::tests::{FailingSpill, MemorySpill};
+    use super::super::rows::unit_rows;
     use super::*;
+
+    /// Units at the default chunk size: 64 Ki rows.
+    const DEFAULT_UNIT_ROWS: usize = 1 << 16;
+
+    #[test]
+    fn units_are_an_eighth_of_a_chunk_and_never_empty() {
+        let default = crate::plan::PlanOptions::default().chunk_bytes;
+        assert_eq!(unit_rows(default), DEFAULT_UNIT_ROWS);
+        assert_eq!(unit_rows(4096), 32);
+        assert_eq!(unit_rows(0), 1);
+    }
 
     /// The scan's grouping of `ids`, cut into parts at `cuts` (part `p` with handles iff
     /// `handles_of(p)`; a handle is `!id`), into memory or `spill` (sorted in units of at most
@@ -414,7 +428,7 @@ mod tests {
             with_handles: bool,
             part_without: Option<usize>,
             spill: bool,
-            unit_rows in prop_oneof![Just(UNIT_ROWS), 1usize..16],
+            unit_rows in prop_oneof![Just(DEFAULT_UNIT_ROWS), 1usize..16],
             step in 1usize..700,
         ) {
             // A handle any id maps to, so that a handle left behind by a swap or a copy shows.
@@ -468,7 +482,7 @@ mod tests {
             ids in vec(any::<u64>(), 1..500),
             twin in any::<prop::sample::Index>(),
             spill: bool,
-            unit_rows in prop_oneof![Just(UNIT_ROWS), 1usize..8],
+            unit_rows in prop_oneof![Just(DEFAULT_UNIT_ROWS), 1usize..8],
         ) {
             let mut ids = ids;
             let id = ids[twin.index(ids.len())];
@@ -486,7 +500,13 @@ mod tests {
     #[test]
     fn a_failing_spill_is_an_error_naming_the_table() {
         let ids: Vec<u64> = (0..5000).collect();
-        let err = match group(&ids, &[], |_| true, Some(Arc::new(FailingSpill)), UNIT_ROWS) {
+        let err = match group(
+            &ids,
+            &[],
+            |_| true,
+            Some(Arc::new(FailingSpill)),
+            DEFAULT_UNIT_ROWS,
+        ) {
             Err(e) => e,
             Ok((rows, _)) => take_all(&rows, ids.len(), 100).unwrap_err(),
         };
