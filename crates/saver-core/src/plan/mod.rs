@@ -398,6 +398,10 @@ pub fn plan_with_spill<'a>(
             )
         })
         .collect::<Result<Vec<_>>>()?;
+    let mut tables = tables;
+    for t in &mut tables {
+        t.bucket_start = Vec::new();
+    }
     Ok(SavePlan {
         opts: opts.clone(),
         tables,
@@ -431,7 +435,7 @@ impl<'a> SavePlan<'a> {
         self.tables
             .iter()
             .filter(|t| t.rows.spilled())
-            .map(|t| t.bucket_start[t.bucket_start.len() - 1])
+            .map(|t| t.row_count)
             .sum()
     }
 

@@ -27,8 +27,12 @@ pub(crate) struct ScannedTable<'a> {
     pub snapshot: Box<dyn TableSnapshot + 'a>,
     /// The kept rows, in the order they are written: by (bucket, id bits).
     pub rows: TableRows,
-    /// `bucket_start[b]..bucket_start[b + 1]` are the rows of bucket `b` in `rows`.
+    /// `bucket_start[b]..bucket_start[b + 1]` are the rows of bucket `b` in `rows`. Needed by
+    /// the layout only, and emptied once it is made: 512 KiB a table, which a model of many
+    /// tables would otherwise hold through the whole write.
     pub bucket_start: Vec<u64>,
+    /// Rows in `rows`.
+    pub row_count: u64,
     /// For each planned shard (in plan order): whether its ids block is kept, and which slots.
     pub kept: Vec<Option<Vec<usize>>>,
 }
@@ -325,6 +329,7 @@ pub(crate) fn scan_table<'a>(
         slot_bytes,
         snapshot,
         rows,
+        row_count: bucket_start[bucket_start.len() - 1],
         bucket_start,
         kept,
     })
