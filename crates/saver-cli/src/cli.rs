@@ -57,33 +57,11 @@ pub enum Command {
         out: Output,
     },
     /// Restore a checkpoint into memory, for all M target shards or shard J of M, and report
-    /// rows, bytes, time, read amplification and the content digest.
+    /// rows, bytes, time, read amplification and (unless --no-digest) the content digest.
     #[command(
         after_help = "Examples:\n  saver load /ckpt/step100\n  saver load /ckpt/step100 --shards 3 --shard-index 1 --json\n  saver load /ckpt/step100 --into arrays"
     )]
-    Load {
-        /// Checkpoint directory.
-        dir: PathBuf,
-        /// Number of target shards M.
-        #[arg(long, default_value_t = 1)]
-        shards: u32,
-        /// Load only target shard J of M.
-        #[arg(long)]
-        shard_index: Option<u32>,
-        /// Reader threads.
-        #[arg(long, default_value_t = default_parallel())]
-        parallel: usize,
-        /// What to load into: concurrent hashtables (as a trainer resumes) or contiguous arrays
-        /// (as a serving system or a tool reads them; the fastest owning load).
-        #[arg(long, value_enum, default_value = "tables")]
-        into: LoadTarget,
-        /// With --into arrays: back the arrays with transparent huge pages (faster when the kernel
-        /// has huge pages free; may stall while it compacts memory when it has not).
-        #[arg(long)]
-        huge_pages: bool,
-        #[command(flatten)]
-        out: Output,
-    },
+    Load(LoadArgs),
     /// Rewrite a checkpoint for another number of shards.
     #[command(
         after_help = "Example:\n  saver reshard /ckpt/step100 --out /ckpt/step100-m3 --shards 3"
@@ -153,6 +131,37 @@ pub enum Command {
         #[command(flatten)]
         out: Output,
     },
+}
+
+/// Flags of `saver load`.
+#[derive(Args, Debug)]
+pub struct LoadArgs {
+    /// Checkpoint directory.
+    pub dir: PathBuf,
+    /// Number of target shards M.
+    #[arg(long, default_value_t = 1)]
+    pub shards: u32,
+    /// Load only target shard J of M.
+    #[arg(long)]
+    pub shard_index: Option<u32>,
+    /// Reader threads.
+    #[arg(long, default_value_t = default_parallel())]
+    pub parallel: usize,
+    /// What to load into: concurrent hashtables (as a trainer resumes) or contiguous arrays
+    /// (as a serving system or a tool reads them; the fastest owning load).
+    #[arg(long, value_enum, default_value = "tables")]
+    pub into: LoadTarget,
+    /// With --into arrays: back the arrays with transparent huge pages (faster when the kernel
+    /// has huge pages free; may stall while it compacts memory when it has not).
+    #[arg(long)]
+    pub huge_pages: bool,
+    /// Skip the content digest of what was loaded (a SHA-256 over every row in id order, which
+    /// on large checkpoints takes longer than the load itself). The load still checks every
+    /// CRC32.
+    #[arg(long)]
+    pub no_digest: bool,
+    #[command(flatten)]
+    pub out: Output,
 }
 
 /// Flags of `saver save`.

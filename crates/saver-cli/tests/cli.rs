@@ -226,6 +226,11 @@ fn reshard_export_and_digest_agree() {
         json(&["load", p(&c)])["digest"].as_str().unwrap(),
         digests[0]
     );
+    // --no-digest loads (and checks) the same rows and leaves the digest out.
+    let quick = json(&["load", p(&c), "--no-digest", "--into", "arrays"]);
+    assert!(quick["digest"].is_null(), "{quick}");
+    assert_eq!(quick["rows"], json(&["load", p(&c)])["rows"]);
+    assert!(!ok(&["load", p(&c), "--no-digest"]).contains("digest"));
     // The export is split into files with an index, ids ascending.
     let idx: serde_json::Value =
         serde_json::from_slice(&std::fs::read(e.join("model.safetensors.index.json")).unwrap())

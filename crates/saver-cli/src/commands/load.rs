@@ -1,6 +1,5 @@
 //! `saver load`.
 
-use std::path::Path;
 use std::process::ExitCode;
 
 use serde::Serialize;
@@ -9,7 +8,7 @@ use saver_io::digest::{columns_digest, restored_digest};
 use saver_io::{Checkpoint, LoadOptions, LoadReport};
 
 use super::CmdResult;
-use crate::cli::{LoadTarget, Output};
+use crate::cli::{LoadArgs, LoadTarget};
 use crate::output;
 
 #[derive(Serialize)]
@@ -21,19 +20,22 @@ struct Report<'a> {
     dense: usize,
     #[serde(flatten)]
     load: &'a LoadReport,
-    digest: String,
+    /// `None` with `--no-digest`.
+    digest: Option<String>,
 }
 
-pub fn run(
-    dir: &Path,
-    shards: u32,
-    shard_index: Option<u32>,
-    parallel: usize,
-    into: LoadTarget,
-    huge_pages: bool,
-    out: Output,
-) -> CmdResult {
-    let ck = Checkpoint::open(dir)?;
+pub fn run(args: LoadArgs) -> CmdResult {
+    let LoadArgs {
+        dir,
+        shards,
+        shard_index,
+        parallel,
+        into,
+        huge_pages,
+        no_digest,
+        out,
+    } = args;
+    let ck = Checkpoint::open(&dir)?;
     let opts = LoadOptions {
         shard_num: shards,
         shard_index,
@@ -44,12 +46,12 @@ pub fn run(
     let (load, dense, digest) = match into {
         LoadTarget::Tables => {
             let r = ck.restore(&opts)?;
-            let digest = restored_digest(&r);
+            let digest = (!no_digest).then(|| restored_digest(&r));
             (r.report, r.dense.len(), digest)
         }
         LoadTarget::Arrays => {
             let c = ck.load_columns(&opts)?;
-            let digest = columns_digest(&c);
+            let digest = (!no_digest).then(|| columns_digest(&c));
             (c.report, c.dense.len(), digest)
         }
     };
@@ -79,7 +81,9 @@ pub fn run(
             load.load_seconds,
             output::rate(load.bytes_read, load.load_seconds)
         );
-        println!("digest {}", report.digest);
+        if let Some(d) = &report.digest {
+            println!("digest {d}");
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

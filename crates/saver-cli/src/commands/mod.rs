@@ -21,15 +21,7 @@ pub fn run(cmd: Command) -> CmdResult {
         Command::Save(args) => save::run(args),
         Command::Inspect { dir, out } => inspect::run(&dir, out),
         Command::Verify { dir, parallel, out } => verify::run(&dir, parallel, out),
-        Command::Load {
-            dir,
-            shards,
-            shard_index,
-            parallel,
-            into,
-            huge_pages,
-            out,
-        } => load::run(&dir, shards, shard_index, parallel, into, huge_pages, out),
+        Command::Load(args) => load::run(args),
         Command::Reshard {
             src,
             out,

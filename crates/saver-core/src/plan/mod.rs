@@ -109,8 +109,8 @@ pub struct PlanOptions {
     /// A table that would go past it waits in the [`Spill`] store given to [`plan_with_spill`]
     /// (saves put it in nameless temporary files of the checkpoint directory), and then takes
     /// at most 16 MiB of scan buffers while scanning, and per writer thread about one unit of
-    /// rows being written, of at most `chunk_bytes / 8` (64 Ki rows, 1 MiB, at the default
-    /// chunk). Without a store, everything stays in memory.
+    /// rows being written: at most `chunk_bytes / 8` bytes of ids and handles (64 Ki rows, 1 MiB,
+    /// at the default chunk). Without a store, everything stays in memory.
     ///
     /// Default 16 MiB (a million rows): a save then holds about 64 MiB + `parallel` ×
     /// `chunk_bytes` beyond the model, whatever its size. Spilling writes and reads 16 bytes a row
