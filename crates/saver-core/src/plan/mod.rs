@@ -366,7 +366,7 @@ pub fn plan_with_spill<'a>(
         .into_iter()
         .map(|past| spill.as_ref().filter(|_| past).map(Arc::clone))
         .collect();
-    let tables: Vec<ScannedTable<'a>> = input
+    let mut tables: Vec<ScannedTable<'a>> = input
         .tables
         .par_iter()
         .zip(spills)
@@ -398,7 +398,6 @@ pub fn plan_with_spill<'a>(
             )
         })
         .collect::<Result<Vec<_>>>()?;
-    let mut tables = tables;
     for t in &mut tables {
         t.bucket_start = Vec::new();
     }
