@@ -76,8 +76,10 @@ pub(crate) fn cut_segments(
     let mut out = Vec::new();
     let mut seg_start = buckets.start;
     let mut acc = 0u64;
-    for b in buckets.clone() {
-        let n = table.bucket_start[b as usize + 1] - table.bucket_start[b as usize];
+    for (b, n) in buckets
+        .clone()
+        .zip(table.bucket_start.counts(buckets.clone()))
+    {
         if acc > 0 && acc + n > max_rows {
             out.push(seg_start..b);
             seg_start = b;
@@ -94,17 +96,20 @@ pub(crate) fn cut_segments(
 /// bucket), only every k-th non-empty bucket gets an entry, so the index never costs more than
 /// about half a byte per row; readers scan the ids of one group to find an exact boundary.
 fn bucket_index(table: &ScannedTable<'_>, buckets: Range<u32>) -> Vec<u64> {
-    let base = table.bucket_start[buckets.start as usize];
-    let rows = table.bucket_start[buckets.end as usize] - base;
+    let base = table.bucket_start.at(buckets.start);
+    let rows = table.bucket_start.at(buckets.end) - base;
     let nonempty: Vec<u32> = buckets
-        .filter(|&b| table.bucket_start[b as usize + 1] > table.bucket_start[b as usize])
+        .clone()
+        .zip(table.bucket_start.counts(buckets))
+        .filter(|&(_, n)| n > 0)
+        .map(|(b, _)| b)
         .collect();
     let max_entries = (rows / 16).max(1) as usize;
     let step = nonempty.len().div_ceil(max_entries).max(1);
     nonempty
         .iter()
         .step_by(step)
-        .map(|&b| (u64::from(b) << 48) | (table.bucket_start[b as usize] - base))
+        .map(|&b| (u64::from(b) << 48) | (table.bucket_start.at(b) - base))
         .collect()
 }
 

@@ -16,6 +16,7 @@
 //! plan and, written, the same bytes, whatever `parallel` is and whether one process plans all
 //! shards or each process plans its own.
 
+mod bucket_starts;
 mod chunks;
 pub mod header;
 mod layout;
@@ -28,6 +29,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
+use bucket_starts::BucketStarts;
 pub use chunks::{Chunk, ChunkBuffer, Piece};
 use header::{render_header, FileFacts, HeaderTensor};
 pub use rows::Spill;
@@ -399,7 +401,7 @@ pub fn plan_with_spill<'a>(
         })
         .collect::<Result<Vec<_>>>()?;
     for t in &mut tables {
-        t.bucket_start = Vec::new();
+        t.bucket_start = BucketStarts::Freed;
     }
     Ok(SavePlan {
         opts: opts.clone(),

@@ -12,6 +12,7 @@ use rayon::prelude::*;
 
 use crate::table::{validate_slots, RowChunk, RowView, SlotSpec, SparseTable, TableSnapshot};
 
+use super::bucket_starts::BucketStarts;
 use super::rows::{flag_pass, high_byte, MemoryPart, Spill, Spilled, Store, TableRows};
 use super::ForeignRows;
 
@@ -27,10 +28,10 @@ pub(crate) struct ScannedTable<'a> {
     pub snapshot: Box<dyn TableSnapshot + 'a>,
     /// The kept rows, in the order they are written: by (bucket, id bits).
     pub rows: TableRows,
-    /// `bucket_start[b]..bucket_start[b + 1]` are the rows of bucket `b` in `rows`. Needed by
-    /// the layout only, and emptied once it is made: 512 KiB a table, which a model of many
-    /// tables would otherwise hold through the whole write.
-    pub bucket_start: Vec<u64>,
+    /// `at(b)..at(b + 1)` are the rows of bucket `b` in `rows`. Needed by the layout only, and
+    /// freed once it is made, so that a model of many tables does not hold them through the
+    /// whole write.
+    pub bucket_start: BucketStarts,
     /// Rows in `rows`.
     pub row_count: u64,
     /// For each planned shard (in plan order): whether its ids block is kept, and which slots.
@@ -40,8 +41,7 @@ pub(crate) struct ScannedTable<'a> {
 impl ScannedTable<'_> {
     /// Rows (positions in `rows`) in buckets `range`.
     pub fn rows_in(&self, range: Range<u32>) -> Range<usize> {
-        self.bucket_start[range.start as usize] as usize
-            ..self.bucket_start[range.end as usize] as usize
+        self.bucket_start.at(range.start) as usize..self.bucket_start.at(range.end) as usize
     }
 }
 
@@ -330,7 +330,7 @@ pub(crate) fn scan_table<'a>(
         snapshot,
         rows,
         row_count: bucket_start[bucket_start.len() - 1],
-        bucket_start,
+        bucket_start: BucketStarts::new(bucket_start),
         kept,
     })
 }
