@@ -8,7 +8,8 @@
 //! of billions of rows to the scan's buffers and the few *units* being written.
 //!
 //! A unit is what is sorted and held at once: a region, or, for a spilled region of more than
-//! [`UNIT_ROWS`] rows (tables of more than about 16 M rows), a run of its buckets. Such a region
+//! [`unit_rows`] rows (at the default chunk size, tables of more than about 16 M rows), a run of
+//! its buckets. Such a region
 //! is split the first time the writer reaches it: its spilled rows are read back a run at a time
 //! and appended again, by unit. That costs one more pass over the region's 16 bytes a row, and
 //! keeps what a writer thread holds at a few MiB, where a whole region of a table of a billion
@@ -284,7 +285,7 @@ impl TableRows {
     /// Rows waiting in `store`. `bucket_start` (one per bucket, and the end) comes from the scan's
     /// bucket counts; `with_handles` is false when some rows came without a handle. A spilled
     /// region of more than `unit_rows` rows is sorted in units of at most that many (see the
-    /// module docs): [`UNIT_ROWS`] outside tests.
+    /// module docs): [`unit_rows`] of the plan's `chunk_bytes`.
     pub fn new(
         table: &str,
         key_dtype: KeyDtype,
