@@ -58,9 +58,10 @@ impl LocalFs {
 
     /// Writes new files with direct I/O (`O_DIRECT`, around the page cache) where the filesystem
     /// supports it, through the page cache where it does not. For durable saves: the data go
-    /// to the disk without a kernel copy or a later writeback. Costs a few 1 MiB buffers per
-    /// writer thread, kept until the `LocalFs` and its clones are dropped. See
-    /// `storage/direct.rs`.
+    /// to the disk without a kernel copy or a later writeback, written by two background threads
+    /// while the writer threads produce the next bytes. Costs a few 512 KiB buffers per writer
+    /// thread and 5 MiB of windows in flight, kept with the two threads until the `LocalFs` and
+    /// its clones are dropped. See `storage/direct/`.
     pub fn with_direct_io(mut self, on: bool) -> Self {
         self.direct_io = on;
         self
@@ -238,7 +239,7 @@ impl Storage for LocalFs {
             return Err(io_err("allocate", &tmp)(e));
         }
         let direct = if self.direct_io {
-            DirectWrites::open(&tmp, len, Arc::clone(&self.windows))
+            DirectWrites::open(&tmp, &file, len, Arc::clone(&self.windows))
         } else {
             None
         };

@@ -12,79 +12,36 @@
 //! being filled are those at each writer thread's position; a file's first window, which waits
 //! for the header until every tensor is written, goes through the page cache instead of being
 //! held; and window buffers are reused from a [`WindowPool`] rather than allocated per window.
+//! Complete windows are written by the pool's background threads (`flusher.rs`), so that the
+//! writer threads go on producing bytes while the disk writes.
 //! Callers must write every byte of the file exactly once: a window still unfilled at commit is
 //! an error, never a file with a hole.
+
+mod flusher;
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use memmap2::MmapMut;
 
-/// Bytes per window: large enough for the disk to stream, small enough that the windows a save
-/// keeps open (one per tensor a writer thread is in, and the next) stay a few MiB. Half a MiB
-/// wrote as fast as 1 MiB in an A/B on criteo (docs/BENCHMARKS.md) for half the memory.
-const WINDOW: u64 = 1 << 19;
-
-/// Alignment of offsets and lengths for `O_DIRECT` (the largest logical block size in common
-/// use). Window memory is page-aligned, being an anonymous mapping.
-const ALIGN: usize = 4096;
-
-/// Window buffers, shared by every file a storage writes, so a save's window memory is the
-/// most it ever had in flight at once rather than one fresh buffer per MiB written.
-#[derive(Debug, Default)]
-pub(super) struct WindowPool {
-    free: Mutex<Vec<MmapMut>>,
-    /// Buffers ever allocated by this pool.
-    allocated: AtomicUsize,
-}
-
-impl WindowPool {
-    fn take(&self) -> io::Result<MmapMut> {
-        if let Some(buf) = self
-            .free
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop()
-        {
-            return Ok(buf);
-        }
-        // An anonymous mapping: page-aligned, as O_DIRECT needs, and returned to the system
-        // whole when the pool goes, unlike heap memory.
-        let buf = MmapMut::map_anon(WINDOW as usize)?;
-        self.allocated.fetch_add(1, Ordering::Relaxed);
-        Ok(buf)
-    }
-
-    fn give(&self, buf: MmapMut) {
-        self.free
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(buf);
-    }
-
-    /// Buffers allocated so far: the most windows that were ever open at once.
-    #[cfg(test)]
-    fn allocated(&self) -> usize {
-        self.allocated.load(Ordering::Relaxed)
-    }
-}
+pub(super) use flusher::WindowPool;
+use flusher::{DirectFile, WINDOW};
 
 /// A window being filled.
 struct Window {
-    buf: MmapMut,
+    /// `None` once the window is complete and on its way to the disk.
+    buf: Option<MmapMut>,
     /// Bytes of the window written so far.
     filled: u64,
 }
 
 /// The direct-I/O side of one file being written.
 pub(super) struct DirectWrites {
-    /// The file, opened a second time with `O_DIRECT`.
-    direct: File,
+    file: Arc<DirectFile>,
     /// The file's final length.
     len: u64,
     pool: Arc<WindowPool>,
@@ -92,30 +49,39 @@ pub(super) struct DirectWrites {
 }
 
 impl DirectWrites {
-    /// Opens `path` (already created, of final length `len`) for direct writes; `None` where the
-    /// filesystem does not support them (tmpfs, some network filesystems), so the caller writes
-    /// through the page cache instead.
-    pub fn open(path: &Path, len: u64, pool: Arc<WindowPool>) -> Option<Self> {
+    /// Opens `path` (already created as `buffered`, of final length `len`) for direct writes;
+    /// `None` where the filesystem does not support them (tmpfs, some network filesystems), so
+    /// the caller writes through the page cache instead.
+    pub fn open(path: &Path, buffered: &File, len: u64, pool: Arc<WindowPool>) -> Option<Self> {
         let direct = OpenOptions::new()
             .write(true)
             .custom_flags(libc::O_DIRECT)
             .open(path)
             .ok()?;
-        Some(Self {
+        Some(Self::with_files(
             direct,
+            buffered.try_clone().ok()?,
+            len,
+            pool,
+        ))
+    }
+
+    fn with_files(direct: File, buffered: File, len: u64, pool: Arc<WindowPool>) -> Self {
+        Self {
+            file: Arc::new(DirectFile::new(direct, buffered)),
             len,
             pool,
             open: Mutex::new(HashMap::new()),
-        })
+        }
     }
 
     fn window_len(&self, w: u64) -> u64 {
         WINDOW.min(self.len - w * WINDOW)
     }
 
-    /// Copies `buf` into the windows it covers, writing each window it completes. `buffered` is
-    /// the same file without `O_DIRECT`: the first window goes through it, and so does every
-    /// window on a device that refuses the alignment.
+    /// Copies `buf` into the windows it covers, handing each window it completes to the pool's
+    /// background writers. `buffered` is the file without `O_DIRECT`, for the first window. Fails
+    /// if an earlier window of the file failed to be written.
     pub fn write_at(&self, offset: u64, buf: &[u8], buffered: &File) -> io::Result<()> {
         if offset + buf.len() as u64 > self.len {
             return Err(io::Error::new(
@@ -127,6 +93,7 @@ impl DirectWrites {
                 ),
             ));
         }
+        self.file.check()?;
         let mut at = offset;
         let mut rest = buf;
         if at < WINDOW {
@@ -148,7 +115,7 @@ impl DirectWrites {
                     Some(win) => Arc::clone(win),
                     None => {
                         let win = Arc::new(Mutex::new(Window {
-                            buf: self.pool.take()?,
+                            buf: Some(self.pool.take()?),
                             filled: 0,
                         }));
                         open.insert(w, Arc::clone(&win));
@@ -158,23 +125,23 @@ impl DirectWrites {
             };
             let full = {
                 let mut win = window.lock().unwrap_or_else(PoisonError::into_inner);
-                win.buf[in_window..in_window + n].copy_from_slice(&rest[..n]);
+                let Some(buf) = win.buf.as_mut() else {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("bytes {at}..{} written twice", at + n as u64),
+                    ));
+                };
+                buf[in_window..in_window + n].copy_from_slice(&rest[..n]);
                 win.filled += n as u64;
-                win.filled >= window_len
+                (win.filled >= window_len).then(|| win.buf.take()).flatten()
             };
-            if full {
+            if let Some(buf) = full {
                 self.open
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .remove(&w);
-                let win = window.lock().unwrap_or_else(PoisonError::into_inner);
-                let written = self.write_window(w, &win.buf, buffered);
-                drop(win);
-                if let Ok(win) = Arc::try_unwrap(window) {
-                    self.pool
-                        .give(win.into_inner().unwrap_or_else(PoisonError::into_inner).buf);
-                }
-                written?;
+                self.pool
+                    .write_behind(&self.file, w * WINDOW, buf, window_len as usize);
             }
             at += n as u64;
             rest = &rest[n..];
@@ -182,21 +149,10 @@ impl DirectWrites {
         Ok(())
     }
 
-    /// Writes window `w` whole; the last window of the file is padded to the alignment (the
-    /// padding is cut off by [`Self::finish`]).
-    fn write_window(&self, w: u64, buf: &[u8], buffered: &File) -> io::Result<()> {
-        let len = self.window_len(w) as usize;
-        let padded = len.next_multiple_of(ALIGN);
-        match self.direct.write_all_at(&buf[..padded], w * WINDOW) {
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                buffered.write_all_at(&buf[..len], w * WINDOW)
-            }
-            other => other,
-        }
-    }
-
-    /// Checks every byte was written and cuts the last window's padding off.
+    /// Waits for the file's windows to be written, checks every byte was, and cuts the last
+    /// window's padding off.
     pub fn finish(&self, buffered: &File) -> io::Result<()> {
+        self.file.settle()?;
         let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((&w, window)) = open.iter().min_by_key(|(&w, _)| w) {
             let filled = window.lock().unwrap_or_else(PoisonError::into_inner).filled;
@@ -239,7 +195,7 @@ mod tests {
             .open(&path)
             .unwrap();
         buffered.set_len(len).unwrap();
-        let direct = DirectWrites::open(&path, len, Arc::clone(pool))
+        let direct = DirectWrites::open(&path, &buffered, len, Arc::clone(pool))
             .expect("the test directory's filesystem supports O_DIRECT");
         (dir, buffered, direct)
     }
@@ -358,9 +314,34 @@ mod tests {
         direct.finish(&buffered).unwrap();
         assert!(read_back(&dir) == data, "content differs");
         assert!(
-            pool.allocated() <= 6,
+            pool.allocated() <= 6 + WindowPool::IN_FLIGHT,
             "{} window buffers for two writers",
             pool.allocated()
         );
+    }
+
+    /// A background write that fails (here: a descriptor not open for writing) stops the next
+    /// write of the file and its commit; it is never lost with the thread that saw it.
+    #[test]
+    fn a_failed_background_write_fails_the_next_write_and_the_finish() {
+        let pool = Arc::new(WindowPool::default());
+        let len = 4 * WINDOW;
+        let (dir, buffered, _) = open_file(len, &pool);
+        let read_only = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(dir.path().join("f"))
+            .unwrap();
+        let direct = DirectWrites::with_files(read_only, buffered.try_clone().unwrap(), len, pool);
+        let data = vec![3u8; len as usize];
+        // The first window goes through the page cache; the second is the first written behind.
+        direct
+            .write_at(0, &data[..2 * WINDOW as usize], &buffered)
+            .unwrap();
+        let finished = direct.finish(&buffered);
+        let err = finished.expect_err("the window's write failed").to_string();
+        assert!(err.contains("Bad file descriptor"), "{err}");
+        let again = direct.write_at(2 * WINDOW, &data[..WINDOW as usize], &buffered);
+        assert!(again.is_err(), "a later write must not succeed");
     }
 }
