@@ -170,6 +170,15 @@ proptest! {
         for f in &s.files {
             prop_assert!(f.data_len <= opts.max_file_size || f.tensors.len() == 1, "{} over max size", f.name);
         }
+        // A segment's tensors lie side by side in one file, so that the writer thread writing
+        // the file front to back writes all of them.
+        for seg in s.partitions.iter().flat_map(|p| &p.segments) {
+            let locs: Vec<_> = [seg.ids, seg.index_loc].into_iter().chain(seg.slots.iter().copied()).collect();
+            for (k, loc) in locs.iter().enumerate() {
+                prop_assert_eq!(loc.file, seg.ids.file, "segment {} spread over files", seg.index);
+                prop_assert_eq!(loc.tensor, seg.ids.tensor + k, "segment {} not contiguous", seg.index);
+            }
+        }
     }
 
     #[test]
