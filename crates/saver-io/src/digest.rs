@@ -40,8 +40,16 @@ const PREFETCH_AHEAD: usize = 16;
 trait Rows: Sync {
     /// Every id, unordered, each with a handle to find its row again.
     fn ids(&self) -> Vec<(u64, usize)>;
-    /// Appends the row's slot bytes, slots in the order `order`, to `out`.
-    fn append(&self, handle: usize, id: u64, order: &[usize], out: &mut Vec<u8>);
+    /// Appends the row's slot bytes, slots in the order `order`, to `out`; `scratch` is the
+    /// caller's buffer, kept between calls, for tables that must copy a row before reordering.
+    fn append(
+        &self,
+        handle: usize,
+        id: u64,
+        order: &[usize],
+        scratch: &mut Vec<u8>,
+        out: &mut Vec<u8>,
+    );
     /// Asks the CPU to start loading the row of `handle`, needed soon.
     fn prefetch(&self, handle: usize) {
         let _ = handle;
@@ -62,12 +70,19 @@ impl Rows for TableParts<'_> {
             .flat_map(|(p, t)| t.ids().into_iter().map(move |id| (id, p)))
             .collect()
     }
-    fn append(&self, handle: usize, id: u64, order: &[usize], out: &mut Vec<u8>) {
-        let mut row = Vec::new();
-        self.parts[handle].append_row(id, &mut row);
+    fn append(
+        &self,
+        handle: usize,
+        id: u64,
+        order: &[usize],
+        scratch: &mut Vec<u8>,
+        out: &mut Vec<u8>,
+    ) {
+        scratch.clear();
+        self.parts[handle].append_row(id, scratch);
         for &s in order {
             let (off, len) = self.slots[s];
-            out.extend_from_slice(&row[off..off + len]);
+            out.extend_from_slice(&scratch[off..off + len]);
         }
     }
 }
@@ -80,7 +95,14 @@ impl Rows for TableColumns {
             .map(|(r, &id)| (id, r))
             .collect()
     }
-    fn append(&self, handle: usize, _id: u64, order: &[usize], out: &mut Vec<u8>) {
+    fn append(
+        &self,
+        handle: usize,
+        _id: u64,
+        order: &[usize],
+        _scratch: &mut Vec<u8>,
+        out: &mut Vec<u8>,
+    ) {
         for &s in order {
             let b = self.slots[s].row_bytes().unwrap_or(0) as usize;
             out.extend_from_slice(&self.data[s][handle * b..(handle + 1) * b]);
@@ -134,12 +156,13 @@ fn hash_table(h: &mut Sha256, name: &str, key: KeyDtype, slots: &[SlotSpec], row
             let Ok(mut batch) = empty_rx.recv() else {
                 return;
             };
+            let mut scratch = Vec::new();
             for (k, &(id, handle)) in ids.iter().enumerate() {
                 if let Some(&(_, ahead)) = ids.get(k + PREFETCH_AHEAD) {
                     rows.prefetch(ahead);
                 }
                 batch.extend_from_slice(&id.to_le_bytes());
-                rows.append(handle, id, order, &mut batch);
+                rows.append(handle, id, order, &mut scratch, &mut batch);
                 if batch.len() >= BATCH {
                     if full_tx.send(batch).is_err() {
                         return;
