@@ -86,11 +86,7 @@ impl SavePlan<'_> {
         for (s, shard) in self.shards.iter().enumerate() {
             for (p, part) in shard.partitions.iter().enumerate() {
                 let t = &self.tables[part.table];
-                let row_bytes = 8 + part
-                    .slots
-                    .iter()
-                    .map(|&k| t.slot_bytes[k] as u64)
-                    .sum::<u64>();
+                let row_bytes = t.saved_row_bytes(&part.slots);
                 let step = (chunk_bytes / row_bytes).max(1) as usize;
                 for (g, seg) in part.segments.iter().enumerate() {
                     out.push(Chunk::BucketIndex {
@@ -176,12 +172,7 @@ impl SavePlan<'_> {
             } => {
                 let part = &self.shards[*shard].partitions[*partition];
                 let t = &self.tables[part.table];
-                let row = 8 + part
-                    .slots
-                    .iter()
-                    .map(|&k| t.slot_bytes[k] as u64)
-                    .sum::<u64>();
-                row * rows.len() as u64
+                t.saved_row_bytes(&part.slots) * rows.len() as u64
             }
             Chunk::BucketIndex {
                 shard,

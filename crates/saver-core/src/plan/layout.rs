@@ -160,10 +160,7 @@ pub(crate) fn layout_shard(
             continue;
         };
         let rows = table.rows_in(range.clone());
-        let row_bytes = 8 + slots
-            .iter()
-            .map(|&s| table.slot_bytes[s] as u64)
-            .sum::<u64>();
+        let row_bytes = table.saved_row_bytes(&slots);
         estimate += rows.len() as u64 * row_bytes;
         partitions.push(PartitionPlan {
             table: t,
@@ -212,15 +209,10 @@ pub(crate) fn layout_shard(
             .max(8);
         // In a shard of one file, `target_block` bounds each tensor. Across files it bounds
         // each unit, so that units stay small enough to balance the files.
-        let row_bytes = 8 + part
-            .slots
-            .iter()
-            .map(|&s| table.slot_bytes[s] as u64)
-            .sum::<u64>();
         let unit_row_bytes = if files_estimate == 1 {
             widest
         } else {
-            row_bytes
+            table.saved_row_bytes(&part.slots)
         };
         let max_rows = (target_block / unit_row_bytes).clamp(1, u64::from(u32::MAX));
         for (si, seg_buckets) in cut_segments(table, part.buckets.clone(), max_rows)
