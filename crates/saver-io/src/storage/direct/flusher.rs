@@ -65,6 +65,16 @@ struct Progress {
     error: Option<io::Error>,
 }
 
+impl Progress {
+    /// The file's writes so far: the first failure, if any.
+    fn outcome(&self) -> io::Result<()> {
+        match &self.error {
+            Some(e) => Err(replay(e)),
+            None => Ok(()),
+        }
+    }
+}
+
 impl DirectFile {
     pub fn new(direct: File, buffered: File) -> Self {
         Self {
@@ -99,10 +109,7 @@ impl DirectFile {
     /// Fails if a window of this file already failed to be written, so that a save stops at its
     /// next write rather than at commit.
     pub fn check(&self) -> io::Result<()> {
-        match &lock(&self.progress).error {
-            Some(e) => Err(replay(e)),
-            None => Ok(()),
-        }
+        lock(&self.progress).outcome()
     }
 
     /// Waits until every window handed over is written; the first failure, if any.
@@ -114,10 +121,7 @@ impl DirectFile {
                 .wait(progress)
                 .unwrap_or_else(PoisonError::into_inner);
         }
-        match &progress.error {
-            Some(e) => Err(replay(e)),
-            None => Ok(()),
-        }
+        progress.outcome()
     }
 }
 
