@@ -63,6 +63,49 @@ pub(crate) fn pack(sizes: &[u64], bins: usize) -> Vec<usize> {
     out
 }
 
+/// Packs items of `sizes` into files: as few as `max_file_size` and `split_files` allow, more
+/// while a file of several items overflows and could still be split. Each item's file, and the
+/// file count.
+fn pack_files(sizes: &[u64], opts: &PlanOptions) -> (Vec<usize>, usize) {
+    let total: u64 = sizes.iter().sum();
+    let mut nfiles = min_files(total, opts).min(sizes.len().max(1));
+    loop {
+        let a = pack(sizes, nfiles);
+        if !overflows(sizes, &a, nfiles, opts) || nfiles >= sizes.len() {
+            return (a, nfiles);
+        }
+        nfiles += 1;
+    }
+}
+
+/// Whether a file holding several of `sizes` goes past `max_file_size`.
+fn overflows(sizes: &[u64], files: &[usize], nfiles: usize, opts: &PlanOptions) -> bool {
+    let mut load = vec![(0u64, 0usize); nfiles];
+    for (i, &f) in files.iter().enumerate() {
+        load[f].0 += sizes[i];
+        load[f].1 += 1;
+    }
+    load.iter()
+        .any(|&(bytes, count)| bytes > opts.max_file_size && count > 1)
+}
+
+/// Whether tensors of `sizes` placed in `files` stay within `max_file_size` (unless alone) and
+/// within a quarter, or one tensor, of the mean file.
+fn fits(sizes: &[u64], files: &[usize], nfiles: usize, opts: &PlanOptions) -> bool {
+    if overflows(sizes, files, nfiles, opts) {
+        return false;
+    }
+    let mut load = vec![0u64; nfiles];
+    for (i, &f) in files.iter().enumerate() {
+        load[f] += sizes[i];
+    }
+    let used: Vec<u64> = load.into_iter().filter(|&l| l > 0).collect();
+    let mean = used.iter().sum::<u64>() as f64 / used.len().max(1) as f64;
+    let max = used.iter().copied().max().unwrap_or(0) as f64;
+    let largest = sizes.iter().copied().max().unwrap_or(0) as f64;
+    max <= mean * 1.25 || max <= mean + largest
+}
+
 /// Splits a bucket range into consecutive segments of at most `max_rows` rows (a single bucket
 /// larger than that forms a segment of its own). An empty range of rows yields no segment.
 pub(crate) fn cut_segments(
@@ -306,28 +349,35 @@ pub(crate) fn layout_shard(
         });
     }
 
-    // Pack units into files: as few as max_file_size and split_files allow, more while a file
-    // overflows and could still be split.
-    let sizes: Vec<u64> = units
-        .iter()
-        .map(|u| u.iter().map(|b| b.len).sum())
-        .collect();
-    let total: u64 = sizes.iter().sum();
-    let mut nfiles = min_files(total, opts).min(units.len().max(1));
-    let assignment = loop {
-        let a = pack(&sizes, nfiles);
-        let mut load = vec![(0u64, 0usize); nfiles];
-        for (i, &f) in a.iter().enumerate() {
-            load[f].0 += sizes[i];
-            load[f].1 += 1;
-        }
-        let overflow = load
+    // Pack whole units into files where that balances them as well as packing single tensors
+    // is known to (a quarter over the mean, or one tensor over it) and keeps every file of
+    // several tensors within `max_file_size`; else, with units too coarse for the files (tiny
+    // files, or a shard just past one file once its bucket indexes are counted), single tensors.
+    let unit_lens: Vec<usize> = units.iter().map(Vec::len).collect();
+    let by_unit = pack_files(
+        &units
             .iter()
-            .any(|&(bytes, count)| bytes > opts.max_file_size && count > 1);
-        if !overflow || nfiles >= units.len() {
-            break a;
+            .map(|u| u.iter().map(|b| b.len).sum())
+            .collect::<Vec<u64>>(),
+        opts,
+    );
+    let blocks: Vec<Block> = units.into_iter().flatten().collect();
+    let sizes: Vec<u64> = blocks.iter().map(|b| b.len).collect();
+    let mut unit_of_block = Vec::with_capacity(blocks.len());
+    // Units hold consecutive blocks, so each block's file is its unit's.
+    let (mut unit, mut left) = (0usize, 0usize);
+    for _ in &blocks {
+        while left == 0 {
+            left = unit_lens[unit];
+            unit += 1;
         }
-        nfiles += 1;
+        unit_of_block.push(by_unit.0[unit - 1]);
+        left -= 1;
+    }
+    let (assignment, nfiles) = if fits(&sizes, &unit_of_block, by_unit.1, opts) {
+        (unit_of_block, by_unit.1)
+    } else {
+        pack_files(&sizes, opts)
     };
 
     let mut per_file: Vec<Vec<usize>> = vec![Vec::new(); nfiles];
@@ -339,9 +389,9 @@ pub(crate) fn layout_shard(
     let mut files = Vec::with_capacity(per_file.len());
     for (fi, members) in per_file.iter().enumerate() {
         let mut off = 0u64;
-        let blocks = members.iter().flat_map(|&u| &units[u]);
-        let mut tensors = Vec::new();
-        for (ti, block) in blocks.enumerate() {
+        let mut tensors = Vec::with_capacity(members.len());
+        for (ti, &b) in members.iter().enumerate() {
+            let block = &blocks[b];
             let mut t = block.tensor.clone();
             t.start = off;
             t.end = off + block.len;
