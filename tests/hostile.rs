@@ -372,16 +372,18 @@ fn training_threads_never_tear_a_saved_row() {
         ],
     )
     .unwrap();
-    // Every slot of a row is derived from its counter c: embedding[i] = c + i, adagrad[i] = 2c + i.
-    let set = |row: &mut saver::core::table::RowMut<'_>, c: i64| {
+    // Every slot of a row is derived from its id and counter c: embedding[i] = c + i, adagrad[i] =
+    // 2c + id + i. A torn row breaks the first; a row saved from memory that another id's row has
+    // taken over (a freed row reused while a save still reads it) breaks the second.
+    let set = |row: &mut saver::core::table::RowMut<'_>, id: u64, c: i64| {
         row.slot_mut::<i64>(2)[0] = c;
         for i in 0..4 {
             row.slot_mut::<f32>(0)[i] = (c + i as i64) as f32;
-            row.slot_mut::<f32>(1)[i] = (2 * c + i as i64) as f32;
+            row.slot_mut::<f32>(1)[i] = (2 * c + id as i64 + i as i64) as f32;
         }
     };
     for id in 0..20_000u64 {
-        table.upsert(id, |r| set(r, 1));
+        table.upsert(id, |r| set(r, id, 1));
     }
     let stop = AtomicBool::new(false);
     let tmp = tempfile::tempdir().unwrap();
@@ -401,7 +403,7 @@ fn training_threads_never_tear_a_saved_row() {
                         _ => {
                             table.upsert(id, |r| {
                                 let c = r.slot_mut::<i64>(2)[0] + 1;
-                                set(r, c);
+                                set(r, id, c);
                             });
                         }
                     }
@@ -459,8 +461,8 @@ fn training_threads_never_tear_a_saved_row() {
                     );
                     assert_eq!(
                         a[i],
-                        (2 * c + i as i64) as f32,
-                        "id {id}: torn row (adagrad vs counter {c})"
+                        (2 * c + id as i64 + i as i64) as f32,
+                        "id {id}: torn or another id's row (adagrad vs counter {c})"
                     );
                 }
                 checked += 1;

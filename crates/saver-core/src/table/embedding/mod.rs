@@ -1,11 +1,13 @@
 //! [`EmbeddingTable`]: a concurrent sparse table on `dashmap`, ready to train with and to load into.
 
 mod hasher;
+mod slab;
 mod snapshot;
 
 use dashmap::{DashMap, Entry};
 
 pub use hasher::{IdHashBuilder, IdHasher};
+use slab::{Row, Slabs};
 use snapshot::{EmbeddingSnapshot, Retired};
 
 use super::{validate_slots, SlotSpec, SparseTable, TableSnapshot};
@@ -13,16 +15,14 @@ use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
 use crate::naming::check_table_name;
 
-/// Rows are stored as `u64` words so that every slot can be viewed as `f32`/`i64`/… in place:
-/// each slot starts at an 8-byte aligned offset within the row.
-type Row = Box<[u64]>;
-
 /// A concurrent embedding table: many threads insert, update, read and remove rows while another
 /// thread saves it.
 ///
-/// All slots of a row live in one allocation behind one map entry, so readers and the saver see a
-/// row either wholly before or wholly after an update, never torn. Ids are raw 64-bit patterns;
-/// `i64` ids are stored as their two's-complement bits.
+/// All slots of a row live side by side behind one map entry, so readers and the saver see a row
+/// either wholly before or wholly after an update, never torn. Rows are `u64` words, so that
+/// every slot can be viewed as `f32`/`i64`/… in place (each slot starts 8-byte aligned), kept in
+/// large slabs (see `slab`). Ids are raw 64-bit patterns; `i64` ids are stored as their
+/// two's-complement bits.
 pub struct EmbeddingTable {
     name: String,
     key_dtype: KeyDtype,
@@ -31,6 +31,8 @@ pub struct EmbeddingTable {
     slot_offsets: Vec<usize>,
     row_words: usize,
     rows: DashMap<u64, Row, IdHashBuilder>,
+    /// The rows' memory: one arena per shard of `rows`.
+    slabs: Slabs,
     /// Rows that left the map while a snapshot might still read them.
     retired: Retired,
 }
@@ -63,7 +65,8 @@ impl EmbeddingTable {
     }
 
     /// An empty table with room for `rows` rows before its map grows (loads know their row count:
-    /// growing a map of millions of rows step by step rehashes every row several times).
+    /// growing a map of millions of rows step by step rehashes every row several times), and
+    /// whose first slabs hold that many rows, side by side in the order they are inserted.
     pub fn with_capacity(
         name: impl Into<String>,
         key_dtype: KeyDtype,
@@ -79,6 +82,8 @@ impl EmbeddingTable {
             slot_offsets.push(off);
             off += b.div_ceil(8) * 8;
         }
+        let map = DashMap::with_capacity_and_hasher(rows, IdHashBuilder);
+        let slabs = Slabs::new(off / 8, map.shards().len(), rows);
         Ok(Self {
             name,
             key_dtype,
@@ -86,7 +91,8 @@ impl EmbeddingTable {
             slot_bytes,
             slot_offsets,
             row_words: off / 8,
-            rows: DashMap::with_capacity_and_hasher(rows, IdHashBuilder),
+            rows: map,
+            slabs,
             retired: Retired::default(),
         })
     }
@@ -118,9 +124,17 @@ impl EmbeddingTable {
         Ok(())
     }
 
-    fn build_row(&self, values: &[&[u8]]) -> Row {
-        let mut row = vec![0u64; self.row_words].into_boxed_slice();
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut row[..]);
+    /// The arena of `id`'s row: that of its map shard, whose lock an insert already holds.
+    fn arena(&self, id: u64) -> usize {
+        self.rows.determine_map(&id)
+    }
+
+    /// A row for `id` holding `values` (zeros in the padding between slots).
+    fn build_row(&self, id: u64, values: &[&[u8]]) -> Row {
+        let mut row = self.slabs.alloc(self.arena(id));
+        let words = self.slabs.words_mut(&mut row);
+        words.fill(0);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(words);
         for (s, v) in values.iter().enumerate() {
             let off = self.slot_offsets[s];
             bytes[off..off + v.len()].copy_from_slice(v);
@@ -128,10 +142,24 @@ impl EmbeddingTable {
         row
     }
 
+    /// A zeroed row for `id`.
+    fn zeroed_row(&self, id: u64) -> Row {
+        let mut row = self.slabs.alloc(self.arena(id));
+        self.slabs.words_mut(&mut row).fill(0);
+        row
+    }
+
+    /// Frees `row`, which left the map as `id`'s, unless a live snapshot may still read it.
+    fn retire(&self, id: u64, row: Row) {
+        if let Some(row) = self.retired.retire(id, row) {
+            self.slabs.free(self.arena(id), row);
+        }
+    }
+
     /// Inserts or replaces the row of `id`; `values[s]` holds the bytes of slot `s`.
     pub fn insert(&self, id: u64, values: &[&[u8]]) -> Result<()> {
         self.check_row(values)?;
-        self.put(id, self.build_row(values));
+        self.put(id, self.build_row(id, values));
         Ok(())
     }
 
@@ -162,7 +190,7 @@ impl EmbeddingTable {
                 let b = self.slot_bytes[s];
                 row_values[s] = &v[r * b..(r + 1) * b];
             }
-            self.put(id, self.build_row(&row_values));
+            self.put(id, self.build_row(id, &row_values));
         }
         Ok(())
     }
@@ -172,7 +200,7 @@ impl EmbeddingTable {
         match self.rows.entry(id) {
             // Retired while the entry is still locked: a reader by id finds the old row in the map
             // or in `retired`, never in neither.
-            Entry::Occupied(mut o) => self.retired.retire(id, o.insert(row)),
+            Entry::Occupied(mut o) => self.retire(id, o.insert(row)),
             Entry::Vacant(v) => {
                 v.insert(row);
             }
@@ -181,13 +209,10 @@ impl EmbeddingTable {
 
     /// Updates the row of `id` in place under its lock; inserts a zeroed row first if absent.
     pub fn upsert<R>(&self, id: u64, update: impl FnOnce(&mut RowMut<'_>) -> R) -> R {
-        let mut entry = self
-            .rows
-            .entry(id)
-            .or_insert_with(|| vec![0u64; self.row_words].into_boxed_slice());
+        let mut entry = self.rows.entry(id).or_insert_with(|| self.zeroed_row(id));
         let mut row = RowMut {
             table: self,
-            words: &mut entry,
+            words: self.slabs.words_mut(&mut entry),
         };
         update(&mut row)
     }
@@ -198,7 +223,7 @@ impl EmbeddingTable {
             Some(mut entry) => {
                 let mut row = RowMut {
                     table: self,
-                    words: &mut entry,
+                    words: self.slabs.words_mut(&mut entry),
                 };
                 update(&mut row);
                 true
@@ -210,7 +235,7 @@ impl EmbeddingTable {
     /// A copy of the bytes of slot `slot` of the row of `id`.
     pub fn get_slot(&self, id: u64, slot: usize) -> Option<Vec<u8>> {
         let row = self.rows.get(&id)?;
-        let bytes: &[u8] = bytemuck::cast_slice(&row[..]);
+        let bytes: &[u8] = bytemuck::cast_slice(self.slabs.words(&row));
         let off = self.slot_offsets[slot];
         Some(bytes[off..off + self.slot_bytes[slot]].to_vec())
     }
@@ -231,7 +256,7 @@ impl EmbeddingTable {
         let Some(row) = self.rows.get(&id) else {
             return false;
         };
-        let bytes: &[u8] = bytemuck::cast_slice(&row[..]);
+        let bytes: &[u8] = bytemuck::cast_slice(self.slabs.words(&row));
         for (s, &b) in self.slot_bytes.iter().enumerate() {
             let off = self.slot_offsets[s];
             out.extend_from_slice(&bytes[off..off + b]);
@@ -245,12 +270,15 @@ impl EmbeddingTable {
     }
 
     /// Removes the row of `id`; returns whether it existed. A live snapshot keeps the removed row.
+    ///
+    /// The row's memory is reused by the table's next inserts; the table gives memory back to
+    /// the system only when it is dropped (its rows live in large slabs, not a heap block each).
     pub fn remove(&self, id: u64) -> bool {
         match self.rows.entry(id) {
             Entry::Occupied(mut o) => {
-                // Retired before the entry goes, under its lock (see `put`); the empty row left
-                // behind for that moment allocates nothing and nobody else can see it.
-                self.retired.retire(id, std::mem::take(o.get_mut()));
+                // Retired before the entry goes, under its lock (see `put`); the placeholder left
+                // behind for that moment has no memory and nobody else can see it.
+                self.retire(id, std::mem::replace(o.get_mut(), Row::placeholder()));
                 o.remove();
                 true
             }
@@ -258,7 +286,8 @@ impl EmbeddingTable {
         }
     }
 
-    /// Removes every row for which `keep` returns false (e.g. eviction of cold rows).
+    /// Removes every row for which `keep` returns false (e.g. eviction of cold rows). Their memory
+    /// is reused by later inserts, as with [`EmbeddingTable::remove`].
     pub fn retain(&self, mut keep: impl FnMut(u64) -> bool) {
         let doomed: Vec<u64> = self
             .rows

@@ -41,36 +41,39 @@ struct RetiredRows {
     /// The first version of each id to leave the map: what a read by id falls back to.
     by_id: HashMap<u64, Row>,
     /// Later versions of ids already in `by_id`: only kept alive for reads by handle.
-    later: Vec<Row>,
+    later: Vec<(u64, Row)>,
 }
 
 impl Retired {
-    /// Frees `row`, or keeps it until the last live snapshot ends.
+    /// Keeps `row` until the last live snapshot ends; or, with no snapshot alive, returns it for
+    /// the caller to free.
     ///
     /// Called with the row's map entry write-locked. A snapshot that saw the row did so under the
     /// shard's read lock, after registering; this caller took the write lock after that, so this
     /// load sees the registration.
-    pub(super) fn retire(&self, id: u64, row: Row) {
+    pub(super) fn retire(&self, id: u64, row: Row) -> Option<Row> {
         if self.live.load(Ordering::SeqCst) == 0 {
-            return;
+            return Some(row);
         }
         let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
-        if self.live.load(Ordering::SeqCst) > 0 {
-            let rows = &mut *rows;
-            match rows.by_id.entry(id) {
-                Entry::Vacant(v) => {
-                    v.insert(row);
-                }
-                // The first version stays findable by id; this one stays alive for handles.
-                Entry::Occupied(_) => rows.later.push(row),
-            }
+        if self.live.load(Ordering::SeqCst) == 0 {
+            return Some(row);
         }
+        let rows = &mut *rows;
+        match rows.by_id.entry(id) {
+            Entry::Vacant(v) => {
+                v.insert(row);
+            }
+            // The first version stays findable by id; this one stays alive for handles.
+            Entry::Occupied(_) => rows.later.push((id, row)),
+        }
+        None
     }
 
     /// Copies the retired row of `id` with `copy`, if there is one.
-    fn with_row<R>(&self, id: u64, copy: impl FnOnce(&[u64]) -> R) -> Option<R> {
+    fn with_row<R>(&self, id: u64, copy: impl FnOnce(&Row) -> R) -> Option<R> {
         let rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
-        rows.by_id.get(&id).map(|row| copy(row))
+        rows.by_id.get(&id).map(copy)
     }
 
     fn begin(&self) {
@@ -78,16 +81,15 @@ impl Retired {
         self.live.fetch_add(1, Ordering::SeqCst);
     }
 
-    fn end(&self) {
-        let freed = {
-            let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
-            if self.live.fetch_sub(1, Ordering::SeqCst) == 1 {
-                std::mem::take(&mut *rows)
-            } else {
-                RetiredRows::default()
-            }
+    /// Ends a snapshot; returns, with their ids, the rows to free if it was the last one.
+    fn end(&self) -> impl Iterator<Item = (u64, Row)> {
+        let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
+        let freed = if self.live.fetch_sub(1, Ordering::SeqCst) == 1 {
+            std::mem::take(&mut *rows)
+        } else {
+            RetiredRows::default()
         };
-        drop(freed);
+        freed.by_id.into_iter().chain(freed.later)
     }
 
     /// Rows currently kept for live snapshots.
@@ -123,7 +125,10 @@ impl<'t> EmbeddingSnapshot<'t> {
 
 impl Drop for EmbeddingSnapshot<'_> {
     fn drop(&mut self) {
-        self.table.retired.end();
+        let t = self.table;
+        for (id, row) in t.retired.end() {
+            t.slabs.free(t.arena(id), row);
+        }
     }
 }
 
@@ -206,9 +211,9 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
             let (id, row) = unsafe { bucket.as_ref() };
             let row: &Row = row.get();
             ids.push(*id);
-            handles.push(row.as_ptr() as u64);
+            handles.push(row.addr());
             if with_values {
-                let bytes: &[u8] = bytemuck::cast_slice(&row[..]);
+                let bytes: &[u8] = bytemuck::cast_slice(t.slabs.words(row));
                 for (s, v) in values.iter_mut().enumerate() {
                     let off = t.slot_offsets[s];
                     v.extend_from_slice(&bytes[off..off + t.slot_bytes[s]]);
@@ -228,11 +233,11 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         let t = self.table;
         for (r, id) in ids.iter().enumerate() {
             if let Some(row) = t.rows.get(id) {
-                t.copy_row_into(&row, r, out);
+                t.copy_row_into(t.slabs.words(&row), r, out);
             } else {
                 // Left the map since the scan: its first retired version.
                 t.retired
-                    .with_row(*id, |row| t.copy_row_into(row, r, out))
+                    .with_row(*id, |row| t.copy_row_into(t.slabs.words(row), r, out))
                     .ok_or_else(|| self.gone(*id))?;
             }
         }
