@@ -15,6 +15,7 @@
 //! arena's free list and is reused by the next insert there; slabs are only given back when the
 //! table is dropped.
 
+use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
@@ -57,9 +58,39 @@ pub(super) struct Slabs {
     arenas: Box<[Mutex<Arena>]>,
 }
 
+/// One slab: zeroed words, held by a raw pointer rather than a `Box`, because rows inside it are
+/// read and written through pointers of their own while the arena adds slabs; a `Box` would claim
+/// the whole slab each time it is touched.
+struct Slab {
+    ptr: NonNull<u64>,
+    words: usize,
+}
+
+impl Slab {
+    fn new(words: usize) -> Self {
+        let layout = Self::layout(words);
+        // SAFETY: `words` is at least 1 (callers never ask for an empty slab), so the layout's size
+        // is not zero.
+        let ptr = unsafe { alloc_zeroed(layout) }.cast::<u64>();
+        let ptr = NonNull::new(ptr).unwrap_or_else(|| handle_alloc_error(layout));
+        Slab { ptr, words }
+    }
+
+    fn layout(words: usize) -> Layout {
+        Layout::array::<u64>(words).expect("a slab is at most MAX_SLAB_BYTES")
+    }
+}
+
+impl Drop for Slab {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout, and freed only here.
+        unsafe { dealloc(self.ptr.as_ptr().cast(), Self::layout(self.words)) }
+    }
+}
+
 /// One arena's slabs and free rows.
 struct Arena {
-    slabs: Vec<Box<[u64]>>,
+    slabs: Vec<Slab>,
     /// Rows of the last slab not yet handed out start at this index of it.
     next: usize,
     free: Vec<Row>,
@@ -67,8 +98,8 @@ struct Arena {
     grow: usize,
 }
 
-// SAFETY: the arena owns its slabs, and its free rows point into them; it moves between threads
-// only inside its `Mutex`.
+// SAFETY: the arena owns its slabs (plain memory, freed by whichever thread drops the table), and
+// its free rows point into them; it moves between threads only inside its `Mutex`.
 unsafe impl Send for Arena {}
 
 /// Rows of the largest slab.
@@ -111,18 +142,18 @@ impl Slabs {
         if let Some(row) = a.free.pop() {
             return row;
         }
-        let rows_in_last = a.slabs.last().map_or(0, |s| s.len() / self.row_words);
+        let rows_in_last = a.slabs.last().map_or(0, |s| s.words / self.row_words);
         if a.next == rows_in_last {
             let rows = a.grow;
-            a.slabs
-                .push(vec![0u64; rows * self.row_words].into_boxed_slice());
+            a.slabs.push(Slab::new(rows * self.row_words));
             a.next = 0;
             a.grow = (rows * 2).min(max_slab_rows(self.row_words));
         }
         let at = a.next * self.row_words;
         a.next += 1;
-        let slab = a.slabs.last_mut().expect("a slab was just ensured");
-        Row(NonNull::from(&mut slab[at]))
+        let slab = a.slabs.last().expect("a slab was just ensured");
+        // SAFETY: this row of the last slab (`at + row_words <= words`) was never handed out.
+        Row(unsafe { NonNull::new_unchecked(slab.ptr.as_ptr().add(at)) })
     }
 
     /// Gives `row`, taken from arena `arena`, back for reuse. The caller must be sure that no one
@@ -164,7 +195,7 @@ impl Slabs {
                 self.arena(a)
                     .slabs
                     .iter()
-                    .map(|s| s.len() * 8)
+                    .map(|s| s.words * 8)
                     .sum::<usize>()
             })
             .sum()
