@@ -240,10 +240,13 @@ pub fn read_plain(path: &Path) -> Result<Model> {
             )));
         }
         drop(sorted);
-        let t = EmbeddingTable::new(
+        // Sized for its rows: the map is not rehashed as it grows, and the rows lie in the
+        // table's first slabs in the file's order.
+        let t = EmbeddingTable::with_capacity(
             table.clone(),
             key,
             slots.iter().map(|s| s.1.clone()).collect(),
+            ids.len(),
         )?;
         let data: Vec<Vec<u8>> = slots
             .iter()
