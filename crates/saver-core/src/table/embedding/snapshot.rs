@@ -1,14 +1,15 @@
 //! Snapshots of an [`EmbeddingTable`]: a scan that hands out each row's address as its handle, and
 //! reads by handle that touch each row once, in whatever order the save wants.
 //!
-//! A save reads rows in bucket order, which is random with respect to where they are in memory.
-//! Looking each one up again in the map costs several cache and TLB misses per row (the map's
+//! A save reads rows in bucket order, which is random with respect to where they are in memory,
+//! unless the table was restored from a checkpoint (see `slab`). Looking each one up again in the map costs several cache and TLB misses per row (the map's
 //! control bytes, its slot, then the row); reading through the address found during the scan
 //! costs one, and since the addresses of the next rows are known, that one can be prefetched.
 //!
 //! Two rules keep the addresses valid and the reads untorn:
 //! - A row taken out of the map (removed, or replaced by `insert`) while any snapshot is alive is
-//!   *retired* instead of freed, and freed when the last snapshot ends.
+//!   *retired* instead of freed, and goes back to the table's slabs for reuse only when the last
+//!   snapshot ends.
 //! - A read holds the read lock of the dashmap shard the row's id belongs to, as `get` would, so
 //!   it never overlaps an in-place update (which holds that shard's write lock).
 
