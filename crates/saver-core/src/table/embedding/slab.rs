@@ -245,6 +245,44 @@ mod tests {
         assert_eq!(slabs.reserved_bytes(), 1062 * 16);
     }
 
+    proptest::proptest! {
+        /// Under any mix of allocations and frees over any arenas, live rows never share memory
+        /// (each keeps what was written to it), and each arena's slabs stay within twice the
+        /// most rows it had live plus its first slab.
+        #[test]
+        fn live_rows_keep_their_words_under_any_allocs_and_frees(
+            row_words in 1usize..6,
+            arenas in 1usize..5,
+            expected in 0usize..300,
+            ops in proptest::collection::vec((0usize..8, proptest::bool::ANY), 1..400),
+        ) {
+            let slabs = Slabs::new(row_words, arenas, expected);
+            let mut live: Vec<(usize, u64, Row)> = Vec::new();
+            // Live rows of each arena now, and the most it had.
+            let mut now = vec![0usize; arenas];
+            let mut most = vec![0usize; arenas];
+            for (k, (arena, alloc)) in ops.into_iter().enumerate() {
+                if alloc || live.is_empty() {
+                    let mut row = slabs.alloc(arena);
+                    slabs.words_mut(&mut row).fill(k as u64);
+                    live.push((arena, k as u64, row));
+                    now[arena % arenas] += 1;
+                    most[arena % arenas] = most[arena % arenas].max(now[arena % arenas]);
+                } else {
+                    let (arena, _, row) = live.swap_remove(k % live.len());
+                    slabs.free(arena, row);
+                    now[arena % arenas] -= 1;
+                }
+                for (_, mark, row) in &live {
+                    proptest::prop_assert!(slabs.words(row).iter().all(|w| w == mark));
+                }
+            }
+            let first = (expected.div_ceil(arenas) * 17 / 16).max(MIN_SLAB_ROWS);
+            let bound: usize = most.iter().map(|m| 2 * m + first).sum();
+            proptest::prop_assert!(slabs.reserved_bytes() <= bound * row_words * 8);
+        }
+    }
+
     #[test]
     fn rows_without_words_take_no_memory() {
         let slabs = Slabs::new(0, 8, 100);
