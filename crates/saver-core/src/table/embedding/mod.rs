@@ -131,10 +131,8 @@ impl EmbeddingTable {
 
     /// A row for `id` holding `values` (zeros in the padding between slots).
     fn build_row(&self, id: u64, values: &[&[u8]]) -> Row {
-        let mut row = self.slabs.alloc(self.arena(id));
-        let words = self.slabs.words_mut(&mut row);
-        words.fill(0);
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(words);
+        let mut row = self.zeroed_row(id);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(self.slabs.words_mut(&mut row));
         for (s, v) in values.iter().enumerate() {
             let off = self.slot_offsets[s];
             bytes[off..off + v.len()].copy_from_slice(v);
