@@ -78,28 +78,36 @@ fn pack_files(sizes: &[u64], opts: &PlanOptions) -> (Vec<usize>, usize) {
     }
 }
 
-/// Whether a file holding several of `sizes` goes past `max_file_size`.
-fn overflows(sizes: &[u64], files: &[usize], nfiles: usize, opts: &PlanOptions) -> bool {
+/// Each file's bytes and item count, for items of `sizes` placed in `files`.
+fn file_loads(sizes: &[u64], files: &[usize], nfiles: usize) -> Vec<(u64, usize)> {
     let mut load = vec![(0u64, 0usize); nfiles];
     for (i, &f) in files.iter().enumerate() {
         load[f].0 += sizes[i];
         load[f].1 += 1;
     }
-    load.iter()
+    load
+}
+
+/// Whether a file holding several of `sizes` goes past `max_file_size`.
+fn overflows(sizes: &[u64], files: &[usize], nfiles: usize, opts: &PlanOptions) -> bool {
+    any_overflow(&file_loads(sizes, files, nfiles), opts)
+}
+
+/// Whether a file of several items, by its `file_loads`, goes past `max_file_size`.
+fn any_overflow(loads: &[(u64, usize)], opts: &PlanOptions) -> bool {
+    loads
+        .iter()
         .any(|&(bytes, count)| bytes > opts.max_file_size && count > 1)
 }
 
 /// Whether tensors of `sizes` placed in `files` stay within `max_file_size` (unless alone) and
 /// within a quarter, or one tensor, of the mean file.
 fn fits(sizes: &[u64], files: &[usize], nfiles: usize, opts: &PlanOptions) -> bool {
-    if overflows(sizes, files, nfiles, opts) {
+    let load = file_loads(sizes, files, nfiles);
+    if any_overflow(&load, opts) {
         return false;
     }
-    let mut load = vec![0u64; nfiles];
-    for (i, &f) in files.iter().enumerate() {
-        load[f] += sizes[i];
-    }
-    let used: Vec<u64> = load.into_iter().filter(|&l| l > 0).collect();
+    let used: Vec<u64> = load.into_iter().map(|l| l.0).filter(|&l| l > 0).collect();
     let mean = used.iter().sum::<u64>() as f64 / used.len().max(1) as f64;
     let max = used.iter().copied().max().unwrap_or(0) as f64;
     let largest = sizes.iter().copied().max().unwrap_or(0) as f64;
