@@ -265,11 +265,13 @@ impl Checkpoint {
                     .cloned()
                     .unwrap_or_else(|| t.name.clone());
                 let rows = expected_rows(t, PartitionRule::bucket_range(j, opts.shard_num));
-                ts.push(EmbeddingTable::with_capacity(
+                ts.push(EmbeddingTable::for_shard(
                     name,
                     t.key_dtype,
                     Self::kept_slots(t, &exclude),
                     rows,
+                    j,
+                    opts.shard_num,
                 )?);
             }
             shards.push(RestoredShard {

@@ -1,10 +1,12 @@
 //! Snapshots of an [`EmbeddingTable`]: a scan that hands out each row's address as its handle, and
 //! reads by handle that touch each row once, in whatever order the save wants.
 //!
-//! A save reads rows in bucket order, which is random with respect to where they are in memory,
-//! unless the table was restored from a checkpoint (see `slab`). Looking each one up again in the map costs several cache and TLB misses per row (the map's
-//! control bytes, its slot, then the row); reading through the address found during the scan
-//! costs one, and since the addresses of the next rows are known, that one can be prefetched.
+//! A save reads rows in bucket order. The rows of neighbouring buckets share an arena (see `slab`),
+//! but within it lie in the order they were inserted, which is random with respect to bucket
+//! order unless the table was restored from a checkpoint. Looking each row up again in the map
+//! costs several cache and TLB misses (the map's control bytes, its slot, then the row); reading
+//! through the address found during the scan costs at most one, and since the addresses of the
+//! next rows are known, that one can be prefetched.
 //!
 //! Two rules keep the addresses valid and the reads untorn:
 //! - A row taken out of the map (removed, or replaced by `insert`) while any snapshot is alive is
