@@ -11,12 +11,12 @@
 //!   miss a row.
 //!
 //! Each table has [`ARENAS`] arenas, one for each 256th of its bucket range, so that the rows of
-//! a few neighbouring buckets lie in one arena: a save reads rows bucket by bucket, and then
-//! walks one arena's few megabytes at a time, within the reach of the TLB and the caches,
-//! instead of the whole table. (Arenas by dashmap shard, as first built, spread every bucket's
-//! rows over an eighth of the table; the save's row gather took twice as long.) A freed row goes
-//! on its arena's free list and is reused by the next insert there; slabs are only given back
-//! when the table is dropped.
+//! neighbouring buckets lie in one arena: a save reads rows bucket by bucket, and then walks one
+//! 256th of the table at a time (a few megabytes for a table of a gigabyte, within the reach of
+//! the TLB and the caches) instead of the whole table. Arenas by dashmap shard, as first built,
+//! spread every bucket's rows over an eighth of the table, and the save's row gather took twice
+//! as long (`benches/gather.rs`). A freed row goes on its arena's free list and is reused by the
+//! next insert there; slabs are only given back when the table is dropped.
 
 use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
 use std::ptr::NonNull;
