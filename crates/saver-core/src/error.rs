@@ -146,5 +146,5 @@ pub enum Error {
     },
 }
 
-/// Result with [`Error`].
+/// Result with [`Error`](enum@Error).
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -92,7 +92,7 @@ pub enum Error {
     },
 }
 
-/// Result with [`Error`].
+/// Result with [`Error`](enum@Error).
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Attaches the operation and path to an `io::Error`.
