@@ -12,12 +12,11 @@ pub use hasher::{IdHashBuilder, IdHasher};
 use slab::{Row, Slabs};
 use snapshot::{EmbeddingSnapshot, Retired};
 
-use crate::partition::PartitionRule;
-
 use super::{validate_slots, SlotSpec, SparseTable, TableSnapshot};
 use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
 use crate::naming::check_table_name;
+use crate::partition::PartitionRule;
 
 /// A concurrent embedding table: many threads insert, update, read and remove rows while another
 /// thread saves it.
@@ -92,8 +91,8 @@ impl EmbeddingTable {
     /// The table accepts any id, but lays its memory out for that shard's buckets: each of its
     /// arenas takes the rows of an equal part of them, and a save, which reads rows bucket by
     /// bucket, then reads one arena at a time. A table made with [`Self::new`] on a worker of
-    /// many shards keeps every row in the few arenas of the worker's buckets, and its saves read
-    /// rows spread over more memory: up to about twice as slowly.
+    /// many shards keeps every row in the few arenas of the worker's buckets, and its saves
+    /// gather rows spread over more memory at a time, which is slower.
     pub fn for_shard(
         name: impl Into<String>,
         key_dtype: KeyDtype,
