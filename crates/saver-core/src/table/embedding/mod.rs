@@ -37,10 +37,8 @@ pub struct EmbeddingTable {
     /// The rows' memory: arenas for equal parts of `buckets`.
     slabs: Slabs,
     /// The buckets whose rows the table expects (see [`Self::for_shard`]); their range is split
-    /// into equal parts, one per arena.
+    /// into equal parts, one per arena of `slabs`.
     buckets: Range<u32>,
-    /// Arenas in `slabs`.
-    arenas: u32,
     /// Rows that left the map while a snapshot might still read them.
     retired: Retired,
 }
@@ -132,7 +130,6 @@ impl EmbeddingTable {
             rows: DashMap::with_capacity_and_hasher(rows, IdHashBuilder),
             slabs: Slabs::new(off / 8, arenas as usize, rows),
             buckets,
-            arenas,
             retired: Retired::default(),
         })
     }
@@ -174,7 +171,7 @@ impl EmbeddingTable {
         let Range { start, end } = self.buckets;
         let b = bucket.clamp(start, end.max(start + 1) - 1);
         let len = u64::from(end - start).max(1);
-        (u64::from(b - start) * u64::from(self.arenas) / len) as usize
+        (u64::from(b - start) * self.slabs.arenas() as u64 / len) as usize
     }
 
     /// A row for `id` holding `values` (zeros in the padding between slots).
@@ -427,7 +424,7 @@ mod tests {
             let shard = pick % shard_num;
             let t = shard_table(shard, shard_num).unwrap();
             let range = PartitionRule::bucket_range(shard, shard_num);
-            let arenas = t.arenas as usize;
+            let arenas = t.slabs.arenas();
             proptest::prop_assert_eq!(arenas, range.len().clamp(1, slab::ARENAS as usize));
             let mut runs = vec![0usize; arenas];
             let mut last = 0;

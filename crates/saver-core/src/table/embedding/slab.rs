@@ -254,6 +254,11 @@ impl Slabs {
         }
     }
 
+    /// Arenas of the table.
+    pub(super) fn arenas(&self) -> usize {
+        self.arenas.len()
+    }
+
     /// The words of `row`.
     pub(super) fn words<'a>(&'a self, row: &'a Row) -> &'a [u64] {
         // SAFETY: every `Row` but a placeholder (which has no words here, or is never read: see
