@@ -71,6 +71,21 @@ impl PartitionRule {
         (fmix64(id_bits) >> 48) as u32
     }
 
+    /// Checks that shard `shard` of `shard_num` exists: at least one shard, and `shard` below
+    /// their number.
+    pub fn check_shard(shard: u32, shard_num: u32) -> Result<()> {
+        if shard_num == 0 {
+            return Err(Error::ZeroShards);
+        }
+        if shard >= shard_num {
+            return Err(Error::ShardOutOfRange {
+                index: shard,
+                num: shard_num,
+            });
+        }
+        Ok(())
+    }
+
     /// The buckets shard `shard` of `shard_num` owns.
     pub fn bucket_range(shard: u32, shard_num: u32) -> Range<u32> {
         debug_assert!(shard < shard_num);

@@ -679,18 +679,11 @@ fn expected_rows(t: &TableManifest, range: Range<u32>) -> usize {
 }
 
 pub(crate) fn target_shards(opts: &LoadOptions) -> Result<Vec<u32>> {
-    if opts.shard_num == 0 {
-        return Err(saver_core::Error::ZeroShards.into());
-    }
-    match opts.shard_index {
-        Some(j) if j >= opts.shard_num => Err(saver_core::Error::ShardOutOfRange {
-            index: j,
-            num: opts.shard_num,
-        }
-        .into()),
-        Some(j) => Ok(vec![j]),
-        None => Ok((0..opts.shard_num).collect()),
-    }
+    PartitionRule::check_shard(opts.shard_index.unwrap_or(0), opts.shard_num)?;
+    Ok(match opts.shard_index {
+        Some(j) => vec![j],
+        None => (0..opts.shard_num).collect(),
+    })
 }
 
 pub(crate) fn finish_report(r: &mut LoadReport) {

@@ -151,17 +151,7 @@ impl Default for PlanOptions {
 impl PlanOptions {
     /// Checks every option, naming the first bad one.
     pub fn validate(&self) -> Result<()> {
-        if self.shard_num == 0 {
-            return Err(Error::ZeroShards);
-        }
-        if let Some(i) = self.shard_index {
-            if i >= self.shard_num {
-                return Err(Error::ShardOutOfRange {
-                    index: i,
-                    num: self.shard_num,
-                });
-            }
-        }
+        PartitionRule::check_shard(self.shard_index.unwrap_or(0), self.shard_num)?;
         let bad = |option, why: &str| {
             Err(Error::InvalidOption {
                 option,

@@ -99,15 +99,7 @@ impl EmbeddingTable {
         shard: u32,
         shard_num: u32,
     ) -> Result<Self> {
-        if shard_num == 0 {
-            return Err(Error::ZeroShards);
-        }
-        if shard >= shard_num {
-            return Err(Error::ShardOutOfRange {
-                index: shard,
-                num: shard_num,
-            });
-        }
+        PartitionRule::check_shard(shard, shard_num)?;
         let name = name.into();
         check_table_name(&name)?;
         let slot_bytes = validate_slots(&name, &slots)?;
