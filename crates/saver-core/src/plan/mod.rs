@@ -358,6 +358,8 @@ pub fn plan_with_spill<'a>(
         .into_iter()
         .map(|past| spill.as_ref().filter(|_| past).map(Arc::clone))
         .collect();
+    // Scan buffers, handed from part to part across every table's scan.
+    let buffers = rows::RunBufferPool::default();
     let mut tables: Vec<ScannedTable<'a>> = input
         .tables
         .par_iter()
@@ -369,11 +371,15 @@ pub fn plan_with_spill<'a>(
                 &shards,
                 &opts.filters,
                 opts.foreign_rows,
-                spill,
-                rows::unit_rows(opts.chunk_bytes),
+                scan::RowsTo {
+                    spill,
+                    unit_rows: rows::unit_rows(opts.chunk_bytes),
+                    buffers: &buffers,
+                },
             )
         })
         .collect::<Result<_>>()?;
+    drop(buffers);
     let dense_shard = layout::assign_dense(&input.dense, opts.shard_num);
     let shard_plans = shards
         .par_iter()

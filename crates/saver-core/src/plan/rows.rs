@@ -103,11 +103,12 @@ impl Spilled {
         }
     }
 
-    /// Buffers for one scanning thread.
-    pub fn buffer(&self) -> SpillBuffer<'_> {
+    /// Buffers for one scanning thread, taken from `pool` when it has some of the right size.
+    pub fn buffer<'p>(&self, pool: &'p RunBufferPool) -> SpillBuffer<'_, 'p> {
         SpillBuffer {
             to: self,
-            runs: RunBuffers::new(256, self.run_rows),
+            runs: Some(pool.take(256, self.run_rows)),
+            pool,
         }
     }
 
@@ -159,19 +160,29 @@ impl Spilled {
 }
 
 /// A scanning thread's buffers into a [`Spilled`]: one run per region, appended when full.
-pub(crate) struct SpillBuffer<'s> {
+pub(crate) struct SpillBuffer<'s, 'p> {
     to: &'s Spilled,
-    runs: RunBuffers,
+    /// `None` only once [`Self::finish`] has handed the buffers back to `pool`.
+    runs: Option<RunBuffers>,
+    pool: &'p RunBufferPool,
 }
 
-impl SpillBuffer<'_> {
+impl SpillBuffer<'_, '_> {
     /// Moves rows out of `ids` and `handles` (one per id, or empty: handles are then zero, and
-    /// the table is read by id) into the buffers.
-    pub fn take(&mut self, ids: &mut Vec<u64>, handles: &mut Vec<u64>) -> Result<()> {
-        for (i, &id) in ids.iter().enumerate() {
-            let h = high_byte(id);
+    /// the table is read by id) into the buffers. `buckets` holds each id's bucket, computed
+    /// once by the scan for every use it has there.
+    pub fn take(
+        &mut self,
+        ids: &mut Vec<u64>,
+        handles: &mut Vec<u64>,
+        buckets: &[u32],
+    ) -> Result<()> {
+        debug_assert_eq!(ids.len(), buckets.len());
+        let runs = self.runs.as_mut().expect("buffers taken before finish");
+        for (i, (&id, &bucket)) in ids.iter().zip(buckets).enumerate() {
+            let h = (bucket >> 8) as usize;
             let handle = handles.get(i).copied().unwrap_or(0);
-            if let Some(run) = self.runs.push(self.to, h, id, handle)? {
+            if let Some(run) = runs.push(self.to, h, id, handle)? {
                 self.to.record(h, run);
             }
         }
@@ -180,39 +191,81 @@ impl SpillBuffer<'_> {
         Ok(())
     }
 
-    /// Appends what is left.
+    /// Appends what is left, and gives the (empty) buffers back to the pool for the next part.
     pub fn finish(mut self) -> Result<()> {
+        let mut runs = self.runs.take().expect("finished once");
         for h in 0..256 {
-            if let Some(run) = self.runs.flush(self.to, h)? {
+            if let Some(run) = runs.flush(self.to, h)? {
                 self.to.record(h, run);
             }
         }
+        self.pool.give(runs);
         Ok(())
+    }
+}
+
+/// Empty [`RunBuffers`] that scans of parts hand on to each other. A plan scans hundreds of
+/// parts (every table's); allocating each part's 256 runs anew cost the scan a fresh-memory
+/// fault on every buffer page, every part. The pool holds at most as many buffers as parts were
+/// scanned at once, and lives as long as the plan's scan.
+#[derive(Default)]
+pub(crate) struct RunBufferPool(Mutex<Vec<RunBuffers>>);
+
+impl RunBufferPool {
+    /// Empty buffers for `keys` keys of `run_rows` rows.
+    fn take(&self, keys: usize, run_rows: usize) -> RunBuffers {
+        let mut idle = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        match idle
+            .iter()
+            .position(|b| b.lens.len() == keys && b.run_rows == run_rows)
+        {
+            Some(i) => idle.swap_remove(i),
+            None => RunBuffers::new(keys, run_rows),
+        }
+    }
+
+    fn give(&self, runs: RunBuffers) {
+        debug_assert!(runs.lens.iter().all(|&n| n == 0), "buffers given back full");
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(runs);
     }
 }
 
 /// Rows buffered by key (a region while scanning, a part while splitting a region), each key's
 /// appended to the spill as a run once `run_rows` have gathered.
+///
+/// One flat array of ids and one of handles, `run_rows` slots per key: a row's push is two
+/// stores and a length update, with no per-key vector to look up, grow or reallocate.
 struct RunBuffers {
-    ids: Vec<Vec<u64>>,
-    handles: Vec<Vec<u64>>,
+    ids: Vec<u64>,
+    handles: Vec<u64>,
+    /// Rows buffered per key.
+    lens: Vec<usize>,
     run_rows: usize,
 }
 
 impl RunBuffers {
     fn new(keys: usize, run_rows: usize) -> Self {
+        // Zeroed memory: the kernel maps its pages only as rows reach them.
         Self {
-            ids: vec![Vec::new(); keys],
-            handles: vec![Vec::new(); keys],
+            ids: vec![0; keys * run_rows],
+            handles: vec![0; keys * run_rows],
+            lens: vec![0; keys],
             run_rows,
         }
     }
 
     /// Buffers one row under `key`; returns the run appended to `to` when that fills the buffer.
+    #[inline]
     fn push(&mut self, to: &Spilled, key: usize, id: u64, handle: u64) -> Result<Option<Extent>> {
-        self.ids[key].push(id);
-        self.handles[key].push(handle);
-        if self.ids[key].len() < self.run_rows {
+        let n = self.lens[key];
+        let at = key * self.run_rows + n;
+        self.ids[at] = id;
+        self.handles[at] = handle;
+        self.lens[key] = n + 1;
+        if n + 1 < self.run_rows {
             return Ok(None);
         }
         self.flush(to, key)
@@ -220,12 +273,13 @@ impl RunBuffers {
 
     /// Appends what `key` holds to `to`, if anything; returns the run.
     fn flush(&mut self, to: &Spilled, key: usize) -> Result<Option<Extent>> {
-        if self.ids[key].is_empty() {
+        let n = self.lens[key];
+        if n == 0 {
             return Ok(None);
         }
-        let run = to.append_run(&self.ids[key], &self.handles[key])?;
-        self.ids[key].clear();
-        self.handles[key].clear();
+        let at = key * self.run_rows;
+        let run = to.append_run(&self.ids[at..at + n], &self.handles[at..at + n])?;
+        self.lens[key] = 0;
         Ok(Some(run))
     }
 }
@@ -580,6 +634,44 @@ pub(crate) mod tests {
             buf.copy_from_slice(&v[at..at + buf.len()]);
             Ok(())
         }
+    }
+
+    #[test]
+    fn a_part_hands_its_emptied_buffers_to_the_next() {
+        let pool = RunBufferPool::default();
+        let spilled = Spilled::new("t", Arc::new(MemorySpill::default()));
+        let ids: Vec<u64> = (0..3000).collect();
+        let buckets: Vec<u32> = ids.iter().map(|&i| PartitionRule::bucket_of(i)).collect();
+        let mut first = spilled.buffer(&pool);
+        // A second part scanned meanwhile gets buffers of its own.
+        let second = spilled.buffer(&pool);
+        let memory = [&first, &second].map(|b| b.runs.as_ref().unwrap().ids.as_ptr());
+        assert_ne!(memory[0], memory[1]);
+        let handles: Vec<u64> = ids.iter().map(|&i| !i).collect();
+        first
+            .take(&mut ids.clone(), &mut handles.clone(), &buckets)
+            .unwrap();
+        first.finish().unwrap();
+        second.finish().unwrap();
+
+        // Every row went to the spill, each in a run of its own region.
+        let extents = spilled.extents.lock().unwrap().clone();
+        let spilled_rows: usize = extents.iter().flatten().map(|e| e.rows).sum();
+        assert_eq!(spilled_rows, ids.len());
+        for (h, runs) in extents.iter().enumerate() {
+            let (mut got, mut got_handles) = (Vec::new(), Vec::new());
+            spilled
+                .read_runs(runs, true, &mut got, &mut got_handles)
+                .unwrap();
+            assert!(got.iter().all(|&i| high_byte(i) == h));
+            assert!(got.iter().zip(&got_handles).all(|(&i, &g)| g == !i));
+        }
+
+        // The next part reuses the first part's memory, with nothing left in it.
+        let next = spilled.buffer(&pool);
+        let runs = next.runs.as_ref().unwrap();
+        assert!(memory.contains(&runs.ids.as_ptr()));
+        assert!(runs.lens.iter().all(|&n| n == 0));
     }
 
     /// A spill store whose disk is full.

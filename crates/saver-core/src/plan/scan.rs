@@ -13,7 +13,9 @@ use rayon::prelude::*;
 use crate::table::{validate_slots, RowChunk, RowView, SlotSpec, SparseTable, TableSnapshot};
 
 use super::bucket_starts::BucketStarts;
-use super::rows::{flag_pass, high_byte, MemoryPart, Spill, Spilled, Store, TableRows};
+use super::rows::{
+    flag_pass, high_byte, MemoryPart, RunBufferPool, Spill, Spilled, Store, TableRows,
+};
 use super::ForeignRows;
 
 /// Rows per scan chunk: bounds the memory a scan with slot values uses.
@@ -93,6 +95,9 @@ struct Found {
     without_handles: bool,
     foreign_count: u64,
     foreign_first: Option<u64>,
+    /// The bucket of each row the last [`Self::add`] kept: hashed once, for the shard, the
+    /// count and the region alike.
+    buckets: Vec<u32>,
 }
 
 /// A row filter and what it needs to see rows: the filters, the key dtype, the slots.
@@ -114,15 +119,17 @@ impl Found {
         table: &str,
         slot_bytes: &[usize],
         row_filter: Option<RowFilter<'_>>,
-        keep: &impl Fn(u64) -> Option<bool>,
+        keep: &impl Fn(u32) -> Option<bool>,
     ) -> Result<()> {
         if chunk.handles.len() != chunk.ids.len() && !self.without_handles {
             self.without_handles = true;
             self.handles = Vec::new();
         }
+        self.buckets.clear();
         let mut row_vals: Vec<&[u8]> = vec![&[]; slot_bytes.len()];
         for (r, &id) in chunk.ids.iter().enumerate() {
-            match keep(id) {
+            let bucket = PartitionRule::bucket_of(id);
+            match keep(bucket) {
                 None => {
                     self.foreign_count += 1;
                     self.foreign_first.get_or_insert(id);
@@ -151,6 +158,7 @@ impl Found {
                 }
             }
             self.ids.push(id);
+            self.buckets.push(bucket);
             if !self.without_handles {
                 self.handles.push(chunk.handles[r]);
             }
@@ -187,12 +195,13 @@ struct Collected {
 }
 
 impl Collected {
-    fn count(&mut self, ids: &[u64]) {
+    /// Counts rows by their buckets.
+    fn count(&mut self, buckets: &[u32]) {
         if self.counts.is_empty() {
             self.counts = vec![0; BUCKETS as usize];
         }
-        for &id in ids {
-            self.counts[PartitionRule::bucket_of(id) as usize] += 1;
+        for &b in buckets {
+            self.counts[b as usize] += 1;
         }
     }
 
@@ -230,18 +239,32 @@ fn bucket_starts(counts: &[u64]) -> Vec<u64> {
     bucket_start
 }
 
+/// Where a table's scan puts the rows it keeps.
+pub(crate) struct RowsTo<'p> {
+    /// The spill store, for a table past the plan memory; `None`: the rows stay in memory.
+    pub spill: Option<Arc<dyn Spill>>,
+    /// Rows of a spilled unit, at most (see [`super::rows::unit_rows`]).
+    pub unit_rows: usize,
+    /// Scan buffers, shared by every table's scan.
+    pub buffers: &'p RunBufferPool,
+}
+
 /// Scans `table`: the rows planned shards keep, counted per bucket, held in memory or, when
-/// `spill` is given, moved to it as they are scanned (and read back in units of at most
-/// `unit_rows`, see [`super::rows::unit_rows`]).
+/// `to.spill` is given, moved to it as they are scanned (and read back in units of at most
+/// `to.unit_rows`).
 pub(crate) fn scan_table<'a>(
     table: &'a dyn SparseTable,
     shard_num: u32,
     shards: &[u32],
     filters: &Filters,
     foreign: ForeignRows,
-    spill: Option<Arc<dyn Spill>>,
-    unit_rows: usize,
+    to: RowsTo<'_>,
 ) -> Result<ScannedTable<'a>> {
+    let RowsTo {
+        spill,
+        unit_rows,
+        buffers,
+    } = to;
     let name = table.name().to_string();
     let slots = table.slots().to_vec();
     let slot_bytes = validate_slots(&name, &slots)?;
@@ -252,9 +275,9 @@ pub(crate) fn scan_table<'a>(
     // shard -> position in `shards`, only needed when not every shard is planned.
     let all_planned = shards.len() as u64 == u64::from(shard_num);
     // Whether a row is saved here: `Some(true)` yes, `Some(false)` its blocks are all dropped,
-    // `None` its shard is not planned by this process (a foreign row).
-    let keep = |id: u64| -> Option<bool> {
-        let shard = PartitionRule::shard_of(id, shard_num);
+    // `None` its shard is not planned by this process (a foreign row). Given the row's bucket.
+    let keep = |bucket: u32| -> Option<bool> {
+        let shard = PartitionRule::shard_of_bucket(bucket, shard_num);
         let pos = if all_planned {
             Some(shard as usize)
         } else {
@@ -279,16 +302,13 @@ pub(crate) fn scan_table<'a>(
             .into_par_iter()
             .try_fold(Collected::default, |mut acc, part| {
                 let mut f = Found::with_capacity(per_part);
-                let mut buffer = spilled.as_ref().map(Spilled::buffer);
-                let mut counted = 0;
+                let mut buffer = spilled.as_ref().map(|s| s.buffer(buffers));
                 snapshot.scan_part(part, SCAN_ROWS, with_values, &mut |chunk| {
                     let row_filter = with_values.then_some((filters, key_dtype, &slots[..]));
                     f.add(&chunk, &name, &slot_bytes, row_filter, &keep)?;
-                    acc.count(&f.ids[counted..]);
-                    counted = f.ids.len();
+                    acc.count(&f.buckets);
                     if let Some(b) = buffer.as_mut() {
-                        b.take(&mut f.ids, &mut f.handles)?;
-                        counted = 0;
+                        b.take(&mut f.ids, &mut f.handles, &f.buckets)?;
                     }
                     Ok(())
                 })?;
@@ -378,6 +398,7 @@ mod tests {
         bounds.push(ids.len());
         bounds.sort_unstable();
         let spilled = spill.map(|s| Spilled::new("t", s));
+        let pool = RunBufferPool::default();
         let mut acc = Collected::default();
         for (p, w) in bounds.windows(2).enumerate() {
             let mut f = Found::with_capacity(w[1] - w[0]);
@@ -387,12 +408,13 @@ mod tests {
             } else {
                 f.without_handles = true;
             }
-            acc.count(&f.ids);
+            let buckets: Vec<u32> = f.ids.iter().map(|&i| PartitionRule::bucket_of(i)).collect();
+            acc.count(&buckets);
             acc.add_found(&f);
             match &spilled {
                 Some(s) => {
-                    let mut b = s.buffer();
-                    b.take(&mut f.ids, &mut f.handles)?;
+                    let mut b = s.buffer(&pool);
+                    b.take(&mut f.ids, &mut f.handles, &buckets)?;
                     b.finish()?;
                 }
                 None => acc.parts.push(f.into_memory_part()),
