@@ -275,6 +275,9 @@ def measure_model(spec, work, runs, peers, out):
         subprocess.run([SAVER, "save", "--from", plain, "--out", d, "--shards", str(n), "--no-fsync"], check=True, capture_output=True)
     files = [os.path.join(ck1, f) for f in os.listdir(ck1) if f.endswith(".safetensors")]
     load = {"limit: plain read into a reused buffer": (py("read", *files), None, lambda js, w: js["seconds"])}
+    # The least an owning load can do: the same read, into new memory (benches/read_fresh.rs).
+    load["limit: plain read into new memory, 2 threads"] = (
+        ["cargo", "bench", "--quiet", "--bench", "read_fresh", "--", *files], None, lambda js, w: js["seconds"])
     load["limit: memory copy of the same size"] = (py("memcpy", nbytes), None, lambda js, w: js["seconds"])
     for par in (1, 2):
         load[f"saver load into arrays, parallel {par}"] = ([SAVER, "load", ck1, "--into", "arrays", "--parallel", str(par), "--json"], None, lambda js, w: saver_seconds(js))
