@@ -205,8 +205,8 @@ impl SpillBuffer<'_, '_> {
 }
 
 /// Empty [`RunBuffers`] that scans of parts hand on to each other. A plan scans hundreds of
-/// parts (every table's); allocating each part's 256 runs anew cost the scan a fresh-memory
-/// fault on every buffer page, every part. The pool holds at most as many buffers as parts were
+/// parts (every spilled table's); when each part made its buffers anew, 512 vectors grew from
+/// empty by doubling, part after part. The pool holds at most as many buffers as parts were
 /// scanned at once, and lives as long as the plan's scan.
 #[derive(Default)]
 pub(crate) struct RunBufferPool(Mutex<Vec<RunBuffers>>);
