@@ -107,7 +107,7 @@ impl Spilled {
     pub fn buffer<'p>(&self, pool: &'p RunBufferPool) -> SpillBuffer<'_, 'p> {
         SpillBuffer {
             to: self,
-            runs: Some(pool.take(256, self.run_rows)),
+            runs: pool.take(256, self.run_rows),
             pool,
         }
     }
@@ -162,8 +162,7 @@ impl Spilled {
 /// A scanning thread's buffers into a [`Spilled`]: one run per region, appended when full.
 pub(crate) struct SpillBuffer<'s, 'p> {
     to: &'s Spilled,
-    /// `None` only once [`Self::finish`] has handed the buffers back to `pool`.
-    runs: Option<RunBuffers>,
+    runs: RunBuffers,
     pool: &'p RunBufferPool,
 }
 
@@ -178,11 +177,10 @@ impl SpillBuffer<'_, '_> {
         buckets: &[u32],
     ) -> Result<()> {
         debug_assert_eq!(ids.len(), buckets.len());
-        let runs = self.runs.as_mut().expect("buffers taken before finish");
         for (i, (&id, &bucket)) in ids.iter().zip(buckets).enumerate() {
             let h = (bucket >> 8) as usize;
             let handle = handles.get(i).copied().unwrap_or(0);
-            if let Some(run) = runs.push(self.to, h, id, handle)? {
+            if let Some(run) = self.runs.push(self.to, h, id, handle)? {
                 self.to.record(h, run);
             }
         }
@@ -192,14 +190,14 @@ impl SpillBuffer<'_, '_> {
     }
 
     /// Appends what is left, and gives the (empty) buffers back to the pool for the next part.
-    pub fn finish(mut self) -> Result<()> {
-        let mut runs = self.runs.take().expect("finished once");
+    pub fn finish(self) -> Result<()> {
+        let SpillBuffer { to, mut runs, pool } = self;
         for h in 0..256 {
-            if let Some(run) = runs.flush(self.to, h)? {
-                self.to.record(h, run);
+            if let Some(run) = runs.flush(to, h)? {
+                to.record(h, run);
             }
         }
-        self.pool.give(runs);
+        pool.give(runs);
         Ok(())
     }
 }
@@ -645,7 +643,7 @@ pub(crate) mod tests {
         let mut first = spilled.buffer(&pool);
         // A second part scanned meanwhile gets buffers of its own.
         let second = spilled.buffer(&pool);
-        let memory = [&first, &second].map(|b| b.runs.as_ref().unwrap().ids.as_ptr());
+        let memory = [&first, &second].map(|b| b.runs.ids.as_ptr());
         assert_ne!(memory[0], memory[1]);
         let handles: Vec<u64> = ids.iter().map(|&i| !i).collect();
         first
@@ -669,9 +667,8 @@ pub(crate) mod tests {
 
         // The next part reuses the first part's memory, with nothing left in it.
         let next = spilled.buffer(&pool);
-        let runs = next.runs.as_ref().unwrap();
-        assert!(memory.contains(&runs.ids.as_ptr()));
-        assert!(runs.lens.iter().all(|&n| n == 0));
+        assert!(memory.contains(&next.runs.ids.as_ptr()));
+        assert!(next.runs.lens.iter().all(|&n| n == 0));
     }
 
     /// A spill store whose disk is full.
