@@ -136,6 +136,22 @@ pub enum Error {
         /// The parser's message.
         message: String,
     },
+    /// A planned data file would have a header larger than safetensors readers accept.
+    #[error(
+        "data file {file} would have a {bytes}-byte header ({tensors} tensors), over the {limit}-byte \
+         limit of safetensors readers; lower max_file_size, or raise max_block_bytes so that tables \
+         are cut into fewer segments"
+    )]
+    HeaderTooLarge {
+        /// The file.
+        file: String,
+        /// Tensors in it.
+        tensors: usize,
+        /// Its header's size.
+        bytes: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// The manifest or trainer state could not be encoded or decoded.
     #[error("{what}: {message}")]
     Encoding {

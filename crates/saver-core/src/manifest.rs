@@ -112,6 +112,76 @@ pub struct FileManifest {
     pub header_crc32: u32,
 }
 
+/// The process that wrote a shard: enough to tell two writers apart and to name them in an error.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriterInfo {
+    /// Host name.
+    pub host: String,
+    /// Process id on that host.
+    pub pid: u32,
+    /// Random token of this save call, distinct for two calls of one process.
+    pub attempt: String,
+    /// When the call started writing, in milliseconds since the Unix epoch.
+    pub started_unix_ms: u64,
+}
+
+impl std::fmt::Display for WriterInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "host {} pid {} (attempt {})",
+            self.host, self.pid, self.attempt
+        )
+    }
+}
+
+/// A committed checkpoint: its save id and the CRC32 of its manifest file, which together tell it
+/// from any other checkpoint that was ever committed in the directory.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CheckpointRef {
+    /// The save id.
+    pub save_id: String,
+    /// CRC32 of its manifest file's bytes (as recorded in its index).
+    pub manifest_crc32: u32,
+}
+
+impl std::fmt::Display for CheckpointRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.save_id)
+    }
+}
+
+/// A dense tensor as one process was given it: every process of a save must agree on these.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DenseGiven {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// CRC32 of its bytes.
+    pub crc32: u32,
+    /// Whether the block filters keep it: a kept tensor is written by exactly one shard.
+    #[serde(default = "kept_by_default")]
+    pub kept: bool,
+}
+
+fn kept_by_default() -> bool {
+    true
+}
+
+/// A table as one process was given it (before filters): every process of a save must agree.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TableGiven {
+    /// Name.
+    pub name: String,
+    /// Id dtype.
+    pub key_dtype: KeyDtype,
+    /// Every slot.
+    pub slots: Vec<SlotSpec>,
+}
+
 /// What one shard wrote; produced when its data are durable.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ShardManifest {
@@ -137,6 +207,24 @@ pub struct ShardManifest {
     pub user_metadata: BTreeMap<String, String>,
     /// This shard's trainer state, bincode-encoded then base64.
     pub trainer_state: Option<String>,
+    /// The process that wrote this shard.
+    #[serde(default)]
+    pub writer: Option<WriterInfo>,
+    /// The checkpoint committed in the directory when this shard's writer started (`None`: none).
+    /// The save commits only over a checkpoint one of its shards saw: a save that another save
+    /// overtook fails instead of replacing it unseen.
+    #[serde(default)]
+    pub replaces: Option<CheckpointRef>,
+    /// The trainer step, if the trainer gave one; equal in every shard of a save.
+    #[serde(default)]
+    pub step: Option<u64>,
+    /// Every table this process was given, before filters; equal in every shard of a save.
+    #[serde(default)]
+    pub tables_given: Vec<TableGiven>,
+    /// Every dense tensor this process was given, with a checksum of its content; equal in every
+    /// shard of a save.
+    #[serde(default)]
+    pub dense_given: Vec<DenseGiven>,
 }
 
 /// Per-shard facts kept in the global manifest.
@@ -146,6 +234,9 @@ pub struct ShardInfo {
     pub shard: u32,
     /// Its trainer state, bincode-encoded then base64.
     pub trainer_state: Option<String>,
+    /// The process that wrote it.
+    #[serde(default)]
+    pub writer: Option<WriterInfo>,
 }
 
 /// The global manifest of a committed checkpoint.
@@ -169,10 +260,17 @@ pub struct Manifest {
     pub files: Vec<FileManifest>,
     /// Per-shard trainer state.
     pub shards: Vec<ShardInfo>,
-    /// Free-form metadata (shard 0's).
+    /// Free-form metadata (equal in every shard).
     pub user_metadata: BTreeMap<String, String>,
     /// The checkpoint this one is a delta of; always `None` until incremental saves exist.
     pub parent: Option<String>,
+    /// The checkpoint this one replaced in its directory (`None`: the directory held none). Its
+    /// files, and only they, were removed after this one was committed.
+    #[serde(default)]
+    pub replaces: Option<CheckpointRef>,
+    /// The trainer step the save was given, if any.
+    #[serde(default)]
+    pub step: Option<u64>,
 }
 
 /// Structural checks of a table entry, so readers can size buffers from it safely.
@@ -266,6 +364,121 @@ impl TableManifestExt for TableManifest {
     }
 }
 
+/// Checks that shard `s` was given the same replicated state as shard 0 (`first`): tables, dense
+/// tensors and their content, step and user metadata. Names the shard and the item that differ.
+fn check_same_save(first: &ShardManifest, s: &ShardManifest) -> Result<()> {
+    let differ = |what: String| {
+        mismatch(format!(
+            "shard {} and shard {} were not given the same model: {what}; a checkpoint holds one save, \
+             so every process of a save must be given the same tables, dense tensors, step and metadata",
+            first.shard, s.shard
+        ))
+    };
+    if s.step != first.step {
+        return Err(differ(format!(
+            "step {:?} against {:?}",
+            s.step, first.step
+        )));
+    }
+    if s.user_metadata != first.user_metadata {
+        let key = first
+            .user_metadata
+            .iter()
+            .chain(&s.user_metadata)
+            .find(|(k, _)| first.user_metadata.get(*k) != s.user_metadata.get(*k))
+            .map(|(k, _)| k.clone())
+            .unwrap_or_default();
+        return Err(differ(format!("user metadata {key:?} differs")));
+    }
+    let by_name = |given: &[TableGiven]| -> BTreeMap<String, TableGiven> {
+        given.iter().map(|t| (t.name.clone(), t.clone())).collect()
+    };
+    let (a, b) = (by_name(&first.tables_given), by_name(&s.tables_given));
+    if let Some(name) = a.keys().chain(b.keys()).find(|n| a.get(*n) != b.get(*n)) {
+        return Err(differ(match (a.get(name), b.get(name)) {
+            (Some(_), None) | (None, Some(_)) => format!(
+                "table {name:?} was given to shard {} only",
+                if a.contains_key(name) {
+                    first.shard
+                } else {
+                    s.shard
+                }
+            ),
+            _ => format!("table {name:?} has different slots or key dtype"),
+        }));
+    }
+    let by_name = |given: &[DenseGiven]| -> BTreeMap<String, DenseGiven> {
+        given.iter().map(|d| (d.name.clone(), d.clone())).collect()
+    };
+    let (a, b) = (by_name(&first.dense_given), by_name(&s.dense_given));
+    if let Some(name) = a.keys().chain(b.keys()).find(|n| a.get(*n) != b.get(*n)) {
+        return Err(mismatch(match (a.get(name), b.get(name)) {
+            (Some(_), None) | (None, Some(_)) => {
+                let (has, lacks) = if a.contains_key(name) {
+                    (first.shard, s.shard)
+                } else {
+                    (s.shard, first.shard)
+                };
+                format!(
+                    "dense tensor {name:?} was passed to shard {has} but not to shard {lacks}: every \
+                     process of a multi-process save must pass every dense tensor (each writes the \
+                     share the plan gives its shard), or the tensor would not be written exactly once"
+                )
+            }
+            (Some(x), Some(y)) if x.dtype != y.dtype || x.shape != y.shape => format!(
+                "dense tensor {name:?} is {} {:?} in shard {} but {} {:?} in shard {}",
+                x.dtype, x.shape, first.shard, y.dtype, y.shape, s.shard
+            ),
+            (Some(x), Some(y)) if x.crc32 != y.crc32 => format!(
+                "dense tensor {name:?} has different content in shard {} (crc32 {:08x}) and shard {} \
+                 (crc32 {:08x}): the processes hold different models, and a checkpoint is one save",
+                first.shard, x.crc32, s.shard, y.crc32
+            ),
+            (Some(_), Some(_)) => format!(
+                "dense tensor {name:?} is kept by the filters of shard {} but not of shard {}, or \
+                 the other way round: every process must be given the same filters",
+                first.shard, s.shard
+            ),
+            (None, None) => unreachable!("the name came from one of the maps"),
+        }));
+    }
+    Ok(())
+}
+
+/// Checks that every dense tensor the processes were given was written by exactly one shard.
+fn check_dense_written_once(first: &ShardManifest, written: &[DenseManifest]) -> Result<()> {
+    let mut count: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+    for d in written {
+        count.entry(&d.tensor.name).or_default().push(d.shard);
+    }
+    for d in first.dense_given.iter().filter(|d| d.kept) {
+        match count.get(d.name.as_str()).map(Vec::as_slice) {
+            Some([_]) => {}
+            None | Some([]) => {
+                return Err(mismatch(format!(
+                    "dense tensor {:?} was given but no shard wrote it",
+                    d.name
+                )))
+            }
+            Some(shards) => {
+                return Err(mismatch(format!(
+                    "dense tensor {:?} was written by shards {shards:?}",
+                    d.name
+                )))
+            }
+        }
+    }
+    if let Some(extra) = count
+        .keys()
+        .find(|n| !first.dense_given.iter().any(|d| d.kept && d.name == **n))
+    {
+        return Err(mismatch(format!(
+            "dense tensor {extra:?} was written but no process was given it to keep"
+        )));
+    }
+    Ok(())
+}
+
 fn mismatch(what: String) -> Error {
     Error::Encoding {
         what: "merging shard manifests".into(),
@@ -301,6 +514,7 @@ impl Manifest {
             if s.shard as usize != i {
                 return Err(mismatch(format!("shard {i} is missing or repeated")));
             }
+            check_same_save(first, s)?;
             if s.save_id != save_id || s.partition != rule || s.shard_num != shard_num {
                 return Err(mismatch(format!(
                     "shard {} belongs to save {:?} ({} shards), shard 0 to {:?} ({} shards)",
@@ -345,8 +559,10 @@ impl Manifest {
             infos.push(ShardInfo {
                 shard: s.shard,
                 trainer_state: s.trainer_state.clone(),
+                writer: s.writer.clone(),
             });
         }
+        check_dense_written_once(first, &dense)?;
         tables.sort_by(|a, b| a.name.cmp(&b.name));
         dense.sort_by(|a: &DenseManifest, b| a.tensor.name.cmp(&b.tensor.name));
         Ok(Manifest {
@@ -361,6 +577,8 @@ impl Manifest {
             shards: infos,
             user_metadata: shards[0].user_metadata.clone(),
             parent: None,
+            replaces: None,
+            step: shards[0].step,
         })
     }
 

@@ -118,9 +118,112 @@ pub fn manifest_name(save_id: &str) -> String {
     format!("saver-{save_id}.manifest.json")
 }
 
-/// File name of the marker a process creates exclusively to become the one that commits.
-pub fn commit_claim_name(save_id: &str) -> String {
+/// File name of the commit claim that format 1 writers before the ownership rules created; a
+/// replaced checkpoint's claim is removed with its other files.
+pub fn legacy_commit_claim_name(save_id: &str) -> String {
     format!("saver-{save_id}.commit-claim")
+}
+
+/// File name of the claim the one writer of shard `shard` of save `save_id` creates exclusively
+/// before writing anything: a second writer of the same shard finds it and is refused.
+pub fn writer_claim_name(save_id: &str, shard: u32) -> String {
+    format!("saver-{save_id}-s{shard:05}.writer.json")
+}
+
+/// File name of the marker that says save `save_id` can never commit, and why (written under the
+/// commit lock, read by the save's other processes).
+pub fn rejected_name(save_id: &str) -> String {
+    format!("saver-{save_id}.rejected")
+}
+
+/// File name of the lock that serialises commits into one directory. Never removed.
+pub const COMMIT_LOCK: &str = ".saver-commit.lock";
+
+/// What a file name says about the save that wrote it, for the files saver names after a save.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SaverFile<'a> {
+    /// A data file (`model-<id>-s<shard>-f<file>.safetensors`) or its temporary.
+    Data {
+        /// The save.
+        save_id: &'a str,
+        /// The shard.
+        shard: u32,
+    },
+    /// A per-shard file: shard manifest or writer claim (or a temporary of one).
+    Shard {
+        /// The save.
+        save_id: &'a str,
+        /// The shard.
+        shard: u32,
+    },
+    /// A per-save file: global manifest, rejection marker, legacy commit claim (or a temporary).
+    Save {
+        /// The save.
+        save_id: &'a str,
+    },
+}
+
+impl<'a> SaverFile<'a> {
+    /// The save the file belongs to.
+    pub fn save_id(&self) -> &'a str {
+        match self {
+            Self::Data { save_id, .. } | Self::Shard { save_id, .. } | Self::Save { save_id } => {
+                save_id
+            }
+        }
+    }
+
+    /// Parses a name saver gives to a save's file (or to a temporary of one: `<name>.tmp-…`).
+    /// `None` for every other name, the index and the commit lock included.
+    pub fn parse(name: &'a str) -> Option<Self> {
+        let name = name.split_once(TMP_MARK).map_or(name, |(base, _)| base);
+        if let Some(rest) = name
+            .strip_prefix("model-")
+            .and_then(|r| r.strip_suffix(".safetensors"))
+        {
+            let (rest, file) = rest.rsplit_once("-f")?;
+            let (save_id, shard) = rest.rsplit_once("-s")?;
+            if file.len() < 4 || !file.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            return Some(Self::Data {
+                save_id: checked_id(save_id)?,
+                shard: parse_shard(shard)?,
+            });
+        }
+        let rest = name.strip_prefix("saver-")?;
+        for suffix in [".shard.json", ".writer.json"] {
+            if let Some((save_id, shard)) =
+                rest.strip_suffix(suffix).and_then(|r| r.rsplit_once("-s"))
+            {
+                return Some(Self::Shard {
+                    save_id: checked_id(save_id)?,
+                    shard: parse_shard(shard)?,
+                });
+            }
+        }
+        for suffix in [".manifest.json", ".rejected", ".commit-claim"] {
+            if let Some(save_id) = rest.strip_suffix(suffix) {
+                return Some(Self::Save {
+                    save_id: checked_id(save_id)?,
+                });
+            }
+        }
+        None
+    }
+}
+
+/// The marker in the names of temporary files: `<final name>.tmp-<writer>`.
+pub const TMP_MARK: &str = ".tmp-";
+
+fn checked_id(id: &str) -> Option<&str> {
+    check_save_id(id).ok().map(|()| id)
+}
+
+fn parse_shard(s: &str) -> Option<u32> {
+    (s.len() >= 5 && s.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| s.parse().ok())
+        .flatten()
 }
 
 #[cfg(test)]
@@ -150,6 +253,61 @@ mod tests {
         assert!(check_save_id("").is_err());
         assert!(check_save_id("../x").is_err());
         assert!(check_save_id(&"a".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn saver_file_names_parse_back_to_their_save() {
+        let id = "run7-step1200";
+        for (name, expected) in [
+            (
+                data_file_name(id, 3, 1),
+                SaverFile::Data {
+                    save_id: id,
+                    shard: 3,
+                },
+            ),
+            (
+                format!("{}.tmp-host-12-3", data_file_name(id, 3, 1)),
+                SaverFile::Data {
+                    save_id: id,
+                    shard: 3,
+                },
+            ),
+            (
+                shard_manifest_name(id, 2),
+                SaverFile::Shard {
+                    save_id: id,
+                    shard: 2,
+                },
+            ),
+            (
+                writer_claim_name(id, 0),
+                SaverFile::Shard {
+                    save_id: id,
+                    shard: 0,
+                },
+            ),
+            (manifest_name(id), SaverFile::Save { save_id: id }),
+            (rejected_name(id), SaverFile::Save { save_id: id }),
+            (
+                legacy_commit_claim_name(id),
+                SaverFile::Save { save_id: id },
+            ),
+        ] {
+            assert_eq!(SaverFile::parse(&name), Some(expected), "{name}");
+        }
+        // Exports, user files, the index and the lock are nobody's save.
+        for name in [
+            "model-00001-of-00004.safetensors",
+            "model-final.safetensors",
+            "model.safetensors",
+            "saver-notes.txt",
+            INDEX_FILE,
+            COMMIT_LOCK,
+            "model-a b-s00000-f0000.safetensors",
+        ] {
+            assert_eq!(SaverFile::parse(name), None, "{name}");
+        }
     }
 
     #[test]

@@ -9,6 +9,9 @@ use std::fmt::Write as _;
 use crate::dtype::Dtype;
 use crate::manifest::FORMAT_VERSION;
 
+/// Largest header (JSON and padding, without the 8-byte length) that safetensors readers accept.
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+
 /// Metadata key holding the per-tensor CRC32s, in data order, as space-separated 8-digit hex.
 pub const CRC_KEY: &str = "saver.crc32";
 

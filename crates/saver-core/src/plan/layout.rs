@@ -5,13 +5,13 @@
 use std::ops::Range;
 
 use crate::dtype::Dtype;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::filter::{BlockInfo, BlockKind, Filters};
 use crate::naming::{data_file_name, sparse_tensor_name, BUCKET_INDEX, IDS};
 use crate::partition::PartitionRule;
 use crate::tensor::DenseTensor;
 
-use super::header::{render_header, FileFacts, HeaderTensor};
+use super::header::{render_header, FileFacts, HeaderTensor, MAX_HEADER_BYTES};
 use super::scan::ScannedTable;
 use super::{
     DensePlan, FilePlan, Loc, PartitionPlan, PlanOptions, SegmentPlan, ShardPlan, SPLIT_FILE_BYTES,
@@ -431,8 +431,17 @@ pub(crate) fn layout_shard(
             file: fi as u32,
         };
         let header = render_header(&facts, &tensors, &vec![0; tensors.len()], opts.alignment);
+        let name = data_file_name(&opts.save_id, shard, fi as u32);
+        if header.len() as u64 - 8 > MAX_HEADER_BYTES {
+            return Err(Error::HeaderTooLarge {
+                file: name,
+                tensors: tensors.len(),
+                bytes: header.len() as u64 - 8,
+                limit: MAX_HEADER_BYTES,
+            });
+        }
         files.push(FilePlan {
-            name: data_file_name(&opts.save_id, shard, fi as u32),
+            name,
             index: fi as u32,
             data_start: header.len() as u64,
             data_len: off,

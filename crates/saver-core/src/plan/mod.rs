@@ -36,10 +36,10 @@ pub use rows::Spill;
 use scan::ScannedTable;
 
 use crate::error::{Error, Result};
-use crate::filter::Filters;
+use crate::filter::{BlockInfo, BlockKind, Filters};
 use crate::manifest::{
-    DenseManifest, FileManifest, PartitionManifest, SegmentManifest, ShardManifest, TableManifest,
-    TensorRef, FORMAT_NAME, FORMAT_VERSION,
+    DenseGiven, DenseManifest, FileManifest, PartitionManifest, SegmentManifest, ShardManifest,
+    TableManifest, TensorRef, FORMAT_NAME, FORMAT_VERSION,
 };
 use crate::naming::{check_dense_name, check_save_id, check_table_name};
 use crate::partition::PartitionRule;
@@ -273,6 +273,8 @@ pub struct SavePlan<'a> {
     opts: PlanOptions,
     tables: Vec<ScannedTable<'a>>,
     dense: Vec<DenseTensor<'a>>,
+    /// The shard each dense tensor is assigned to, whether or not this process writes it.
+    dense_shard: Vec<u32>,
     shards: Vec<ShardPlan>,
 }
 
@@ -403,11 +405,35 @@ pub fn plan_with_spill<'a>(
         opts: opts.clone(),
         tables,
         dense: input.dense,
+        dense_shard,
         shards: shard_plans,
     })
 }
 
 impl<'a> SavePlan<'a> {
+    /// Every dense tensor this process was given, with a CRC32 of its content and whether the
+    /// block filters keep it in the shard the plan assigns it to (whichever process writes that
+    /// shard): what every process of a save must agree on, and what must be written once.
+    pub fn dense_given(&self) -> Vec<DenseGiven> {
+        self.dense
+            .par_iter()
+            .zip(&self.dense_shard)
+            .map(|(d, &shard)| DenseGiven {
+                name: d.name().to_string(),
+                dtype: d.dtype(),
+                shape: d.shape().to_vec(),
+                crc32: crc32fast::hash(d.data()),
+                kept: self.opts.filters.keep_block(&BlockInfo {
+                    kind: BlockKind::Dense,
+                    table: None,
+                    slot: None,
+                    dense: Some(d.name()),
+                    shard,
+                }),
+            })
+            .collect()
+    }
+
     /// The options the plan was made with.
     pub fn options(&self) -> &PlanOptions {
         &self.opts
@@ -564,6 +590,11 @@ impl<'a> SavePlan<'a> {
                 .collect(),
             user_metadata: user_metadata.clone(),
             trainer_state,
+            writer: None,
+            replaces: None,
+            step: None,
+            tables_given: Vec::new(),
+            dense_given: Vec::new(),
         }
     }
 }
