@@ -6,8 +6,8 @@ use std::collections::BTreeSet;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{dir_bytes, Model};
-use saver::io::storage::{Fault, FaultyStorage, LocalFs};
+use common::{checkpoint_bytes, dir_bytes, Model};
+use saver::io::storage::{Fault, FaultyStorage, LocalFs, Storage};
 use saver::io::{save_to, Error};
 use saver::{
     save, Checkpoint, DirectIo, Filters, ForeignRows, LoadOptions, PlanOptions, SaveOptions,
@@ -107,7 +107,7 @@ fn identical_input_gives_identical_bytes_whatever_the_parallelism() {
     let b = tempfile::tempdir().unwrap();
     save(a.path(), m.input(), &opts(4, 1)).unwrap();
     save(b.path(), m.input(), &opts(4, 7)).unwrap();
-    assert_eq!(dir_bytes(a.path()), dir_bytes(b.path()));
+    assert_eq!(checkpoint_bytes(a.path()), checkpoint_bytes(b.path()));
 }
 
 #[test]
@@ -137,8 +137,8 @@ fn a_plan_past_its_memory_budget_spills_and_writes_the_same_bytes() {
             assert!(report.committed);
             assert_eq!(report.spilled_rows, spilled_rows, "budget {budget}");
             assert_eq!(
-                dir_bytes(in_memory.path()),
-                dir_bytes(spilled.path()),
+                checkpoint_bytes(in_memory.path()),
+                checkpoint_bytes(spilled.path()),
                 "budget {budget}, filtered {filtered}"
             );
         }
@@ -162,7 +162,10 @@ fn spilled_regions_larger_than_a_unit_are_split_and_write_the_same_bytes() {
     let all = save(in_memory.path(), m.input(), &with(u64::MAX)).unwrap();
     let report = save(split.path(), m.input(), &with(0)).unwrap();
     assert_eq!(report.spilled_rows, all.rows);
-    assert_eq!(dir_bytes(in_memory.path()), dir_bytes(split.path()));
+    assert_eq!(
+        checkpoint_bytes(in_memory.path()),
+        checkpoint_bytes(split.path())
+    );
     assert_eq!(
         saver::verify(split.path(), 2).unwrap().status,
         saver::Status::Ok
@@ -185,7 +188,10 @@ fn direct_io_writes_the_same_bytes_and_falls_back_where_unsupported() {
         let direct = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let b = save(buffered.path(), m.input(), &with(DirectIo::Off)).unwrap();
         let d = save(direct.path(), m.input(), &with(DirectIo::On)).unwrap();
-        assert_eq!(dir_bytes(buffered.path()), dir_bytes(direct.path()));
+        assert_eq!(
+            checkpoint_bytes(buffered.path()),
+            checkpoint_bytes(direct.path())
+        );
         // The report says which path the bytes took.
         assert_eq!(b.direct_io_files, 0);
         if LocalFs::open_dir(direct.path()).unwrap().suits_direct_io() {
@@ -359,7 +365,7 @@ fn multi_process_child() {
     };
     let m = Model::new(4000);
     let mut o = opts(4, 2);
-    o.save_id = None; // derived identically by every process
+    o.save_id = Some("mp4".into());
     o.plan.shard_index = Some(shard.parse().unwrap());
     o.plan.foreign_rows = ForeignRows::Skip;
     o.wait = Some(Duration::from_secs(60));
@@ -400,11 +406,8 @@ fn n_processes_commit_exactly_once_and_match_the_single_process_save() {
     let mut o = opts(4, 3);
     o.save_id = Some(man.save_id.clone());
     save(single.path(), m.input(), &o).unwrap();
-    let mut a = dir_bytes(dir.path());
-    let mut b = dir_bytes(single.path());
-    // The claim file records which process committed; everything else must match.
-    a.retain(|n, _| !n.ends_with(".commit-claim"));
-    b.retain(|n, _| !n.ends_with(".commit-claim"));
+    let a = checkpoint_bytes(dir.path());
+    let b = checkpoint_bytes(single.path());
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     assert!(
         a == b,
@@ -439,29 +442,60 @@ impl Child {
     }
 }
 
+/// Child mode: hold the commit lock of SAVER_LOCK_DIR, say so, and sleep until killed.
 #[test]
-fn a_commit_claimed_by_a_dead_process_is_explained() {
+fn lock_holder_child() {
+    let Ok(dir) = std::env::var("SAVER_LOCK_DIR") else {
+        return;
+    };
+    let storage = LocalFs::open_dir(dir).unwrap();
+    let _lock = storage.lock_commit(Duration::from_secs(5)).unwrap();
+    println!("locked");
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+#[test]
+fn a_committer_killed_while_holding_the_lock_never_blocks_the_commit() {
+    use std::io::BufRead;
     let m = Model::new(200);
     let dir = tempfile::tempdir().unwrap();
     let mut o = opts(2, 2);
     o.plan.foreign_rows = ForeignRows::Skip;
     o.plan.shard_index = Some(0);
     save(dir.path(), m.input(), &o).unwrap();
-    // A process claimed the commit and died before writing the index.
-    std::fs::write(dir.path().join("saver-t1.commit-claim"), "pid 1\n").unwrap();
+    // A process takes the commit lock and is killed while holding it.
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "lock_holder_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("SAVER_LOCK_DIR", dir.path())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    while !line.contains("locked") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the child ended");
+    }
+    // While it lives, the lock is held: a commit would wait.
+    let storage = LocalFs::open_dir(dir.path()).unwrap();
+    assert!(matches!(
+        storage.lock_commit(Duration::from_millis(50)),
+        Err(Error::LockTimeout { .. })
+    ));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The last shard commits at once: the kernel released the dead holder's lock.
     o.plan.shard_index = Some(1);
-    o.wait = Some(Duration::from_millis(200));
-    let err = save(dir.path(), m.input(), &o).unwrap_err().to_string();
-    assert!(
-        err.contains("saver-t1.commit-claim") && err.contains("did not finish"),
-        "{err}"
-    );
-    // Removing the claim, as the message says, lets the set commit.
-    std::fs::remove_file(dir.path().join("saver-t1.commit-claim")).unwrap();
-    let state =
-        saver::io::commit::try_commit(&LocalFs::open_dir(dir.path()).unwrap(), "t1", 2, true)
-            .unwrap();
-    assert_eq!(state, saver::io::commit::CommitState::CommittedHere);
+    o.wait = Some(Duration::from_secs(5));
+    let started = std::time::Instant::now();
+    let r = save(dir.path(), m.input(), &o).unwrap();
+    assert!(r.committed_here);
+    assert!(started.elapsed() < Duration::from_secs(5));
     assert_eq!(
         saver::verify(dir.path(), 1).unwrap().status,
         saver::Status::Ok

@@ -107,3 +107,34 @@ pub fn dir_bytes(dir: &Path) -> BTreeMap<String, Vec<u8>> {
         })
         .collect()
 }
+
+/// What a save must write identically for identical input, file by file: every data file's bytes,
+/// and the manifests and index with what says who wrote them and when taken out (the writer of
+/// each shard, and so the manifest's checksum in the index). Writer claims and the commit lock
+/// are left out for the same reason.
+pub fn checkpoint_bytes(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    fn strip(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(m) => {
+                m.remove("writer");
+                m.remove("saver_manifest_crc32");
+                m.values_mut().for_each(strip);
+            }
+            serde_json::Value::Array(a) => a.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    dir_bytes(dir)
+        .into_iter()
+        .filter(|(n, _)| !n.ends_with(".writer.json") && !n.starts_with(".saver"))
+        .map(|(n, b)| {
+            if n.ends_with(".json") {
+                let mut v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+                strip(&mut v);
+                (n, serde_json::to_vec(&v).unwrap())
+            } else {
+                (n, b)
+            }
+        })
+        .collect()
+}

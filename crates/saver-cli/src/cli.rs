@@ -31,8 +31,9 @@ pub enum Command {
   saver save --out /ckpt/step100 --synthetic small --shards 8 --parallel 16
   saver save --out /ckpt/x --synthetic 'tables=8,rows=1000000,dim=64,slots=embedding+adagrad,dense=64MiB,seed=7'
   saver save --out /ckpt/serve --from /dumps/emb --exclude-slots 'adagrad*' --keep-rows 'freq>=5'
-  # one process per shard (e.g. under a launcher), all with the same arguments but --shard-index:
-  saver save --out /shared/ckpt --synthetic criteo-kaggle,scale=0.1 --shards 4 --shard-index 2")]
+  # one process per shard (e.g. under a launcher), all with the same arguments but --shard-index,
+  # and a save id that is new for every save and every retry:
+  saver save --out /shared/ckpt --synthetic criteo-kaggle,scale=0.1 --shards 4 --shard-index 2 --save-id run7-step1200-a1")]
     Save(SaveArgs),
     /// Show what a checkpoint holds: tables, slots, rows, dense tensors, shards, files, sizes.
     #[command(after_help = "Example:\n  saver inspect /ckpt/step100 --json")]
@@ -220,13 +221,18 @@ pub struct SaveArgs {
         require_equals = true
     )]
     pub direct_io: DirectIoWhen,
-    /// Save id shared by all processes of a multi-process save (default: random for one process,
-    /// derived from the model description for several).
+    /// Save id: part of every file name. Default: random. Required with --shard-index: the same
+    /// in every process of one save, and new for every save and every retry (e.g.
+    /// run7-step1200-a1); a second writer of a shard under one id gets the save rejected.
     #[arg(long)]
     pub save_id: Option<String>,
-    /// With --shard-index: wait up to this many seconds for the other shards and the commit.
+    /// The trainer step, stored in the manifest; every process of a save must give the same.
     #[arg(long)]
-    pub wait_seconds: Option<f64>,
+    pub step: Option<u64>,
+    /// With --shard-index: wait up to this many seconds (0 to 604800) for the other shards and
+    /// the commit.
+    #[arg(long, allow_hyphen_values = true)]
+    pub wait_seconds: Option<String>,
     #[command(flatten)]
     pub out_fmt: Output,
 }

@@ -414,8 +414,24 @@ fn bad_input_is_refused_with_one_clear_line_and_nothing_committed() {
                 "2",
                 "--shard-index",
                 "2",
+                "--save-id",
+                "x",
             ],
             "shard index 2",
+        ),
+        (
+            vec![
+                "save",
+                "--out",
+                o,
+                "--synthetic",
+                "tiny",
+                "--shards",
+                "2",
+                "--shard-index",
+                "1",
+            ],
+            "--shard-index needs --save-id",
         ),
         (
             vec![
@@ -434,6 +450,27 @@ fn bad_input_is_refused_with_one_clear_line_and_nothing_committed() {
             "/no/such/input",
         ),
     ];
+    let mut cases = cases;
+    for bad in ["NaN", "inf", "-1", "1e300", "soon"] {
+        cases.push((
+            vec![
+                "save",
+                "--out",
+                o,
+                "--synthetic",
+                "tiny",
+                "--shards",
+                "2",
+                "--shard-index",
+                "1",
+                "--save-id",
+                "w",
+                "--wait-seconds",
+                bad,
+            ],
+            "--wait-seconds",
+        ));
+    }
     for (args, needle) in cases {
         let (code, err) = fails(&args);
         assert_eq!(code, 1, "{args:?}: {err}");
@@ -556,6 +593,8 @@ fn n_cli_processes_save_one_checkpoint() {
                     "3",
                     "--shard-index",
                     &i.to_string(),
+                    "--save-id",
+                    "mp1",
                     "--wait-seconds",
                     "60",
                     "--json",
@@ -599,6 +638,8 @@ fn n_cli_processes_save_one_checkpoint() {
         "2",
         "--shard-index",
         "0",
+        "--save-id",
+        "lone1",
         "--wait-seconds",
         "0.2",
     ]);

@@ -1,21 +1,32 @@
-//! Committing a checkpoint: shard manifests, the commit claim, the global manifest and index.
+//! Committing a checkpoint: writer claims, the commit lock, the compare-and-swap of the index, and
+//! removing exactly what the commit replaced.
 //!
-//! Protocol (see `docs/FORMAT.md`):
+//! Protocol (see `docs/FORMAT.md`, "Commit protocol"):
 //!
-//! 1. Each shard writes its data files (temporary name, fsync, rename), syncs the directory, then
-//!    writes its shard manifest the same way. A shard manifest therefore only exists once the
-//!    shard's data are durable.
-//! 2. A process that finds all `shard_num` shard manifests of its save tries to create the commit
-//!    claim exclusively (`O_CREAT|O_EXCL`). Exactly one succeeds; it merges the shard manifests,
-//!    writes the global manifest, then the index. The index's rename is the commit point.
-//! 3. After the commit, files of other saves (an older checkpoint being replaced, leftovers of a
-//!    crashed attempt) are removed. Until the commit, the older checkpoint is untouched, since its
-//!    files have other names.
+//! 1. Before writing anything, the writer of shard `s` of save `X` creates the claim
+//!    `saver-X-s<s>.writer.json` exclusively. A second writer of that shard finds it, marks `X`
+//!    rejected (`saver-X.rejected`, under the commit lock) and fails, naming both writers: a save
+//!    whose shard had two writers never commits.
+//! 2. Each shard writes its data files (temporary name, fsync, rename), then its shard manifest,
+//!    which records the writer, the checkpoint committed when the writer started (`replaces`),
+//!    and the replicated state (tables, dense tensors with a checksum of their content, step,
+//!    user metadata).
+//! 3. A process that finds all shard manifests takes the directory's commit lock, and under it:
+//!    checks that the shards belong to one save (claims, replicated state, dense tensors written
+//!    once) and that the committed checkpoint is still one its shards saw (a compare-and-swap);
+//!    then writes the global manifest and the index. The index's rename is the commit point.
+//!    Anything that fails those checks marks the save rejected, with the reason.
+//! 4. After the commit, the files of the checkpoint it replaced, as its manifest lists them, are
+//!    removed; nothing else is.
 
-use std::thread;
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use saver_core::naming::{commit_claim_name, manifest_name, shard_manifest_name, INDEX_FILE};
+use saver_core::manifest::{CheckpointRef, WriterInfo};
+use saver_core::naming::{
+    legacy_commit_claim_name, manifest_name, rejected_name, shard_manifest_name, writer_claim_name,
+    SaverFile, INDEX_FILE,
+};
 use saver_core::{Manifest, ShardManifest};
 
 use crate::error::{Error, Result};
@@ -25,6 +36,13 @@ use crate::storage::Storage;
 /// Largest manifest or index read whole.
 pub(crate) const MAX_JSON_BYTES: u64 = 1 << 30;
 
+/// Largest writer claim or rejection marker read.
+const MAX_MARKER_BYTES: u64 = 64 << 10;
+
+/// How long a commit waits for another process's commit into the same directory to finish. The
+/// lock is held only to check the shards and write the manifest and index.
+pub const COMMIT_LOCK_WAIT: Duration = Duration::from_secs(60);
+
 /// What a commit attempt found.
 #[derive(Debug, PartialEq, Eq)]
 pub enum CommitState {
@@ -32,28 +50,38 @@ pub enum CommitState {
     CommittedHere,
     /// The save is committed (by another process, or earlier).
     Committed,
-    /// Another process holds the claim and is committing.
-    Claimed,
     /// Shards are still missing.
     Missing(Vec<u32>),
 }
 
-/// The save id of the committed index in `storage`, if any.
-pub fn committed_save_id(storage: &dyn Storage) -> Result<Option<String>> {
+/// The committed checkpoint in `storage`, if any.
+pub fn committed(storage: &dyn Storage) -> Result<Option<CheckpointRef>> {
     if !storage.exists(INDEX_FILE)? {
         return Ok(None);
     }
-    let bytes = storage.get(INDEX_FILE, MAX_JSON_BYTES)?;
-    Ok(Some(
-        Index::parse(&bytes, INDEX_FILE)?.metadata.saver_save_id,
-    ))
+    let index = Index::parse(&storage.get(INDEX_FILE, MAX_JSON_BYTES)?, INDEX_FILE)?;
+    Ok(Some(CheckpointRef {
+        save_id: index.metadata.saver_save_id,
+        manifest_crc32: index.metadata.saver_manifest_crc32,
+    }))
+}
+
+fn is_committed(storage: &dyn Storage, save_id: &str) -> Result<bool> {
+    Ok(committed(storage)?.is_some_and(|c| c.save_id == save_id))
 }
 
 fn missing_shards(storage: &dyn Storage, save_id: &str, shard_num: u32) -> Result<Vec<u32>> {
-    let names: std::collections::HashSet<String> = storage.list()?.into_iter().collect();
+    let names: HashSet<String> = storage.list()?.into_iter().collect();
     Ok((0..shard_num)
         .filter(|&s| !names.contains(&shard_manifest_name(save_id, s)))
         .collect())
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8], file: &str, what: &str) -> Result<T> {
+    serde_json::from_slice(bytes).map_err(|e| Error::Corrupt {
+        file: file.to_string(),
+        what: format!("not {what}: {e}"),
+    })
 }
 
 /// Reads and parses shard `shard`'s manifest of `save_id`.
@@ -63,109 +91,258 @@ pub(crate) fn read_shard_manifest(
     shard: u32,
 ) -> Result<ShardManifest> {
     let name = shard_manifest_name(save_id, shard);
-    let bytes = storage.get(&name, MAX_JSON_BYTES)?;
-    serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
-        file: name,
-        what: format!("not a shard manifest: {e}"),
+    parse_json(
+        &storage.get(&name, MAX_JSON_BYTES)?,
+        &name,
+        "a shard manifest",
+    )
+}
+
+fn read_claim(storage: &dyn Storage, save_id: &str, shard: u32) -> Result<WriterInfo> {
+    let name = writer_claim_name(save_id, shard);
+    parse_json(
+        &storage.get(&name, MAX_MARKER_BYTES)?,
+        &name,
+        "a writer claim",
+    )
+}
+
+fn rejected(storage: &dyn Storage, save_id: &str, why: String) -> Error {
+    Error::Rejected {
+        dir: storage.location().into(),
+        save_id: save_id.to_string(),
+        why,
+    }
+}
+
+/// Fails if `save_id` was marked rejected, with the reason recorded.
+pub(crate) fn check_not_rejected(storage: &dyn Storage, save_id: &str) -> Result<()> {
+    let name = rejected_name(save_id);
+    if !storage.exists(&name)? {
+        return Ok(());
+    }
+    let why = storage.get(&name, MAX_MARKER_BYTES)?;
+    Err(rejected(
+        storage,
+        save_id,
+        String::from_utf8_lossy(&why).into_owned(),
+    ))
+}
+
+/// Marks `save_id` rejected for `why` (the first reason recorded stays), unless it is committed.
+/// Call with the commit lock held, so a commit cannot slip in between the check and the mark.
+fn mark_rejected(storage: &dyn Storage, save_id: &str, why: &str) -> Result<Error> {
+    if is_committed(storage, save_id)? {
+        return Ok(rejected(
+            storage,
+            save_id,
+            format!("it is already committed; {why}"),
+        ));
+    }
+    storage.create_exclusive(&rejected_name(save_id), why.as_bytes())?;
+    Ok(match check_not_rejected(storage, save_id) {
+        Err(e) => e,
+        Ok(()) => rejected(storage, save_id, why.to_string()),
     })
 }
 
-/// Commits `save_id` if all its shards are present and nobody else is committing it.
+/// Claims shard `shard` of `save_id` for `writer`, before any of its files is written. If another
+/// writer claimed it first, the save is marked rejected (so that neither writer's shard is ever
+/// committed with the other shards) and the error names both writers.
+pub(crate) fn claim_shard(
+    storage: &dyn Storage,
+    save_id: &str,
+    shard: u32,
+    writer: &WriterInfo,
+) -> Result<()> {
+    let name = writer_claim_name(save_id, shard);
+    let json = serde_json::to_vec(writer).expect("writer infos serialize");
+    if storage.create_exclusive(&name, &json)? {
+        return Ok(());
+    }
+    let first = match read_claim(storage, save_id, shard) {
+        Ok(w) => w.to_string(),
+        Err(e) => format!("an unreadable claim ({e})"),
+    };
+    let why = format!(
+        "shard {shard} has two writers: {first} claimed it first, then {writer}; a save id names \
+         one save, so give every save (and every retry of one) a new save id"
+    );
+    let _lock = storage.lock_commit(COMMIT_LOCK_WAIT)?;
+    Err(mark_rejected(storage, save_id, &why)?)
+}
+
+/// Commits `save_id` if all its shards are present; see the module docs for the checks.
 pub fn try_commit(
     storage: &dyn Storage,
     save_id: &str,
     shard_num: u32,
     durable: bool,
 ) -> Result<CommitState> {
-    if committed_save_id(storage)?.as_deref() == Some(save_id) {
+    if is_committed(storage, save_id)? {
         return Ok(CommitState::Committed);
     }
+    check_not_rejected(storage, save_id)?;
     let missing = missing_shards(storage, save_id, shard_num)?;
     if !missing.is_empty() {
         return Ok(CommitState::Missing(missing));
     }
-    let claim = commit_claim_name(save_id);
-    let who = format!("pid {}\n", std::process::id());
-    if !storage.create_exclusive(&claim, who.as_bytes())? {
-        return Ok(if committed_save_id(storage)?.as_deref() == Some(save_id) {
-            CommitState::Committed
-        } else {
-            CommitState::Claimed
-        });
+    let lock = storage.lock_commit(COMMIT_LOCK_WAIT)?;
+    if is_committed(storage, save_id)? {
+        return Ok(CommitState::Committed);
     }
-    let result = (|| {
-        let shards = (0..shard_num)
-            .map(|s| read_shard_manifest(storage, save_id, s))
-            .collect::<Result<Vec<_>>>()?;
-        let manifest = Manifest::merge(shards)?;
-        let json = serde_json::to_vec_pretty(&manifest).expect("manifests serialize");
-        storage.put(&manifest_name(save_id), &json, durable)?;
-        // Compact on purpose: with no insignificant whitespace, every byte of the index carries
-        // meaning, so any change to it is detected (the index has no checksum of its own).
-        let index = serde_json::to_vec(&Index::for_manifest(&manifest, crc32fast::hash(&json)))
-            .expect("indexes serialize");
-        storage.put(INDEX_FILE, &index, durable)?;
-        collect_garbage(storage, save_id);
-        Ok(())
-    })();
-    if result.is_err() {
-        // Give a retry the chance to claim again; the index was not written.
-        let _ = storage.remove(&claim);
+    check_not_rejected(storage, save_id)?;
+    let current = committed(storage)?;
+    let mut manifest = match check_shards(storage, save_id, shard_num, &current)? {
+        Ok(m) => m,
+        Err(why) => return Err(mark_rejected(storage, save_id, &why)?),
+    };
+    manifest.replaces = current.clone();
+    let json = serde_json::to_vec_pretty(&manifest).expect("manifests serialize");
+    storage.put(&manifest_name(save_id), &json, durable)?;
+    // Compact on purpose: with no insignificant whitespace, every byte of the index carries
+    // meaning, so any change to it is detected (the index has no checksum of its own).
+    let index = serde_json::to_vec(&Index::for_manifest(&manifest, crc32fast::hash(&json)))
+        .expect("indexes serialize");
+    storage.put(INDEX_FILE, &index, durable)?;
+    drop(lock);
+    if let Some(old) = current {
+        remove_replaced(storage, &old);
     }
-    result.map(|()| CommitState::CommittedHere)
+    Ok(CommitState::CommittedHere)
 }
 
-/// Whether `name` is a file saver writes (data, manifests, claims, temporaries).
-pub(crate) fn is_saver_file(name: &str) -> bool {
-    (name.starts_with("model-")
-        && (name.ends_with(".safetensors") || name.contains(".safetensors.tmp-")))
-        || name.starts_with("saver-")
-        || name.starts_with("model.safetensors.index.json.tmp-")
-}
-
-/// Whether `name` belongs to save `save_id`.
-fn belongs_to(name: &str, save_id: &str) -> bool {
-    name.strip_prefix("model-")
-        .or_else(|| name.strip_prefix("saver-"))
-        .and_then(|rest| rest.strip_prefix(save_id))
-        .is_some_and(|rest| rest.starts_with(['-', '.']))
-}
-
-/// Removes every saver file that does not belong to the committed save. Best effort: a file that
-/// cannot be removed is left for the next save, never merged (names carry the save id).
-fn collect_garbage(storage: &dyn Storage, committed: &str) {
-    let Ok(names) = storage.list() else { return };
-    for name in names {
-        if is_saver_file(&name) && !belongs_to(&name, committed) {
-            let _ = storage.remove(&name);
-        }
-    }
-}
-
-/// Removes leftovers of an earlier attempt of the same save for the given shards (temporary files
-/// and stale shard manifests), so they can never be mistaken for this attempt's.
-pub(crate) fn clear_own_leftovers(
+/// Reads every shard manifest of `save_id` and checks they make one save that may replace
+/// `current`. `Ok(Err(why))` when they do not: the save can never commit.
+fn check_shards(
     storage: &dyn Storage,
     save_id: &str,
-    shards: &[u32],
-    all_shards: bool,
-) -> Result<()> {
-    for name in storage.list()? {
-        if !belongs_to(&name, save_id) {
-            continue;
+    shard_num: u32,
+    current: &Option<CheckpointRef>,
+) -> Result<std::result::Result<Manifest, String>> {
+    let mut shards = Vec::with_capacity(shard_num as usize);
+    for s in 0..shard_num {
+        let m = read_shard_manifest(storage, save_id, s)?;
+        let claim = match read_claim(storage, save_id, s) {
+            Ok(c) => c,
+            Err(e) => return Ok(Err(format!("shard {s} has no readable writer claim: {e}"))),
+        };
+        if m.writer.as_ref() != Some(&claim) {
+            let wrote = m
+                .writer
+                .as_ref()
+                .map_or("an unknown writer".into(), |w| w.to_string());
+            return Ok(Err(format!(
+                "shard {s} has two writers: it was claimed by {claim} but written by {wrote}"
+            )));
         }
-        let is_tmp = name.contains(crate::storage::local_tmp_mark());
-        let mine = all_shards
-            || shards.iter().any(|&s| {
-                name.starts_with(&format!("model-{save_id}-s{s:05}-"))
-                    || name == shard_manifest_name(save_id, s)
-            });
-        let claim = name == commit_claim_name(save_id);
-        if (mine && (is_tmp || name.ends_with(".shard.json"))) || (all_shards && claim) {
-            storage.remove(&name)?;
+        shards.push(m);
+    }
+    let seen: Vec<Option<CheckpointRef>> = shards.iter().map(|s| s.replaces.clone()).collect();
+    if !seen.contains(current) {
+        let saw = seen[0]
+            .as_ref()
+            .map_or("no checkpoint".into(), |c| format!("save {c}"));
+        let now = current
+            .as_ref()
+            .map_or("none".into(), |c| format!("save {c}"));
+        return Ok(Err(format!(
+            "another save committed first: the directory now holds {now}, and this save's writers \
+             saw {saw} when they started; a save replaces only the checkpoint it saw"
+        )));
+    }
+    Ok(Manifest::merge(shards).map_err(|e| e.to_string()))
+}
+
+/// Removes the files of checkpoint `old`, which a commit just replaced: the data files its
+/// manifest lists (only names carrying its save id, so an edited manifest cannot make a commit
+/// delete anything else), its shard manifests, manifest and writer claims. Only if its manifest
+/// is still the one its index named. Best effort: what is not removed stays, never referenced.
+fn remove_replaced(storage: &dyn Storage, old: &CheckpointRef) {
+    let name = manifest_name(&old.save_id);
+    let Ok(bytes) = storage.get(&name, MAX_JSON_BYTES) else {
+        return;
+    };
+    if crc32fast::hash(&bytes) != old.manifest_crc32 {
+        return;
+    }
+    let Ok(m) = serde_json::from_slice::<Manifest>(&bytes) else {
+        return;
+    };
+    for f in &m.files {
+        if SaverFile::parse(&f.name).is_some_and(|p| p.save_id() == old.save_id) {
+            let _ = storage.remove(&f.name);
         }
     }
-    Ok(())
+    for s in 0..m.shard_num {
+        let _ = storage.remove(&shard_manifest_name(&old.save_id, s));
+    }
+    let _ = storage.remove(&legacy_commit_claim_name(&old.save_id));
+    let _ = storage.remove(&name);
+    // The claims go last: while they exist, no new save can take the old id, so nothing of a new
+    // save can be taken for the old checkpoint's files above.
+    for s in 0..m.shard_num {
+        let _ = storage.remove(&writer_claim_name(&old.save_id, s));
+    }
+}
+
+/// What of a save to remove when it fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Leftovers {
+    /// Data files and shard manifests: the shards were written, but will never be committed.
+    Shards,
+    /// Also the writer claims: the shards were never finished, so their ids may be used again.
+    ShardsAndClaims,
+    /// Everything the save wrote (a single-process save owns all of it): the claims, the
+    /// rejection marker and the global manifest too.
+    Everything,
+}
+
+/// Removes this save's files of `shards` after a failure, as `what` says. Never touches a
+/// committed save, nor another save's files, nor files of shards it was not given.
+pub(crate) fn remove_own(storage: &dyn Storage, save_id: &str, shards: &[u32], what: Leftovers) {
+    if is_committed(storage, save_id).unwrap_or(true) {
+        return;
+    }
+    let Ok(names) = storage.list() else { return };
+    let mut claims = Vec::new();
+    for name in &names {
+        let ours = match SaverFile::parse(name) {
+            Some(SaverFile::Data { save_id: id, shard }) => {
+                id == save_id && shards.contains(&shard)
+            }
+            Some(SaverFile::Shard { save_id: id, shard }) if id == save_id => {
+                if shards.contains(&shard) && name.contains(".writer.json") {
+                    if what != Leftovers::Shards {
+                        claims.push(name);
+                    }
+                    false
+                } else {
+                    shards.contains(&shard)
+                }
+            }
+            Some(SaverFile::Save { save_id: id }) => id == save_id && what == Leftovers::Everything,
+            _ => false,
+        };
+        if ours {
+            let _ = storage.remove(name);
+        }
+    }
+    for name in claims {
+        let _ = storage.remove(name);
+    }
+}
+
+/// Files in `storage` that belong to no part of the committed save `save_id`: other saves' files
+/// (in progress, or left by a save that failed or crashed) and files that are not saver's. The
+/// index and the commit lock are not listed.
+pub(crate) fn files_left_alone(storage: &dyn Storage, save_id: &str) -> Result<Vec<String>> {
+    Ok(storage
+        .list()?
+        .into_iter()
+        .filter(|n| n != INDEX_FILE && n != saver_core::naming::COMMIT_LOCK)
+        .filter(|n| SaverFile::parse(n).is_none_or(|f| f.save_id() != save_id))
+        .collect())
 }
 
 /// Waits until `save_id` is committed, committing it if this process completes the set.
@@ -180,47 +357,17 @@ pub fn wait_for_commit(
     let mut pause = Duration::from_millis(5);
     loop {
         let state = try_commit(storage, save_id, shard_num, durable)?;
-        if matches!(state, CommitState::Committed | CommitState::CommittedHere) {
+        let CommitState::Missing(missing) = state else {
             return Ok(state);
-        }
+        };
         if start.elapsed() >= timeout {
-            return Err(match state {
-                CommitState::Missing(missing) => Error::Timeout {
-                    save_id: save_id.to_string(),
-                    missing,
-                    waited: start.elapsed(),
-                },
-                // Every shard is there, but the process that claimed the commit never finished it.
-                _ => Error::Incomplete {
-                    dir: storage.location().into(),
-                    what: format!(
-                        "all shards of save {save_id} are written, but the process that claimed the commit \
-                         ({}) did not finish within {:?}; if it died, remove that file and save again, \
-                         or save under a new save id",
-                        commit_claim_name(save_id),
-                        start.elapsed()
-                    ),
-                },
+            return Err(Error::Timeout {
+                save_id: save_id.to_string(),
+                missing,
+                waited: start.elapsed(),
             });
         }
-        thread::sleep(pause.min(timeout.saturating_sub(start.elapsed())));
+        std::thread::sleep(pause.min(timeout.saturating_sub(start.elapsed())));
         pause = (pause * 2).min(Duration::from_millis(200));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ownership_of_names() {
-        assert!(belongs_to("model-abc-s00001-f0000.safetensors", "abc"));
-        assert!(belongs_to("saver-abc.manifest.json", "abc"));
-        assert!(belongs_to("saver-abc-s00000.shard.json", "abc"));
-        assert!(!belongs_to("saver-abcd.manifest.json", "abc"));
-        assert!(!belongs_to("model-ab-s00001-f0000.safetensors", "abc"));
-        assert!(is_saver_file("model-x-s00000-f0000.safetensors.tmp-12-3"));
-        assert!(!is_saver_file("notes.txt"));
-        assert!(!is_saver_file("model.safetensors"));
     }
 }

@@ -49,6 +49,27 @@ pub enum Error {
         /// How long it waited.
         waited: Duration,
     },
+    /// The save can never commit: two writers claimed one shard, its shards disagree, or
+    /// another save committed into the directory while it was being written.
+    #[error("save {save_id} will not be committed in {dir}: {why}")]
+    Rejected {
+        /// The directory.
+        dir: PathBuf,
+        /// The rejected save.
+        save_id: String,
+        /// Why, naming the shards, writers, tensors or the save that won.
+        why: String,
+    },
+    /// Another process held the directory's commit lock for longer than the wait allowed.
+    #[error(
+        "timed out after {waited:?} waiting for the commit lock {lock} (another process is          committing into that directory; a process that dies releases it at once)"
+    )]
+    LockTimeout {
+        /// The lock file.
+        lock: PathBuf,
+        /// How long it waited.
+        waited: Duration,
+    },
     /// A committed file's bytes or structure are wrong.
     #[error("corrupt checkpoint file {file}: {what}")]
     Corrupt {

@@ -64,6 +64,40 @@ pub struct ExportReport {
     pub seconds: f64,
 }
 
+/// The data files the index in `storage` lists, if it is the index of a plain export (not a saver
+/// checkpoint's: that is refused, since replacing its index would lose the checkpoint).
+fn previous_export_files(storage: &LocalFs) -> Result<Vec<String>> {
+    if !storage.exists(INDEX_FILE)? {
+        return Ok(Vec::new());
+    }
+    #[derive(serde::Deserialize)]
+    struct PlainIndex {
+        #[serde(default)]
+        metadata: serde_json::Map<String, serde_json::Value>,
+        weight_map: BTreeMap<String, String>,
+    }
+    let bytes = storage.get(INDEX_FILE, crate::commit::MAX_JSON_BYTES)?;
+    let index: PlainIndex = serde_json::from_slice(&bytes).map_err(|e| {
+        Error::Mismatch(format!(
+            "{} holds a {INDEX_FILE} that is not an export's ({e}); export into another directory",
+            storage.location()
+        ))
+    })?;
+    if index.metadata.get("format").and_then(|f| f.as_str()) == Some("saver") {
+        return Err(Error::Mismatch(format!(
+            "{} holds a saver checkpoint; export into another directory",
+            storage.location()
+        )));
+    }
+    let mut files: Vec<String> = index.weight_map.into_values().collect();
+    files.sort();
+    files.dedup();
+    for f in &files {
+        crate::storage::check_file_name(f, INDEX_FILE)?;
+    }
+    Ok(files)
+}
+
 struct Tensor {
     name: String,
     dtype: Dtype,
@@ -95,6 +129,8 @@ pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<Exp
             save_id: "export".into(),
         });
     }
+    // The files of the export being replaced: its index lists them, and only they are removed.
+    let previous = previous_export_files(&storage)?;
     let restored = ckpt.restore(&LoadOptions {
         tables: opts.tables.clone(),
         exclude_slots: opts.exclude_slots.clone(),
@@ -216,13 +252,10 @@ pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<Exp
         &serde_json::to_vec_pretty(&index).expect("json"),
         opts.durable,
     )?;
-    // Files of an earlier, larger export in the same directory.
-    for old in storage.list()? {
-        if old.starts_with("model-")
-            && old.contains("-of-")
-            && old.ends_with(".safetensors")
-            && !names.contains(&old)
-        {
+    // Files of the earlier export this one replaced, as its index listed them; a file that no
+    // index named (a user's, another tool's) is never removed.
+    for old in previous {
+        if !names.contains(&old) {
             storage.remove(&old)?;
         }
     }

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::storage::ReadHandle;
 
 /// safetensors' own limit on the JSON header.
-pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+pub use saver_core::plan::header::MAX_HEADER_BYTES;
 
 /// One tensor of a parsed header.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -8,12 +8,13 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
-use saver_core::naming::{check_slot_name, check_table_name, INDEX_FILE};
+use saver_core::naming::{check_slot_name, check_table_name, SaverFile, INDEX_FILE};
 use saver_core::{DenseTensor, EmbeddingTable, KeyDtype, SaveInput, SlotSpec};
 
+use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
 use crate::header::{read_header, HeaderEntry};
-use crate::reader::Checkpoint;
+use crate::reader::{describe_incomplete, Checkpoint};
 use crate::restore::{LoadOptions, LoadedDense, Restored};
 use crate::storage::{check_file_name, LocalFs, ReadHandle, Storage};
 
@@ -76,30 +77,64 @@ pub(crate) fn first_trainer_state(ckpt: &Checkpoint) -> Option<String> {
         .and_then(|s| s.trainer_state.clone())
 }
 
-/// Whether `dir` holds a saver checkpoint (its index says so).
+/// Whether `dir` holds a saver checkpoint (its index says so). Reads the index only if it is a
+/// regular file.
 pub fn is_checkpoint(dir: &Path) -> bool {
-    std::fs::read(dir.join(INDEX_FILE))
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        metadata: ProbeMetadata,
+    }
+    #[derive(serde::Deserialize)]
+    struct ProbeMetadata {
+        format: Option<String>,
+    }
+    LocalFs::open_dir(dir)
+        .and_then(|s| s.get(INDEX_FILE, MAX_JSON_BYTES))
         .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .is_some_and(|v| v.pointer("/metadata/format").and_then(|f| f.as_str()) == Some("saver"))
+        .and_then(|b| serde_json::from_slice::<Probe>(&b).ok())
+        .is_some_and(|p| p.metadata.format.as_deref() == Some("saver"))
 }
 
 /// Reads a model from `path`: a saver checkpoint directory, a plain safetensors directory, or one
-/// plain safetensors file. Every row is copied into memory.
+/// plain safetensors file. Every row is copied into memory. A directory holding a saver save that
+/// was never committed is refused as incomplete: its data files are valid safetensors, but read
+/// as plain ones every sparse tensor would be taken for a dense one.
 pub fn read_model(path: &Path, parallel: usize) -> Result<Model> {
-    if path.is_dir() && is_checkpoint(path) {
-        let ckpt = Checkpoint::open(path)?;
-        let r = ckpt.restore(&LoadOptions {
-            parallel,
-            ..LoadOptions::default()
-        })?;
-        return Model::from_restored(r, &ckpt);
+    if path.is_dir() {
+        if is_checkpoint(path) {
+            let ckpt = Checkpoint::open(path)?;
+            let r = ckpt.restore(&LoadOptions {
+                parallel,
+                ..LoadOptions::default()
+            })?;
+            return Model::from_restored(r, &ckpt);
+        }
+        let storage = LocalFs::open_dir(path)?;
+        if !storage.exists(INDEX_FILE)?
+            && storage
+                .list()?
+                .iter()
+                .any(|n| SaverFile::parse(n).is_some())
+        {
+            return Err(Error::Incomplete {
+                dir: path.into(),
+                what: describe_incomplete(&storage)?,
+            });
+        }
     }
     read_plain(path)
 }
 
 fn plain_files(path: &Path) -> Result<(LocalFs, Vec<String>)> {
-    if path.is_file() {
+    let meta = std::fs::metadata(path).map_err(crate::error::io_err("open", path))?;
+    if !meta.is_file() && !meta.is_dir() {
+        return Err(Error::UnsafePath {
+            name: path.display().to_string(),
+            named_in: "the input path".into(),
+            why: "neither a regular file nor a directory",
+        });
+    }
+    if meta.is_file() {
         let dir = path
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
@@ -116,7 +151,7 @@ fn plain_files(path: &Path) -> Result<(LocalFs, Vec<String>)> {
     }
     let storage = LocalFs::open_dir(path)?;
     let files: Vec<String> = if storage.exists(INDEX_FILE)? {
-        let bytes = storage.get(INDEX_FILE, 1 << 30)?;
+        let bytes = storage.get(INDEX_FILE, MAX_JSON_BYTES)?;
         let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
             file: INDEX_FILE.into(),
             what: format!("not valid JSON: {e}"),

@@ -62,11 +62,22 @@ impl Index {
 
     /// Parses and checks an index: known version, safe names.
     pub fn parse(bytes: &[u8], file: &str) -> Result<Index> {
-        let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| Error::Corrupt {
+        // The version first, from a probe that skips everything else without building it.
+        #[derive(Deserialize)]
+        struct Probe {
+            #[serde(default)]
+            metadata: Option<ProbeMetadata>,
+        }
+        #[derive(Deserialize)]
+        struct ProbeMetadata {
+            #[serde(default)]
+            saver_format_version: Option<serde_json::Value>,
+        }
+        let probe: Probe = serde_json::from_slice(bytes).map_err(|e| Error::Corrupt {
             file: file.into(),
             what: format!("not valid JSON: {e}"),
         })?;
-        if let Some(found) = v.pointer("/metadata/saver_format_version") {
+        if let Some(found) = probe.metadata.and_then(|m| m.saver_format_version) {
             if found.as_u64() != Some(u64::from(FORMAT_VERSION)) {
                 return Err(Error::UnsupportedVersion {
                     file: file.into(),
@@ -75,7 +86,7 @@ impl Index {
                 });
             }
         }
-        let index: Index = serde_json::from_value(v).map_err(|e| Error::Corrupt {
+        let index: Index = serde_json::from_slice(bytes).map_err(|e| Error::Corrupt {
             file: file.into(),
             what: format!("not a saver index: {e}"),
         })?;

@@ -27,6 +27,7 @@ pub mod header;
 pub mod import;
 pub mod index;
 mod memory;
+mod owner;
 pub mod reader;
 pub mod reshard;
 pub mod restore;

@@ -79,6 +79,36 @@ pub(crate) fn describe_incomplete(storage: &dyn Storage) -> Result<String> {
     Ok(what)
 }
 
+/// How many times a reader starts over when the checkpoint it reads is replaced under it.
+const MAX_REOPENS: usize = 8;
+
+/// Runs `read` on the committed checkpoint of `storage` and starts over, up to [`MAX_REOPENS`]
+/// times, when its outcome is `failed` and the index changed meanwhile. A save that replaces a
+/// checkpoint removes the old one's files after its commit, so a reader caught in between would
+/// otherwise report a checkpoint that was never corrupt as corrupt: now it reports the new one.
+/// An outcome on an index that did not change stands.
+pub(crate) fn retry_if_replaced<T>(
+    storage: &dyn Storage,
+    mut read: impl FnMut() -> Result<T>,
+    failed: impl Fn(&Result<T>) -> bool,
+) -> Result<T> {
+    let index = || storage.get(INDEX_FILE, MAX_JSON_BYTES).ok();
+    let mut before = index();
+    let mut out = read();
+    for _ in 0..MAX_REOPENS {
+        if !failed(&out) {
+            break;
+        }
+        let now = index();
+        if now == before {
+            break;
+        }
+        before = now;
+        out = read();
+    }
+    out
+}
+
 /// Reads the index and the manifest it names, checking they agree.
 pub(crate) fn load_manifest(storage: &dyn Storage) -> Result<(Index, Manifest)> {
     if !storage.exists(INDEX_FILE)? {
@@ -105,23 +135,31 @@ pub(crate) fn load_manifest(storage: &dyn Storage) -> Result<(Index, Manifest)> 
             ),
         });
     }
-    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
+    // The version first, from a probe that skips everything else without building it: a
+    // manifest is parsed once, straight into its types, so memory stays near the file's size.
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        #[serde(default)]
+        format_version: Option<serde_json::Value>,
+    }
+    let probe: Probe = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
         file: name.clone(),
         what: format!("not valid JSON: {e}"),
     })?;
-    if value.get("format_version").and_then(|v| v.as_u64()) != Some(u64::from(FORMAT_VERSION)) {
+    if probe.format_version.as_ref().and_then(|v| v.as_u64()) != Some(u64::from(FORMAT_VERSION)) {
         return Err(Error::UnsupportedVersion {
             file: name.clone(),
-            found: value
-                .get("format_version")
+            found: probe
+                .format_version
                 .map_or("none".into(), |v| v.to_string()),
             supported: FORMAT_VERSION,
         });
     }
-    let manifest: Manifest = serde_json::from_value(value).map_err(|e| Error::Corrupt {
+    let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
         file: name.clone(),
         what: format!("not a saver manifest: {e}"),
     })?;
+    drop(bytes);
     check_manifest(&manifest, &index, name)?;
     Ok((index, manifest))
 }
@@ -275,12 +313,23 @@ impl Checkpoint {
     }
 
     /// Opens the checkpoint in `storage`.
+    ///
+    /// Every data file is opened here and read through these handles later, so a checkpoint
+    /// replaced (and its files removed) after `open` returns stays readable. One replaced while
+    /// `open` runs is opened anew: the result is the old or the new checkpoint, whole.
     pub fn open_storage(storage: Arc<dyn Storage>) -> Result<Self> {
-        let (index, manifest) = load_manifest(storage.as_ref())?;
-        let mut files = HashMap::new();
-        for fm in &manifest.files {
-            files.insert(fm.name.clone(), open_file(storage.as_ref(), &manifest, fm)?);
-        }
+        let (index, manifest, files) = retry_if_replaced(
+            storage.as_ref(),
+            || {
+                let (index, manifest) = load_manifest(storage.as_ref())?;
+                let mut files = HashMap::new();
+                for fm in &manifest.files {
+                    files.insert(fm.name.clone(), open_file(storage.as_ref(), &manifest, fm)?);
+                }
+                Ok((index, manifest, files))
+            },
+            Result::is_err,
+        )?;
         Ok(Self {
             storage,
             index,

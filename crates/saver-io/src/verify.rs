@@ -70,8 +70,41 @@ fn problem(e: &Error, fallback_file: &str) -> Problem {
     }
 }
 
-/// Verifies the checkpoint in `storage`.
+/// Whether `e` says something about the checkpoint's bytes (missing, truncated, changed,
+/// malformed), as opposed to the reader's situation (permission denied, I/O error, options): only
+/// the former make a checkpoint corrupt.
+fn is_about_the_checkpoint(e: &Error) -> bool {
+    match e {
+        Error::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+        Error::Corrupt { .. }
+        | Error::UnsafePath { .. }
+        | Error::UnsupportedVersion { .. }
+        | Error::Core(_) => true,
+        _ => false,
+    }
+}
+
+/// Verifies the checkpoint in `storage`. A checkpoint replaced while it is verified is verified
+/// again, so the verdict is about the old or the new checkpoint, never a mixture. Errors that are
+/// not about the checkpoint's bytes (permission denied, I/O errors) are returned as errors, not
+/// as a "corrupt" verdict.
 pub fn verify_storage(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
+    crate::reader::retry_if_replaced(
+        storage,
+        || verify_once(storage, parallel),
+        |r| {
+            !matches!(
+                r,
+                Ok(VerifyReport {
+                    status: Status::Ok,
+                    ..
+                })
+            )
+        },
+    )
+}
+
+fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
     let mut report = VerifyReport {
         status: Status::Ok,
         save_id: None,
@@ -91,11 +124,12 @@ pub fn verify_storage(storage: &dyn Storage, parallel: usize) -> Result<VerifyRe
             });
             return Ok(report);
         }
-        Err(e) => {
+        Err(e) if is_about_the_checkpoint(&e) => {
             report.status = Status::Corrupt;
             report.problems.push(problem(&e, INDEX_FILE));
             return Ok(report);
         }
+        Err(e) => return Err(e),
     };
     report.save_id = Some(manifest.save_id.clone());
     let pool = rayon::ThreadPoolBuilder::new()
@@ -105,14 +139,17 @@ pub fn verify_storage(storage: &dyn Storage, parallel: usize) -> Result<VerifyRe
             option: "parallel",
             why: e.to_string(),
         })?;
-    let per_file: Vec<(usize, u64, Vec<Problem>)> = pool.install(|| {
+    let per_file: Vec<Result<(usize, u64, Vec<Problem>)>> = pool.install(|| {
         manifest
             .files
             .par_iter()
             .map(|fm| {
                 let f = match open_file(storage, &manifest, fm) {
                     Ok(f) => f,
-                    Err(e) => return (0, 0, vec![problem(&e, &fm.name)]),
+                    Err(e) if is_about_the_checkpoint(&e) => {
+                        return Ok((0, 0, vec![problem(&e, &fm.name)]))
+                    }
+                    Err(e) => return Err(e),
                 };
                 let refs: Vec<&TensorRef> = manifest
                     .tensor_refs()
@@ -128,6 +165,9 @@ pub fn verify_storage(storage: &dyn Storage, parallel: usize) -> Result<VerifyRe
                     while off < t.len {
                         let n = (t.len - off).min(buf.len() as u64) as usize;
                         if let Err(e) = f.handle.read_at(t.offset + off, &mut buf[..n]) {
+                            if !is_about_the_checkpoint(&e) {
+                                return Err(e);
+                            }
                             problems.push(Problem {
                                 tensor: Some(t.name.clone()),
                                 ..problem(&e, &fm.name)
@@ -150,12 +190,13 @@ pub fn verify_storage(storage: &dyn Storage, parallel: usize) -> Result<VerifyRe
                         });
                     }
                 }
-                (refs.len(), bytes, problems)
+                Ok((refs.len(), bytes, problems))
             })
             .collect()
     });
     report.files = manifest.files.len();
-    for (tensors, bytes, problems) in per_file {
+    for checked in per_file {
+        let (tensors, bytes, problems) = checked?;
         report.tensors += tensors;
         report.bytes += bytes;
         report.problems.extend(problems);

@@ -10,14 +10,14 @@ use crc32fast::Hasher;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use saver_core::manifest::encode_trainer_state;
-use saver_core::naming::{check_save_id, shard_manifest_name};
-use saver_core::partition::fmix64;
+use saver_core::manifest::{encode_trainer_state, CheckpointRef, TableGiven, WriterInfo};
+use saver_core::naming::{check_save_id, shard_manifest_name, INDEX_FILE};
 use saver_core::plan::{plan_with_spill, tables_past_budget, ChunkBuffer, Loc};
 use saver_core::{PlanOptions, SaveInput, SavePlan};
 
 use crate::commit::{
-    clear_own_leftovers, committed_save_id, try_commit, wait_for_commit, CommitState,
+    check_not_rejected, claim_shard, committed, files_left_alone, remove_own, try_commit,
+    wait_for_commit, CommitState, Leftovers,
 };
 use crate::error::{Error, Result};
 use crate::schedule::{Claimer, FileQueues};
@@ -31,12 +31,15 @@ pub type ProgressFn = dyn Fn(u64) + Send + Sync;
 pub struct SaveOptions {
     /// Shards, filters, parallelism, file sizes. `plan.save_id` is ignored: see [`Self::save_id`].
     pub plan: PlanOptions,
-    /// Identifies the save. All processes of a multi-process save must use the same one. Default:
-    /// random for a single-process save; derived from the model's description (shard count, table
-    /// and slot specs, dense names and shapes, user metadata) for a multi-process save, so that
-    /// processes agree without talking. Pass a unique one (e.g. `run7-step1200`) when several saves
-    /// of the same model may target one directory.
+    /// Identifies the save; part of every file name. Default: random, for a single-process save.
+    /// A multi-process save (`plan.shard_index` set) must be given one, the same in every process
+    /// of that save and used by no other save, nor by a retry of it (for example
+    /// `run7-step1200-a1`, with the job's attempt number): a second writer of a shard under one
+    /// save id gets the save rejected rather than mixed.
     pub save_id: Option<String>,
+    /// The trainer step this save belongs to, if the trainer gives one. Stored in the manifest;
+    /// every process of a multi-process save must give the same.
+    pub step: Option<u64>,
     /// fsync data, manifests and directory before each rename (default true). Without it a power
     /// loss can lose a checkpoint that looked committed.
     pub durable: bool,
@@ -63,6 +66,7 @@ impl Default for SaveOptions {
         Self {
             plan: PlanOptions::default(),
             save_id: None,
+            step: None,
             durable: true,
             overwrite: false,
             wait: None,
@@ -131,6 +135,12 @@ pub struct SaveReport {
     pub committed: bool,
     /// Whether this call wrote the index.
     pub committed_here: bool,
+    /// The checkpoint this call's commit replaced, whose files it then removed.
+    pub replaced: Option<String>,
+    /// Files in the directory that belong neither to this checkpoint nor to the one it replaced,
+    /// left untouched: other saves' files (in progress, or left by a save that failed or
+    /// crashed) and files that are not saver's. Filled in by the call that committed.
+    pub left_alone: Vec<String>,
 }
 
 /// Saves a model into directory `dir` (created if needed). See [`save_to`].
@@ -149,49 +159,72 @@ fn random_save_id() -> String {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default();
-    let salt = fmix64(now.as_nanos() as u64 ^ (u64::from(std::process::id()) << 40));
-    format!("{}-{:08x}", now.as_secs(), salt as u32)
+    format!(
+        "{}-{:08x}",
+        now.as_secs(),
+        crate::owner::random_u64() as u32
+    )
 }
 
-/// A save id all processes of a multi-process save derive alike from what they all know.
-fn derived_save_id(input: &SaveInput<'_>, opts: &SaveOptions) -> String {
-    let mut desc = format!("{}|", opts.plan.shard_num);
-    for t in &input.tables {
-        desc += &format!("{}:{}:{:?}|", t.name(), t.key_dtype(), t.slots());
-    }
-    for d in &input.dense {
-        desc += &format!("{}:{}:{:?}|", d.name(), d.dtype(), d.shape());
-    }
-    desc += &format!("{:?}", opts.user_metadata);
-    // FNV-1a, then a finalizer: stable across builds and platforms, unlike std's hasher.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in desc.bytes() {
-        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("d{:016x}", fmix64(h))
+/// The tables every process of a save must be given alike, as this process was given them.
+fn tables_given(input: &SaveInput<'_>) -> Vec<TableGiven> {
+    input
+        .tables
+        .iter()
+        .map(|t| TableGiven {
+            name: t.name().to_string(),
+            key_dtype: t.key_dtype(),
+            slots: t.slots().to_vec(),
+        })
+        .collect()
+}
+
+/// The committed checkpoint, with a clear error where the index is not saver's.
+fn committed_before_save(storage: &dyn Storage) -> Result<Option<CheckpointRef>> {
+    committed(storage).map_err(|e| match e {
+        Error::Corrupt { .. } | Error::UnsupportedVersion { .. } => Error::Mismatch(format!(
+            "{} holds a {INDEX_FILE} that saver cannot read as a checkpoint's ({e}); a save would \
+             replace it, so save into another directory or move that file away",
+            storage.location()
+        )),
+        e => e,
+    })
 }
 
 /// Saves a model into `storage`: plans, writes every planned shard in parallel, makes it durable,
 /// writes the shard manifests and commits (single-process), or commits if this process completes
 /// the set of shards (multi-process).
+///
+/// The save creates only files named after its save id, after claiming its shards; on failure it
+/// removes what it wrote; after its commit it removes the files of the checkpoint it replaced,
+/// as that checkpoint's manifest lists them, and nothing else ([`SaveReport::left_alone`]).
 pub fn save_to(
     storage: &dyn Storage,
     input: SaveInput<'_>,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
     let t0 = Instant::now();
-    let save_id = match &opts.save_id {
-        Some(id) => id.clone(),
-        None if opts.plan.shard_index.is_none() => random_save_id(),
-        None => derived_save_id(&input, opts),
-    };
+    let save_id =
+        match (&opts.save_id, opts.plan.shard_index) {
+            (Some(id), _) => id.clone(),
+            (None, None) => random_save_id(),
+            (None, Some(_)) => return Err(Error::InvalidOption {
+                option: "save_id",
+                why: "a multi-process save (shard_index set) needs an explicit save id, the same \
+                      in every process of that save and used by no other save or retry (for \
+                      example run7-step1200-a1); one derived from the model could join shards of \
+                      two different runs"
+                    .into(),
+            }),
+        };
     check_save_id(&save_id)?;
     let mut plan_opts = opts.plan.clone();
     plan_opts.save_id = save_id.clone();
     plan_opts.validate()?;
 
-    if let Some(existing) = committed_save_id(storage)? {
-        if existing == save_id {
+    let seen = committed_before_save(storage)?;
+    if let Some(existing) = &seen {
+        if existing.save_id == save_id {
             return Err(Error::Mismatch(format!(
                 "{} already holds the committed save {save_id}; use another save id",
                 storage.location()
@@ -200,23 +233,77 @@ pub fn save_to(
         if !opts.overwrite {
             return Err(Error::Exists {
                 dir: storage.location().into(),
-                save_id: existing,
+                save_id: existing.save_id.clone(),
             });
         }
     }
+    check_not_rejected(storage, &save_id)?;
     let shards: Vec<u32> = match plan_opts.shard_index {
         Some(i) => vec![i],
         None => (0..plan_opts.shard_num).collect(),
     };
-    clear_own_leftovers(storage, &save_id, &shards, plan_opts.shard_index.is_none())?;
+    let single = plan_opts.shard_index.is_none();
+    let writer = crate::owner::current_writer();
+    for (k, &s) in shards.iter().enumerate() {
+        if let Err(e) = claim_shard(storage, &save_id, s, &writer) {
+            remove_own(storage, &save_id, &shards[..k], Leftovers::ShardsAndClaims);
+            return Err(e);
+        }
+    }
+    let mut shard_manifests_written = false;
+    let result = write_and_commit(
+        storage,
+        input,
+        opts,
+        &plan_opts,
+        Shared {
+            writer,
+            replaces: seen,
+            t0,
+        },
+        &mut shard_manifests_written,
+    );
+    if let Err(e) = &result {
+        let what = if single {
+            Leftovers::Everything
+        } else if !shard_manifests_written {
+            Leftovers::ShardsAndClaims
+        } else if matches!(e, Error::Rejected { .. }) {
+            Leftovers::Shards
+        } else {
+            // Written and durable: another process of the save may still commit it.
+            return result;
+        };
+        remove_own(storage, &save_id, &shards, what);
+    }
+    result
+}
 
+/// What a save call knows before it plans.
+struct Shared {
+    writer: WriterInfo,
+    replaces: Option<CheckpointRef>,
+    t0: Instant,
+}
+
+fn write_and_commit(
+    storage: &dyn Storage,
+    input: SaveInput<'_>,
+    opts: &SaveOptions,
+    plan_opts: &PlanOptions,
+    shared: Shared,
+    shard_manifests_written: &mut bool,
+) -> Result<SaveReport> {
+    let save_id = plan_opts.save_id.clone();
+    let tables_given = tables_given(&input);
     // Only a plan past its memory budget touches the spill.
     let spill = tables_past_budget(&input.tables, plan_opts.plan_memory)
         .contains(&true)
         .then(|| storage.spill())
         .transpose()?;
-    let plan = plan_with_spill(input, &plan_opts, spill)?;
-    let plan_seconds = t0.elapsed().as_secs_f64();
+    let plan = plan_with_spill(input, plan_opts, spill)?;
+    let dense_given = plan.dense_given();
+    let plan_seconds = shared.t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
     let written = write_plan(
@@ -227,13 +314,19 @@ pub fn save_to(
         opts.progress.as_deref(),
     )?;
     for (pos, shard_crcs) in written.crcs.iter().enumerate() {
-        let m = plan.shard_manifest(
+        let mut m = plan.shard_manifest(
             pos,
             shard_crcs,
             &opts.user_metadata,
             opts.trainer_state.clone(),
         );
+        m.writer = Some(shared.writer.clone());
+        m.replaces = shared.replaces.clone();
+        m.step = opts.step;
+        m.tables_given = tables_given.clone();
+        m.dense_given = dense_given.clone();
         let json = serde_json::to_vec_pretty(&m).expect("manifests serialize");
+        *shard_manifests_written = true;
         storage.put(
             &shard_manifest_name(&save_id, plan.shards()[pos].shard),
             &json,
@@ -245,9 +338,8 @@ pub fn save_to(
     let t2 = Instant::now();
     let n = plan_opts.shard_num;
     let state = match (plan_opts.shard_index, opts.wait) {
-        (None, _) => try_commit(storage, &save_id, n, opts.durable)?,
         (Some(_), Some(timeout)) => wait_for_commit(storage, &save_id, n, opts.durable, timeout)?,
-        (Some(_), None) => try_commit(storage, &save_id, n, opts.durable)?,
+        _ => try_commit(storage, &save_id, n, opts.durable)?,
     };
     if plan_opts.shard_index.is_none() && state != CommitState::CommittedHere {
         return Err(Error::Incomplete {
@@ -255,6 +347,11 @@ pub fn save_to(
             what: format!("single-process save {save_id} could not commit: {state:?}"),
         });
     }
+    let left_alone = if state == CommitState::CommittedHere {
+        files_left_alone(storage, &save_id)?
+    } else {
+        Vec::new()
+    };
     let rows = plan
         .shards()
         .iter()
@@ -263,7 +360,7 @@ pub fn save_to(
         .sum();
     Ok(SaveReport {
         save_id,
-        shards,
+        shards: plan.shards().iter().map(|s| s.shard).collect(),
         files: plan.shards().iter().map(|s| s.files.len()).sum(),
         direct_io_files: written.direct_io_files,
         rows,
@@ -274,6 +371,11 @@ pub fn save_to(
         commit_seconds: t2.elapsed().as_secs_f64(),
         committed: matches!(state, CommitState::Committed | CommitState::CommittedHere),
         committed_here: state == CommitState::CommittedHere,
+        replaced: shared
+            .replaces
+            .filter(|_| state == CommitState::CommittedHere)
+            .map(|c| c.save_id),
+        left_alone,
     })
 }
 

@@ -43,7 +43,15 @@ fn filters(args: &SaveArgs) -> Result<Filters, Box<dyn std::error::Error>> {
 }
 
 pub fn run(args: SaveArgs) -> CmdResult {
+    if args.shard_index.is_some() && args.save_id.is_none() {
+        return Err(
+            "--shard-index needs --save-id: the same id in every process of this save, \
+                    and a new one for every save and every retry (e.g. run7-step1200-a1)"
+                .into(),
+        );
+    }
     let mut opts = SaveOptions {
+        step: args.step,
         save_id: args.save_id.clone(),
         durable: !args.no_fsync,
         overwrite: args.overwrite,
@@ -52,7 +60,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
             DirectIoWhen::On => DirectIo::On,
             DirectIoWhen::Off => DirectIo::Off,
         },
-        wait: args.wait_seconds.map(Duration::from_secs_f64),
+        wait: args.wait_seconds.as_deref().map(parse_wait).transpose()?,
         ..SaveOptions::default()
     };
     opts.plan.shard_num = args.shards;
@@ -103,6 +111,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
     if let Some((bar, _)) = progress {
         bar.finish_and_clear();
     }
+    note_left_alone(&args.out, &report);
     let throughput = report.bytes_written as f64 / report.write_seconds.max(1e-9);
     if args.out_fmt.json {
         output::json(&Report {
@@ -144,6 +153,44 @@ pub fn run(args: SaveArgs) -> CmdResult {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--wait-seconds`: a finite number of seconds from 0 to a week.
+fn parse_wait(s: &str) -> Result<Duration, String> {
+    const WEEK: f64 = 7.0 * 24.0 * 3600.0;
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=WEEK).contains(&v) => Ok(Duration::from_secs_f64(v)),
+        _ => Err(format!(
+            "--wait-seconds {s:?}: expected a number of seconds from 0 to {WEEK} (a week)"
+        )),
+    }
+}
+
+/// Says once, on stderr, that files of other saves were left in the directory: a save removes
+/// only its own files and those of the checkpoint it replaced, so a crashed or rejected save's
+/// files stay until someone who knows no such save runs removes them.
+fn note_left_alone(out: &std::path::Path, report: &SaveReport) {
+    let saver_like: Vec<&String> = report
+        .left_alone
+        .iter()
+        .filter(|n| saver_core::naming::SaverFile::parse(n).is_some())
+        .collect();
+    if saver_like.is_empty() {
+        return;
+    }
+    let mut saves: Vec<&str> = saver_like
+        .iter()
+        .filter_map(|n| saver_core::naming::SaverFile::parse(n).map(|f| f.save_id()))
+        .collect();
+    saves.sort_unstable();
+    saves.dedup();
+    eprintln!(
+        "note: left {} file(s) of other saves ({}) in {}: in progress, or left by a save that \
+         failed or crashed; remove them once no such save runs",
+        saver_like.len(),
+        saves.join(", "),
+        out.display()
+    );
 }
 
 /// How the data files were written, for the text report: a slow save through the page cache on a

@@ -136,6 +136,10 @@ impl<S: Storage> Storage for FaultyStorage<S> {
         self.inner.sync_dir()
     }
 
+    fn lock_commit(&self, wait: std::time::Duration) -> Result<Box<dyn super::CommitLock>> {
+        self.inner.lock_commit(wait)
+    }
+
     fn spill(&self) -> Result<std::sync::Arc<dyn saver_core::plan::Spill>> {
         self.inner.spill()
     }

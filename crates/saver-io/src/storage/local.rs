@@ -1,19 +1,19 @@
 //! [`LocalFs`]: a checkpoint directory on a POSIX filesystem, local or shared (NFS, Lustre, …).
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{ErrorKind, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use saver_core::naming::{COMMIT_LOCK, TMP_MARK};
 
 use super::direct::{DirectWrites, WindowPool};
 use super::{check_file_name, ReadHandle, Storage, WriteHandle};
 use crate::error::{io_err, Error, Result};
-
-/// Suffix marker of temporary files: `<final name>.tmp-<pid>-<n>`.
-pub(crate) const TMP_MARK: &str = ".tmp-";
 
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
@@ -212,6 +212,42 @@ fn allocate(file: &File, len: u64) -> std::io::Result<()> {
     file.set_len(len)
 }
 
+/// Why [`open_regular`] refused a path.
+pub(crate) enum Opened {
+    /// A symlink, FIFO, socket, device or directory.
+    NotRegular,
+    /// The OS refused.
+    Io(std::io::Error),
+}
+
+/// Opens `path` for reading only if it is a regular file. Opened without following a symlink and
+/// without blocking (a FIFO would otherwise wait for a writer forever), then checked on the open
+/// descriptor, so nothing can be swapped in between the check and the use.
+pub(crate) fn open_regular(path: &Path) -> std::result::Result<(File, fs::Metadata), Opened> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => Opened::NotRegular,
+            _ => Opened::Io(e),
+        })?;
+    let meta = file.metadata().map_err(Opened::Io)?;
+    if !meta.file_type().is_file() {
+        return Err(Opened::NotRegular);
+    }
+    Ok((file, meta))
+}
+
+/// The commit lock of a [`LocalFs`] directory: an exclusive `flock` on its lock file, which the
+/// kernel releases when the holder's descriptor closes, whether it exits or is killed.
+pub struct LocalLock {
+    _file: File,
+}
+
+impl super::CommitLock for LocalLock {}
+
 fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir)
         .and_then(|d| d.sync_all())
@@ -226,9 +262,11 @@ impl Storage for LocalFs {
     fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>> {
         let dest = self.path(name)?;
         let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tmp = self
-            .dir
-            .join(format!("{name}{TMP_MARK}{}-{n}", std::process::id()));
+        let tmp = self.dir.join(format!(
+            "{name}{TMP_MARK}{}-{}-{n}",
+            std::process::id(),
+            crate::owner::process_token()
+        ));
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -269,17 +307,19 @@ impl Storage for LocalFs {
 
     fn open(&self, name: &str) -> Result<Box<dyn ReadHandle>> {
         let path = self.path(name)?;
-        let meta = fs::symlink_metadata(&path).map_err(io_err("open", &path))?;
-        if !meta.file_type().is_file() {
-            return Err(Error::UnsafePath {
+        let (file, meta) = open_regular(&path).map_err(|e| match e {
+            Opened::NotRegular => Error::UnsafePath {
                 name: name.to_string(),
                 named_in: self.dir.display().to_string(),
-                why: "not a regular file (symlinks are refused)",
-            });
-        }
-        let file = File::open(&path).map_err(io_err("open", &path))?;
-        let len = file.metadata().map_err(io_err("stat", &path))?.len();
-        Ok(Box::new(LocalRead { file, len, path }))
+                why: "not a regular file (symlinks, FIFOs, sockets and devices are refused)",
+            },
+            Opened::Io(e) => io_err("open", &path)(e),
+        })?;
+        Ok(Box::new(LocalRead {
+            file,
+            len: meta.len(),
+            path,
+        }))
     }
 
     fn exists(&self, name: &str) -> Result<bool> {
@@ -314,6 +354,46 @@ impl Storage for LocalFs {
 
     fn sync_dir(&self) -> Result<()> {
         sync_dir(&self.dir)
+    }
+
+    fn lock_commit(&self, wait: Duration) -> Result<Box<dyn super::CommitLock>> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = self.dir.join(COMMIT_LOCK);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+            .map_err(io_err("open the commit lock", &path))?;
+        if !file
+            .metadata()
+            .map_err(io_err("stat", &path))?
+            .file_type()
+            .is_file()
+        {
+            return Err(Error::UnsafePath {
+                name: COMMIT_LOCK.into(),
+                named_in: self.dir.display().to_string(),
+                why: "not a regular file",
+            });
+        }
+        let start = Instant::now();
+        let mut pause = Duration::from_millis(1);
+        loop {
+            match file.try_lock() {
+                Ok(()) => return Ok(Box::new(LocalLock { _file: file })),
+                Err(TryLockError::WouldBlock) => {}
+                Err(TryLockError::Error(e)) => return Err(io_err("lock", &path)(e)),
+            }
+            let waited = start.elapsed();
+            if waited >= wait {
+                return Err(Error::LockTimeout { lock: path, waited });
+            }
+            std::thread::sleep(pause.min(wait - waited));
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
     }
 
     /// Beside the checkpoint: the same filesystem, which has room for the checkpoint, while the

@@ -22,11 +22,7 @@ use crate::spill::FileSpill;
 
 pub use faulty::{Fault, FaultyStorage};
 pub use local::LocalFs;
-
-/// The marker in the names of temporary files of [`LocalFs`].
-pub(crate) fn local_tmp_mark() -> &'static str {
-    local::TMP_MARK
-}
+pub use local::LocalLock;
 
 use crate::error::{Error, Result};
 
@@ -84,6 +80,9 @@ pub trait ReadHandle: Send + Sync {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
 }
 
+/// Held while a process commits into a storage; dropping it releases the lock.
+pub trait CommitLock: Send {}
+
 /// A directory of checkpoint files.
 pub trait Storage: Send + Sync + fmt::Debug {
     /// A description for messages (the directory path, a bucket URL, …).
@@ -127,6 +126,12 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn remove(&self, name: &str) -> Result<()>;
     /// Makes completed renames durable (fsync of the directory on POSIX).
     fn sync_dir(&self) -> Result<()>;
+    /// Takes the storage's commit lock, waiting up to `wait` for another holder to release it.
+    /// Commits into one storage run one at a time under it, so that each can compare the
+    /// committed checkpoint with what its save expected and swap it in without a race. A holder
+    /// that dies must release it (the OS drops a dead process's file locks; an object store's
+    /// lease expires): a crashed committer never blocks the next.
+    fn lock_commit(&self, wait: std::time::Duration) -> Result<Box<dyn CommitLock>>;
     /// Where a save's plan spills the rows it keeps out of memory (`PlanOptions::plan_memory`).
     /// Default: a nameless file in the system's temporary directory.
     fn spill(&self) -> Result<Arc<dyn Spill>> {
