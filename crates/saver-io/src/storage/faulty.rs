@@ -15,6 +15,9 @@ pub enum Fault {
     DiskFullAfter(u64),
     /// The n-th commit (fsync + rename) fails, as with an I/O error at fsync.
     CommitNumber(u64),
+    /// The commit of the global index fails, as with a disk that fills up while a process
+    /// commits the checkpoint: every data file and manifest before it is written.
+    CommitOfIndex,
 }
 
 /// A storage that injects one kind of fault into an inner storage.
@@ -53,6 +56,7 @@ fn injected(what: &str) -> Error {
 
 struct FaultyWrite {
     inner: Box<dyn WriteHandle>,
+    is_index: bool,
     fault: Fault,
     state: Arc<Counters>,
 }
@@ -87,7 +91,9 @@ impl WriteHandle for FaultyWrite {
 
     fn commit(self: Box<Self>, durable: bool) -> Result<()> {
         let n = self.state.commits.fetch_add(1, Ordering::SeqCst);
-        if self.fault == Fault::CommitNumber(n) {
+        if self.fault == Fault::CommitNumber(n)
+            || (self.fault == Fault::CommitOfIndex && self.is_index)
+        {
             self.inner.abort();
             return Err(injected("I/O error at fsync (injected)"));
         }
@@ -107,6 +113,7 @@ impl<S: Storage> Storage for FaultyStorage<S> {
     fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>> {
         Ok(Box::new(FaultyWrite {
             inner: self.inner.create(name, len)?,
+            is_index: name == saver_core::naming::INDEX_FILE,
             fault: self.fault,
             state: self.state.clone(),
         }))
