@@ -298,3 +298,44 @@ fn fifos_and_never_committed_directories_are_refused_at_once() {
     let v = run(&["verify", partial.to_str().unwrap()]);
     assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
 }
+
+#[test]
+fn verify_says_permission_denied_is_an_error_not_a_corrupt_checkpoint() {
+    use std::os::unix::fs::PermissionsExt;
+    let root = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = root.path().join("ck");
+    let out = dir.to_str().unwrap();
+    let o = run(&["save", "--out", out, "--synthetic", &spec(0), "--no-fsync"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let data = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .unwrap();
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o000)).unwrap();
+    // Root reads any file, so run as nobody where we are root.
+    // SAFETY: geteuid has no preconditions.
+    let as_root = unsafe { libc::geteuid() } == 0;
+    let mut cmd = if as_root {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"]);
+        c.arg(env!("CARGO_BIN_EXE_saver"));
+        c
+    } else {
+        Command::new(env!("CARGO_BIN_EXE_saver"))
+    };
+    let o = match cmd.args(["verify", out]).output() {
+        Ok(o) => o,
+        Err(e) => {
+            println!("skipped: cannot run setpriv ({e})");
+            return;
+        }
+    };
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("Permission denied") && !err.contains("corrupt"),
+        "{err}"
+    );
+}

@@ -476,3 +476,28 @@ fn segments_stay_whole_in_one_file() {
         }
     }
 }
+
+#[test]
+fn a_file_whose_header_would_pass_the_safetensors_limit_is_refused_before_writing() {
+    // 200 000 empty dense tensors with 500-byte names: a header of about 110 MB in one file.
+    let names: Vec<String> = (0..200_000).map(|i| format!("{i:0>500}")).collect();
+    let mut input = SaveInput::new();
+    for n in &names {
+        input = input.dense(DenseTensor::new(n.clone(), Dtype::U8, vec![0], Vec::new()).unwrap());
+    }
+    let Err(err) = plan(input, &PlanOptions::default()) else {
+        panic!("a plan with a 110 MB header was accepted");
+    };
+    let msg = err.to_string();
+    assert!(
+        matches!(
+            err,
+            saver_core::Error::HeaderTooLarge {
+                tensors: 200_000,
+                ..
+            }
+        ) && msg.contains("model-")
+            && msg.contains("100000000"),
+        "{msg}"
+    );
+}

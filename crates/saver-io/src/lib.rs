@@ -5,8 +5,10 @@
 //! * [`save`] / [`save_to`]: plan, write every planned shard with `parallel` threads using
 //!   positional writes and bounded buffers, CRC32 every tensor on the way, make files durable,
 //!   write the shard manifest, and commit. Multi-process saves (one process per shard, in any order,
-//!   possibly on several hosts sharing a filesystem) commit exactly once, through an exclusive
-//!   claim; [`SaveOptions::wait`] waits for the set with a timeout naming the missing shards.
+//!   possibly on several hosts sharing a filesystem) commit exactly once, under the directory's
+//!   commit lock, as a compare-and-swap of the committed checkpoint ([`commit`]); a save creates
+//!   and removes only files it owns. [`SaveOptions::wait`] waits for the set with a timeout naming
+//!   the missing shards.
 //! * [`Checkpoint::open`]: validates index, manifest and every header without reading data.
 //! * [`Checkpoint::restore`] / [`Checkpoint::load_into`]: load for shard `j` of any `M`, reading
 //!   only the byte ranges that shard needs.

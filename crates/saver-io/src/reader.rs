@@ -119,12 +119,14 @@ pub(crate) fn load_manifest(storage: &dyn Storage) -> Result<(Index, Manifest)> 
     }
     let index = Index::parse(&storage.get(INDEX_FILE, MAX_JSON_BYTES)?, INDEX_FILE)?;
     let name = &index.metadata.saver_manifest;
-    let bytes = storage
-        .get(name, MAX_JSON_BYTES)
-        .map_err(|e| Error::Corrupt {
+    let bytes = storage.get(name, MAX_JSON_BYTES).map_err(|e| match e {
+        // Permission denied, an I/O error: the reader's trouble, not the checkpoint's.
+        Error::Io { ref source, .. } if source.kind() != std::io::ErrorKind::NotFound => e,
+        e => Error::Corrupt {
             file: INDEX_FILE.into(),
             what: format!("names manifest {name:?}, which cannot be read: {e}"),
-        })?;
+        },
+    })?;
     let crc = crc32fast::hash(&bytes);
     if crc != index.metadata.saver_manifest_crc32 {
         return Err(Error::Corrupt {

@@ -206,3 +206,32 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
     }
     Ok(report)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_errors_about_the_bytes_make_a_checkpoint_corrupt() {
+        let io = |kind| Error::Io {
+            op: "open",
+            path: "model-x-s00000-f0000.safetensors".into(),
+            source: std::io::Error::from(kind),
+        };
+        assert!(is_about_the_checkpoint(&io(std::io::ErrorKind::NotFound)));
+        assert!(!is_about_the_checkpoint(&io(
+            std::io::ErrorKind::PermissionDenied
+        )));
+        assert!(!is_about_the_checkpoint(&io(
+            std::io::ErrorKind::Interrupted
+        )));
+        assert!(is_about_the_checkpoint(&Error::Corrupt {
+            file: "f".into(),
+            what: "truncated".into()
+        }));
+        assert!(!is_about_the_checkpoint(&Error::LockTimeout {
+            lock: "l".into(),
+            waited: std::time::Duration::ZERO
+        }));
+    }
+}

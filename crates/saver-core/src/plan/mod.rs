@@ -60,11 +60,19 @@ pub enum ForeignRows {
 }
 
 /// The model to save: sparse tables and dense tensors.
+///
+/// In a multi-process save (one process per shard), every process passes the same tables (each
+/// holding, at least, the rows of its shard) and **every dense tensor**: dense tensors are
+/// replicated, and each process writes the ones the plan assigns to its shard, balanced by bytes.
+/// The commit compares what each process was given (names, dtypes, shapes and a CRC32 of every
+/// dense tensor's content) and fails, naming the tensor and the shards, if a dense tensor was
+/// passed to some processes only, differs between them, or would not be written exactly once:
+/// nothing is dropped silently.
 #[derive(Default)]
 pub struct SaveInput<'a> {
     /// Sparse tables.
     pub tables: Vec<&'a dyn SparseTable>,
-    /// Dense tensors.
+    /// Dense tensors: in a multi-process save, all of them in every process.
     pub dense: Vec<DenseTensor<'a>>,
 }
 
