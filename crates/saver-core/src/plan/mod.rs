@@ -43,7 +43,7 @@ use crate::manifest::{
 };
 use crate::naming::{check_dense_name, check_save_id, check_table_name};
 use crate::partition::PartitionRule;
-use crate::table::SparseTable;
+use crate::table::{moment, SparseTable};
 use crate::tensor::DenseTensor;
 
 /// Data per file below which [`PlanOptions::split_files`] does not cut a shard further.
@@ -368,15 +368,25 @@ pub fn plan_with_spill<'a>(
         .into_iter()
         .map(|past| spill.as_ref().filter(|_| past).map(Arc::clone))
         .collect();
+    // Every table's snapshot first, at one moment: the save shows every table as it was then.
+    let snapshots = moment::at_one_moment(|| {
+        input
+            .tables
+            .iter()
+            .map(|t| t.snapshot())
+            .collect::<Result<Vec<_>>>()
+    })?;
     // Scan buffers, handed from part to part across every table's scan.
     let buffers = rows::RunBufferPool::default();
     let mut tables: Vec<ScannedTable<'a>> = input
         .tables
         .par_iter()
+        .zip(snapshots)
         .zip(spills)
-        .map(|(t, spill)| {
+        .map(|((t, snapshot), spill)| {
             scan::scan_table(
                 *t,
+                snapshot,
                 opts.shard_num,
                 &shards,
                 &opts.filters,

@@ -254,6 +254,7 @@ pub(crate) struct RowsTo<'p> {
 /// `to.unit_rows`).
 pub(crate) fn scan_table<'a>(
     table: &'a dyn SparseTable,
+    snapshot: Box<dyn TableSnapshot + 'a>,
     shard_num: u32,
     shards: &[u32],
     filters: &Filters,
@@ -270,7 +271,6 @@ pub(crate) fn scan_table<'a>(
     let slot_bytes = validate_slots(&name, &slots)?;
     let key_dtype = table.key_dtype();
     let kept = kept_blocks(table, shards, filters);
-    let snapshot = table.snapshot()?;
 
     // shard -> position in `shards`, only needed when not every shard is planned.
     let all_planned = shards.len() as u64 == u64::from(shard_num);

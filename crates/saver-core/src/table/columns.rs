@@ -128,6 +128,11 @@ impl SparseTable for ColumnTable {
         // The table is immutable: it is its own snapshot.
         Ok(Box::new(ColumnSnapshot { table: self }))
     }
+
+    /// Immutable, so any snapshot shows one moment.
+    fn point_in_time(&self) -> bool {
+        true
+    }
 }
 
 struct ColumnSnapshot<'t> {

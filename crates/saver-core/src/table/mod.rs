@@ -14,6 +14,7 @@
 
 mod columns;
 mod embedding;
+pub mod moment;
 
 pub use columns::ColumnTable;
 pub use embedding::{EmbeddingTable, IdHashBuilder, IdHasher, RowMut};
@@ -208,6 +209,24 @@ pub trait SparseTable: Send + Sync {
     }
     /// Fixes the set of rows a save will write. See the module docs for the contract.
     fn snapshot(&self) -> Result<Box<dyn TableSnapshot + '_>>;
+    /// Whether [`Self::snapshot`] is point-in-time: every row it gives is the row's value at one
+    /// moment (the snapshot's), and every row alive at that moment is given, however the table
+    /// is written to meanwhile. The save reports it per table ([`TableSemantics`]). Default
+    /// false: rows are read as the save reaches them.
+    fn point_in_time(&self) -> bool {
+        false
+    }
+}
+
+/// What a save's rows of one table show.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TableSemantics {
+    /// Every saved row is its value at one moment, and every row alive then is saved.
+    PointInTime,
+    /// Each row is read when the save reaches it: rows written during the save may show values
+    /// from different moments (never torn within a row).
+    AsRead,
 }
 
 /// A consistent view of a table's row set, taken by [`SparseTable::snapshot`].

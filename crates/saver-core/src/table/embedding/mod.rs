@@ -1,5 +1,6 @@
 //! [`EmbeddingTable`]: a concurrent sparse table on `dashmap`, ready to train with and to load into.
 
+mod cow;
 mod hasher;
 mod slab;
 mod snapshot;
@@ -8,6 +9,7 @@ use std::ops::Range;
 
 use dashmap::{DashMap, Entry};
 
+use cow::PreImages;
 pub use hasher::{IdHashBuilder, IdHasher};
 use slab::{Row, Slabs};
 use snapshot::{EmbeddingSnapshot, Retired};
@@ -41,6 +43,9 @@ pub struct EmbeddingTable {
     buckets: Range<u32>,
     /// Rows that left the map while a snapshot might still read them.
     retired: Retired,
+    /// Rows as they were at the moment of the open point-in-time snapshot, kept by the first
+    /// write after it (see `cow`).
+    pre: PreImages,
 }
 
 /// Mutable access to one row's slots, handed to update closures.
@@ -112,6 +117,8 @@ impl EmbeddingTable {
         let buckets = PartitionRule::bucket_range(shard, shard_num);
         // Past 2^16 shards a shard may own no bucket at all: it still needs one arena.
         let arenas = (buckets.end - buckets.start).clamp(1, slab::ARENAS);
+        let map = DashMap::with_capacity_and_hasher(rows, IdHashBuilder);
+        let pre = PreImages::new(map.shards().len());
         Ok(Self {
             name,
             key_dtype,
@@ -119,10 +126,11 @@ impl EmbeddingTable {
             slot_bytes,
             slot_offsets,
             row_words: off / 8,
-            rows: DashMap::with_capacity_and_hasher(rows, IdHashBuilder),
+            rows: map,
             slabs: Slabs::new(off / 8, arenas as usize, rows),
             buckets,
             retired: Retired::default(),
+            pre,
         })
     }
 
@@ -230,13 +238,30 @@ impl EmbeddingTable {
         Ok(())
     }
 
+    /// Keeps the pre-image of `id`'s row (`row`: its words now, `None` if it has none) for an
+    /// open point-in-time snapshot whose moment has passed, before a write; `in_map`: whether the
+    /// id will have a row after the write. Called with the id's map entry locked. The only cost
+    /// to a trainer's write while no save is open is the check of `pre.active()`.
+    #[inline]
+    fn before_write(&self, id: u64, row: Option<&Row>, in_map: bool) {
+        if self.pre.active() {
+            let shard = self.rows.determine_map(&id);
+            let words = row.map(|r| self.slabs.words(r));
+            self.pre.before_write(shard, id, words, in_map);
+        }
+    }
+
     /// Inserts or replaces a built row; a replaced row may still be read by a snapshot.
     fn put(&self, id: u64, row: Row) {
         match self.rows.entry(id) {
             // Retired while the entry is still locked: a reader by id finds the old row in the map
             // or in `retired`, never in neither.
-            Entry::Occupied(mut o) => self.retire(id, o.insert(row)),
+            Entry::Occupied(mut o) => {
+                self.before_write(id, Some(o.get()), true);
+                self.retire(id, o.insert(row))
+            }
             Entry::Vacant(v) => {
+                self.before_write(id, None, true);
                 v.insert(row);
             }
         }
@@ -244,7 +269,16 @@ impl EmbeddingTable {
 
     /// Updates the row of `id` in place under its lock; inserts a zeroed row first if absent.
     pub fn upsert<R>(&self, id: u64, update: impl FnOnce(&mut RowMut<'_>) -> R) -> R {
-        let mut entry = self.rows.entry(id).or_insert_with(|| self.zeroed_row(id));
+        let mut entry = match self.rows.entry(id) {
+            Entry::Occupied(o) => {
+                self.before_write(id, Some(o.get()), true);
+                o.into_ref()
+            }
+            Entry::Vacant(v) => {
+                self.before_write(id, None, true);
+                v.insert(self.zeroed_row(id))
+            }
+        };
         let mut row = RowMut {
             table: self,
             words: self.slabs.words_mut(&mut entry),
@@ -256,6 +290,7 @@ impl EmbeddingTable {
     pub fn update(&self, id: u64, update: impl FnOnce(&mut RowMut<'_>)) -> bool {
         match self.rows.get_mut(&id) {
             Some(mut entry) => {
+                self.before_write(id, Some(&entry), true);
                 let mut row = RowMut {
                     table: self,
                     words: self.slabs.words_mut(&mut entry),
@@ -311,6 +346,7 @@ impl EmbeddingTable {
     pub fn remove(&self, id: u64) -> bool {
         match self.rows.entry(id) {
             Entry::Occupied(mut o) => {
+                self.before_write(id, Some(o.get()), false);
                 // Retired before the entry goes, under its lock (see `put`); the placeholder left
                 // behind for that moment has no memory and nobody else can see it.
                 self.retire(id, std::mem::replace(o.get_mut(), Row::placeholder()));
@@ -333,6 +369,13 @@ impl EmbeddingTable {
         for id in doomed {
             self.remove(id);
         }
+    }
+
+    /// Bytes of rows kept now for an open point-in-time snapshot (the pre-images of rows written
+    /// since its moment and not yet saved), and the most kept at once since the table was made:
+    /// the memory a save while training costs.
+    pub fn point_in_time_bytes(&self) -> (usize, usize) {
+        (self.pre.kept_bytes(), self.pre.peak_bytes())
     }
 
     /// Bytes of one row of each slot.
@@ -376,8 +419,16 @@ impl SparseTable for EmbeddingTable {
         self.rows.len()
     }
 
+    /// A point-in-time snapshot (see `table::moment`). A snapshot taken while another is open
+    /// shares its moment (several in-process workers saving their shards of one table, or
+    /// [`moment::hold`](crate::table::moment::hold)); it is refused once the open one has begun
+    /// to free the rows it read.
     fn snapshot(&self) -> Result<Box<dyn TableSnapshot + '_>> {
-        Ok(Box::new(EmbeddingSnapshot::new(self)))
+        Ok(Box::new(EmbeddingSnapshot::new(self)?))
+    }
+
+    fn point_in_time(&self) -> bool {
+        true
     }
 }
 
@@ -517,57 +568,108 @@ mod tests {
         );
     }
 
+    fn freqs(snap: &dyn TableSnapshot, ids: &[u64], handles: &[u64]) -> Result<Vec<i64>> {
+        let mut emb = vec![0u8; 12 * ids.len()];
+        let mut freq = vec![0u8; 8 * ids.len()];
+        if handles.is_empty() {
+            snap.read_rows(ids, &mut [&mut emb, &mut freq])?;
+        } else {
+            // SAFETY: the callers pass handles from this snapshot's scan, with these ids.
+            unsafe { snap.read_rows_by_handle(ids, handles, &mut [&mut emb, &mut freq]) }?;
+        }
+        Ok(freq
+            .chunks(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect())
+    }
+
     #[test]
-    fn snapshot_keeps_removed_and_replaced_rows_and_ignores_new_ones() {
+    fn a_snapshot_shows_its_moment_whatever_is_written_after_it() {
+        for by_handle in [true, false] {
+            let t = table();
+            for id in 0..100u64 {
+                t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
+            }
+            let snap = t.snapshot().unwrap();
+            // Written after the moment, some before the scan and some after it.
+            for id in 0..25 {
+                assert!(t.remove(id));
+            }
+            t.upsert(1000, |_| ());
+            for id in 50..60 {
+                t.insert(id, &[&[0u8; 12], &(-1i64).to_le_bytes()]).unwrap();
+            }
+            let (ids, handles) = scan_all(snap.as_ref());
+            for id in 25..50 {
+                assert!(t.remove(id));
+            }
+            for id in 60..70 {
+                t.update(id, |r| r.slot_mut::<i64>(1)[0] = -2);
+            }
+            t.insert(10, &[&[0u8; 12], &(-3i64).to_le_bytes()]).unwrap();
+            t.upsert(1001, |_| ());
+            // Every row alive at the moment, and no other, with its value then.
+            let mut sorted = ids.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..100).collect::<Vec<_>>());
+            let handles = if by_handle { handles } else { Vec::new() };
+            let got = freqs(snap.as_ref(), &ids, &handles).unwrap();
+            for (r, &id) in ids.iter().enumerate() {
+                assert_eq!(got[r], id as i64, "id {id}");
+            }
+            let (kept, peak) = t.point_in_time_bytes();
+            assert_eq!(kept, 0, "pre-images are freed as they are read");
+            assert!(peak >= 62 * 24, "{peak}");
+            // A pre-image is read once; reading it again is an error, not a later value.
+            let err = freqs(snap.as_ref(), &[55], &[]).unwrap_err().to_string();
+            assert!(err.contains("id 55"), "{err}");
+            // A save cannot join a moment whose rows were already freed as they were read.
+            let second = t
+                .snapshot()
+                .err()
+                .expect("a late second snapshot is refused");
+            assert!(second.to_string().contains("another save"), "{second}");
+            drop(snap);
+            assert_eq!(t.pre.entries(), 0, "no pre-image outlives its snapshot");
+            // Writes with no snapshot open keep nothing.
+            t.upsert(5000, |_| ());
+            assert_eq!(t.pre.entries(), 0);
+            assert_eq!(t.retired.kept(), 0);
+            let snap = t.snapshot().unwrap();
+            let (ids, _) = scan_all(snap.as_ref());
+            assert!(ids.contains(&1001) && ids.contains(&5000) && !ids.contains(&0));
+        }
+    }
+
+    #[test]
+    fn snapshots_open_together_share_one_moment_and_each_reads_every_row() {
         let t = table();
-        for id in 0..100u64 {
+        for id in 0..50u64 {
             t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
         }
-        let snap = t.snapshot().unwrap();
-        let (ids, handles) = scan_all(snap.as_ref());
-        assert_eq!(handles.len(), ids.len());
-        let mut sorted = ids.clone();
-        sorted.sort_unstable();
-        assert_eq!(sorted, (0..100).collect::<Vec<_>>());
-        for id in 0..50 {
-            assert!(t.remove(id));
-        }
-        // Replaced rows: the snapshot still reads through the old row's handle.
-        for id in 50..60 {
-            t.insert(id, &[&[0u8; 12], &(-1i64).to_le_bytes()]).unwrap();
-        }
-        t.upsert(1000, |_| ());
-        assert_eq!(t.retired.kept(), 60);
-
-        let mut emb = vec![0u8; 12 * 100];
-        let mut freq = vec![0u8; 8 * 100];
-        // SAFETY: the handles came from this snapshot's scan, with these ids.
-        unsafe { snap.read_rows_by_handle(&ids, &handles, &mut [&mut emb, &mut freq]) }.unwrap();
-        for (r, id) in ids.iter().enumerate() {
-            assert_eq!(
-                freq[r * 8..r * 8 + 8],
-                (*id as i64).to_le_bytes(),
-                "id {id}"
+        let held = crate::table::moment::hold(&[&t]).unwrap();
+        t.update(7, |r| r.slot_mut::<i64>(1)[0] = -1);
+        let a = t.snapshot().unwrap();
+        let b = t.snapshot().unwrap();
+        t.update(8, |r| r.slot_mut::<i64>(1)[0] = -1);
+        t.upsert(100, |_| ());
+        for snap in [&a, &b, &a] {
+            let (ids, handles) = scan_all(snap.as_ref());
+            assert_eq!(ids.len(), 50);
+            let got = freqs(snap.as_ref(), &ids, &handles).unwrap();
+            assert!(
+                ids.iter().zip(&got).all(|(&id, &f)| f == id as i64),
+                "{got:?}"
             );
         }
-        // By id alone: removed rows from the retired ones, replaced rows as they are now.
-        snap.read_rows(&ids, &mut [&mut emb, &mut freq]).unwrap();
-        for (r, &id) in ids.iter().enumerate() {
-            let want = if (50..60).contains(&id) {
-                -1
-            } else {
-                id as i64
-            };
-            assert_eq!(freq[r * 8..r * 8 + 8], want.to_le_bytes(), "id {id}");
-        }
-        drop(snap);
-        // The last snapshot gone, retired rows are freed, and removal frees at once.
-        assert_eq!(t.retired.kept(), 0);
-        assert!(t.remove(60));
-        assert_eq!(t.retired.kept(), 0);
-        let snap = t.snapshot().unwrap();
-        let err = snap.read_rows(&[60], &mut [&mut emb[..12], &mut freq[..8]]);
-        assert!(err.unwrap_err().to_string().contains("id 60"));
+        assert_eq!(
+            t.point_in_time_bytes().0,
+            2 * 24,
+            "kept until the last sharer ends"
+        );
+        drop((held, a, b));
+        assert_eq!(t.point_in_time_bytes().0, 0);
+        assert_eq!(t.pre.entries(), 0);
     }
 
     #[test]
@@ -586,9 +688,14 @@ mod tests {
         for id in 0..2000u64 {
             t.upsert(id, |_| ());
         }
-        let snap = t.snapshot().unwrap();
-        let (ids, handles) = scan_all(snap.as_ref());
         let stop = std::sync::atomic::AtomicBool::new(false);
+        /// Stops the writer however the reader ends, so a failed assertion never hangs the test.
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
         std::thread::scope(|s| {
             s.spawn(|| {
                 let mut v = 0u64;
@@ -602,16 +709,18 @@ mod tests {
                     }
                 }
             });
-            let mut a = vec![0u8; 8 * ids.len()];
-            let mut b = vec![0u8; 8 * ids.len()];
+            let _stop = Stop(&stop);
             let mut torn = 0;
             for _ in 0..200 {
+                // Each snapshot reads every row once, live or from its pre-image.
+                let snap = t.snapshot().unwrap();
+                let (ids, handles) = scan_all(snap.as_ref());
+                let mut a = vec![0u8; 8 * ids.len()];
+                let mut b = vec![0u8; 8 * ids.len()];
                 // SAFETY: the handles came from this snapshot's scan, with these ids.
                 unsafe { snap.read_rows_by_handle(&ids, &handles, &mut [&mut a, &mut b]) }.unwrap();
                 torn += a.chunks(8).zip(b.chunks(8)).filter(|(x, y)| x != y).count();
             }
-            // Stop the writer before asserting: a failed assertion must not leave it spinning.
-            stop.store(true, std::sync::atomic::Ordering::Relaxed);
             assert_eq!(torn, 0, "rows copied while half-updated");
         });
     }

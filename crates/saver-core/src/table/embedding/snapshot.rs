@@ -109,9 +109,54 @@ pub(super) struct EmbeddingSnapshot<'t> {
 }
 
 impl<'t> EmbeddingSnapshot<'t> {
-    pub(super) fn new(table: &'t EmbeddingTable) -> Self {
+    /// Opens a point-in-time snapshot: its moment is now, or the end of the enclosing
+    /// `moment::at_one_moment`; or, while another snapshot of the table is open, that one's
+    /// moment (refused once that one has freed rows it read).
+    pub(super) fn new(table: &'t EmbeddingTable) -> Result<Self> {
+        if !table.pre.open() {
+            return Err(Error::Table {
+                table: table.name.clone(),
+                message: "another save of this table is under way and has passed the point \
+                          where a second save could share its moment; wait for it to finish"
+                    .into(),
+            });
+        }
         table.retired.begin();
-        Self { table }
+        Ok(Self { table })
+    }
+
+    fn had_no_row(&self, id: u64) -> Error {
+        let t = self.table;
+        Error::Table {
+            table: t.name.clone(),
+            message: format!(
+                "id {} had no row at the snapshot's moment, or was read twice",
+                t.key_dtype.format_id(id)
+            ),
+        }
+    }
+
+    /// Copies `id`'s row as it was at the snapshot's moment into row `r` of `out`, if the table
+    /// kept a pre-image of it (and frees it); `Ok(false)` if it kept none (the live row is that
+    /// row). Call with the id's shard read-locked and its pre-images locked (`pre`).
+    fn copy_pre_image(
+        &self,
+        pre: &mut std::collections::HashMap<u64, super::cow::PreImage>,
+        id: u64,
+        r: usize,
+        out: &mut [&mut [u8]],
+    ) -> Result<bool> {
+        let Some(p) = pre.get_mut(&id) else {
+            return Ok(false);
+        };
+        match (&p.words, p.read) {
+            (Some(words), false) => {
+                self.table.copy_row_into(words, r, out);
+                self.table.pre.mark_read(p);
+                Ok(true)
+            }
+            _ => Err(self.had_no_row(id)),
+        }
     }
 
     fn gone(&self, id: u64) -> Error {
@@ -129,6 +174,7 @@ impl<'t> EmbeddingSnapshot<'t> {
 impl Drop for EmbeddingSnapshot<'_> {
     fn drop(&mut self) {
         let t = self.table;
+        t.pre.close();
         for (id, row) in t.retired.end() {
             t.slabs.free(t.arena(id), row);
         }
@@ -207,16 +253,14 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         // `DashMap::iter`): a position in a hash table does not survive a writer in between. So
         // a row filter may read the table but must not write to it.
         let guard = shard.read();
-        // SAFETY: the guard keeps the table alive and unmodified for as long as the iterator and
-        // the references it yields are used (all within this block).
-        for bucket in unsafe { guard.iter() } {
-            // SAFETY: as above; the bucket was just yielded by the iterator.
-            let (id, row) = unsafe { bucket.as_ref() };
-            let row: &Row = row.get();
-            ids.push(*id);
-            handles.push(row.addr());
+        // The rows written since the moment, as they were then. Trainers change them only under
+        // this shard's write lock, so they stand still while it is read-locked here.
+        let pre = t.pre.shard(part);
+        let mut push = |id: u64, handle: u64, words: &[u64]| -> Result<()> {
+            ids.push(id);
+            handles.push(handle);
             if with_values {
-                let bytes: &[u8] = bytemuck::cast_slice(t.slabs.words(row));
+                let bytes: &[u8] = bytemuck::cast_slice(words);
                 for (s, v) in values.iter_mut().enumerate() {
                     let off = t.slot_offsets[s];
                     v.extend_from_slice(&bytes[off..off + t.slot_bytes[s]]);
@@ -224,6 +268,28 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
             }
             if ids.len() == max_rows {
                 flush(&mut ids, &mut handles, &mut values)?;
+            }
+            Ok(())
+        };
+        // SAFETY: the guard keeps the table alive and unmodified for as long as the iterator and
+        // the references it yields are used (all within this block).
+        for bucket in unsafe { guard.iter() } {
+            // SAFETY: as above; the bucket was just yielded by the iterator.
+            let (id, row) = unsafe { bucket.as_ref() };
+            let row: &Row = row.get();
+            match pre.get(id) {
+                // Written since the moment: saved as it was then, or not at all if it had no row.
+                Some(p) => match &p.words {
+                    Some(words) => push(*id, row.addr(), words)?,
+                    None => {}
+                },
+                None => push(*id, row.addr(), t.slabs.words(row))?,
+            }
+        }
+        // Rows removed since the moment: saved as they were then.
+        for (id, p) in pre.iter() {
+            if let (false, Some(words)) = (p.in_map, &p.words) {
+                push(*id, 0, words)?;
             }
         }
         if !ids.is_empty() {
@@ -234,15 +300,28 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
         let t = self.table;
+        let shards = t.rows.shards();
         for (r, id) in ids.iter().enumerate() {
-            if let Some(row) = t.rows.get(id) {
-                t.copy_row_into(t.slabs.words(&row), r, out);
-            } else {
-                // Left the map since the scan: its first retired version.
-                t.retired
-                    .with_row(*id, |row| t.copy_row_into(t.slabs.words(row), r, out))
-                    .ok_or_else(|| self.gone(*id))?;
+            // The live row first, then its pre-image over it if there is one: a write after the
+            // moment keeps the pre-image before it changes the row, so a row with no pre-image
+            // after it was copied was copied as it was at the moment.
+            let live = match t.rows.get(id) {
+                Some(row) => {
+                    t.copy_row_into(t.slabs.words(&row), r, out);
+                    true
+                }
+                None => false,
+            };
+            let shard = t.rows.determine_map(id);
+            let guard = shards[shard].read();
+            if self.copy_pre_image(&mut t.pre.shard(shard), *id, r, out)? || live {
+                continue;
             }
+            drop(guard);
+            // Left the map since the scan: its first retired version.
+            t.retired
+                .with_row(*id, |row| t.copy_row_into(t.slabs.words(row), r, out))
+                .ok_or_else(|| self.gone(*id))?;
         }
         Ok(())
     }
@@ -266,10 +345,19 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         while r < ids.len() {
             let shard = t.rows.determine_map(&ids[r]);
             let _guard = shards[shard].read();
+            let mut pre = t.pre.shard(shard);
             let run_end = (r + LOCK_RUN).min(ids.len());
             loop {
                 if let Some(&ahead) = handles.get(r + PREFETCH_AHEAD) {
                     prefetch_row(ahead, row_bytes);
+                }
+                // Written since the moment (or removed: handle 0): read as it was then.
+                if !pre.is_empty() && self.copy_pre_image(&mut pre, ids[r], r, out)? {
+                    r += 1;
+                    if r == run_end || t.rows.determine_map(&ids[r]) != shard {
+                        break;
+                    }
+                    continue;
                 }
                 // SAFETY: the caller guarantees `handles[r]` is the address this snapshot's scan
                 // found for `ids[r]`. That row is in the map or retired (see `Retired::retire`),

@@ -1,0 +1,179 @@
+//! Copy-on-write for point-in-time snapshots of an [`EmbeddingTable`](super::EmbeddingTable).
+//!
+//! While a snapshot is open, the first write to a row after the snapshot's moment (see
+//! `table::moment`) keeps the row as it was: its words, or the fact that the id had no row then.
+//! The snapshot reads kept rows instead of live ones, skips ids that had no row at its moment, and
+//! adds the rows that were removed since. Kept rows are freed as the save reads them, and all at
+//! once when the snapshot ends, so memory is bounded by the rows written during the save.
+//!
+//! Everything here for an id is read and written under the lock of the id's dashmap shard: a
+//! write holds its write lock, the snapshot its read lock. So for any id the snapshot sees either
+//! the row before the trainer's write and no pre-image, or the pre-image.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::table::moment;
+
+/// What a point-in-time snapshot kept of one row.
+pub(super) struct PreImage {
+    /// The row's words at the moment, or `None` if the id had no row then.
+    pub(super) words: Option<Box<[u64]>>,
+    /// Whether the id is in the table's map now (false: removed after the moment).
+    pub(super) in_map: bool,
+    /// Whether the save has read (and so freed) it.
+    pub(super) read: bool,
+}
+
+/// Who shares the open moment.
+#[derive(Default)]
+struct Sharing {
+    /// Snapshots open on the moment.
+    open: usize,
+    /// Whether a pre-image is freed as it is read: only while one snapshot ever shared the moment
+    /// (with several, each may read the same rows).
+    free_on_read: bool,
+    /// Whether a pre-image was freed: a snapshot can no longer join the moment.
+    freed_any: bool,
+}
+
+/// The pre-images of the open point-in-time snapshots, one map per dashmap shard.
+pub(super) struct PreImages {
+    /// Generation of the open moment (0: none).
+    generation: AtomicU64,
+    sharing: Mutex<Sharing>,
+    shards: Box<[Mutex<HashMap<u64, PreImage>>]>,
+    /// Bytes of row words kept now, and the most kept at once since the table was made.
+    kept_bytes: AtomicUsize,
+    peak_bytes: AtomicUsize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl PreImages {
+    pub(super) fn new(shards: usize) -> Self {
+        Self {
+            generation: AtomicU64::new(0),
+            sharing: Mutex::default(),
+            shards: (0..shards).map(|_| Mutex::default()).collect(),
+            kept_bytes: AtomicUsize::new(0),
+            peak_bytes: AtomicUsize::new(0),
+        }
+    }
+
+    /// Whether a write now must keep pre-images: one atomic load while no snapshot is open.
+    #[inline]
+    pub(super) fn active(&self) -> bool {
+        moment::has_passed(self.generation.load(Ordering::SeqCst))
+    }
+
+    /// Opens a snapshot. The first opens a moment (now, or at the end of the enclosing
+    /// `moment::at_one_moment`); one opened while another is open joins its moment, unless the
+    /// other has already freed rows it read (then `false`: it cannot be joined).
+    pub(super) fn open(&self) -> bool {
+        let mut sharing = lock(&self.sharing);
+        if sharing.open == 0 {
+            moment::register(|g| self.generation.store(g, Ordering::SeqCst));
+            *sharing = Sharing {
+                open: 1,
+                free_on_read: true,
+                freed_any: false,
+            };
+            return true;
+        }
+        if sharing.freed_any {
+            return false;
+        }
+        sharing.open += 1;
+        sharing.free_on_read = false;
+        true
+    }
+
+    /// Closes a snapshot; the last one closes the moment and frees every pre-image.
+    pub(super) fn close(&self) {
+        let mut sharing = lock(&self.sharing);
+        sharing.open -= 1;
+        if sharing.open > 0 {
+            return;
+        }
+        self.generation.store(0, Ordering::SeqCst);
+        for s in self.shards.iter() {
+            let freed = std::mem::take(&mut *lock(s));
+            let bytes: usize = freed.values().map(PreImage::bytes).sum();
+            self.kept_bytes.fetch_sub(bytes, Ordering::SeqCst);
+        }
+    }
+
+    /// Called under the write lock of `id`'s shard `shard`, before a write while [`Self::active`]:
+    /// keeps `row` (the row's words now, `None` if the id has none) unless a pre-image of `id` is
+    /// kept already, and records whether the id will be in the map after the write.
+    pub(super) fn before_write(&self, shard: usize, id: u64, row: Option<&[u64]>, in_map: bool) {
+        let mut pre = lock(&self.shards[shard]);
+        // Checked again under the lock: `close` clears each map after it zeroes the generation,
+        // so a write that saw the snapshot open just before it closed keeps nothing stale.
+        if !self.active() {
+            return;
+        }
+        if let Some(p) = pre.get_mut(&id) {
+            p.in_map = in_map;
+            return;
+        }
+        let words: Option<Box<[u64]>> = row.map(Into::into);
+        let bytes = words.as_ref().map_or(0, |w| w.len() * 8);
+        pre.insert(
+            id,
+            PreImage {
+                words,
+                in_map,
+                read: false,
+            },
+        );
+        drop(pre);
+        let now = self.kept_bytes.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        self.peak_bytes.fetch_max(now, Ordering::SeqCst);
+    }
+
+    /// The pre-images of shard `shard`, locked; call with the shard's map lock held.
+    pub(super) fn shard(&self, shard: usize) -> MutexGuard<'_, HashMap<u64, PreImage>> {
+        lock(&self.shards[shard])
+    }
+
+    /// Frees a pre-image's words once the save has read them, if only one snapshot shares the
+    /// moment (then a second read is an error); with several, they stay until the last closes.
+    pub(super) fn mark_read(&self, p: &mut PreImage) {
+        let mut sharing = lock(&self.sharing);
+        if !sharing.free_on_read {
+            return;
+        }
+        sharing.freed_any = true;
+        drop(sharing);
+        self.kept_bytes.fetch_sub(p.bytes(), Ordering::SeqCst);
+        p.words = Some(Box::default());
+        p.read = true;
+    }
+
+    /// Bytes of pre-images kept now.
+    pub(super) fn kept_bytes(&self) -> usize {
+        self.kept_bytes.load(Ordering::SeqCst)
+    }
+
+    /// The most bytes of pre-images kept at once.
+    pub(super) fn peak_bytes(&self) -> usize {
+        self.peak_bytes.load(Ordering::SeqCst)
+    }
+
+    /// Pre-image entries (kept or already read) of the open snapshot.
+    #[cfg(test)]
+    pub(super) fn entries(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).len()).sum()
+    }
+}
+
+impl PreImage {
+    fn bytes(&self) -> usize {
+        self.words.as_ref().map_or(0, |w| w.len() * 8)
+    }
+}
