@@ -279,10 +279,11 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
             let row: &Row = row.get();
             match pre.get(id) {
                 // Written since the moment: saved as it was then, or not at all if it had no row.
-                Some(p) => match &p.words {
-                    Some(words) => push(*id, row.addr(), words)?,
-                    None => {}
-                },
+                Some(p) => {
+                    if let Some(words) = &p.words {
+                        push(*id, row.addr(), words)?;
+                    }
+                }
                 None => push(*id, row.addr(), t.slabs.words(row))?,
             }
         }
