@@ -16,7 +16,9 @@ pub use saver_core::{
     BlockKind, ColumnTable, DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype,
     PartitionRule, PlanOptions, SaveInput, SlotSpec, SparseTable,
 };
-pub use saver_io::{save, verify, Checkpoint, DirectIo, LoadOptions, SaveOptions, Status};
+pub use saver_io::{
+    save, save_async, verify, Checkpoint, DirectIo, LoadOptions, SaveHandle, SaveOptions, Status,
+};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

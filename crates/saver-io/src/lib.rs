@@ -9,6 +9,9 @@
 //!   commit lock, as a compare-and-swap of the committed checkpoint ([`commit`]); a save creates
 //!   and removes only files it owns. [`SaveOptions::wait`] waits for the set with a timeout naming
 //!   the missing shards.
+//! * [`save_async`]: the same, on a thread of its own, returning to the trainer once the save's
+//!   moment is fixed; tables that support it ([`saver_core::EmbeddingTable`]) are saved as they
+//!   were at that moment while training goes on.
 //! * [`Checkpoint::open`]: validates index, manifest and every header without reading data.
 //! * [`Checkpoint::restore`] / [`Checkpoint::load_into`]: load for shard `j` of any `M`, reading
 //!   only the byte ranges that shard needs.
@@ -20,6 +23,7 @@
 
 #![warn(missing_docs)]
 
+pub mod background;
 pub mod columns;
 pub mod commit;
 pub mod digest;
@@ -39,6 +43,7 @@ pub mod storage;
 pub mod verify;
 pub mod writer;
 
+pub use background::{save_async, SaveHandle};
 pub use error::{Error, Result};
 pub use reader::Checkpoint;
 pub use restore::{LoadOptions, LoadReport, LoadedDense, Restored, RestoredShard, TableSink};

@@ -13,6 +13,7 @@ use serde::Serialize;
 use saver_core::manifest::{encode_trainer_state, CheckpointRef, TableGiven, WriterInfo};
 use saver_core::naming::{check_save_id, shard_manifest_name, INDEX_FILE};
 use saver_core::plan::{plan_with_spill, tables_past_budget, ChunkBuffer, Loc};
+use saver_core::table::TableSemantics;
 use saver_core::{PlanOptions, SaveInput, SavePlan};
 
 use crate::commit::{
@@ -141,6 +142,9 @@ pub struct SaveReport {
     /// left untouched: other saves' files (in progress, or left by a save that failed or
     /// crashed) and files that are not saver's. Filled in by the call that committed.
     pub left_alone: Vec<String>,
+    /// What the saved rows of each table show: their values at the save's moment (point-in-time,
+    /// whatever was written during the save), or each row as the save reached it.
+    pub table_semantics: BTreeMap<String, TableSemantics>,
 }
 
 /// Saves a model into directory `dir` (created if needed). See [`save_to`].
@@ -296,6 +300,18 @@ fn write_and_commit(
 ) -> Result<SaveReport> {
     let save_id = plan_opts.save_id.clone();
     let tables_given = tables_given(&input);
+    let table_semantics = input
+        .tables
+        .iter()
+        .map(|t| {
+            let semantics = if t.point_in_time() {
+                TableSemantics::PointInTime
+            } else {
+                TableSemantics::AsRead
+            };
+            (t.name().to_string(), semantics)
+        })
+        .collect();
     // Only a plan past its memory budget touches the spill.
     let spill = tables_past_budget(&input.tables, plan_opts.plan_memory)
         .contains(&true)
@@ -376,6 +392,7 @@ fn write_and_commit(
             .filter(|_| state == CommitState::CommittedHere)
             .map(|c| c.save_id),
         left_alone,
+        table_semantics,
     })
 }
 

@@ -43,7 +43,8 @@ use crate::manifest::{
 };
 use crate::naming::{check_dense_name, check_save_id, check_table_name};
 use crate::partition::PartitionRule;
-use crate::table::{moment, SparseTable};
+use crate::table::moment::{self, MomentHook};
+use crate::table::SparseTable;
 use crate::tensor::DenseTensor;
 
 /// Data per file below which [`PlanOptions::split_files`] does not cut a shard further.
@@ -135,6 +136,9 @@ pub struct PlanOptions {
     pub foreign_rows: ForeignRows,
     /// Identifies the save; part of every file name. See `docs/FORMAT.md`.
     pub save_id: String,
+    /// Called once the save's moment is fixed (every table's snapshot taken), before any row is
+    /// read. Default none.
+    pub on_moment: Option<MomentHook>,
 }
 
 impl Default for PlanOptions {
@@ -152,6 +156,7 @@ impl Default for PlanOptions {
             filters: Filters::new(),
             foreign_rows: ForeignRows::Error,
             save_id: "checkpoint".into(),
+            on_moment: None,
         }
     }
 }
@@ -376,6 +381,9 @@ pub fn plan_with_spill<'a>(
             .map(|t| t.snapshot())
             .collect::<Result<Vec<_>>>()
     })?;
+    if let Some(hook) = &opts.on_moment {
+        (hook.0)();
+    }
     // Scan buffers, handed from part to part across every table's scan.
     let buffers = rows::RunBufferPool::default();
     let mut tables: Vec<ScannedTable<'a>> = input

@@ -15,7 +15,7 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
 use crate::table::{SparseTable, TableSnapshot};
@@ -69,6 +69,18 @@ pub fn register(record: impl FnOnce(u64)) {
 #[inline]
 pub fn has_passed(generation: u64) -> bool {
     generation != 0 && CLOCK.load(Ordering::SeqCst) >= generation
+}
+
+/// Called once a save's moment is fixed (every table's snapshot taken), before any row is read:
+/// what lets a trainer that started a save in the background go on training
+/// ([`PlanOptions::on_moment`](crate::PlanOptions::on_moment)).
+#[derive(Clone)]
+pub struct MomentHook(pub Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for MomentHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MomentHook")
+    }
 }
 
 /// Snapshots of several tables held open at one moment: every point-in-time snapshot of those

@@ -29,11 +29,9 @@ pub(super) struct PreImage {
 /// Who shares the open moment.
 #[derive(Default)]
 struct Sharing {
-    /// Snapshots open on the moment.
+    /// Snapshots open on the moment. A pre-image is freed as it is read only while one is open:
+    /// with several, each may read the same rows.
     open: usize,
-    /// Whether a pre-image is freed as it is read: only while one snapshot ever shared the moment
-    /// (with several, each may read the same rows).
-    free_on_read: bool,
     /// Whether a pre-image was freed: a snapshot can no longer join the moment.
     freed_any: bool,
 }
@@ -79,7 +77,6 @@ impl PreImages {
             moment::register(|g| self.generation.store(g, Ordering::SeqCst));
             *sharing = Sharing {
                 open: 1,
-                free_on_read: true,
                 freed_any: false,
             };
             return true;
@@ -88,7 +85,6 @@ impl PreImages {
             return false;
         }
         sharing.open += 1;
-        sharing.free_on_read = false;
         true
     }
 
@@ -141,11 +137,11 @@ impl PreImages {
         lock(&self.shards[shard])
     }
 
-    /// Frees a pre-image's words once the save has read them, if only one snapshot shares the
-    /// moment (then a second read is an error); with several, they stay until the last closes.
+    /// Frees a pre-image's words once the save has read them, if no other snapshot shares the
+    /// moment (then a second read is an error); while others do, they stay.
     pub(super) fn mark_read(&self, p: &mut PreImage) {
         let mut sharing = lock(&self.sharing);
-        if !sharing.free_on_read {
+        if sharing.open > 1 {
             return;
         }
         sharing.freed_any = true;

@@ -434,6 +434,8 @@ impl SparseTable for EmbeddingTable {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::{HashMap, HashSet};
+
     use super::*;
     use crate::dtype::Dtype;
     use crate::partition::BUCKETS;
@@ -481,6 +483,79 @@ mod tests {
             proptest::prop_assert!(runs.iter().all(|&r| r >= least && r <= most), "{:?}", runs);
             proptest::prop_assert_eq!(t.arena_of_bucket(0), 0);
             proptest::prop_assert_eq!(t.arena_of_bucket(BUCKETS - 1), arenas - 1);
+        }
+    }
+
+    /// One step of the copy-on-write property test.
+    #[derive(Clone, Debug)]
+    enum Step {
+        Upsert(u64, i64),
+        Insert(u64, i64),
+        Remove(u64),
+        /// Opens a snapshot (if none), or scans and reads it whole, then closes it.
+        Save,
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (0u64..40, any::<i64>()).prop_map(|(id, v)| Step::Upsert(id, v)),
+            2 => (0u64..40, any::<i64>()).prop_map(|(id, v)| Step::Insert(id, v)),
+            2 => (0u64..40).prop_map(Step::Remove),
+            1 => Just(Step::Save),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever is written while a snapshot is open, it reads exactly the rows and values of
+        /// its moment; its pre-images never outlive it, and never exceed one per row written
+        /// since its moment, so saves back to back do not grow memory.
+        #[test]
+        fn copy_on_write_reads_the_moment_and_keeps_nothing_after(
+            steps in proptest::collection::vec(step(), 1..200),
+        ) {
+            let t = table();
+            let mut model: HashMap<u64, i64> = HashMap::new();
+            let mut open: Option<(Box<dyn TableSnapshot + '_>, HashMap<u64, i64>, HashSet<u64>)> = None;
+            for s in steps {
+                let id = match &s {
+                    Step::Upsert(id, _) | Step::Insert(id, _) | Step::Remove(id) => Some(*id),
+                    Step::Save => None,
+                };
+                match s {
+                    Step::Upsert(id, v) => {
+                        t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = v);
+                        model.insert(id, v);
+                    }
+                    Step::Insert(id, v) => {
+                        t.insert(id, &[&[0u8; 12], &v.to_le_bytes()]).unwrap();
+                        model.insert(id, v);
+                    }
+                    Step::Remove(id) => {
+                        proptest::prop_assert_eq!(t.remove(id), model.remove(&id).is_some());
+                    }
+                    Step::Save => match open.take() {
+                        None => open = Some((t.snapshot().unwrap(), model.clone(), HashSet::new())),
+                        Some((snap, at_moment, _)) => {
+                            let (ids, handles) = scan_all(snap.as_ref());
+                            let got = freqs(snap.as_ref(), &ids, &handles).unwrap();
+                            let saved: HashMap<u64, i64> = ids.into_iter().zip(got).collect();
+                            proptest::prop_assert_eq!(saved, at_moment);
+                            drop(snap);
+                            proptest::prop_assert_eq!(t.pre.entries(), 0);
+                            proptest::prop_assert_eq!(t.point_in_time_bytes().0, 0);
+                        }
+                    },
+                }
+                if let (Some(id), Some((_, _, written))) = (id, open.as_mut()) {
+                    written.insert(id);
+                    proptest::prop_assert!(t.pre.entries() <= written.len());
+                    proptest::prop_assert!(t.point_in_time_bytes().0 <= written.len() * 24);
+                }
+            }
+            drop(open);
+            proptest::prop_assert_eq!(t.pre.entries(), 0);
+            proptest::prop_assert_eq!(t.point_in_time_bytes().0, 0);
         }
     }
 

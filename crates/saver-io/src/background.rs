@@ -1,0 +1,149 @@
+//! Saving while training: [`save_async`] starts a save on a thread of its own and returns to the
+//! trainer as soon as the save's moment is fixed.
+//!
+//! The save is point-in-time for tables that support it ([`SparseTable::point_in_time`], which
+//! [`saver_core::EmbeddingTable`] does): every saved row is its value at the moment, however the
+//! trainer writes to the tables meanwhile. Dense tensors are copied before the call returns, so the
+//! trainer may change its own buffers at once. The trainer state in [`SaveOptions`] is the one the
+//! trainer passed: taken with the call, it belongs to the moment too.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+
+use saver_core::table::moment::MomentHook;
+use saver_core::{DenseTensor, SaveInput, SparseTable};
+
+use crate::error::{Error, Result};
+use crate::writer::{save, SaveOptions, SaveReport};
+
+/// A save running in the background, started by [`save_async`].
+///
+/// Dropping the handle waits for the save to end (committed or failed): a save is never left
+/// half-done by its handle, and nothing uncommitted ever looks like a checkpoint.
+pub struct SaveHandle {
+    thread: Option<JoinHandle<Result<SaveReport>>>,
+    written: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for SaveHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SaveHandle")
+            .field("finished", &self.is_finished())
+            .field("bytes_written", &self.bytes_written())
+            .finish()
+    }
+}
+
+impl SaveHandle {
+    /// Waits for the save and returns its report, or the error that ended it.
+    pub fn wait(mut self) -> Result<SaveReport> {
+        join(self.thread.take().expect("taken only here or in drop"))
+    }
+
+    /// Whether the save has ended (then [`Self::wait`] returns at once).
+    pub fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(JoinHandle::is_finished)
+    }
+
+    /// Bytes of data files written so far.
+    pub fn bytes_written(&self) -> u64 {
+        self.written.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for SaveHandle {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = join(t);
+        }
+    }
+}
+
+fn join(t: JoinHandle<Result<SaveReport>>) -> Result<SaveReport> {
+    t.join().unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic".into());
+        Err(Error::Mismatch(format!(
+            "the background save panicked: {what}"
+        )))
+    })
+}
+
+/// Starts saving `tables` and `dense` into directory `dir` on a thread of its own, and returns once
+/// the save's moment is fixed: every table's point-in-time snapshot taken (no row is copied for
+/// that), and the dense tensors copied. From then on the trainer may write to the tables and its
+/// dense buffers; the save shows them as they were at the call. Errors found before the moment
+/// (bad options, names) are returned here; later ones by [`SaveHandle::wait`].
+///
+/// A table can be in one save at a time, unless the second save starts before the first reads
+/// any row (then both share one moment): a save started while another of the same table is
+/// writing fails with an error naming the table. Check [`SaveHandle::is_finished`] before
+/// starting the next.
+pub fn save_async(
+    dir: impl Into<PathBuf>,
+    tables: Vec<Arc<dyn SparseTable>>,
+    dense: &[DenseTensor<'_>],
+    mut opts: SaveOptions,
+) -> Result<SaveHandle> {
+    let dir = dir.into();
+    let dense: Vec<DenseTensor<'static>> = dense
+        .iter()
+        .map(|d| {
+            DenseTensor::new(d.name(), d.dtype(), d.shape().to_vec(), d.data().to_vec())
+                .map_err(Error::from)
+        })
+        .collect::<Result<_>>()?;
+    let written = Arc::new(AtomicU64::new(0));
+    let user_progress = opts.progress.take();
+    let counter = Arc::clone(&written);
+    opts.progress = Some(Arc::new(move |n| {
+        counter.fetch_add(n, Ordering::Relaxed);
+        if let Some(p) = &user_progress {
+            p(n);
+        }
+    }));
+    let (moment_tx, moment_rx) = mpsc::sync_channel::<()>(1);
+    opts.plan.on_moment = Some(MomentHook(Arc::new(move || {
+        let _ = moment_tx.try_send(());
+    })));
+    let thread = std::thread::Builder::new()
+        .name("saver-background".into())
+        .spawn(move || {
+            let mut input = SaveInput::new();
+            for t in &tables {
+                input = input.table(t.as_ref());
+            }
+            for d in dense {
+                input = input.dense(d);
+            }
+            let report = save(&dir, input, &opts);
+            // The hook (and with it the sender) goes with the options: a save that failed
+            // before its moment wakes the caller with a closed channel.
+            drop(opts);
+            report
+        })
+        .map_err(|e| Error::Io {
+            op: "start the background save thread",
+            path: PathBuf::new(),
+            source: e,
+        })?;
+    let handle = SaveHandle {
+        thread: Some(thread),
+        written,
+    };
+    match moment_rx.recv() {
+        Ok(()) => Ok(handle),
+        // The save ended before its moment: report why now.
+        Err(mpsc::RecvError) => handle.wait().and_then(|r| {
+            Err(Error::Mismatch(format!(
+                "internal: save {} ended without fixing its moment",
+                r.save_id
+            )))
+        }),
+    }
+}
