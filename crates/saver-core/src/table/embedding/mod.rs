@@ -486,6 +486,9 @@ mod tests {
         }
     }
 
+    /// An open snapshot, the rows it must read, and the ids written since it opened.
+    type OpenSave<'a> = (Box<dyn TableSnapshot + 'a>, HashMap<u64, i64>, HashSet<u64>);
+
     /// One step of the copy-on-write property test.
     #[derive(Clone, Debug)]
     enum Step {
@@ -516,7 +519,7 @@ mod tests {
         ) {
             let t = table();
             let mut model: HashMap<u64, i64> = HashMap::new();
-            let mut open: Option<(Box<dyn TableSnapshot + '_>, HashMap<u64, i64>, HashSet<u64>)> = None;
+            let mut open: Option<OpenSave<'_>> = None;
             for s in steps {
                 let id = match &s {
                     Step::Upsert(id, _) | Step::Insert(id, _) | Step::Remove(id) => Some(*id),
