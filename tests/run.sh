@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace
-for example in trainer_loop serving_export multi_process; do
+for example in trainer_loop serving_export multi_process background_save; do
   echo "example $example"
   cargo run --quiet --example "$example" > /dev/null
 done

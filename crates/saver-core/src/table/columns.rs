@@ -78,6 +78,16 @@ impl ColumnTable {
         })
     }
 
+    /// This table as a snapshot that owns it: what a custom [`SparseTable`] whose rows cannot be
+    /// read at a moment otherwise returns from [`SparseTable::snapshot`], after copying its rows
+    /// under its own lock. The copy is the moment: point-in-time, at the cost of one copy of the
+    /// table's rows (for small tables; large ones want copy-on-write, see `table::moment`).
+    pub fn into_snapshot(self) -> Box<dyn TableSnapshot> {
+        Box::new(ColumnSnapshot {
+            table: Box::new(self),
+        })
+    }
+
     /// The ids, one per row.
     pub fn ids(&self) -> &[u64] {
         &self.ids
@@ -135,11 +145,12 @@ impl SparseTable for ColumnTable {
     }
 }
 
-struct ColumnSnapshot<'t> {
-    table: &'t ColumnTable,
+/// A snapshot over a borrowed table (its own snapshot) or an owned one ([`ColumnTable::into_snapshot`]).
+struct ColumnSnapshot<T> {
+    table: T,
 }
 
-impl TableSnapshot for ColumnSnapshot<'_> {
+impl<T: std::ops::Deref<Target = ColumnTable> + Send + Sync> TableSnapshot for ColumnSnapshot<T> {
     fn scan(
         &self,
         max_rows: usize,
@@ -160,7 +171,7 @@ impl TableSnapshot for ColumnSnapshot<'_> {
         with_values: bool,
         visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
     ) -> Result<()> {
-        let t = self.table;
+        let t: &ColumnTable = &self.table;
         let start = part.saturating_mul(PART_ROWS).min(t.ids.len());
         let end = start.saturating_add(PART_ROWS).min(t.ids.len());
         let max_rows = max_rows.max(1);
@@ -189,7 +200,7 @@ impl TableSnapshot for ColumnSnapshot<'_> {
     }
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
-        let t = self.table;
+        let t: &ColumnTable = &self.table;
         let by_id = t
             .by_id
             .get_or_init(|| t.ids.iter().enumerate().map(|(r, &id)| (id, r)).collect());
@@ -208,7 +219,7 @@ impl TableSnapshot for ColumnSnapshot<'_> {
         handles: &[u64],
         out: &mut [&mut [u8]],
     ) -> Result<()> {
-        let t = self.table;
+        let t: &ColumnTable = &self.table;
         if handles.len() != ids.len() {
             return self.read_rows(ids, out);
         }

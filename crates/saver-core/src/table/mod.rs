@@ -11,6 +11,28 @@
 //! 2. The writer asks the snapshot for the rows of a bounded list of ids at a time
 //!    ([`TableSnapshot::read_rows`]), all slots of a row together, so a saved row is never torn:
 //!    its embedding and its optimizer state come from the same moment.
+//!
+//! ## Writes during a save
+//!
+//! Trainers keep writing while a save runs. Every snapshot must, whatever is written meanwhile,
+//! give each row whole (never torn) and keep every row its scan gave readable until it is dropped,
+//! removed rows included: a row it can no longer read fails the save. A snapshot is
+//! *point-in-time* ([`SparseTable::point_in_time`], reported per table by the save) if it also
+//! gives every row as it was at one moment, its snapshot's, and exactly the rows alive then. Two
+//! ways to get there:
+//!
+//! * copy-on-write, as [`EmbeddingTable`] does: register the snapshot with the process-wide clock
+//!   of [`moment`], and in every write, under the row's lock, keep the row's pre-image (once) when
+//!   [`moment::has_passed`] says the snapshot's moment has come. The trainer pays a check per
+//!   write, and memory for the rows written during the save. Tables registered in one
+//!   [`moment::at_one_moment`] group (a save's tables are) share one moment exactly.
+//! * copy the rows at snapshot time, under the table's own lock, into a [`ColumnTable`] and return
+//!   [`ColumnTable::into_snapshot`]: simple, for small tables, at the cost of one copy of the
+//!   table and of holding writers off while it is made.
+//!
+//! Trainer state saved with a checkpoint belongs to the moment the trainer fixed it at: pass it
+//! with the save call (or `save_async`'s options) from the thread that runs the
+//! training steps, between two steps.
 
 mod columns;
 mod embedding;
