@@ -410,7 +410,7 @@ fn a_custom_table_that_copies_its_rows_is_point_in_time_and_survives_removals() 
                 v += 1;
                 let id = fmix64(v) % IDS;
                 let mut rows = t.rows.write().unwrap();
-                if v % 3 == 0 {
+                if v.is_multiple_of(3) {
                     rows.remove(&id);
                 } else {
                     rows.insert(id, [v, check_word(id, v)]);
@@ -424,7 +424,7 @@ fn a_custom_table_that_copies_its_rows_is_point_in_time_and_survives_removals() 
             let ck = Checkpoint::open(&dir).unwrap();
             let restored = ck.restore(&LoadOptions::default()).unwrap();
             let rows = &restored.shards[0].tables[0];
-            assert!(rows.len() > 0);
+            assert!(!rows.is_empty());
             for id in rows.ids() {
                 let word =
                     |s| u64::from_le_bytes(rows.get_slot(id, s).unwrap().try_into().unwrap());
