@@ -54,7 +54,7 @@ fn step(table: &EmbeddingTable, mlp: &mut [f32], state: &mut TrainerState) {
                 for _ in 0..2000 {
                     r = fmix64(r);
                     let id = r % 50_000;
-                    if r % 97 == 0 {
+                    if r.is_multiple_of(97) {
                         table.remove(id);
                         continue;
                     }
@@ -110,7 +110,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut at_last_save = None;
     for _ in 0..STEPS {
         step(&table, &mut mlp, &mut state);
-        if state.step % SAVE_EVERY != 0 {
+        if !state.step.is_multiple_of(SAVE_EVERY) {
             continue;
         }
         // One save at a time: the previous one has had SAVE_EVERY steps to finish.
