@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, OnceLock};
 use std::thread::JoinHandle;
 
 use saver_core::table::moment::MomentHook;
@@ -58,6 +58,18 @@ impl Drop for SaveHandle {
         if let Some(t) = self.thread.take() {
             let _ = join(t);
         }
+    }
+}
+
+/// Lowers the calling thread's CPU priority (nice +10), and so that of every thread it starts:
+/// where cores are scarce the trainer's threads run first, and the save takes the time they leave.
+fn lower_priority() {
+    // SAFETY: gettid and setpriority on the calling thread have no memory effects; failure (no
+    // permission to change it) leaves the priority as it was.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
+        libc::setpriority(libc::PRIO_PROCESS, tid, (now + 10).min(19));
     }
 }
 
@@ -114,6 +126,7 @@ pub fn save_async(
     let thread = std::thread::Builder::new()
         .name("saver-background".into())
         .spawn(move || {
+            lower_priority();
             let mut input = SaveInput::new();
             for t in &tables {
                 input = input.table(t.as_ref());
@@ -121,7 +134,20 @@ pub fn save_async(
             for d in dense {
                 input = input.dense(d);
             }
-            let report = save(&dir, input, &opts);
+            // The plan's scan runs on the current rayon pool: one made by a background save's
+            // thread, so that its threads share the lower priority (a thread inherits it from the
+            // thread that makes it), and made once, so that later saves do not wait for it.
+            static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+            let pool = POOL.get_or_init(|| {
+                rayon::ThreadPoolBuilder::new()
+                    .thread_name(|i| format!("saver-background-{i}"))
+                    .build()
+                    .ok()
+            });
+            let report = match pool {
+                Some(pool) => pool.install(|| save(&dir, input, &opts)),
+                None => save(&dir, input, &opts),
+            };
             // The hook (and with it the sender) goes with the options: a save that failed
             // before its moment wakes the caller with a closed channel.
             drop(opts);

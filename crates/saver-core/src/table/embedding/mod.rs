@@ -20,6 +20,10 @@ use crate::error::{Error, Result};
 use crate::naming::check_table_name;
 use crate::partition::PartitionRule;
 
+/// Shards of the row map: each is one lock, held by a save's scan while it walks the shard, so a
+/// trainer's write waits at most for the scan of one 1/`MAP_SHARDS` of the table.
+const MAP_SHARDS: usize = 64;
+
 /// A concurrent embedding table: many threads insert, update, read and remove rows while another
 /// thread saves it.
 ///
@@ -117,7 +121,8 @@ impl EmbeddingTable {
         let buckets = PartitionRule::bucket_range(shard, shard_num);
         // Past 2^16 shards a shard may own no bucket at all: it still needs one arena.
         let arenas = (buckets.end - buckets.start).clamp(1, slab::ARENAS);
-        let map = DashMap::with_capacity_and_hasher(rows, IdHashBuilder);
+        let map =
+            DashMap::with_capacity_and_hasher_and_shard_amount(rows, IdHashBuilder, MAP_SHARDS);
         let pre = PreImages::new(map.shards().len());
         Ok(Self {
             name,

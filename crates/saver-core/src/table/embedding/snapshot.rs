@@ -28,6 +28,10 @@ use crate::table::{RowChunk, TableSnapshot};
 /// updating a row of the same shard waits microseconds, not a whole chunk.
 const LOCK_RUN: usize = 256;
 
+/// Most bytes of ids, handles and values a scan copies out of a shard to hand them on after
+/// releasing its lock (see `scan_part`).
+const COLLECT_BYTES: usize = 32 << 20;
+
 /// Rows ahead of the one being copied whose memory is prefetched.
 const PREFETCH_AHEAD: usize = 16;
 
@@ -229,30 +233,48 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
             return Ok(());
         };
         let max_rows = max_rows.max(1);
-        let mut ids = Vec::with_capacity(max_rows.min(1 << 16));
-        let mut handles = Vec::with_capacity(ids.capacity());
+        let guard = shard.read();
+        // A position in a hash table does not survive a writer, so the shard stays read-locked
+        // while it is walked, and a trainer writing to it waits. To make that wait short, the
+        // walk only copies ids and handles (and values, if asked) when they fit in
+        // `COLLECT_BYTES`, and hands them to `visit` after the lock is released: the snapshot's
+        // reads need no lock held from the scan on (pre-images and retired rows keep them
+        // right). A larger shard is handed out while it is walked, `visit` under the lock: then
+        // a row filter may read the table but must not write to it.
+        let row_bytes = 16 + if with_values { t.row_words * 8 } else { 0 };
+        let collect = guard.len().saturating_mul(row_bytes) <= COLLECT_BYTES;
+        let hold_rows = if collect { usize::MAX } else { max_rows };
+        let capacity = if collect {
+            guard.len()
+        } else {
+            max_rows.min(1 << 16)
+        };
+        let mut ids = Vec::with_capacity(capacity);
+        let mut handles = Vec::with_capacity(capacity);
         let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.slots.len()];
-        let mut flush =
-            |ids: &mut Vec<u64>, handles: &mut Vec<u64>, values: &mut Vec<Vec<u8>>| -> Result<()> {
+        let slot_bytes = &t.slot_bytes;
+        let mut emit = |ids: &[u64], handles: &[u64], values: &[Vec<u8>]| -> Result<()> {
+            let mut r = 0;
+            while r < ids.len() {
+                let n = max_rows.min(ids.len() - r);
                 let slices: Vec<&[u8]> = if with_values {
-                    values.iter().map(Vec::as_slice).collect()
+                    values
+                        .iter()
+                        .zip(slot_bytes)
+                        .map(|(v, &b)| &v[r * b..(r + n) * b])
+                        .collect()
                 } else {
                     Vec::new()
                 };
                 visit(RowChunk {
-                    ids,
-                    handles,
+                    ids: &ids[r..r + n],
+                    handles: &handles[r..r + n],
                     slots: &slices,
                 })?;
-                ids.clear();
-                handles.clear();
-                values.iter_mut().for_each(Vec::clear);
-                Ok(())
-            };
-        // The shard stays read-locked for its whole scan, `visit` included (as under
-        // `DashMap::iter`): a position in a hash table does not survive a writer in between. So
-        // a row filter may read the table but must not write to it.
-        let guard = shard.read();
+                r += n;
+            }
+            Ok(())
+        };
         // The rows written since the moment, as they were then. Trainers change them only under
         // this shard's write lock, so they stand still while it is read-locked here.
         let pre = t.pre.shard(part);
@@ -266,8 +288,11 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
                     v.extend_from_slice(&bytes[off..off + t.slot_bytes[s]]);
                 }
             }
-            if ids.len() == max_rows {
-                flush(&mut ids, &mut handles, &mut values)?;
+            if ids.len() == hold_rows {
+                emit(&ids, &handles, &values)?;
+                ids.clear();
+                handles.clear();
+                values.iter_mut().for_each(Vec::clear);
             }
             Ok(())
         };
@@ -293,10 +318,9 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
                 push(*id, 0, words)?;
             }
         }
-        if !ids.is_empty() {
-            flush(&mut ids, &mut handles, &mut values)?;
-        }
-        Ok(())
+        drop(pre);
+        drop(guard);
+        emit(&ids, &handles, &values)
     }
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
