@@ -120,7 +120,11 @@ pub fn save_async(
         }
     }));
     let (moment_tx, moment_rx) = mpsc::sync_channel::<()>(1);
+    let user_hook = opts.plan.on_moment.take();
     opts.plan.on_moment = Some(MomentHook(Arc::new(move || {
+        if let Some(h) = &user_hook {
+            (h.0)();
+        }
         let _ = moment_tx.try_send(());
     })));
     let thread = std::thread::Builder::new()

@@ -294,10 +294,7 @@ impl Storage for LocalFs {
         let path = self.path(name)?;
         match OpenOptions::new().write(true).create_new(true).open(&path) {
             Ok(mut f) => {
-                f.write_all(bytes)
-                    .and_then(|_| f.sync_all())
-                    .map_err(io_err("write", &path))?;
-                sync_dir(&self.dir)?;
+                f.write_all(bytes).map_err(io_err("write", &path))?;
                 Ok(true)
             }
             Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(false),

@@ -98,7 +98,9 @@ pub trait Storage: Send + Sync + fmt::Debug {
         }
         h.commit(durable)
     }
-    /// Creates `name` with `bytes` only if it does not exist; `Ok(false)` if it did.
+    /// Creates `name` with `bytes` only if it does not exist; `Ok(false)` if it did. Not made
+    /// durable by itself (writer claims and rejection markers are its uses: one lost to a power
+    /// failure makes a save fail at its commit, never commit wrongly).
     fn create_exclusive(&self, name: &str, bytes: &[u8]) -> Result<bool>;
     /// Opens `name` for reading. Refuses anything but a regular file (no symlinks).
     fn open(&self, name: &str) -> Result<Box<dyn ReadHandle>>;
