@@ -61,6 +61,8 @@ def saver_files_hold_the_manifest_bytes():
         with safe_open(os.path.join(ckpt, fm["name"]), framework="numpy") as f:
             meta = f.metadata()
             check(meta["saver.save_id"] == manifest["save_id"], "file metadata names the save")
+            # Hugging Face loaders refuse a file whose metadata lacks format pt (or mlx).
+            check(meta.get("format") == "pt", "file metadata says format pt")
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
     refs = []
@@ -181,6 +183,23 @@ def plain_input_round_trips():
         check(saver("digest", path).strip() == expected, f"digest of {path} equals the Python digest")
 
 
+def hugging_face_loaders_read_checkpoint_files():
+    """Opt-in (SAVER_INTEROP_HF=1, which installs huggingface_hub and torch into the venv):
+    huggingface_hub's loader reads every checkpoint data file, with the bytes the manifest says."""
+    import huggingface_hub
+
+    ckpt = os.path.join(WORK, "synthetic")
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    for file in sorted(set(index["weight_map"].values())):
+        state = huggingface_hub.load_state_dict_from_file(os.path.join(ckpt, file))
+        with safe_open(os.path.join(ckpt, file), framework="numpy") as f:
+            for name in f.keys():
+                check(np.array_equal(state[name].numpy(), f.get_tensor(name)), f"huggingface_hub reads {name}")
+
+
 saver_files_hold_the_manifest_bytes()
 plain_input_round_trips()
+if os.environ.get("SAVER_INTEROP_HF"):
+    hugging_face_loaders_read_checkpoint_files()
 print(f"interop: {CHECKS} passed, 0 failed")

@@ -63,6 +63,9 @@ pub fn render_header(
         let _ = write!(crc_list, "{crc:08x}");
     }
     let metadata = [
+        // What Hugging Face loaders (`huggingface_hub.load_state_dict_from_file`, transformers)
+        // require of a safetensors file before they read it.
+        ("format", "pt".to_string()),
         ("saver.format_version", FORMAT_VERSION.to_string()),
         ("saver.save_id", facts.save_id.to_string()),
         ("saver.shard", facts.shard.to_string()),
