@@ -659,3 +659,62 @@ fn every_command_has_help_with_an_example() {
     assert!(seen["save"].contains("--keep-rows"));
     assert!(ok(&["--help"]).contains("reshard"));
 }
+
+#[test]
+fn import_keeps_file_metadata_and_warns_of_a_misspelled_table() {
+    let d = tempfile::tempdir().unwrap();
+    let plain = d.path().join("plain.safetensors");
+    let ids: Vec<i64> = vec![3, 1, 2];
+    let emb: Vec<f32> = vec![0.5; 6];
+    let tensors = [
+        ("users/ID", St::I64, vec![3], le(&ids, i64::to_le_bytes)),
+        ("users/emb", St::F32, vec![3, 2], le(&emb, f32::to_le_bytes)),
+        ("item/ids", St::I64, vec![3], le(&ids, i64::to_le_bytes)),
+        ("item/emb", St::F32, vec![3, 2], le(&emb, f32::to_le_bytes)),
+    ];
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, t, s, b)| (n.to_string(), TensorView::new(*t, s.clone(), b).unwrap()))
+        .collect();
+    let meta = HashMap::from([("trained_by".to_string(), "team-ads".to_string())]);
+    safetensors::serialize_to_file(views, Some(meta), &plain).unwrap();
+    let out = d.path().join("ck");
+    let o = saver(&["save", "--out", p(&out), "--from", p(&plain)]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("warning:") && err.contains("\"users/ID\"") && err.contains("users/ids"),
+        "{err}"
+    );
+    assert_eq!(
+        err.lines().filter(|l| l.contains("warning")).count(),
+        1,
+        "{err}"
+    );
+    // The input file's metadata is kept, and inspect shows it.
+    let shown = ok(&["inspect", p(&out)]);
+    assert!(
+        shown.contains("plain.safetensors:trained_by = team-ads"),
+        "{shown}"
+    );
+    let v = json(&["inspect", p(&out)]);
+    assert_eq!(
+        v["user_metadata"]["plain.safetensors:trained_by"],
+        "team-ads"
+    );
+    // A NaN threshold would keep nothing: refused.
+    let (code, err) = fails(&[
+        "save",
+        "--out",
+        p(&d.path().join("nan")),
+        "--from",
+        p(&plain),
+        "--keep-rows",
+        "freq>=nan",
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.contains("NaN"), "{err}");
+    // The existing checkpoint's message names the flag.
+    let (_, err) = fails(&["save", "--out", p(&out), "--from", p(&plain)]);
+    assert!(err.contains("--overwrite"), "{err}");
+}

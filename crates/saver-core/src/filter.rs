@@ -224,6 +224,11 @@ impl FromStr for ScalarCondition {
         let value: f64 = value
             .parse()
             .map_err(|_| bad("the value is not a number"))?;
+        // Every comparison with NaN is false (but !=): such a filter would silently keep
+        // nothing, or everything.
+        if value.is_nan() {
+            return Err(bad("the value is NaN, which no row compares with"));
+        }
         Ok(Self {
             slot: slot.to_string(),
             op,
@@ -300,10 +305,24 @@ mod tests {
             "a!=3".parse::<ScalarCondition>().unwrap().op,
             Comparison::Ne
         );
-        for bad in ["freq", ">=5", "freq>=x", "", "freq=>3", "a<>3"] {
+        for bad in [
+            "freq",
+            ">=5",
+            "freq>=x",
+            "",
+            "freq=>3",
+            "a<>3",
+            "freq>=nan",
+            "freq<NaN",
+        ] {
             let e = bad.parse::<ScalarCondition>().unwrap_err().to_string();
             assert!(e.contains("SLOT>=VALUE"), "{bad}: {e}");
         }
+        let e = "freq>=nan"
+            .parse::<ScalarCondition>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("NaN"), "{e}");
     }
 
     #[test]

@@ -24,7 +24,10 @@ pub enum Error {
         source: std::io::Error,
     },
     /// The directory holds a committed checkpoint and overwriting was not asked for.
-    #[error("{dir} already holds a committed checkpoint (save id {save_id}); pass overwrite to replace it")]
+    #[error(
+        "{dir} already holds a committed checkpoint (save id {save_id}); to replace it, pass \
+         --overwrite (SaveOptions::overwrite in the library)"
+    )]
     Exists {
         /// The directory.
         dir: PathBuf,

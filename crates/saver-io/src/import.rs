@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use saver_core::naming::{check_slot_name, check_table_name, SaverFile, INDEX_FILE};
-use saver_core::{DenseTensor, EmbeddingTable, KeyDtype, SaveInput, SlotSpec};
+use saver_core::{DenseTensor, Dtype, EmbeddingTable, KeyDtype, SaveInput, SlotSpec};
 
 use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
@@ -26,8 +26,11 @@ pub struct Model {
     pub dense: Vec<LoadedDense>,
     /// Shard 0's trainer state, when the source was a saver checkpoint.
     pub trainer_state: Option<String>,
-    /// User metadata, when the source was a saver checkpoint.
+    /// User metadata: a saver checkpoint's, or every input file's `__metadata__` as
+    /// `<file>:<key>` (so that a save `--from` the files keeps it).
     pub user_metadata: BTreeMap<String, String>,
+    /// Things about the input a user should hear of (tensors that look like a misspelled table).
+    pub warnings: Vec<String>,
 }
 
 impl Model {
@@ -48,6 +51,7 @@ impl Model {
             dense: r.dense,
             trainer_state: first_trainer_state(ckpt),
             user_metadata: ckpt.manifest().user_metadata.clone(),
+            warnings: Vec::new(),
         })
     }
 }
@@ -197,9 +201,14 @@ pub fn read_plain(path: &Path) -> Result<Model> {
     let mut order: Vec<String> = Vec::new();
     // One handle per file, kept for reading the tensors after their headers.
     let mut handles: HashMap<String, Box<dyn ReadHandle>> = HashMap::new();
+    let mut user_metadata = BTreeMap::new();
     for f in &files {
         let h = storage.open(f)?;
-        for t in read_header(h.as_ref(), f)?.tensors {
+        let header = read_header(h.as_ref(), f)?;
+        for (k, v) in header.metadata {
+            user_metadata.insert(format!("{f}:{k}"), v);
+        }
+        for t in header.tensors {
             if tensors.contains_key(&t.name) {
                 return Err(Error::Mismatch(format!(
                     "tensor {:?} appears in two input files",
@@ -301,6 +310,7 @@ pub fn read_plain(path: &Path) -> Result<Model> {
         }
         tables.push(t);
     }
+    let warnings = misspelled_tables(&order, &tensors, &table_names, &used);
     let mut dense = Vec::new();
     for name in &order {
         if used.contains(name) {
@@ -318,6 +328,53 @@ pub fn read_plain(path: &Path) -> Result<Model> {
         tables,
         dense,
         trainer_state: None,
-        user_metadata: BTreeMap::new(),
+        user_metadata,
+        warnings,
     })
+}
+
+/// Warnings for groups of would-be dense tensors `P/…` that look like a table whose ids tensor is
+/// misnamed (`users/id`, `users/ID`, `users/keys`): a 1-D integer tensor with an ids-like name, or
+/// one beside siblings with as many rows. They are saved as dense tensors, which is rarely meant.
+fn misspelled_tables(
+    order: &[String],
+    tensors: &BTreeMap<String, (String, HeaderEntry)>,
+    tables: &[String],
+    used: &HashSet<String>,
+) -> Vec<String> {
+    const IDS_LIKE: [&str; 7] = ["id", "ids", "key", "keys", "idx", "index", "indices"];
+    let mut warnings = Vec::new();
+    let mut seen = HashSet::new();
+    for name in order.iter().filter(|n| !used.contains(*n)) {
+        let Some((prefix, slot)) = name.rsplit_once('/') else {
+            continue;
+        };
+        let e = &tensors[name].1;
+        let integer = matches!(e.dtype, Dtype::I64 | Dtype::U64 | Dtype::I32 | Dtype::U32);
+        if tables.iter().any(|t| t == prefix) || !integer || e.shape.len() != 1 {
+            continue;
+        }
+        let rows = e.shape[0];
+        let siblings = order.iter().any(|other| {
+            other != name
+                && other.rsplit_once('/').is_some_and(|(p, _)| p == prefix)
+                && tensors[other].1.shape.first() == Some(&rows)
+        });
+        if (IDS_LIKE.contains(&slot.to_lowercase().as_str()) || siblings)
+            && seen.insert(prefix.to_string())
+        {
+            warnings.push(format!(
+                "tensors {prefix:?}/… look like a table, but there is no {prefix:?}/ids: {name:?} \
+                 is a 1-D {} of {rows}{}; they are saved as dense tensors (name the ids tensor \
+                 \"{prefix}/ids\", I64 or U64, to save them as a table)",
+                e.dtype,
+                if siblings {
+                    ", beside slots of as many rows"
+                } else {
+                    ""
+                }
+            ));
+        }
+    }
+    warnings
 }

@@ -14,6 +14,9 @@ use crate::output;
 
 pub fn run(path: &Path, parallel: usize, out: Output) -> CmdResult {
     let model = read_model(path, parallel)?;
+    for w in &model.warnings {
+        eprintln!("warning: {w}");
+    }
     let tables: BTreeMap<String, Vec<&saver_core::EmbeddingTable>> = model
         .tables
         .iter()

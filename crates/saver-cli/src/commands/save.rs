@@ -84,6 +84,9 @@ pub fn run(args: SaveArgs) -> CmdResult {
         }
         (None, Some(path)) => {
             imported = import::read_model(path, args.parallel)?;
+            for w in &imported.warnings {
+                eprintln!("warning: {w}");
+            }
             if opts.trainer_state.is_none() {
                 opts.trainer_state = imported.trainer_state.clone();
             }
