@@ -12,13 +12,27 @@
 pub use saver_core as core;
 pub use saver_io as io;
 
-pub use saver_core::{
-    BlockKind, ColumnTable, DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype,
-    PartitionRule, PlanOptions, SaveInput, SlotSpec, SparseTable,
-};
-pub use saver_io::{
-    save, save_async, verify, Checkpoint, DirectIo, LoadOptions, SaveHandle, SaveOptions, Status,
-};
+/// Everything a trainer needs, for `use saver::prelude::*;` (also re-exported at the top level):
+/// tables, snapshots and rows, dense tensors, filters, save and load options and reports, the
+/// background save, verify and export.
+pub mod prelude {
+    pub use saver_core::table::moment;
+    pub use saver_core::table::{RowChunk, RowMut, TableSemantics};
+    pub use saver_core::{
+        BlockKind, ColumnTable, DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype,
+        PartitionRule, PlanOptions, RowView, SaveInput, SlotSpec, SparseTable, TableSnapshot,
+    };
+    pub use saver_io::export::{export, ExportOptions, ExportReport};
+    pub use saver_io::{
+        save, save_async, verify, Checkpoint, DirectIo, LoadOptions, LoadReport, LoadedDense,
+        Restored, RestoredShard, SaveHandle, SaveOptions, SaveReport, Status, TableSink,
+        VerifyReport,
+    };
+}
+
+pub use prelude::*;
+/// The error of saving, loading and verifying (it wraps `saver::core::Error`).
+pub use saver_io::Error;
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

@@ -147,6 +147,47 @@ pub struct LoadedDense {
     pub data: Vec<u8>,
 }
 
+impl LoadedDense {
+    fn values<T: bytemuck::Pod>(&self, want: Dtype, from: fn(&[u8]) -> T) -> Result<Vec<T>> {
+        if self.dtype != want {
+            return Err(Error::Mismatch(format!(
+                "dense tensor {:?} is {}, not {want}",
+                self.name, self.dtype
+            )));
+        }
+        Ok(self
+            .data
+            .chunks_exact(std::mem::size_of::<T>())
+            .map(from)
+            .collect())
+    }
+
+    /// The values of an F32 tensor (an error naming the tensor for another dtype).
+    pub fn as_f32(&self) -> Result<Vec<f32>> {
+        self.values(Dtype::F32, |b| f32::from_le_bytes(b.try_into().unwrap()))
+    }
+
+    /// The values of an F64 tensor.
+    pub fn as_f64(&self) -> Result<Vec<f64>> {
+        self.values(Dtype::F64, |b| f64::from_le_bytes(b.try_into().unwrap()))
+    }
+
+    /// The values of an I64 tensor.
+    pub fn as_i64(&self) -> Result<Vec<i64>> {
+        self.values(Dtype::I64, |b| i64::from_le_bytes(b.try_into().unwrap()))
+    }
+
+    /// The values of an I32 tensor.
+    pub fn as_i32(&self) -> Result<Vec<i32>> {
+        self.values(Dtype::I32, |b| i32::from_le_bytes(b.try_into().unwrap()))
+    }
+
+    /// The values of a U64 tensor.
+    pub fn as_u64(&self) -> Result<Vec<u64>> {
+        self.values(Dtype::U64, |b| u64::from_le_bytes(b.try_into().unwrap()))
+    }
+}
+
 /// The tables of one target shard.
 pub struct RestoredShard {
     /// Target shard index.

@@ -58,7 +58,22 @@ pub struct SaveOptions {
     /// around the page cache). Default [`DirectIo::Auto`]. [`save_to`] leaves it to the storage
     /// it is given (see [`LocalFs::with_direct_io`]).
     pub direct_io: DirectIo,
-    /// Progress callback.
+    /// Progress callback, called from writer threads with the bytes just written. It must own
+    /// what it uses (`'static`): to count into a variable of yours, share it through an `Arc`:
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::sync::Arc;
+    /// let written = Arc::new(AtomicU64::new(0));
+    /// let counter = Arc::clone(&written);
+    /// let opts = saver_io::SaveOptions {
+    ///     progress: Some(Arc::new(move |n| {
+    ///         counter.fetch_add(n, Ordering::Relaxed);
+    ///     })),
+    ///     ..Default::default()
+    /// };
+    /// // ... save with `opts`, then read `written.load(Ordering::Relaxed)`.
+    /// ```
     pub progress: Option<Arc<ProgressFn>>,
 }
 

@@ -139,6 +139,22 @@ impl EmbeddingTable {
         })
     }
 
+    /// The table's name. (Also [`SparseTable::name`]; inherent, so that `t.name()` compiles
+    /// with both `SparseTable` and `TableSink` in scope.)
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether ids are signed or unsigned (also [`SparseTable::key_dtype`]).
+    pub fn key_dtype(&self) -> KeyDtype {
+        self.key_dtype
+    }
+
+    /// The slots every row has (also [`SparseTable::slots`]).
+    pub fn slots(&self) -> &[SlotSpec] {
+        &self.slots
+    }
+
     /// Index of a slot by name.
     pub fn slot_index(&self, name: &str) -> Option<usize> {
         self.slots.iter().position(|s| s.name == name)
