@@ -12,30 +12,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use saver::core::partition::fmix64;
-use saver::{save_async, Dtype, EmbeddingTable, KeyDtype, SaveOptions, SlotSpec, SparseTable};
+use saver::{save_async, EmbeddingTable, SaveOptions, SparseTable};
 
 mod common;
 
 const ROWS: u64 = 1 << 20;
 const ROW_BYTES: u64 = 256;
 const BATCH: u64 = 10_000;
-
-fn table() -> Arc<EmbeddingTable> {
-    let t = EmbeddingTable::new(
-        "t",
-        KeyDtype::U64,
-        vec![
-            SlotSpec::new("embedding", Dtype::F32, vec![32]),
-            SlotSpec::new("adagrad", Dtype::F32, vec![32]),
-        ],
-    )
-    .unwrap();
-    for id in 0..ROWS {
-        t.upsert(id, |_| ());
-    }
-    Arc::new(t)
-}
 
 /// Step end times and durations of a trainer that runs until `stop`.
 fn trainer(
@@ -48,14 +31,7 @@ fn trainer(
     let mut r = 1u64;
     while !stop.load(Ordering::Relaxed) {
         let s = Instant::now();
-        for _ in 0..BATCH {
-            r = fmix64(r);
-            t.upsert(r % hot, |row| {
-                let g = (r >> 40) as f32 * 1e-7;
-                row.slot_mut::<f32>(1)[0] += g * g;
-                row.slot_mut::<f32>(0).iter_mut().for_each(|x| *x -= g);
-            });
-        }
+        common::train_step(t, hot, BATCH, &mut r);
         steps.push((begin.elapsed(), s.elapsed()));
     }
     steps
@@ -85,7 +61,7 @@ fn main() {
     );
     for hot_percent in [1u64, 10] {
         let hot = ROWS * hot_percent / 100;
-        let t = table();
+        let t = Arc::new(common::trainer_table(ROWS));
         let stop = AtomicBool::new(false);
         let begin = Instant::now();
         let saves = Mutex::new(Vec::new());

@@ -7,43 +7,21 @@
 //! them unchanged but for the snapshot groups): the cost of the check every write now makes.
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use saver::core::partition::fmix64;
-use saver::{Dtype, EmbeddingTable, KeyDtype, SlotSpec, SparseTable};
+use saver::{EmbeddingTable, SparseTable};
+
+mod common;
 
 const ROWS: u64 = 1 << 20;
 const BATCH: u64 = 10_000;
 
-fn table() -> EmbeddingTable {
-    let t = EmbeddingTable::new(
-        "t",
-        KeyDtype::U64,
-        vec![
-            SlotSpec::new("embedding", Dtype::F32, vec![32]),
-            SlotSpec::new("adagrad", Dtype::F32, vec![32]),
-        ],
-    )
-    .unwrap();
-    for id in 0..ROWS {
-        t.upsert(id, |_| ());
-    }
-    t
-}
-
 /// One batch of upserts of random existing rows, as a training step applies gradients.
 fn step(t: &EmbeddingTable, seed: u64) {
     let mut r = seed;
-    for _ in 0..BATCH {
-        r = fmix64(r);
-        t.upsert(r % ROWS, |row| {
-            let g = (r >> 40) as f32 * 1e-7;
-            row.slot_mut::<f32>(1)[0] += g * g;
-            row.slot_mut::<f32>(0).iter_mut().for_each(|x| *x -= g);
-        });
-    }
+    common::train_step(t, ROWS, BATCH, &mut r);
 }
 
 fn upsert(c: &mut Criterion) {
-    let t = table();
+    let t = common::trainer_table(ROWS);
     let mut g = c.benchmark_group("upsert");
     g.throughput(Throughput::Elements(BATCH));
     let mut seed = 1;

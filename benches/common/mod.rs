@@ -79,3 +79,35 @@ pub fn spec_of_size(bytes: u64) -> String {
     let rows = (bytes - dense) / 8 / (8 + 2 * 64 * 4);
     format!("tables=8,rows={rows},dim=64,slots=embedding+adagrad,dense={dense},seed=3")
 }
+
+/// A trainer's table for the write benchmarks: `rows` rows (ids 0..rows) of a dim-32 embedding
+/// and its Adagrad accumulator, 256 bytes a row.
+pub fn trainer_table(rows: u64) -> saver::EmbeddingTable {
+    use saver::{Dtype, EmbeddingTable, KeyDtype, SlotSpec};
+    let t = EmbeddingTable::new(
+        "t",
+        KeyDtype::U64,
+        vec![
+            SlotSpec::new("embedding", Dtype::F32, vec![32]),
+            SlotSpec::new("adagrad", Dtype::F32, vec![32]),
+        ],
+    )
+    .unwrap();
+    for id in 0..rows {
+        t.upsert(id, |_| ());
+    }
+    t
+}
+
+/// One training step of `batch` Adagrad-like updates to random rows of `t` below `hot`, from
+/// the random state `r` (advanced).
+pub fn train_step(t: &saver::EmbeddingTable, hot: u64, batch: u64, r: &mut u64) {
+    for _ in 0..batch {
+        *r = saver::core::partition::fmix64(*r);
+        let g = (*r >> 40) as f32 * 1e-7;
+        t.upsert(*r % hot, |row| {
+            row.slot_mut::<f32>(1)[0] += g * g;
+            row.slot_mut::<f32>(0).iter_mut().for_each(|x| *x -= g);
+        });
+    }
+}

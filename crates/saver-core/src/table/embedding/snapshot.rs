@@ -129,14 +129,12 @@ impl<'t> EmbeddingSnapshot<'t> {
         Ok(Self { table })
     }
 
-    fn had_no_row(&self, id: u64) -> Error {
+    /// An error about row `id`: "id <id> <what>".
+    fn row_error(&self, id: u64, what: &str) -> Error {
         let t = self.table;
         Error::Table {
             table: t.name.clone(),
-            message: format!(
-                "id {} had no row at the snapshot's moment, or was read twice",
-                t.key_dtype.format_id(id)
-            ),
+            message: format!("id {} {what}", t.key_dtype.format_id(id)),
         }
     }
 
@@ -159,18 +157,7 @@ impl<'t> EmbeddingSnapshot<'t> {
                 self.table.pre.mark_read(p);
                 Ok(true)
             }
-            _ => Err(self.had_no_row(id)),
-        }
-    }
-
-    fn gone(&self, id: u64) -> Error {
-        let t = self.table;
-        Error::Table {
-            table: t.name.clone(),
-            message: format!(
-                "id {} was in the snapshot but can no longer be read",
-                t.key_dtype.format_id(id)
-            ),
+            _ => Err(self.row_error(id, "had no row at the snapshot's moment, or was read twice")),
         }
     }
 }
@@ -346,7 +333,9 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
             // Left the map since the scan: its first retired version.
             t.retired
                 .with_row(*id, |row| t.copy_row_into(t.slabs.words(row), r, out))
-                .ok_or_else(|| self.gone(*id))?;
+                .ok_or_else(|| {
+                    self.row_error(*id, "was in the snapshot but can no longer be read")
+                })?;
         }
         Ok(())
     }
