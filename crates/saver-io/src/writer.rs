@@ -357,6 +357,8 @@ fn write_and_commit(
         m.tables_given = tables_given.clone();
         m.dense_given = dense_given.clone();
         let json = serde_json::to_vec_pretty(&m).expect("manifests serialize");
+        // Set before the write, not after: once a shard manifest may exist, another process may
+        // commit the set at any moment, so a failure from here on must not remove the shard.
         *shard_manifests_written = true;
         storage.put(
             &shard_manifest_name(&save_id, plan.shards()[pos].shard),
