@@ -116,6 +116,22 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// Whether the error says something about a checkpoint's bytes (missing, truncated, changed,
+    /// malformed), as opposed to the reader's situation (permission denied, I/O error, options):
+    /// only the former make a checkpoint corrupt.
+    pub fn is_about_the_checkpoint(&self) -> bool {
+        match self {
+            Error::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+            Error::Corrupt { .. }
+            | Error::UnsafePath { .. }
+            | Error::UnsupportedVersion { .. }
+            | Error::Core(_) => true,
+            _ => false,
+        }
+    }
+}
+
 /// Result with [`Error`](enum@Error).
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -126,4 +142,31 @@ pub(crate) fn io_err(
 ) -> impl FnOnce(std::io::Error) -> Error {
     let path = path.into();
     move |source| Error::Io { op, path, source }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_errors_about_the_bytes_make_a_checkpoint_corrupt() {
+        let io = |kind| Error::Io {
+            op: "open",
+            path: "model-x-s00000-f0000.safetensors".into(),
+            source: std::io::Error::from(kind),
+        };
+        assert!(io(std::io::ErrorKind::NotFound).is_about_the_checkpoint());
+        assert!(!io(std::io::ErrorKind::PermissionDenied).is_about_the_checkpoint());
+        assert!(!io(std::io::ErrorKind::Interrupted).is_about_the_checkpoint());
+        let corrupt = Error::Corrupt {
+            file: "f".into(),
+            what: "truncated".into(),
+        };
+        assert!(corrupt.is_about_the_checkpoint());
+        let busy = Error::LockTimeout {
+            lock: "l".into(),
+            waited: std::time::Duration::ZERO,
+        };
+        assert!(!busy.is_about_the_checkpoint());
+    }
 }

@@ -70,20 +70,6 @@ fn problem(e: &Error, fallback_file: &str) -> Problem {
     }
 }
 
-/// Whether `e` says something about the checkpoint's bytes (missing, truncated, changed,
-/// malformed), as opposed to the reader's situation (permission denied, I/O error, options): only
-/// the former make a checkpoint corrupt.
-fn is_about_the_checkpoint(e: &Error) -> bool {
-    match e {
-        Error::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
-        Error::Corrupt { .. }
-        | Error::UnsafePath { .. }
-        | Error::UnsupportedVersion { .. }
-        | Error::Core(_) => true,
-        _ => false,
-    }
-}
-
 /// Verifies the checkpoint in `storage`. A checkpoint replaced while it is verified is verified
 /// again, so the verdict is about the old or the new checkpoint, never a mixture. Errors that are
 /// not about the checkpoint's bytes (permission denied, I/O errors) are returned as errors, not
@@ -124,7 +110,7 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
             });
             return Ok(report);
         }
-        Err(e) if is_about_the_checkpoint(&e) => {
+        Err(e) if e.is_about_the_checkpoint() => {
             report.status = Status::Corrupt;
             report.problems.push(problem(&e, INDEX_FILE));
             return Ok(report);
@@ -146,7 +132,7 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
             .map(|fm| {
                 let f = match open_file(storage, &manifest, fm) {
                     Ok(f) => f,
-                    Err(e) if is_about_the_checkpoint(&e) => {
+                    Err(e) if e.is_about_the_checkpoint() => {
                         return Ok((0, 0, vec![problem(&e, &fm.name)]))
                     }
                     Err(e) => return Err(e),
@@ -165,7 +151,7 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
                     while off < t.len {
                         let n = (t.len - off).min(buf.len() as u64) as usize;
                         if let Err(e) = f.handle.read_at(t.offset + off, &mut buf[..n]) {
-                            if !is_about_the_checkpoint(&e) {
+                            if !e.is_about_the_checkpoint() {
                                 return Err(e);
                             }
                             problems.push(Problem {
@@ -205,33 +191,4 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
         report.status = Status::Corrupt;
     }
     Ok(report)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_errors_about_the_bytes_make_a_checkpoint_corrupt() {
-        let io = |kind| Error::Io {
-            op: "open",
-            path: "model-x-s00000-f0000.safetensors".into(),
-            source: std::io::Error::from(kind),
-        };
-        assert!(is_about_the_checkpoint(&io(std::io::ErrorKind::NotFound)));
-        assert!(!is_about_the_checkpoint(&io(
-            std::io::ErrorKind::PermissionDenied
-        )));
-        assert!(!is_about_the_checkpoint(&io(
-            std::io::ErrorKind::Interrupted
-        )));
-        assert!(is_about_the_checkpoint(&Error::Corrupt {
-            file: "f".into(),
-            what: "truncated".into()
-        }));
-        assert!(!is_about_the_checkpoint(&Error::LockTimeout {
-            lock: "l".into(),
-            waited: std::time::Duration::ZERO
-        }));
-    }
 }
