@@ -220,13 +220,17 @@ pub(crate) enum Opened {
     Io(std::io::Error),
 }
 
-/// Opens `path` for reading only if it is a regular file. Opened without following a symlink and
+/// Opens `path` only if it is a regular file. Opened without following a symlink and
 /// without blocking (a FIFO would otherwise wait for a writer forever), then checked on the open
 /// descriptor, so nothing can be swapped in between the check and the use.
-pub(crate) fn open_regular(path: &Path) -> std::result::Result<(File, fs::Metadata), Opened> {
+/// `how` says the access (read, write, create); the flags that refuse links and blocking are
+/// added here.
+pub(crate) fn open_regular(
+    path: &Path,
+    how: &mut OpenOptions,
+) -> std::result::Result<(File, fs::Metadata), Opened> {
     use std::os::unix::fs::OpenOptionsExt;
-    let file = OpenOptions::new()
-        .read(true)
+    let file = how
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| match e.raw_os_error() {
@@ -304,14 +308,15 @@ impl Storage for LocalFs {
 
     fn open(&self, name: &str) -> Result<Box<dyn ReadHandle>> {
         let path = self.path(name)?;
-        let (file, meta) = open_regular(&path).map_err(|e| match e {
-            Opened::NotRegular => Error::UnsafePath {
-                name: name.to_string(),
-                named_in: self.dir.display().to_string(),
-                why: "not a regular file (symlinks, FIFOs, sockets and devices are refused)",
-            },
-            Opened::Io(e) => io_err("open", &path)(e),
-        })?;
+        let (file, meta) =
+            open_regular(&path, OpenOptions::new().read(true)).map_err(|e| match e {
+                Opened::NotRegular => Error::UnsafePath {
+                    name: name.to_string(),
+                    named_in: self.dir.display().to_string(),
+                    why: "not a regular file (symlinks, FIFOs, sockets and devices are refused)",
+                },
+                Opened::Io(e) => io_err("open", &path)(e),
+            })?;
         Ok(Box::new(LocalRead {
             file,
             len: meta.len(),
@@ -354,28 +359,17 @@ impl Storage for LocalFs {
     }
 
     fn lock_commit(&self, wait: Duration) -> Result<Box<dyn super::CommitLock>> {
-        use std::os::unix::fs::OpenOptionsExt;
         let path = self.dir.join(COMMIT_LOCK);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(&path)
-            .map_err(io_err("open the commit lock", &path))?;
-        if !file
-            .metadata()
-            .map_err(io_err("stat", &path))?
-            .file_type()
-            .is_file()
-        {
-            return Err(Error::UnsafePath {
+        let mut how = OpenOptions::new();
+        how.read(true).write(true).create(true).truncate(false);
+        let (file, _) = open_regular(&path, &mut how).map_err(|e| match e {
+            Opened::NotRegular => Error::UnsafePath {
                 name: COMMIT_LOCK.into(),
                 named_in: self.dir.display().to_string(),
                 why: "not a regular file",
-            });
-        }
+            },
+            Opened::Io(e) => io_err("open the commit lock", &path)(e),
+        })?;
         let start = Instant::now();
         let mut pause = Duration::from_millis(1);
         loop {
