@@ -366,7 +366,7 @@ fn bad_input_is_refused_with_one_clear_line_and_nothing_committed() {
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("out");
     let o = p(&out);
-    let cases: Vec<(Vec<&str>, &str)> = vec![
+    let mut cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["save", "--out", o, "--synthetic", "enormous"],
             "unknown preset \"enormous\"",
@@ -450,7 +450,6 @@ fn bad_input_is_refused_with_one_clear_line_and_nothing_committed() {
             "/no/such/input",
         ),
     ];
-    let mut cases = cases;
     for bad in ["NaN", "inf", "-1", "1e300", "soon"] {
         cases.push((
             vec![

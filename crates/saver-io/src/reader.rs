@@ -8,7 +8,7 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 
 use saver_core::manifest::{FileManifest, FORMAT_NAME};
-use saver_core::naming::{shard_manifest_name, INDEX_FILE};
+use saver_core::naming::{shard_manifest_name, SaverFile, INDEX_FILE};
 use saver_core::{Manifest, TableManifestExt as _, FORMAT_VERSION};
 
 use crate::commit::MAX_JSON_BYTES;
@@ -43,16 +43,9 @@ impl std::fmt::Debug for Checkpoint {
 pub(crate) fn describe_incomplete(storage: &dyn Storage) -> Result<String> {
     let names = storage.list()?;
     let mut saves: BTreeMap<String, Vec<u32>> = BTreeMap::new();
-    for n in &names {
-        if let Some(rest) = n
-            .strip_prefix("saver-")
-            .and_then(|r| r.strip_suffix(".shard.json"))
-        {
-            if let Some((id, shard)) = rest.rsplit_once("-s") {
-                if let Ok(s) = shard.parse() {
-                    saves.entry(id.to_string()).or_default().push(s);
-                }
-            }
+    for n in names.iter().filter(|n| n.ends_with(".shard.json")) {
+        if let Some(SaverFile::Shard { save_id, shard }) = SaverFile::parse(n) {
+            saves.entry(save_id.to_string()).or_default().push(shard);
         }
     }
     let mut what = format!("no {INDEX_FILE} (never committed)");
@@ -121,7 +114,7 @@ pub(crate) fn load_manifest(storage: &dyn Storage) -> Result<(Index, Manifest)> 
     let name = &index.metadata.saver_manifest;
     let bytes = storage.get(name, MAX_JSON_BYTES).map_err(|e| match e {
         // Permission denied, an I/O error: the reader's trouble, not the checkpoint's.
-        Error::Io { ref source, .. } if source.kind() != std::io::ErrorKind::NotFound => e,
+        e if !e.is_about_the_checkpoint() => e,
         e => Error::Corrupt {
             file: INDEX_FILE.into(),
             what: format!("names manifest {name:?}, which cannot be read: {e}"),
