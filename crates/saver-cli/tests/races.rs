@@ -339,3 +339,68 @@ fn verify_says_permission_denied_is_an_error_not_a_corrupt_checkpoint() {
         "{err}"
     );
 }
+
+#[test]
+fn export_replaces_only_the_files_of_the_export_it_replaces() {
+    let root = tempfile::tempdir().unwrap();
+    let ck = root.path().join("ck");
+    let o = run(&[
+        "save",
+        "--out",
+        ck.to_str().unwrap(),
+        "--synthetic",
+        &spec(0),
+        "--no-fsync",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ex = root.path().join("ex");
+    std::fs::create_dir(&ex).unwrap();
+    // A user's file named like an export's, which no export index lists.
+    std::fs::write(ex.join("model-00007-of-00009.safetensors"), b"mine").unwrap();
+    let export = |size: &str| {
+        let o = run(&[
+            "export",
+            ck.to_str().unwrap(),
+            "--out",
+            ex.to_str().unwrap(),
+            "--max-file-size",
+            size,
+            "--overwrite",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    export("64KiB");
+    let many: Vec<String> = std::fs::read_dir(&ex)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    export("1GiB");
+    let now: Vec<String> = std::fs::read_dir(&ex)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(many.len() > now.len(), "{many:?} -> {now:?}");
+    assert_eq!(
+        std::fs::read(ex.join("model-00007-of-00009.safetensors")).unwrap(),
+        b"mine"
+    );
+    assert_eq!(digest(&ex), digest(&ck));
+    // Every file left is the new export's (listed by its index), the index, or the user's.
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ex.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let listed: Vec<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    for n in &now {
+        assert!(
+            listed.contains(&n.as_str())
+                || n == "model.safetensors.index.json"
+                || n == "model-00007-of-00009.safetensors",
+            "{n} left behind: {now:?}"
+        );
+    }
+}
