@@ -93,6 +93,17 @@ impl LocalFs {
         &self.dir
     }
 
+    /// A temporary name for `name` that no other writer can produce: `<name>.tmp-<pid>-<process
+    /// token>-<n>`.
+    fn tmp_path(&self, name: &str) -> PathBuf {
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        self.dir.join(format!(
+            "{name}{TMP_MARK}{}-{}-{n}",
+            std::process::id(),
+            crate::owner::process_token()
+        ))
+    }
+
     fn path(&self, name: &str) -> Result<PathBuf> {
         check_file_name(name, &format!("a request to {}", self.dir.display()))?;
         Ok(self.dir.join(name))
@@ -265,12 +276,7 @@ impl Storage for LocalFs {
 
     fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>> {
         let dest = self.path(name)?;
-        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tmp = self.dir.join(format!(
-            "{name}{TMP_MARK}{}-{}-{n}",
-            std::process::id(),
-            crate::owner::process_token()
-        ));
+        let tmp = self.tmp_path(name);
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -294,16 +300,27 @@ impl Storage for LocalFs {
         }))
     }
 
+    /// Written whole under a temporary name, then hard-linked to `name`, which fails if `name`
+    /// exists: a reader never sees the file empty or half-written (a claim's writer, a rejection's
+    /// reason), and of two racing creators exactly one succeeds.
     fn create_exclusive(&self, name: &str, bytes: &[u8]) -> Result<bool> {
         let path = self.path(name)?;
-        match OpenOptions::new().write(true).create_new(true).open(&path) {
-            Ok(mut f) => {
-                f.write_all(bytes).map_err(io_err("write", &path))?;
-                Ok(true)
-            }
-            Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(false),
-            Err(e) => Err(io_err("create", &path)(e)),
-        }
+        let tmp = self.tmp_path(name);
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(io_err("create", &tmp))?;
+        let linked = f
+            .write_all(bytes)
+            .map_err(io_err("write", &tmp))
+            .and_then(|()| match fs::hard_link(&tmp, &path) {
+                Ok(()) => Ok(true),
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(false),
+                Err(e) => Err(io_err("create", &path)(e)),
+            });
+        let _ = fs::remove_file(&tmp);
+        linked
     }
 
     fn open(&self, name: &str) -> Result<Box<dyn ReadHandle>> {
@@ -393,5 +410,50 @@ impl Storage for LocalFs {
         Ok(std::sync::Arc::new(crate::spill::FileSpill::in_dir(
             &self.dir,
         )?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exclusive_file_is_seen_whole_or_not_at_all_and_created_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = LocalFs::open_dir(dir.path()).unwrap();
+        let body = vec![b'x'; 64 << 10];
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            // A reader polls each name as the creators make it.
+            let reader = s.spawn(|| {
+                let mut seen = 0;
+                while !done.load(Ordering::Relaxed) {
+                    for i in 0..200 {
+                        if let Ok(bytes) = fs.get(&format!("claim{i}"), 1 << 20) {
+                            assert_eq!(bytes.len(), body.len(), "claim{i} seen partly written");
+                            seen += 1;
+                        }
+                    }
+                }
+                seen
+            });
+            let created: Vec<usize> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        (0..200)
+                            .filter(|i| fs.create_exclusive(&format!("claim{i}"), &body).unwrap())
+                            .count()
+                    })
+                })
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect();
+            done.store(true, Ordering::Relaxed);
+            assert_eq!(created.iter().sum::<usize>(), 200, "each name created once");
+            assert!(reader.join().unwrap() > 0);
+        });
+        let names = fs.list().unwrap();
+        assert_eq!(names.len(), 200, "no temporary left: {names:?}");
     }
 }

@@ -98,7 +98,9 @@ pub trait Storage: Send + Sync + fmt::Debug {
         }
         h.commit(durable)
     }
-    /// Creates `name` with `bytes` only if it does not exist; `Ok(false)` if it did. Not made
+    /// Creates `name` with `bytes` only if it does not exist; `Ok(false)` if it did. A reader
+    /// never sees the file partly written (other processes read claims and rejection reasons
+    /// while they are made). Not made
     /// durable by itself (writer claims and rejection markers are its uses: one lost to a power
     /// failure makes a save fail at its commit, never commit wrongly).
     fn create_exclusive(&self, name: &str, bytes: &[u8]) -> Result<bool>;
