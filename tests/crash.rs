@@ -191,7 +191,7 @@ fn spawn_child(
 
 fn digest_of(dir: &Path) -> String {
     let ck = Checkpoint::open(dir).unwrap();
-    restored_digest(&ck.restore(&LoadOptions::default()).unwrap())
+    restored_digest(&ck.restore(&LoadOptions::default()).unwrap()).unwrap()
 }
 
 fn points() -> u64 {

@@ -40,7 +40,7 @@ fn small_checkpoint(dir: &Path) -> String {
 
 fn load_digest(dir: &Path) -> saver::io::Result<String> {
     let ck = Checkpoint::open(dir)?;
-    Ok(restored_digest(&ck.restore(&LoadOptions::default())?))
+    restored_digest(&ck.restore(&LoadOptions::default())?)
 }
 
 fn env_usize(k: &str, default: usize) -> usize {

@@ -53,7 +53,7 @@ fn opts(id: &str, shards: u32, overwrite: bool) -> SaveOptions {
 
 fn digest_of(dir: &Path) -> String {
     let ck = Checkpoint::open(dir).unwrap();
-    restored_digest(&ck.restore(&LoadOptions::default()).unwrap())
+    restored_digest(&ck.restore(&LoadOptions::default()).unwrap()).unwrap()
 }
 
 /// The content digest of each model, from a save into a directory of its own.

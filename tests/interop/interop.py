@@ -94,9 +94,25 @@ def saver_files_hold_the_manifest_bytes():
         check(np.array_equal(np.concatenate(parts)[order], exported[f"t0/{name}"]), f"t0/{name} equals the export's")
 
 
-def digest(tables, dense):
-    """The content digest of docs/FORMAT.md, computed independently."""
-    h = hashlib.sha256(b"saver-digest-v1\n")
+M64 = (1 << 64) - 1
+
+
+def bucket(ids):
+    """The partition rule of docs/FORMAT.md: MurmurHash3's fmix64 of the id's bits, top 16 bits."""
+    k = ids.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        k ^= k >> np.uint64(33)
+        k *= np.uint64(0xFF51AFD7ED558CCD)
+        k ^= k >> np.uint64(33)
+        k *= np.uint64(0xC4CEB9FE1A85EC53)
+        k ^= k >> np.uint64(33)
+    return k >> np.uint64(48)
+
+
+def digest(tables, dense, version=2):
+    """The content digest of docs/FORMAT.md, computed independently: version 2 orders a table's
+    rows by (bucket, id bits), version 1 by id."""
+    h = hashlib.sha256(b"saver-digest-v%d\n" % version)
 
     def put_str(s):
         h.update(s.encode() + b"\0")
@@ -119,7 +135,10 @@ def digest(tables, dense):
             put_str(sname)
             put_str(names[slots[sname].dtype])
             put_shape(slots[sname].shape[1:])
-        order = np.argsort(ids, kind="stable")
+        if version == 1:
+            order = np.argsort(ids, kind="stable")
+        else:
+            order = np.lexsort((ids.view(np.uint64), bucket(ids)))
         h.update(struct.pack("<Q", len(ids)))
         for i in order:
             h.update(ids[i].tobytes())
@@ -178,9 +197,15 @@ def plain_input_round_trips():
         "user": (plain["user/ids"], {"embedding": plain["user/embedding"], "clicks": plain["user/clicks"]}),
         "item": (plain["item/ids"], {"vec": plain["item/vec"], "seen": plain["item/seen"]}),
     }
-    expected = digest(tables, {"tower.w": plain["tower.w"], "tower.b": plain["tower.b"]})
+    dense = {"tower.w": plain["tower.w"], "tower.b": plain["tower.b"]}
+    expected, expected_v1 = digest(tables, dense), digest(tables, dense, version=1)
+    check(expected != expected_v1, "the two digest versions differ")
     for path in (src, a, b, e):
         check(saver("digest", path).strip() == expected, f"digest of {path} equals the Python digest")
+        check(
+            saver("digest", "--digest-version", "1", path).strip() == expected_v1,
+            f"version-1 digest of {path} equals the Python digest",
+        )
 
 
 def hugging_face_loaders_read_checkpoint_files():

@@ -119,7 +119,8 @@ pub enum Command {
     },
     /// Print a digest of a model's content (table names, ids, slot rows, dense tensors),
     /// independent of shard count, file layout and row order. Works on a checkpoint or on plain
-    /// safetensors (e.g. an export).
+    /// safetensors (e.g. an export), in bounded memory: a plain input's rows are sorted by
+    /// bucket in nameless temporary files in $TMPDIR (or /tmp).
     #[command(
         after_help = "Example:\n  test \"$(saver digest /ckpt/a)\" = \"$(saver digest /ckpt/a-resharded)\""
     )]
@@ -129,6 +130,10 @@ pub enum Command {
         /// Reader threads.
         #[arg(long, default_value_t = default_parallel())]
         parallel: usize,
+        /// Digest definition (docs/FORMAT.md): 2 streams; 1, rows by id, holds the model in
+        /// memory and is kept for digests recorded before version 2.
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
+        digest_version: u8,
         #[command(flatten)]
         out: Output,
     },

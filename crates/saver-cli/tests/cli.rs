@@ -510,7 +510,7 @@ fn bad_input_is_refused_with_one_clear_line_and_nothing_committed() {
         vec![("t/ids", St::I64, vec![3], le(&dup, i64::to_le_bytes))],
     );
     let (_, err) = fails(&["save", "--out", o, "--from", p(&plain)]);
-    assert!(err.contains("duplicate id 5"), "{err}");
+    assert!(err.contains("id 5 appears more than once"), "{err}");
     write_plain(&plain, vec![("t/ids", St::F32, vec![3], vec![0u8; 12])]);
     let (_, err) = fails(&["save", "--out", o, "--from", p(&plain)]);
     assert!(

@@ -1,7 +1,13 @@
 //! A content digest that depends only on what a checkpoint holds (table names, ids, slot rows,
 //! dense tensors), not on shard count, file layout or row order: equal before and after a
-//! reshard, and computable by other tools. The definition is in `docs/FORMAT.md`; in short,
-//! SHA-256 over tables by name (slots by name, rows by ascending id) then dense tensors by name.
+//! reshard, and computable by other tools. The definitions are in `docs/FORMAT.md`; in short,
+//! SHA-256 over tables by name (slots by name, rows in a fixed order) then dense tensors by name.
+//!
+//! Two versions ([`DigestVersion`]). Version 2, the default, orders each table's rows by
+//! (bucket, id): the order a checkpoint stores them in, so a checkpoint's digest is one
+//! sequential read of its files, in bounded memory ([`stored_digest`]). Version 1 orders rows
+//! by id alone, which takes a table's ids in memory; it stays computable for digests recorded
+//! before version 2.
 
 use std::collections::BTreeMap;
 use std::sync::mpsc::sync_channel;
@@ -9,14 +15,29 @@ use std::sync::mpsc::sync_channel;
 use rayon::slice::ParallelSliceMut;
 use sha2::{Digest, Sha256};
 
-use saver_core::{EmbeddingTable, KeyDtype, SlotSpec, SparseTable};
+use saver_core::{EmbeddingTable, KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
 use crate::columns::{Columns, TableColumns};
+use crate::error::{Error, Result};
+use crate::source::{SourceTables, StoredTable, VisitRows};
 
 use crate::restore::LoadedDense;
 
 /// Version tag hashed first, so a changed definition never collides with the old one.
 pub const DIGEST_TAG: &[u8] = b"saver-digest-v1\n";
+
+/// Version 2's tag.
+pub const DIGEST_TAG_V2: &[u8] = b"saver-digest-v2\n";
+
+/// Which digest definition (see docs/FORMAT.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DigestVersion {
+    /// Rows by id: the model's ids in memory.
+    V1,
+    /// Rows by (bucket, id): streams. The default.
+    #[default]
+    V2,
+}
 
 fn put_str(h: &mut Sha256, s: &str) {
     h.update(s.as_bytes());
@@ -210,8 +231,8 @@ fn row_layout(slots: &[SlotSpec]) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// The digest of tables (each possibly split into parts, e.g. one per restored shard) and dense
-/// tensors, as lowercase hex.
+/// The version-1 digest of tables (each possibly split into parts, e.g. one per restored shard)
+/// and dense tensors, as lowercase hex.
 pub fn content_digest(
     tables: &BTreeMap<String, Vec<&EmbeddingTable>>,
     dense: &[LoadedDense],
@@ -234,8 +255,8 @@ pub fn content_digest(
     hash_dense(h, dense)
 }
 
-/// The digest of a columnar load (tables must have distinct names).
-pub fn columns_digest(c: &Columns) -> String {
+/// The version-1 digest of a columnar load (tables must have distinct names).
+pub fn columns_digest_v1(c: &Columns) -> String {
     let mut h = Sha256::new();
     h.update(DIGEST_TAG);
     let mut tables: Vec<&TableColumns> = c.tables.iter().collect();
@@ -246,8 +267,54 @@ pub fn columns_digest(c: &Columns) -> String {
     hash_dense(h, &c.dense)
 }
 
-/// The digest of a restore's content (all its shards together).
-pub fn restored_digest(r: &crate::restore::Restored) -> String {
+/// The (version-2) digest of a columnar load (tables must have distinct names).
+pub fn columns_digest(c: &Columns) -> Result<String> {
+    let mut h = Sha256::new();
+    h.update(DIGEST_TAG_V2);
+    let mut tables: Vec<&TableColumns> = c.tables.iter().collect();
+    tables.sort_by(|a, b| a.name.cmp(&b.name));
+    for t in tables {
+        let mut order: Vec<(u32, u64, usize)> = t
+            .ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| (PartitionRule::bucket_of(id), id, i))
+            .collect();
+        order.par_sort_unstable();
+        let widths: Vec<usize> = t
+            .slots
+            .iter()
+            .map(|s| s.row_bytes().unwrap_or(0) as usize)
+            .collect();
+        let order = &order;
+        hash_table_v2(
+            &mut h,
+            &t.name,
+            t.key_dtype,
+            &t.slots,
+            t.ids.len() as u64,
+            Box::new(move |visit| {
+                let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); widths.len()];
+                for chunk in order.chunks(1 << 14) {
+                    for ((b, d), &w) in bufs.iter_mut().zip(&t.data).zip(&widths) {
+                        b.clear();
+                        for &(_, _, i) in chunk {
+                            b.extend_from_slice(&d[i * w..(i + 1) * w]);
+                        }
+                    }
+                    let ids: Vec<u64> = chunk.iter().map(|r| r.1).collect();
+                    let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+                    visit(&ids, &views)?;
+                }
+                Ok(())
+            }),
+        )?;
+    }
+    Ok(hash_dense(h, &c.dense))
+}
+
+/// Each restored table's parts (one per target shard), by name.
+fn restored_parts(r: &crate::restore::Restored) -> BTreeMap<String, Vec<&EmbeddingTable>> {
     let mut tables: BTreeMap<String, Vec<&EmbeddingTable>> = BTreeMap::new();
     for s in &r.shards {
         for t in &s.tables {
@@ -257,5 +324,287 @@ pub fn restored_digest(r: &crate::restore::Restored) -> String {
                 .push(t);
         }
     }
-    content_digest(&tables, &r.dense)
+    tables
+}
+
+/// The (version-2) digest of a restore's content (all its shards together).
+pub fn restored_digest(r: &crate::restore::Restored) -> Result<String> {
+    let tables = restored_parts(r)
+        .into_iter()
+        .map(|(k, v)| (k, v.into_iter().map(|t| t as &dyn SparseTable).collect()))
+        .collect();
+    tables_digest(&tables, &r.dense)
+}
+
+/// The version-1 digest of a restore's content.
+pub fn restored_digest_v1(r: &crate::restore::Restored) -> String {
+    content_digest(&restored_parts(r), &r.dense)
+}
+
+/// Hashes a table's header, as both versions do: name, key dtype, slots by name, row count.
+fn hash_table_header(h: &mut Sha256, name: &str, key: KeyDtype, slots: &[SlotSpec], rows: u64) {
+    let mut order: Vec<usize> = (0..slots.len()).collect();
+    order.sort_by(|&a, &b| slots[a].name.cmp(&slots[b].name));
+    h.update(b"table\0");
+    put_str(h, name);
+    put_str(h, key.dtype().name());
+    h.update((slots.len() as u32).to_le_bytes());
+    for &s in &order {
+        put_str(h, &slots[s].name);
+        put_str(h, slots[s].dtype.name());
+        put_shape(h, &slots[s].shape);
+    }
+    h.update(rows.to_le_bytes());
+}
+
+/// Something that hands over one table's rows in (bucket, id) order, in batches: ids, and
+/// each slot's rows (in the table's slot order).
+type RowsInBucketOrder<'a> = dyn FnOnce(&mut VisitRows<'_>) -> Result<()> + 'a;
+
+/// Hashes one table for version 2: its header, then the rows `produce` hands over, which must
+/// be `rows` rows in strictly increasing (bucket, id) order (checked: a duplicate or
+/// misordered id fails). The rows are laid out for hashing on this thread and hashed on another.
+fn hash_table_v2(
+    h: &mut Sha256,
+    name: &str,
+    key: KeyDtype,
+    slots: &[SlotSpec],
+    rows: u64,
+    produce: Box<RowsInBucketOrder<'_>>,
+) -> Result<()> {
+    hash_table_header(h, name, key, slots, rows);
+    let mut order: Vec<usize> = (0..slots.len()).collect();
+    order.sort_by(|&a, &b| slots[a].name.cmp(&slots[b].name));
+    let widths: Vec<usize> = slots
+        .iter()
+        .map(|s| s.row_bytes().unwrap_or(0) as usize)
+        .collect();
+    let (full_tx, full_rx) = sync_channel::<Vec<u8>>(2);
+    let (empty_tx, empty_rx) = sync_channel::<Vec<u8>>(3);
+    for _ in 0..3 {
+        let _ = empty_tx.send(Vec::with_capacity(BATCH));
+    }
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            for batch in full_rx {
+                h.update(&batch);
+                let _ = empty_tx.send(batch);
+            }
+        });
+        let mut seen = 0u64;
+        let mut prev: Option<(u32, u64)> = None;
+        let mut batch = empty_rx.recv().unwrap_or_default();
+        let result = produce(&mut |ids: &[u64], cols: &[&[u8]]| {
+            for (r, &id) in ids.iter().enumerate() {
+                let at = (PartitionRule::bucket_of(id), id);
+                if prev.is_some_and(|p| p >= at) {
+                    return Err(Error::Mismatch(format!(
+                        "table {name:?}: id {} is {} (rows must come in (bucket, id) order, each once)",
+                        key.format_id(id),
+                        if prev.is_some_and(|p| p.1 == id) { "there twice" } else { "out of order" }
+                    )));
+                }
+                prev = Some(at);
+                batch.extend_from_slice(&id.to_le_bytes());
+                for &s in &order {
+                    let w = widths[s];
+                    batch.extend_from_slice(&cols[s][r * w..(r + 1) * w]);
+                }
+                if batch.len() >= BATCH {
+                    let next = empty_rx.recv().unwrap_or_default();
+                    let _ = full_tx.send(std::mem::replace(&mut batch, next));
+                    batch.clear();
+                }
+            }
+            seen += ids.len() as u64;
+            Ok(())
+        });
+        let _ = full_tx.send(batch);
+        drop(full_tx);
+        result?;
+        if seen != rows {
+            return Err(Error::Mismatch(format!(
+                "table {name:?}: {seen} rows were hashed, {rows} expected"
+            )));
+        }
+        Ok(())
+    })
+}
+
+/// Rows read at a time from a checkpoint or a plain input for the digest.
+const READ_ROWS_BYTES: u64 = 4 << 20;
+
+/// The version-2 digest of tables held in memory (any [`SparseTable`]s; a table may be split in
+/// parts, e.g. one per restored shard, which must not share ids) and dense tensors. Holds 24
+/// bytes per row beside the tables.
+pub fn tables_digest(
+    tables: &BTreeMap<String, Vec<&dyn SparseTable>>,
+    dense: &[LoadedDense],
+) -> Result<String> {
+    let mut h = Sha256::new();
+    h.update(DIGEST_TAG_V2);
+    for (name, parts) in tables {
+        let Some(first) = parts.first() else { continue };
+        let snaps = parts
+            .iter()
+            .map(|t| t.snapshot())
+            .collect::<saver_core::Result<Vec<_>>>()?;
+        // (bucket, id, part, handle)
+        let mut rows: Vec<(u32, u64, u32, u64)> = Vec::new();
+        for (p, snap) in snaps.iter().enumerate() {
+            snap.scan(1 << 16, false, &mut |c| {
+                rows.extend(c.ids.iter().enumerate().map(|(i, &id)| {
+                    (
+                        PartitionRule::bucket_of(id),
+                        id,
+                        p as u32,
+                        c.handles.get(i).copied().unwrap_or(u64::MAX),
+                    )
+                }));
+                Ok(())
+            })?;
+        }
+        rows.par_sort_unstable();
+        let slots = first.slots().to_vec();
+        let widths: Vec<usize> = slots
+            .iter()
+            .map(|s| s.row_bytes().map(|b| b as usize))
+            .collect::<saver_core::Result<_>>()?;
+        let count = rows.len() as u64;
+        let rows = &rows;
+        let snaps = &snaps;
+        hash_table_v2(
+            &mut h,
+            name,
+            first.key_dtype(),
+            &slots,
+            count,
+            Box::new(move |visit| {
+                let step = (READ_ROWS_BYTES as usize / (8 + widths.iter().sum::<usize>())).max(1);
+                let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); widths.len()];
+                let mut ids = Vec::new();
+                let mut handles = Vec::new();
+                for chunk in rows.chunks(step) {
+                    for (b, &w) in bufs.iter_mut().zip(&widths) {
+                        b.clear();
+                        b.resize(chunk.len() * w, 0);
+                    }
+                    // Consecutive rows of one part are read together.
+                    let mut i = 0;
+                    while i < chunk.len() {
+                        let p = chunk[i].2;
+                        let n = chunk[i..].iter().take_while(|r| r.2 == p).count();
+                        ids.clear();
+                        ids.extend(chunk[i..i + n].iter().map(|r| r.1));
+                        handles.clear();
+                        if chunk[i..i + n].iter().all(|r| r.3 != u64::MAX) {
+                            handles.extend(chunk[i..i + n].iter().map(|r| r.3));
+                        }
+                        let mut outs: Vec<&mut [u8]> = bufs
+                            .iter_mut()
+                            .zip(&widths)
+                            .map(|(b, &w)| &mut b[i * w..(i + n) * w])
+                            .collect();
+                        // SAFETY: the handles are the ones this snapshot's scan gave with these
+                        // ids (or none at all).
+                        unsafe {
+                            snaps[p as usize].read_rows_by_handle(&ids, &handles, &mut outs)?;
+                        }
+                        i += n;
+                    }
+                    let all: Vec<u64> = chunk.iter().map(|r| r.1).collect();
+                    let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+                    visit(&all, &views)?;
+                }
+                Ok(())
+            }),
+        )?;
+    }
+    Ok(hash_dense(h, dense))
+}
+
+/// The version-2 digest of the tables and dense tensors of a checkpoint or plain input, read
+/// in bounded memory: a checkpoint's rows lie in digest order already and are read once, front
+/// to back, each tensor checked against its CRC32; a plain input's group by group (see
+/// [`crate::source::plain`]).
+pub fn source_digest(tables: &SourceTables<'_>, dense: &[LoadedDense]) -> Result<String> {
+    let mut h = Sha256::new();
+    h.update(DIGEST_TAG_V2);
+    let mut named: Vec<(&str, usize)> = match tables {
+        SourceTables::Stored(t) => t
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (SparseTable::name(t), i))
+            .collect(),
+        SourceTables::Plain(t) => t
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (SparseTable::name(t), i))
+            .collect(),
+    };
+    named.sort();
+    for (_, i) in named {
+        match tables {
+            SourceTables::Stored(t) => hash_stored(&mut h, &t[i])?,
+            SourceTables::Plain(t) => {
+                let t = &t[i];
+                let step = (READ_ROWS_BYTES
+                    / (8 + SparseTable::slots(t)
+                        .iter()
+                        .map(|s| s.row_bytes().unwrap_or(0))
+                        .sum::<u64>()))
+                .max(1) as usize;
+                hash_table_v2(
+                    &mut h,
+                    SparseTable::name(t),
+                    SparseTable::key_dtype(t),
+                    SparseTable::slots(t),
+                    SparseTable::len(t) as u64,
+                    Box::new(move |visit| t.visit_in_bucket_order(step, visit)),
+                )?
+            }
+        }
+    }
+    Ok(hash_dense(h, dense))
+}
+
+/// Hashes a checkpoint's table: segment by segment in bucket order, a few MiB at a time.
+fn hash_stored(h: &mut Sha256, t: &StoredTable<'_>) -> Result<()> {
+    let widths: Vec<usize> = t.row_bytes().iter().map(|&b| b as usize).collect();
+    let step = (READ_ROWS_BYTES / (8 + t.row_bytes().iter().sum::<u64>())).max(1);
+    hash_table_v2(
+        h,
+        SparseTable::name(t),
+        SparseTable::key_dtype(t),
+        SparseTable::slots(t),
+        SparseTable::len(t) as u64,
+        Box::new(move |visit| {
+            let mut raw = Vec::new();
+            let mut ids = Vec::new();
+            let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); widths.len()];
+            for s in 0..t.segment_count() {
+                let rows = t.segment_rows(s);
+                let mut at = 0;
+                while at < rows {
+                    let end = (at + step).min(rows);
+                    let n = (end - at) as usize;
+                    raw.resize(n * 8, 0);
+                    for (b, &w) in bufs.iter_mut().zip(&widths) {
+                        b.resize(n * w, 0);
+                    }
+                    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+                    t.read_segment(s, at..end, &mut raw, &mut outs)?;
+                    ids.clear();
+                    ids.extend(
+                        raw.chunks_exact(8)
+                            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
+                    );
+                    let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+                    visit(&ids, &views)?;
+                    at = end;
+                }
+            }
+            Ok(())
+        }),
+    )
 }

@@ -38,6 +38,7 @@ pub mod reader;
 pub mod reshard;
 pub mod restore;
 mod schedule;
+pub mod source;
 pub mod spill;
 pub mod storage;
 pub mod verify;

@@ -2,37 +2,24 @@
 
 use std::path::Path;
 
-use saver_core::table::ColumnTable;
-use saver_core::SaveInput;
-
 use crate::error::Result;
-use crate::import::{first_trainer_state, with_dense};
+use crate::import::first_trainer_state;
 use crate::reader::Checkpoint;
-use crate::restore::LoadOptions;
+use crate::source::{save_input, SourceTables, StoredTable};
 use crate::writer::{save, SaveOptions, SaveReport};
 
 /// Rewrites `src` into `out` with `opts.plan.shard_num` shards. Tables, slots, dense tensors and
 /// user metadata are kept; trainer state is per worker and does not map onto a new worker count,
-/// so shard 0's state is given to every new shard. The whole model is held in memory meanwhile.
+/// so shard 0's state is given to every new shard.
 ///
-/// The rows go through arrays ([`Checkpoint::load_columns`], then [`ColumnTable`]s), not
-/// hashtables: no allocation or insert per row, and since the source rows are already in bucket
-/// order, the save copies them in long runs.
+/// Streams: the rows are read from `src` as the save writes them ([`StoredTable`]), in the
+/// order they lie in its files, so the rewrite holds what a save holds (`opts.plan`'s buffers)
+/// plus the dense tensors, whatever the number of rows. Every source tensor read whole is
+/// checked against its CRC32.
 pub fn reshard(src: &Checkpoint, out: &Path, opts: &SaveOptions) -> Result<SaveReport> {
-    let columns = src.load_columns(&LoadOptions {
-        parallel: opts.plan.parallel,
-        ..LoadOptions::default()
-    })?;
-    let tables = columns
-        .tables
-        .into_iter()
-        .map(|t| ColumnTable::new(t.name, t.key_dtype, t.slots, t.ids, t.data))
-        .collect::<saver_core::Result<Vec<_>>>()?;
-    let mut input = SaveInput::new();
-    for t in &tables {
-        input = input.table(t);
-    }
-    let input = with_dense(input, &columns.dense)?;
+    let tables = SourceTables::Stored(StoredTable::all(src, &[], &[])?);
+    let dense = crate::source::Source::checkpoint_dense(src)?;
+    let input = save_input(&tables, &dense)?;
     let mut opts = opts.clone();
     opts.plan.shard_index = None;
     if opts.trainer_state.is_none() {

@@ -5,26 +5,40 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use saver_core::SparseTable;
-use saver_io::digest::content_digest;
+use saver_io::digest::{content_digest, source_digest};
 use saver_io::import::read_model;
+use saver_io::source::Source;
 
 use super::CmdResult;
 use crate::cli::Output;
 use crate::output;
 
-pub fn run(path: &Path, parallel: usize, out: Output) -> CmdResult {
-    let model = read_model(path, parallel)?;
-    for w in &model.warnings {
-        eprintln!("warning: {w}");
-    }
-    let tables: BTreeMap<String, Vec<&saver_core::EmbeddingTable>> = model
-        .tables
-        .iter()
-        .map(|t| (SparseTable::name(t).to_string(), vec![t]))
-        .collect();
-    let digest = content_digest(&tables, &model.dense);
+pub fn run(path: &Path, parallel: usize, version: u8, out: Output) -> CmdResult {
+    let digest = if version == 1 {
+        let model = read_model(path, parallel)?;
+        for w in &model.warnings {
+            eprintln!("warning: {w}");
+        }
+        let tables: BTreeMap<String, Vec<&saver_core::EmbeddingTable>> = model
+            .tables
+            .iter()
+            .map(|t| (SparseTable::name(t).to_string(), vec![t]))
+            .collect();
+        content_digest(&tables, &model.dense)
+    } else {
+        let source = Source::open(path)?;
+        for w in source.warnings() {
+            eprintln!("warning: {w}");
+        }
+        let tables = source.tables(&std::env::temp_dir(), parallel)?;
+        source_digest(&tables, &source.dense()?)?
+    };
     if out.json {
-        output::json(&serde_json::json!({ "path": path.display().to_string(), "digest": digest }));
+        output::json(&serde_json::json!({
+            "path": path.display().to_string(),
+            "digest": digest,
+            "digest_version": version,
+        }));
     } else {
         println!("{digest}");
     }

@@ -46,12 +46,12 @@ pub fn run(args: LoadArgs) -> CmdResult {
     let (load, dense, digest) = match into {
         LoadTarget::Tables => {
             let r = ck.restore(&opts)?;
-            let digest = (!no_digest).then(|| restored_digest(&r));
+            let digest = (!no_digest).then(|| restored_digest(&r)).transpose()?;
             (r.report, r.dense.len(), digest)
         }
         LoadTarget::Arrays => {
             let c = ck.load_columns(&opts)?;
-            let digest = (!no_digest).then(|| columns_digest(&c));
+            let digest = (!no_digest).then(|| columns_digest(&c)).transpose()?;
             (c.report, c.dense.len(), digest)
         }
     };

@@ -53,7 +53,8 @@ pub fn run(cmd: Command) -> CmdResult {
         Command::Digest {
             path,
             parallel,
+            digest_version,
             out,
-        } => digest::run(&path, parallel, out),
+        } => digest::run(&path, parallel, digest_version, out),
     }
 }

@@ -7,7 +7,8 @@ use serde::Serialize;
 
 use saver_core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver_core::{Filters, ForeignRows, ScalarCondition};
-use saver_io::{import, save, DirectIo, SaveOptions, SaveReport};
+use saver_io::source::{save_input, Source};
+use saver_io::{save, DirectIo, SaveOptions, SaveReport};
 
 use super::CmdResult;
 use crate::cli::{DirectIoWhen, SaveArgs};
@@ -75,7 +76,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
 
     let t0 = Instant::now();
     let synthetic;
-    let imported;
+    let (source, tables, dense);
     let input = match (&args.synthetic, &args.from) {
         (Some(spec), _) => {
             let spec: SyntheticSpec = spec.parse()?;
@@ -83,15 +84,21 @@ pub fn run(args: SaveArgs) -> CmdResult {
             synthetic.input()
         }
         (None, Some(path)) => {
-            imported = import::read_model(path, args.parallel)?;
-            for w in &imported.warnings {
+            source = Source::open(path)?;
+            for w in source.warnings() {
                 eprintln!("warning: {w}");
             }
             if opts.trainer_state.is_none() {
-                opts.trainer_state = imported.trainer_state.clone();
+                opts.trainer_state = source.trainer_state();
             }
-            opts.user_metadata = imported.user_metadata.clone();
-            imported.input()?
+            opts.user_metadata = source.user_metadata();
+            // A plain input's rows are sorted out by bucket in temporary files beside the
+            // checkpoint: on its filesystem, and gone with the process.
+            std::fs::create_dir_all(&args.out)
+                .map_err(|e| format!("create {}: {e}", args.out.display()))?;
+            tables = source.tables(&args.out, args.parallel)?;
+            dense = source.dense()?;
+            save_input(&tables, &dense)?
         }
         (None, None) => return Err("one of --synthetic or --from is required".into()),
     };

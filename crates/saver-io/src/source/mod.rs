@@ -1,0 +1,153 @@
+//! Models read in bounded memory: a saver checkpoint's tables ([`StoredTable`]) or a plain
+//! safetensors input's ([`PlainTable`]), each a [`SparseTable`] whose rows are read from the files
+//! when a save, a digest or an export asks for them. What `save --from`, `reshard`, `digest` and
+//! `export` are built on, so that none of them holds the model.
+//!
+//! What they hold (see docs/FORMAT.md, "Memory of the commands"): dense tensors whole (small in
+//! the models this is for), and beyond that a bounded amount, whatever the number of rows.
+
+pub mod plain;
+pub mod stored;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use saver_core::naming::{SaverFile, INDEX_FILE};
+use saver_core::{SaveInput, SparseTable};
+
+pub use plain::{PlainInput, PlainTable};
+pub use stored::StoredTable;
+
+use crate::error::{Error, Result};
+use crate::import::{first_trainer_state, is_checkpoint, with_dense};
+use crate::reader::{describe_incomplete, Checkpoint};
+use crate::restore::LoadedDense;
+use crate::storage::{LocalFs, Storage};
+
+/// What receives rows in batches: ids, and each slot's rows back to back (in the table's slot
+/// order).
+pub type VisitRows<'a> = dyn FnMut(&[u64], &[&[u8]]) -> Result<()> + 'a;
+
+/// A model to read: a checkpoint or a plain input, opened (headers and manifests read, no data).
+#[derive(Debug)]
+pub enum Source {
+    /// A saver checkpoint.
+    Checkpoint(Box<Checkpoint>),
+    /// Plain safetensors files.
+    Plain(PlainInput),
+}
+
+/// The tables of a [`Source`], ready to be saved or hashed.
+pub enum SourceTables<'s> {
+    /// A checkpoint's.
+    Stored(Vec<StoredTable<'s>>),
+    /// A plain input's, distributed by bucket.
+    Plain(Vec<PlainTable<'s>>),
+}
+
+impl SourceTables<'_> {
+    /// The tables as [`SparseTable`]s.
+    pub fn as_dyn(&self) -> Vec<&dyn SparseTable> {
+        match self {
+            Self::Stored(t) => t.iter().map(|t| t as &dyn SparseTable).collect(),
+            Self::Plain(t) => t.iter().map(|t| t as &dyn SparseTable).collect(),
+        }
+    }
+}
+
+impl Source {
+    /// Opens `path`: a saver checkpoint directory, a plain safetensors directory, or one plain
+    /// safetensors file. A directory holding a saver save that was never committed is refused
+    /// as incomplete: its data files are valid safetensors, but read as plain ones every sparse
+    /// tensor would be taken for a dense one.
+    pub fn open(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            if is_checkpoint(path) {
+                return Ok(Self::Checkpoint(Box::new(Checkpoint::open(path)?)));
+            }
+            let storage = LocalFs::open_dir(path)?;
+            if !storage.exists(INDEX_FILE)?
+                && storage
+                    .list()?
+                    .iter()
+                    .any(|n| SaverFile::parse(n).is_some())
+            {
+                return Err(Error::Incomplete {
+                    dir: path.into(),
+                    what: describe_incomplete(&storage)?,
+                });
+            }
+        }
+        Ok(Self::Plain(PlainInput::open(path)?))
+    }
+
+    /// The tables. A plain input's are distributed by bucket first, into nameless temporary
+    /// files in `scratch`, read with `parallel` threads.
+    pub fn tables(&self, scratch: &Path, parallel: usize) -> Result<SourceTables<'_>> {
+        Ok(match self {
+            Self::Checkpoint(c) => SourceTables::Stored(StoredTable::all(c, &[], &[])?),
+            Self::Plain(p) => SourceTables::Plain(p.tables(scratch, parallel)?),
+        })
+    }
+
+    /// Every dense tensor, read whole (a checkpoint's checked against its CRC32).
+    pub fn dense(&self) -> Result<Vec<LoadedDense>> {
+        match self {
+            Self::Checkpoint(c) => Self::checkpoint_dense(c),
+            Self::Plain(p) => p.read_dense(),
+        }
+    }
+
+    /// Every dense tensor of `c`, read whole and checked against its CRC32.
+    pub fn checkpoint_dense(c: &Checkpoint) -> Result<Vec<LoadedDense>> {
+        c.manifest()
+            .dense
+            .iter()
+            .map(|d| {
+                Ok(LoadedDense {
+                    name: d.tensor.name.clone(),
+                    dtype: d.tensor.dtype,
+                    shape: d.tensor.shape.clone(),
+                    data: c.read_dense(&d.tensor.name)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Shard 0's trainer state, when the source is a checkpoint.
+    pub fn trainer_state(&self) -> Option<String> {
+        match self {
+            Self::Checkpoint(c) => first_trainer_state(c),
+            Self::Plain(_) => None,
+        }
+    }
+
+    /// A checkpoint's user metadata, or every input file's `__metadata__` as `<file>:<key>`.
+    pub fn user_metadata(&self) -> BTreeMap<String, String> {
+        match self {
+            Self::Checkpoint(c) => c.manifest().user_metadata.clone(),
+            Self::Plain(p) => p.user_metadata.clone(),
+        }
+    }
+
+    /// Things about the input a user should hear of.
+    pub fn warnings(&self) -> &[String] {
+        match self {
+            Self::Checkpoint(_) => &[],
+            Self::Plain(p) => &p.warnings,
+        }
+    }
+}
+
+/// Save input of `tables` and `dense` (borrowed).
+pub fn save_input<'a>(
+    tables: &'a SourceTables<'_>,
+    dense: &'a [LoadedDense],
+) -> Result<SaveInput<'a>> {
+    let mut input = SaveInput::new();
+    match tables {
+        SourceTables::Stored(t) => t.iter().for_each(|t| input.tables.push(t)),
+        SourceTables::Plain(t) => t.iter().for_each(|t| input.tables.push(t)),
+    }
+    with_dense(input, dense)
+}

@@ -1,0 +1,897 @@
+//! Plain safetensors inputs (a file, or a directory with or without a Hugging Face index) and
+//! their tables as [`SparseTable`]s read in bounded memory.
+//!
+//! In a plain input, a table is a 1-D I64/U64 tensor named `<table>/ids` with sibling tensors
+//! `<table>/<slot>` whose first dimension equals the number of ids; every other tensor is dense.
+//! This is also what [`crate::export`] writes, so an export can be saved again.
+//!
+//! A plain table's rows are in no useful order, and a save writes them by bucket. So
+//! [`PlainTable::distribute`] first reads the input once, window by window, and appends each row
+//! to one of up to [`MAX_GROUPS`] *groups* of contiguous buckets, in nameless temporary files;
+//! from then on the table is read group by group, one group (about [`GROUP_BYTES`]) held at a
+//! time per reading thread. A table of at most [`GROUP_BYTES`] is one group, read straight from
+//! the input.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use saver_core::naming::{check_slot_name, check_table_name, INDEX_FILE};
+use saver_core::table::{validate_slots, RowChunk, TableSnapshot};
+use saver_core::{Dtype, KeyDtype, PartitionRule, SlotSpec, SparseTable};
+
+use crate::commit::MAX_JSON_BYTES;
+use crate::error::{Error, Result};
+use crate::header::{read_header, HeaderEntry};
+use crate::restore::LoadedDense;
+use crate::storage::{check_file_name, LocalFs, ReadHandle, Storage};
+
+/// Rows of a group about this many bytes; a table up to this size is one group.
+pub const GROUP_BYTES: u64 = 16 << 20;
+
+/// Most groups a table is distributed into. Beyond `GROUP_BYTES × MAX_GROUPS` (64 GiB) groups
+/// grow with the table: a reading thread then holds `table / MAX_GROUPS`.
+pub const MAX_GROUPS: usize = 4096;
+
+/// Bytes of row buffers one distributing thread holds (spread over the groups).
+const DISTRIBUTE_BUFFER_BYTES: usize = 16 << 20;
+
+/// Bytes of input one distributing thread reads at a time.
+const WINDOW_BYTES: u64 = 8 << 20;
+
+/// Bits of a row handle that hold the row's number within its group; the group is above.
+const ROW_BITS: u32 = 40;
+
+/// One tensor of a plain input.
+#[derive(Clone, Debug)]
+pub struct PlainTensor {
+    /// The file it is in.
+    pub file: String,
+    /// Its header entry (absolute offset, length).
+    pub entry: HeaderEntry,
+}
+
+/// A table found in a plain input.
+#[derive(Clone, Debug)]
+pub struct PlainTableSpec {
+    /// Table name.
+    pub name: String,
+    /// Id dtype.
+    pub key_dtype: KeyDtype,
+    /// Number of rows (ids).
+    pub rows: u64,
+    /// The `<table>/ids` tensor.
+    pub ids: PlainTensor,
+    /// Slots, in input order, with their tensors.
+    pub slots: Vec<(SlotSpec, PlainTensor)>,
+}
+
+/// A plain safetensors input, opened: headers read, tables and dense tensors told apart, no
+/// data read.
+pub struct PlainInput {
+    location: PathBuf,
+    handles: HashMap<String, Box<dyn ReadHandle>>,
+    /// Tables, in input order.
+    pub tables: Vec<PlainTableSpec>,
+    /// Dense tensors, in input order.
+    pub dense: Vec<PlainTensor>,
+    /// Every input file's `__metadata__`, as `<file>:<key>`.
+    pub user_metadata: BTreeMap<String, String>,
+    /// Things about the input a user should hear of (tensors that look like a misspelled table).
+    pub warnings: Vec<String>,
+}
+
+impl std::fmt::Debug for PlainInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlainInput")
+            .field("location", &self.location)
+            .field("tables", &self.tables)
+            .field("dense", &self.dense)
+            .finish_non_exhaustive()
+    }
+}
+
+fn plain_files(path: &Path) -> Result<(LocalFs, Vec<String>)> {
+    let meta = std::fs::metadata(path).map_err(crate::error::io_err("open", path))?;
+    if !meta.is_file() && !meta.is_dir() {
+        return Err(Error::UnsafePath {
+            name: path.display().to_string(),
+            named_in: "the input path".into(),
+            why: "neither a regular file nor a directory",
+        });
+    }
+    if meta.is_file() {
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| Error::UnsafePath {
+                name: path.display().to_string(),
+                named_in: "the --from path".into(),
+                why: "not a UTF-8 file name",
+            })?;
+        return Ok((LocalFs::open_dir(dir)?, vec![name.to_string()]));
+    }
+    let storage = LocalFs::open_dir(path)?;
+    let files: Vec<String> = if storage.exists(INDEX_FILE)? {
+        #[derive(serde::Deserialize)]
+        struct PlainIndex {
+            weight_map: BTreeMap<String, String>,
+        }
+        let bytes = storage.get(INDEX_FILE, MAX_JSON_BYTES)?;
+        let index: PlainIndex = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
+            file: INDEX_FILE.into(),
+            what: format!("not a weight map: {e}"),
+        })?;
+        let mut files: Vec<String> = index.weight_map.into_values().collect();
+        files.sort();
+        files.dedup();
+        files
+    } else {
+        storage
+            .list()?
+            .into_iter()
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect()
+    };
+    if files.is_empty() {
+        return Err(Error::Mismatch(format!(
+            "{} holds no .safetensors file",
+            path.display()
+        )));
+    }
+    for f in &files {
+        check_file_name(f, &path.join(INDEX_FILE).display().to_string())?;
+    }
+    Ok((storage, files))
+}
+
+impl PlainInput {
+    /// Opens a plain safetensors file or directory: reads every header and finds the tables.
+    pub fn open(path: &Path) -> Result<Self> {
+        let (storage, files) = plain_files(path)?;
+        let mut tensors: BTreeMap<String, PlainTensor> = BTreeMap::new();
+        let mut order: Vec<String> = Vec::new();
+        let mut handles: HashMap<String, Box<dyn ReadHandle>> = HashMap::new();
+        let mut user_metadata = BTreeMap::new();
+        for f in &files {
+            let h = storage.open(f)?;
+            let header = read_header(h.as_ref(), f)?;
+            for (k, v) in header.metadata {
+                user_metadata.insert(format!("{f}:{k}"), v);
+            }
+            for t in header.tensors {
+                if tensors.contains_key(&t.name) {
+                    return Err(Error::Mismatch(format!(
+                        "tensor {:?} appears in two input files",
+                        t.name
+                    )));
+                }
+                order.push(t.name.clone());
+                tensors.insert(
+                    t.name.clone(),
+                    PlainTensor {
+                        file: f.clone(),
+                        entry: t,
+                    },
+                );
+            }
+            handles.insert(f.clone(), h);
+        }
+        let table_names: Vec<String> = order
+            .iter()
+            .filter_map(|n| n.strip_suffix("/ids"))
+            .filter(|t| check_table_name(t).is_ok())
+            .map(str::to_string)
+            .collect();
+        let mut used = HashSet::new();
+        let mut tables = Vec::new();
+        for table in &table_names {
+            let ids_name = format!("{table}/ids");
+            let ids = tensors[&ids_name].clone();
+            let e = &ids.entry;
+            let key_dtype = KeyDtype::from_dtype(e.dtype)
+                .filter(|_| e.shape.len() == 1)
+                .ok_or_else(|| {
+                    Error::Mismatch(format!(
+                        "tensor {ids_name:?} must be a 1-D I64 or U64 tensor of ids, it is {} {:?}",
+                        e.dtype, e.shape
+                    ))
+                })?;
+            let rows = e.shape[0];
+            used.insert(ids_name.clone());
+            let prefix = format!("{table}/");
+            let mut slots = Vec::new();
+            for name in &order {
+                let Some(slot) = name.strip_prefix(&prefix) else {
+                    continue;
+                };
+                if slot == "ids" || slot.contains('/') {
+                    continue;
+                }
+                let t = &tensors[name];
+                if t.entry.shape.first() != Some(&rows) {
+                    return Err(Error::Mismatch(format!(
+                        "tensor {name:?} has shape {:?} but table {table:?} has {rows} ids: a slot's first dimension must equal the number of ids",
+                        t.entry.shape
+                    )));
+                }
+                check_slot_name(slot)?;
+                slots.push((
+                    SlotSpec::new(slot, t.entry.dtype, t.entry.shape[1..].to_vec()),
+                    t.clone(),
+                ));
+                used.insert(name.clone());
+            }
+            let specs: Vec<SlotSpec> = slots.iter().map(|s| s.0.clone()).collect();
+            validate_slots(table, &specs)?;
+            tables.push(PlainTableSpec {
+                name: table.clone(),
+                key_dtype,
+                rows,
+                ids,
+                slots,
+            });
+        }
+        let warnings = misspelled_tables(&order, &tensors, &table_names, &used);
+        let dense = order
+            .iter()
+            .filter(|n| !used.contains(*n))
+            .map(|n| tensors[n].clone())
+            .collect();
+        Ok(Self {
+            location: path.to_path_buf(),
+            handles,
+            tables,
+            dense,
+            user_metadata,
+            warnings,
+        })
+    }
+
+    /// Where the input is.
+    pub fn location(&self) -> &Path {
+        &self.location
+    }
+
+    /// Reads `buf.len()` bytes of `t` from byte `offset` within it.
+    pub fn read(&self, t: &PlainTensor, offset: u64, buf: &mut [u8]) -> Result<()> {
+        if offset + buf.len() as u64 > t.entry.len {
+            return Err(Error::Mismatch(format!(
+                "read of {} bytes at {offset} is outside tensor {:?} ({} bytes)",
+                buf.len(),
+                t.entry.name,
+                t.entry.len
+            )));
+        }
+        self.handles[&t.file].read_at(t.entry.offset + offset, buf)
+    }
+
+    /// Every dense tensor, read whole.
+    pub fn read_dense(&self) -> Result<Vec<LoadedDense>> {
+        self.dense
+            .iter()
+            .map(|t| {
+                let mut data = vec![0u8; t.entry.len as usize];
+                self.read(t, 0, &mut data)?;
+                Ok(LoadedDense {
+                    name: t.entry.name.clone(),
+                    dtype: t.entry.dtype,
+                    shape: t.entry.shape.clone(),
+                    data,
+                })
+            })
+            .collect()
+    }
+
+    /// Every table, distributed by bucket into temporary files in `scratch` with `parallel`
+    /// threads (see the module docs).
+    pub fn tables(&self, scratch: &Path, parallel: usize) -> Result<Vec<PlainTable<'_>>> {
+        self.tables
+            .iter()
+            .map(|spec| PlainTable::distribute(self, spec, scratch, parallel))
+            .collect()
+    }
+}
+
+/// Where one group's rows are.
+enum Groups {
+    /// One group: the input's own tensors.
+    Direct,
+    /// Groups in temporary files: per group, its runs (file, offset, rows), each run the
+    /// rows' ids then each slot's rows, back to back.
+    Spilled {
+        files: Vec<File>,
+        runs: Vec<Vec<(usize, u64, u64)>>,
+        shift: u32,
+        dir: PathBuf,
+    },
+}
+
+/// One group's rows in memory, in distribution order.
+struct Group {
+    ids: Vec<u64>,
+    slots: Vec<Vec<u8>>,
+}
+
+/// Which column of a group: its ids, or a slot's rows.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Column {
+    Ids,
+    Slot(usize),
+}
+
+/// Loaded columns by (group, column), most recent last.
+type ColumnCache = Vec<((usize, Column), Arc<Vec<u8>>)>;
+
+/// Per group, its runs in the temporary files: (file, offset, rows).
+type Runs = Vec<Vec<(usize, u64, u64)>>;
+
+/// A table of a [`PlainInput`], distributed by bucket (see the module docs). Rows are read
+/// group by group; each reading thread holds about one group.
+pub struct PlainTable<'p> {
+    input: &'p PlainInput,
+    spec: &'p PlainTableSpec,
+    slots: Vec<SlotSpec>,
+    row_bytes: Vec<usize>,
+    groups: Groups,
+    /// Columns of groups recently loaded, most recent last.
+    cache: Mutex<ColumnCache>,
+    cache_columns: usize,
+}
+
+impl<'p> PlainTable<'p> {
+    /// Distributes table `spec` of `input` into groups in nameless temporary files in `scratch`
+    /// (unless it is one group), reading with `parallel` threads.
+    pub fn distribute(
+        input: &'p PlainInput,
+        spec: &'p PlainTableSpec,
+        scratch: &Path,
+        parallel: usize,
+    ) -> Result<Self> {
+        let slots: Vec<SlotSpec> = spec.slots.iter().map(|s| s.0.clone()).collect();
+        let row_bytes = validate_slots(&spec.name, &slots)?;
+        let row = 8 + row_bytes.iter().sum::<usize>() as u64;
+        let bytes = spec.rows.saturating_mul(row);
+        let count = bytes
+            .div_ceil(GROUP_BYTES)
+            .next_power_of_two()
+            .min(MAX_GROUPS as u64) as usize;
+        let parallel = parallel.max(1);
+        let mut table = Self {
+            input,
+            spec,
+            slots,
+            row_bytes,
+            groups: Groups::Direct,
+            cache: Mutex::new(Vec::new()),
+            // Each writer thread works on one slot of one group at a time, with its ids.
+            cache_columns: 4 * parallel,
+        };
+        if count > 1 {
+            table.groups = table.spill(count, scratch, parallel)?;
+        }
+        Ok(table)
+    }
+
+    fn group_count(&self) -> usize {
+        match &self.groups {
+            Groups::Direct => 1,
+            Groups::Spilled { runs, .. } => runs.len(),
+        }
+    }
+
+    /// Reads rows `rows` of the input: ids, and every slot's rows.
+    fn read_input(
+        &self,
+        rows: std::ops::Range<u64>,
+        ids: &mut Vec<u8>,
+        slots: &mut [Vec<u8>],
+    ) -> Result<()> {
+        let n = (rows.end - rows.start) as usize;
+        ids.resize(n * 8, 0);
+        self.input.read(&self.spec.ids, rows.start * 8, ids)?;
+        for ((buf, (_, t)), &b) in slots.iter_mut().zip(&self.spec.slots).zip(&self.row_bytes) {
+            buf.resize(n * b, 0);
+            self.input.read(t, rows.start * b as u64, buf)?;
+        }
+        Ok(())
+    }
+
+    /// Appends every row to its group's runs, `parallel` threads each taking a contiguous part
+    /// of the input and a file of its own.
+    fn spill(&self, count: usize, scratch: &Path, parallel: usize) -> Result<Groups> {
+        let shift = 16 - count.trailing_zeros();
+        let row = 8 + self.row_bytes.iter().sum::<usize>();
+        let cap = (DISTRIBUTE_BUFFER_BYTES / count / row).max(16);
+        let window = (WINDOW_BYTES / row as u64).max(1);
+        let rows = self.spec.rows;
+        let per = rows.div_ceil(parallel as u64).max(1);
+        let parts: Vec<std::ops::Range<u64>> = (0..parallel as u64)
+            .map(|p| (p * per).min(rows)..((p + 1) * per).min(rows))
+            .filter(|r| !r.is_empty())
+            .collect();
+        let io = |op, e| Error::Io {
+            op,
+            path: scratch.to_path_buf(),
+            source: e,
+        };
+        let files: Vec<File> = parts
+            .iter()
+            .map(|_| {
+                tempfile::tempfile_in(scratch).map_err(|e| io("create a temporary file in", e))
+            })
+            .collect::<Result<_>>()?;
+        let results: Vec<Result<Runs>> = std::thread::scope(|scope| {
+            let workers: Vec<_> = parts
+                .iter()
+                .zip(&files)
+                .enumerate()
+                .map(|(f, (part, file))| {
+                    let part = part.clone();
+                    scope.spawn(move || -> Result<Runs> {
+                        let mut runs = vec![Vec::new(); count];
+                        let mut bufs: Vec<(Vec<u64>, Vec<Vec<u8>>)> =
+                            vec![(Vec::new(), vec![Vec::new(); self.row_bytes.len()]); count];
+                        let mut at = 0u64;
+                        let mut out = Vec::new();
+                        let mut flush = |g: usize,
+                                         buf: &mut (Vec<u64>, Vec<Vec<u8>>),
+                                         runs: &mut Runs|
+                         -> Result<()> {
+                            if buf.0.is_empty() {
+                                return Ok(());
+                            }
+                            out.clear();
+                            for id in &buf.0 {
+                                out.extend_from_slice(&id.to_le_bytes());
+                            }
+                            for s in &buf.1 {
+                                out.extend_from_slice(s);
+                            }
+                            file.write_all_at(&out, at)
+                                .map_err(|e| io("write a temporary file in", e))?;
+                            runs[g].push((f, at, buf.0.len() as u64));
+                            at += out.len() as u64;
+                            buf.0.clear();
+                            buf.1.iter_mut().for_each(Vec::clear);
+                            Ok(())
+                        };
+                        let mut ids = Vec::new();
+                        let mut slots = vec![Vec::new(); self.row_bytes.len()];
+                        let mut lo = part.start;
+                        while lo < part.end {
+                            let hi = (lo + window).min(part.end);
+                            self.read_input(lo..hi, &mut ids, &mut slots)?;
+                            for (r, c) in ids.chunks_exact(8).enumerate() {
+                                let id = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+                                let g = (PartitionRule::bucket_of(id) >> shift) as usize;
+                                let buf = &mut bufs[g];
+                                buf.0.push(id);
+                                for ((dst, src), &b) in
+                                    buf.1.iter_mut().zip(&slots).zip(&self.row_bytes)
+                                {
+                                    dst.extend_from_slice(&src[r * b..(r + 1) * b]);
+                                }
+                                if buf.0.len() >= cap {
+                                    flush(g, buf, &mut runs)?;
+                                }
+                            }
+                            lo = hi;
+                        }
+                        for (g, buf) in bufs.iter_mut().enumerate() {
+                            flush(g, buf, &mut runs)?;
+                        }
+                        Ok(runs)
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().expect("a distributing thread panicked"))
+                .collect()
+        });
+        let mut runs = vec![Vec::new(); count];
+        for r in results {
+            for (g, mut rs) in r?.into_iter().enumerate() {
+                runs[g].append(&mut rs);
+            }
+        }
+        Ok(Groups::Spilled {
+            files,
+            runs,
+            shift,
+            dir: scratch.to_path_buf(),
+        })
+    }
+
+    /// The ids of group `g`, in its row order.
+    fn group_ids(&self, g: usize) -> Result<Vec<u64>> {
+        Ok(self
+            .load_column(g, Column::Ids)?
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect())
+    }
+
+    /// Group `g`, whole.
+    fn load_group(&self, g: usize) -> Result<Group> {
+        let mut slots = vec![Vec::new(); self.row_bytes.len()];
+        match &self.groups {
+            Groups::Direct => {
+                let mut raw = Vec::new();
+                self.read_input(0..self.spec.rows, &mut raw, &mut slots)?;
+                let ids = raw
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .collect();
+                Ok(Group { ids, slots })
+            }
+            Groups::Spilled {
+                files, runs, dir, ..
+            } => {
+                let total: u64 = runs[g].iter().map(|r| r.2).sum();
+                let mut ids = Vec::with_capacity(total as usize);
+                for (s, &b) in slots.iter_mut().zip(&self.row_bytes) {
+                    s.reserve_exact(total as usize * b);
+                }
+                let mut raw = Vec::new();
+                for &(f, at, n) in &runs[g] {
+                    let n = n as usize;
+                    raw.resize(n * (8 + self.row_bytes.iter().sum::<usize>()), 0);
+                    files[f]
+                        .read_exact_at(&mut raw, at)
+                        .map_err(crate::error::io_err("read a temporary file in", dir))?;
+                    ids.extend(
+                        raw[..n * 8]
+                            .chunks_exact(8)
+                            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
+                    );
+                    let mut off = n * 8;
+                    for (s, &b) in slots.iter_mut().zip(&self.row_bytes) {
+                        s.extend_from_slice(&raw[off..off + n * b]);
+                        off += n * b;
+                    }
+                }
+                Ok(Group { ids, slots })
+            }
+        }
+    }
+
+    /// Column `column` of group `g`, read alone: a save asks for one slot's rows at a time.
+    fn load_column(&self, g: usize, column: Column) -> Result<Vec<u8>> {
+        let width = |c: Column| match c {
+            Column::Ids => 8,
+            Column::Slot(k) => self.row_bytes[k],
+        };
+        let b = width(column);
+        match &self.groups {
+            Groups::Direct => {
+                let t = match column {
+                    Column::Ids => &self.spec.ids,
+                    Column::Slot(k) => &self.spec.slots[k].1,
+                };
+                let mut out = vec![0u8; self.spec.rows as usize * b];
+                self.input.read(t, 0, &mut out)?;
+                Ok(out)
+            }
+            Groups::Spilled {
+                files, runs, dir, ..
+            } => {
+                let total: u64 = runs[g].iter().map(|r| r.2).sum();
+                let mut out = vec![0u8; total as usize * b];
+                let mut at = 0;
+                for &(f, run_at, n) in &runs[g] {
+                    let n = n as usize;
+                    // Within a run: ids, then each slot's rows.
+                    let skip: usize = match column {
+                        Column::Ids => 0,
+                        Column::Slot(k) => n * (8 + self.row_bytes[..k].iter().sum::<usize>()),
+                    };
+                    files[f]
+                        .read_exact_at(&mut out[at..at + n * b], run_at + skip as u64)
+                        .map_err(crate::error::io_err("read a temporary file in", dir))?;
+                    at += n * b;
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// Column `column` of group `g` from the cache, loaded if it is not there.
+    fn column(&self, g: usize, column: Column) -> Result<Arc<Vec<u8>>> {
+        let key = (g, column);
+        {
+            let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(k) = cache.iter().position(|c| c.0 == key) {
+                let hit = cache.remove(k);
+                let data = Arc::clone(&hit.1);
+                cache.push(hit);
+                return Ok(data);
+            }
+        }
+        // Loaded outside the lock: other threads go on with the columns they have. Two threads
+        // wanting the same column may both load it; the cache keeps one.
+        let data = Arc::new(self.load_column(g, column)?);
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if !cache.iter().any(|c| c.0 == key) {
+            if cache.len() >= self.cache_columns {
+                cache.remove(0);
+            }
+            cache.push((key, Arc::clone(&data)));
+        }
+        Ok(data)
+    }
+
+    /// Visits every row of the table in (bucket, id) order, at most `batch` rows at a time: ids
+    /// and each slot's rows. One group is held at a time. Fails on a duplicate id.
+    pub fn visit_in_bucket_order(
+        &self,
+        batch: usize,
+        visit: &mut super::VisitRows<'_>,
+    ) -> Result<()> {
+        let mut ids = Vec::new();
+        let mut slots: Vec<Vec<u8>> = vec![Vec::new(); self.row_bytes.len()];
+        for g in 0..self.group_count() {
+            let group = self.load_group(g)?;
+            let mut order: Vec<(u32, u64, u32)> = group
+                .ids
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| (PartitionRule::bucket_of(id), id, i as u32))
+                .collect();
+            order.sort_unstable();
+            if let Some(w) = order.windows(2).find(|w| w[0].1 == w[1].1) {
+                return Err(saver_core::Error::DuplicateId {
+                    table: self.spec.name.clone(),
+                    id: self.spec.key_dtype.format_id(w[0].1),
+                }
+                .into());
+            }
+            for part in order.chunks(batch.max(1)) {
+                ids.clear();
+                ids.extend(part.iter().map(|p| p.1));
+                for ((out, src), &b) in slots.iter_mut().zip(&group.slots).zip(&self.row_bytes) {
+                    out.clear();
+                    for p in part {
+                        let r = p.2 as usize;
+                        out.extend_from_slice(&src[r * b..(r + 1) * b]);
+                    }
+                }
+                let views: Vec<&[u8]> = slots.iter().map(Vec::as_slice).collect();
+                visit(&ids, &views)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn group_of(&self, id: u64) -> usize {
+        match &self.groups {
+            Groups::Direct => 0,
+            Groups::Spilled { shift, .. } => (PartitionRule::bucket_of(id) >> shift) as usize,
+        }
+    }
+}
+
+fn core(table: &str, e: Error) -> saver_core::Error {
+    match e {
+        Error::Core(e) => e,
+        e => saver_core::Error::Table {
+            table: table.into(),
+            message: e.to_string(),
+        },
+    }
+}
+
+impl SparseTable for PlainTable<'_> {
+    fn name(&self) -> &str {
+        &self.spec.name
+    }
+    fn key_dtype(&self) -> KeyDtype {
+        self.spec.key_dtype
+    }
+    fn slots(&self) -> &[SlotSpec] {
+        &self.slots
+    }
+    fn len(&self) -> usize {
+        usize::try_from(self.spec.rows).unwrap_or(usize::MAX)
+    }
+    fn snapshot(&self) -> saver_core::Result<Box<dyn TableSnapshot + '_>> {
+        Ok(Box::new(PlainSnapshot(self)))
+    }
+    /// Input files are read through the handles opened with them; they are not expected to
+    /// change while a save reads them.
+    fn point_in_time(&self) -> bool {
+        true
+    }
+}
+
+struct PlainSnapshot<'t, 'p>(&'t PlainTable<'p>);
+
+impl TableSnapshot for PlainSnapshot<'_, '_> {
+    fn scan(
+        &self,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> saver_core::Result<()>,
+    ) -> saver_core::Result<()> {
+        for part in 0..self.scan_parts() {
+            self.scan_part(part, max_rows, with_values, visit)?;
+        }
+        Ok(())
+    }
+
+    fn scan_parts(&self) -> usize {
+        self.0.group_count()
+    }
+
+    fn scan_part(
+        &self,
+        part: usize,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> saver_core::Result<()>,
+    ) -> saver_core::Result<()> {
+        let t = self.0;
+        if part >= t.group_count() {
+            return Ok(());
+        }
+        let name = &t.spec.name;
+        let ids = t.group_ids(part).map_err(|e| core(name, e))?;
+        let values: Vec<Vec<u8>> = if with_values {
+            (0..t.row_bytes.len())
+                .map(|k| t.load_column(part, Column::Slot(k)))
+                .collect::<Result<_>>()
+                .map_err(|e| core(name, e))?
+        } else {
+            Vec::new()
+        };
+        let step = max_rows.max(1);
+        let mut handles = Vec::with_capacity(step);
+        for (c, chunk) in ids.chunks(step).enumerate() {
+            let lo = c * step;
+            handles.clear();
+            handles.extend((lo..lo + chunk.len()).map(|r| ((part as u64) << ROW_BITS) | r as u64));
+            let slices: Vec<&[u8]> = values
+                .iter()
+                .zip(&t.row_bytes)
+                .map(|(s, &b)| &s[lo * b..(lo + chunk.len()) * b])
+                .collect();
+            visit(RowChunk {
+                ids: chunk,
+                handles: &handles,
+                slots: &slices,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> saver_core::Result<()> {
+        let t = self.0;
+        let mut positions: HashMap<usize, HashMap<u64, u64>> = HashMap::new();
+        let mut handles = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let g = t.group_of(id);
+            if let std::collections::hash_map::Entry::Vacant(v) = positions.entry(g) {
+                let group = t.group_ids(g).map_err(|e| core(&t.spec.name, e))?;
+                v.insert(
+                    group
+                        .iter()
+                        .enumerate()
+                        .map(|(r, &i)| (i, r as u64))
+                        .collect(),
+                );
+            }
+            let r = positions[&g]
+                .get(&id)
+                .ok_or_else(|| saver_core::Error::Table {
+                    table: t.spec.name.clone(),
+                    message: format!("id {} is not in the input", t.spec.key_dtype.format_id(id)),
+                })?;
+            handles.push(((g as u64) << ROW_BITS) | r);
+        }
+        // SAFETY: the handles were just made by this table, for these ids.
+        unsafe { self.read_rows_by_handle(ids, &handles, out) }
+    }
+
+    unsafe fn read_rows_by_handle(
+        &self,
+        ids: &[u64],
+        handles: &[u64],
+        out: &mut [&mut [u8]],
+    ) -> saver_core::Result<()> {
+        let t = self.0;
+        if handles.len() != ids.len() {
+            return self.read_rows(ids, out);
+        }
+        let name = &t.spec.name;
+        let foreign = |h: u64| saver_core::Error::Table {
+            table: name.clone(),
+            message: format!("row handle {h:#x} is not this table's"),
+        };
+        // Runs of one group; per run, its ids (to check the handles) and each wanted slot.
+        let mut i = 0;
+        while i < handles.len() {
+            let g = (handles[i] >> ROW_BITS) as usize;
+            if g >= t.group_count() {
+                return Err(foreign(handles[i]));
+            }
+            let n = handles[i..]
+                .iter()
+                .position(|&h| (h >> ROW_BITS) as usize != g)
+                .unwrap_or(handles.len() - i);
+            let run = i..i + n;
+            let group_ids = t.column(g, Column::Ids).map_err(|e| core(name, e))?;
+            let row = |h: u64| (h & ((1 << ROW_BITS) - 1)) as usize;
+            for k in run.clone() {
+                let r = row(handles[k]);
+                if group_ids.get(r * 8..r * 8 + 8) != Some(&ids[k].to_le_bytes()[..]) {
+                    return Err(foreign(handles[k]));
+                }
+            }
+            for (s, (o, &b)) in out.iter_mut().zip(&t.row_bytes).enumerate() {
+                if o.is_empty() {
+                    continue;
+                }
+                let src = t.column(g, Column::Slot(s)).map_err(|e| core(name, e))?;
+                for k in run.clone() {
+                    let r = row(handles[k]);
+                    o[k * b..(k + 1) * b].copy_from_slice(&src[r * b..(r + 1) * b]);
+                }
+            }
+            i += n;
+        }
+        Ok(())
+    }
+}
+
+/// Warnings for groups of would-be dense tensors `P/…` that look like a table whose ids tensor is
+/// misnamed (`users/id`, `users/ID`, `users/keys`): a 1-D integer tensor with an ids-like name, or
+/// one beside siblings with as many rows. They are saved as dense tensors, which is rarely meant.
+fn misspelled_tables(
+    order: &[String],
+    tensors: &BTreeMap<String, PlainTensor>,
+    tables: &[String],
+    used: &HashSet<String>,
+) -> Vec<String> {
+    const IDS_LIKE: [&str; 7] = ["id", "ids", "key", "keys", "idx", "index", "indices"];
+    let mut warnings = Vec::new();
+    let mut seen = HashSet::new();
+    for name in order.iter().filter(|n| !used.contains(*n)) {
+        let Some((prefix, slot)) = name.rsplit_once('/') else {
+            continue;
+        };
+        let e = &tensors[name].entry;
+        let integer = matches!(e.dtype, Dtype::I64 | Dtype::U64 | Dtype::I32 | Dtype::U32);
+        if tables.iter().any(|t| t == prefix) || !integer || e.shape.len() != 1 {
+            continue;
+        }
+        let rows = e.shape[0];
+        let siblings = order.iter().any(|other| {
+            other != name
+                && other.rsplit_once('/').is_some_and(|(p, _)| p == prefix)
+                && tensors[other].entry.shape.first() == Some(&rows)
+        });
+        if (IDS_LIKE.contains(&slot.to_lowercase().as_str()) || siblings)
+            && seen.insert(prefix.to_string())
+        {
+            warnings.push(format!(
+                "tensors {prefix:?}/… look like a table, but there is no {prefix:?}/ids: {name:?} \
+                 is a 1-D {} of {rows}{}; they are saved as dense tensors (name the ids tensor \
+                 \"{prefix}/ids\", I64 or U64, to save them as a table)",
+                e.dtype,
+                if siblings {
+                    ", beside slots of as many rows"
+                } else {
+                    ""
+                }
+            ));
+        }
+    }
+    warnings
+}

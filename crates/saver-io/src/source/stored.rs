@@ -1,0 +1,435 @@
+//! A checkpoint's table as a [`SparseTable`] that reads its rows from the files when asked: what
+//! lets `reshard`, `save --from CHECKPOINT`, `digest` and `export` run in bounded memory.
+//!
+//! A checkpoint stores each table partition's rows sorted by (bucket, id), which is the order the
+//! save plan writes them in. So a save from a [`StoredTable`] asks for rows in the order they lie
+//! in the source files, and each request becomes a few positional reads straight into the
+//! writer's buffers.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Mutex, PoisonError};
+
+use crc32fast::Hasher;
+
+use saver_core::manifest::{SegmentManifest, TableManifest, TensorRef};
+use saver_core::table::{RowChunk, TableSnapshot};
+use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
+
+use crate::error::{Error, Result};
+use crate::reader::Checkpoint;
+
+/// Bits of a row handle that hold the row's number within its segment; the segment is above.
+const ROW_BITS: u32 = 40;
+
+/// One segment of the table, in bucket order, with the tensors of the kept slots.
+struct Segment<'c> {
+    seg: &'c SegmentManifest,
+    /// The segment's tensor of each kept slot, in [`StoredTable::slots`] order.
+    slots: Vec<&'c TensorRef>,
+}
+
+/// Per (segment, slot or `usize::MAX` for ids): CRC32 pieces (offset, length, state) read so far.
+type CrcPieces = HashMap<(usize, usize), Vec<(u64, u64, Hasher)>>;
+
+/// A table of an open checkpoint, all partitions together, rows read on demand.
+pub struct StoredTable<'c> {
+    ckpt: &'c Checkpoint,
+    table: &'c TableManifest,
+    slots: Vec<SlotSpec>,
+    row_bytes: Vec<u64>,
+    segments: Vec<Segment<'c>>,
+    rows: u64,
+    /// CRC pieces of the tensors read so far, checked as soon as a tensor is read whole.
+    crcs: Mutex<CrcPieces>,
+}
+
+impl<'c> StoredTable<'c> {
+    /// Table `table` of `ckpt` with the slots `slots` (a subset of the table's, in any order).
+    pub fn new(
+        ckpt: &'c Checkpoint,
+        table: &'c TableManifest,
+        slots: Vec<SlotSpec>,
+    ) -> Result<Self> {
+        ckpt.check_target(table, table.key_dtype, &slots)?;
+        let mut partitions: Vec<_> = table.partitions.iter().collect();
+        partitions.sort_by_key(|p| p.buckets[0]);
+        let mut segments = Vec::new();
+        for p in partitions {
+            let map: Vec<usize> = slots
+                .iter()
+                .map(|want| {
+                    p.slots.iter().position(|s| *s == want.name).ok_or_else(|| {
+                        Error::Mismatch(format!(
+                            "table {:?} slot {:?} was not saved for shard {} (filtered out)",
+                            table.name, want.name, p.shard
+                        ))
+                    })
+                })
+                .collect::<Result<_>>()?;
+            for seg in &p.segments {
+                if seg.rows >= 1 << ROW_BITS {
+                    return Err(Error::Corrupt {
+                        file: seg.ids.file.clone(),
+                        what: format!("segment {:?} has {} rows", seg.ids.name, seg.rows),
+                    });
+                }
+                segments.push(Segment {
+                    seg,
+                    slots: map.iter().map(|&k| &seg.slots[k]).collect(),
+                });
+            }
+        }
+        if segments.len() >= 1 << (64 - ROW_BITS) {
+            return Err(Error::Mismatch(format!(
+                "table {:?} has {} segments",
+                table.name,
+                segments.len()
+            )));
+        }
+        let row_bytes = slots
+            .iter()
+            .map(|s| s.row_bytes())
+            .collect::<saver_core::Result<_>>()?;
+        Ok(Self {
+            ckpt,
+            table,
+            slots,
+            row_bytes,
+            rows: segments.iter().map(|s| s.seg.rows).sum(),
+            segments,
+            crcs: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Every selected table of `ckpt` (globs `tables`, all if empty), without the slots matching
+    /// `exclude_slots`, in manifest order.
+    pub fn all(
+        ckpt: &'c Checkpoint,
+        tables: &[String],
+        exclude_slots: &[String],
+    ) -> Result<Vec<Self>> {
+        let opts = crate::LoadOptions {
+            tables: tables.to_vec(),
+            ..crate::LoadOptions::default()
+        };
+        let exclude = crate::restore::globs("exclude_slots", exclude_slots)?;
+        ckpt.selected_tables(&opts)?
+            .into_iter()
+            .map(|t| Self::new(ckpt, t, Checkpoint::kept_slots(t, &exclude)))
+            .collect()
+    }
+
+    /// Bytes of one row of each slot, in [`SparseTable::slots`] order.
+    pub fn row_bytes(&self) -> &[u64] {
+        &self.row_bytes
+    }
+
+    /// The number of segments: the parts rows are visited in, in bucket order.
+    pub(crate) fn segment_count(&self) -> usize {
+        self.segments.len()
+    }
+
+    /// Rows of segment `s`.
+    pub(crate) fn segment_rows(&self, s: usize) -> u64 {
+        self.segments[s].seg.rows
+    }
+
+    /// The buckets of segment `s`.
+    pub(crate) fn segment_buckets(&self, s: usize) -> Range<u32> {
+        let b = self.segments[s].seg.buckets;
+        b[0]..b[1]
+    }
+
+    fn corrupt(&self, t: &TensorRef, what: impl std::fmt::Display) -> Error {
+        Error::Corrupt {
+            file: t.file.clone(),
+            what: format!("tensor {:?} (table {:?}) {what}", t.name, self.table.name),
+        }
+    }
+
+    /// Reads rows `rows` of segment `s`: ids into `ids` (8 bytes a row) unless it is empty, and the
+    /// kept slots whose `slots[k]` is not empty. Checks the ids' buckets and order, and the CRC32
+    /// of every tensor once all its bytes have been read.
+    pub(crate) fn read_segment(
+        &self,
+        s: usize,
+        rows: Range<u64>,
+        ids: &mut [u8],
+        slots: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let segment = &self.segments[s];
+        if !ids.is_empty() {
+            let t = &segment.seg.ids;
+            self.read_checked(s, usize::MAX, t, rows.start * 8, ids)?;
+            let buckets = self.segment_buckets(s);
+            let mut prev: Option<(u32, u64)> = None;
+            for c in ids.chunks_exact(8) {
+                let id = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+                let b = PartitionRule::bucket_of(id);
+                if !buckets.contains(&b) || prev.is_some_and(|p| p >= (b, id)) {
+                    return Err(self.corrupt(
+                        t,
+                        format_args!(
+                            "holds id {} out of bucket order",
+                            self.table.key_dtype.format_id(id)
+                        ),
+                    ));
+                }
+                prev = Some((b, id));
+            }
+        }
+        for (k, out) in slots.iter_mut().enumerate() {
+            if out.is_empty() {
+                continue;
+            }
+            let t = segment.slots[k];
+            self.read_checked(s, k, t, rows.start * self.row_bytes[k], out)?;
+        }
+        Ok(())
+    }
+
+    /// Reads `buf.len()` bytes of `t` at `offset` and records their CRC32; once `t` has been
+    /// read whole, compares the combined CRC32 with the manifest's.
+    fn read_checked(
+        &self,
+        s: usize,
+        k: usize,
+        t: &TensorRef,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        self.ckpt.read_tensor_range(t, offset, buf)?;
+        let mut h = Hasher::new();
+        h.update(buf);
+        let whole = {
+            let mut crcs = self.crcs.lock().unwrap_or_else(PoisonError::into_inner);
+            let pieces = crcs.entry((s, k)).or_default();
+            pieces.push((offset, buf.len() as u64, h));
+            if pieces.iter().map(|p| p.1).sum::<u64>() < t.len {
+                return Ok(());
+            }
+            crcs.remove(&(s, k)).expect("just used")
+        };
+        let mut pieces = whole;
+        pieces.sort_by_key(|p| p.0);
+        let mut combined = Hasher::new();
+        let mut at = 0;
+        for (offset, len, h) in &pieces {
+            if *offset != at {
+                // Some bytes were read twice: the pieces do not tile the tensor, so the check
+                // cannot be made from them. Never the case for a save, which reads each row once.
+                return Ok(());
+            }
+            combined.combine(h);
+            at += len;
+        }
+        if combined.finalize() != t.crc32 {
+            return Err(self.corrupt(t, "fails its CRC32 check"));
+        }
+        Ok(())
+    }
+
+    /// Finds the row of `id`: its segment and row number there. Binary search over the ids of
+    /// the segment that holds the id's bucket.
+    fn find(&self, id: u64) -> Result<(usize, u64)> {
+        let bucket = PartitionRule::bucket_of(id);
+        let missing = || {
+            saver_core::Error::Table {
+                table: self.table.name.clone(),
+                message: format!(
+                    "id {} is not in the checkpoint",
+                    self.table.key_dtype.format_id(id)
+                ),
+            }
+            .into()
+        };
+        let Some(s) = self
+            .segments
+            .iter()
+            .position(|s| (s.seg.buckets[0]..s.seg.buckets[1]).contains(&bucket))
+        else {
+            return Err(missing());
+        };
+        let t = &self.segments[s].seg.ids;
+        let (mut lo, mut hi) = (0, self.segments[s].seg.rows);
+        let mut b = [0u8; 8];
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            self.ckpt.read_tensor_range(t, mid * 8, &mut b)?;
+            let other = u64::from_le_bytes(b);
+            match (PartitionRule::bucket_of(other), other).cmp(&(bucket, id)) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Ok((s, mid)),
+            }
+        }
+        Err(missing())
+    }
+}
+
+fn core(table: &str, e: Error) -> saver_core::Error {
+    match e {
+        Error::Core(e) => e,
+        e => saver_core::Error::Table {
+            table: table.into(),
+            message: e.to_string(),
+        },
+    }
+}
+
+impl SparseTable for StoredTable<'_> {
+    fn name(&self) -> &str {
+        &self.table.name
+    }
+    fn key_dtype(&self) -> KeyDtype {
+        self.table.key_dtype
+    }
+    fn slots(&self) -> &[SlotSpec] {
+        &self.slots
+    }
+    fn len(&self) -> usize {
+        usize::try_from(self.rows).unwrap_or(usize::MAX)
+    }
+    fn snapshot(&self) -> saver_core::Result<Box<dyn TableSnapshot + '_>> {
+        Ok(Box::new(Snapshot(self)))
+    }
+    /// A committed checkpoint does not change, and its files are read through the handles
+    /// opened with it: every row is as it was when it was saved.
+    fn point_in_time(&self) -> bool {
+        true
+    }
+}
+
+struct Snapshot<'t, 'c>(&'t StoredTable<'c>);
+
+impl TableSnapshot for Snapshot<'_, '_> {
+    fn scan(
+        &self,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> saver_core::Result<()>,
+    ) -> saver_core::Result<()> {
+        for part in 0..self.scan_parts() {
+            self.scan_part(part, max_rows, with_values, visit)?;
+        }
+        Ok(())
+    }
+
+    fn scan_parts(&self) -> usize {
+        self.0.segments.len()
+    }
+
+    fn scan_part(
+        &self,
+        part: usize,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> saver_core::Result<()>,
+    ) -> saver_core::Result<()> {
+        let t = self.0;
+        let Some(segment) = t.segments.get(part) else {
+            return Ok(());
+        };
+        let name = &t.table.name;
+        let step = max_rows.max(1) as u64;
+        let mut raw = Vec::new();
+        let mut ids = Vec::new();
+        let mut handles = Vec::new();
+        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.slots.len()];
+        let mut at = 0;
+        while at < segment.seg.rows {
+            let rows = at..(at + step).min(segment.seg.rows);
+            let n = (rows.end - rows.start) as usize;
+            raw.resize(n * 8, 0);
+            if with_values {
+                for (v, &b) in values.iter_mut().zip(&t.row_bytes) {
+                    v.resize(n * b as usize, 0);
+                }
+            }
+            let mut outs: Vec<&mut [u8]> = values.iter_mut().map(Vec::as_mut_slice).collect();
+            t.read_segment(part, rows.clone(), &mut raw, &mut outs)
+                .map_err(|e| core(name, e))?;
+            ids.clear();
+            ids.extend(
+                raw.chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
+            );
+            handles.clear();
+            handles.extend(rows.clone().map(|r| ((part as u64) << ROW_BITS) | r));
+            let slices: Vec<&[u8]> = if with_values {
+                values.iter().map(Vec::as_slice).collect()
+            } else {
+                Vec::new()
+            };
+            visit(RowChunk {
+                ids: &ids,
+                handles: &handles,
+                slots: &slices,
+            })?;
+            at = rows.end;
+        }
+        Ok(())
+    }
+
+    fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> saver_core::Result<()> {
+        let t = self.0;
+        let handles = ids
+            .iter()
+            .map(|&id| {
+                let (s, r) = t.find(id)?;
+                Ok(((s as u64) << ROW_BITS) | r)
+            })
+            .collect::<Result<Vec<u64>>>()
+            .map_err(|e| core(&t.table.name, e))?;
+        // SAFETY: the handles were just made by this table, for these ids.
+        unsafe { self.read_rows_by_handle(ids, &handles, out) }
+    }
+
+    unsafe fn read_rows_by_handle(
+        &self,
+        ids: &[u64],
+        handles: &[u64],
+        out: &mut [&mut [u8]],
+    ) -> saver_core::Result<()> {
+        let t = self.0;
+        if handles.len() != ids.len() {
+            return self.read_rows(ids, out);
+        }
+        let name = &t.table.name;
+        // Runs of consecutive rows of one segment: the plan asks in source order, so a request
+        // is a few long runs, each one read per slot.
+        let mut i = 0;
+        while i < handles.len() {
+            let (s, r) = (
+                (handles[i] >> ROW_BITS) as usize,
+                handles[i] & ((1 << ROW_BITS) - 1),
+            );
+            let mut n = 1;
+            while i + n < handles.len() && handles[i + n] == handles[i] + n as u64 {
+                n += 1;
+            }
+            if s >= t.segments.len() || r + n as u64 > t.segments[s].seg.rows {
+                return Err(saver_core::Error::Table {
+                    table: name.clone(),
+                    message: format!("row handle {:#x} is not this table's", handles[i]),
+                });
+            }
+            let mut parts: Vec<&mut [u8]> = out
+                .iter_mut()
+                .zip(&t.row_bytes)
+                .map(|(o, &b)| {
+                    if o.is_empty() {
+                        &mut [][..]
+                    } else {
+                        &mut o[i * b as usize..(i + n) * b as usize]
+                    }
+                })
+                .collect();
+            t.read_segment(s, r..r + n as u64, &mut [], &mut parts)
+                .map_err(|e| core(name, e))?;
+            i += n;
+        }
+        Ok(())
+    }
+}
