@@ -1,6 +1,7 @@
 //! Consolidated plain safetensors exports, for serving systems and other tools: each table as
 //! `<table>/ids` (ascending) plus `<table>/<slot>` rows in the same order, dense tensors under
 //! their own names, split into files of at most `max_file_size` with a Hugging Face index.
+//! Written in bounded memory (see [`export`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -15,8 +16,11 @@ use saver_core::{Dtype, SparseTable};
 
 use crate::error::{Error, Result};
 use crate::reader::Checkpoint;
-use crate::restore::LoadOptions;
-use crate::storage::{LocalFs, Storage};
+use crate::restore::LoadedDense;
+use crate::source::sorted::visit_by_id;
+use crate::source::{Source, StoredTable};
+use crate::storage::{LocalFs, Storage, WriteHandle};
+use crate::write_behind::WriteBehind;
 
 /// How to export.
 #[derive(Clone, Debug)]
@@ -98,14 +102,29 @@ fn previous_export_files(storage: &LocalFs) -> Result<Vec<String>> {
     Ok(files)
 }
 
-struct Tensor {
+/// One tensor of the export: what it is, and where it goes.
+struct OutTensor {
     name: String,
+    /// Dtype in the checkpoint.
+    from: Dtype,
+    /// Dtype written.
     dtype: Dtype,
     shape: Vec<u64>,
-    data: Vec<u8>,
+    len: u64,
+    /// Index of its file, and its absolute offset there.
+    file: usize,
+    offset: u64,
 }
 
+/// Bytes of a tensor's rows gathered before they are cast and written.
+const COLUMN_BUFFER_BYTES: usize = 4 << 20;
+
 /// Exports `ckpt` into directory `out`.
+///
+/// Streams: each table's rows are put in id order by an external merge sort
+/// ([`crate::source::sorted`], temporary files in `out`) and written as they come, so the
+/// export holds bounded buffers (about 100 MiB) plus the dense tensors, whatever the number of
+/// rows.
 pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
     let start = Instant::now();
     if let Some(d) = opts.dtype {
@@ -131,120 +150,113 @@ pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<Exp
     }
     // The files of the export being replaced: its index lists them, and only they are removed.
     let previous = previous_export_files(&storage)?;
-    let restored = ckpt.restore(&LoadOptions {
-        tables: opts.tables.clone(),
-        exclude_slots: opts.exclude_slots.clone(),
-        parallel: opts.parallel,
-        ..LoadOptions::default()
-    })?;
-    let convert = |dtype: Dtype, data: Vec<u8>| -> Result<(Dtype, Vec<u8>)> {
-        match opts.dtype {
-            Some(to) if dtype.is_float() && dtype != to => Ok((to, cast(&data, dtype, to)?)),
-            _ => Ok((dtype, data)),
-        }
+    let mut tables = StoredTable::all(ckpt, &opts.tables, &opts.exclude_slots)?;
+    tables.sort_by(|a, b| SparseTable::name(a).cmp(SparseTable::name(b)));
+    let dense = Source::checkpoint_dense(ckpt)?;
+    let out_dtype = |dtype: Dtype| match opts.dtype {
+        Some(to) if dtype.is_float() => to,
+        _ => dtype,
     };
     let mut tensors = Vec::new();
-    let mut tables: Vec<_> = restored.shards.iter().flat_map(|s| &s.tables).collect();
-    tables.sort_by(|a, b| SparseTable::name(*a).cmp(SparseTable::name(*b)));
-    for t in tables {
-        let name = SparseTable::name(t);
-        let key = t.key_dtype();
-        let mut ids = t.ids();
-        ids.sort_unstable_by_key(|&id| key.order_key(id));
-        let snap = t.snapshot()?;
-        let sizes = t.slot_row_bytes().to_vec();
-        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&b| vec![0u8; b * ids.len()]).collect();
-        {
-            let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
-            snap.read_rows(&ids, &mut outs)?;
-        }
-        tensors.push(Tensor {
-            name: format!("{name}/ids"),
-            dtype: key.dtype(),
-            shape: vec![ids.len() as u64],
-            data: ids.iter().flat_map(|i| i.to_le_bytes()).collect(),
+    let mut add = |name: String, from: Dtype, shape: Vec<u64>| -> Result<()> {
+        let dtype = out_dtype(from);
+        let len = saver_core::tensor::byte_len(&name, dtype, &shape)?;
+        tensors.push(OutTensor {
+            name,
+            from,
+            dtype,
+            shape,
+            len,
+            file: 0,
+            offset: 0,
         });
-        for (spec, data) in SparseTable::slots(t).iter().zip(bufs) {
-            let mut shape = vec![ids.len() as u64];
+        Ok(())
+    };
+    for t in &tables {
+        let name = SparseTable::name(t);
+        let rows = SparseTable::len(t) as u64;
+        add(format!("{name}/ids"), t.key_dtype().dtype(), vec![rows])?;
+        for spec in SparseTable::slots(t) {
+            let mut shape = vec![rows];
             shape.extend_from_slice(&spec.shape);
-            let (dtype, data) = convert(spec.dtype, data)?;
-            tensors.push(Tensor {
-                name: format!("{name}/{}", spec.name),
-                dtype,
-                shape,
-                data,
-            });
+            add(format!("{name}/{}", spec.name), spec.dtype, shape)?;
         }
     }
-    for d in restored.dense {
-        let (dtype, data) = convert(d.dtype, d.data)?;
-        tensors.push(Tensor {
-            name: d.name,
-            dtype,
-            shape: d.shape,
-            data,
-        });
+    for d in &dense {
+        add(d.name.clone(), d.dtype, d.shape.clone())?;
     }
     // Fill files in order, starting a new one when the next tensor would overflow.
-    let mut groups: Vec<Vec<Tensor>> = vec![Vec::new()];
+    let mut files: Vec<Vec<usize>> = vec![Vec::new()];
     let mut size = 0u64;
-    for t in tensors {
-        let len = t.data.len() as u64;
-        if size + len > opts.max_file_size && !groups.last().expect("one group").is_empty() {
-            groups.push(Vec::new());
+    for (i, t) in tensors.iter().enumerate() {
+        if size + t.len > opts.max_file_size && !files.last().expect("one file").is_empty() {
+            files.push(Vec::new());
             size = 0;
         }
-        size += len;
-        groups.last_mut().expect("one group").push(t);
+        size += t.len;
+        files.last_mut().expect("one file").push(i);
     }
-    let n = groups.len();
-    let mut weight_map = BTreeMap::new();
+    let n = files.len();
+    let names: Vec<String> = (0..n)
+        .map(|i| format!("model-{:05}-of-{n:05}.safetensors", i + 1))
+        .collect();
+    let mut handles = Vec::new();
     let mut written = 0u64;
-    let mut total = 0u64;
-    let mut names = Vec::new();
-    let mut count = 0;
-    for (i, group) in groups.iter().enumerate() {
-        let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+    for (f, members) in files.iter().enumerate() {
         let mut off = 0;
-        let headers: Vec<HeaderTensor> = group
+        let headers: Vec<HeaderTensor> = members
             .iter()
-            .map(|t| {
+            .map(|&i| {
+                let t = &tensors[i];
                 let h = HeaderTensor {
                     name: t.name.clone(),
                     dtype: t.dtype,
                     shape: t.shape.clone(),
                     start: off,
-                    end: off + t.data.len() as u64,
+                    end: off + t.len,
                 };
                 off = h.end;
                 h
             })
             .collect();
         let header = render_header_with(&[("format", "pt".to_string())], &headers, 64);
-        let h = storage.create(&file, header.len() as u64 + off)?;
-        let mut pos = 0;
-        let result = (|| {
-            h.write_at(0, &header)?;
-            pos += header.len() as u64;
-            for t in group {
-                h.write_at(pos, &t.data)?;
-                pos += t.data.len() as u64;
+        let hlen = header.len() as u64;
+        for (&i, h) in members.iter().zip(&headers) {
+            tensors[i].file = f;
+            tensors[i].offset = hlen + h.start;
+        }
+        let result =
+            storage
+                .create(&names[f], hlen + off)
+                .and_then(|h| match h.write_at(0, &header) {
+                    Ok(()) => Ok(h),
+                    Err(e) => {
+                        h.abort();
+                        Err(e)
+                    }
+                });
+        match result {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                handles.into_iter().for_each(|h| h.abort());
+                return Err(e);
             }
-            Ok::<(), Error>(())
-        })();
-        if let Err(e) = result {
-            h.abort();
-            return Err(e);
         }
-        h.commit(opts.durable)?;
-        for t in group {
-            weight_map.insert(t.name.clone(), file.clone());
-            total += t.data.len() as u64;
-        }
-        count += group.len();
-        written += pos;
-        names.push(file);
+        written += hlen + off;
     }
+    let filled = fill(&tables, &dense, &tensors, &handles, out);
+    if let Err(e) = filled {
+        handles.into_iter().for_each(|h| h.abort());
+        return Err(e);
+    }
+    for h in handles {
+        h.commit(opts.durable)?;
+    }
+    let weight_map: BTreeMap<&str, &str> = tensors
+        .iter()
+        .map(|t| (t.name.as_str(), names[t.file].as_str()))
+        .collect();
+    let total: u64 = tensors.iter().map(|t| t.len).sum();
     let index =
         serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
     storage.put(
@@ -261,8 +273,111 @@ pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<Exp
     }
     Ok(ExportReport {
         files: n,
-        tensors: count,
+        tensors: tensors.len(),
         bytes_written: written,
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// Rows of one output tensor on their way to its file: gathered, then cast and written at the
+/// tensor's next offset by the write-behind thread.
+struct Column<'a, 'b> {
+    tensor: &'a OutTensor,
+    handle: &'a dyn WriteHandle,
+    behind: &'b WriteBehind<'a>,
+    buf: Vec<u8>,
+    at: u64,
+}
+
+impl Column<'_, '_> {
+    fn flush(&mut self) -> Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let t = self.tensor;
+        let bytes = if t.dtype != t.from {
+            cast(&self.buf, t.from, t.dtype)?
+        } else {
+            std::mem::replace(&mut self.buf, Vec::with_capacity(COLUMN_BUFFER_BYTES))
+        };
+        self.buf.clear();
+        let (handle, offset) = (self.handle, t.offset + self.at);
+        self.at += bytes.len() as u64;
+        self.behind.push(Box::new(move || {
+            handle.write_at(offset, &bytes)?;
+            // Final bytes: their writeback starts now, not at the commit's fsync.
+            handle.start_writeback(offset, bytes.len() as u64);
+            Ok(())
+        }))
+    }
+
+    fn push(&mut self, bytes: &[u8]) -> Result<()> {
+        self.buf.extend_from_slice(bytes);
+        if self.buf.len() >= COLUMN_BUFFER_BYTES {
+            self.flush()?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes every tensor's bytes into the files of `handles`.
+fn fill(
+    tables: &[StoredTable<'_>],
+    dense: &[LoadedDense],
+    tensors: &[OutTensor],
+    handles: &[Box<dyn WriteHandle>],
+    scratch: &Path,
+) -> Result<()> {
+    let mut next = 0;
+    for t in tables {
+        let count = 1 + SparseTable::slots(t).len();
+        let mine = &tensors[next..next + count];
+        next += count;
+        std::thread::scope(|scope| {
+            let behind = WriteBehind::new(scope);
+            let mut columns: Vec<Column<'_, '_>> = mine
+                .iter()
+                .map(|tensor| Column {
+                    tensor,
+                    handle: handles[tensor.file].as_ref(),
+                    behind: &behind,
+                    buf: Vec::new(),
+                    at: 0,
+                })
+                .collect();
+            let produced = visit_by_id(t, scratch, &mut |ids, slots| {
+                let (id_col, slot_cols) = columns.split_first_mut().expect("an ids column");
+                for id in ids {
+                    id_col.push(&id.to_le_bytes())?;
+                }
+                for (c, s) in slot_cols.iter_mut().zip(slots) {
+                    c.push(s)?;
+                }
+                Ok(())
+            })
+            .and_then(|()| {
+                for c in &mut columns {
+                    c.flush()?;
+                    if c.at != c.tensor.len {
+                        return Err(Error::Mismatch(format!(
+                            "export of {:?} wrote {} bytes, {} expected",
+                            c.tensor.name, c.at, c.tensor.len
+                        )));
+                    }
+                }
+                Ok(())
+            });
+            drop(columns);
+            behind.finish_after(produced)
+        })?;
+    }
+    for (d, tensor) in dense.iter().zip(&tensors[next..]) {
+        let bytes = if tensor.dtype != tensor.from {
+            cast(&d.data, tensor.from, tensor.dtype)?
+        } else {
+            d.data.clone()
+        };
+        handles[tensor.file].write_at(tensor.offset, &bytes)?;
+    }
+    Ok(())
 }

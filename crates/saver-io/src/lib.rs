@@ -42,6 +42,7 @@ pub mod source;
 pub mod spill;
 pub mod storage;
 pub mod verify;
+mod write_behind;
 pub mod writer;
 
 pub use background::{save_async, SaveHandle};

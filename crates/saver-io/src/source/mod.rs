@@ -7,6 +7,7 @@
 //! the models this is for), and beyond that a bounded amount, whatever the number of rows.
 
 pub mod plain;
+pub mod sorted;
 pub mod stored;
 
 use std::collections::BTreeMap;
