@@ -17,7 +17,7 @@ use saver_core::{Dtype, SparseTable};
 use crate::error::{Error, Result};
 use crate::reader::Checkpoint;
 use crate::restore::LoadedDense;
-use crate::source::sorted::visit_by_id;
+use crate::source::sorted::{visit_by_id, RUN_BYTES};
 use crate::source::{Source, StoredTable};
 use crate::storage::{LocalFs, Storage, WriteHandle};
 use crate::write_behind::WriteBehind;
@@ -37,8 +37,11 @@ pub struct ExportOptions {
     pub overwrite: bool,
     /// fsync files before renaming them.
     pub durable: bool,
-    /// Reader threads.
+    /// Threads that sort runs.
     pub parallel: usize,
+    /// Bytes of rows sorted in memory at once (each table's rows are put in id order by an
+    /// external merge sort). Default [`RUN_BYTES`] (32 MiB).
+    pub sort_memory: usize,
 }
 
 impl Default for ExportOptions {
@@ -51,6 +54,7 @@ impl Default for ExportOptions {
             overwrite: false,
             durable: true,
             parallel: std::thread::available_parallelism().map_or(2, usize::from),
+            sort_memory: RUN_BYTES,
         }
     }
 }
@@ -244,7 +248,9 @@ pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<Exp
         }
         written += hlen + off;
     }
-    let filled = fill(&tables, &dense, &tensors, &handles, out);
+    let filled = crate::restore::reader_pool(opts.parallel).and_then(|pool| {
+        pool.install(|| fill(&tables, &dense, &tensors, &handles, out, opts.sort_memory))
+    });
     if let Err(e) = filled {
         handles.into_iter().for_each(|h| h.abort());
         return Err(e);
@@ -327,6 +333,7 @@ fn fill(
     tensors: &[OutTensor],
     handles: &[Box<dyn WriteHandle>],
     scratch: &Path,
+    sort_memory: usize,
 ) -> Result<()> {
     let mut next = 0;
     for t in tables {
@@ -345,7 +352,7 @@ fn fill(
                     at: 0,
                 })
                 .collect();
-            let produced = visit_by_id(t, scratch, &mut |ids, slots| {
+            let produced = visit_by_id(t, scratch, sort_memory, &mut |ids, slots| {
                 let (id_col, slot_cols) = columns.split_first_mut().expect("an ids column");
                 for id in ids {
                     id_col.push(&id.to_le_bytes())?;

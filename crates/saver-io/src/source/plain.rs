@@ -292,9 +292,22 @@ impl PlainInput {
     /// Every table, distributed by bucket into temporary files in `scratch` with `parallel`
     /// threads (see the module docs).
     pub fn tables(&self, scratch: &Path, parallel: usize) -> Result<Vec<PlainTable<'_>>> {
+        self.tables_grouped(scratch, parallel, GROUP_BYTES)
+    }
+
+    /// [`Self::tables`] with groups of about `group_bytes` (at least 4 KiB) instead of
+    /// [`GROUP_BYTES`]: smaller groups hold less and cost more reads.
+    pub fn tables_grouped(
+        &self,
+        scratch: &Path,
+        parallel: usize,
+        group_bytes: u64,
+    ) -> Result<Vec<PlainTable<'_>>> {
         self.tables
             .iter()
-            .map(|spec| PlainTable::distribute(self, spec, scratch, parallel))
+            .map(|spec| {
+                PlainTable::distribute(self, spec, scratch, parallel, group_bytes.max(4096))
+            })
             .collect()
     }
 }
@@ -346,20 +359,21 @@ pub struct PlainTable<'p> {
 }
 
 impl<'p> PlainTable<'p> {
-    /// Distributes table `spec` of `input` into groups in nameless temporary files in `scratch`
-    /// (unless it is one group), reading with `parallel` threads.
+    /// Distributes table `spec` of `input` into groups of about `group_bytes` in nameless
+    /// temporary files in `scratch` (unless it is one group), reading with `parallel` threads.
     pub fn distribute(
         input: &'p PlainInput,
         spec: &'p PlainTableSpec,
         scratch: &Path,
         parallel: usize,
+        group_bytes: u64,
     ) -> Result<Self> {
         let slots: Vec<SlotSpec> = spec.slots.iter().map(|s| s.0.clone()).collect();
         let row_bytes = validate_slots(&spec.name, &slots)?;
         let row = 8 + row_bytes.iter().sum::<usize>() as u64;
         let bytes = spec.rows.saturating_mul(row);
         let count = bytes
-            .div_ceil(GROUP_BYTES)
+            .div_ceil(group_bytes.max(1))
             .next_power_of_two()
             .min(MAX_GROUPS as u64) as usize;
         let parallel = parallel.max(1);

@@ -32,12 +32,17 @@ pub const MERGE_BYTES: usize = 32 << 20;
 const BATCH_ROWS: usize = 1 << 14;
 
 /// Visits every row of `t` in ascending id order (as its key dtype orders ids), at most a few
-/// thousand rows at a time: ids, and each kept slot's rows. Runs go to a nameless temporary
-/// file in `scratch`.
-pub fn visit_by_id(t: &StoredTable<'_>, scratch: &Path, visit: &mut VisitRows<'_>) -> Result<()> {
+/// thousand rows at a time: ids, and each kept slot's rows. Runs of at most `run_bytes` of rows
+/// ([`RUN_BYTES`] is a good size) go to a nameless temporary file in `scratch`.
+pub fn visit_by_id(
+    t: &StoredTable<'_>,
+    scratch: &Path,
+    run_bytes: usize,
+    visit: &mut VisitRows<'_>,
+) -> Result<()> {
     let widths: Vec<usize> = t.row_bytes().iter().map(|&b| b as usize).collect();
     let row = 8 + widths.iter().sum::<usize>();
-    let run_rows = (RUN_BYTES / row).max(1);
+    let run_rows = (run_bytes / row).clamp(1, u32::MAX as usize);
     let key = SparseTable::key_dtype(t);
     if SparseTable::len(t) <= run_rows {
         // One run: sorted and handed over from memory.

@@ -1,0 +1,197 @@
+//! Every command that reads or rewrites a model runs in bounded memory: on a model several times
+//! larger than the bound, each `saver` process's peak RSS (as the kernel counts it, mapped file
+//! pages included) stays under it, and the results agree (one digest throughout).
+//!
+//! Needs an optimised build to run in reasonable time, so a debug `cargo test` skips it;
+//! `tests/run.sh` runs it with `cargo test --release -p saver-cli --test memory`.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::process::Command;
+
+/// Peak RSS allowed for any one command, in bytes. The model is about five times larger.
+const LIMIT: u64 = 160 << 20;
+
+/// Rows of the model: 8-byte ids and two 32-wide f32 slots, 264 bytes a row (about 800 MB).
+const ROWS: u64 = 3_000_000;
+
+/// Writes a plain safetensors model: table `emb` (ids scrambled, unique) and a dense tensor.
+fn write_model(path: &Path) {
+    let dim = 32u64;
+    let dense = 1u64 << 20;
+    let tensors = [
+        ("emb/ids", "I64", vec![ROWS], ROWS * 8),
+        ("emb/embedding", "F32", vec![ROWS, dim], ROWS * dim * 4),
+        ("emb/adagrad", "F32", vec![ROWS, dim], ROWS * dim * 4),
+        ("mlp/w", "F32", vec![dense / 4], dense),
+    ];
+    let mut header = serde_json::Map::new();
+    let mut off = 0;
+    for (name, dtype, shape, len) in &tensors {
+        header.insert(
+            name.to_string(),
+            serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [off, off + len] }),
+        );
+        off += len;
+    }
+    let mut h = serde_json::to_vec(&header).unwrap();
+    h.resize(h.len().next_multiple_of(8), b' ');
+    let mut f = BufWriter::with_capacity(1 << 20, File::create(path).unwrap());
+    f.write_all(&(h.len() as u64).to_le_bytes()).unwrap();
+    f.write_all(&h).unwrap();
+    for r in 0..ROWS {
+        // An odd multiplier is a bijection on u64: unique ids in no useful order.
+        f.write_all(&r.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes())
+            .unwrap();
+    }
+    let mut x = 1u32;
+    for _ in 0..2 {
+        let mut row = Vec::with_capacity(dim as usize * 4);
+        for _ in 0..ROWS {
+            row.clear();
+            for _ in 0..dim {
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                row.extend_from_slice(&((x >> 8) as f32 / 1e6).to_le_bytes());
+            }
+            f.write_all(&row).unwrap();
+        }
+    }
+    f.write_all(&vec![7u8; dense as usize]).unwrap();
+    f.flush().unwrap();
+}
+
+/// Runs `saver args` to completion; returns its stdout and its peak RSS in bytes.
+fn run(args: &[&str], tmp: &Path) -> (String, u64) {
+    let child = Command::new(env!("CARGO_BIN_EXE_saver"))
+        .args(args)
+        .env("TMPDIR", tmp)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("saver runs");
+    let pid = child.id() as libc::pid_t;
+    let output = {
+        // Read the pipes on threads while this one waits for the process with wait4, which
+        // gives that one child's resource usage.
+        let mut child = child;
+        let mut out = child.stdout.take().unwrap();
+        let mut err = child.stderr.take().unwrap();
+        let o = std::thread::spawn(move || {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut out, &mut s).unwrap();
+            s
+        });
+        let e = std::thread::spawn(move || {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut err, &mut s).unwrap();
+            s
+        });
+        let mut status = 0;
+        // SAFETY: an all-zero rusage is a valid value for wait4 to fill.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `pid` is our child, not yet waited for; the pointers are valid.
+        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+        assert_eq!(r, pid, "wait4: {}", std::io::Error::last_os_error());
+        std::mem::forget(child);
+        let (stdout, stderr) = (o.join().unwrap(), e.join().unwrap());
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "saver {args:?} failed: {stdout}{stderr}"
+        );
+        (stdout, usage.ru_maxrss as u64 * 1024)
+    };
+    output
+}
+
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "needs an optimised build: tests/run.sh runs it"
+)]
+fn every_command_runs_in_bounded_memory_on_a_model_larger_than_the_bound() {
+    let d = tempfile::tempdir().unwrap();
+    let p = |x: &str| d.path().join(x).to_str().unwrap().to_string();
+    let model = p("model.safetensors");
+    write_model(Path::new(&model));
+    let size = std::fs::metadata(&model).unwrap().len();
+    assert!(
+        size > 4 * LIMIT,
+        "the model ({size} bytes) must dwarf the bound"
+    );
+    let tmp = d.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let par = ["--parallel", "2"];
+    let commands: Vec<(&str, Vec<String>)> = vec![
+        (
+            "save --from",
+            vec![
+                "save".into(),
+                "--from".into(),
+                model.clone(),
+                "--out".into(),
+                p("ck"),
+                "--shards".into(),
+                "3".into(),
+                "--no-fsync".into(),
+            ],
+        ),
+        (
+            "reshard",
+            vec![
+                "reshard".into(),
+                p("ck"),
+                "--out".into(),
+                p("ck2"),
+                "--shards".into(),
+                "2".into(),
+                "--no-fsync".into(),
+            ],
+        ),
+        (
+            "export",
+            vec!["export".into(), p("ck2"), "--out".into(), p("ex")],
+        ),
+        ("digest of the input", vec!["digest".into(), model.clone()]),
+        ("digest of the checkpoint", vec!["digest".into(), p("ck")]),
+        ("digest of the reshard", vec!["digest".into(), p("ck2")]),
+        ("digest of the export", vec!["digest".into(), p("ex")]),
+        (
+            "save --from the export",
+            vec![
+                "save".into(),
+                "--from".into(),
+                p("ex"),
+                "--out".into(),
+                p("ck3"),
+                "--no-fsync".into(),
+            ],
+        ),
+        ("digest of that", vec!["digest".into(), p("ck3")]),
+    ];
+    let mut digests = Vec::new();
+    for (what, args) in &commands {
+        let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+        if args[0] != "export" {
+            args.extend(par);
+        }
+        let (out, rss) = run(&args, &tmp);
+        eprintln!("{what}: peak RSS {} MiB", rss >> 20);
+        assert!(
+            rss < LIMIT,
+            "{what} peaked at {} MiB, over the {} MiB bound (model {} MiB)",
+            rss >> 20,
+            LIMIT >> 20,
+            size >> 20
+        );
+        if args[0] == "digest" {
+            digests.push(out.trim().to_string());
+        }
+    }
+    assert!(digests.windows(2).all(|w| w[0] == w[1]), "{digests:?}");
+    assert_eq!(
+        std::fs::read_dir(&tmp).unwrap().count(),
+        0,
+        "temporary files are nameless"
+    );
+}
