@@ -140,6 +140,17 @@ impl Source {
     }
 }
 
+/// An error of reading table `table`'s rows, as a table snapshot returns it.
+pub(crate) fn core_error(table: &str, e: Error) -> saver_core::Error {
+    match e {
+        Error::Core(e) => e,
+        e => saver_core::Error::Table {
+            table: table.into(),
+            message: e.to_string(),
+        },
+    }
+}
+
 /// Save input of `tables` and `dense` (borrowed).
 pub fn save_input<'a>(
     tables: &'a SourceTables<'_>,

@@ -22,6 +22,7 @@ use saver_core::naming::{check_slot_name, check_table_name, INDEX_FILE};
 use saver_core::table::{validate_slots, RowChunk, TableSnapshot};
 use saver_core::{Dtype, KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
+use super::core_error as core;
 use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
 use crate::header::{read_header, HeaderEntry};
@@ -689,16 +690,6 @@ impl<'p> PlainTable<'p> {
             Groups::Direct => 0,
             Groups::Spilled { shift, .. } => (PartitionRule::bucket_of(id) >> shift) as usize,
         }
-    }
-}
-
-fn core(table: &str, e: Error) -> saver_core::Error {
-    match e {
-        Error::Core(e) => e,
-        e => saver_core::Error::Table {
-            table: table.into(),
-            message: e.to_string(),
-        },
     }
 }
 

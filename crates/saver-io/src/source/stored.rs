@@ -16,6 +16,7 @@ use saver_core::manifest::{SegmentManifest, TableManifest, TensorRef};
 use saver_core::table::{RowChunk, TableSnapshot};
 use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
+use super::core_error as core;
 use crate::error::{Error, Result};
 use crate::reader::Checkpoint;
 
@@ -265,16 +266,6 @@ impl<'c> StoredTable<'c> {
             }
         }
         Err(missing())
-    }
-}
-
-fn core(table: &str, e: Error) -> saver_core::Error {
-    match e {
-        Error::Core(e) => e,
-        e => saver_core::Error::Table {
-            table: table.into(),
-            message: e.to_string(),
-        },
     }
 }
 
