@@ -151,18 +151,9 @@ impl Rows for TableColumns {
 fn hash_table(h: &mut Sha256, name: &str, key: KeyDtype, slots: &[SlotSpec], rows: &dyn Rows) {
     let mut order: Vec<usize> = (0..slots.len()).collect();
     order.sort_by(|&a, &b| slots[a].name.cmp(&slots[b].name));
-    h.update(b"table\0");
-    put_str(h, name);
-    put_str(h, key.dtype().name());
-    h.update((slots.len() as u32).to_le_bytes());
-    for &s in &order {
-        put_str(h, &slots[s].name);
-        put_str(h, slots[s].dtype.name());
-        put_shape(h, &slots[s].shape);
-    }
     let mut ids = rows.ids();
     ids.par_sort_unstable_by_key(|&(id, _)| key.order_key(id));
-    h.update((ids.len() as u64).to_le_bytes());
+    hash_table_header(h, name, key, slots, ids.len() as u64);
     // Rows in id order are a random walk over memory. One thread walks them, prefetching ahead,
     // into batches that this thread hashes meanwhile: the walk waits on memory and the hash on
     // the CPU, and done by one thread in turn they took the sum of both.

@@ -11,14 +11,14 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use saver_core::naming::{SaverFile, INDEX_FILE};
+use saver_core::naming::INDEX_FILE;
 use saver_core::{DenseTensor, EmbeddingTable, SaveInput, SlotSpec};
 
 use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
-use crate::reader::{describe_incomplete, Checkpoint};
+use crate::reader::Checkpoint;
 use crate::restore::{LoadOptions, LoadedDense, Restored};
-use crate::source::PlainInput;
+use crate::source::{PlainInput, Source};
 use crate::storage::{LocalFs, Storage};
 
 /// A model held in memory, ready to save.
@@ -103,39 +103,29 @@ pub fn is_checkpoint(dir: &Path) -> bool {
 }
 
 /// Reads a model from `path`: a saver checkpoint directory, a plain safetensors directory, or one
-/// plain safetensors file. Every row is copied into memory. A directory holding a saver save that
-/// was never committed is refused as incomplete: its data files are valid safetensors, but read
-/// as plain ones every sparse tensor would be taken for a dense one.
+/// plain safetensors file (what [`Source::open`] accepts and refuses). Every row is copied into
+/// memory.
 pub fn read_model(path: &Path, parallel: usize) -> Result<Model> {
-    if path.is_dir() {
-        if is_checkpoint(path) {
-            let ckpt = Checkpoint::open(path)?;
+    match Source::open(path)? {
+        Source::Checkpoint(ckpt) => {
             let r = ckpt.restore(&LoadOptions {
                 parallel,
                 ..LoadOptions::default()
             })?;
-            return Model::from_restored(r, &ckpt);
+            Model::from_restored(r, &ckpt)
         }
-        let storage = LocalFs::open_dir(path)?;
-        if !storage.exists(INDEX_FILE)?
-            && storage
-                .list()?
-                .iter()
-                .any(|n| SaverFile::parse(n).is_some())
-        {
-            return Err(Error::Incomplete {
-                dir: path.into(),
-                what: describe_incomplete(&storage)?,
-            });
-        }
+        Source::Plain(input) => read_plain_input(input),
     }
-    read_plain(path)
 }
 
 /// Reads a plain safetensors file or directory into memory (every row in an [`EmbeddingTable`]).
 /// For bounded memory, open it as a [`PlainInput`] and save its [`PlainInput::tables`] instead.
 pub fn read_plain(path: &Path) -> Result<Model> {
-    let input = PlainInput::open(path)?;
+    read_plain_input(PlainInput::open(path)?)
+}
+
+/// An opened plain input's tables and dense tensors, in memory.
+fn read_plain_input(input: PlainInput) -> Result<Model> {
     let mut tables = Vec::new();
     for spec in &input.tables {
         let slots: Vec<SlotSpec> = spec.slots.iter().map(|s| s.0.clone()).collect();

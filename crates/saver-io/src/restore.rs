@@ -521,18 +521,7 @@ impl Checkpoint {
     ) -> Result<Vec<SegmentRead<'m>>> {
         let mut reads = Vec::new();
         for p in &t.partitions {
-            let slot_map: Vec<usize> = wanted
-                .iter()
-                .map(|want| {
-                    p.slots.iter().position(|s| *s == want.name).ok_or_else(|| {
-                        Error::Mismatch(format!(
-                            "table {:?} slot {:?} was not saved for shard {} (filtered out)",
-                            t.name, want.name, p.shard
-                        ))
-                    })
-                })
-                .collect::<Result<_>>()?;
-            let slot_map = Arc::new(slot_map);
+            let slot_map = Arc::new(slot_map(t, p, wanted)?);
             for seg in &p.segments {
                 let lo = seg.buckets[0].max(target.start);
                 let hi = seg.buckets[1].min(target.end);
@@ -699,6 +688,26 @@ impl Checkpoint {
         }
         Ok(checked)
     }
+}
+
+/// Which of partition `p`'s slot tensors holds each of the `wanted` slots of table `t`; an error
+/// naming the slot and shard if the save filtered one out.
+pub(crate) fn slot_map(
+    t: &TableManifest,
+    p: &saver_core::manifest::PartitionManifest,
+    wanted: &[SlotSpec],
+) -> Result<Vec<usize>> {
+    wanted
+        .iter()
+        .map(|want| {
+            p.slots.iter().position(|s| *s == want.name).ok_or_else(|| {
+                Error::Mismatch(format!(
+                    "table {:?} slot {:?} was not saved for shard {} (filtered out)",
+                    t.name, want.name, p.shard
+                ))
+            })
+        })
+        .collect()
 }
 
 /// Rows of `t` a target owning buckets `range` should receive: each saved partition's rows prorated

@@ -57,17 +57,7 @@ impl<'c> StoredTable<'c> {
         partitions.sort_by_key(|p| p.buckets[0]);
         let mut segments = Vec::new();
         for p in partitions {
-            let map: Vec<usize> = slots
-                .iter()
-                .map(|want| {
-                    p.slots.iter().position(|s| *s == want.name).ok_or_else(|| {
-                        Error::Mismatch(format!(
-                            "table {:?} slot {:?} was not saved for shard {} (filtered out)",
-                            table.name, want.name, p.shard
-                        ))
-                    })
-                })
-                .collect::<Result<_>>()?;
+            let map = crate::restore::slot_map(table, p, &slots)?;
             for seg in &p.segments {
                 if seg.rows >= 1 << ROW_BITS {
                     return Err(Error::Corrupt {
