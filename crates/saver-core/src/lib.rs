@@ -76,7 +76,9 @@ pub mod tensor;
 pub use dtype::{Dtype, KeyDtype};
 pub use error::{Error, Result};
 pub use filter::{BlockInfo, BlockKind, Filters, ScalarCondition};
-pub use manifest::{Manifest, ShardManifest, TableManifestExt, FORMAT_VERSION};
+pub use manifest::{
+    Manifest, ParentRef, ShardManifest, TableManifestExt, DELTA_FORMAT_VERSION, FORMAT_VERSION,
+};
 pub use partition::PartitionRule;
 pub use plan::{plan, ForeignRows, PlanOptions, SaveInput, SavePlan};
 pub use table::{ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSnapshot};

@@ -17,8 +17,44 @@ use crate::table::SlotSpec;
 
 /// Value of the `format` field of every manifest.
 pub const FORMAT_NAME: &str = "saver";
-/// The on-disk format version this build writes and reads.
+/// The on-disk format version of a full checkpoint: what this build writes for one, and the
+/// version every older build reads.
 pub const FORMAT_VERSION: u32 = 1;
+/// The format version of a delta checkpoint (one with a [`ParentRef`]). A build that knows only
+/// version 1 refuses it instead of taking its changed rows for the whole model.
+pub const DELTA_FORMAT_VERSION: u32 = 2;
+
+/// The format version a checkpoint's manifest and index carry: [`DELTA_FORMAT_VERSION`] for a
+/// delta, [`FORMAT_VERSION`] otherwise.
+pub fn format_version_of(parent: Option<&ParentRef>) -> u32 {
+    if parent.is_some() {
+        DELTA_FORMAT_VERSION
+    } else {
+        FORMAT_VERSION
+    }
+}
+
+/// The parent of a delta checkpoint: where it is and which save it must be.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ParentRef {
+    /// Its directory, relative to the child's (`../step-1000`); never absolute.
+    pub path: String,
+    /// Its save id.
+    pub save_id: String,
+    /// CRC32 of its manifest file, as its index records it: a parent replaced by another save at
+    /// the same path is told apart, even under the same save id.
+    pub manifest_crc32: u32,
+}
+
+impl std::fmt::Display for ParentRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (save {}, manifest crc32 {:08x})",
+            self.path, self.save_id, self.manifest_crc32
+        )
+    }
+}
 
 /// Where one tensor lives and what it must contain.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -225,6 +261,9 @@ pub struct ShardManifest {
     /// shard of a save.
     #[serde(default)]
     pub dense_given: Vec<DenseGiven>,
+    /// The parent, for a delta; equal in every shard of a save.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentRef>,
 }
 
 /// Per-shard facts kept in the global manifest.
@@ -262,8 +301,10 @@ pub struct Manifest {
     pub shards: Vec<ShardInfo>,
     /// Free-form metadata (equal in every shard).
     pub user_metadata: BTreeMap<String, String>,
-    /// The checkpoint this one is a delta of; always `None` until incremental saves exist.
-    pub parent: Option<String>,
+    /// The checkpoint this one is a delta of (`None`: a full checkpoint). A delta's tables hold
+    /// the rows inserted or changed since the parent, and each has a companion table
+    /// ([`crate::naming::removed_table_name`]) of the ids removed since it.
+    pub parent: Option<ParentRef>,
     /// The checkpoint this one replaced in its directory (`None`: the directory held none). Its
     /// files, and only they, were removed after this one was committed.
     #[serde(default)]
@@ -378,6 +419,13 @@ fn check_same_save(first: &ShardManifest, s: &ShardManifest) -> Result<()> {
         return Err(differ(format!(
             "step {:?} against {:?}",
             s.step, first.step
+        )));
+    }
+    if s.parent != first.parent {
+        return Err(differ(format!(
+            "parent {:?} against {:?}",
+            s.parent.as_ref().map(|p| &p.save_id),
+            first.parent.as_ref().map(|p| &p.save_id)
         )));
     }
     if s.user_metadata != first.user_metadata {
@@ -521,7 +569,7 @@ impl Manifest {
                     s.shard, s.save_id, s.shard_num, save_id, shard_num
                 )));
             }
-            if s.format != FORMAT_NAME || s.format_version != FORMAT_VERSION {
+            if s.format != FORMAT_NAME || s.format_version != format_version_of(s.parent.as_ref()) {
                 return Err(mismatch(format!(
                     "shard {} has format {} version {}",
                     s.shard, s.format, s.format_version
@@ -567,7 +615,7 @@ impl Manifest {
         dense.sort_by(|a: &DenseManifest, b| a.tensor.name.cmp(&b.tensor.name));
         Ok(Manifest {
             format: FORMAT_NAME.into(),
-            format_version: FORMAT_VERSION,
+            format_version: format_version_of(first.parent.as_ref()),
             save_id,
             partition: rule,
             shard_num,
@@ -576,7 +624,7 @@ impl Manifest {
             files,
             shards: infos,
             user_metadata: shards[0].user_metadata.clone(),
-            parent: None,
+            parent: shards[0].parent.clone(),
             replaces: None,
             step: shards[0].step,
         })

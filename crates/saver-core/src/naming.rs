@@ -53,6 +53,30 @@ pub fn check_table_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// Suffix of the companion table of a delta checkpoint that holds a table's removed ids.
+pub const REMOVED_SUFFIX: &str = ":removed";
+
+/// Name of the companion table of `table` in a delta checkpoint: the ids removed since the
+/// parent, without slots. The `:` keeps it apart from every table name a user can give.
+pub fn removed_table_name(table: &str) -> String {
+    format!("{table}{REMOVED_SUFFIX}")
+}
+
+/// The table whose removed ids `name` holds, if `name` is such a companion table's name.
+pub fn removed_table_of(name: &str) -> Option<&str> {
+    name.strip_suffix(REMOVED_SUFFIX)
+        .filter(|t| check_table_name(t).is_ok())
+}
+
+/// Checks a table name given to the planner: a table name, or the companion table of one that
+/// holds its removed ids in a delta ([`removed_table_name`]).
+pub fn check_plan_table_name(name: &str) -> Result<()> {
+    match removed_table_of(name) {
+        Some(_) => Ok(()),
+        None => check_table_name(name),
+    }
+}
+
 /// Checks a slot name: as a table name, and not one of the reserved slot names.
 pub fn check_slot_name(name: &str) -> Result<()> {
     check_common("slot", name)?;

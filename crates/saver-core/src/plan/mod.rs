@@ -41,7 +41,7 @@ use crate::manifest::{
     DenseGiven, DenseManifest, FileManifest, PartitionManifest, SegmentManifest, ShardManifest,
     TableManifest, TensorRef, FORMAT_NAME, FORMAT_VERSION,
 };
-use crate::naming::{check_dense_name, check_save_id, check_table_name};
+use crate::naming::{check_dense_name, check_plan_table_name, check_save_id};
 use crate::partition::PartitionRule;
 use crate::table::moment::{self, MomentHook};
 use crate::table::SparseTable;
@@ -295,7 +295,7 @@ pub struct SavePlan<'a> {
 fn validate_input(input: &SaveInput<'_>) -> Result<()> {
     let mut tables = HashSet::new();
     for t in &input.tables {
-        check_table_name(t.name())?;
+        check_plan_table_name(t.name())?;
         if !tables.insert(t.name()) {
             return Err(Error::DuplicateName {
                 what: "table",
@@ -621,6 +621,7 @@ impl<'a> SavePlan<'a> {
             step: None,
             tables_given: Vec::new(),
             dense_given: Vec::new(),
+            parent: None,
         }
     }
 }
