@@ -93,19 +93,27 @@ pub enum Error {
     },
     /// The checkpoint was written by a format version this build does not read.
     #[error(
-        "{file}: format version {found} is not supported (this build reads version {supported})"
+        "{file}: format version {found} is not supported (this build reads versions 1 to {supported})"
     )]
     UnsupportedVersion {
         /// The file declaring it.
         file: String,
         /// The version found.
         found: String,
-        /// The version this build reads.
+        /// The newest version this build reads.
         supported: u32,
     },
     /// What the caller asked to load does not fit the checkpoint or the target.
     #[error("{0}")]
     Mismatch(String),
+    /// A link of a chain of delta checkpoints is missing, replaced, or does not fit its child.
+    #[error("checkpoint {link}: {message}")]
+    Chain {
+        /// The link whose parent is at fault (its directory).
+        link: String,
+        /// What is wrong.
+        message: String,
+    },
     /// An option's value is unusable.
     #[error("invalid option {option}: {why}")]
     InvalidOption {
@@ -126,6 +134,7 @@ impl Error {
             Error::Corrupt { .. }
             | Error::UnsafePath { .. }
             | Error::UnsupportedVersion { .. }
+            | Error::Chain { .. }
             | Error::Core(_) => true,
             _ => false,
         }

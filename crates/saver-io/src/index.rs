@@ -6,8 +6,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use saver_core::manifest::format_version_of;
 use saver_core::naming::{check_save_id, manifest_name};
-use saver_core::{Manifest, FORMAT_VERSION};
+use saver_core::{Manifest, DELTA_FORMAT_VERSION, FORMAT_VERSION};
 
 use crate::error::{Error, Result};
 use crate::storage::check_file_name;
@@ -51,7 +52,7 @@ impl Index {
             metadata: IndexMetadata {
                 total_size: m.total_tensor_bytes(),
                 format: "saver".into(),
-                saver_format_version: FORMAT_VERSION,
+                saver_format_version: format_version_of(m.parent.as_ref()),
                 saver_save_id: m.save_id.clone(),
                 saver_manifest: manifest_name(&m.save_id),
                 saver_manifest_crc32: manifest_crc32,
@@ -78,11 +79,13 @@ impl Index {
             what: format!("not valid JSON: {e}"),
         })?;
         if let Some(found) = probe.metadata.and_then(|m| m.saver_format_version) {
-            if found.as_u64() != Some(u64::from(FORMAT_VERSION)) {
+            if !found.as_u64().is_some_and(|v| {
+                (u64::from(FORMAT_VERSION)..=u64::from(DELTA_FORMAT_VERSION)).contains(&v)
+            }) {
                 return Err(Error::UnsupportedVersion {
                     file: file.into(),
                     found: found.to_string(),
-                    supported: FORMAT_VERSION,
+                    supported: DELTA_FORMAT_VERSION,
                 });
             }
         }

@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 
+use saver_core::manifest::format_version_of;
 use saver_core::manifest::{FileManifest, FORMAT_NAME};
 use saver_core::naming::{shard_manifest_name, SaverFile, INDEX_FILE};
-use saver_core::{Manifest, TableManifestExt as _, FORMAT_VERSION};
+use saver_core::{Manifest, TableManifestExt as _, DELTA_FORMAT_VERSION, FORMAT_VERSION};
 
 use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
@@ -141,13 +142,16 @@ pub(crate) fn load_manifest(storage: &dyn Storage) -> Result<(Index, Manifest)> 
         file: name.clone(),
         what: format!("not valid JSON: {e}"),
     })?;
-    if probe.format_version.as_ref().and_then(|v| v.as_u64()) != Some(u64::from(FORMAT_VERSION)) {
+    let version = probe.format_version.as_ref().and_then(|v| v.as_u64());
+    if !version
+        .is_some_and(|v| (u64::from(FORMAT_VERSION)..=u64::from(DELTA_FORMAT_VERSION)).contains(&v))
+    {
         return Err(Error::UnsupportedVersion {
             file: name.clone(),
             found: probe
                 .format_version
                 .map_or("none".into(), |v| v.to_string()),
-            supported: FORMAT_VERSION,
+            supported: DELTA_FORMAT_VERSION,
         });
     }
     let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
@@ -176,6 +180,26 @@ fn check_manifest(m: &Manifest, index: &Index, file: &str) -> Result<()> {
             "save id {} differs from {INDEX_FILE}'s {}",
             m.save_id, index.metadata.saver_save_id
         )));
+    }
+    if m.format_version != format_version_of(m.parent.as_ref()) {
+        return Err(bad(format!(
+            "format version {} does not fit a {} checkpoint",
+            m.format_version,
+            if m.parent.is_some() { "delta" } else { "full" }
+        )));
+    }
+    if let Some(p) = &m.parent {
+        crate::chain::check_parent_path(&p.path).map_err(|why| bad(format!("parent {why}")))?;
+    }
+    for t in &m.tables {
+        if let Some(base) = saver_core::naming::removed_table_of(&t.name) {
+            if m.parent.is_none() || m.table(base).is_none() || !t.slots.is_empty() {
+                return Err(bad(format!(
+                    "table {:?} is not the removed ids of a table of a delta",
+                    t.name
+                )));
+            }
+        }
     }
     m.partition.validate()?;
     if m.shard_num == 0 {

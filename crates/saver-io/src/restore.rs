@@ -257,6 +257,14 @@ pub(crate) struct PieceCrc {
 impl Checkpoint {
     /// The selected tables, in manifest order.
     pub(crate) fn selected_tables(&self, opts: &LoadOptions) -> Result<Vec<&TableManifest>> {
+        if let Some(p) = &self.manifest().parent {
+            // A delta's tables hold only what changed: read alone they would be a wrong model.
+            return Err(Error::Mismatch(format!(
+                "{} is a delta checkpoint of {}: its rows are only what changed since then;                  read it through its chain (saver_io::Chain::open, or any saver command), or                  compact it into a full checkpoint (saver compact)",
+                self.location(),
+                p.path
+            )));
+        }
         let set = globs("tables", &opts.tables)?;
         for r in &opts.required_tables {
             if self.manifest().table(r).is_none() {

@@ -19,6 +19,7 @@ use saver_core::{SaveInput, SparseTable};
 pub use plain::{PlainInput, PlainTable};
 pub use stored::StoredTable;
 
+use crate::chain::{Chain, ChainTable};
 use crate::error::{Error, Result};
 use crate::import::{first_trainer_state, is_checkpoint, with_dense};
 use crate::reader::{describe_incomplete, Checkpoint};
@@ -29,11 +30,25 @@ use crate::storage::{LocalFs, Storage};
 /// order).
 pub type VisitRows<'a> = dyn FnMut(&[u64], &[&[u8]]) -> Result<()> + 'a;
 
+/// A table whose rows can be visited in storage order, (bucket, id bits): what the digest, the
+/// export's sort and the delta's comparison read.
+pub trait BucketRows: SparseTable {
+    /// Bytes of one row of each slot, in [`SparseTable::slots`] order.
+    fn row_bytes(&self) -> &[u64];
+    /// The exact number of rows.
+    fn rows(&self) -> u64;
+    /// Visits every row in (bucket, id bits) order, at most `batch` rows at a time: ids, and each
+    /// slot's rows back to back.
+    fn visit_in_bucket_order(&self, batch: usize, visit: &mut VisitRows<'_>) -> Result<()>;
+}
+
 /// A model to read: a checkpoint or a plain input, opened (headers and manifests read, no data).
 #[derive(Debug)]
 pub enum Source {
     /// A saver checkpoint.
     Checkpoint(Box<Checkpoint>),
+    /// A delta checkpoint and its chain of parents.
+    Chain(Box<Chain>),
     /// Plain safetensors files.
     Plain(PlainInput),
 }
@@ -42,6 +57,8 @@ pub enum Source {
 pub enum SourceTables<'s> {
     /// A checkpoint's.
     Stored(Vec<StoredTable<'s>>),
+    /// A chain's, resolved.
+    Chain(Vec<ChainTable<'s>>),
     /// A plain input's, distributed by bucket.
     Plain(Vec<PlainTable<'s>>),
 }
@@ -51,7 +68,17 @@ impl SourceTables<'_> {
     pub fn as_dyn(&self) -> Vec<&dyn SparseTable> {
         match self {
             Self::Stored(t) => t.iter().map(|t| t as &dyn SparseTable).collect(),
+            Self::Chain(t) => t.iter().map(|t| t as &dyn SparseTable).collect(),
             Self::Plain(t) => t.iter().map(|t| t as &dyn SparseTable).collect(),
+        }
+    }
+
+    /// The tables as [`BucketRows`].
+    pub fn as_bucket_rows(&self) -> Vec<&dyn BucketRows> {
+        match self {
+            Self::Stored(t) => t.iter().map(|t| t as &dyn BucketRows).collect(),
+            Self::Chain(t) => t.iter().map(|t| t as &dyn BucketRows).collect(),
+            Self::Plain(t) => t.iter().map(|t| t as &dyn BucketRows).collect(),
         }
     }
 }
@@ -64,7 +91,12 @@ impl Source {
     pub fn open(path: &Path) -> Result<Self> {
         if path.is_dir() {
             if is_checkpoint(path) {
-                return Ok(Self::Checkpoint(Box::new(Checkpoint::open(path)?)));
+                let ckpt = Checkpoint::open(path)?;
+                if ckpt.manifest().parent.is_some() {
+                    drop(ckpt);
+                    return Ok(Self::Chain(Box::new(Chain::open(path)?)));
+                }
+                return Ok(Self::Checkpoint(Box::new(ckpt)));
             }
             let storage = LocalFs::open_dir(path)?;
             if !storage.exists(INDEX_FILE)?
@@ -87,6 +119,7 @@ impl Source {
     pub fn tables(&self, scratch: &Path, parallel: usize) -> Result<SourceTables<'_>> {
         Ok(match self {
             Self::Checkpoint(c) => SourceTables::Stored(StoredTable::all(c, &[], &[])?),
+            Self::Chain(c) => SourceTables::Chain(c.tables(&[], &[])?),
             Self::Plain(p) => SourceTables::Plain(p.tables(scratch, parallel)?),
         })
     }
@@ -95,6 +128,7 @@ impl Source {
     pub fn dense(&self) -> Result<Vec<LoadedDense>> {
         match self {
             Self::Checkpoint(c) => Self::checkpoint_dense(c),
+            Self::Chain(c) => Self::checkpoint_dense(c.newest()),
             Self::Plain(p) => p.read_dense(),
         }
     }
@@ -119,6 +153,7 @@ impl Source {
     pub fn trainer_state(&self) -> Option<String> {
         match self {
             Self::Checkpoint(c) => first_trainer_state(c),
+            Self::Chain(c) => first_trainer_state(c.newest()),
             Self::Plain(_) => None,
         }
     }
@@ -127,6 +162,7 @@ impl Source {
     pub fn user_metadata(&self) -> BTreeMap<String, String> {
         match self {
             Self::Checkpoint(c) => c.manifest().user_metadata.clone(),
+            Self::Chain(c) => c.newest().manifest().user_metadata.clone(),
             Self::Plain(p) => p.user_metadata.clone(),
         }
     }
@@ -134,7 +170,7 @@ impl Source {
     /// Things about the input a user should hear of.
     pub fn warnings(&self) -> &[String] {
         match self {
-            Self::Checkpoint(_) => &[],
+            Self::Checkpoint(_) | Self::Chain(_) => &[],
             Self::Plain(p) => &p.warnings,
         }
     }
@@ -157,9 +193,6 @@ pub fn save_input<'a>(
     dense: &'a [LoadedDense],
 ) -> Result<SaveInput<'a>> {
     let mut input = SaveInput::new();
-    match tables {
-        SourceTables::Stored(t) => t.iter().for_each(|t| input.tables.push(t)),
-        SourceTables::Plain(t) => t.iter().for_each(|t| input.tables.push(t)),
-    }
+    input.tables = tables.as_dyn();
     with_dense(input, dense)
 }

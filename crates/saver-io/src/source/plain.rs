@@ -353,6 +353,8 @@ pub struct PlainTable<'p> {
     spec: &'p PlainTableSpec,
     slots: Vec<SlotSpec>,
     row_bytes: Vec<usize>,
+    /// `row_bytes` as [`super::BucketRows`] gives them.
+    row_bytes_u64: Vec<u64>,
     groups: Groups,
     /// Columns of groups recently loaded, most recent last.
     cache: Mutex<ColumnCache>,
@@ -382,6 +384,7 @@ impl<'p> PlainTable<'p> {
             input,
             spec,
             slots,
+            row_bytes_u64: row_bytes.iter().map(|&b| b as u64).collect(),
             row_bytes,
             groups: Groups::Direct,
             cache: Mutex::new(Vec::new()),
@@ -690,6 +693,18 @@ impl<'p> PlainTable<'p> {
             Groups::Direct => 0,
             Groups::Spilled { shift, .. } => (PartitionRule::bucket_of(id) >> shift) as usize,
         }
+    }
+}
+
+impl super::BucketRows for PlainTable<'_> {
+    fn row_bytes(&self) -> &[u64] {
+        &self.row_bytes_u64
+    }
+    fn rows(&self) -> u64 {
+        self.spec.rows
+    }
+    fn visit_in_bucket_order(&self, batch: usize, visit: &mut super::VisitRows<'_>) -> Result<()> {
+        PlainTable::visit_in_bucket_order(self, batch, visit)
     }
 }
 

@@ -1,4 +1,4 @@
-//! A checkpoint table's rows in ascending id order, in bounded memory: an external merge sort.
+//! A table's rows in ascending id order, in bounded memory: an external merge sort.
 //!
 //! A checkpoint stores rows by (bucket, id), and the bucket is a hash: rows by id are spread over
 //! the whole table. So the table is read front to back in *runs* of at most [`RUN_BYTES`], each
@@ -14,11 +14,9 @@ use std::path::Path;
 
 use rayon::slice::ParallelSliceMut;
 
-use saver_core::SparseTable;
-
 use std::sync::mpsc::sync_channel;
 
-use super::{StoredTable, VisitRows};
+use super::{BucketRows, VisitRows};
 use crate::error::{io_err, Result};
 use crate::write_behind::WriteBehind;
 
@@ -35,7 +33,7 @@ const BATCH_ROWS: usize = 1 << 14;
 /// thousand rows at a time: ids, and each kept slot's rows. Runs of at most `run_bytes` of rows
 /// ([`RUN_BYTES`] is a good size) go to a nameless temporary file in `scratch`.
 pub fn visit_by_id(
-    t: &StoredTable<'_>,
+    t: &dyn BucketRows,
     scratch: &Path,
     run_bytes: usize,
     visit: &mut VisitRows<'_>,
@@ -43,8 +41,8 @@ pub fn visit_by_id(
     let widths: Vec<usize> = t.row_bytes().iter().map(|&b| b as usize).collect();
     let row = 8 + widths.iter().sum::<usize>();
     let run_rows = (run_bytes / row).clamp(1, u32::MAX as usize);
-    let key = SparseTable::key_dtype(t);
-    if SparseTable::len(t) <= run_rows {
+    let key = t.key_dtype();
+    if t.rows() <= run_rows as u64 {
         // One run: sorted and handed over from memory.
         let mut run = RunBuffer::new(&widths);
         read_runs(t, usize::MAX, &widths, &mut |run_rows: &mut RunBuffer| {
@@ -94,43 +92,28 @@ pub fn visit_by_id(
 /// Reads `t` front to back into runs of at most `run_rows` rows, handing each full run (and the
 /// last) to `full`, which may take its contents.
 fn read_runs(
-    t: &StoredTable<'_>,
+    t: &dyn BucketRows,
     run_rows: usize,
     widths: &[usize],
     full: &mut dyn FnMut(&mut RunBuffer) -> Result<()>,
 ) -> Result<()> {
     let mut run = RunBuffer::new(widths);
-    let mut raw = Vec::new();
-    for s in 0..t.segment_count() {
-        let rows = t.segment_rows(s);
-        let mut at = 0;
-        while at < rows {
-            let room = run_rows - run.ids.len();
-            let end = at.saturating_add(room as u64).min(rows);
-            let n = (end - at) as usize;
-            raw.resize(n * 8, 0);
-            let before = run.ids.len();
-            for (buf, &w) in run.slots.iter_mut().zip(widths) {
-                buf.resize((before + n) * w, 0);
+    t.visit_in_bucket_order(run_rows.clamp(1, 1 << 16), &mut |ids, slots| {
+        let mut i = 0;
+        while i < ids.len() {
+            let n = (run_rows - run.ids.len()).min(ids.len() - i);
+            run.ids.extend_from_slice(&ids[i..i + n]);
+            for ((buf, s), &w) in run.slots.iter_mut().zip(slots).zip(widths) {
+                buf.extend_from_slice(&s[i * w..(i + n) * w]);
             }
-            let mut outs: Vec<&mut [u8]> = run
-                .slots
-                .iter_mut()
-                .zip(widths)
-                .map(|(b, &w)| &mut b[before * w..])
-                .collect();
-            t.read_segment(s, at..end, &mut raw, &mut outs)?;
-            run.ids.extend(
-                raw.chunks_exact(8)
-                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
-            );
-            at = end;
+            i += n;
             if run.ids.len() >= run_rows {
                 full(&mut run)?;
                 run.clear();
             }
         }
-    }
+        Ok(())
+    })?;
     if !run.ids.is_empty() {
         full(&mut run)?;
     }

@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::reader::Checkpoint;
 
 /// Bits of a row handle that hold the row's number within its segment; the segment is above.
-const ROW_BITS: u32 = 40;
+pub(crate) const ROW_BITS: u32 = 40;
 
 /// One segment of the table, in bucket order, with the tensors of the kept slots.
 struct Segment<'c> {
@@ -221,11 +221,9 @@ impl<'c> StoredTable<'c> {
         Ok(())
     }
 
-    /// Finds the row of `id`: its segment and row number there. Binary search over the ids of
-    /// the segment that holds the id's bucket.
+    /// Finds the row of `id`: its segment and row number there.
     fn find(&self, id: u64) -> Result<(usize, u64)> {
-        let bucket = PartitionRule::bucket_of(id);
-        let missing = || {
+        self.locate(id)?.ok_or_else(|| {
             saver_core::Error::Table {
                 table: self.table.name.clone(),
                 message: format!(
@@ -234,14 +232,19 @@ impl<'c> StoredTable<'c> {
                 ),
             }
             .into()
-        };
-        let Some(s) = self
-            .segments
+        })
+    }
+
+    /// The segment holding `bucket`, if any.
+    pub(crate) fn segment_of_bucket(&self, bucket: u32) -> Option<usize> {
+        self.segments
             .iter()
             .position(|s| (s.seg.buckets[0]..s.seg.buckets[1]).contains(&bucket))
-        else {
-            return Err(missing());
-        };
+    }
+
+    /// The first row of segment `s` whose (bucket, id) is not below `key`: a binary search over
+    /// the segment's ids.
+    pub(crate) fn lower_bound(&self, s: usize, key: (u32, u64)) -> Result<u64> {
         let t = &self.segments[s].seg.ids;
         let (mut lo, mut hi) = (0, self.segments[s].seg.rows);
         let mut b = [0u8; 8];
@@ -249,13 +252,115 @@ impl<'c> StoredTable<'c> {
             let mid = lo + (hi - lo) / 2;
             self.ckpt.read_tensor_range(t, mid * 8, &mut b)?;
             let other = u64::from_le_bytes(b);
-            match (PartitionRule::bucket_of(other), other).cmp(&(bucket, id)) {
-                std::cmp::Ordering::Less => lo = mid + 1,
-                std::cmp::Ordering::Greater => hi = mid,
-                std::cmp::Ordering::Equal => return Ok((s, mid)),
+            if (PartitionRule::bucket_of(other), other) < key {
+                lo = mid + 1;
+            } else {
+                hi = mid;
             }
         }
-        Err(missing())
+        Ok(lo)
+    }
+
+    /// The rows of `buckets`, which must lie within one segment's range: that segment and the
+    /// row range; `None` when no segment holds them.
+    pub(crate) fn rows_of_buckets(
+        &self,
+        buckets: Range<u32>,
+    ) -> Result<Option<(usize, Range<u64>)>> {
+        if buckets.is_empty() {
+            return Ok(None);
+        }
+        let Some(s) = self.segment_of_bucket(buckets.start) else {
+            return Ok(None);
+        };
+        let seg = self.segments[s].seg;
+        debug_assert!(buckets.end <= seg.buckets[1]);
+        let lo = if buckets.start == seg.buckets[0] {
+            0
+        } else {
+            self.lower_bound(s, (buckets.start, 0))?
+        };
+        let hi = if buckets.end >= seg.buckets[1] {
+            seg.rows
+        } else {
+            self.lower_bound(s, (buckets.end, 0))?
+        };
+        Ok(Some((s, lo..hi.max(lo))))
+    }
+
+    /// Finds the row of `id`, if the table holds it: binary search over the ids of the segment
+    /// that holds the id's bucket.
+    pub(crate) fn locate(&self, id: u64) -> Result<Option<(usize, u64)>> {
+        let bucket = PartitionRule::bucket_of(id);
+        let Some(s) = self.segment_of_bucket(bucket) else {
+            return Ok(None);
+        };
+        let at = self.lower_bound(s, (bucket, id))?;
+        if at >= self.segments[s].seg.rows {
+            return Ok(None);
+        }
+        let mut b = [0u8; 8];
+        self.ckpt
+            .read_tensor_range(&self.segments[s].seg.ids, at * 8, &mut b)?;
+        Ok((u64::from_le_bytes(b) == id).then_some((s, at)))
+    }
+
+    /// The bucket boundaries of the segments.
+    pub(crate) fn boundaries(&self) -> impl Iterator<Item = u32> + '_ {
+        self.segments
+            .iter()
+            .flat_map(|s| [s.seg.buckets[0], s.seg.buckets[1]])
+    }
+
+    /// The table's manifest entry.
+    pub fn manifest(&self) -> &'c TableManifest {
+        self.table
+    }
+
+    /// The checkpoint the table is read from.
+    pub fn checkpoint(&self) -> &'c Checkpoint {
+        self.ckpt
+    }
+}
+
+impl super::BucketRows for StoredTable<'_> {
+    fn row_bytes(&self) -> &[u64] {
+        &self.row_bytes
+    }
+
+    fn rows(&self) -> u64 {
+        self.rows
+    }
+
+    fn visit_in_bucket_order(&self, batch: usize, visit: &mut super::VisitRows<'_>) -> Result<()> {
+        let widths: Vec<usize> = self.row_bytes.iter().map(|&b| b as usize).collect();
+        let step = batch.max(1) as u64;
+        let mut raw = Vec::new();
+        let mut ids = Vec::new();
+        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); widths.len()];
+        for s in 0..self.segment_count() {
+            let rows = self.segment_rows(s);
+            let mut at = 0;
+            while at < rows {
+                let end = (at + step).min(rows);
+                let n = (end - at) as usize;
+                raw.resize(n * 8, 0);
+                for (b, &w) in bufs.iter_mut().zip(&widths) {
+                    b.resize(n * w, 0);
+                }
+                let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+                self.read_segment(s, at..end, &mut raw, &mut outs)?;
+                ids.clear();
+                ids.extend(
+                    raw.chunks_exact(8)
+                        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
+                );
+                let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+                visit(&ids, &views)?;
+                at = end;
+            }
+        }
+        Ok(())
     }
 }
 
