@@ -14,7 +14,7 @@ pub use saver_io as io;
 
 /// Everything a trainer needs, for `use saver::prelude::*;` (also re-exported at the top level):
 /// tables, snapshots and rows, dense tensors, filters, save and load options and reports, the
-/// background save, verify and export.
+/// background save, verify, export, and chains of delta checkpoints.
 pub mod prelude {
     pub use saver_core::table::moment;
     pub use saver_core::table::{RowChunk, RowMut, TableSemantics};
@@ -22,11 +22,11 @@ pub mod prelude {
         BlockKind, ColumnTable, DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype,
         PartitionRule, PlanOptions, RowView, SaveInput, SlotSpec, SparseTable, TableSnapshot,
     };
-    pub use saver_io::export::{export, ExportOptions, ExportReport};
+    pub use saver_io::export::{export, export_chain, ExportOptions, ExportReport};
     pub use saver_io::{
-        save, save_async, verify, Checkpoint, DirectIo, LoadOptions, LoadReport, LoadedDense,
-        Restored, RestoredShard, SaveHandle, SaveOptions, SaveReport, Status, TableSink,
-        VerifyReport,
+        save, save_async, verify, Chain, Checkpoint, DirectIo, LoadOptions, LoadReport,
+        LoadedDense, Restored, RestoredShard, SaveHandle, SaveOptions, SaveReport, Status,
+        TableSink, VerifyReport,
     };
 }
 

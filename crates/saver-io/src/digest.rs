@@ -19,7 +19,7 @@ use saver_core::{EmbeddingTable, KeyDtype, PartitionRule, SlotSpec, SparseTable}
 
 use crate::columns::{Columns, TableColumns};
 use crate::error::{Error, Result};
-use crate::source::{SourceTables, StoredTable, VisitRows};
+use crate::source::{SourceTables, VisitRows};
 
 use crate::restore::LoadedDense;
 
@@ -521,81 +521,18 @@ pub fn tables_digest(
 pub fn source_digest(tables: &SourceTables<'_>, dense: &[LoadedDense]) -> Result<String> {
     let mut h = Sha256::new();
     h.update(DIGEST_TAG_V2);
-    let mut named: Vec<(&str, usize)> = match tables {
-        SourceTables::Stored(t) => t
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (SparseTable::name(t), i))
-            .collect(),
-        SourceTables::Plain(t) => t
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (SparseTable::name(t), i))
-            .collect(),
-    };
-    named.sort();
-    for (_, i) in named {
-        match tables {
-            SourceTables::Stored(t) => hash_stored(&mut h, &t[i])?,
-            SourceTables::Plain(t) => {
-                let t = &t[i];
-                let step = (READ_ROWS_BYTES
-                    / (8 + SparseTable::slots(t)
-                        .iter()
-                        .map(|s| s.row_bytes().unwrap_or(0))
-                        .sum::<u64>()))
-                .max(1) as usize;
-                hash_table_v2(
-                    &mut h,
-                    SparseTable::name(t),
-                    SparseTable::key_dtype(t),
-                    SparseTable::slots(t),
-                    SparseTable::len(t) as u64,
-                    Box::new(move |visit| t.visit_in_bucket_order(step, visit)),
-                )?
-            }
-        }
+    let mut tables = tables.as_bucket_rows();
+    tables.sort_by(|a, b| a.name().cmp(b.name()));
+    for t in tables {
+        let step = (READ_ROWS_BYTES / (8 + t.row_bytes().iter().sum::<u64>())).max(1) as usize;
+        hash_table_v2(
+            &mut h,
+            t.name(),
+            t.key_dtype(),
+            t.slots(),
+            t.rows(),
+            Box::new(move |visit| t.visit_in_bucket_order(step, visit)),
+        )?;
     }
     Ok(hash_dense(h, dense))
-}
-
-/// Hashes a checkpoint's table: segment by segment in bucket order, a few MiB at a time.
-fn hash_stored(h: &mut Sha256, t: &StoredTable<'_>) -> Result<()> {
-    let widths: Vec<usize> = t.row_bytes().iter().map(|&b| b as usize).collect();
-    let step = (READ_ROWS_BYTES / (8 + t.row_bytes().iter().sum::<u64>())).max(1);
-    hash_table_v2(
-        h,
-        SparseTable::name(t),
-        SparseTable::key_dtype(t),
-        SparseTable::slots(t),
-        SparseTable::len(t) as u64,
-        Box::new(move |visit| {
-            let mut raw = Vec::new();
-            let mut ids = Vec::new();
-            let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); widths.len()];
-            for s in 0..t.segment_count() {
-                let rows = t.segment_rows(s);
-                let mut at = 0;
-                while at < rows {
-                    let end = (at + step).min(rows);
-                    let n = (end - at) as usize;
-                    raw.resize(n * 8, 0);
-                    for (b, &w) in bufs.iter_mut().zip(&widths) {
-                        b.resize(n * w, 0);
-                    }
-                    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
-                    t.read_segment(s, at..end, &mut raw, &mut outs)?;
-                    ids.clear();
-                    ids.extend(
-                        raw.chunks_exact(8)
-                            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
-                    );
-                    let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
-                    visit(&ids, &views)?;
-                    at = end;
-                }
-            }
-            Ok(())
-        }),
-    )
 }

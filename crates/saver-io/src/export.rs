@@ -12,13 +12,14 @@ use serde::Serialize;
 use saver_core::cast::cast;
 use saver_core::naming::INDEX_FILE;
 use saver_core::plan::header::{render_header_with, HeaderTensor};
-use saver_core::{Dtype, SparseTable};
+use saver_core::Dtype;
 
+use crate::chain::Chain;
 use crate::error::{Error, Result};
 use crate::reader::Checkpoint;
 use crate::restore::LoadedDense;
 use crate::source::sorted::{visit_by_id, RUN_BYTES};
-use crate::source::{Source, StoredTable};
+use crate::source::{BucketRows, Source, StoredTable};
 use crate::storage::{LocalFs, Storage, WriteHandle};
 use crate::write_behind::WriteBehind;
 
@@ -130,6 +131,30 @@ const COLUMN_BUFFER_BYTES: usize = 4 << 20;
 /// export holds bounded buffers (about 100 MiB) plus the dense tensors, whatever the number of
 /// rows.
 pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
+    let tables = StoredTable::all(ckpt, &opts.tables, &opts.exclude_slots)?;
+    let tables: Vec<&dyn BucketRows> = tables.iter().map(|t| t as &dyn BucketRows).collect();
+    export_tables(tables, || Source::checkpoint_dense(ckpt), out, opts)
+}
+
+/// Exports the newest state of `chain` (a delta resolved over its parents, or one full
+/// checkpoint) into directory `out`, as [`export`] does.
+pub fn export_chain(chain: &Chain, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
+    let tables = chain.tables(&opts.tables, &opts.exclude_slots)?;
+    let tables: Vec<&dyn BucketRows> = tables.iter().map(|t| t as &dyn BucketRows).collect();
+    export_tables(
+        tables,
+        || Source::checkpoint_dense(chain.newest()),
+        out,
+        opts,
+    )
+}
+
+fn export_tables(
+    mut tables: Vec<&dyn BucketRows>,
+    read_dense: impl FnOnce() -> Result<Vec<LoadedDense>>,
+    out: &Path,
+    opts: &ExportOptions,
+) -> Result<ExportReport> {
     let start = Instant::now();
     if let Some(d) = opts.dtype {
         if !matches!(d, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
@@ -154,9 +179,8 @@ pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<Exp
     }
     // The files of the export being replaced: its index lists them, and only they are removed.
     let previous = previous_export_files(&storage)?;
-    let mut tables = StoredTable::all(ckpt, &opts.tables, &opts.exclude_slots)?;
-    tables.sort_by(|a, b| SparseTable::name(a).cmp(SparseTable::name(b)));
-    let dense = Source::checkpoint_dense(ckpt)?;
+    tables.sort_by(|a, b| a.name().cmp(b.name()));
+    let dense = read_dense()?;
     let out_dtype = |dtype: Dtype| match opts.dtype {
         Some(to) if dtype.is_float() => to,
         _ => dtype,
@@ -177,10 +201,10 @@ pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<Exp
         Ok(())
     };
     for t in &tables {
-        let name = SparseTable::name(t);
-        let rows = SparseTable::len(t) as u64;
+        let name = t.name();
+        let rows = t.rows();
         add(format!("{name}/ids"), t.key_dtype().dtype(), vec![rows])?;
-        for spec in SparseTable::slots(t) {
+        for spec in t.slots() {
             let mut shape = vec![rows];
             shape.extend_from_slice(&spec.shape);
             add(format!("{name}/{}", spec.name), spec.dtype, shape)?;
@@ -328,7 +352,7 @@ impl Column<'_, '_> {
 
 /// Writes every tensor's bytes into the files of `handles`.
 fn fill(
-    tables: &[StoredTable<'_>],
+    tables: &[&dyn BucketRows],
     dense: &[LoadedDense],
     tensors: &[OutTensor],
     handles: &[Box<dyn WriteHandle>],
@@ -337,7 +361,7 @@ fn fill(
 ) -> Result<()> {
     let mut next = 0;
     for t in tables {
-        let count = 1 + SparseTable::slots(t).len();
+        let count = 1 + t.slots().len();
         let mine = &tensors[next..next + count];
         next += count;
         std::thread::scope(|scope| {
@@ -352,7 +376,7 @@ fn fill(
                     at: 0,
                 })
                 .collect();
-            let produced = visit_by_id(t, scratch, sort_memory, &mut |ids, slots| {
+            let produced = visit_by_id(*t, scratch, sort_memory, &mut |ids, slots| {
                 let (id_col, slot_cols) = columns.split_first_mut().expect("an ids column");
                 for id in ids {
                     id_col.push(&id.to_le_bytes())?;

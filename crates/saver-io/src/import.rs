@@ -114,6 +114,13 @@ pub fn read_model(path: &Path, parallel: usize) -> Result<Model> {
             })?;
             Model::from_restored(r, &ckpt)
         }
+        Source::Chain(chain) => {
+            let r = chain.restore(&LoadOptions {
+                parallel,
+                ..LoadOptions::default()
+            })?;
+            Model::from_restored(r, chain.newest())
+        }
         Source::Plain(input) => read_plain_input(input),
     }
 }

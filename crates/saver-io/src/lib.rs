@@ -24,8 +24,10 @@
 #![warn(missing_docs)]
 
 pub mod background;
+pub mod chain;
 pub mod columns;
 pub mod commit;
+pub mod delta;
 pub mod digest;
 pub mod error;
 pub mod export;
@@ -46,6 +48,7 @@ mod write_behind;
 pub mod writer;
 
 pub use background::{save_async, SaveHandle};
+pub use chain::{Chain, ChainTable};
 pub use error::{Error, Result};
 pub use reader::Checkpoint;
 pub use restore::{LoadOptions, LoadReport, LoadedDense, Restored, RestoredShard, TableSink};

@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use crate::chain::Chain;
 use crate::error::Result;
 use crate::import::first_trainer_state;
 use crate::reader::Checkpoint;
@@ -18,10 +19,29 @@ use crate::writer::{save, SaveOptions, SaveReport};
 /// checked against its CRC32.
 pub fn reshard(src: &Checkpoint, out: &Path, opts: &SaveOptions) -> Result<SaveReport> {
     let tables = SourceTables::Stored(StoredTable::all(src, &[], &[])?);
+    rewrite(src, tables, out, opts)
+}
+
+/// Rewrites the newest state of `chain` (a delta resolved over its parents, or one full
+/// checkpoint) into `out` as a full checkpoint of `opts.plan.shard_num` shards, as [`reshard`]
+/// does: what `saver compact` and `saver reshard` of a delta run.
+pub fn reshard_chain(chain: &Chain, out: &Path, opts: &SaveOptions) -> Result<SaveReport> {
+    let tables = SourceTables::Chain(chain.tables(&[], &[])?);
+    rewrite(chain.newest(), tables, out, opts)
+}
+
+/// Saves `tables` with `src`'s dense tensors, trainer state and user metadata.
+fn rewrite(
+    src: &Checkpoint,
+    tables: SourceTables<'_>,
+    out: &Path,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
     let dense = crate::source::Source::checkpoint_dense(src)?;
     let input = save_input(&tables, &dense)?;
     let mut opts = opts.clone();
     opts.plan.shard_index = None;
+    opts.parent = None;
     if opts.trainer_state.is_none() {
         opts.trainer_state = first_trainer_state(src);
     }

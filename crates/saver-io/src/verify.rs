@@ -50,11 +50,48 @@ pub struct VerifyReport {
     pub bytes: u64,
     /// Every problem found.
     pub problems: Vec<Problem>,
+    /// For a delta: every parent link verified, newest first, as `directory (save id)`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub parents: Vec<String>,
 }
 
-/// Verifies the checkpoint in `dir`.
+/// Verifies the checkpoint in `dir` and, if it is a delta, every link of its chain: each parent
+/// must be where its child says, be the save its child names (save id and manifest checksum),
+/// and verify itself. A missing or replaced parent makes the delta corrupt, named in a problem.
 pub fn verify(dir: impl AsRef<Path>, parallel: usize) -> Result<VerifyReport> {
-    verify_storage(&LocalFs::open_dir(dir.as_ref())?, parallel)
+    let dir = dir.as_ref();
+    let mut report = verify_storage(&LocalFs::open_dir(dir)?, parallel)?;
+    if report.status != Status::Ok {
+        return Ok(report);
+    }
+    let chain = match crate::chain::Chain::open(dir) {
+        Ok(c) => c,
+        Err(e) if e.is_about_the_checkpoint() => {
+            report.status = Status::Corrupt;
+            report.problems.push(problem(&e, INDEX_FILE));
+            return Ok(report);
+        }
+        Err(e) => return Err(e),
+    };
+    for (link, ckpt) in chain.dirs().iter().zip(chain.links()).skip(1) {
+        let r = verify_storage(&LocalFs::open_dir(link)?, parallel)?;
+        report
+            .parents
+            .push(format!("{} ({})", link.display(), ckpt.manifest().save_id));
+        report.files += r.files;
+        report.tensors += r.tensors;
+        report.bytes += r.bytes;
+        for p in r.problems {
+            report.problems.push(Problem {
+                file: link.join(&p.file).display().to_string(),
+                ..p
+            });
+        }
+        if r.status != Status::Ok {
+            report.status = Status::Corrupt;
+        }
+    }
+    Ok(report)
 }
 
 fn problem(e: &Error, fallback_file: &str) -> Problem {
@@ -98,6 +135,7 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
         tensors: 0,
         bytes: 0,
         problems: Vec::new(),
+        parents: Vec::new(),
     };
     let manifest = match load_manifest(storage) {
         Ok((_, m)) => m,

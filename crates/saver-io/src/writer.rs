@@ -1,7 +1,7 @@
 //! Writing a plan to storage and committing it: the save pipeline's last two stages.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -10,7 +10,9 @@ use crc32fast::Hasher;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use saver_core::manifest::{encode_trainer_state, CheckpointRef, TableGiven, WriterInfo};
+use saver_core::manifest::{
+    encode_trainer_state, format_version_of, CheckpointRef, ParentRef, TableGiven, WriterInfo,
+};
 use saver_core::naming::{check_save_id, shard_manifest_name, INDEX_FILE};
 use saver_core::plan::{plan_with_spill, tables_past_budget, ChunkBuffer, Loc};
 use saver_core::table::TableSemantics;
@@ -58,6 +60,12 @@ pub struct SaveOptions {
     /// around the page cache). Default [`DirectIo::Auto`]. [`save_to`] leaves it to the storage
     /// it is given (see [`LocalFs::with_direct_io`]).
     pub direct_io: DirectIo,
+    /// Save a delta of the checkpoint in this directory (which may itself be a delta): only the
+    /// rows inserted or changed since it, whole, and the ids removed since it, found by comparing
+    /// each table's rows with the parent's (see [`crate::delta`]). `None` (default): a full
+    /// checkpoint. The manifest names the parent by its path relative to the new checkpoint, its
+    /// save id and its manifest's checksum; loading the delta resolves the chain.
+    pub parent: Option<PathBuf>,
     /// Progress callback, called from writer threads with the bytes just written. It must own
     /// what it uses (`'static`): to count into a variable of yours, share it through an `Arc`:
     ///
@@ -89,6 +97,7 @@ impl Default for SaveOptions {
             user_metadata: BTreeMap::new(),
             trainer_state: None,
             direct_io: DirectIo::Auto,
+            parent: None,
             progress: None,
         }
     }
@@ -164,14 +173,18 @@ pub struct SaveReport {
 
 /// Saves a model into directory `dir` (created if needed). See [`save_to`].
 pub fn save(dir: impl AsRef<Path>, input: SaveInput<'_>, opts: &SaveOptions) -> Result<SaveReport> {
-    let storage = LocalFs::create_dir(dir.as_ref())?;
+    save_to(&local_storage(dir.as_ref(), opts)?, input, opts)
+}
+
+/// The directory a local save writes into, created if needed, with direct I/O as `opts` says.
+pub(crate) fn local_storage(dir: &Path, opts: &SaveOptions) -> Result<LocalFs> {
+    let storage = LocalFs::create_dir(dir)?;
     let direct = match opts.direct_io {
         DirectIo::Auto => opts.durable && storage.suits_direct_io(),
         DirectIo::On => true,
         DirectIo::Off => false,
     };
-    let storage = storage.with_direct_io(direct);
-    save_to(&storage, input, opts)
+    Ok(storage.with_direct_io(direct))
 }
 
 fn random_save_id() -> String {
@@ -221,6 +234,20 @@ pub fn save_to(
     storage: &dyn Storage,
     input: SaveInput<'_>,
     opts: &SaveOptions,
+) -> Result<SaveReport> {
+    if opts.parent.is_some() {
+        return crate::delta::save_delta_of_input(storage, input, opts);
+    }
+    save_prepared(storage, input, opts, None)
+}
+
+/// [`save_to`] of a model ready to be written: a full checkpoint, or a delta's changed rows and
+/// removed ids with the parent they are a delta of.
+pub(crate) fn save_prepared(
+    storage: &dyn Storage,
+    input: SaveInput<'_>,
+    opts: &SaveOptions,
+    parent: Option<ParentRef>,
 ) -> Result<SaveReport> {
     let t0 = Instant::now();
     let save_id =
@@ -278,6 +305,7 @@ pub fn save_to(
         Shared {
             writer,
             replaces: seen,
+            parent,
             t0,
         },
         &mut shard_manifests_written,
@@ -302,6 +330,7 @@ pub fn save_to(
 struct Shared {
     writer: WriterInfo,
     replaces: Option<CheckpointRef>,
+    parent: Option<ParentRef>,
     t0: Instant,
 }
 
@@ -356,6 +385,8 @@ fn write_and_commit(
         m.step = opts.step;
         m.tables_given = tables_given.clone();
         m.dense_given = dense_given.clone();
+        m.format_version = format_version_of(shared.parent.as_ref());
+        m.parent = shared.parent.clone();
         let json = serde_json::to_vec_pretty(&m).expect("manifests serialize");
         // Set before the write, not after: once a shard manifest may exist, another process may
         // commit the set at any moment, so a failure from here on must not remove the shard.

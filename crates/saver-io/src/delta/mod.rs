@@ -1,0 +1,450 @@
+//! Delta saves: only what changed since a parent checkpoint.
+//!
+//! A delta is found by content: each table's rows are walked in (bucket, id bits) order beside
+//! the parent chain's rows of the same table ([`crate::chain::ChainTable`]), which lie in that
+//! order on disk. A row the parent lacks or holds with other bytes (in any slot the save keeps)
+//! is written whole; a parent row whose id the table no longer holds, or whose row a row filter
+//! now drops, is recorded as removed. Both go to nameless temporary files beside the checkpoint
+//! ([`spool`]) and are then saved like any table, with the removed ids in the companion table
+//! [`removed_table_name`], through the ordinary plan, write and commit: a delta is committed,
+//! verified and cleaned up exactly as a full checkpoint is.
+//!
+//! Memory: the comparison holds two batches of rows per side. Tables given as
+//! [`BucketRows`] (a checkpoint, a chain or a plain input: `saver save --from … --parent …`)
+//! are read in order as they are; any other [`SparseTable`] is put in order first by sorting its
+//! ids and row handles in memory (16 bytes a row, [`InMemoryOrder`]).
+
+pub mod spool;
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::mpsc::sync_channel;
+
+use rayon::slice::ParallelSliceMut;
+
+use saver_core::filter::{BlockInfo, BlockKind, Filters};
+use saver_core::naming::{removed_table_name, removed_table_of};
+use saver_core::partition::BUCKETS;
+use saver_core::plan::ForeignRows;
+use saver_core::table::{RowView, TableSnapshot};
+use saver_core::{DenseTensor, KeyDtype, PartitionRule, SaveInput, SlotSpec, SparseTable};
+
+use crate::chain::{Chain, ChainTable};
+use crate::error::{Error, Result};
+use crate::source::{BucketRows, VisitRows};
+use crate::storage::Storage;
+use crate::writer::{local_storage, save_prepared, SaveOptions, SaveReport};
+use spool::{Spool, SpoolTable};
+
+/// Rows compared at a time on each side.
+const BATCH_ROWS: usize = 1 << 14;
+
+/// Saves a delta of `tables` (in bucket order: a checkpoint's, a chain's or a plain input's, see
+/// [`crate::source::SourceTables::as_bucket_rows`]) and `dense` into directory `dir` against the
+/// checkpoint in `opts.parent`: what `saver save --from … --parent …` runs, in bounded memory.
+pub fn save_delta(
+    dir: &std::path::Path,
+    tables: &[&dyn BucketRows],
+    dense: Vec<DenseTensor<'_>>,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
+    save_delta_to(&local_storage(dir, opts)?, tables, dense, opts)
+}
+
+/// Saves a delta of `tables` and `dense` into `storage` against the chain in `opts.parent`.
+/// What [`crate::save_to`] does when a parent is given; `tables` already in bucket order.
+pub fn save_delta_to(
+    storage: &dyn Storage,
+    tables: &[&dyn BucketRows],
+    dense: Vec<DenseTensor<'_>>,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
+    let parent = opts.parent.as_ref().ok_or_else(|| Error::InvalidOption {
+        option: "parent",
+        why: "a delta save needs a parent".into(),
+    })?;
+    let child_dir = PathBuf::from(storage.location());
+    let chain = Chain::open(parent).map_err(|e| match e {
+        e @ Error::Chain { .. } => e,
+        e => Error::Chain {
+            link: child_dir.display().to_string(),
+            message: format!("parent {} cannot be opened: {e}", parent.display()),
+        },
+    })?;
+    let own = child_dir.canonicalize().ok();
+    if let Some(d) = chain
+        .dirs()
+        .iter()
+        .find(|d| own.is_some() && d.canonicalize().ok() == own)
+    {
+        return Err(Error::Chain {
+            link: child_dir.display().to_string(),
+            message: format!(
+                "{} is a link of the parent's chain: a delta saved over it would remove the rows                  it depends on; save the delta into a directory of its own",
+                d.display()
+            ),
+        });
+    }
+    let parent_ref = chain.parent_ref_for(&child_dir)?;
+    let plan = &opts.plan;
+    let shard = plan.shard_index.unwrap_or(0);
+    let range = match plan.shard_index {
+        Some(i) => PartitionRule::bucket_range(i, plan.shard_num),
+        None => 0..BUCKETS,
+    };
+    let mut spools: Vec<SpoolTable> = Vec::new();
+    for t in tables {
+        let name = t.name();
+        let kept = |kind, slot: Option<&str>| {
+            plan.filters.keep_block(&BlockInfo {
+                kind,
+                table: Some(name),
+                slot,
+                dense: None,
+                shard,
+            })
+        };
+        if !kept(BlockKind::Ids, None) {
+            continue;
+        }
+        let compared: Vec<usize> = (0..t.slots().len())
+            .filter(|&s| kept(BlockKind::Slot, Some(&t.slots()[s].name)))
+            .collect();
+        let parent_table = parent_table(&chain, *t, &compared)?;
+        let scratch = child_dir.as_path();
+        let mut changed = Spool::new(scratch, t.slots())?;
+        let mut removed = Spool::new(scratch, &[])?;
+        diff_table(
+            *t,
+            parent_table.as_ref(),
+            &compared,
+            &plan.filters,
+            (range.clone(), plan.foreign_rows, shard),
+            &mut changed,
+            &mut removed,
+        )?;
+        spools.push(changed.finish(name, t.key_dtype(), t.slots(), t.point_in_time())?);
+        spools.push(removed.finish(&removed_table_name(name), t.key_dtype(), &[], true)?);
+    }
+    let mut input = SaveInput::new();
+    for s in &spools {
+        input.tables.push(s);
+    }
+    input.dense = dense;
+    let mut opts = opts.clone();
+    opts.plan.filters = delta_filters(&plan.filters);
+    save_prepared(storage, input, &opts, Some(parent_ref))
+}
+
+/// Saves a delta of a model given as any tables: each is put in bucket order in memory first
+/// ([`InMemoryOrder`]). What [`crate::save_to`] does when `opts.parent` is set.
+pub(crate) fn save_delta_of_input(
+    storage: &dyn Storage,
+    input: SaveInput<'_>,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
+    let ordered: Vec<InMemoryOrder<'_>> = input
+        .tables
+        .iter()
+        .map(|t| InMemoryOrder::new(*t))
+        .collect::<Result<_>>()?;
+    let refs: Vec<&dyn BucketRows> = ordered.iter().map(|t| t as &dyn BucketRows).collect();
+    save_delta_to(storage, &refs, input.dense, opts)
+}
+
+/// The filters of a delta's plan: a table's removed ids follow the table's ids block, and no
+/// row filter applies to them (rows were filtered when the delta was found).
+fn delta_filters(filters: &Filters) -> Filters {
+    let blocks = filters.clone();
+    let rows = filters.clone();
+    Filters::new()
+        .keep_blocks(move |b| match b.table.and_then(removed_table_of) {
+            Some(base) => blocks.keep_block(&BlockInfo {
+                kind: BlockKind::Ids,
+                table: Some(base),
+                slot: None,
+                dense: None,
+                shard: b.shard,
+            }),
+            None => blocks.keep_block(b),
+        })
+        .keep_rows(move |r| removed_table_of(r.table()).is_some() || rows.keep_row(r))
+}
+
+/// The parent chain's table `t` with the slots `compared`, checked against `t`; `None` when
+/// the parent has no such table (every row is new).
+fn parent_table<'c>(
+    chain: &'c Chain,
+    t: &dyn BucketRows,
+    compared: &[usize],
+) -> Result<Option<ChainTable<'c>>> {
+    let Some(pt) = chain.table_manifests().find(|m| m.name == t.name()) else {
+        return Ok(None);
+    };
+    let unfit = |why: String| Error::Chain {
+        link: chain.dirs()[0].display().to_string(),
+        message: format!(
+            "table {:?} {why}: a delta holds whole rows of what changed, so its parent must hold \
+             the same slots; save a full checkpoint instead",
+            t.name()
+        ),
+    };
+    if pt.key_dtype != t.key_dtype() {
+        return Err(unfit(format!(
+            "has {} ids in the parent, {} now",
+            pt.key_dtype,
+            t.key_dtype()
+        )));
+    }
+    let mut slots: Vec<SlotSpec> = Vec::new();
+    for &s in compared {
+        let spec = &t.slots()[s];
+        match pt.slots.iter().find(|p| p.name == spec.name) {
+            Some(p) if p == spec => slots.push(p.clone()),
+            Some(p) => {
+                return Err(unfit(format!(
+                    "slot {:?} is {} {:?} in the parent, {} {:?} now",
+                    spec.name, p.dtype, p.shape, spec.dtype, spec.shape
+                )))
+            }
+            None => return Err(unfit(format!("slot {:?} is not in the parent", spec.name))),
+        }
+    }
+    ChainTable::new(chain, t.name(), slots).map(Some)
+}
+
+/// A batch of the parent's rows.
+struct Batch {
+    ids: Vec<u64>,
+    slots: Vec<Vec<u8>>,
+}
+
+/// Compares `t` (rows of `range` only, the others by `foreign`) with `parent` and appends the
+/// rows to write to `changed` and the removed ids to `removed`, both in bucket order.
+fn diff_table(
+    t: &dyn BucketRows,
+    parent: Option<&ChainTable<'_>>,
+    compared: &[usize],
+    filters: &Filters,
+    (range, foreign, shard): (Range<u32>, ForeignRows, u32),
+    changed: &mut Spool,
+    removed: &mut Spool,
+) -> Result<()> {
+    let name = t.name();
+    let key_dtype = t.key_dtype();
+    let specs = t.slots();
+    let widths: Vec<usize> = t.row_bytes().iter().map(|&b| b as usize).collect();
+    let pwidths: Vec<usize> = compared.iter().map(|&s| widths[s]).collect();
+    let filter_rows = filters.has_row_filters();
+    std::thread::scope(|scope| -> Result<()> {
+        let (tx, rx) = sync_channel::<Result<Batch>>(2);
+        if let Some(p) = parent {
+            let range = range.clone();
+            scope.spawn(move || {
+                let r = p.visit_buckets(range, BATCH_ROWS, &mut |ids, slots| {
+                    let b = Batch {
+                        ids: ids.to_vec(),
+                        slots: slots.iter().map(|s| s.to_vec()).collect(),
+                    };
+                    tx.send(Ok(b))
+                        .map_err(|_| Error::Mismatch("the comparison stopped".into()))
+                });
+                if let Err(e) = r {
+                    let _ = tx.send(Err(e));
+                }
+            });
+        } else {
+            drop(tx);
+        }
+        let mut cur: Option<Batch> = None;
+        let mut at = 0usize;
+        // The parent's next row, fetching batches as needed.
+        let next_parent = |cur: &mut Option<Batch>, at: &mut usize| -> Result<bool> {
+            loop {
+                if let Some(b) = cur {
+                    if *at < b.ids.len() {
+                        return Ok(true);
+                    }
+                }
+                match rx.recv() {
+                    Ok(b) => {
+                        *cur = Some(b?);
+                        *at = 0;
+                    }
+                    Err(_) => {
+                        *cur = None;
+                        return Ok(false);
+                    }
+                }
+            }
+        };
+        let mut last: Option<(u32, u64)> = None;
+        t.visit_in_bucket_order(BATCH_ROWS, &mut |ids, slots| {
+            let mut row: Vec<&[u8]> = Vec::with_capacity(widths.len());
+            for (i, &id) in ids.iter().enumerate() {
+                let bucket = PartitionRule::bucket_of(id);
+                if !range.contains(&bucket) {
+                    match foreign {
+                        ForeignRows::Skip => continue,
+                        ForeignRows::Error => {
+                            return Err(saver_core::Error::ForeignRows {
+                                table: name.to_string(),
+                                shard,
+                                count: 1,
+                                first_id: key_dtype.format_id(id),
+                            }
+                            .into())
+                        }
+                    }
+                }
+                let key = (bucket, id);
+                if last.is_some_and(|l| l >= key) {
+                    return Err(saver_core::Error::DuplicateId {
+                        table: name.to_string(),
+                        id: key_dtype.format_id(id),
+                    }
+                    .into());
+                }
+                last = Some(key);
+                row.clear();
+                row.extend(
+                    slots
+                        .iter()
+                        .zip(&widths)
+                        .map(|(s, &w)| &s[i * w..(i + 1) * w]),
+                );
+                if filter_rows && !filters.keep_row(&RowView::new(name, key_dtype, id, specs, &row))
+                {
+                    continue;
+                }
+                let mut same = false;
+                while next_parent(&mut cur, &mut at)? {
+                    let b = cur.as_ref().expect("a batch");
+                    let pid = b.ids[at];
+                    let pkey = (PartitionRule::bucket_of(pid), pid);
+                    if pkey < key {
+                        removed.push(pid, &[])?;
+                        at += 1;
+                        continue;
+                    }
+                    if pkey == key {
+                        same = compared
+                            .iter()
+                            .zip(&pwidths)
+                            .enumerate()
+                            .all(|(k, (&s, &w))| b.slots[k][at * w..(at + 1) * w] == *row[s]);
+                        at += 1;
+                    }
+                    break;
+                }
+                if !same {
+                    changed.push(id, &row)?;
+                }
+            }
+            Ok(())
+        })?;
+        while next_parent(&mut cur, &mut at)? {
+            let b = cur.as_ref().expect("a batch");
+            removed.push(b.ids[at], &[])?;
+            at += 1;
+        }
+        Ok(())
+    })
+}
+
+/// Any table put in (bucket, id bits) order: its snapshot's ids and row handles, sorted in
+/// memory (16 bytes a row), its rows read by handle a batch at a time.
+pub struct InMemoryOrder<'t> {
+    table: &'t dyn SparseTable,
+    snapshot: Box<dyn TableSnapshot + 't>,
+    /// (bucket, id, handle), sorted; no handle (`u64::MAX`) when the snapshot gives none.
+    order: Vec<(u32, u64, u64)>,
+    row_bytes: Vec<u64>,
+}
+
+impl<'t> InMemoryOrder<'t> {
+    /// Takes `table`'s snapshot and sorts its ids.
+    pub fn new(table: &'t dyn SparseTable) -> Result<Self> {
+        let snapshot = table.snapshot()?;
+        let mut order = Vec::with_capacity(table.len());
+        let mut handles_given = true;
+        snapshot.scan(BATCH_ROWS, false, &mut |chunk| {
+            handles_given &= chunk.handles.len() == chunk.ids.len();
+            for (i, &id) in chunk.ids.iter().enumerate() {
+                let h = chunk.handles.get(i).copied().unwrap_or(u64::MAX);
+                order.push((PartitionRule::bucket_of(id), id, h));
+            }
+            Ok(())
+        })?;
+        order.par_sort_unstable();
+        if !handles_given {
+            order.iter_mut().for_each(|o| o.2 = u64::MAX);
+        }
+        let row_bytes = table
+            .slots()
+            .iter()
+            .map(|s| s.row_bytes())
+            .collect::<saver_core::Result<_>>()?;
+        Ok(Self {
+            table,
+            snapshot,
+            order,
+            row_bytes,
+        })
+    }
+}
+
+impl SparseTable for InMemoryOrder<'_> {
+    fn name(&self) -> &str {
+        self.table.name()
+    }
+    fn key_dtype(&self) -> KeyDtype {
+        self.table.key_dtype()
+    }
+    fn slots(&self) -> &[SlotSpec] {
+        self.table.slots()
+    }
+    fn len(&self) -> usize {
+        self.order.len()
+    }
+    fn snapshot(&self) -> saver_core::Result<Box<dyn TableSnapshot + '_>> {
+        self.table.snapshot()
+    }
+    fn point_in_time(&self) -> bool {
+        self.table.point_in_time()
+    }
+}
+
+impl BucketRows for InMemoryOrder<'_> {
+    fn row_bytes(&self) -> &[u64] {
+        &self.row_bytes
+    }
+    fn rows(&self) -> u64 {
+        self.order.len() as u64
+    }
+    fn visit_in_bucket_order(&self, batch: usize, visit: &mut VisitRows<'_>) -> Result<()> {
+        let mut ids = Vec::new();
+        let mut handles = Vec::new();
+        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); self.row_bytes.len()];
+        for part in self.order.chunks(batch.max(1)) {
+            ids.clear();
+            ids.extend(part.iter().map(|p| p.1));
+            handles.clear();
+            if part.first().is_some_and(|p| p.2 != u64::MAX) {
+                handles.extend(part.iter().map(|p| p.2));
+            }
+            for (b, &w) in bufs.iter_mut().zip(&self.row_bytes) {
+                b.resize(part.len() * w as usize, 0);
+            }
+            let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+            // SAFETY: the handles are those this snapshot's scan gave with these ids, or none.
+            unsafe {
+                self.snapshot
+                    .read_rows_by_handle(&ids, &handles, &mut outs)?
+            };
+            let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+            visit(&ids, &views)?;
+        }
+        Ok(())
+    }
+}

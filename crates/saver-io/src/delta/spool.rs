@@ -1,0 +1,293 @@
+//! Rows kept aside in a nameless temporary file until the save writes them: the changed rows
+//! and removed ids a delta comparison finds, in (bucket, id bits) order.
+//!
+//! Each row is stored whole, id first, then every slot, so a run of rows the save asks for is
+//! one read.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use saver_core::table::{RowChunk, TableSnapshot};
+use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
+
+use crate::error::{io_err, Result};
+use crate::source::core_error as core;
+
+/// Bytes gathered before they are written.
+const WRITE_BUFFER: usize = 4 << 20;
+
+/// Rows of a spool the save's planner scans per part.
+const PART_ROWS: u64 = 1 << 16;
+
+/// Rows being appended.
+pub struct Spool {
+    file: File,
+    dir: PathBuf,
+    widths: Vec<usize>,
+    buf: Vec<u8>,
+    written: u64,
+    rows: u64,
+}
+
+impl Spool {
+    /// An empty spool of rows of `slots`, in a nameless temporary file in `dir`.
+    pub fn new(dir: &Path, slots: &[SlotSpec]) -> Result<Self> {
+        let file = tempfile::tempfile_in(dir).map_err(io_err("create a temporary file in", dir))?;
+        let widths = slots
+            .iter()
+            .map(|s| s.row_bytes().map(|b| b as usize))
+            .collect::<saver_core::Result<_>>()?;
+        Ok(Self {
+            file,
+            dir: dir.to_path_buf(),
+            widths,
+            buf: Vec::new(),
+            written: 0,
+            rows: 0,
+        })
+    }
+
+    /// Appends a row: its id and each slot's bytes.
+    pub fn push(&mut self, id: u64, slots: &[&[u8]]) -> Result<()> {
+        debug_assert_eq!(slots.len(), self.widths.len());
+        self.buf.extend_from_slice(&id.to_le_bytes());
+        for s in slots {
+            self.buf.extend_from_slice(s);
+        }
+        self.rows += 1;
+        if self.buf.len() >= WRITE_BUFFER {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.file
+            .write_all_at(&self.buf, self.written)
+            .map_err(io_err("write a temporary file in", &self.dir))?;
+        self.written += self.buf.len() as u64;
+        self.buf.clear();
+        Ok(())
+    }
+
+    /// The rows as table `name`.
+    pub fn finish(
+        mut self,
+        name: &str,
+        key_dtype: KeyDtype,
+        slots: &[SlotSpec],
+        point_in_time: bool,
+    ) -> Result<SpoolTable> {
+        self.flush()?;
+        let width = 8 + self.widths.iter().sum::<usize>();
+        Ok(SpoolTable {
+            name: name.to_string(),
+            key_dtype,
+            slots: slots.to_vec(),
+            widths: self.widths,
+            width,
+            file: self.file,
+            dir: self.dir,
+            rows: self.rows,
+            point_in_time,
+        })
+    }
+}
+
+/// Spooled rows as a [`SparseTable`]; row handles are row numbers.
+pub struct SpoolTable {
+    name: String,
+    key_dtype: KeyDtype,
+    slots: Vec<SlotSpec>,
+    widths: Vec<usize>,
+    width: usize,
+    file: File,
+    dir: PathBuf,
+    rows: u64,
+    point_in_time: bool,
+}
+
+impl SpoolTable {
+    fn read(&self, rows: std::ops::Range<u64>, buf: &mut Vec<u8>) -> Result<()> {
+        buf.resize((rows.end - rows.start) as usize * self.width, 0);
+        self.file
+            .read_exact_at(buf, rows.start * self.width as u64)
+            .map_err(io_err("read a temporary file in", &self.dir))
+    }
+
+    /// Copies the rows of `buf` (whole rows from `first`) into `out` from row `at` on.
+    fn scatter(&self, buf: &[u8], out: &mut [&mut [u8]], at: usize) {
+        for (r, row) in buf.chunks_exact(self.width).enumerate() {
+            let mut o = 8;
+            for (k, &w) in self.widths.iter().enumerate() {
+                if !out[k].is_empty() {
+                    out[k][(at + r) * w..(at + r + 1) * w].copy_from_slice(&row[o..o + w]);
+                }
+                o += w;
+            }
+        }
+    }
+
+    fn id_at(&self, row: u64) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.file
+            .read_exact_at(&mut b, row * self.width as u64)
+            .map_err(io_err("read a temporary file in", &self.dir))?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// The row of `id`: a binary search, the rows being in (bucket, id bits) order.
+    fn find(&self, id: u64) -> Result<Option<u64>> {
+        let key = (PartitionRule::bucket_of(id), id);
+        let (mut lo, mut hi) = (0, self.rows);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let other = self.id_at(mid)?;
+            match (PartitionRule::bucket_of(other), other).cmp(&key) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Ok(Some(mid)),
+            }
+        }
+        Ok(None)
+    }
+}
+
+impl SparseTable for SpoolTable {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn key_dtype(&self) -> KeyDtype {
+        self.key_dtype
+    }
+    fn slots(&self) -> &[SlotSpec] {
+        &self.slots
+    }
+    fn len(&self) -> usize {
+        usize::try_from(self.rows).unwrap_or(usize::MAX)
+    }
+    fn snapshot(&self) -> saver_core::Result<Box<dyn TableSnapshot + '_>> {
+        Ok(Box::new(SpoolSnapshot(self)))
+    }
+    /// The rows were copied when the delta was found: as point-in-time as the table they came
+    /// from.
+    fn point_in_time(&self) -> bool {
+        self.point_in_time
+    }
+}
+
+struct SpoolSnapshot<'a>(&'a SpoolTable);
+
+impl TableSnapshot for SpoolSnapshot<'_> {
+    fn scan(
+        &self,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> saver_core::Result<()>,
+    ) -> saver_core::Result<()> {
+        for part in 0..self.scan_parts() {
+            self.scan_part(part, max_rows, with_values, visit)?;
+        }
+        Ok(())
+    }
+
+    fn scan_parts(&self) -> usize {
+        self.0.rows.div_ceil(PART_ROWS).max(1) as usize
+    }
+
+    fn scan_part(
+        &self,
+        part: usize,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(RowChunk<'_>) -> saver_core::Result<()>,
+    ) -> saver_core::Result<()> {
+        let t = self.0;
+        let start = part as u64 * PART_ROWS;
+        let end = (start + PART_ROWS).min(t.rows);
+        let mut buf = Vec::new();
+        let mut ids = Vec::new();
+        let mut handles = Vec::new();
+        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.widths.len()];
+        let mut at = start;
+        while at < end {
+            let stop = (at + max_rows.max(1) as u64).min(end);
+            t.read(at..stop, &mut buf).map_err(|e| core(&t.name, e))?;
+            ids.clear();
+            ids.extend(
+                buf.chunks_exact(t.width)
+                    .map(|r| u64::from_le_bytes(r[..8].try_into().expect("8 bytes"))),
+            );
+            handles.clear();
+            handles.extend(at..stop);
+            let slices: Vec<&[u8]> = if with_values {
+                for (v, &w) in values.iter_mut().zip(&t.widths) {
+                    v.resize(ids.len() * w, 0);
+                }
+                let mut outs: Vec<&mut [u8]> = values.iter_mut().map(Vec::as_mut_slice).collect();
+                t.scatter(&buf, &mut outs, 0);
+                values.iter().map(Vec::as_slice).collect()
+            } else {
+                Vec::new()
+            };
+            visit(RowChunk {
+                ids: &ids,
+                handles: &handles,
+                slots: &slices,
+            })?;
+            at = stop;
+        }
+        Ok(())
+    }
+
+    fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> saver_core::Result<()> {
+        let t = self.0;
+        let handles = ids
+            .iter()
+            .map(|&id| {
+                t.find(id)?.ok_or_else(|| {
+                    saver_core::Error::Table {
+                        table: t.name.clone(),
+                        message: format!("id {} is not in the delta", t.key_dtype.format_id(id)),
+                    }
+                    .into()
+                })
+            })
+            .collect::<Result<Vec<u64>>>()
+            .map_err(|e| core(&t.name, e))?;
+        // SAFETY: the handles are this table's row numbers of these ids.
+        unsafe { self.read_rows_by_handle(ids, &handles, out) }
+    }
+
+    unsafe fn read_rows_by_handle(
+        &self,
+        ids: &[u64],
+        handles: &[u64],
+        out: &mut [&mut [u8]],
+    ) -> saver_core::Result<()> {
+        let t = self.0;
+        if handles.len() != ids.len() {
+            return self.read_rows(ids, out);
+        }
+        let mut buf = Vec::new();
+        let mut i = 0;
+        while i < handles.len() {
+            let mut n = 1;
+            while i + n < handles.len() && handles[i + n] == handles[i] + n as u64 {
+                n += 1;
+            }
+            if handles[i] + n as u64 > t.rows {
+                return Err(saver_core::Error::Table {
+                    table: t.name.clone(),
+                    message: format!("row handle {} is not this table's", handles[i]),
+                });
+            }
+            t.read(handles[i]..handles[i] + n as u64, &mut buf)
+                .map_err(|e| core(&t.name, e))?;
+            t.scatter(&buf, out, i);
+            i += n;
+        }
+        Ok(())
+    }
+}
