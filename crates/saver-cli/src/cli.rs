@@ -90,6 +90,25 @@ pub enum Command {
     },
     /// Write a consolidated plain safetensors copy for serving or other tools: `<table>/ids`
     /// (ascending), `<table>/<slot>` rows in the same order, dense tensors by name.
+    /// Rewrites a delta checkpoint and its chain of parents as one full checkpoint, with the
+    /// same content (same digest).
+    #[command(after_help = "Example:\n  saver compact /ckpt/step1300-delta --out /ckpt/step1300")]
+    Compact {
+        src: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        /// Shards of the full checkpoint (default: the delta's).
+        #[arg(long)]
+        shards: Option<u32>,
+        #[arg(long, default_value_t = default_parallel())]
+        parallel: usize,
+        #[arg(long)]
+        overwrite: bool,
+        #[arg(long)]
+        no_fsync: bool,
+        #[command(flatten)]
+        out_fmt: Output,
+    },
     #[command(
         after_help = "Example:\n  saver export /ckpt/step100 --out /serving/v7 --exclude-slots 'adagrad*' --dtype f16"
     )]
@@ -182,6 +201,10 @@ pub struct SaveArgs {
     /// Read the model from a plain safetensors file/directory or a saver checkpoint.
     #[arg(long)]
     pub from: Option<PathBuf>,
+    /// Save a delta of this checkpoint (full, or itself a delta): only the rows inserted or
+    /// changed since it, whole, and the ids removed since it, found by comparing rows.
+    #[arg(long)]
+    pub parent: Option<PathBuf>,
     /// Number of shards N.
     #[arg(long, default_value_t = 1)]
     pub shards: u32,

@@ -4,8 +4,8 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use saver_core::Dtype;
-use saver_io::export::{export, ExportOptions};
-use saver_io::Checkpoint;
+use saver_io::export::{export_chain, ExportOptions};
+use saver_io::Chain;
 
 use super::CmdResult;
 use crate::cli::{CastDtype, Output};
@@ -22,9 +22,9 @@ pub fn run(
     overwrite: bool,
     fmt: Output,
 ) -> CmdResult {
-    let ck = Checkpoint::open(src)?;
-    let r = export(
-        &ck,
+    let chain = Chain::open(src)?;
+    let r = export_chain(
+        &chain,
         out,
         &ExportOptions {
             max_file_size,

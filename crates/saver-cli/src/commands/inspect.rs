@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use serde::Serialize;
 
 use saver_core::{Dtype, KeyDtype, PartitionRule};
-use saver_io::Checkpoint;
+use saver_io::{Chain, Checkpoint};
 
 use super::CmdResult;
 use crate::cli::Output;
@@ -59,6 +59,36 @@ struct Report {
     total_bytes: u64,
     user_metadata: std::collections::BTreeMap<String, String>,
     trainer_state_shards: Vec<u32>,
+    /// For a delta: the parent as the manifest names it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parent: Option<saver_core::ParentRef>,
+    /// For a delta: every link of the chain, newest first, or why it cannot be followed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    chain: Option<Result<Vec<Link>, String>>,
+}
+
+#[derive(Serialize)]
+struct Link {
+    dir: String,
+    save_id: String,
+    delta: bool,
+    bytes: u64,
+}
+
+/// The links of the chain of the delta in `dir`, or why they cannot be followed.
+fn chain_of(dir: &Path) -> Result<Vec<Link>, String> {
+    let chain = Chain::open(dir).map_err(|e| e.to_string())?;
+    Ok(chain
+        .links()
+        .iter()
+        .zip(chain.dirs())
+        .map(|(c, d)| Link {
+            dir: d.display().to_string(),
+            save_id: c.manifest().save_id.clone(),
+            delta: c.manifest().parent.is_some(),
+            bytes: c.manifest().files.iter().map(|f| f.bytes).sum(),
+        })
+        .collect())
 }
 
 pub fn run(dir: &Path, out: Output) -> CmdResult {
@@ -129,6 +159,8 @@ pub fn run(dir: &Path, out: Output) -> CmdResult {
             .filter(|s| s.trainer_state.is_some())
             .map(|s| s.shard)
             .collect(),
+        parent: m.parent.clone(),
+        chain: m.parent.as_ref().map(|_| chain_of(dir)),
     };
     if out.json {
         output::json(&report);
@@ -187,6 +219,26 @@ pub fn run(dir: &Path, out: Output) -> CmdResult {
     }
     for (k, v) in &report.user_metadata {
         println!("metadata {k} = {v}");
+    }
+    match &report.chain {
+        None => {}
+        Some(Ok(links)) => {
+            println!(
+                "delta: tables hold the rows changed since the parent, <table>:removed the ids \
+                 removed; chain of {} links, newest first:",
+                links.len()
+            );
+            for l in links {
+                println!(
+                    "  {}  save {}  {}  {}",
+                    l.dir,
+                    l.save_id,
+                    if l.delta { "delta" } else { "full" },
+                    output::size(l.bytes)
+                );
+            }
+        }
+        Some(Err(e)) => println!("delta: its chain cannot be followed: {e}"),
     }
     if !report.trainer_state_shards.is_empty() {
         println!(

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use serde::Serialize;
 
 use saver_io::digest::{columns_digest, restored_digest};
-use saver_io::{Checkpoint, LoadOptions, LoadReport};
+use saver_io::{Chain, LoadOptions, LoadReport};
 
 use super::CmdResult;
 use crate::cli::{LoadArgs, LoadTarget};
@@ -35,7 +35,9 @@ pub fn run(args: LoadArgs) -> CmdResult {
         no_digest,
         out,
     } = args;
-    let ck = Checkpoint::open(&dir)?;
+    // A delta is read through its chain; a full checkpoint directly.
+    let chain = Chain::open(&dir)?;
+    let ck = chain.newest();
     let opts = LoadOptions {
         shard_num: shards,
         shard_index,
@@ -45,12 +47,20 @@ pub fn run(args: LoadArgs) -> CmdResult {
     };
     let (load, dense, digest) = match into {
         LoadTarget::Tables => {
-            let r = ck.restore(&opts)?;
+            let r = if chain.is_delta() {
+                chain.restore(&opts)?
+            } else {
+                ck.restore(&opts)?
+            };
             let digest = (!no_digest).then(|| restored_digest(&r)).transpose()?;
             (r.report, r.dense.len(), digest)
         }
         LoadTarget::Arrays => {
-            let c = ck.load_columns(&opts)?;
+            let c = if chain.is_delta() {
+                chain.load_columns(&opts)?
+            } else {
+                ck.load_columns(&opts)?
+            };
             let digest = (!no_digest).then(|| columns_digest(&c)).transpose()?;
             (c.report, c.dense.len(), digest)
         }
@@ -59,7 +69,7 @@ pub fn run(args: LoadArgs) -> CmdResult {
         dir: dir.display().to_string(),
         shards,
         shard_index,
-        tables: ck.manifest().tables.len(),
+        tables: chain.table_manifests().count(),
         dense,
         load: &load,
         digest,

@@ -30,6 +30,23 @@ pub fn run(cmd: Command) -> CmdResult {
             overwrite,
             no_fsync,
             out_fmt,
+        } => reshard::run(
+            &src,
+            &out,
+            Some(shards),
+            parallel,
+            overwrite,
+            !no_fsync,
+            out_fmt,
+        ),
+        Command::Compact {
+            src,
+            out,
+            shards,
+            parallel,
+            overwrite,
+            no_fsync,
+            out_fmt,
         } => reshard::run(&src, &out, shards, parallel, overwrite, !no_fsync, out_fmt),
         Command::Export {
             src,

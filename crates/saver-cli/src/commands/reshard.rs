@@ -1,10 +1,11 @@
-//! `saver reshard`.
+//! `saver reshard` and `saver compact`: both rewrite a checkpoint, resolved over its chain if it
+//! is a delta, as one full checkpoint.
 
 use std::path::Path;
 use std::process::ExitCode;
 
-use saver_io::reshard::reshard;
-use saver_io::{Checkpoint, SaveOptions};
+use saver_io::reshard::reshard_chain;
+use saver_io::{Chain, SaveOptions};
 
 use super::CmdResult;
 use crate::cli::Output;
@@ -13,13 +14,15 @@ use crate::output;
 pub fn run(
     src: &Path,
     out: &Path,
-    shards: u32,
+    shards: Option<u32>,
     parallel: usize,
     overwrite: bool,
     durable: bool,
     fmt: Output,
 ) -> CmdResult {
-    let ck = Checkpoint::open(src)?;
+    let chain = Chain::open(src)?;
+    let from_shards = chain.newest().manifest().shard_num;
+    let shards = shards.unwrap_or(from_shards);
     let mut opts = SaveOptions {
         durable,
         overwrite,
@@ -27,14 +30,19 @@ pub fn run(
     };
     opts.plan.shard_num = shards;
     opts.plan.parallel = parallel;
-    let r = reshard(&ck, out, &opts)?;
+    let r = reshard_chain(&chain, out, &opts)?;
     if fmt.json {
         output::json(&r);
     } else {
         println!(
-            "resharded {} ({} shards) into {} ({} shards): {} rows, {} files, {} in {:.2}s",
+            "rewrote {}{} ({} shards) into {} ({} shards): {} rows, {} files, {} in {:.2}s",
             src.display(),
-            ck.manifest().shard_num,
+            if chain.is_delta() {
+                format!(" and its {} parent(s)", chain.links().len() - 1)
+            } else {
+                String::new()
+            },
+            from_shards,
             out.display(),
             shards,
             r.rows,

@@ -7,7 +7,8 @@ use serde::Serialize;
 
 use saver_core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver_core::{Filters, ForeignRows, ScalarCondition};
-use saver_io::source::{save_input, Source};
+use saver_io::delta::save_delta;
+use saver_io::source::{save_input, Source, SourceTables};
 use saver_io::{save, DirectIo, SaveOptions, SaveReport};
 
 use super::CmdResult;
@@ -62,6 +63,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
             DirectIoWhen::Off => DirectIo::Off,
         },
         wait: args.wait_seconds.as_deref().map(parse_wait).transpose()?,
+        parent: args.parent.clone(),
         ..SaveOptions::default()
     };
     opts.plan.shard_num = args.shards;
@@ -76,9 +78,11 @@ pub fn run(args: SaveArgs) -> CmdResult {
 
     let t0 = Instant::now();
     let synthetic;
-    let (source, tables, dense);
+    let (source, dense);
+    let tables: Option<SourceTables<'_>>;
     let input = match (&args.synthetic, &args.from) {
         (Some(spec), _) => {
+            tables = None;
             let spec: SyntheticSpec = spec.parse()?;
             synthetic = SyntheticModel::generate(&spec)?;
             synthetic.input()
@@ -96,9 +100,9 @@ pub fn run(args: SaveArgs) -> CmdResult {
             // checkpoint: on its filesystem, and gone with the process.
             std::fs::create_dir_all(&args.out)
                 .map_err(|e| format!("create {}: {e}", args.out.display()))?;
-            tables = source.tables(&args.out, args.parallel)?;
+            tables = Some(source.tables(&args.out, args.parallel)?);
             dense = source.dense()?;
-            save_input(&tables, &dense)?
+            save_input(tables.as_ref().expect("just set"), &dense)?
         }
         (None, None) => return Err("one of --synthetic or --from is required".into()),
     };
@@ -117,7 +121,15 @@ pub fn run(args: SaveArgs) -> CmdResult {
 
     let progress = output::byte_progress(args.out_fmt.json, "writing");
     opts.progress = progress.as_ref().map(|(_, f)| f.clone());
-    let report = save(&args.out, input, &opts)?;
+    let report = match (args.from.is_some(), &opts.parent) {
+        // A delta of a checkpoint, a chain or a plain input: compared in the order the rows
+        // lie in, in bounded memory.
+        (true, Some(_)) => {
+            let tables: &SourceTables<'_> = tables.as_ref().expect("read from --from");
+            save_delta(&args.out, &tables.as_bucket_rows(), input.dense, &opts)?
+        }
+        _ => save(&args.out, input, &opts)?,
+    };
     if let Some((bar, _)) = progress {
         bar.finish_and_clear();
     }
