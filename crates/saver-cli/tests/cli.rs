@@ -649,7 +649,7 @@ fn n_cli_processes_save_one_checkpoint() {
 fn every_command_has_help_with_an_example() {
     let mut seen = HashMap::new();
     for cmd in [
-        "save", "inspect", "verify", "load", "reshard", "export", "digest",
+        "save", "inspect", "verify", "load", "reshard", "compact", "export", "digest",
     ] {
         let h = ok(&[cmd, "--help"]);
         assert!(h.contains("Example"), "{cmd}: {h}");
@@ -716,4 +716,152 @@ fn import_keeps_file_metadata_and_warns_of_a_misspelled_table() {
     // The existing checkpoint's message names the flag.
     let (_, err) = fails(&["save", "--out", p(&out), "--from", p(&plain)]);
     assert!(err.contains("--overwrite"), "{err}");
+}
+
+/// A plain model with `n` rows of table `user` (ids `ids`, a 4-wide embedding from `seed`).
+fn plain_model(path: &Path, ids: &[i64], seed: f32, dense: f32) {
+    let emb: Vec<f32> = ids
+        .iter()
+        .flat_map(|&i| {
+            (0..4).map(move |k| i as f32 * 0.25 + k as f32 + seed * f32::from(i % 7 == 0))
+        })
+        .collect();
+    write_plain(
+        path,
+        vec![
+            (
+                "user/ids",
+                St::I64,
+                vec![ids.len()],
+                le(ids, i64::to_le_bytes),
+            ),
+            (
+                "user/emb",
+                St::F32,
+                vec![ids.len(), 4],
+                le(&emb, f32::to_le_bytes),
+            ),
+            ("w", St::F32, vec![2], le(&[dense, 1.0], f32::to_le_bytes)),
+        ],
+    );
+}
+
+#[test]
+fn deltas_of_plain_inputs_through_every_command() {
+    let d = tempfile::tempdir().unwrap();
+    let path = |n: &str| d.path().join(n);
+    // Step 0: ids 0..5000; step 1: every 7th row changed, 100 removed, 50 added; step 2: more.
+    let ids0: Vec<i64> = (0..5000).collect();
+    let ids1: Vec<i64> = (100..5050).collect();
+    let ids2: Vec<i64> = (100..5050).filter(|i| i % 3 != 0).chain(-40..0).collect();
+    plain_model(&path("m0.safetensors"), &ids0, 0.0, 0.0);
+    plain_model(&path("m1.safetensors"), &ids1, 1.0, 1.0);
+    plain_model(&path("m2.safetensors"), &ids2, 2.0, 2.0);
+    let (m0, m1, m2) = (
+        path("m0.safetensors"),
+        path("m1.safetensors"),
+        path("m2.safetensors"),
+    );
+    ok(&[
+        "save",
+        "--out",
+        p(&path("c0")),
+        "--from",
+        p(&m0),
+        "--shards",
+        "3",
+    ]);
+    let r1 = json(&[
+        "save",
+        "--out",
+        p(&path("c1")),
+        "--from",
+        p(&m1),
+        "--parent",
+        p(&path("c0")),
+        "--shards",
+        "2",
+    ]);
+    // About 700 rows changed (every 7th), 50 new and 100 removed ids, of 5000.
+    assert!(r1["rows"].as_u64().unwrap() < 1000, "{r1}");
+    ok(&[
+        "save",
+        "--out",
+        p(&path("c2")),
+        "--from",
+        p(&m2),
+        "--parent",
+        p(&path("c1")),
+        "--shards",
+        "4",
+    ]);
+    let digest2 = ok(&["digest", p(&m2)]);
+    assert_eq!(ok(&["digest", p(&path("c2"))]), digest2);
+    assert_eq!(ok(&["digest", p(&path("c1"))]), ok(&["digest", p(&m1)]));
+    // verify checks every link; inspect shows the chain.
+    let v = json(&["verify", p(&path("c2"))]);
+    assert_eq!(v["status"], "ok");
+    assert_eq!(v["parents"].as_array().unwrap().len(), 2, "{v}");
+    let i = ok(&["inspect", p(&path("c2"))]);
+    assert!(i.contains("chain of 3 links") && i.contains("full"), "{i}");
+    // load for shard j of M; compact; reshard; export; a delta of a delta's compaction.
+    for j in 0..3 {
+        let a = json(&[
+            "load",
+            p(&path("c2")),
+            "--shards",
+            "3",
+            "--shard-index",
+            &j.to_string(),
+        ]);
+        let b = json(&[
+            "load",
+            p(&path("c2")),
+            "--shards",
+            "3",
+            "--shard-index",
+            &j.to_string(),
+            "--into",
+            "arrays",
+        ]);
+        assert_eq!(a["rows"], b["rows"]);
+    }
+    ok(&["compact", p(&path("c2")), "--out", p(&path("full"))]);
+    assert_eq!(ok(&["digest", p(&path("full"))]), digest2);
+    let full = json(&["inspect", p(&path("full"))]);
+    assert!(
+        full.get("parent").is_none() && full["shards"] == 4,
+        "{full}"
+    );
+    ok(&[
+        "reshard",
+        p(&path("c2")),
+        "--out",
+        p(&path("r5")),
+        "--shards",
+        "5",
+    ]);
+    assert_eq!(ok(&["digest", p(&path("r5"))]), digest2);
+    ok(&["export", p(&path("c2")), "--out", p(&path("ex"))]);
+    assert_eq!(ok(&["digest", p(&path("ex"))]), digest2);
+    // The chain as --from: a full checkpoint of the same content.
+    ok(&["save", "--out", p(&path("again")), "--from", p(&path("c2"))]);
+    assert_eq!(ok(&["digest", p(&path("again"))]), digest2);
+
+    // A parent that is gone: every command names it, in one line.
+    std::fs::rename(path("c0"), path("c0-moved")).unwrap();
+    for cmd in [
+        vec!["digest", p(&path("c2"))],
+        vec!["load", p(&path("c2"))],
+        vec!["export", p(&path("c2")), "--out", p(&path("ex2"))],
+    ] {
+        let (_, err) = fails(&cmd);
+        assert!(
+            err.contains("c0") && err.trim().lines().count() == 1,
+            "{cmd:?}: {err}"
+        );
+    }
+    let (code, err) = fails(&["verify", p(&path("c2"))]);
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains("c0"), "{err}");
 }

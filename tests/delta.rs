@@ -1,0 +1,414 @@
+//! Delta checkpoints: whatever sequence of upserts, removals and saves (full or delta, any shard
+//! counts, with or without row filters), the chain holds exactly what a full save of the final
+//! state with the same filters holds: same digest, same rows for every shard j of M, same
+//! export, and `compact` gives a full checkpoint of that content. Plus every way a chain can be
+//! broken, each refused with one error naming the link.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use proptest::prelude::*;
+use saver::core::ScalarCondition;
+use saver::io::digest::{restored_digest, source_digest};
+use saver::io::export::export_chain;
+use saver::io::reshard::reshard_chain;
+use saver::io::source::Source;
+use saver::{
+    save, Chain, Checkpoint, DenseTensor, Dtype, EmbeddingTable, Error, ExportOptions, Filters,
+    KeyDtype, LoadOptions, SaveInput, SaveOptions, SlotSpec, Status,
+};
+
+/// Table → id → (embedding bytes, freq).
+type State = BTreeMap<usize, BTreeMap<u64, ([u8; 8], f32)>>;
+
+const KEYS: [KeyDtype; 2] = [KeyDtype::I64, KeyDtype::U64];
+
+fn slots() -> Vec<SlotSpec> {
+    vec![
+        SlotSpec::new("embedding", Dtype::F32, vec![2]),
+        SlotSpec::new("freq", Dtype::F32, vec![]),
+    ]
+}
+
+fn tables_of(state: &State) -> Vec<EmbeddingTable> {
+    (0..2)
+        .map(|t| {
+            let table = EmbeddingTable::new(format!("t{t}"), KEYS[t], slots()).unwrap();
+            for (&id, (emb, freq)) in state.get(&t).into_iter().flatten() {
+                table
+                    .insert(id, &[&emb[..], &freq.to_le_bytes()[..]])
+                    .unwrap();
+            }
+            table
+        })
+        .collect()
+}
+
+fn options(shards: u32, threshold: Option<u8>, parent: Option<&Path>) -> SaveOptions {
+    let mut o = SaveOptions {
+        durable: false,
+        parent: parent.map(Path::to_path_buf),
+        ..SaveOptions::default()
+    };
+    o.plan.shard_num = shards;
+    o.plan.parallel = 2;
+    o.plan.max_block_bytes = 4096;
+    if let Some(t) = threshold {
+        let cond: ScalarCondition = format!("freq>={t}").parse().unwrap();
+        o.plan.filters = Filters::new().keep_rows_where(cond);
+    }
+    o
+}
+
+fn save_state(
+    dir: &Path,
+    state: &State,
+    dense: &[u8],
+    opts: &SaveOptions,
+) -> saver::io::Result<()> {
+    let tables = tables_of(state);
+    let mut input = SaveInput::new();
+    for t in &tables {
+        input = input.table(t);
+    }
+    input = input.dense(DenseTensor::new("w", Dtype::U8, vec![dense.len() as u64], dense).unwrap());
+    save(dir, input, opts).map(|_| ())
+}
+
+fn digest(dir: &Path) -> String {
+    let source = Source::open(dir).unwrap();
+    let tables = source.tables(dir, 1).unwrap();
+    source_digest(&tables, &source.dense().unwrap()).unwrap()
+}
+
+/// One step: rows upserted (table, id, embedding seed, freq), rows removed (table, id), then a
+/// save: delta or full, shard count, row filter.
+#[derive(Clone, Debug)]
+struct Step {
+    upserts: Vec<(usize, u16, u8, u8)>,
+    removes: Vec<(usize, u16)>,
+    delta: bool,
+    shards: u32,
+    threshold: Option<u8>,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    (
+        proptest::collection::vec((0..2usize, 0..400u16, any::<u8>(), 0..10u8), 0..300),
+        proptest::collection::vec((0..2usize, 0..400u16), 0..60),
+        proptest::bool::weighted(0.8),
+        1..4u32,
+        proptest::option::weighted(0.3, 0..10u8),
+    )
+        .prop_map(|(upserts, removes, delta, shards, threshold)| Step {
+            upserts,
+            removes,
+            delta,
+            shards,
+            threshold,
+        })
+}
+
+/// The id of `n` in table `t`: negative ones too in the I64 table.
+fn id_of(t: usize, n: u16) -> u64 {
+    match KEYS[t] {
+        KeyDtype::I64 => (i64::from(n) - 200) as u64,
+        KeyDtype::U64 => u64::from(n) * 0x9e37_79b9,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_chain_holds_what_a_full_save_of_the_final_state_holds(
+        steps in proptest::collection::vec(step(), 1..6),
+        load_shards in 1..4u32,
+    ) {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut state = State::new();
+        let mut last: Option<PathBuf> = None;
+        let mut dense = Vec::new();
+        for (k, s) in steps.iter().enumerate() {
+            for &(t, n, seed, freq) in &s.upserts {
+                let emb = [seed, seed ^ 0x5a, k as u8, n as u8, 1, 2, 3, seed];
+                state.entry(t).or_default().insert(id_of(t, n), (emb, f32::from(freq)));
+            }
+            for &(t, n) in &s.removes {
+                state.entry(t).or_default().remove(&id_of(t, n));
+            }
+            dense = vec![k as u8; 16 + k];
+            let dir = tmp.path().join(format!("s{k}"));
+            let parent = last.as_deref().filter(|_| s.delta);
+            save_state(&dir, &state, &dense, &options(s.shards, s.threshold, parent)).unwrap();
+            last = Some(dir);
+        }
+        let last = last.unwrap();
+        let s = steps.last().unwrap();
+        let full = tmp.path().join("full");
+        save_state(&full, &state, &dense, &options(2, s.threshold, None)).unwrap();
+
+        // Same digest, through the chain.
+        prop_assert_eq!(digest(&last), digest(&full));
+        prop_assert_eq!(saver::verify(&last, 2).unwrap().status, Status::Ok);
+
+        // Same rows for every shard j of M, reading only j's buckets of every link.
+        let chain = Chain::open(&last).unwrap();
+        let reference = Checkpoint::open(&full).unwrap();
+        for j in 0..load_shards {
+            let opts = LoadOptions {
+                shard_num: load_shards,
+                shard_index: Some(j),
+                ..LoadOptions::default()
+            };
+            let a = chain.restore(&opts).unwrap();
+            let b = reference.restore(&opts).unwrap();
+            prop_assert_eq!(restored_digest(&a).unwrap(), restored_digest(&b).unwrap());
+            let ca = chain.load_columns(&opts).unwrap();
+            let cb = reference.load_columns(&opts).unwrap();
+            prop_assert_eq!(&ca.tables, &cb.tables);
+        }
+
+        // Compact: a full checkpoint of the same content.
+        let compacted = tmp.path().join("compacted");
+        let mut o = options(3, None, None);
+        o.plan.max_block_bytes = 256 << 20;
+        reshard_chain(&chain, &compacted, &o).unwrap();
+        prop_assert!(Checkpoint::open(&compacted).unwrap().manifest().parent.is_none());
+        prop_assert_eq!(digest(&compacted), digest(&full));
+
+        // Same export, byte for byte.
+        let (ea, eb) = (tmp.path().join("ea"), tmp.path().join("eb"));
+        export_chain(&chain, &ea, &ExportOptions::default()).unwrap();
+        export_chain(&Chain::open(&full).unwrap(), &eb, &ExportOptions::default()).unwrap();
+        for name in ["model-00001-of-00001.safetensors", "model.safetensors.index.json"] {
+            prop_assert!(std::fs::read(ea.join(name)).unwrap() == std::fs::read(eb.join(name)).unwrap());
+        }
+    }
+}
+
+/// A base and a delta of it (a few rows changed, one removed), in `root`.
+fn base_and_delta(root: &Path) -> (PathBuf, PathBuf, State) {
+    let mut state = State::new();
+    for n in 0..200u16 {
+        state
+            .entry(0)
+            .or_default()
+            .insert(id_of(0, n), ([n as u8; 8], 1.0));
+    }
+    let base = root.join("base");
+    save_state(&base, &state, b"w0", &options(2, None, None)).unwrap();
+    let t0 = state.get_mut(&0).unwrap();
+    t0.insert(id_of(0, 3), ([9; 8], 2.0));
+    t0.remove(&id_of(0, 4));
+    t0.insert(id_of(0, 500), ([7; 8], 3.0));
+    let delta = root.join("delta");
+    save_state(&delta, &state, b"w1", &options(2, None, Some(&base))).unwrap();
+    (base, delta, state)
+}
+
+#[test]
+fn a_delta_holds_only_what_changed_and_old_readers_refuse_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, delta, _) = base_and_delta(tmp.path());
+    let ck = Checkpoint::open(&delta).unwrap();
+    let m = ck.manifest();
+    assert_eq!(m.format_version, saver::core::DELTA_FORMAT_VERSION);
+    assert_eq!(m.table("t0").unwrap().rows, 2, "one changed row, one new");
+    assert_eq!(m.table("t0:removed").unwrap().rows, 1);
+    assert_eq!(m.table("t1").unwrap().rows, 0);
+    let p = m.parent.as_ref().unwrap();
+    assert_eq!(p.path, "../base");
+    // A build that knows only version 1 checks the version first: the index says 2.
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(delta.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    assert_eq!(index["metadata"]["saver_format_version"], 2);
+    // Read alone, a delta would be a wrong model: refused, naming the way to read it.
+    let err = match ck.restore(&LoadOptions::default()) {
+        Ok(_) => panic!("a delta restored alone"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("delta") && err.contains("compact"), "{err}");
+    assert!(ck.load_columns(&LoadOptions::default()).is_err());
+}
+
+fn expect_chain_error(dir: &Path, needles: &[&str]) {
+    let err = Chain::open(dir).unwrap_err();
+    assert!(matches!(err, Error::Chain { .. }), "{err}");
+    let text = err.to_string();
+    for n in needles {
+        assert!(text.contains(n), "{text:?} does not say {n:?}");
+    }
+    assert!(!text.contains('\n'), "one line: {text}");
+    // verify names the broken link too, and load refuses.
+    let v = saver::verify(dir, 1).unwrap();
+    assert_eq!(v.status, Status::Corrupt);
+    assert!(v
+        .problems
+        .iter()
+        .any(|p| needles.iter().all(|n| p.detail.contains(n))));
+}
+
+#[test]
+fn a_missing_replaced_or_incomplete_parent_is_named() {
+    // Missing.
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, delta, _) = base_and_delta(tmp.path());
+    std::fs::rename(&base, tmp.path().join("moved")).unwrap();
+    expect_chain_error(&delta, &["delta", "base", "cannot be opened"]);
+
+    // Replaced by another save at the same path.
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, delta, state) = base_and_delta(tmp.path());
+    let mut o = options(2, None, None);
+    o.overwrite = true;
+    save_state(&base, &state, b"other", &o).unwrap();
+    expect_chain_error(&delta, &["replaced", "base"]);
+
+    // Incomplete: its index gone.
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, delta, _) = base_and_delta(tmp.path());
+    std::fs::remove_file(base.join("model.safetensors.index.json")).unwrap();
+    expect_chain_error(&delta, &["base", "not a complete checkpoint"]);
+
+    // Deleting the parent is the user's choice: the delta itself still verifies as files, and
+    // every read names the parent.
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, delta, _) = base_and_delta(tmp.path());
+    std::fs::remove_dir_all(&base).unwrap();
+    let err = Source::open(&delta).unwrap_err().to_string();
+    assert!(err.contains("base"), "{err}");
+}
+
+#[test]
+fn hostile_parent_references_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, delta, _) = base_and_delta(tmp.path());
+    for (evil, says) in [
+        ("/etc", "absolute"),
+        ("", "empty"),
+        ("a\nb", "control"),
+        (".", "replaced"),
+    ] {
+        let dir = tmp.path().join("hostile");
+        let _ = std::fs::remove_dir_all(&dir);
+        copy_dir(&delta, &dir);
+        reseal(&dir, |m| m["parent"]["path"] = serde_json::json!(evil));
+        let err = Chain::open(&dir).unwrap_err().to_string();
+        assert!(err.contains(says), "{evil:?}: {err}");
+    }
+    // A parent reached through a symbolic link is followed, and still must be the save named.
+    let dir = tmp.path().join("linked");
+    copy_dir(&delta, &dir);
+    std::os::unix::fs::symlink(tmp.path().join("base"), tmp.path().join("via")).unwrap();
+    reseal(&dir, |m| m["parent"]["path"] = serde_json::json!("../via"));
+    assert_eq!(digest(&dir), digest(&delta));
+    // A full checkpoint's manifest claiming a removed-ids table is refused.
+    let base = tmp.path().join("base2");
+    copy_dir(&tmp.path().join("base"), &base);
+    reseal(&base, |m| {
+        let mut t = m["tables"][0].clone();
+        t["name"] = serde_json::json!("t0:removed");
+        m["tables"].as_array_mut().unwrap().push(t);
+    });
+    assert!(Checkpoint::open(&base).is_err());
+}
+
+#[test]
+fn chains_deeper_than_the_limit_are_refused_and_compact_fixes_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut state = State::new();
+    let mut last: Option<PathBuf> = None;
+    for k in 0..saver::io::chain::MAX_CHAIN_LINKS + 1 {
+        state
+            .entry(1)
+            .or_default()
+            .insert(id_of(1, k as u16), ([k as u8; 8], 1.0));
+        let dir = tmp.path().join(format!("l{k}"));
+        save_state(&dir, &state, b"w", &options(1, None, last.as_deref())).unwrap_or_else(|e| {
+            panic!("link {k}: {e}");
+        });
+        last = Some(dir);
+    }
+    let err = Chain::open(last.as_ref().unwrap()).unwrap_err().to_string();
+    assert!(
+        err.contains("more than 64 links") && err.contains("compact"),
+        "{err}"
+    );
+    // One link below the limit resolves, and compacts into a full checkpoint.
+    let prev = tmp
+        .path()
+        .join(format!("l{}", saver::io::chain::MAX_CHAIN_LINKS - 1));
+    let chain = Chain::open(&prev).unwrap();
+    assert_eq!(chain.links().len(), saver::io::chain::MAX_CHAIN_LINKS);
+    let out = tmp.path().join("compacted");
+    reshard_chain(&chain, &out, &options(1, None, None)).unwrap();
+    assert_eq!(digest(&out), digest(&prev));
+}
+
+#[test]
+fn a_delta_never_replaces_a_link_of_its_own_chain() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, delta, state) = base_and_delta(tmp.path());
+    for target in [&base, &delta] {
+        let mut o = options(2, None, Some(&delta));
+        o.overwrite = true;
+        let err = save_state(target, &state, b"x", &o)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("link of the parent's chain"), "{err}");
+    }
+    assert_eq!(saver::verify(&delta, 1).unwrap().status, Status::Ok);
+}
+
+#[test]
+fn a_parent_without_the_slots_a_delta_keeps_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, _, state) = base_and_delta(tmp.path());
+    let tables = tables_of(&state);
+    let wide = EmbeddingTable::new(
+        "t0",
+        KeyDtype::I64,
+        vec![
+            SlotSpec::new("embedding", Dtype::F32, vec![2]),
+            SlotSpec::new("freq", Dtype::F32, vec![]),
+            SlotSpec::new("adam_m", Dtype::F32, vec![2]),
+        ],
+    )
+    .unwrap();
+    let input = SaveInput::new().table(&wide).table(&tables[1]);
+    let err = save(tmp.path().join("d"), input, &options(1, None, Some(&base)))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("adam_m") && err.contains("full checkpoint"),
+        "{err}"
+    );
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// Rewrites the manifest with `edit` and re-seals it in the index, as an attacker would.
+fn reseal(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
+    let idx_path = dir.join("model.safetensors.index.json");
+    let mut idx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&idx_path).unwrap()).unwrap();
+    let man_name = idx["metadata"]["saver_manifest"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut man: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join(&man_name)).unwrap()).unwrap();
+    edit(&mut man);
+    let bytes = serde_json::to_vec(&man).unwrap();
+    std::fs::write(dir.join(&man_name), &bytes).unwrap();
+    idx["metadata"]["saver_manifest_crc32"] = serde_json::json!(crc32fast::hash(&bytes));
+    std::fs::write(&idx_path, serde_json::to_vec(&idx).unwrap()).unwrap();
+}
