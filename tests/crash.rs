@@ -146,6 +146,9 @@ fn crash_child() {
         o.plan.foreign_rows = ForeignRows::Skip;
         o.wait = Some(Duration::from_secs(3));
     }
+    if let Ok(parent) = std::env::var("SAVER_CRASH_PARENT") {
+        o.parent = Some(parent.into());
+    }
     let direct = std::env::var("SAVER_CRASH_DIRECT").is_ok();
     let storage = KillAt {
         inner: LocalFs::create_dir(&dir).unwrap().with_direct_io(direct),
@@ -173,7 +176,22 @@ fn spawn_child(
     shard: Option<u32>,
     direct: bool,
 ) -> std::process::Child {
+    spawn_delta_child(dir, at, id, shard, direct, None)
+}
+
+/// [`spawn_child`], saving a delta of `parent` when one is given.
+fn spawn_delta_child(
+    dir: &Path,
+    at: u64,
+    id: &str,
+    shard: Option<u32>,
+    direct: bool,
+    parent: Option<&Path>,
+) -> std::process::Child {
     let mut c = Command::new(std::env::current_exe().unwrap());
+    if let Some(p) = parent {
+        c.env("SAVER_CRASH_PARENT", p);
+    }
     if direct {
         c.env("SAVER_CRASH_DIRECT", "1");
     }
@@ -371,4 +389,71 @@ fn a_killed_shard_process_blocks_the_commit_and_is_named() {
     let err = Checkpoint::open(dir.path()).unwrap_err().to_string();
     assert!(err.contains("missing shards [1]"), "{err}");
     assert!(!dir.path().join("model.safetensors.index.json").exists());
+}
+
+/// The digest of the chain whose newest link is in `dir`.
+fn chain_digest(dir: &Path) -> String {
+    let chain = saver::Chain::open(dir).unwrap();
+    restored_digest(&chain.restore(&LoadOptions::default()).unwrap()).unwrap()
+}
+
+#[test]
+fn killed_delta_saves_never_leave_a_delta_that_loads_and_never_touch_the_parent() {
+    let root = tempfile::tempdir().unwrap();
+    let a = model(SPEC_A);
+    let b = model(SPEC_B);
+    let base = root.path().join("base");
+    save(&base, a.input(), &opts("base")).unwrap();
+    let digest_a = digest_of(&base);
+    let base_files = common::dir_bytes(&base);
+
+    let probe = root.path().join("probe");
+    let out = spawn_delta_child(&probe, u64::MAX, "deltaprobe", None, false, Some(&base))
+        .wait_with_output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let total: u64 = text
+        .split("ops=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("probe reports its op count: {text}"));
+    let digest_b = chain_digest(&probe);
+    assert_ne!(digest_a, digest_b);
+
+    let n = points();
+    let mut kills = 0;
+    for k in 0..n {
+        let at = if k < 5 {
+            total.saturating_sub(1 + k)
+        } else {
+            (k * 7919) % total.max(1)
+        };
+        let dir = root.path().join(format!("delta{k}"));
+        let out = spawn_delta_child(&dir, at, &format!("d{k}"), None, k % 2 == 1, Some(&base))
+            .wait_with_output()
+            .unwrap();
+        kills += usize::from(out.status.code().is_none());
+        match saver::verify(&dir, 2).unwrap().status {
+            Status::Ok => assert_eq!(chain_digest(&dir), digest_b, "kill {k}"),
+            Status::Incomplete => assert!(saver::Chain::open(&dir).is_err(), "kill {k}"),
+            Status::Corrupt => panic!("kill {k}: a crash left a corrupt delta"),
+        }
+        // A retry of the delta commits; the parent was never touched.
+        let mut o = opts(&format!("retry{k}"));
+        o.parent = Some(base.clone());
+        save(&dir, b.input(), &o).unwrap();
+        assert_eq!(chain_digest(&dir), digest_b, "kill {k}");
+        assert_eq!(
+            common::dir_bytes(&base),
+            base_files,
+            "kill {k}: the parent changed"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    assert!(
+        kills as u64 >= n,
+        "at least {n} kill points must actually kill"
+    );
+    assert_eq!(digest_of(&base), digest_a);
 }

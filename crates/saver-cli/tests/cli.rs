@@ -865,3 +865,72 @@ fn deltas_of_plain_inputs_through_every_command() {
     assert_eq!(code, 4, "{err}");
     assert!(err.contains("c0"), "{err}");
 }
+
+#[test]
+fn n_cli_processes_save_one_delta_with_another_shard_count() {
+    let d = tempfile::tempdir().unwrap();
+    let path = |n: &str| d.path().join(n);
+    let ids0: Vec<i64> = (0..3000).collect();
+    let ids1: Vec<i64> = (50..3100).filter(|i| i % 11 != 0).collect();
+    plain_model(&path("m0.safetensors"), &ids0, 0.0, 0.0);
+    plain_model(&path("m1.safetensors"), &ids1, 1.0, 1.0);
+    ok(&[
+        "save",
+        "--out",
+        p(&path("base")),
+        "--from",
+        p(&path("m0.safetensors")),
+        "--shards",
+        "2",
+    ]);
+    // Rounds with varied start order and timing: every one commits exactly once, equal to m1.
+    for round in 0..4 {
+        let out = path(&format!("delta{round}"));
+        let o = p(&out).to_string();
+        let shards = 3 + round % 2;
+        let mut children: Vec<_> = (0..shards)
+            .rev()
+            .map(|i| {
+                std::thread::sleep(std::time::Duration::from_millis(
+                    ((i + round) % 3) as u64 * 15,
+                ));
+                Command::new(env!("CARGO_BIN_EXE_saver"))
+                    .args([
+                        "save",
+                        "--out",
+                        &o,
+                        "--from",
+                        p(&path("m1.safetensors")),
+                        "--parent",
+                        p(&path("base")),
+                        "--shards",
+                        &shards.to_string(),
+                        "--shard-index",
+                        &i.to_string(),
+                        "--save-id",
+                        &format!("d{round}"),
+                        "--wait-seconds",
+                        "60",
+                        "--json",
+                    ])
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let mut committers = 0;
+        for c in children.drain(..) {
+            let c = c.wait_with_output().unwrap();
+            assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stderr));
+            let v: serde_json::Value = serde_json::from_slice(&c.stdout).unwrap();
+            committers += usize::from(v["committed_here"] == true);
+        }
+        assert_eq!(committers, 1);
+        assert_eq!(json(&["verify", &o])["status"], "ok");
+        assert_eq!(
+            ok(&["digest", &o]),
+            ok(&["digest", p(&path("m1.safetensors"))])
+        );
+    }
+}
