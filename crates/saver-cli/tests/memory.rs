@@ -1,4 +1,4 @@
-//! Every command that reads or rewrites a model runs in bounded memory: on a model several times
+//! Every command that reads or rewrites a model (or a chain of deltas) runs in bounded memory: on a model several times
 //! larger than the bound, each `saver` process's peak RSS (as the kernel counts it, mapped file
 //! pages included) stays under it, and the results agree (one digest throughout).
 //!
@@ -168,6 +168,50 @@ fn every_command_runs_in_bounded_memory_on_a_model_larger_than_the_bound() {
             ],
         ),
         ("digest of that", vec!["digest".into(), p("ck3")]),
+        // A chain whose merge handles every row three times: the base, a delta removing every
+        // row (no row has a scalar "adagrad"), and a delta adding them all back.
+        (
+            "delta removing every row",
+            vec![
+                "save".into(),
+                "--from".into(),
+                p("ck3"),
+                "--parent".into(),
+                p("ck2"),
+                "--keep-rows".into(),
+                "adagrad>=0".into(),
+                "--out".into(),
+                p("d1"),
+                "--no-fsync".into(),
+            ],
+        ),
+        (
+            "delta adding them back",
+            vec![
+                "save".into(),
+                "--from".into(),
+                model.clone(),
+                "--parent".into(),
+                p("d1"),
+                "--out".into(),
+                p("d2"),
+                "--shards".into(),
+                "2".into(),
+                "--no-fsync".into(),
+            ],
+        ),
+        ("digest of the chain", vec!["digest".into(), p("d2")]),
+        (
+            "compact",
+            vec![
+                "compact".into(),
+                p("d2"),
+                "--out".into(),
+                p("ck4"),
+                "--no-fsync".into(),
+            ],
+        ),
+        ("digest of the compaction", vec!["digest".into(), p("ck4")]),
     ];
     let mut digests = Vec::new();
     for (what, args) in &commands {

@@ -16,8 +16,12 @@ pub fn run(dir: &Path, parallel: usize, out: Output) -> CmdResult {
     } else {
         match r.status {
             Status::Ok => println!(
-                "ok: {} is complete and intact ({} files, {} tensors, {} checked)",
+                "ok: {} is complete and intact{} ({} files, {} tensors, {} checked)",
                 dir.display(),
+                match r.parents.len() {
+                    0 => String::new(),
+                    n => format!(", and so is every link of its chain ({n} parents)"),
+                },
                 r.files,
                 r.tensors,
                 output::size(r.bytes)
