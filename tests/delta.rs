@@ -412,3 +412,222 @@ fn reseal(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
     idx["metadata"]["saver_manifest_crc32"] = serde_json::json!(crc32fast::hash(&bytes));
     std::fs::write(&idx_path, serde_json::to_vec(&idx).unwrap()).unwrap();
 }
+
+fn tracked_tables() -> Vec<EmbeddingTable> {
+    (0..2)
+        .map(|t| {
+            EmbeddingTable::new(format!("t{t}"), KEYS[t], slots())
+                .unwrap()
+                .with_change_tracking()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn save_tables(
+    dir: &Path,
+    tables: &[EmbeddingTable],
+    dense: &[u8],
+    opts: &SaveOptions,
+) -> saver::SaveReport {
+    let mut input = SaveInput::new();
+    for t in tables {
+        input = input.table(t);
+    }
+    input = input.dense(DenseTensor::new("w", Dtype::U8, vec![dense.len() as u64], dense).unwrap());
+    save(dir, input, opts).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Tables that track their changes give the same chains: the rows written since the parent
+    /// and the ids removed since it, without a comparison (but with one when a row filter is
+    /// given, which may drop rows the parent holds, or when the table's last save is not the
+    /// parent).
+    #[test]
+    fn tracked_tables_give_what_a_full_save_of_the_final_state_holds(
+        steps in proptest::collection::vec(step(), 1..6),
+        skip_parent in proptest::bool::weighted(0.2),
+    ) {
+        let tmp = tempfile::tempdir().unwrap();
+        let tables = tracked_tables();
+        let mut state = State::new();
+        let mut saves: Vec<PathBuf> = Vec::new();
+        let mut dense = Vec::new();
+        for (k, s) in steps.iter().enumerate() {
+            let mut touched = 0u64;
+            for &(t, n, seed, freq) in &s.upserts {
+                let emb = [seed, seed ^ 0x5a, k as u8, n as u8, 1, 2, 3, seed];
+                let id = id_of(t, n);
+                state.entry(t).or_default().insert(id, (emb, f32::from(freq)));
+                tables[t].insert(id, &[&emb[..], &f32::from(freq).to_le_bytes()[..]]).unwrap();
+                touched += 1;
+            }
+            for &(t, n) in &s.removes {
+                let id = id_of(t, n);
+                state.entry(t).or_default().remove(&id);
+                tables[t].remove(id);
+                touched += 1;
+            }
+            dense = vec![k as u8; 16 + k];
+            let dir = tmp.path().join(format!("s{k}"));
+            // Now and then the parent is not the tables' last save: a comparison then.
+            let parent = if skip_parent && saves.len() >= 2 {
+                saves.get(saves.len() - 2)
+            } else {
+                saves.last()
+            };
+            let parent = parent.map(PathBuf::as_path).filter(|_| s.delta);
+            let r = save_tables(&dir, &tables, &dense, &options(s.shards, s.threshold, parent));
+            let unfiltered = s.threshold.is_none() && (k == 0 || steps[k - 1].threshold.is_none());
+            if parent.is_some() && unfiltered && saves.last().map(PathBuf::as_path) == parent {
+                // Tracked or compared, a delta holds at most the rows and ids touched (after a
+                // save whose row filter dropped rows, those come back as new ones).
+                prop_assert!(r.rows <= touched, "{} rows for {} touched", r.rows, touched);
+            }
+            saves.push(dir);
+        }
+        let last = saves.last().unwrap();
+        let s = steps.last().unwrap();
+        let full = tmp.path().join("full");
+        save_state(&full, &state, &dense, &options(2, s.threshold, None)).unwrap();
+        prop_assert_eq!(digest(last), digest(&full));
+    }
+}
+
+#[test]
+fn a_tracked_delta_holds_the_rows_written_and_only_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tables = tracked_tables();
+    let row = |n: u8| ([n; 8], 1.0f32);
+    for n in 0..100u16 {
+        let (e, f) = row(n as u8);
+        tables[0]
+            .insert(id_of(0, n), &[&e[..], &f.to_le_bytes()[..]])
+            .unwrap();
+    }
+    let base = tmp.path().join("base");
+    save_tables(&base, &tables, b"w", &options(2, None, None));
+    // Ten rows written with the values they had: a comparison would find nothing, the tracking
+    // knows they were written. Two removed, one added.
+    for n in 0..10u16 {
+        let (e, f) = row(n as u8);
+        tables[0]
+            .insert(id_of(0, n), &[&e[..], &f.to_le_bytes()[..]])
+            .unwrap();
+    }
+    tables[0].remove(id_of(0, 50));
+    tables[0].remove(id_of(0, 51));
+    let (e, f) = row(7);
+    tables[0]
+        .insert(id_of(0, 300), &[&e[..], &f.to_le_bytes()[..]])
+        .unwrap();
+    let delta = tmp.path().join("delta");
+    let r = save_tables(&delta, &tables, b"w", &options(3, None, Some(&base)));
+    let m = Checkpoint::open(&delta).unwrap().manifest().clone();
+    assert_eq!(m.table("t0").unwrap().rows, 11);
+    assert_eq!(m.table("t0:removed").unwrap().rows, 2);
+    assert_eq!(m.table("t1").unwrap().rows, 0);
+    assert_eq!(r.rows, 13);
+    // The same save again: nothing written since.
+    let again = tmp.path().join("again");
+    let r = save_tables(&again, &tables, b"w", &options(1, None, Some(&delta)));
+    assert_eq!(r.rows, 0);
+    let full = tmp.path().join("full");
+    save_tables(&full, &tables, b"w", &options(1, None, None));
+    assert_eq!(digest(&again), digest(&full));
+}
+
+/// Trainers write while tracked deltas are saved: every chain is one moment. Each trainer
+/// writes its rows in order, round after round, so at any moment its rows read as a staircase:
+/// round c on a prefix, c - 1 after it. A row missed by the tracking (written after the parent's
+/// moment but not saved) would break the staircase in a later chain.
+#[test]
+fn tracked_deltas_saved_while_training_are_each_one_moment() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const ROWS: u64 = 400;
+    let tmp = tempfile::tempdir().unwrap();
+    let table = EmbeddingTable::new(
+        "t",
+        KeyDtype::U64,
+        vec![SlotSpec::new("round", Dtype::F32, vec![])],
+    )
+    .unwrap()
+    .with_change_tracking()
+    .unwrap();
+    for trainer in 0..2u64 {
+        for i in 0..ROWS {
+            table
+                .insert(trainer << 32 | i, &[&0f32.to_le_bytes()])
+                .unwrap();
+        }
+    }
+    let tables = [&table];
+    let save_one = |dir: &Path, parent: Option<&Path>| {
+        let mut o = options(2, None, parent);
+        o.plan.parallel = 1;
+        save(dir, SaveInput::new().table(tables[0]), &o).unwrap();
+    };
+    let stop = AtomicBool::new(false);
+    /// Stops the trainers however the saves end, so that a failed save fails the test
+    /// instead of waiting forever for them.
+    struct Stop<'a>(&'a AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    let mut dirs = vec![tmp.path().join("d0")];
+    std::thread::scope(|s| {
+        for trainer in 0..2u64 {
+            let (table, stop) = (&table, &stop);
+            s.spawn(move || {
+                let mut round = 1f32;
+                while !stop.load(Ordering::Relaxed) {
+                    for i in 0..ROWS {
+                        table.upsert(trainer << 32 | i, |r| r.slot_mut::<f32>(0)[0] = round);
+                    }
+                    round += 1.0;
+                }
+            });
+        }
+        let _stop = Stop(&stop);
+        save_one(&dirs[0], None);
+        for k in 1..12 {
+            std::thread::sleep(std::time::Duration::from_millis(k % 4));
+            let dir = tmp.path().join(format!("d{k}"));
+            save_one(&dir, Some(dirs.last().unwrap()));
+            dirs.push(dir);
+        }
+    });
+    for dir in &dirs {
+        let chain = Chain::open(dir).unwrap();
+        let c = chain.load_columns(&LoadOptions::default()).unwrap();
+        let t = &c.tables[0];
+        let mut by_id: Vec<(u64, f32)> = t
+            .ids
+            .iter()
+            .zip(t.data[0].chunks_exact(4))
+            .map(|(&id, v)| (id, f32::from_le_bytes(v.try_into().unwrap())))
+            .collect();
+        by_id.sort_by_key(|r| r.0);
+        assert_eq!(by_id.len() as u64, 2 * ROWS, "{}", dir.display());
+        for trainer in by_id.chunks(ROWS as usize) {
+            let first = trainer[0].1;
+            assert!(
+                trainer.windows(2).all(|w| w[1].1 <= w[0].1)
+                    && first - trainer.last().unwrap().1 <= 1.0,
+                "{}: not one moment: {:?}",
+                dir.display(),
+                trainer.iter().map(|r| r.1).collect::<Vec<_>>()
+            );
+        }
+    }
+    // Training stopped: one more delta equals a full save.
+    let last = tmp.path().join("last");
+    save_one(&last, Some(dirs.last().unwrap()));
+    let full = tmp.path().join("full");
+    save_one(&full, None);
+    assert_eq!(digest(&last), digest(&full));
+}

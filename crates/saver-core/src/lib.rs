@@ -81,5 +81,7 @@ pub use manifest::{
 };
 pub use partition::PartitionRule;
 pub use plan::{plan, ForeignRows, PlanOptions, SaveInput, SavePlan};
-pub use table::{ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSnapshot};
+pub use table::{
+    ChangeTracking, ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSnapshot,
+};
 pub use tensor::DenseTensor;

@@ -40,6 +40,10 @@ pub const MAX_CHAIN_LINKS: usize = 64;
 /// Bits of a chain row handle below the link number: a [`StoredTable`] handle.
 const LINK_SHIFT: u32 = 58;
 
+/// Rows of one link's segment whose gap is at most this many bytes of a slot are read in one
+/// piece, with the rows between: a gap smaller than a page saves the device nothing.
+const COALESCE_BYTES: u64 = 4096;
+
 /// Ids read at a time by each link's cursor.
 const CURSOR_IDS: u64 = 8192;
 
@@ -556,6 +560,12 @@ impl<'c> ChainTable<'c> {
                 }
             }
         }
+        // The cursor with the most rows (the full checkpoint's, as a rule) runs in a tight loop
+        // up to the next key of any other; only the others go through the heap.
+        let Some(b) = (0..cursors.len()).max_by_key(|&c| cursors[c].end - cursors[c].first) else {
+            return Ok(());
+        };
+        let mut bulk = cursors.swap_remove(b);
         let mut heap = BinaryHeap::new();
         for (c, cur) in cursors.iter_mut().enumerate() {
             if let Some(id) = cur.peek()? {
@@ -568,38 +578,60 @@ impl<'c> ChainTable<'c> {
                 )));
             }
         }
-        while let Some(Reverse((bucket, id, link, removal, c))) = heap.pop() {
-            let handle = ((link as u64) << LINK_SHIFT)
-                | ((cursors[c].seg as u64) << ROW_BITS)
-                | cursors[c].row();
-            let mut advance = |c: usize, heap: &mut BinaryHeap<_>| -> Result<()> {
-                let cur: &mut Cursor<'_, '_> = &mut cursors[c];
+        let handle = |cur: &Cursor<'_, '_>| {
+            ((cur.link as u64) << LINK_SHIFT) | ((cur.seg as u64) << ROW_BITS) | cur.row()
+        };
+        loop {
+            let next = heap.peek().map(|Reverse(t)| (t.0, t.1));
+            let mut bulk_key = None;
+            while let Some(id) = bulk.peek()? {
+                let key = (PartitionRule::bucket_of(id), id);
+                if next.is_some_and(|n| key >= n) {
+                    bulk_key = Some(key);
+                    break;
+                }
+                if !bulk.removal {
+                    emit(id, handle(&bulk))?;
+                }
+                bulk.pos += 1;
+            }
+            let Some(key) = next else {
+                return Ok(());
+            };
+            // Every entry of `key`: the newest link decides, a row before a removal of it.
+            let mut best: Option<((usize, bool), u64)> = None;
+            let mut take = |rank: (usize, bool), h: u64| {
+                if best.is_none_or(|b| rank < b.0) {
+                    best = Some((rank, h));
+                }
+            };
+            if bulk_key == Some(key) {
+                take((bulk.link, bulk.removal), handle(&bulk));
+                bulk.pos += 1;
+            }
+            while let Some(Reverse(top)) = heap.peek() {
+                if (top.0, top.1) != key {
+                    break;
+                }
+                let c = top.4;
+                heap.pop();
+                let cur = &mut cursors[c];
+                take((cur.link, cur.removal), handle(cur));
                 cur.pos += 1;
-                if let Some(next) = cur.peek()? {
+                if let Some(id) = cur.peek()? {
                     heap.push(Reverse((
-                        PartitionRule::bucket_of(next),
-                        next,
+                        PartitionRule::bucket_of(id),
+                        id,
                         cur.link,
                         cur.removal,
                         c,
                     )));
                 }
-                Ok(())
-            };
-            advance(c, &mut heap)?;
-            while let Some(Reverse(top)) = heap.peek() {
-                if (top.0, top.1) != (bucket, id) {
-                    break;
-                }
-                let other = top.4;
-                heap.pop();
-                advance(other, &mut heap)?;
             }
-            if !removal {
-                emit(id, handle)?;
+            if let Some(((_, false), h)) = best {
+                emit(key.1, h)?;
             }
         }
-        Ok(())
     }
 
     /// Visits the live rows of `buckets` in (bucket, id bits) order, at most `batch` at a time.
@@ -784,55 +816,83 @@ impl BucketRows for ChainTable<'_> {
 
 struct ChainSnapshot<'t, 'c> {
     table: &'t ChainTable<'c>,
-    /// A snapshot of each link's rows.
-    snaps: Vec<Box<dyn TableSnapshot + 't>>,
 }
 
 impl<'t, 'c> ChainSnapshot<'t, 'c> {
     fn new(table: &'t ChainTable<'c>) -> Result<Self> {
-        let snaps = table
-            .links
-            .iter()
-            .map(|l| l.rows.snapshot().map_err(Error::from))
-            .collect::<Result<_>>()?;
-        Ok(Self { table, snaps })
+        Ok(Self { table })
     }
 
-    /// Reads the rows of `handles` into `out`, link by link in runs.
+    /// Reads the rows of `handles` into `out`, link by link: rows of one segment separated by
+    /// less than [`COALESCE_BYTES`] of any slot are read in one piece (the rows between them,
+    /// which a newer link replaced or removed, are read and skipped), so that a base shadowed
+    /// here and there by deltas is read in long runs rather than row by row.
     fn read_handles(&self, ids: &[u64], handles: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
+        debug_assert_eq!(ids.len(), handles.len());
+        let t = self.table;
         let mask = (1u64 << LINK_SHIFT) - 1;
-        let mut inner = Vec::new();
-        let mut i = 0;
-        while i < handles.len() {
-            let link = (handles[i] >> LINK_SHIFT) as usize;
-            let mut n = 1;
-            while i + n < handles.len() && (handles[i + n] >> LINK_SHIFT) as usize == link {
-                n += 1;
-            }
-            let Some(snap) = self.snaps.get(link) else {
-                return Err(Error::Mismatch(format!(
-                    "row handle {:#x} is not table {:?}'s",
-                    handles[i], self.table.name
-                )));
-            };
-            inner.clear();
-            inner.extend(handles[i..i + n].iter().map(|h| h & mask));
-            let mut parts: Vec<&mut [u8]> = out
-                .iter_mut()
-                .zip(&self.table.row_bytes)
-                .map(|(o, &b)| {
-                    if o.is_empty() {
-                        &mut [][..]
-                    } else {
-                        &mut o[i * b as usize..(i + n) * b as usize]
+        let split = |h: u64| (((h & mask) >> ROW_BITS) as usize, h & ((1 << ROW_BITS) - 1));
+        let mut by_link: Vec<Vec<usize>> = vec![Vec::new(); t.links.len()];
+        for (i, &h) in handles.iter().enumerate() {
+            let link = (h >> LINK_SHIFT) as usize;
+            by_link
+                .get_mut(link)
+                .ok_or_else(|| {
+                    Error::Mismatch(format!("row handle {h:#x} is not table {:?}'s", t.name))
+                })?
+                .push(i);
+        }
+        let widths: Vec<usize> = t.row_bytes.iter().map(|&b| b as usize).collect();
+        let gap = (COALESCE_BYTES / t.row_bytes.iter().copied().max().unwrap_or(1).max(1)).max(1);
+        let mut scratch: Vec<Vec<u8>> = vec![Vec::new(); widths.len()];
+        for (link, pos) in by_link.iter().enumerate() {
+            let rows = &t.links[link].rows;
+            let mut a = 0;
+            while a < pos.len() {
+                let (seg, first) = split(handles[pos[a]]);
+                let mut last = first;
+                let mut b = a + 1;
+                while b < pos.len() {
+                    let (s2, r) = split(handles[pos[b]]);
+                    if s2 != seg || r <= last || r - last > gap {
+                        break;
                     }
-                })
-                .collect();
-            // SAFETY: the inner handles were made by this link's table, for these ids.
-            unsafe { snap.read_rows_by_handle(&ids[i..i + n], &inner, &mut parts)? };
-            let bytes: u64 = parts.iter().map(|p| p.len() as u64).sum();
-            self.table.bytes_read.fetch_add(bytes, Ordering::Relaxed);
-            i += n;
+                    last = r;
+                    b += 1;
+                }
+                if seg >= rows.segment_count() || last >= rows.segment_rows(seg) {
+                    return Err(Error::Mismatch(format!(
+                        "row handle {:#x} is not table {:?}'s",
+                        handles[pos[a]], t.name
+                    )));
+                }
+                let n = (last - first + 1) as usize;
+                let mut bufs: Vec<&mut [u8]> = scratch
+                    .iter_mut()
+                    .zip(&widths)
+                    .zip(out.iter())
+                    .map(|((s, &w), o)| {
+                        if o.is_empty() {
+                            &mut [][..]
+                        } else {
+                            s.resize(n * w, 0);
+                            &mut s[..]
+                        }
+                    })
+                    .collect();
+                rows.read_segment(seg, first..last + 1, &mut [], &mut bufs)?;
+                let read: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+                t.bytes_read.fetch_add(read, Ordering::Relaxed);
+                for &i in &pos[a..b] {
+                    let r = (split(handles[i]).1 - first) as usize;
+                    for ((o, src), &w) in out.iter_mut().zip(&bufs).zip(&widths) {
+                        if !o.is_empty() {
+                            o[i * w..(i + 1) * w].copy_from_slice(&src[r * w..(r + 1) * w]);
+                        }
+                    }
+                }
+                a = b;
+            }
         }
         Ok(())
     }

@@ -65,7 +65,8 @@ pub enum Error {
     },
     /// Another process held the directory's commit lock for longer than the wait allowed.
     #[error(
-        "timed out after {waited:?} waiting for the commit lock {lock} (another process is          committing into that directory; a process that dies releases it at once)"
+        "timed out after {waited:?} waiting for the commit lock {lock} (another process is \
+         committing into that directory; a process that dies releases it at once)"
     )]
     LockTimeout {
         /// The lock file.

@@ -260,7 +260,9 @@ impl Checkpoint {
         if let Some(p) = &self.manifest().parent {
             // A delta's tables hold only what changed: read alone they would be a wrong model.
             return Err(Error::Mismatch(format!(
-                "{} is a delta checkpoint of {}: its rows are only what changed since then;                  read it through its chain (saver_io::Chain::open, or any saver command), or                  compact it into a full checkpoint (saver compact)",
+                "{} is a delta checkpoint of {}: its rows are only what changed since then; \
+                 read it through its chain (saver_io::Chain::open, or any saver command), or \
+                 compact it into a full checkpoint (saver compact)",
                 self.location(),
                 p.path
             )));

@@ -16,6 +16,7 @@ use saver_core::manifest::{
 use saver_core::naming::{check_save_id, shard_manifest_name, INDEX_FILE};
 use saver_core::plan::{plan_with_spill, tables_past_budget, ChunkBuffer, Loc};
 use saver_core::table::TableSemantics;
+use saver_core::ChangeTracking;
 use saver_core::{PlanOptions, SaveInput, SavePlan};
 
 use crate::commit::{
@@ -250,6 +251,22 @@ pub(crate) fn save_prepared(
     parent: Option<ParentRef>,
 ) -> Result<SaveReport> {
     let t0 = Instant::now();
+    if parent.is_none() {
+        // The companion tables of removed ids belong to deltas: in a full checkpoint a reader
+        // refuses them.
+        if let Some(t) = input
+            .tables
+            .iter()
+            .find(|t| saver_core::naming::removed_table_of(t.name()).is_some())
+        {
+            return Err(saver_core::Error::InvalidName {
+                what: "table",
+                name: t.name().to_string(),
+                why: "'/' and ':' are reserved".into(),
+            }
+            .into());
+        }
+    }
     let save_id =
         match (&opts.save_id, opts.plan.shard_index) {
             (Some(id), _) => id.clone(),
@@ -361,7 +378,16 @@ fn write_and_commit(
         .contains(&true)
         .then(|| storage.spill())
         .transpose()?;
+    let tracking: Vec<&dyn ChangeTracking> = input
+        .tables
+        .iter()
+        .filter_map(|t| t.change_tracking())
+        .collect();
     let plan = plan_with_spill(input, plan_opts, spill)?;
+    // The moment each tracking table's snapshot was taken: what it is saved as of, once
+    // committed.
+    let tokens: Vec<(&dyn ChangeTracking, u64)> =
+        tracking.iter().map(|&c| (c, c.last_snapshot())).collect();
     let dense_given = plan.dense_given();
     let plan_seconds = shared.t0.elapsed().as_secs_f64();
 
@@ -422,6 +448,12 @@ fn write_and_commit(
         .flat_map(|s| &s.partitions)
         .map(|p| p.rows.len() as u64)
         .sum();
+    if matches!(state, CommitState::Committed | CommitState::CommittedHere) {
+        let whole = !plan_opts.filters.has_row_filters();
+        for (c, token) in tokens {
+            c.committed(whole.then_some(save_id.as_str()), token);
+        }
+    }
     Ok(SaveReport {
         save_id,
         shards: plan.shards().iter().map(|s| s.shard).collect(),

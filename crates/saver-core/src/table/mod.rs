@@ -238,6 +238,41 @@ pub trait SparseTable: Send + Sync {
     fn point_in_time(&self) -> bool {
         false
     }
+    /// The table's record of its changes, if it keeps one ([`ChangeTracking`]): what lets a
+    /// delta save write the rows changed since its parent without comparing every row with the
+    /// parent's. Default `None`: a delta save compares rows.
+    fn change_tracking(&self) -> Option<&dyn ChangeTracking> {
+        None
+    }
+}
+
+/// A table's record of which rows changed, and which ids were removed, since a save.
+///
+/// Changes are dated by *tokens*: the generations of the process-wide clock of [`moment`]. A
+/// point-in-time snapshot shows its moment, the generation it registered under; a write stamped
+/// with the clock (read under the row's lock, as [`moment::has_passed`] is) is before the moment of
+/// every later generation and after that of every earlier or equal one. So "written at or after
+/// token `g`" is exact relative to the snapshot of generation `g`: the rows that snapshot saved
+/// as they were, and every write it did not see.
+///
+/// The save tells the table when a save of it commits ([`Self::committed`]); a later delta save
+/// whose parent is that save asks for the rows written since its token, instead of comparing.
+pub trait ChangeTracking: Send + Sync {
+    /// The last committed save of the table this process knows of: its save id and the token of
+    /// its snapshot. `None`: none since the table began tracking.
+    fn baseline(&self) -> Option<(String, u64)>;
+    /// The token of the newest snapshot of the table (its generation).
+    fn last_snapshot(&self) -> u64;
+    /// A point-in-time snapshot of the rows written at or after token `since` (whole rows, as
+    /// they were at the snapshot's moment), and the snapshot's own token.
+    fn changed_since(&self, since: u64) -> Result<(Box<dyn TableSnapshot + '_>, u64)>;
+    /// The ids removed at or after token `since` and before token `until`, ascending. An id
+    /// removed and inserted again may be listed: its row, among the changed rows, wins.
+    fn removed_between(&self, since: u64, until: u64) -> Vec<u64>;
+    /// A save whose snapshot of the table had token `token` committed: `Some(save_id)` if it
+    /// holds every row of the table as of that token, `None` if it does not (a row filter
+    /// dropped some), which leaves no baseline.
+    fn committed(&self, save_id: Option<&str>, token: u64);
 }
 
 /// What a save's rows of one table show.

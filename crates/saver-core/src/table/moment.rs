@@ -64,6 +64,14 @@ pub fn register(record: impl FnOnce(u64)) {
     at_one_moment(|| record(PENDING.with(Cell::get).expect("set by at_one_moment")));
 }
 
+/// The clock now: the newest published generation. A write that records it (under its row's
+/// lock, as [`has_passed`] is tested) came after the moment of every generation up to it and
+/// before the moment of every later one: what change tracking stamps rows with.
+#[inline]
+pub fn now() -> u64 {
+    CLOCK.load(Ordering::SeqCst)
+}
+
 /// Whether the moment of `generation` has come: a write for which this is true must keep the row's
 /// pre-image (once) before changing it. Always false for generation 0 (no snapshot open).
 #[inline]

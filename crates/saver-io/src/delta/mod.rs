@@ -19,6 +19,7 @@ pub mod spool;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::mpsc::sync_channel;
+use std::sync::{Mutex, PoisonError};
 
 use rayon::slice::ParallelSliceMut;
 
@@ -27,7 +28,9 @@ use saver_core::naming::{removed_table_name, removed_table_of};
 use saver_core::partition::BUCKETS;
 use saver_core::plan::ForeignRows;
 use saver_core::table::{RowView, TableSnapshot};
-use saver_core::{DenseTensor, KeyDtype, PartitionRule, SaveInput, SlotSpec, SparseTable};
+use saver_core::{
+    ChangeTracking, DenseTensor, KeyDtype, PartitionRule, SaveInput, SlotSpec, SparseTable,
+};
 
 use crate::chain::{Chain, ChainTable};
 use crate::error::{Error, Result};
@@ -59,97 +62,237 @@ pub fn save_delta_to(
     dense: Vec<DenseTensor<'_>>,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    let parent = opts.parent.as_ref().ok_or_else(|| Error::InvalidOption {
-        option: "parent",
-        why: "a delta save needs a parent".into(),
-    })?;
-    let child_dir = PathBuf::from(storage.location());
-    let chain = Chain::open(parent).map_err(|e| match e {
-        e @ Error::Chain { .. } => e,
-        e => Error::Chain {
-            link: child_dir.display().to_string(),
-            message: format!("parent {} cannot be opened: {e}", parent.display()),
-        },
-    })?;
-    let own = child_dir.canonicalize().ok();
-    if let Some(d) = chain
-        .dirs()
-        .iter()
-        .find(|d| own.is_some() && d.canonicalize().ok() == own)
-    {
-        return Err(Error::Chain {
-            link: child_dir.display().to_string(),
-            message: format!(
-                "{} is a link of the parent's chain: a delta saved over it would remove the rows                  it depends on; save the delta into a directory of its own",
-                d.display()
-            ),
-        });
-    }
-    let parent_ref = chain.parent_ref_for(&child_dir)?;
-    let plan = &opts.plan;
-    let shard = plan.shard_index.unwrap_or(0);
-    let range = match plan.shard_index {
-        Some(i) => PartitionRule::bucket_range(i, plan.shard_num),
-        None => 0..BUCKETS,
-    };
-    let mut spools: Vec<SpoolTable> = Vec::new();
-    for t in tables {
-        let name = t.name();
-        let kept = |kind, slot: Option<&str>| {
-            plan.filters.keep_block(&BlockInfo {
-                kind,
-                table: Some(name),
-                slot,
-                dense: None,
-                shard,
-            })
-        };
-        if !kept(BlockKind::Ids, None) {
-            continue;
-        }
-        let compared: Vec<usize> = (0..t.slots().len())
-            .filter(|&s| kept(BlockKind::Slot, Some(&t.slots()[s].name)))
-            .collect();
-        let parent_table = parent_table(&chain, *t, &compared)?;
-        let scratch = child_dir.as_path();
-        let mut changed = Spool::new(scratch, t.slots())?;
-        let mut removed = Spool::new(scratch, &[])?;
-        diff_table(
-            *t,
-            parent_table.as_ref(),
-            &compared,
-            &plan.filters,
-            (range.clone(), plan.foreign_rows, shard),
-            &mut changed,
-            &mut removed,
-        )?;
-        spools.push(changed.finish(name, t.key_dtype(), t.slots(), t.point_in_time())?);
-        spools.push(removed.finish(&removed_table_name(name), t.key_dtype(), &[], true)?);
-    }
-    let mut input = SaveInput::new();
-    for s in &spools {
-        input.tables.push(s);
-    }
-    input.dense = dense;
-    let mut opts = opts.clone();
-    opts.plan.filters = delta_filters(&plan.filters);
-    save_prepared(storage, input, &opts, Some(parent_ref))
+    let ctx = Delta::open(storage, opts)?;
+    ctx.save(storage, tables, Vec::new(), dense, opts)
 }
 
-/// Saves a delta of a model given as any tables: each is put in bucket order in memory first
-/// ([`InMemoryOrder`]). What [`crate::save_to`] does when `opts.parent` is set.
+/// Saves a delta of a model given as any tables. A table that tracks its changes
+/// ([`ChangeTracking`]) and whose last committed save is the parent gives its changed rows and
+/// removed ids directly (when the save has no row filter, which could drop rows the parent
+/// holds); any other is put in bucket order in memory ([`InMemoryOrder`]) and compared.
+/// What [`crate::save_to`] does when `opts.parent` is set.
 pub(crate) fn save_delta_of_input(
     storage: &dyn Storage,
     input: SaveInput<'_>,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    let ordered: Vec<InMemoryOrder<'_>> = input
-        .tables
-        .iter()
-        .map(|t| InMemoryOrder::new(*t))
-        .collect::<Result<_>>()?;
+    let ctx = Delta::open(storage, opts)?;
+    let parent_id = ctx.chain.newest().manifest().save_id.clone();
+    let mut ordered = Vec::new();
+    let mut tracked = Vec::new();
+    // (tracking, token of the snapshot this save reads) of every table that tracks.
+    let mut tokens: Vec<(&dyn ChangeTracking, u64)> = Vec::new();
+    for t in &input.tables {
+        let tracking = t.change_tracking();
+        // The baseline must be the parent, hold the table, and this save must keep every row
+        // (a row filter could drop rows the parent holds: only a comparison finds those).
+        let baseline = tracking
+            .and_then(ChangeTracking::baseline)
+            .filter(|(id, _)| *id == parent_id && !opts.plan.filters.has_row_filters())
+            .filter(|_| ctx.chain.table_manifests().any(|m| m.name == t.name()));
+        match (tracking, baseline) {
+            (Some(c), Some((_, since))) => {
+                let (snapshot, token) = c.changed_since(since)?;
+                let removed = c.removed_between(since, token);
+                tokens.push((c, token));
+                tracked.push(TrackedChanges {
+                    table: *t,
+                    snapshot: Mutex::new(Some(snapshot)),
+                    removed,
+                });
+            }
+            _ => {
+                ordered.push(InMemoryOrder::new(*t)?);
+                if let Some(c) = tracking {
+                    tokens.push((c, c.last_snapshot()));
+                }
+            }
+        }
+    }
     let refs: Vec<&dyn BucketRows> = ordered.iter().map(|t| t as &dyn BucketRows).collect();
-    save_delta_to(storage, &refs, input.dense, opts)
+    let report = ctx.save(storage, &refs, tracked, input.dense, opts)?;
+    if report.committed {
+        let whole = !opts.plan.filters.has_row_filters();
+        for (c, token) in tokens {
+            c.committed(whole.then_some(report.save_id.as_str()), token);
+        }
+    }
+    Ok(report)
+}
+
+/// A delta save's parent chain and where the delta goes.
+struct Delta {
+    chain: Chain,
+    child_dir: PathBuf,
+    parent_ref: saver_core::ParentRef,
+}
+
+impl Delta {
+    /// Opens the chain of `opts.parent` for a delta saved into `storage`, refusing a delta
+    /// saved over a link of its own chain.
+    fn open(storage: &dyn Storage, opts: &SaveOptions) -> Result<Self> {
+        let parent = opts.parent.as_ref().ok_or_else(|| Error::InvalidOption {
+            option: "parent",
+            why: "a delta save needs a parent".into(),
+        })?;
+        let child_dir = PathBuf::from(storage.location());
+        let chain = Chain::open(parent).map_err(|e| match e {
+            e @ Error::Chain { .. } => e,
+            e => Error::Chain {
+                link: child_dir.display().to_string(),
+                message: format!("parent {} cannot be opened: {e}", parent.display()),
+            },
+        })?;
+        let own = child_dir.canonicalize().ok();
+        if let Some(d) = chain
+            .dirs()
+            .iter()
+            .find(|d| own.is_some() && d.canonicalize().ok() == own)
+        {
+            return Err(Error::Chain {
+                link: child_dir.display().to_string(),
+                message: format!(
+                    "{} is a link of the parent's chain: a delta saved over it would remove the \
+                     rows it depends on; save the delta into a directory of its own",
+                    d.display()
+                ),
+            });
+        }
+        let parent_ref = chain.parent_ref_for(&child_dir)?;
+        Ok(Self {
+            chain,
+            child_dir,
+            parent_ref,
+        })
+    }
+
+    /// Compares `ordered` with the chain, adds the `tracked` changes, and saves the delta.
+    fn save(
+        &self,
+        storage: &dyn Storage,
+        ordered: &[&dyn BucketRows],
+        tracked: Vec<TrackedChanges<'_>>,
+        dense: Vec<DenseTensor<'_>>,
+        opts: &SaveOptions,
+    ) -> Result<SaveReport> {
+        let plan = &opts.plan;
+        let shard = plan.shard_index.unwrap_or(0);
+        let range = match plan.shard_index {
+            Some(i) => PartitionRule::bucket_range(i, plan.shard_num),
+            None => 0..BUCKETS,
+        };
+        // The slots the save keeps of a table, or `None` if it drops the table.
+        let compared = |t: &dyn SparseTable| -> Option<Vec<usize>> {
+            let kept = |kind, slot: Option<&str>| {
+                plan.filters.keep_block(&BlockInfo {
+                    kind,
+                    table: Some(t.name()),
+                    slot,
+                    dense: None,
+                    shard,
+                })
+            };
+            kept(BlockKind::Ids, None).then(|| {
+                (0..t.slots().len())
+                    .filter(|&s| kept(BlockKind::Slot, Some(&t.slots()[s].name)))
+                    .collect()
+            })
+        };
+        let mut spools: Vec<SpoolTable> = Vec::new();
+        for t in ordered {
+            let Some(compared) = compared(*t) else {
+                continue;
+            };
+            let parent_table = parent_slots(&self.chain, *t, &compared)?
+                .map(|slots| ChainTable::new(&self.chain, t.name(), slots))
+                .transpose()?;
+            let scratch = self.child_dir.as_path();
+            let mut changed = Spool::new(scratch, t.slots())?;
+            let mut removed = Spool::new(scratch, &[])?;
+            diff_table(
+                *t,
+                parent_table.as_ref(),
+                &compared,
+                &plan.filters,
+                (range.clone(), plan.foreign_rows, shard),
+                &mut changed,
+                &mut removed,
+            )?;
+            let name = t.name();
+            spools.push(changed.finish(name, t.key_dtype(), t.slots(), t.point_in_time())?);
+            spools.push(removed.finish(&removed_table_name(name), t.key_dtype(), &[], true)?);
+        }
+        let mut kept_tracked = Vec::new();
+        for t in tracked {
+            let Some(compared) = compared(t.table) else {
+                continue;
+            };
+            parent_slots(&self.chain, t.table, &compared)?;
+            // A process of a multi-process save writes its own shard's removals.
+            let mut ids: Vec<(u32, u64)> = t
+                .removed
+                .iter()
+                .map(|&id| (PartitionRule::bucket_of(id), id))
+                .filter(|(b, _)| range.contains(b))
+                .collect();
+            ids.sort_unstable();
+            let mut removed = Spool::new(&self.child_dir, &[])?;
+            for (_, id) in ids {
+                removed.push(id, &[])?;
+            }
+            let name = removed_table_name(t.table.name());
+            spools.push(removed.finish(&name, t.table.key_dtype(), &[], true)?);
+            kept_tracked.push(t);
+        }
+        let mut input = SaveInput::new();
+        for s in &spools {
+            input.tables.push(s);
+        }
+        for t in &kept_tracked {
+            input.tables.push(t);
+        }
+        input.dense = dense;
+        let mut opts = opts.clone();
+        opts.plan.filters = delta_filters(&plan.filters);
+        save_prepared(storage, input, &opts, Some(self.parent_ref.clone()))
+    }
+}
+
+/// A tracking table's rows written since its baseline (a snapshot taken once, handed to the
+/// save's plan) and its ids removed since then.
+struct TrackedChanges<'t> {
+    table: &'t dyn SparseTable,
+    snapshot: Mutex<Option<Box<dyn TableSnapshot + 't>>>,
+    removed: Vec<u64>,
+}
+
+impl SparseTable for TrackedChanges<'_> {
+    fn name(&self) -> &str {
+        self.table.name()
+    }
+    fn key_dtype(&self) -> KeyDtype {
+        self.table.key_dtype()
+    }
+    fn slots(&self) -> &[SlotSpec] {
+        self.table.slots()
+    }
+    fn len(&self) -> usize {
+        self.table.len()
+    }
+    fn snapshot(&self) -> saver_core::Result<Box<dyn TableSnapshot + '_>> {
+        self.snapshot
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .map(|s| s as Box<dyn TableSnapshot + '_>)
+            .ok_or_else(|| saver_core::Error::Table {
+                table: self.table.name().to_string(),
+                message: "the changed rows of a delta are read once".into(),
+            })
+    }
+    fn point_in_time(&self) -> bool {
+        self.table.point_in_time()
+    }
 }
 
 /// The filters of a delta's plan: a table's removed ids follow the table's ids block, and no
@@ -171,13 +314,14 @@ fn delta_filters(filters: &Filters) -> Filters {
         .keep_rows(move |r| removed_table_of(r.table()).is_some() || rows.keep_row(r))
 }
 
-/// The parent chain's table `t` with the slots `compared`, checked against `t`; `None` when
-/// the parent has no such table (every row is new).
-fn parent_table<'c>(
-    chain: &'c Chain,
-    t: &dyn BucketRows,
+/// The parent chain's slots of table `t` matching the slots `compared` of `t` (checked: same
+/// key dtype, each slot with the same dtype and shape); `None` when the parent has no such table
+/// (every row is new).
+fn parent_slots(
+    chain: &Chain,
+    t: &dyn SparseTable,
     compared: &[usize],
-) -> Result<Option<ChainTable<'c>>> {
+) -> Result<Option<Vec<SlotSpec>>> {
     let Some(pt) = chain.table_manifests().find(|m| m.name == t.name()) else {
         return Ok(None);
     };
@@ -210,7 +354,7 @@ fn parent_table<'c>(
             None => return Err(unfit(format!("slot {:?} is not in the parent", spec.name))),
         }
     }
-    ChainTable::new(chain, t.name(), slots).map(Some)
+    Ok(Some(slots))
 }
 
 /// A batch of the parent's rows.

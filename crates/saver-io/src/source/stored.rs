@@ -31,7 +31,8 @@ struct Segment<'c> {
 }
 
 /// Per (segment, slot or `usize::MAX` for ids): CRC32 pieces (offset, length, state) read so far.
-type CrcPieces = HashMap<(usize, usize), Vec<(u64, u64, Hasher)>>;
+/// With the bytes they cover in all.
+type CrcPieces = HashMap<(usize, usize), (Vec<(u64, u64, Hasher)>, u64)>;
 
 /// A table of an open checkpoint, all partitions together, rows read on demand.
 pub struct StoredTable<'c> {
@@ -195,12 +196,13 @@ impl<'c> StoredTable<'c> {
         h.update(buf);
         let whole = {
             let mut crcs = self.crcs.lock().unwrap_or_else(PoisonError::into_inner);
-            let pieces = crcs.entry((s, k)).or_default();
+            let (pieces, covered) = crcs.entry((s, k)).or_default();
             pieces.push((offset, buf.len() as u64, h));
-            if pieces.iter().map(|p| p.1).sum::<u64>() < t.len {
+            *covered += buf.len() as u64;
+            if *covered < t.len {
                 return Ok(());
             }
-            crcs.remove(&(s, k)).expect("just used")
+            crcs.remove(&(s, k)).expect("just used").0
         };
         let mut pieces = whole;
         pieces.sort_by_key(|p| p.0);

@@ -62,6 +62,11 @@ impl PreImages {
         }
     }
 
+    /// The generation of the open moment (0: none).
+    pub(super) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
     /// Whether a write now must keep pre-images: one atomic load while no snapshot is open.
     #[inline]
     pub(super) fn active(&self) -> bool {

@@ -14,7 +14,7 @@ pub use hasher::{IdHashBuilder, IdHasher};
 use slab::{Row, Slabs};
 use snapshot::{EmbeddingSnapshot, Retired};
 
-use super::{validate_slots, SlotSpec, SparseTable, TableSnapshot};
+use super::{validate_slots, ChangeTracking, SlotSpec, SparseTable, TableSnapshot};
 use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
 use crate::naming::check_table_name;
@@ -50,6 +50,24 @@ pub struct EmbeddingTable {
     /// Rows as they were at the moment of the open point-in-time snapshot, kept by the first
     /// write after it (see `cow`).
     pre: PreImages,
+    /// Change tracking, when turned on ([`EmbeddingTable::with_change_tracking`]).
+    tracking: Option<Box<Tracking>>,
+}
+
+/// What a tracking table keeps beside its rows: each row also holds, in one word after its slots,
+/// the clock's generation when it was last written (see [`ChangeTracking`]).
+struct Tracking {
+    /// Per map shard: every removal since the baseline's snapshot.
+    removed: Box<[std::sync::Mutex<Vec<Removal>>]>,
+    baseline: std::sync::Mutex<Option<(String, u64)>>,
+    last_snapshot: std::sync::atomic::AtomicU64,
+}
+
+/// A removed id and the clock's generation when it was removed.
+type Removal = (u64, u64);
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Mutable access to one row's slots, handed to update closures.
@@ -136,7 +154,47 @@ impl EmbeddingTable {
             buckets,
             retired: Retired::default(),
             pre,
+            tracking: None,
         })
+    }
+
+    /// Turns change tracking on, for an empty table: each row then records when it was last
+    /// written (8 bytes more a row) and each removal is recorded, so that a delta save whose
+    /// parent is the table's last committed save writes the changed rows without comparing the
+    /// table with the parent ([`ChangeTracking`]). A write costs one more load and store.
+    pub fn with_change_tracking(mut self) -> Result<Self> {
+        if !self.is_empty() {
+            return Err(Error::Table {
+                table: self.name.clone(),
+                message: "change tracking must be turned on before the first row".into(),
+            });
+        }
+        let arenas = self.slabs.arenas();
+        self.row_words += 1;
+        self.slabs = Slabs::new(self.row_words, arenas, self.rows.capacity());
+        self.tracking = Some(Box::new(Tracking {
+            removed: (0..self.rows.shards().len())
+                .map(|_| std::sync::Mutex::default())
+                .collect(),
+            baseline: std::sync::Mutex::new(None),
+            last_snapshot: std::sync::atomic::AtomicU64::new(0),
+        }));
+        Ok(self)
+    }
+
+    /// Stamps a row being written with the clock, when tracking. Called under the row's lock.
+    #[inline]
+    fn stamp(&self, words: &mut [u64]) {
+        if self.tracking.is_some() {
+            if let Some(w) = words.last_mut() {
+                *w = crate::table::moment::now();
+            }
+        }
+    }
+
+    /// The generation a tracking table's row was last written at.
+    fn stamp_of(&self, words: &[u64]) -> u64 {
+        words.last().copied().unwrap_or(0)
     }
 
     /// The table's name. (Also [`SparseTable::name`]; inherent, so that `t.name()` compiles
@@ -273,7 +331,8 @@ impl EmbeddingTable {
     }
 
     /// Inserts or replaces a built row; a replaced row may still be read by a snapshot.
-    fn put(&self, id: u64, row: Row) {
+    fn put(&self, id: u64, mut row: Row) {
+        self.stamp(self.slabs.words_mut(&mut row));
         match self.rows.entry(id) {
             // Retired while the entry is still locked: a reader by id finds the old row in the map
             // or in `retired`, never in neither.
@@ -300,10 +359,9 @@ impl EmbeddingTable {
                 v.insert(self.zeroed_row(id))
             }
         };
-        let mut row = RowMut {
-            table: self,
-            words: self.slabs.words_mut(&mut entry),
-        };
+        let words = self.slabs.words_mut(&mut entry);
+        self.stamp(words);
+        let mut row = RowMut { table: self, words };
         update(&mut row)
     }
 
@@ -312,10 +370,9 @@ impl EmbeddingTable {
         match self.rows.get_mut(&id) {
             Some(mut entry) => {
                 self.before_write(id, Some(&entry), true);
-                let mut row = RowMut {
-                    table: self,
-                    words: self.slabs.words_mut(&mut entry),
-                };
+                let words = self.slabs.words_mut(&mut entry);
+                self.stamp(words);
+                let mut row = RowMut { table: self, words };
                 update(&mut row);
                 true
             }
@@ -368,6 +425,10 @@ impl EmbeddingTable {
         match self.rows.entry(id) {
             Entry::Occupied(mut o) => {
                 self.before_write(id, Some(o.get()), false);
+                if let Some(t) = &self.tracking {
+                    let shard = self.rows.determine_map(&id);
+                    lock(&t.removed[shard]).push((id, crate::table::moment::now()));
+                }
                 // Retired before the entry goes, under its lock (see `put`); the placeholder left
                 // behind for that moment has no memory and nobody else can see it.
                 self.retire(id, std::mem::replace(o.get_mut(), Row::placeholder()));
@@ -445,11 +506,81 @@ impl SparseTable for EmbeddingTable {
     /// [`moment::hold`](crate::table::moment::hold)); it is refused once the open one has begun
     /// to free the rows it read.
     fn snapshot(&self) -> Result<Box<dyn TableSnapshot + '_>> {
-        Ok(Box::new(EmbeddingSnapshot::new(self)?))
+        Ok(Box::new(self.open_snapshot(None)?))
     }
 
     fn point_in_time(&self) -> bool {
         true
+    }
+
+    fn change_tracking(&self) -> Option<&dyn ChangeTracking> {
+        self.tracking.as_ref().map(|_| self as &dyn ChangeTracking)
+    }
+}
+
+impl EmbeddingTable {
+    /// A snapshot of every row, or with `since`, of the rows written at or after that token;
+    /// records its token when tracking.
+    fn open_snapshot(&self, since: Option<u64>) -> Result<EmbeddingSnapshot<'_>> {
+        let snap = EmbeddingSnapshot::new(self, since)?;
+        if let Some(t) = &self.tracking {
+            t.last_snapshot
+                .store(self.pre.generation(), std::sync::atomic::Ordering::SeqCst);
+        }
+        Ok(snap)
+    }
+}
+
+impl ChangeTracking for EmbeddingTable {
+    fn baseline(&self) -> Option<(String, u64)> {
+        self.tracking
+            .as_ref()
+            .and_then(|t| lock(&t.baseline).clone())
+    }
+
+    fn last_snapshot(&self) -> u64 {
+        self.tracking.as_ref().map_or(0, |t| {
+            t.last_snapshot.load(std::sync::atomic::Ordering::SeqCst)
+        })
+    }
+
+    fn changed_since(&self, since: u64) -> Result<(Box<dyn TableSnapshot + '_>, u64)> {
+        let snap = self.open_snapshot(Some(since))?;
+        Ok((Box::new(snap), self.pre.generation()))
+    }
+
+    fn removed_between(&self, since: u64, until: u64) -> Vec<u64> {
+        let Some(t) = &self.tracking else {
+            return Vec::new();
+        };
+        let mut ids: Vec<u64> = t
+            .removed
+            .iter()
+            .flat_map(|s| {
+                lock(s)
+                    .iter()
+                    .filter(|&&(_, g)| g >= since && g < until)
+                    .map(|&(id, _)| id)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    fn committed(&self, save_id: Option<&str>, token: u64) {
+        let Some(t) = &self.tracking else { return };
+        let mut baseline = lock(&t.baseline);
+        // Saves commit in any order: keep the newest moment.
+        if baseline.as_ref().is_some_and(|b| b.1 > token) {
+            return;
+        }
+        *baseline = save_id.map(|id| (id.to_string(), token));
+        // Removals before that moment are in that save (or an older one) now.
+        for s in t.removed.iter() {
+            lock(s).retain(|&(_, g)| g >= token);
+        }
     }
 }
 

@@ -110,13 +110,15 @@ impl Retired {
 /// The snapshot [`EmbeddingTable::snapshot`] returns.
 pub(super) struct EmbeddingSnapshot<'t> {
     table: &'t EmbeddingTable,
+    /// Only rows written at or after this token (a tracking table's changes since a save).
+    since: Option<u64>,
 }
 
 impl<'t> EmbeddingSnapshot<'t> {
     /// Opens a point-in-time snapshot: its moment is now, or the end of the enclosing
     /// `moment::at_one_moment`; or, while another snapshot of the table is open, that one's
     /// moment (refused once that one has freed rows it read).
-    pub(super) fn new(table: &'t EmbeddingTable) -> Result<Self> {
+    pub(super) fn new(table: &'t EmbeddingTable, since: Option<u64>) -> Result<Self> {
         if !table.pre.open() {
             return Err(Error::Table {
                 table: table.name.clone(),
@@ -126,7 +128,7 @@ impl<'t> EmbeddingSnapshot<'t> {
             });
         }
         table.retired.begin();
-        Ok(Self { table })
+        Ok(Self { table, since })
     }
 
     /// An error about row `id`: "id <id> <what>".
@@ -265,7 +267,11 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         // The rows written since the moment, as they were then. Trainers change them only under
         // this shard's write lock, so they stand still while it is read-locked here.
         let pre = t.pre.shard(part);
+        let since = self.since;
         let mut push = |id: u64, handle: u64, words: &[u64]| -> Result<()> {
+            if since.is_some_and(|g| t.stamp_of(words) < g) {
+                return Ok(());
+            }
             ids.push(id);
             handles.push(handle);
             if with_values {
