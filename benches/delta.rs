@@ -1,0 +1,196 @@
+//! Incremental checkpoints against full ones, in one run (docs/BENCHMARKS.md, "Incremental
+//! checkpoints"):
+//!
+//! * a delta with 1 % of rows changed, 0.2 % removed and 0.5 % added: bytes and time against a
+//!   full save of the same state (changes found by content);
+//! * a load of a base plus 10 such deltas against a load of the compacted checkpoint: time and
+//!   read amplification;
+//! * `compact` (a chain rewritten as a full checkpoint) against a full save.
+//!
+//! `cargo bench --bench delta -- [--spec criteo-kaggle,scale=0.5] [--runs 3] [--dir PATH]`
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use saver::core::partition::fmix64;
+use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
+use saver::io::reshard::reshard_chain;
+use saver::{save, Chain, Checkpoint, LoadOptions, SaveOptions};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn opts(parent: Option<&Path>) -> SaveOptions {
+    let mut o = SaveOptions {
+        overwrite: true,
+        parent: parent.map(Path::to_path_buf),
+        ..SaveOptions::default()
+    };
+    o.plan.shard_num = 4;
+    o
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum()
+}
+
+/// One training interval: 1 % of rows changed, 0.2 % removed, 0.5 % added (in every table).
+fn mutate(m: &SyntheticModel, round: u64) {
+    for (t, table) in m.tables.iter().enumerate() {
+        let ids = table.ids();
+        let n = ids.len() as u64;
+        let pick = |k: u64, salt: u64| ids[(fmix64(k ^ (salt << 32) ^ round << 48) % n) as usize];
+        for k in 0..n / 100 {
+            table.update(pick(k, 1), |row| {
+                let e = row.slot_mut::<f32>(0);
+                e[0] += 1.0;
+            });
+        }
+        for k in 0..n / 500 {
+            table.remove(pick(k, 2));
+        }
+        let width: Vec<usize> = table.slot_row_bytes().to_vec();
+        let rows: Vec<Vec<u8>> = width.iter().map(|&w| vec![3u8; w]).collect();
+        let refs: Vec<&[u8]> = rows.iter().map(Vec::as_slice).collect();
+        for k in 0..n / 200 {
+            let id = fmix64(k ^ (round << 40) ^ ((t as u64) << 56) ^ 0xadd);
+            table.insert(id, &refs).unwrap();
+        }
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |k: &str| {
+        args.iter()
+            .position(|a| a == k)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let spec = arg("--spec").unwrap_or_else(|| "criteo-kaggle,scale=0.5".into());
+    let runs: usize = arg("--runs").map_or(3, |r| r.parse().unwrap());
+    let root = PathBuf::from(arg("--dir").unwrap_or_else(|| "target/bench-delta".into()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let m = SyntheticModel::generate(&spec.parse::<SyntheticSpec>().unwrap()).unwrap();
+
+    // Full and delta saves of the same state, interleaved.
+    let base = root.join("base");
+    save(&base, m.input(), &opts(None)).unwrap();
+    mutate(&m, 1);
+    let (mut full_t, mut delta_t) = (Vec::new(), Vec::new());
+    let (full, delta) = (root.join("full"), root.join("delta"));
+    for round in 0..=runs {
+        for (dir, parent, times) in [
+            (&full, None, &mut full_t),
+            (&delta, Some(base.as_path()), &mut delta_t),
+        ] {
+            let _ = std::fs::remove_dir_all(dir);
+            // SAFETY: sync(2) has no preconditions.
+            unsafe { libc::sync() };
+            let t = Instant::now();
+            save(dir, m.input(), &opts(parent)).unwrap();
+            if round > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let (fb, db) = (dir_bytes(&full), dir_bytes(&delta));
+    let (ft, dt) = (median(full_t), median(delta_t));
+    println!("| what | full save | delta (content) | ratio |");
+    println!("| --- | --- | --- | --- |");
+    println!(
+        "| bytes | {:.1} MiB | {:.1} MiB | {:.4} |",
+        fb as f64 / 1048576.0,
+        db as f64 / 1048576.0,
+        db as f64 / fb as f64
+    );
+    println!(
+        "| time (durable) | {ft:.2} s | {dt:.2} s | {:.3} |",
+        dt / ft
+    );
+
+    // A chain of a base and 10 deltas, against its compaction.
+    let mut last = base.clone();
+    for k in 0..10 {
+        if k > 0 {
+            mutate(&m, 10 + k);
+        }
+        let d = root.join(format!("chain{k}"));
+        save(&d, m.input(), &opts(Some(&last))).unwrap();
+        last = d;
+    }
+    let chain = Chain::open(&last).unwrap();
+    let compacted = root.join("compacted");
+    let (mut compact_t, mut full2_t) = (Vec::new(), Vec::new());
+    for round in 0..=runs {
+        let _ = std::fs::remove_dir_all(&compacted);
+        unsafe { libc::sync() };
+        let t = Instant::now();
+        reshard_chain(&chain, &compacted, &opts(None)).unwrap();
+        if round > 0 {
+            compact_t.push(t.elapsed().as_secs_f64());
+        }
+        let _ = std::fs::remove_dir_all(&full);
+        unsafe { libc::sync() };
+        let t = Instant::now();
+        save(&full, m.input(), &opts(None)).unwrap();
+        if round > 0 {
+            full2_t.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let (ct, f2) = (median(compact_t), median(full2_t));
+    println!(
+        "| compact of base + 10 deltas (durable) | {f2:.2} s | {ct:.2} s | {:.3} |",
+        ct / f2
+    );
+
+    let compacted_ck = Checkpoint::open(&compacted).unwrap();
+    let lopts = |j| LoadOptions {
+        shard_num: 2,
+        shard_index: Some(j),
+        load_dense: false,
+        ..LoadOptions::default()
+    };
+    for (what, into_arrays) in [("load into arrays", true), ("restore into tables", false)] {
+        let (mut ct, mut cht) = (Vec::new(), Vec::new());
+        let (mut ca, mut cha) = (0.0, 0.0);
+        for round in 0..=runs {
+            let t = Instant::now();
+            let r = if into_arrays {
+                compacted_ck.load_columns(&lopts(0)).unwrap().report
+            } else {
+                compacted_ck.restore(&lopts(0)).unwrap().report
+            };
+            if round > 0 {
+                ct.push(t.elapsed().as_secs_f64());
+            }
+            ca = r.read_amplification;
+            let t = Instant::now();
+            let chain = Chain::open(&last).unwrap();
+            let r = if into_arrays {
+                chain.load_columns(&lopts(0)).unwrap().report
+            } else {
+                chain.restore(&lopts(0)).unwrap().report
+            };
+            if round > 0 {
+                cht.push(t.elapsed().as_secs_f64());
+            }
+            cha = r.read_amplification;
+        }
+        let (ct, cht) = (median(ct), median(cht));
+        println!(
+            "| {what}, shard 0 of 2, warm cache: time | {ct:.2} s (compacted) | {cht:.2} s (chain) | {:.3} |",
+            cht / ct
+        );
+        println!(
+            "| {what}: read amplification | {ca:.3} | {cha:.3} | {:.3} |",
+            cha / ca
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
