@@ -3,6 +3,8 @@
 //! rows already kept (the steady state of a long save) and first writes after the moment (each
 //! keeps the row's pre-image). `cargo bench --bench upsert`
 //!
+//! `no save open, change tracking`: the same on a table with change tracking on.
+//!
 //! The first figure is comparable with builds before copy-on-write (the file compiles against
 //! them unchanged but for the snapshot groups): the cost of the check every write now makes.
 
@@ -32,6 +34,15 @@ fn upsert(c: &mut Criterion) {
         })
     });
     if std::env::var_os("SAVER_BENCH_BASELINE").is_none() {
+        // The same writes to a table that tracks its changes (one more load and store a write).
+        let tracked = common::trainer_table_with(ROWS, true);
+        g.bench_function("no save open, change tracking", |b| {
+            b.iter(|| {
+                seed += 1;
+                step(&tracked, seed)
+            })
+        });
+        drop(tracked);
         // Every row kept once: later writes find their pre-image kept and only look it up.
         let snap = t.snapshot().unwrap();
         for id in 0..ROWS {

@@ -83,8 +83,13 @@ pub fn spec_of_size(bytes: u64) -> String {
 /// A trainer's table for the write benchmarks: `rows` rows (ids 0..rows) of a dim-32 embedding
 /// and its Adagrad accumulator, 256 bytes a row.
 pub fn trainer_table(rows: u64) -> saver::EmbeddingTable {
+    trainer_table_with(rows, false)
+}
+
+/// [`trainer_table`], with change tracking on if `tracking`.
+pub fn trainer_table_with(rows: u64, tracking: bool) -> saver::EmbeddingTable {
     use saver::{Dtype, EmbeddingTable, KeyDtype, SlotSpec};
-    let t = EmbeddingTable::new(
+    let mut t = EmbeddingTable::new(
         "t",
         KeyDtype::U64,
         vec![
@@ -93,6 +98,9 @@ pub fn trainer_table(rows: u64) -> saver::EmbeddingTable {
         ],
     )
     .unwrap();
+    if tracking {
+        t = t.with_change_tracking().unwrap();
+    }
     for id in 0..rows {
         t.upsert(id, |_| ());
     }
