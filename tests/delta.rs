@@ -631,3 +631,40 @@ fn tracked_deltas_saved_while_training_are_each_one_moment() {
     save_one(&full, None);
     assert_eq!(digest(&last), digest(&full));
 }
+
+/// A table that claims a name of the companion tables of deltas.
+struct Named<'a>(&'a EmbeddingTable, &'static str);
+
+impl saver::SparseTable for Named<'_> {
+    fn name(&self) -> &str {
+        self.1
+    }
+    fn key_dtype(&self) -> KeyDtype {
+        saver::SparseTable::key_dtype(self.0)
+    }
+    fn slots(&self) -> &[SlotSpec] {
+        saver::SparseTable::slots(self.0)
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn snapshot(&self) -> saver::core::Result<Box<dyn saver::TableSnapshot + '_>> {
+        saver::SparseTable::snapshot(self.0)
+    }
+}
+
+#[test]
+fn a_full_save_refuses_a_table_named_like_removed_ids() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = EmbeddingTable::new("t0", KeyDtype::I64, slots()).unwrap();
+    let fake = Named(&t, "t0:removed");
+    let err = save(
+        tmp.path().join("x"),
+        SaveInput::new().table(&t).table(&fake),
+        &options(1, None, None),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("t0:removed"), "{err}");
+    assert!(!tmp.path().join("x/model.safetensors.index.json").exists());
+}
