@@ -570,6 +570,15 @@ fn tracked_deltas_saved_while_training_are_each_one_moment() {
         save(dir, SaveInput::new().table(tables[0]), &o).unwrap();
     };
     let stop = AtomicBool::new(false);
+    // Rounds completed by the trainers: every interval between two saves sees writes.
+    let rounds = std::sync::atomic::AtomicU64::new(0);
+    let wait_rounds = |n: u64| {
+        let start = rounds.load(Ordering::SeqCst);
+        let t = std::time::Instant::now();
+        while rounds.load(Ordering::SeqCst) < start + n && t.elapsed().as_secs() < 10 {
+            std::thread::yield_now();
+        }
+    };
     /// Stops the trainers however the saves end, so that a failed save fails the test
     /// instead of waiting forever for them.
     struct Stop<'a>(&'a AtomicBool);
@@ -581,7 +590,7 @@ fn tracked_deltas_saved_while_training_are_each_one_moment() {
     let mut dirs = vec![tmp.path().join("d0")];
     std::thread::scope(|s| {
         for trainer in 0..2u64 {
-            let (table, stop) = (&table, &stop);
+            let (table, stop, rounds) = (&table, &stop, &rounds);
             s.spawn(move || {
                 let mut round = 1f32;
                 while !stop.load(Ordering::Relaxed) {
@@ -589,13 +598,15 @@ fn tracked_deltas_saved_while_training_are_each_one_moment() {
                         table.upsert(trainer << 32 | i, |r| r.slot_mut::<f32>(0)[0] = round);
                     }
                     round += 1.0;
+                    rounds.fetch_add(1, Ordering::SeqCst);
                 }
             });
         }
         let _stop = Stop(&stop);
+        wait_rounds(2);
         save_one(&dirs[0], None);
-        for k in 1..12 {
-            std::thread::sleep(std::time::Duration::from_millis(k % 4));
+        for k in 1..16 {
+            wait_rounds(1 + k % 3);
             let dir = tmp.path().join(format!("d{k}"));
             save_one(&dir, Some(dirs.last().unwrap()));
             dirs.push(dir);
@@ -624,7 +635,8 @@ fn tracked_deltas_saved_while_training_are_each_one_moment() {
             );
         }
     }
-    // Training stopped: one more delta equals a full save.
+    // Training stopped: one more delta equals a full save (rows written between a save's moment
+    // and its commit, and after, are all in some delta).
     let last = tmp.path().join("last");
     save_one(&last, Some(dirs.last().unwrap()));
     let full = tmp.path().join("full");

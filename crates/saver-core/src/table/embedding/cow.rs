@@ -76,10 +76,14 @@ impl PreImages {
     /// Opens a snapshot. The first opens a moment (now, or at the end of the enclosing
     /// `moment::at_one_moment`); one opened while another is open joins its moment, unless the
     /// other has already freed rows it read (then `false`: it cannot be joined).
-    pub(super) fn open(&self) -> bool {
+    /// `registered(g)` runs with the new moment's generation before the moment comes.
+    pub(super) fn open(&self, registered: &dyn Fn(u64)) -> bool {
         let mut sharing = lock(&self.sharing);
         if sharing.open == 0 {
-            moment::register(|g| self.generation.store(g, Ordering::SeqCst));
+            moment::register(|g| {
+                registered(g);
+                self.generation.store(g, Ordering::SeqCst)
+            });
             *sharing = Sharing {
                 open: 1,
                 freed_any: false,

@@ -61,6 +61,11 @@ struct Tracking {
     removed: Box<[std::sync::Mutex<Vec<Removal>>]>,
     baseline: std::sync::Mutex<Option<(String, u64)>>,
     last_snapshot: std::sync::atomic::AtomicU64,
+    /// Per map shard: ids written since `floor`, each at least once (and maybe more than once);
+    /// every row stamped at or after `floor` is listed. 0: no list kept yet (set to the first
+    /// snapshot's generation before its moment, then raised to each committed save's).
+    written: Box<[std::sync::Mutex<Vec<u64>>]>,
+    floor: std::sync::atomic::AtomicU64,
 }
 
 /// A removed id and the clock's generation when it was removed.
@@ -178,18 +183,43 @@ impl EmbeddingTable {
                 .collect(),
             baseline: std::sync::Mutex::new(None),
             last_snapshot: std::sync::atomic::AtomicU64::new(0),
+            written: (0..self.rows.shards().len())
+                .map(|_| std::sync::Mutex::default())
+                .collect(),
+            floor: std::sync::atomic::AtomicU64::new(0),
         }));
         Ok(self)
     }
 
-    /// Stamps a row being written with the clock, when tracking. Called under the row's lock.
+    /// Stamps the row of `id` being written with the clock, when tracking, and lists the id as
+    /// written if this is its first write since the list's floor (`old`: the row's stamp before
+    /// the write, `None` for a new row). Called under the row's lock, where the write is ordered
+    /// with the moment a snapshot fixes.
     #[inline]
-    fn stamp(&self, words: &mut [u64]) {
-        if self.tracking.is_some() {
+    fn stamp(&self, id: u64, words: &mut [u64], old: Option<u64>) {
+        if let Some(t) = &self.tracking {
             if let Some(w) = words.last_mut() {
                 *w = crate::table::moment::now();
             }
+            let floor = t.floor.load(std::sync::atomic::Ordering::SeqCst);
+            if floor != 0 && old.is_none_or(|o| o < floor) {
+                lock(&t.written[self.rows.determine_map(&id)]).push(id);
+            }
         }
+    }
+
+    /// The ids of map shard `shard` written since token `since`, sorted, if the list covers
+    /// that token (a snapshot then reads those rows only, not the whole shard).
+    fn written_since(&self, shard: usize, since: u64) -> Option<Vec<u64>> {
+        let t = self.tracking.as_ref()?;
+        let floor = t.floor.load(std::sync::atomic::Ordering::SeqCst);
+        if floor == 0 || floor > since {
+            return None;
+        }
+        let mut ids = lock(&t.written[shard]).clone();
+        ids.sort_unstable();
+        ids.dedup();
+        Some(ids)
     }
 
     /// The generation a tracking table's row was last written at.
@@ -332,16 +362,18 @@ impl EmbeddingTable {
 
     /// Inserts or replaces a built row; a replaced row may still be read by a snapshot.
     fn put(&self, id: u64, mut row: Row) {
-        self.stamp(self.slabs.words_mut(&mut row));
         match self.rows.entry(id) {
             // Retired while the entry is still locked: a reader by id finds the old row in the map
             // or in `retired`, never in neither.
             Entry::Occupied(mut o) => {
                 self.before_write(id, Some(o.get()), true);
+                let old = self.stamp_of(self.slabs.words(o.get()));
+                self.stamp(id, self.slabs.words_mut(&mut row), Some(old));
                 self.retire(id, o.insert(row))
             }
             Entry::Vacant(v) => {
                 self.before_write(id, None, true);
+                self.stamp(id, self.slabs.words_mut(&mut row), None);
                 v.insert(row);
             }
         }
@@ -349,18 +381,19 @@ impl EmbeddingTable {
 
     /// Updates the row of `id` in place under its lock; inserts a zeroed row first if absent.
     pub fn upsert<R>(&self, id: u64, update: impl FnOnce(&mut RowMut<'_>) -> R) -> R {
-        let mut entry = match self.rows.entry(id) {
+        let (mut entry, old) = match self.rows.entry(id) {
             Entry::Occupied(o) => {
                 self.before_write(id, Some(o.get()), true);
-                o.into_ref()
+                let old = self.stamp_of(self.slabs.words(o.get()));
+                (o.into_ref(), Some(old))
             }
             Entry::Vacant(v) => {
                 self.before_write(id, None, true);
-                v.insert(self.zeroed_row(id))
+                (v.insert(self.zeroed_row(id)), None)
             }
         };
         let words = self.slabs.words_mut(&mut entry);
-        self.stamp(words);
+        self.stamp(id, words, old);
         let mut row = RowMut { table: self, words };
         update(&mut row)
     }
@@ -370,8 +403,9 @@ impl EmbeddingTable {
         match self.rows.get_mut(&id) {
             Some(mut entry) => {
                 self.before_write(id, Some(&entry), true);
+                let old = self.stamp_of(self.slabs.words(&entry));
                 let words = self.slabs.words_mut(&mut entry);
-                self.stamp(words);
+                self.stamp(id, words, Some(old));
                 let mut row = RowMut { table: self, words };
                 update(&mut row);
                 true
@@ -522,7 +556,17 @@ impl EmbeddingTable {
     /// A snapshot of every row, or with `since`, of the rows written at or after that token;
     /// records its token when tracking.
     fn open_snapshot(&self, since: Option<u64>) -> Result<EmbeddingSnapshot<'_>> {
-        let snap = EmbeddingSnapshot::new(self, since)?;
+        let snap = EmbeddingSnapshot::new(self, since, &|g| {
+            // The first snapshot starts the list of written ids, before its moment comes.
+            if let Some(t) = &self.tracking {
+                let _ = t.floor.compare_exchange(
+                    0,
+                    g,
+                    std::sync::atomic::Ordering::SeqCst,
+                    std::sync::atomic::Ordering::SeqCst,
+                );
+            }
+        })?;
         if let Some(t) = &self.tracking {
             t.last_snapshot
                 .store(self.pre.generation(), std::sync::atomic::Ordering::SeqCst);
@@ -580,6 +624,21 @@ impl ChangeTracking for EmbeddingTable {
         // Removals before that moment are in that save (or an older one) now.
         for s in t.removed.iter() {
             lock(s).retain(|&(_, g)| g >= token);
+        }
+        // So are the rows written before it: the list keeps those written since. The floor is
+        // raised first, and each shard pruned under its read lock, so that a write either
+        // finds its row's stamp under the new floor and lists it, or was listed and is kept.
+        t.floor.store(token, std::sync::atomic::Ordering::SeqCst);
+        for (s, shard) in self.rows.shards().iter().enumerate() {
+            let guard = shard.read();
+            lock(&t.written[s]).retain(|&id| {
+                let hash = self.rows.hash_usize(&id) as u64;
+                guard.find(hash, |(k, _)| *k == id).is_some_and(|b| {
+                    // SAFETY: the bucket was just found in the table the guard keeps locked.
+                    let (_, row) = unsafe { b.as_ref() };
+                    self.stamp_of(self.slabs.words(row.get())) >= token
+                })
+            });
         }
     }
 }

@@ -118,8 +118,12 @@ impl<'t> EmbeddingSnapshot<'t> {
     /// Opens a point-in-time snapshot: its moment is now, or the end of the enclosing
     /// `moment::at_one_moment`; or, while another snapshot of the table is open, that one's
     /// moment (refused once that one has freed rows it read).
-    pub(super) fn new(table: &'t EmbeddingTable, since: Option<u64>) -> Result<Self> {
-        if !table.pre.open() {
+    pub(super) fn new(
+        table: &'t EmbeddingTable,
+        since: Option<u64>,
+        registered: &dyn Fn(u64),
+    ) -> Result<Self> {
+        if !table.pre.open(registered) {
             return Err(Error::Table {
                 table: table.name.clone(),
                 message: "another save of this table is under way and has passed the point \
@@ -289,20 +293,36 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
             }
             Ok(())
         };
-        // SAFETY: the guard keeps the table alive and unmodified for as long as the iterator and
-        // the references it yields are used (all within this block).
-        for bucket in unsafe { guard.iter() } {
-            // SAFETY: as above; the bucket was just yielded by the iterator.
-            let (id, row) = unsafe { bucket.as_ref() };
-            let row: &Row = row.get();
-            match pre.get(id) {
+        let mut visit_row = |id: u64, row: &Row| -> Result<()> {
+            match pre.get(&id) {
                 // Written since the moment: saved as it was then, or not at all if it had no row.
-                Some(p) => {
-                    if let Some(words) = &p.words {
-                        push(*id, row.addr(), words)?;
+                Some(p) => match &p.words {
+                    Some(words) => push(id, row.addr(), words),
+                    None => Ok(()),
+                },
+                None => push(id, row.addr(), t.slabs.words(row)),
+            }
+        };
+        match self.since.and_then(|g| t.written_since(part, g)) {
+            // A tracking table's changes: only the rows listed as written since the token.
+            Some(listed) => {
+                for id in listed {
+                    let hash = t.rows.hash_usize(&id) as u64;
+                    if let Some(bucket) = guard.find(hash, |(k, _)| *k == id) {
+                        // SAFETY: the guard keeps the table locked while the bucket is used.
+                        let (_, row) = unsafe { bucket.as_ref() };
+                        visit_row(id, row.get())?;
                     }
                 }
-                None => push(*id, row.addr(), t.slabs.words(row))?,
+            }
+            None => {
+                // SAFETY: the guard keeps the table alive and unmodified for as long as the
+                // iterator and the references it yields are used (all within this block).
+                for bucket in unsafe { guard.iter() } {
+                    // SAFETY: as above; the bucket was just yielded by the iterator.
+                    let (id, row) = unsafe { bucket.as_ref() };
+                    visit_row(*id, row.get())?;
+                }
             }
         }
         // Rows removed since the moment: saved as they were then.
