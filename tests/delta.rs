@@ -128,7 +128,7 @@ proptest! {
         let tmp = tempfile::tempdir().unwrap();
         let mut state = State::new();
         let mut last: Option<PathBuf> = None;
-        let mut dense = Vec::new();
+        let mut dense = vec![7u8; 8];
         for (k, s) in steps.iter().enumerate() {
             for &(t, n, seed, freq) in &s.upserts {
                 let emb = [seed, seed ^ 0x5a, k as u8, n as u8, 1, 2, 3, seed];
@@ -137,7 +137,10 @@ proptest! {
             for &(t, n) in &s.removes {
                 state.entry(t).or_default().remove(&id_of(t, n));
             }
-            dense = vec![k as u8; 16 + k];
+            // The dense tensor changes in some steps only: a delta writes it only then.
+            if s.upserts.len() % 2 == 0 {
+                dense = vec![k as u8; 16 + k];
+            }
             let dir = tmp.path().join(format!("s{k}"));
             let parent = last.as_deref().filter(|_| s.delta);
             save_state(&dir, &state, &dense, &options(s.shards, s.threshold, parent)).unwrap();
@@ -217,6 +220,9 @@ fn a_delta_holds_only_what_changed_and_old_readers_refuse_it() {
     assert_eq!(m.table("t0").unwrap().rows, 2, "one changed row, one new");
     assert_eq!(m.table("t0:removed").unwrap().rows, 1);
     assert_eq!(m.table("t1").unwrap().rows, 0);
+    // The dense tensor changed ("w0" to "w1"): written.
+    assert_eq!(m.dense.len(), 1);
+    assert!(m.dense_in_parent.is_empty());
     let p = m.parent.as_ref().unwrap();
     assert_eq!(p.path, "../base");
     // A build that knows only version 1 checks the version first: the index says 2.
@@ -454,7 +460,7 @@ proptest! {
         let tables = tracked_tables();
         let mut state = State::new();
         let mut saves: Vec<PathBuf> = Vec::new();
-        let mut dense = Vec::new();
+        let mut dense = vec![7u8; 8];
         for (k, s) in steps.iter().enumerate() {
             let mut touched = 0u64;
             for &(t, n, seed, freq) in &s.upserts {
@@ -470,7 +476,10 @@ proptest! {
                 tables[t].remove(id);
                 touched += 1;
             }
-            dense = vec![k as u8; 16 + k];
+            // The dense tensor changes in some steps only: a delta writes it only then.
+            if s.upserts.len() % 2 == 0 {
+                dense = vec![k as u8; 16 + k];
+            }
             let dir = tmp.path().join(format!("s{k}"));
             // Now and then the parent is not the tables' last save: a comparison then.
             let parent = if skip_parent && saves.len() >= 2 {
@@ -530,10 +539,13 @@ fn a_tracked_delta_holds_the_rows_written_and_only_them() {
     assert_eq!(m.table("t0:removed").unwrap().rows, 2);
     assert_eq!(m.table("t1").unwrap().rows, 0);
     assert_eq!(r.rows, 13);
-    // The same save again: nothing written since.
+    // The same save again: nothing written since, and the dense tensor is the parent's.
     let again = tmp.path().join("again");
     let r = save_tables(&again, &tables, b"w", &options(1, None, Some(&delta)));
     assert_eq!(r.rows, 0);
+    let m = Checkpoint::open(&again).unwrap().manifest().clone();
+    assert!(m.dense.is_empty());
+    assert_eq!(m.dense_in_parent, ["w"]);
     let full = tmp.path().join("full");
     save_tables(&full, &tables, b"w", &options(1, None, None));
     assert_eq!(digest(&again), digest(&full));

@@ -264,6 +264,10 @@ pub struct ShardManifest {
     /// The parent, for a delta; equal in every shard of a save.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<ParentRef>,
+    /// For a delta: the dense tensors of the new state that are not written because the parent's
+    /// chain holds them unchanged; equal in every shard of a save.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_in_parent: Vec<String>,
 }
 
 /// Per-shard facts kept in the global manifest.
@@ -312,6 +316,10 @@ pub struct Manifest {
     /// The trainer step the save was given, if any.
     #[serde(default)]
     pub step: Option<u64>,
+    /// For a delta: dense tensors of the state it holds that it does not write, because its
+    /// parent's chain holds them unchanged (found in the parent, or further up).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_in_parent: Vec<String>,
 }
 
 /// Structural checks of a table entry, so readers can size buffers from it safely.
@@ -426,6 +434,12 @@ fn check_same_save(first: &ShardManifest, s: &ShardManifest) -> Result<()> {
             "parent {:?} against {:?}",
             s.parent.as_ref().map(|p| &p.save_id),
             first.parent.as_ref().map(|p| &p.save_id)
+        )));
+    }
+    if s.dense_in_parent != first.dense_in_parent {
+        return Err(differ(format!(
+            "dense tensors kept from the parent {:?} against {:?}",
+            s.dense_in_parent, first.dense_in_parent
         )));
     }
     if s.user_metadata != first.user_metadata {
@@ -625,6 +639,7 @@ impl Manifest {
             shards: infos,
             user_metadata: shards[0].user_metadata.clone(),
             parent: shards[0].parent.clone(),
+            dense_in_parent: shards[0].dense_in_parent.clone(),
             replaces: None,
             step: shards[0].step,
         })

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
-use saver_core::manifest::{ParentRef, TableManifest};
+use saver_core::manifest::{DenseManifest, ParentRef, TableManifest};
 use saver_core::naming::{removed_table_name, removed_table_of};
 use saver_core::partition::BUCKETS;
 use saver_core::table::{RowChunk, TableSnapshot};
@@ -29,7 +29,9 @@ use saver_core::{EmbeddingTable, KeyDtype, PartitionRule, SlotSpec, SparseTable}
 use crate::columns::{Columns, TableColumns};
 use crate::error::{io_err, Error, Result};
 use crate::reader::Checkpoint;
-use crate::restore::{finish_report, globs, target_shards, LoadOptions, Restored, RestoredShard};
+use crate::restore::{
+    finish_report, globs, target_shards, LoadOptions, LoadedDense, Restored, RestoredShard,
+};
 use crate::source::stored::ROW_BITS;
 use crate::source::{core_error as core, BucketRows, StoredTable, VisitRows};
 
@@ -209,6 +211,75 @@ impl Chain {
         })
     }
 
+    /// The dense tensors of the newest state, each with the link that holds it, by name: the
+    /// newest link's, and those it keeps from its parent ([`Manifest::dense_in_parent`]), found
+    /// in the nearest link that writes them.
+    ///
+    /// [`Manifest::dense_in_parent`]: saver_core::Manifest::dense_in_parent
+    pub fn dense_refs(&self) -> Result<Vec<(&Checkpoint, &DenseManifest)>> {
+        let newest = self.newest().manifest();
+        let mut out: Vec<(&Checkpoint, &DenseManifest)> = newest
+            .dense
+            .iter()
+            .map(|d| (self.newest(), d))
+            .collect();
+        for name in &newest.dense_in_parent {
+            let mut found = None;
+            for (i, link) in self.links.iter().enumerate().skip(1) {
+                let m = link.manifest();
+                if let Some(d) = m.dense.iter().find(|d| &d.tensor.name == name) {
+                    found = Some((link, d));
+                    break;
+                }
+                // A link that neither writes nor keeps it ends the search: not in the chain.
+                if !m.dense_in_parent.contains(name) {
+                    return Err(Error::Chain {
+                        link: self.dirs[i].display().to_string(),
+                        message: format!(
+                            "dense tensor {name:?} is kept from this parent, which does not hold it"
+                        ),
+                    });
+                }
+            }
+            out.push(found.ok_or_else(|| Error::Chain {
+                link: self.dirs[0].display().to_string(),
+                message: format!("dense tensor {name:?} is in no link of the chain"),
+            })?);
+        }
+        out.sort_by(|a, b| a.1.tensor.name.cmp(&b.1.tensor.name));
+        Ok(out)
+    }
+
+    /// The dense tensors of the newest state that `opts.dense` selects (all when `None`), read
+    /// whole from the links that hold them and checked against their CRC32.
+    pub fn read_dense(
+        &self,
+        opts: Option<&LoadOptions>,
+        report: &mut crate::LoadReport,
+    ) -> Result<Vec<LoadedDense>> {
+        let set = match opts {
+            Some(o) => globs("dense", &o.dense)?,
+            None => None,
+        };
+        let mut out = Vec::new();
+        for (ckpt, d) in self.dense_refs()? {
+            if set.as_ref().is_some_and(|s| !s.is_match(&d.tensor.name)) {
+                continue;
+            }
+            let data = ckpt.read_dense(&d.tensor.name)?;
+            report.bytes_read += data.len() as u64;
+            report.bytes_kept += data.len() as u64;
+            report.tensors_checked += 1;
+            out.push(LoadedDense {
+                name: d.tensor.name.clone(),
+                dtype: d.tensor.dtype,
+                shape: d.tensor.shape.clone(),
+                data,
+            });
+        }
+        Ok(out)
+    }
+
     /// The tables of the newest state (the companion tables of removed ids are not tables),
     /// in manifest order.
     pub fn table_manifests(&self) -> impl Iterator<Item = &TableManifest> {
@@ -313,7 +384,7 @@ impl Chain {
             });
         }
         let dense = if opts.load_dense {
-            self.newest().load_dense(opts, &mut report)?
+            self.read_dense(Some(opts), &mut report)?
         } else {
             Vec::new()
         };
@@ -331,7 +402,6 @@ impl Chain {
     /// only the target's buckets of every link.
     pub fn restore(&self, opts: &LoadOptions) -> Result<Restored> {
         let start = std::time::Instant::now();
-        let newest = self.newest();
         let tables = self.selected(opts)?;
         let targets = target_shards(opts)?;
         let mut shards = Vec::new();
@@ -395,7 +465,7 @@ impl Chain {
             ..Default::default()
         };
         let dense = if opts.load_dense {
-            newest.load_dense(opts, &mut report)?
+            self.read_dense(Some(opts), &mut report)?
         } else {
             Vec::new()
         };

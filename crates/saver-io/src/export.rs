@@ -143,7 +143,7 @@ pub fn export_chain(chain: &Chain, out: &Path, opts: &ExportOptions) -> Result<E
     let tables: Vec<&dyn BucketRows> = tables.iter().map(|t| t as &dyn BucketRows).collect();
     export_tables(
         tables,
-        || Source::checkpoint_dense(chain.newest()),
+        || chain.read_dense(None, &mut crate::LoadReport::default()),
         out,
         opts,
     )

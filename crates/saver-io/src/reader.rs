@@ -191,6 +191,18 @@ fn check_manifest(m: &Manifest, index: &Index, file: &str) -> Result<()> {
     if let Some(p) = &m.parent {
         crate::chain::check_parent_path(&p.path).map_err(|why| bad(format!("parent {why}")))?;
     }
+    for name in &m.dense_in_parent {
+        if m.parent.is_none() || m.dense.iter().any(|d| &d.tensor.name == name) {
+            return Err(bad(format!(
+                "dense tensor {name:?} is said to be in the parent, but the checkpoint {}",
+                if m.parent.is_none() {
+                    "has no parent"
+                } else {
+                    "holds it too"
+                }
+            )));
+        }
+    }
     for t in &m.tables {
         if let Some(base) = saver_core::naming::removed_table_of(&t.name) {
             if m.parent.is_none() || m.table(base).is_none() || !t.slots.is_empty() {

@@ -19,7 +19,8 @@ use crate::writer::{save, SaveOptions, SaveReport};
 /// checked against its CRC32.
 pub fn reshard(src: &Checkpoint, out: &Path, opts: &SaveOptions) -> Result<SaveReport> {
     let tables = SourceTables::Stored(StoredTable::all(src, &[], &[])?);
-    rewrite(src, tables, out, opts)
+    let dense = crate::source::Source::checkpoint_dense(src)?;
+    rewrite(src, tables, dense, out, opts)
 }
 
 /// Rewrites the newest state of `chain` (a delta resolved over its parents, or one full
@@ -27,17 +28,18 @@ pub fn reshard(src: &Checkpoint, out: &Path, opts: &SaveOptions) -> Result<SaveR
 /// does: what `saver compact` and `saver reshard` of a delta run.
 pub fn reshard_chain(chain: &Chain, out: &Path, opts: &SaveOptions) -> Result<SaveReport> {
     let tables = SourceTables::Chain(chain.tables(&[], &[])?);
-    rewrite(chain.newest(), tables, out, opts)
+    let dense = chain.read_dense(None, &mut crate::LoadReport::default())?;
+    rewrite(chain.newest(), tables, dense, out, opts)
 }
 
-/// Saves `tables` with `src`'s dense tensors, trainer state and user metadata.
+/// Saves `tables` and `dense` with `src`'s trainer state and user metadata.
 fn rewrite(
     src: &Checkpoint,
     tables: SourceTables<'_>,
+    dense: Vec<crate::LoadedDense>,
     out: &Path,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    let dense = crate::source::Source::checkpoint_dense(src)?;
     let input = save_input(&tables, &dense)?;
     let mut opts = opts.clone();
     opts.plan.shard_index = None;

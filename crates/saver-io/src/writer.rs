@@ -242,16 +242,23 @@ pub fn save_to(
     save_prepared(storage, input, opts, None)
 }
 
+/// What makes a save a delta: its parent, and the dense tensors of the new state it does not
+/// write because the parent's chain holds them unchanged.
+pub(crate) struct DeltaOf {
+    pub parent: ParentRef,
+    pub dense_in_parent: Vec<String>,
+}
+
 /// [`save_to`] of a model ready to be written: a full checkpoint, or a delta's changed rows and
 /// removed ids with the parent they are a delta of.
 pub(crate) fn save_prepared(
     storage: &dyn Storage,
     input: SaveInput<'_>,
     opts: &SaveOptions,
-    parent: Option<ParentRef>,
+    delta: Option<DeltaOf>,
 ) -> Result<SaveReport> {
     let t0 = Instant::now();
-    if parent.is_none() {
+    if delta.is_none() {
         // The companion tables of removed ids belong to deltas: in a full checkpoint a reader
         // refuses them.
         if let Some(t) = input
@@ -322,7 +329,7 @@ pub(crate) fn save_prepared(
         Shared {
             writer,
             replaces: seen,
-            parent,
+            delta,
             t0,
         },
         &mut shard_manifests_written,
@@ -347,7 +354,7 @@ pub(crate) fn save_prepared(
 struct Shared {
     writer: WriterInfo,
     replaces: Option<CheckpointRef>,
-    parent: Option<ParentRef>,
+    delta: Option<DeltaOf>,
     t0: Instant,
 }
 
@@ -411,8 +418,11 @@ fn write_and_commit(
         m.step = opts.step;
         m.tables_given = tables_given.clone();
         m.dense_given = dense_given.clone();
-        m.format_version = format_version_of(shared.parent.as_ref());
-        m.parent = shared.parent.clone();
+        if let Some(d) = &shared.delta {
+            m.parent = Some(d.parent.clone());
+            m.dense_in_parent = d.dense_in_parent.clone();
+        }
+        m.format_version = format_version_of(m.parent.as_ref());
         let json = serde_json::to_vec_pretty(&m).expect("manifests serialize");
         // Set before the write, not after: once a shard manifest may exist, another process may
         // commit the set at any moment, so a failure from here on must not remove the shard.

@@ -622,6 +622,7 @@ impl<'a> SavePlan<'a> {
             tables_given: Vec::new(),
             dense_given: Vec::new(),
             parent: None,
+            dense_in_parent: Vec::new(),
         }
     }
 }

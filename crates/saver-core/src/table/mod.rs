@@ -266,6 +266,10 @@ pub trait ChangeTracking: Send + Sync {
     /// A point-in-time snapshot of the rows written at or after token `since` (whole rows, as
     /// they were at the snapshot's moment), and the snapshot's own token.
     fn changed_since(&self, since: u64) -> Result<(Box<dyn TableSnapshot + '_>, u64)>;
+    /// About how many rows [`Self::changed_since`] gives now (a hint for sizing; default 0).
+    fn changed_hint(&self) -> usize {
+        0
+    }
     /// The ids removed at or after token `since` and before token `until`, ascending. An id
     /// removed and inserted again may be listed: its row, among the changed rows, wins.
     fn removed_between(&self, since: u64, until: u64) -> Vec<u64>;

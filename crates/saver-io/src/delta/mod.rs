@@ -36,7 +36,7 @@ use crate::chain::{Chain, ChainTable};
 use crate::error::{Error, Result};
 use crate::source::{BucketRows, VisitRows};
 use crate::storage::Storage;
-use crate::writer::{local_storage, save_prepared, SaveOptions, SaveReport};
+use crate::writer::{local_storage, save_prepared, DeltaOf, SaveOptions, SaveReport};
 use spool::{Spool, SpoolTable};
 
 /// Rows compared at a time on each side.
@@ -99,6 +99,7 @@ pub(crate) fn save_delta_of_input(
                     table: *t,
                     snapshot: Mutex::new(Some(snapshot)),
                     removed,
+                    rows_hint: c.changed_hint(),
                 });
             }
             _ => {
@@ -251,10 +252,40 @@ impl Delta {
         for t in &kept_tracked {
             input.tables.push(t);
         }
-        input.dense = dense;
+        // Dense tensors the chain holds unchanged (same dtype, shape and CRC32) are named, not
+        // written.
+        let in_parent: std::collections::HashMap<&str, &saver_core::manifest::TensorRef> = self
+            .chain
+            .dense_refs()?
+            .into_iter()
+            .map(|(_, d)| (d.tensor.name.as_str(), &d.tensor))
+            .collect();
+        let mut dense_in_parent = Vec::new();
+        for d in dense {
+            let kept = plan.filters.keep_block(&BlockInfo {
+                kind: BlockKind::Dense,
+                table: None,
+                slot: None,
+                dense: Some(d.name()),
+                shard,
+            });
+            let same = in_parent.get(d.name()).is_some_and(|t| {
+                t.dtype == d.dtype() && t.shape == d.shape() && t.crc32 == crc32fast::hash(d.data())
+            });
+            if kept && same {
+                dense_in_parent.push(d.name().to_string());
+            } else {
+                input.dense.push(d);
+            }
+        }
+        dense_in_parent.sort();
         let mut opts = opts.clone();
         opts.plan.filters = delta_filters(&plan.filters);
-        save_prepared(storage, input, &opts, Some(self.parent_ref.clone()))
+        let delta = DeltaOf {
+            parent: self.parent_ref.clone(),
+            dense_in_parent,
+        };
+        save_prepared(storage, input, &opts, Some(delta))
     }
 }
 
@@ -264,6 +295,8 @@ struct TrackedChanges<'t> {
     table: &'t dyn SparseTable,
     snapshot: Mutex<Option<Box<dyn TableSnapshot + 't>>>,
     removed: Vec<u64>,
+    /// About how many rows the snapshot gives: the planner sizes its buffers from it.
+    rows_hint: usize,
 }
 
 impl SparseTable for TrackedChanges<'_> {
@@ -277,7 +310,7 @@ impl SparseTable for TrackedChanges<'_> {
         self.table.slots()
     }
     fn len(&self) -> usize {
-        self.table.len()
+        self.rows_hint
     }
     fn snapshot(&self) -> saver_core::Result<Box<dyn TableSnapshot + '_>> {
         self.snapshot

@@ -128,7 +128,7 @@ impl Source {
     pub fn dense(&self) -> Result<Vec<LoadedDense>> {
         match self {
             Self::Checkpoint(c) => Self::checkpoint_dense(c),
-            Self::Chain(c) => Self::checkpoint_dense(c.newest()),
+            Self::Chain(c) => c.read_dense(None, &mut crate::LoadReport::default()),
             Self::Plain(p) => p.read_dense(),
         }
     }

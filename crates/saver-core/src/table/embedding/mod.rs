@@ -593,6 +593,12 @@ impl ChangeTracking for EmbeddingTable {
         Ok((Box::new(snap), self.pre.generation()))
     }
 
+    fn changed_hint(&self) -> usize {
+        self.tracking.as_ref().map_or(0, |t| {
+            t.written.iter().map(|w| lock(w).len()).sum()
+        })
+    }
+
     fn removed_between(&self, since: u64, until: u64) -> Vec<u64> {
         let Some(t) = &self.tracking else {
             return Vec::new();
