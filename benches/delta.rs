@@ -173,8 +173,15 @@ fn main() {
         // SAFETY: sync(2) has no preconditions.
         unsafe { libc::sync() };
         let t = Instant::now();
-        save(&tdelta, input_of(&tracked, &m), &opts(Some(&tbase))).unwrap();
+        let r = save(&tdelta, input_of(&tracked, &m), &opts(Some(&tbase))).unwrap();
         let d = t.elapsed().as_secs_f64();
+        eprintln!(
+            "tracked delta: {d:.3} s (before the plan {:.3} s, plan {:.3} s, write {:.3} s, commit {:.3} s)",
+            d - r.plan_seconds - r.write_seconds - r.commit_seconds,
+            r.plan_seconds,
+            r.write_seconds,
+            r.commit_seconds
+        );
         // SAFETY: as above.
         unsafe { libc::sync() };
         let t = Instant::now();
