@@ -498,7 +498,9 @@ pub struct ChainTable<'c> {
     links: Vec<Link<'c>>,
     /// Bucket ranges, each within one segment of every link: the scan parts.
     parts: Vec<Range<u32>>,
-    rows: u64,
+    /// The number of live rows, counted (a merge of the ids of every link) when first asked:
+    /// loads never ask, so they read only their buckets.
+    rows: std::sync::OnceLock<u64>,
     /// Bytes of ids and rows read from the links' files so far.
     bytes_read: AtomicU64,
 }
@@ -571,29 +573,37 @@ impl<'c> ChainTable<'c> {
             .iter()
             .map(|s| s.row_bytes())
             .collect::<saver_core::Result<_>>()?;
-        let mut table = Self {
+        Ok(Self {
             name: name.to_string(),
             key_dtype: t.key_dtype,
             slots,
             row_bytes,
             links,
             parts,
-            rows: 0,
+            rows: std::sync::OnceLock::new(),
             bytes_read: AtomicU64::new(0),
-        };
-        table.rows = if table.links.len() == 1 && table.links[0].removed.is_none() {
-            table.links[0].rows.rows()
-        } else {
-            let mut n = 0u64;
-            for p in table.parts.clone() {
-                table.merge(p, &mut |_, _| {
-                    n += 1;
-                    Ok(())
-                })?;
-            }
-            n
-        };
-        Ok(table)
+        })
+    }
+
+    /// Counts the live rows: a merge of every link's ids.
+    fn count_rows(&self) -> Result<u64> {
+        if self.links.len() == 1 && self.links[0].removed.is_none() {
+            return Ok(self.links[0].rows.rows());
+        }
+        let mut n = 0u64;
+        for p in &self.parts {
+            self.merge(p.clone(), &mut |_, _| {
+                n += 1;
+                Ok(())
+            })?;
+        }
+        Ok(n)
+    }
+
+    /// The number of live rows. A chain whose ids cannot be read counts 0 here; reading its rows
+    /// then fails with the reason.
+    fn live_rows(&self) -> u64 {
+        *self.rows.get_or_init(|| self.count_rows().unwrap_or(0))
     }
 
     /// Bytes of ids and rows read from the links' files so far (binary searches aside).
@@ -858,8 +868,11 @@ impl SparseTable for ChainTable<'_> {
     fn slots(&self) -> &[SlotSpec] {
         &self.slots
     }
+    /// A hint, as the trait allows: the rows of every link, at least the live rows (counting
+    /// them exactly takes a pass over every link's ids; [`BucketRows::rows`] does).
     fn len(&self) -> usize {
-        usize::try_from(self.rows).unwrap_or(usize::MAX)
+        let all: u64 = self.links.iter().map(|l| l.rows.rows()).sum();
+        usize::try_from(all).unwrap_or(usize::MAX)
     }
     fn snapshot(&self) -> saver_core::Result<Box<dyn TableSnapshot + '_>> {
         Ok(Box::new(
@@ -877,7 +890,7 @@ impl BucketRows for ChainTable<'_> {
         &self.row_bytes
     }
     fn rows(&self) -> u64 {
-        self.rows
+        self.live_rows()
     }
     fn visit_in_bucket_order(&self, batch: usize, visit: &mut VisitRows<'_>) -> Result<()> {
         self.visit_buckets(0..BUCKETS, batch, visit)
