@@ -218,11 +218,8 @@ impl Chain {
     /// [`Manifest::dense_in_parent`]: saver_core::Manifest::dense_in_parent
     pub fn dense_refs(&self) -> Result<Vec<(&Checkpoint, &DenseManifest)>> {
         let newest = self.newest().manifest();
-        let mut out: Vec<(&Checkpoint, &DenseManifest)> = newest
-            .dense
-            .iter()
-            .map(|d| (self.newest(), d))
-            .collect();
+        let mut out: Vec<(&Checkpoint, &DenseManifest)> =
+            newest.dense.iter().map(|d| (self.newest(), d)).collect();
         for name in &newest.dense_in_parent {
             let mut found = None;
             for (i, link) in self.links.iter().enumerate().skip(1) {

@@ -594,9 +594,9 @@ impl ChangeTracking for EmbeddingTable {
     }
 
     fn changed_hint(&self) -> usize {
-        self.tracking.as_ref().map_or(0, |t| {
-            t.written.iter().map(|w| lock(w).len()).sum()
-        })
+        self.tracking
+            .as_ref()
+            .map_or(0, |t| t.written.iter().map(|w| lock(w).len()).sum())
     }
 
     fn removed_between(&self, since: u64, until: u64) -> Vec<u64> {
