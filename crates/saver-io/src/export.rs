@@ -139,6 +139,10 @@ pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<Exp
 /// Exports the newest state of `chain` (a delta resolved over its parents, or one full
 /// checkpoint) into directory `out`, as [`export`] does.
 pub fn export_chain(chain: &Chain, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
+    if !chain.is_delta() {
+        // One full checkpoint: its rows are read straight from their segments.
+        return export(chain.newest(), out, opts);
+    }
     let tables = chain.tables(&opts.tables, &opts.exclude_slots)?;
     let tables: Vec<&dyn BucketRows> = tables.iter().map(|t| t as &dyn BucketRows).collect();
     export_tables(

@@ -27,6 +27,10 @@ pub fn reshard(src: &Checkpoint, out: &Path, opts: &SaveOptions) -> Result<SaveR
 /// checkpoint) into `out` as a full checkpoint of `opts.plan.shard_num` shards, as [`reshard`]
 /// does: what `saver compact` and `saver reshard` of a delta run.
 pub fn reshard_chain(chain: &Chain, out: &Path, opts: &SaveOptions) -> Result<SaveReport> {
+    if !chain.is_delta() {
+        // One full checkpoint: its rows are read straight from their segments.
+        return reshard(chain.newest(), out, opts);
+    }
     let tables = SourceTables::Chain(chain.tables(&[], &[])?);
     let dense = chain.read_dense(None, &mut crate::LoadReport::default())?;
     rewrite(chain.newest(), tables, dense, out, opts)
