@@ -692,3 +692,61 @@ fn a_full_save_refuses_a_table_named_like_removed_ids() {
     assert!(err.contains("t0:removed"), "{err}");
     assert!(!tmp.path().join("x/model.safetensors.index.json").exists());
 }
+
+/// After a restart: tables restored with change tracking have the loaded checkpoint (the newest
+/// link of a chain) as their baseline, so the first delta after the restart is tracked.
+#[test]
+fn tables_restored_with_tracking_give_a_tracked_delta_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, delta, _) = base_and_delta(tmp.path());
+    for loaded in [tmp.path().join("base"), delta] {
+        let chain = Chain::open(&loaded).unwrap();
+        let opts = LoadOptions {
+            change_tracking: true,
+            ..LoadOptions::default()
+        };
+        let restored = chain.restore(&opts).unwrap();
+        let tables = &restored.shards[0].tables;
+        let t0 = tables.iter().find(|t| t.name() == "t0").unwrap();
+        // Three rows written with the values they have (a comparison finds nothing), one removed.
+        for n in [10u16, 11, 12] {
+            let id = id_of(0, n);
+            t0.update(id, |_| ());
+        }
+        t0.remove(id_of(0, 20));
+        let next = loaded.with_file_name(format!(
+            "{}-next",
+            loaded.file_name().unwrap().to_str().unwrap()
+        ));
+        let mut input = SaveInput::new();
+        for t in tables {
+            input = input.table(t);
+        }
+        let w = &restored.dense[0];
+        input =
+            input.dense(DenseTensor::new(&w.name, w.dtype, w.shape.clone(), &w.data[..]).unwrap());
+        let r = save(&next, input, &options(2, None, Some(&loaded))).unwrap();
+        let m = Checkpoint::open(&next).unwrap().manifest().clone();
+        assert_eq!(m.table("t0").unwrap().rows, 3, "{}", loaded.display());
+        assert_eq!(m.table("t0:removed").unwrap().rows, 1);
+        assert_eq!(r.rows, 4);
+        assert_eq!(m.dense_in_parent, ["w"]);
+        let full = tmp.path().join("full-of-next");
+        let _ = std::fs::remove_dir_all(&full);
+        let mut input = SaveInput::new();
+        for t in tables {
+            input = input.table(t);
+        }
+        input =
+            input.dense(DenseTensor::new(&w.name, w.dtype, w.shape.clone(), &w.data[..]).unwrap());
+        save(&full, input, &options(1, None, None)).unwrap();
+        assert_eq!(digest(&next), digest(&full));
+    }
+    // Tracking is off by default, and a baseline needs it.
+    let t = EmbeddingTable::new("t", KeyDtype::U64, slots()).unwrap();
+    assert!(t
+        .set_baseline("x")
+        .unwrap_err()
+        .to_string()
+        .contains("change tracking"));
+}

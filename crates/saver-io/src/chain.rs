@@ -30,7 +30,8 @@ use crate::columns::{Columns, TableColumns};
 use crate::error::{io_err, Error, Result};
 use crate::reader::Checkpoint;
 use crate::restore::{
-    finish_report, globs, target_shards, LoadOptions, LoadedDense, Restored, RestoredShard,
+    finish_report, globs, set_baselines, target_shards, tracked_if, LoadOptions, LoadedDense,
+    Restored, RestoredShard,
 };
 use crate::source::stored::ROW_BITS;
 use crate::source::{core_error as core, BucketRows, StoredTable, VisitRows};
@@ -410,13 +411,16 @@ impl Chain {
                     .get(t.name())
                     .cloned()
                     .unwrap_or_else(|| t.name().to_string());
-                ts.push(EmbeddingTable::for_shard(
-                    name,
-                    t.key_dtype(),
-                    t.slots().to_vec(),
-                    0,
-                    j,
-                    opts.shard_num,
+                ts.push(tracked_if(
+                    EmbeddingTable::for_shard(
+                        name,
+                        t.key_dtype(),
+                        t.slots().to_vec(),
+                        0,
+                        j,
+                        opts.shard_num,
+                    )?,
+                    opts,
                 )?);
             }
             shards.push(RestoredShard {
@@ -455,6 +459,7 @@ impl Chain {
                 .collect()
         });
         let done = done?;
+        set_baselines(&shards, opts, &self.newest().manifest().save_id)?;
         let mut report = crate::LoadReport {
             rows: done.iter().map(|d| d.0).sum(),
             bytes_kept: done.iter().map(|d| d.1).sum(),

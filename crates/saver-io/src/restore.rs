@@ -79,6 +79,11 @@ pub struct LoadOptions {
     /// about twice as fast when huge pages are free, but a stall while the kernel compacts memory
     /// when they are not (see `docs/BENCHMARKS.md`). Off by default.
     pub huge_pages: bool,
+    /// Restore into tables with change tracking on, whose baseline is the loaded checkpoint
+    /// (the newest link of a chain): a delta saved next with that checkpoint as parent writes
+    /// what was written since the load, without comparing ([`EmbeddingTable::set_baseline`]).
+    /// Off by default: tracking takes 8 bytes more a row.
+    pub change_tracking: bool,
 }
 
 impl Default for LoadOptions {
@@ -96,6 +101,7 @@ impl Default for LoadOptions {
             rename: BTreeMap::new(),
             required_tables: Vec::new(),
             huge_pages: false,
+            change_tracking: false,
         }
     }
 }
@@ -316,13 +322,16 @@ impl Checkpoint {
                     .cloned()
                     .unwrap_or_else(|| t.name.clone());
                 let rows = expected_rows(t, PartitionRule::bucket_range(j, opts.shard_num));
-                ts.push(EmbeddingTable::for_shard(
-                    name,
-                    t.key_dtype,
-                    Self::kept_slots(t, &exclude),
-                    rows,
-                    j,
-                    opts.shard_num,
+                ts.push(tracked_if(
+                    EmbeddingTable::for_shard(
+                        name,
+                        t.key_dtype,
+                        Self::kept_slots(t, &exclude),
+                        rows,
+                        j,
+                        opts.shard_num,
+                    )?,
+                    opts,
                 )?);
             }
             shards.push(RestoredShard {
@@ -340,6 +349,7 @@ impl Checkpoint {
             })
             .collect();
         let mut report = self.load_sinks(&sinks, opts)?;
+        set_baselines(&shards, opts, &self.manifest().save_id)?;
         let dense = if opts.load_dense {
             self.load_dense(opts, &mut report)?
         } else {
@@ -736,6 +746,29 @@ fn expected_rows(t: &TableManifest, range: Range<u32>) -> usize {
         })
         .sum();
     usize::try_from(rows).unwrap_or(usize::MAX)
+}
+
+/// `table`, with change tracking on if `opts` asks for it.
+pub(crate) fn tracked_if(table: EmbeddingTable, opts: &LoadOptions) -> Result<EmbeddingTable> {
+    Ok(if opts.change_tracking {
+        table.with_change_tracking()?
+    } else {
+        table
+    })
+}
+
+/// Makes the save `save_id` the baseline of every restored table, when tracking.
+pub(crate) fn set_baselines(
+    shards: &[RestoredShard],
+    opts: &LoadOptions,
+    save_id: &str,
+) -> Result<()> {
+    if opts.change_tracking {
+        for t in shards.iter().flat_map(|s| &s.tables) {
+            t.set_baseline(save_id)?;
+        }
+    }
+    Ok(())
 }
 
 pub(crate) fn target_shards(opts: &LoadOptions) -> Result<Vec<u32>> {

@@ -191,6 +191,32 @@ impl EmbeddingTable {
         Ok(self)
     }
 
+    /// Declares that the table now holds exactly what the committed save `save_id` holds of it
+    /// (it was just loaded from that save), so that a delta whose parent is that save writes
+    /// what is written from now on without comparing. For a table with change tracking on.
+    pub fn set_baseline(&self, save_id: &str) -> Result<()> {
+        let Some(t) = &self.tracking else {
+            return Err(Error::Table {
+                table: self.name.clone(),
+                message: "a baseline needs change tracking (with_change_tracking)".into(),
+            });
+        };
+        // A moment of its own: rows written before it are the save's, rows written after it
+        // are stamped with it or later, and listed.
+        let mut token = 0;
+        crate::table::moment::register(|g| {
+            token = g;
+            let _ = t.floor.compare_exchange(
+                0,
+                g,
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+            );
+        });
+        self.committed(Some(save_id), token);
+        Ok(())
+    }
+
     /// Stamps the row of `id` being written with the clock, when tracking, and lists the id as
     /// written if this is its first write since the list's floor (`old`: the row's stamp before
     /// the write, `None` for a new row). Called under the row's lock, where the write is ordered
