@@ -30,8 +30,8 @@ use crate::columns::{Columns, TableColumns};
 use crate::error::{io_err, Error, Result};
 use crate::reader::Checkpoint;
 use crate::restore::{
-    finish_report, globs, set_baselines, target_shards, tracked_if, LoadOptions, LoadedDense,
-    Restored, RestoredShard,
+    finish_report, globs, read_dense_refs, set_baselines, target_shards, tracked_if, LoadOptions,
+    LoadedDense, Restored, RestoredShard,
 };
 use crate::source::stored::ROW_BITS;
 use crate::source::{core_error as core, BucketRows, StoredTable, VisitRows};
@@ -259,23 +259,7 @@ impl Chain {
             Some(o) => globs("dense", &o.dense)?,
             None => None,
         };
-        let mut out = Vec::new();
-        for (ckpt, d) in self.dense_refs()? {
-            if set.as_ref().is_some_and(|s| !s.is_match(&d.tensor.name)) {
-                continue;
-            }
-            let data = ckpt.read_dense(&d.tensor.name)?;
-            report.bytes_read += data.len() as u64;
-            report.bytes_kept += data.len() as u64;
-            report.tensors_checked += 1;
-            out.push(LoadedDense {
-                name: d.tensor.name.clone(),
-                dtype: d.tensor.dtype,
-                shape: d.tensor.shape.clone(),
-                data,
-            });
-        }
-        Ok(out)
+        read_dense_refs(self.dense_refs()?, &set, report)
     }
 
     /// The tables of the newest state (the companion tables of removed ids are not tables),
@@ -301,6 +285,23 @@ impl Chain {
             .filter(|t| set.as_ref().is_none_or(|s| s.is_match(&t.name)))
             .map(|t| ChainTable::new(self, &t.name, Checkpoint::kept_slots(t, &exclude)))
             .collect()
+    }
+
+    /// The dense tensors a load with `opts` wants, and its report, finished.
+    fn finish_load(
+        &self,
+        opts: &LoadOptions,
+        mut report: crate::LoadReport,
+        start: std::time::Instant,
+    ) -> Result<(Vec<LoadedDense>, crate::LoadReport)> {
+        let dense = if opts.load_dense {
+            self.read_dense(Some(opts), &mut report)?
+        } else {
+            Vec::new()
+        };
+        report.load_seconds = start.elapsed().as_secs_f64();
+        finish_report(&mut report);
+        Ok((dense, report))
     }
 
     /// The tables a load with `opts` reads.
@@ -381,13 +382,7 @@ impl Chain {
                 data,
             });
         }
-        let dense = if opts.load_dense {
-            self.read_dense(Some(opts), &mut report)?
-        } else {
-            Vec::new()
-        };
-        report.load_seconds = start.elapsed().as_secs_f64();
-        finish_report(&mut report);
+        let (dense, report) = self.finish_load(opts, report, start)?;
         Ok(Columns {
             tables: out,
             dense,
@@ -460,19 +455,13 @@ impl Chain {
         });
         let done = done?;
         set_baselines(&shards, opts, &self.newest().manifest().save_id)?;
-        let mut report = crate::LoadReport {
+        let report = crate::LoadReport {
             rows: done.iter().map(|d| d.0).sum(),
             bytes_kept: done.iter().map(|d| d.1).sum(),
             bytes_read: tables.iter().map(ChainTable::bytes_read).sum(),
             ..Default::default()
         };
-        let dense = if opts.load_dense {
-            self.read_dense(Some(opts), &mut report)?
-        } else {
-            Vec::new()
-        };
-        report.load_seconds = start.elapsed().as_secs_f64();
-        finish_report(&mut report);
+        let (dense, report) = self.finish_load(opts, report, start)?;
         Ok(Restored {
             shards,
             dense,
@@ -990,10 +979,7 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
         with_values: bool,
         visit: &mut dyn FnMut(RowChunk<'_>) -> saver_core::Result<()>,
     ) -> saver_core::Result<()> {
-        for part in 0..self.scan_parts() {
-            self.scan_part(part, max_rows, with_values, visit)?;
-        }
-        Ok(())
+        saver_core::table::scan_every_part(self, max_rows, with_values, visit)
     }
 
     fn scan_parts(&self) -> usize {

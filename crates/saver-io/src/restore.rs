@@ -402,23 +402,11 @@ impl Checkpoint {
         report: &mut LoadReport,
     ) -> Result<Vec<LoadedDense>> {
         let set = globs("dense", &opts.dense)?;
-        let mut out = Vec::new();
-        for d in &self.manifest().dense {
-            if set.as_ref().is_some_and(|s| !s.is_match(&d.tensor.name)) {
-                continue;
-            }
-            let data = self.read_dense(&d.tensor.name)?;
-            report.bytes_read += data.len() as u64;
-            report.bytes_kept += data.len() as u64;
-            report.tensors_checked += 1;
-            out.push(LoadedDense {
-                name: d.tensor.name.clone(),
-                dtype: d.tensor.dtype,
-                shape: d.tensor.shape.clone(),
-                data,
-            });
-        }
-        Ok(out)
+        read_dense_refs(
+            self.manifest().dense.iter().map(|d| (self, d)),
+            &set,
+            report,
+        )
     }
 
     /// Reads the row range of `seg` within buckets `target`, using the bucket index.
@@ -746,6 +734,32 @@ fn expected_rows(t: &TableManifest, range: Range<u32>) -> usize {
         })
         .sum();
     usize::try_from(rows).unwrap_or(usize::MAX)
+}
+
+/// Reads whole the dense tensors of `refs` (each from the checkpoint given with it) that `set`
+/// selects (all if `None`), each checked against its CRC32, counted into `report`.
+pub(crate) fn read_dense_refs<'a>(
+    refs: impl IntoIterator<Item = (&'a Checkpoint, &'a saver_core::manifest::DenseManifest)>,
+    set: &Option<GlobSet>,
+    report: &mut LoadReport,
+) -> Result<Vec<LoadedDense>> {
+    let mut out = Vec::new();
+    for (ckpt, d) in refs {
+        if set.as_ref().is_some_and(|s| !s.is_match(&d.tensor.name)) {
+            continue;
+        }
+        let data = ckpt.read_dense(&d.tensor.name)?;
+        report.bytes_read += data.len() as u64;
+        report.bytes_kept += data.len() as u64;
+        report.tensors_checked += 1;
+        out.push(LoadedDense {
+            name: d.tensor.name.clone(),
+            dtype: d.tensor.dtype,
+            shape: d.tensor.shape.clone(),
+            data,
+        });
+    }
+    Ok(out)
 }
 
 /// `table`, with change tracking on if `opts` asks for it.

@@ -157,7 +157,7 @@ impl<T: std::ops::Deref<Target = ColumnTable> + Send + Sync> TableSnapshot for C
         with_values: bool,
         visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
     ) -> Result<()> {
-        (0..self.scan_parts()).try_for_each(|p| self.scan_part(p, max_rows, with_values, visit))
+        crate::table::scan_every_part(self, max_rows, with_values, visit)
     }
 
     fn scan_parts(&self) -> usize {

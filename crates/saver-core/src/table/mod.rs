@@ -290,6 +290,17 @@ pub enum TableSemantics {
     AsRead,
 }
 
+/// [`TableSnapshot::scan`] of a snapshot that divides its rows into parts: every part in turn.
+/// What a snapshot implementing [`TableSnapshot::scan_part`] returns from `scan`.
+pub fn scan_every_part(
+    snapshot: &dyn TableSnapshot,
+    max_rows: usize,
+    with_values: bool,
+    visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
+) -> Result<()> {
+    (0..snapshot.scan_parts()).try_for_each(|p| snapshot.scan_part(p, max_rows, with_values, visit))
+}
+
 /// A consistent view of a table's row set, taken by [`SparseTable::snapshot`].
 pub trait TableSnapshot: Send + Sync {
     /// Visits every id of the snapshot exactly once, at most `max_rows` at a time. With

@@ -186,10 +186,7 @@ impl TableSnapshot for SpoolSnapshot<'_> {
         with_values: bool,
         visit: &mut dyn FnMut(RowChunk<'_>) -> saver_core::Result<()>,
     ) -> saver_core::Result<()> {
-        for part in 0..self.scan_parts() {
-            self.scan_part(part, max_rows, with_values, visit)?;
-        }
-        Ok(())
+        saver_core::table::scan_every_part(self, max_rows, with_values, visit)
     }
 
     fn scan_parts(&self) -> usize {

@@ -135,18 +135,8 @@ impl Source {
 
     /// Every dense tensor of `c`, read whole and checked against its CRC32.
     pub fn checkpoint_dense(c: &Checkpoint) -> Result<Vec<LoadedDense>> {
-        c.manifest()
-            .dense
-            .iter()
-            .map(|d| {
-                Ok(LoadedDense {
-                    name: d.tensor.name.clone(),
-                    dtype: d.tensor.dtype,
-                    shape: d.tensor.shape.clone(),
-                    data: c.read_dense(&d.tensor.name)?,
-                })
-            })
-            .collect()
+        let refs = c.manifest().dense.iter().map(|d| (c, d));
+        crate::restore::read_dense_refs(refs, &None, &mut crate::LoadReport::default())
     }
 
     /// Shard 0's trainer state, when the source is a checkpoint.

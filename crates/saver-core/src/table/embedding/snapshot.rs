@@ -206,7 +206,7 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         with_values: bool,
         visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
     ) -> Result<()> {
-        (0..self.scan_parts()).try_for_each(|p| self.scan_part(p, max_rows, with_values, visit))
+        crate::table::scan_every_part(self, max_rows, with_values, visit)
     }
 
     /// One part per dashmap shard: each is a separate lock and a separate allocation.
