@@ -5,7 +5,7 @@
 //!
 //! Two versions ([`DigestVersion`]). Version 2, the default, orders each table's rows by
 //! (bucket, id): the order a checkpoint stores them in, so a checkpoint's digest is one
-//! sequential read of its files, in bounded memory ([`stored_digest`]). Version 1 orders rows
+//! sequential read of its files, in bounded memory ([`source_digest`]). Version 1 orders rows
 //! by id alone, which takes a table's ids in memory; it stays computable for digests recorded
 //! before version 2.
 

@@ -1,6 +1,9 @@
 //! Delta saves: only what changed since a parent checkpoint.
 //!
-//! A delta is found by content: each table's rows are walked in (bucket, id bits) order beside
+//! A table that tracks its changes ([`ChangeTracking`], e.g. an `EmbeddingTable` made with
+//! `with_change_tracking`) and whose last committed save is the parent gives the rows written
+//! since and the ids removed since, without any comparison. For every other table the delta is
+//! found by content: each table's rows are walked in (bucket, id bits) order beside
 //! the parent chain's rows of the same table ([`crate::chain::ChainTable`]), which lie in that
 //! order on disk. A row the parent lacks or holds with other bytes (in any slot the save keeps)
 //! is written whole; a parent row whose id the table no longer holds, or whose row a row filter
@@ -14,14 +17,13 @@
 //! are read in order as they are; any other [`SparseTable`] is put in order first by sorting its
 //! ids and row handles in memory (16 bytes a row, [`InMemoryOrder`]).
 
+mod order;
 pub mod spool;
 
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::mpsc::sync_channel;
 use std::sync::{Mutex, PoisonError};
-
-use rayon::slice::ParallelSliceMut;
 
 use saver_core::filter::{BlockInfo, BlockKind, Filters};
 use saver_core::naming::{removed_table_name, removed_table_of};
@@ -34,9 +36,10 @@ use saver_core::{
 
 use crate::chain::{Chain, ChainTable};
 use crate::error::{Error, Result};
-use crate::source::{BucketRows, VisitRows};
+use crate::source::BucketRows;
 use crate::storage::Storage;
 use crate::writer::{local_storage, save_prepared, DeltaOf, SaveOptions, SaveReport};
+pub use order::InMemoryOrder;
 use spool::{Spool, SpoolTable};
 
 /// Rows compared at a time on each side.
@@ -527,101 +530,4 @@ fn diff_table(
         }
         Ok(())
     })
-}
-
-/// Any table put in (bucket, id bits) order: its snapshot's ids and row handles, sorted in
-/// memory (16 bytes a row), its rows read by handle a batch at a time.
-pub struct InMemoryOrder<'t> {
-    table: &'t dyn SparseTable,
-    snapshot: Box<dyn TableSnapshot + 't>,
-    /// (bucket, id, handle), sorted; no handle (`u64::MAX`) when the snapshot gives none.
-    order: Vec<(u32, u64, u64)>,
-    row_bytes: Vec<u64>,
-}
-
-impl<'t> InMemoryOrder<'t> {
-    /// Takes `table`'s snapshot and sorts its ids.
-    pub fn new(table: &'t dyn SparseTable) -> Result<Self> {
-        let snapshot = table.snapshot()?;
-        let mut order = Vec::with_capacity(table.len());
-        let mut handles_given = true;
-        snapshot.scan(BATCH_ROWS, false, &mut |chunk| {
-            handles_given &= chunk.handles.len() == chunk.ids.len();
-            for (i, &id) in chunk.ids.iter().enumerate() {
-                let h = chunk.handles.get(i).copied().unwrap_or(u64::MAX);
-                order.push((PartitionRule::bucket_of(id), id, h));
-            }
-            Ok(())
-        })?;
-        order.par_sort_unstable();
-        if !handles_given {
-            order.iter_mut().for_each(|o| o.2 = u64::MAX);
-        }
-        let row_bytes = table
-            .slots()
-            .iter()
-            .map(|s| s.row_bytes())
-            .collect::<saver_core::Result<_>>()?;
-        Ok(Self {
-            table,
-            snapshot,
-            order,
-            row_bytes,
-        })
-    }
-}
-
-impl SparseTable for InMemoryOrder<'_> {
-    fn name(&self) -> &str {
-        self.table.name()
-    }
-    fn key_dtype(&self) -> KeyDtype {
-        self.table.key_dtype()
-    }
-    fn slots(&self) -> &[SlotSpec] {
-        self.table.slots()
-    }
-    fn len(&self) -> usize {
-        self.order.len()
-    }
-    fn snapshot(&self) -> saver_core::Result<Box<dyn TableSnapshot + '_>> {
-        self.table.snapshot()
-    }
-    fn point_in_time(&self) -> bool {
-        self.table.point_in_time()
-    }
-}
-
-impl BucketRows for InMemoryOrder<'_> {
-    fn row_bytes(&self) -> &[u64] {
-        &self.row_bytes
-    }
-    fn rows(&self) -> u64 {
-        self.order.len() as u64
-    }
-    fn visit_in_bucket_order(&self, batch: usize, visit: &mut VisitRows<'_>) -> Result<()> {
-        let mut ids = Vec::new();
-        let mut handles = Vec::new();
-        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); self.row_bytes.len()];
-        for part in self.order.chunks(batch.max(1)) {
-            ids.clear();
-            ids.extend(part.iter().map(|p| p.1));
-            handles.clear();
-            if part.first().is_some_and(|p| p.2 != u64::MAX) {
-                handles.extend(part.iter().map(|p| p.2));
-            }
-            for (b, &w) in bufs.iter_mut().zip(&self.row_bytes) {
-                b.resize(part.len() * w as usize, 0);
-            }
-            let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
-            // SAFETY: the handles are those this snapshot's scan gave with these ids, or none.
-            unsafe {
-                self.snapshot
-                    .read_rows_by_handle(&ids, &handles, &mut outs)?
-            };
-            let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
-            visit(&ids, &views)?;
-        }
-        Ok(())
-    }
 }

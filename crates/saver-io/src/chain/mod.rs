@@ -1,0 +1,463 @@
+//! Chains of delta checkpoints, resolved while they are read.
+//!
+//! A delta checkpoint names its parent ([`ParentRef`]: a path relative to the delta, the parent's
+//! save id and the CRC32 of its manifest) and holds, per table, the rows inserted or changed since
+//! the parent and, in the companion table [`removed_table_name`](saver_core::naming::removed_table_name), the ids removed since it. The
+//! parent may itself be a delta. [`Chain::open`] follows the links to a full checkpoint, checking
+//! each one; [`ChainTable`] presents one table of the chain as it would be in a full save of the
+//! newest state.
+//!
+//! Every link stores its rows sorted by (bucket, id bits), so resolving is a k-way merge, bucket
+//! range by bucket range: for each id, the newest link that holds it as a row or as a removal
+//! decides. Nothing is held beyond a few read buffers per link, and a reader of some buckets (a
+//! load for shard `j` of `M`) reads only those buckets of every link.
+
+mod table;
+
+pub use table::ChainTable;
+
+use std::collections::HashSet;
+use std::ops::Range;
+use std::path::{Component, Path, PathBuf};
+
+use rayon::prelude::*;
+
+use saver_core::manifest::{DenseManifest, ParentRef, TableManifest};
+use saver_core::naming::removed_table_of;
+use saver_core::partition::BUCKETS;
+use saver_core::{EmbeddingTable, PartitionRule, SparseTable};
+
+use crate::columns::{Columns, TableColumns};
+use crate::error::{io_err, Error, Result};
+use crate::reader::Checkpoint;
+use crate::restore::{
+    finish_report, globs, read_dense_refs, set_baselines, target_shards, tracked_if, LoadOptions,
+    LoadedDense, Restored, RestoredShard,
+};
+
+/// Most links a chain may have, the full checkpoint at its root included. Each link is read by
+/// every load, so a longer chain is a sign that it should be compacted (`saver compact`).
+pub const MAX_CHAIN_LINKS: usize = 64;
+
+/// Checks a parent path as a manifest gives it: relative, non-empty, no control characters.
+pub fn check_parent_path(path: &str) -> std::result::Result<(), String> {
+    if path.is_empty() {
+        return Err("path is empty".into());
+    }
+    if path.chars().any(char::is_control) {
+        return Err(format!("path {path:?} contains a control character"));
+    }
+    if Path::new(path).is_absolute() || path.starts_with('\\') {
+        return Err(format!(
+            "path {path:?} is absolute: a parent is named relative to its child"
+        ));
+    }
+    Ok(())
+}
+
+/// `to` relative to `from`, both directories that exist (symbolic links resolved).
+pub(crate) fn relative_path(from: &Path, to: &Path) -> Result<String> {
+    let from = from
+        .canonicalize()
+        .map_err(io_err("resolve the directory", from))?;
+    let to_c = to
+        .canonicalize()
+        .map_err(io_err("resolve the directory", to))?;
+    let a: Vec<Component<'_>> = from.components().collect();
+    let b: Vec<Component<'_>> = to_c.components().collect();
+    let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let mut rel = PathBuf::new();
+    for _ in common..a.len() {
+        rel.push("..");
+    }
+    for c in &b[common..] {
+        rel.push(c.as_os_str());
+    }
+    let rel = if rel.as_os_str().is_empty() {
+        ".".to_string()
+    } else {
+        rel.to_str()
+            .ok_or_else(|| Error::InvalidOption {
+                option: "parent",
+                why: format!("{} is not a UTF-8 path", to.display()),
+            })?
+            .to_string()
+    };
+    Ok(rel)
+}
+
+/// A checkpoint and, if it is a delta, every link down to the full checkpoint it starts from.
+#[derive(Debug)]
+pub struct Chain {
+    /// Newest first.
+    links: Vec<Checkpoint>,
+    dirs: Vec<PathBuf>,
+}
+
+impl Chain {
+    /// Opens the checkpoint in `dir` and follows its parents. Each parent must exist, be
+    /// committed, and be the save its child names (save id and manifest checksum); the chain
+    /// must end in a full checkpoint within [`MAX_CHAIN_LINKS`] links and never come back to a
+    /// link. Each failure is one error naming the link.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let first = Checkpoint::open(&dir)?;
+        let key = |c: &Checkpoint| {
+            (
+                c.manifest().save_id.clone(),
+                c.index().metadata.saver_manifest_crc32,
+            )
+        };
+        let mut seen = HashSet::from([key(&first)]);
+        let mut links = vec![first];
+        let mut dirs = vec![dir];
+        loop {
+            let child = links.last().expect("one link");
+            let child_dir = dirs.last().expect("one link").clone();
+            let Some(p) = child.manifest().parent.clone() else {
+                break;
+            };
+            let err = |message: String| Error::Chain {
+                link: child_dir.display().to_string(),
+                message,
+            };
+            if links.len() >= MAX_CHAIN_LINKS {
+                return Err(err(format!(
+                    "its chain has more than {MAX_CHAIN_LINKS} links; compact it into a full \
+                     checkpoint (saver compact)"
+                )));
+            }
+            check_parent_path(&p.path).map_err(|why| err(format!("parent {why}")))?;
+            if seen.contains(&(p.save_id.clone(), p.manifest_crc32)) {
+                return Err(err(format!(
+                    "parent {p} is already a link of this chain: the chain is a cycle"
+                )));
+            }
+            let parent_dir = child_dir.join(&p.path);
+            let parent = Checkpoint::open(&parent_dir).map_err(|e| {
+                err(format!(
+                    "parent {} cannot be opened: {e}",
+                    parent_dir.display()
+                ))
+            })?;
+            let (save_id, crc) = key(&parent);
+            if save_id != p.save_id || crc != p.manifest_crc32 {
+                return Err(err(format!(
+                    "parent {} holds save {save_id} (manifest crc32 {crc:08x}), not save {} \
+                     (crc32 {:08x}) that this delta was made from: it was replaced",
+                    parent_dir.display(),
+                    p.save_id,
+                    p.manifest_crc32
+                )));
+            }
+            if parent.manifest().partition != child.manifest().partition {
+                return Err(err(format!(
+                    "parent {} has another partition rule",
+                    parent_dir.display()
+                )));
+            }
+            seen.insert((save_id, crc));
+            links.push(parent);
+            dirs.push(parent_dir);
+        }
+        Ok(Self { links, dirs })
+    }
+
+    /// A chain of one full checkpoint.
+    pub fn of_checkpoint(ckpt: Checkpoint, dir: PathBuf) -> Self {
+        Self {
+            links: vec![ckpt],
+            dirs: vec![dir],
+        }
+    }
+
+    /// The newest link: the checkpoint that was opened.
+    pub fn newest(&self) -> &Checkpoint {
+        &self.links[0]
+    }
+
+    /// Every link, newest first; the last is a full checkpoint.
+    pub fn links(&self) -> &[Checkpoint] {
+        &self.links
+    }
+
+    /// The directory of each link, as reached from the opened one.
+    pub fn dirs(&self) -> &[PathBuf] {
+        &self.dirs
+    }
+
+    /// Whether the newest link is a delta.
+    pub fn is_delta(&self) -> bool {
+        self.links.len() > 1
+    }
+
+    /// How a delta saved into `child_dir` (which exists) names this chain's newest link.
+    pub fn parent_ref_for(&self, child_dir: &Path) -> Result<ParentRef> {
+        let newest = self.newest();
+        Ok(ParentRef {
+            path: relative_path(child_dir, &self.dirs[0])?,
+            save_id: newest.manifest().save_id.clone(),
+            manifest_crc32: newest.index().metadata.saver_manifest_crc32,
+        })
+    }
+
+    /// The dense tensors of the newest state, each with the link that holds it, by name: the
+    /// newest link's, and those it keeps from its parent ([`Manifest::dense_in_parent`]), found
+    /// in the nearest link that writes them.
+    ///
+    /// [`Manifest::dense_in_parent`]: saver_core::Manifest::dense_in_parent
+    pub fn dense_refs(&self) -> Result<Vec<(&Checkpoint, &DenseManifest)>> {
+        let newest = self.newest().manifest();
+        let mut out: Vec<(&Checkpoint, &DenseManifest)> =
+            newest.dense.iter().map(|d| (self.newest(), d)).collect();
+        for name in &newest.dense_in_parent {
+            let mut found = None;
+            for (i, link) in self.links.iter().enumerate().skip(1) {
+                let m = link.manifest();
+                if let Some(d) = m.dense.iter().find(|d| &d.tensor.name == name) {
+                    found = Some((link, d));
+                    break;
+                }
+                // A link that neither writes nor keeps it ends the search: not in the chain.
+                if !m.dense_in_parent.contains(name) {
+                    return Err(Error::Chain {
+                        link: self.dirs[i].display().to_string(),
+                        message: format!(
+                            "dense tensor {name:?} is kept from this parent, which does not hold it"
+                        ),
+                    });
+                }
+            }
+            out.push(found.ok_or_else(|| Error::Chain {
+                link: self.dirs[0].display().to_string(),
+                message: format!("dense tensor {name:?} is in no link of the chain"),
+            })?);
+        }
+        out.sort_by(|a, b| a.1.tensor.name.cmp(&b.1.tensor.name));
+        Ok(out)
+    }
+
+    /// The dense tensors of the newest state that `opts.dense` selects (all when `None`), read
+    /// whole from the links that hold them and checked against their CRC32.
+    pub fn read_dense(
+        &self,
+        opts: Option<&LoadOptions>,
+        report: &mut crate::LoadReport,
+    ) -> Result<Vec<LoadedDense>> {
+        let set = match opts {
+            Some(o) => globs("dense", &o.dense)?,
+            None => None,
+        };
+        read_dense_refs(self.dense_refs()?, &set, report)
+    }
+
+    /// The tables of the newest state (the companion tables of removed ids are not tables),
+    /// in manifest order.
+    pub fn table_manifests(&self) -> impl Iterator<Item = &TableManifest> {
+        self.newest()
+            .manifest()
+            .tables
+            .iter()
+            .filter(|t| removed_table_of(&t.name).is_none())
+    }
+
+    /// Every selected table (globs `tables`, all if empty) without the slots matching
+    /// `exclude_slots`, resolved over the chain, in manifest order.
+    pub fn tables(
+        &self,
+        tables: &[String],
+        exclude_slots: &[String],
+    ) -> Result<Vec<ChainTable<'_>>> {
+        let set = globs("tables", tables)?;
+        let exclude = globs("exclude_slots", exclude_slots)?;
+        self.table_manifests()
+            .filter(|t| set.as_ref().is_none_or(|s| s.is_match(&t.name)))
+            .map(|t| ChainTable::new(self, &t.name, Checkpoint::kept_slots(t, &exclude)))
+            .collect()
+    }
+
+    /// The dense tensors a load with `opts` wants, and its report, finished.
+    fn finish_load(
+        &self,
+        opts: &LoadOptions,
+        mut report: crate::LoadReport,
+        start: std::time::Instant,
+    ) -> Result<(Vec<LoadedDense>, crate::LoadReport)> {
+        let dense = if opts.load_dense {
+            self.read_dense(Some(opts), &mut report)?
+        } else {
+            Vec::new()
+        };
+        report.load_seconds = start.elapsed().as_secs_f64();
+        finish_report(&mut report);
+        Ok((dense, report))
+    }
+
+    /// The tables a load with `opts` reads.
+    fn selected(&self, opts: &LoadOptions) -> Result<Vec<ChainTable<'_>>> {
+        for r in &opts.required_tables {
+            if self.table_manifests().all(|t| &t.name != r) {
+                return Err(Error::Mismatch(format!(
+                    "required table {r:?} is not in the checkpoint {}",
+                    self.newest().location()
+                )));
+            }
+        }
+        Ok(self
+            .tables(&opts.tables, &opts.exclude_slots)?
+            .into_iter()
+            .filter(|t| opts.table_filter.as_ref().is_none_or(|f| f(t.name())))
+            .collect())
+    }
+
+    /// Loads into arrays, as [`Checkpoint::load_columns`] does for one checkpoint: the rows of
+    /// target shard `opts.shard_index` (all rows when `None`), in (bucket, id bits) order.
+    pub fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
+        let start = std::time::Instant::now();
+        target_shards(opts)?;
+        let target = match opts.shard_index {
+            Some(j) => PartitionRule::bucket_range(j, opts.shard_num),
+            None => 0..BUCKETS,
+        };
+        let tables = self.selected(opts)?;
+        let pool = crate::restore::reader_pool(opts.parallel)?;
+        let mut out = Vec::new();
+        let mut report = crate::LoadReport::default();
+        for t in &tables {
+            let parts: Vec<Range<u32>> = t
+                .parts
+                .iter()
+                .map(|p| p.start.max(target.start)..p.end.min(target.end))
+                .filter(|r| !r.is_empty())
+                .collect();
+            let batch = (opts.chunk_bytes / t.full_row_bytes()).max(1) as usize;
+            let pieces: Result<Vec<ColumnPiece>> = pool.install(|| {
+                parts
+                    .par_iter()
+                    .map(|r| {
+                        let mut ids = Vec::new();
+                        let mut data = vec![Vec::new(); t.slots().len()];
+                        t.visit_buckets(r.clone(), batch, &mut |i, s| {
+                            ids.extend_from_slice(i);
+                            for (d, s) in data.iter_mut().zip(s) {
+                                d.extend_from_slice(s);
+                            }
+                            Ok(())
+                        })?;
+                        Ok((ids, data))
+                    })
+                    .collect()
+            });
+            let mut ids = Vec::new();
+            let mut data = vec![Vec::new(); t.slots().len()];
+            for (i, d) in pieces? {
+                ids.extend_from_slice(&i);
+                for (all, d) in data.iter_mut().zip(d) {
+                    all.extend_from_slice(&d);
+                }
+            }
+            report.rows += ids.len() as u64;
+            report.bytes_kept += ids.len() as u64 * t.full_row_bytes();
+            report.bytes_read += t.bytes_read();
+            out.push(TableColumns {
+                name: opts
+                    .rename
+                    .get(t.name())
+                    .cloned()
+                    .unwrap_or_else(|| t.name().to_string()),
+                key_dtype: t.key_dtype(),
+                slots: t.slots().to_vec(),
+                ids,
+                data,
+            });
+        }
+        let (dense, report) = self.finish_load(opts, report, start)?;
+        Ok(Columns {
+            tables: out,
+            dense,
+            report,
+        })
+    }
+
+    /// Restores into fresh [`EmbeddingTable`]s, as [`Checkpoint::restore`] does for one
+    /// checkpoint: every target shard of `opts.shard_num`, or only `opts.shard_index`, reading
+    /// only the target's buckets of every link.
+    pub fn restore(&self, opts: &LoadOptions) -> Result<Restored> {
+        let start = std::time::Instant::now();
+        let tables = self.selected(opts)?;
+        let targets = target_shards(opts)?;
+        let mut shards = Vec::new();
+        for &j in &targets {
+            let mut ts = Vec::new();
+            for t in &tables {
+                let name = opts
+                    .rename
+                    .get(t.name())
+                    .cloned()
+                    .unwrap_or_else(|| t.name().to_string());
+                ts.push(tracked_if(
+                    EmbeddingTable::for_shard(
+                        name,
+                        t.key_dtype(),
+                        t.slots().to_vec(),
+                        0,
+                        j,
+                        opts.shard_num,
+                    )?,
+                    opts,
+                )?);
+            }
+            shards.push(RestoredShard {
+                shard: j,
+                tables: ts,
+            });
+        }
+        // One task per (target shard, table, part of the table that overlaps the target).
+        let mut work = Vec::new();
+        for (si, s) in shards.iter().enumerate() {
+            let target = PartitionRule::bucket_range(s.shard, opts.shard_num);
+            for (ti, t) in tables.iter().enumerate() {
+                for part in &t.parts {
+                    let r = part.start.max(target.start)..part.end.min(target.end);
+                    if !r.is_empty() {
+                        work.push((si, ti, r));
+                    }
+                }
+            }
+        }
+        let pool = crate::restore::reader_pool(opts.parallel)?;
+        let done: Result<Vec<(u64, u64)>> = pool.install(|| {
+            work.par_iter()
+                .map(|(si, ti, r)| {
+                    let t = &tables[*ti];
+                    let sink = &shards[*si].tables[*ti];
+                    let mut rows = 0u64;
+                    let batch = (opts.chunk_bytes / t.full_row_bytes()).max(1) as usize;
+                    t.visit_buckets(r.clone(), batch, &mut |ids, slots| {
+                        rows += ids.len() as u64;
+                        sink.insert_chunk(ids, slots)?;
+                        Ok(())
+                    })?;
+                    Ok((rows, rows * t.full_row_bytes()))
+                })
+                .collect()
+        });
+        let done = done?;
+        set_baselines(&shards, opts, &self.newest().manifest().save_id)?;
+        let report = crate::LoadReport {
+            rows: done.iter().map(|d| d.0).sum(),
+            bytes_kept: done.iter().map(|d| d.1).sum(),
+            bytes_read: tables.iter().map(ChainTable::bytes_read).sum(),
+            ..Default::default()
+        };
+        let (dense, report) = self.finish_load(opts, report, start)?;
+        Ok(Restored {
+            shards,
+            dense,
+            report,
+        })
+    }
+}
+
+/// The ids and slot columns of one part of a table, as [`Chain::load_columns`] reads them.
+type ColumnPiece = (Vec<u64>, Vec<Vec<u8>>);
