@@ -207,6 +207,17 @@ fn spawn_delta_child(
     c.spawn().unwrap()
 }
 
+/// How many storage operations a save makes: a probe child, never killed, reports it.
+fn storage_ops(probe: std::process::Child) -> u64 {
+    let out = probe.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split("ops=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("the probe reports its op count: {text}"))
+}
+
 fn digest_of(dir: &Path) -> String {
     let ck = Checkpoint::open(dir).unwrap();
     restored_digest(&ck.restore(&LoadOptions::default()).unwrap()).unwrap()
@@ -290,16 +301,7 @@ fn killed_saves_never_cost_the_previous_checkpoint() {
 
     // How many storage operations a full save makes.
     let probe = root.path().join("probe");
-    let out = spawn_child(&probe, u64::MAX, "crashprobe", None, false)
-        .wait_with_output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let total: u64 = text
-        .split("ops=")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .and_then(|s| s.parse().ok())
-        .expect("probe reports its op count");
+    let total = storage_ops(spawn_child(&probe, u64::MAX, "crashprobe", None, false));
     let digest_b = digest_of(&probe);
     assert_ne!(digest_a, digest_b);
 
@@ -408,16 +410,14 @@ fn killed_delta_saves_never_leave_a_delta_that_loads_and_never_touch_the_parent(
     let base_files = common::dir_bytes(&base);
 
     let probe = root.path().join("probe");
-    let out = spawn_delta_child(&probe, u64::MAX, "deltaprobe", None, false, Some(&base))
-        .wait_with_output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let total: u64 = text
-        .split("ops=")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("probe reports its op count: {text}"));
+    let total = storage_ops(spawn_delta_child(
+        &probe,
+        u64::MAX,
+        "deltaprobe",
+        None,
+        false,
+        Some(&base),
+    ));
     let digest_b = chain_digest(&probe);
     assert_ne!(digest_a, digest_b);
 

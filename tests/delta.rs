@@ -7,6 +7,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+mod common;
+
 use proptest::prelude::*;
 use saver::core::ScalarCondition;
 use saver::io::digest::{restored_digest, source_digest};
@@ -300,7 +302,7 @@ fn hostile_parent_references_are_refused() {
         let dir = tmp.path().join("hostile");
         let _ = std::fs::remove_dir_all(&dir);
         copy_dir(&delta, &dir);
-        reseal(&dir, |m| m["parent"]["path"] = serde_json::json!(evil));
+        common::reseal(&dir, |m| m["parent"]["path"] = serde_json::json!(evil));
         let err = Chain::open(&dir).unwrap_err().to_string();
         assert!(err.contains(says), "{evil:?}: {err}");
     }
@@ -308,12 +310,12 @@ fn hostile_parent_references_are_refused() {
     let dir = tmp.path().join("linked");
     copy_dir(&delta, &dir);
     std::os::unix::fs::symlink(tmp.path().join("base"), tmp.path().join("via")).unwrap();
-    reseal(&dir, |m| m["parent"]["path"] = serde_json::json!("../via"));
+    common::reseal(&dir, |m| m["parent"]["path"] = serde_json::json!("../via"));
     assert_eq!(digest(&dir), digest(&delta));
     // A full checkpoint's manifest claiming a removed-ids table is refused.
     let base = tmp.path().join("base2");
     copy_dir(&tmp.path().join("base"), &base);
-    reseal(&base, |m| {
+    common::reseal(&base, |m| {
         let mut t = m["tables"][0].clone();
         t["name"] = serde_json::json!("t0:removed");
         m["tables"].as_array_mut().unwrap().push(t);
@@ -399,24 +401,6 @@ fn copy_dir(from: &Path, to: &Path) {
         let e = e.unwrap();
         std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
     }
-}
-
-/// Rewrites the manifest with `edit` and re-seals it in the index, as an attacker would.
-fn reseal(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
-    let idx_path = dir.join("model.safetensors.index.json");
-    let mut idx: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&idx_path).unwrap()).unwrap();
-    let man_name = idx["metadata"]["saver_manifest"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let mut man: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join(&man_name)).unwrap()).unwrap();
-    edit(&mut man);
-    let bytes = serde_json::to_vec(&man).unwrap();
-    std::fs::write(dir.join(&man_name), &bytes).unwrap();
-    idx["metadata"]["saver_manifest_crc32"] = serde_json::json!(crc32fast::hash(&bytes));
-    std::fs::write(&idx_path, serde_json::to_vec(&idx).unwrap()).unwrap();
 }
 
 fn tracked_tables() -> Vec<EmbeddingTable> {

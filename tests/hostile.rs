@@ -238,24 +238,6 @@ fn hostile_headers_get_clear_errors_with_bounded_work() {
     }
 }
 
-/// Rewrites the manifest with `edit` and re-seals it in the index, as an attacker would.
-fn reseal(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
-    let idx_path = dir.join(INDEX);
-    let mut idx: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&idx_path).unwrap()).unwrap();
-    let man_name = idx["metadata"]["saver_manifest"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let mut man: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join(&man_name)).unwrap()).unwrap();
-    edit(&mut man);
-    let bytes = serde_json::to_vec(&man).unwrap();
-    std::fs::write(dir.join(&man_name), &bytes).unwrap();
-    idx["metadata"]["saver_manifest_crc32"] = serde_json::json!(crc32fast::hash(&bytes));
-    std::fs::write(&idx_path, serde_json::to_vec(&idx).unwrap()).unwrap();
-}
-
 #[test]
 fn names_leading_outside_the_directory_are_refused() {
     for evil in [
@@ -267,7 +249,7 @@ fn names_leading_outside_the_directory_are_refused() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("ck");
         small_checkpoint(&dir);
-        reseal(&dir, |m| {
+        common::reseal(&dir, |m| {
             let old = m["files"][0]["name"].as_str().unwrap().to_string();
             m["files"][0]["name"] = serde_json::json!(evil);
             // Point every tensor of that file at the evil name too.

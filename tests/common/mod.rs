@@ -138,3 +138,21 @@ pub fn checkpoint_bytes(dir: &Path) -> BTreeMap<String, Vec<u8>> {
         })
         .collect()
 }
+
+/// Rewrites the manifest with `edit` and re-seals it in the index, as an attacker would.
+pub fn reseal(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
+    let idx_path = dir.join(saver::core::naming::INDEX_FILE);
+    let mut idx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&idx_path).unwrap()).unwrap();
+    let man_name = idx["metadata"]["saver_manifest"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut man: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join(&man_name)).unwrap()).unwrap();
+    edit(&mut man);
+    let bytes = serde_json::to_vec(&man).unwrap();
+    std::fs::write(dir.join(&man_name), &bytes).unwrap();
+    idx["metadata"]["saver_manifest_crc32"] = serde_json::json!(crc32fast::hash(&bytes));
+    std::fs::write(&idx_path, serde_json::to_vec(&idx).unwrap()).unwrap();
+}
