@@ -246,6 +246,38 @@ impl Slabs {
         lock(&self.pools[arena * self.pools.len() / self.arenas.len()]).fresh(self.row_words)
     }
 
+    /// `n` rows from arena `arena`, appended to `rows`, under one lock of the arena (and at most
+    /// one of its pool): a load inserts runs of rows of one arena, since a checkpoint holds its
+    /// rows in bucket order, and a lock a row made every row wait, at the lock's atomic
+    /// instruction, for the stores into the row before it. Their words hold whatever the last
+    /// rows there held, zeros if none: the caller writes all of them.
+    pub(super) fn alloc_run(&self, arena: usize, n: usize, rows: &mut Vec<Row>) {
+        if self.row_words == 0 {
+            rows.extend((0..n).map(|_| Row::placeholder()));
+            return;
+        }
+        let arena = arena % self.arenas.len();
+        let mut a = lock(&self.arenas[arena]);
+        let reused = n.min(a.free.len());
+        let at = a.free.len() - reused;
+        rows.extend(a.free.drain(at..));
+        let pooled = (n - reused).min(a.pooled);
+        if pooled > 0 {
+            a.pooled -= pooled;
+            // One lock at a time, as in `alloc`.
+            drop(a);
+            let mut pool = lock(&self.pools[arena * self.pools.len() / self.arenas.len()]);
+            for _ in 0..pooled {
+                rows.push(pool.fresh(self.row_words));
+            }
+            drop(pool);
+            a = lock(&self.arenas[arena]);
+        }
+        for _ in 0..n - reused - pooled {
+            rows.push(a.fresh(self.row_words));
+        }
+    }
+
     /// Gives `row`, taken from arena `arena`, back for reuse. The caller must be sure that no one
     /// still reads it: no snapshot that saw it is alive.
     pub(super) fn free(&self, arena: usize, row: Row) {
