@@ -7,7 +7,7 @@
 //!   read amplification;
 //! * `compact` (a chain rewritten as a full checkpoint) against a full save.
 //!
-//! `cargo bench --bench delta -- [--spec criteo-kaggle,scale=0.5] [--runs 3] [--dir PATH]`
+//! `cargo bench --bench delta -- [--spec criteo-kaggle,scale=0.5] [--runs 3] [--dir PATH] [--keep]`
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -283,5 +283,9 @@ fn main() {
             cha / ca
         );
     }
-    let _ = std::fs::remove_dir_all(&root);
+    // `--keep` leaves the checkpoints (the chain is `chain9`, its compaction `compacted`), to
+    // profile their loads with the `saver` binary.
+    if !args.iter().any(|a| a == "--keep") {
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }

@@ -722,7 +722,7 @@ pub(crate) fn slot_map(
 /// by the share of its buckets the target owns (the rule spreads ids evenly over buckets). Sizing
 /// a table up front spares it rehashing every row each time it doubles. Bounded by the manifest's
 /// row counts, which `Checkpoint::open` checked against the tensors present in the files.
-fn expected_rows(t: &TableManifest, range: Range<u32>) -> usize {
+pub(crate) fn expected_rows(t: &TableManifest, range: Range<u32>) -> usize {
     let rows: u64 = t
         .partitions
         .iter()

@@ -15,6 +15,7 @@
 mod table;
 
 pub use table::ChainTable;
+use table::{Run, RunReader};
 
 use std::collections::HashSet;
 use std::ops::Range;
@@ -29,11 +30,13 @@ use saver_core::{EmbeddingTable, PartitionRule, SparseTable};
 
 use crate::columns::{Columns, TableColumns};
 use crate::error::{io_err, Error, Result};
+use crate::memory::{zeroed_bytes, zeroed_u64s};
 use crate::reader::Checkpoint;
 use crate::restore::{
     finish_report, globs, read_dense_refs, set_baselines, target_shards, tracked_if, LoadOptions,
     LoadedDense, Restored, RestoredShard,
 };
+use crate::source::BucketRows;
 
 /// Most links a chain may have, the full checkpoint at its root included. Each link is read by
 /// every load, so a longer chain is a sign that it should be compacted (`saver compact`).
@@ -330,32 +333,61 @@ impl Chain {
                 .map(|p| p.start.max(target.start)..p.end.min(target.end))
                 .filter(|r| !r.is_empty())
                 .collect();
-            let batch = (opts.chunk_bytes / t.full_row_bytes()).max(1) as usize;
-            let pieces: Result<Vec<ColumnPiece>> = pool.install(|| {
+            // Each part resolved first (a merge of the links' ids: its live ids and the runs of
+            // link rows that hold their slots), so that each is then read straight into its own
+            // region of the final arrays.
+            let resolved: Vec<(Vec<u64>, Vec<Run>)> = pool.install(|| {
                 parts
                     .par_iter()
-                    .map(|r| {
-                        let mut ids = Vec::new();
-                        let mut data = vec![Vec::new(); t.slots().len()];
-                        t.visit_buckets(r.clone(), batch, &mut |i, s| {
-                            ids.extend_from_slice(i);
-                            for (d, s) in data.iter_mut().zip(s) {
-                                d.extend_from_slice(s);
-                            }
-                            Ok(())
-                        })?;
-                        Ok((ids, data))
-                    })
-                    .collect()
-            });
-            let mut ids = Vec::new();
-            let mut data = vec![Vec::new(); t.slots().len()];
-            for (i, d) in pieces? {
-                ids.extend_from_slice(&i);
-                for (all, d) in data.iter_mut().zip(d) {
-                    all.extend_from_slice(&d);
+                    .map(|r| t.resolve(r.clone()))
+                    .collect::<Result<_>>()
+            })?;
+            let total: usize = resolved.iter().map(|r| r.0.len()).sum();
+            let widths: Vec<usize> = BucketRows::row_bytes(t)
+                .iter()
+                .map(|&w| w as usize)
+                .collect();
+            let mut ids = zeroed_u64s(total, opts.huge_pages);
+            let mut data: Vec<Vec<u8>> = widths
+                .iter()
+                .map(|&w| zeroed_bytes(total * w, opts.huge_pages))
+                .collect();
+            let mut regions: Vec<Region<'_>> = Vec::new();
+            {
+                let mut ids_rest = &mut ids[..];
+                let mut data_rest: Vec<&mut [u8]> =
+                    data.iter_mut().map(Vec::as_mut_slice).collect();
+                for (part_ids, runs) in resolved {
+                    let n = part_ids.len();
+                    let (here, rest) = std::mem::take(&mut ids_rest).split_at_mut(n);
+                    ids_rest = rest;
+                    let slots = data_rest
+                        .iter_mut()
+                        .zip(&widths)
+                        .map(|(d, &w)| {
+                            let (here, rest) = std::mem::take(d).split_at_mut(n * w);
+                            *d = rest;
+                            here
+                        })
+                        .collect();
+                    regions.push(Region {
+                        ids: here,
+                        slots,
+                        part_ids,
+                        runs,
+                    });
                 }
             }
+            pool.install(|| {
+                regions
+                    .into_par_iter()
+                    .map(|mut r| {
+                        r.ids.copy_from_slice(&r.part_ids);
+                        drop(r.part_ids);
+                        RunReader::default().fill(t, &mut r.runs, &mut r.slots)
+                    })
+                    .collect::<Result<Vec<()>>>()
+            })?;
             report.rows += ids.len() as u64;
             report.bytes_kept += ids.len() as u64 * t.full_row_bytes();
             report.bytes_read += t.bytes_read();
@@ -400,7 +432,7 @@ impl Chain {
                         name,
                         t.key_dtype(),
                         t.slots().to_vec(),
-                        0,
+                        t.rows_at_most(PartitionRule::bucket_range(j, opts.shard_num)),
                         j,
                         opts.shard_num,
                     )?,
@@ -459,5 +491,11 @@ impl Chain {
     }
 }
 
-/// The ids and slot columns of one part of a table, as [`Chain::load_columns`] reads them.
-type ColumnPiece = (Vec<u64>, Vec<Vec<u8>>);
+/// One part of a table as [`Chain::load_columns`] reads it: its resolved ids and runs, and the
+/// region of the final arrays they go to.
+struct Region<'a> {
+    ids: &'a mut [u64],
+    slots: Vec<&'a mut [u8]>,
+    part_ids: Vec<u64>,
+    runs: Vec<Run>,
+}

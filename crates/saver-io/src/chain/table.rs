@@ -23,6 +23,13 @@ const LINK_SHIFT: u32 = 58;
 /// piece, with the rows between: a gap smaller than a page saves the device nothing.
 const COALESCE_BYTES: u64 = 4096;
 
+/// What [`ChainTable::resolve_batches`] calls with each batch: its ids and runs, to take or
+/// leave.
+pub(super) type ResolvedBatch<'a> = dyn FnMut(&mut Vec<u64>, &mut Vec<Run>) -> Result<()> + 'a;
+
+/// Most bytes of rows read in one piece through the scratch buffer when runs are coalesced.
+const WINDOW_BYTES: u64 = 8 << 20;
+
 /// Ids read at a time by each link's cursor.
 const CURSOR_IDS: u64 = 8192;
 
@@ -134,14 +141,7 @@ impl<'c> ChainTable<'c> {
         if self.links.len() == 1 && self.links[0].removed.is_none() {
             return Ok(self.links[0].rows.rows());
         }
-        let mut n = 0u64;
-        for p in &self.parts {
-            self.merge(p.clone(), &mut |_, _| {
-                n += 1;
-                Ok(())
-            })?;
-        }
-        Ok(n)
+        self.count_buckets(0..BUCKETS)
     }
 
     /// The number of live rows. A chain whose ids cannot be read counts 0 here; reading its rows
@@ -153,6 +153,16 @@ impl<'c> ChainTable<'c> {
     /// Bytes of ids and rows read from the links' files so far (binary searches aside).
     pub fn bytes_read(&self) -> u64 {
         self.bytes_read.load(Ordering::Relaxed)
+    }
+
+    /// At least the live rows of `buckets`, from the links' manifests: their rows added up, an
+    /// upper bound that a load sizes its tables with, so that their maps never grow (and
+    /// rehash) on the way.
+    pub(super) fn rows_at_most(&self, buckets: Range<u32>) -> usize {
+        self.links
+            .iter()
+            .map(|l| crate::restore::expected_rows(l.rows.manifest(), buckets.clone()))
+            .fold(0, usize::saturating_add)
     }
 
     /// The number of links the table is resolved over.
@@ -258,6 +268,51 @@ impl<'c> ChainTable<'c> {
         }
     }
 
+    /// Calls `each(ids, runs)` for the live rows of `buckets` in (bucket, id bits) order, at most
+    /// `batch` at a time: their ids, and the runs of link rows that hold their slots (`at`
+    /// counted from the batch's first row), for [`RunReader::fill`]. `each` may take both.
+    pub(super) fn resolve_batches(
+        &self,
+        buckets: Range<u32>,
+        batch: usize,
+        each: &mut ResolvedBatch<'_>,
+    ) -> Result<()> {
+        let batch = batch.max(1);
+        let mut ids = Vec::with_capacity(batch.min(1 << 16));
+        let mut runs = Vec::new();
+        for part in &self.parts {
+            let r = part.start.max(buckets.start)..part.end.min(buckets.end);
+            if r.is_empty() {
+                continue;
+            }
+            self.merge(r, &mut |id, h| {
+                Run::push(&mut runs, h, ids.len());
+                ids.push(id);
+                if ids.len() >= batch {
+                    each(&mut ids, &mut runs)?;
+                    ids.clear();
+                    runs.clear();
+                }
+                Ok(())
+            })?;
+        }
+        if !ids.is_empty() {
+            each(&mut ids, &mut runs)?;
+        }
+        Ok(())
+    }
+
+    /// The live ids of `buckets` in (bucket, id bits) order, and the runs of link rows that hold
+    /// their slots (`at` counted from the first), for [`RunReader::fill`].
+    pub(super) fn resolve(&self, buckets: Range<u32>) -> Result<(Vec<u64>, Vec<Run>)> {
+        let mut out = (Vec::new(), Vec::new());
+        self.resolve_batches(buckets, usize::MAX, &mut |ids, runs| {
+            out = (std::mem::take(ids), std::mem::take(runs));
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
     /// Visits the live rows of `buckets` in (bucket, id bits) order, at most `batch` at a time.
     pub fn visit_buckets(
         &self,
@@ -265,41 +320,32 @@ impl<'c> ChainTable<'c> {
         batch: usize,
         visit: &mut VisitRows<'_>,
     ) -> Result<()> {
-        let snap = ChainSnapshot::new(self)?;
-        let batch = batch.max(1);
-        let mut ids = Vec::with_capacity(batch);
-        let mut handles = Vec::with_capacity(batch);
         let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); self.slots.len()];
-        let mut flush = |ids: &mut Vec<u64>, handles: &mut Vec<u64>| -> Result<()> {
-            if ids.is_empty() {
-                return Ok(());
-            }
+        let mut reader = RunReader::default();
+        self.resolve_batches(buckets, batch, &mut |ids, runs| {
             for (b, &w) in bufs.iter_mut().zip(&self.row_bytes) {
                 b.resize(ids.len() * w as usize, 0);
             }
             let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
-            snap.read_handles(ids, handles, &mut outs)?;
+            reader.fill(self, runs, &mut outs)?;
             let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
-            visit(ids, &views)?;
-            ids.clear();
-            handles.clear();
-            Ok(())
-        };
+            visit(ids, &views)
+        })
+    }
+
+    /// The number of live rows of `buckets`: a merge of the links' ids, no slot read.
+    pub(super) fn count_buckets(&self, buckets: Range<u32>) -> Result<u64> {
+        let mut n = 0u64;
         for part in &self.parts {
             let r = part.start.max(buckets.start)..part.end.min(buckets.end);
-            if r.is_empty() {
-                continue;
+            if !r.is_empty() {
+                self.merge(r, &mut |_, _| {
+                    n += 1;
+                    Ok(())
+                })?;
             }
-            self.merge(r, &mut |id, h| {
-                ids.push(id);
-                handles.push(h);
-                if ids.len() >= batch {
-                    flush(&mut ids, &mut handles)?;
-                }
-                Ok(())
-            })?;
         }
-        flush(&mut ids, &mut handles)
+        Ok(n)
     }
 
     /// Finds the live row of `id`: its handle, or `None` when the chain does not hold it.
@@ -450,51 +496,133 @@ impl<'t, 'c> ChainSnapshot<'t, 'c> {
         Ok(Self { table })
     }
 
-    /// Reads the rows of `handles` into `out`, link by link: rows of one segment separated by
-    /// less than [`COALESCE_BYTES`] of any slot are read in one piece (the rows between them,
+    /// Reads the rows of `handles` into `out` (see [`RunReader::fill`]).
+    fn read_handles(&self, handles: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
+        let mut runs = Vec::new();
+        for (at, &h) in handles.iter().enumerate() {
+            Run::push(&mut runs, h, at);
+        }
+        RunReader::default().fill(self.table, &mut runs, out)
+    }
+}
+
+/// Rows `first..first + count` of segment `seg` of link `link`'s rows, which are rows
+/// `at..at + count` of what is being read.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Run {
+    link: usize,
+    seg: usize,
+    first: u64,
+    count: u64,
+    at: usize,
+}
+
+impl Run {
+    /// Adds the row of `handle` as row `at`: to the last run if it continues it, else as a run.
+    fn push(runs: &mut Vec<Run>, handle: u64, at: usize) {
+        let link = (handle >> LINK_SHIFT) as usize;
+        let seg = ((handle & ((1 << LINK_SHIFT) - 1)) >> ROW_BITS) as usize;
+        let row = handle & ((1 << ROW_BITS) - 1);
+        if let Some(r) = runs.last_mut() {
+            if r.link == link
+                && r.seg == seg
+                && r.first + r.count == row
+                && r.at + r.count as usize == at
+            {
+                r.count += 1;
+                return;
+            }
+        }
+        runs.push(Run {
+            link,
+            seg,
+            first: row,
+            count: 1,
+            at,
+        });
+    }
+}
+
+/// Reads runs of link rows, with scratch buffers kept between calls.
+#[derive(Default)]
+pub(super) struct RunReader {
+    scratch: Vec<Vec<u8>>,
+}
+
+impl RunReader {
+    /// Reads the rows of `runs` (of `t`) into `out`, one slice a slot holding the rows at the
+    /// runs' `at` (an empty slice: that slot is not wanted). Runs of one link's segment separated
+    /// by less than [`COALESCE_BYTES`] of any slot are read in one piece (the rows between them,
     /// which a newer link replaced or removed, are read and skipped), so that a base shadowed
-    /// here and there by deltas is read in long runs rather than row by row.
-    fn read_handles(&self, ids: &[u64], handles: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
-        debug_assert_eq!(ids.len(), handles.len());
-        let t = self.table;
-        let mask = (1u64 << LINK_SHIFT) - 1;
-        let split = |h: u64| (((h & mask) >> ROW_BITS) as usize, h & ((1 << ROW_BITS) - 1));
-        let mut by_link: Vec<Vec<usize>> = vec![Vec::new(); t.links.len()];
-        for (i, &h) in handles.iter().enumerate() {
-            let link = (h >> LINK_SHIFT) as usize;
-            by_link
-                .get_mut(link)
-                .ok_or_else(|| {
-                    Error::Mismatch(format!("row handle {h:#x} is not table {:?}'s", t.name))
-                })?
-                .push(i);
+    /// here and there by deltas is read in long runs rather than row by row; a run read alone
+    /// goes straight into `out`, the others through a scratch buffer, one copy a run.
+    pub(super) fn fill(
+        &mut self,
+        t: &ChainTable<'_>,
+        runs: &mut [Run],
+        out: &mut [&mut [u8]],
+    ) -> Result<()> {
+        // Link by link; within a link, runs come in row order already (a merge emits each
+        // link's rows in its order), so a stable sort by link alone is a merge of sorted runs.
+        runs.sort_by_key(|r| r.link);
+        if !runs.is_sorted_by_key(|r| (r.link, r.seg, r.first)) {
+            runs.sort_unstable_by_key(|r| (r.link, r.seg, r.first));
         }
         let widths: Vec<usize> = t.row_bytes.iter().map(|&b| b as usize).collect();
         let gap = (COALESCE_BYTES / t.row_bytes.iter().copied().max().unwrap_or(1).max(1)).max(1);
-        let mut scratch: Vec<Vec<u8>> = vec![Vec::new(); widths.len()];
-        for (link, pos) in by_link.iter().enumerate() {
-            let rows = &t.links[link].rows;
-            let mut a = 0;
-            while a < pos.len() {
-                let (seg, first) = split(handles[pos[a]]);
-                let mut last = first;
-                let mut b = a + 1;
-                while b < pos.len() {
-                    let (s2, r) = split(handles[pos[b]]);
-                    if s2 != seg || r <= last || r - last > gap {
-                        break;
-                    }
-                    last = r;
-                    b += 1;
+        let window = (WINDOW_BYTES / t.full_row_bytes()).max(1);
+        self.scratch.resize_with(widths.len(), Vec::new);
+        let mut a = 0;
+        while a < runs.len() {
+            let Run {
+                link, seg, first, ..
+            } = runs[a];
+            let mut end = first + runs[a].count;
+            let mut b = a + 1;
+            while b < runs.len() {
+                let r = &runs[b];
+                if r.link != link
+                    || r.seg != seg
+                    || r.first < end
+                    || r.first - end > gap
+                    || r.first + r.count - first > window
+                {
+                    break;
                 }
-                if seg >= rows.segment_count() || last >= rows.segment_rows(seg) {
+                end = r.first + r.count;
+                b += 1;
+            }
+            let rows = match t.links.get(link) {
+                Some(l) if seg < l.rows.segment_count() && end <= l.rows.segment_rows(seg) => {
+                    &l.rows
+                }
+                _ => {
                     return Err(Error::Mismatch(format!(
-                        "row handle {:#x} is not table {:?}'s",
-                        handles[pos[a]], t.name
-                    )));
+                        "rows {first}..{end} of segment {seg} of link {link} are not table {:?}'s",
+                        t.name
+                    )))
                 }
-                let n = (last - first + 1) as usize;
-                let mut bufs: Vec<&mut [u8]> = scratch
+            };
+            let n = (end - first) as usize;
+            if b == a + 1 {
+                let at = runs[a].at;
+                let mut bufs: Vec<&mut [u8]> = out
+                    .iter_mut()
+                    .zip(&widths)
+                    .map(|(o, &w)| {
+                        if o.is_empty() {
+                            &mut [][..]
+                        } else {
+                            &mut o[at * w..(at + n) * w]
+                        }
+                    })
+                    .collect();
+                rows.read_segment(seg, first..end, &mut [], &mut bufs)?;
+                let read: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+                t.bytes_read.fetch_add(read, Ordering::Relaxed);
+            } else {
+                let mut bufs: Vec<&mut [u8]> = self
+                    .scratch
                     .iter_mut()
                     .zip(&widths)
                     .zip(out.iter())
@@ -503,23 +631,24 @@ impl<'t, 'c> ChainSnapshot<'t, 'c> {
                             &mut [][..]
                         } else {
                             s.resize(n * w, 0);
-                            &mut s[..]
+                            &mut s[..n * w]
                         }
                     })
                     .collect();
-                rows.read_segment(seg, first..last + 1, &mut [], &mut bufs)?;
+                rows.read_segment(seg, first..end, &mut [], &mut bufs)?;
                 let read: u64 = bufs.iter().map(|b| b.len() as u64).sum();
                 t.bytes_read.fetch_add(read, Ordering::Relaxed);
-                for &i in &pos[a..b] {
-                    let r = (split(handles[i]).1 - first) as usize;
+                for r in &runs[a..b] {
+                    let (from, k) = ((r.first - first) as usize, r.count as usize);
                     for ((o, src), &w) in out.iter_mut().zip(&bufs).zip(&widths) {
                         if !o.is_empty() {
-                            o[i * w..(i + 1) * w].copy_from_slice(&src[r * w..(r + 1) * w]);
+                            o[r.at * w..(r.at + k) * w]
+                                .copy_from_slice(&src[from * w..(from + k) * w]);
                         }
                     }
                 }
-                a = b;
             }
+            a = b;
         }
         Ok(())
     }
@@ -563,7 +692,7 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
                     b.resize(ids.len() * w as usize, 0);
                 }
                 let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
-                self.read_handles(ids, handles, &mut outs)?;
+                self.read_handles(handles, &mut outs)?;
                 bufs.iter().map(Vec::as_slice).collect()
             } else {
                 Vec::new()
@@ -607,7 +736,7 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
             })
             .collect::<Result<Vec<u64>>>()
             .map_err(|e| core(&t.name, e))?;
-        self.read_handles(ids, &handles, out)
+        self.read_handles(&handles, out)
             .map_err(|e| core(&t.name, e))
     }
 
@@ -620,7 +749,7 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
         if handles.len() != ids.len() {
             return self.read_rows(ids, out);
         }
-        self.read_handles(ids, handles, out)
+        self.read_handles(handles, out)
             .map_err(|e| core(&self.table.name, e))
     }
 }
