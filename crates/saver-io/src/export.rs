@@ -20,7 +20,7 @@ use crate::reader::Checkpoint;
 use crate::restore::LoadedDense;
 use crate::source::sorted::{visit_by_id, RUN_BYTES};
 use crate::source::{BucketRows, Source, StoredTable};
-use crate::storage::{LocalFs, Storage, WriteHandle};
+use crate::storage::{Storage, WriteHandle};
 use crate::write_behind::WriteBehind;
 
 /// How to export.
@@ -75,7 +75,7 @@ pub struct ExportReport {
 
 /// The data files the index in `storage` lists, if it is the index of a plain export (not a saver
 /// checkpoint's: that is refused, since replacing its index would lose the checkpoint).
-fn previous_export_files(storage: &LocalFs) -> Result<Vec<String>> {
+fn previous_export_files(storage: &dyn Storage) -> Result<Vec<String>> {
     if !storage.exists(INDEX_FILE)? {
         return Ok(Vec::new());
     }
@@ -174,7 +174,7 @@ fn export_tables(
             why: "must be at least 4 KiB".into(),
         });
     }
-    let storage = LocalFs::create_dir(out)?;
+    let storage = crate::storage::create_location(out)?;
     if storage.exists(INDEX_FILE)? && !opts.overwrite {
         return Err(Error::Exists {
             dir: out.into(),
@@ -182,7 +182,7 @@ fn export_tables(
         });
     }
     // The files of the export being replaced: its index lists them, and only they are removed.
-    let previous = previous_export_files(&storage)?;
+    let previous = previous_export_files(&*storage)?;
     tables.sort_by(|a, b| a.name().cmp(b.name()));
     let dense = read_dense()?;
     let out_dtype = |dtype: Dtype| match opts.dtype {

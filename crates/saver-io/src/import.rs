@@ -19,7 +19,6 @@ use crate::error::{Error, Result};
 use crate::reader::Checkpoint;
 use crate::restore::{LoadOptions, LoadedDense, Restored};
 use crate::source::{PlainInput, Source};
-use crate::storage::{LocalFs, Storage};
 
 /// A model held in memory, ready to save.
 pub struct Model {
@@ -95,7 +94,7 @@ pub fn is_checkpoint(dir: &Path) -> bool {
     struct ProbeMetadata {
         format: Option<String>,
     }
-    LocalFs::open_dir(dir)
+    crate::storage::open_location(dir)
         .and_then(|s| s.get(INDEX_FILE, MAX_JSON_BYTES))
         .ok()
         .and_then(|b| serde_json::from_slice::<Probe>(&b).ok())

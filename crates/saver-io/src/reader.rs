@@ -16,7 +16,7 @@ use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
 use crate::header::{parse_header, MAX_HEADER_BYTES};
 use crate::index::Index;
-use crate::storage::{check_file_name, LocalFs, ReadHandle, Storage};
+use crate::storage::{check_file_name, ReadHandle, Storage};
 
 /// A data file, opened and checked.
 pub(crate) struct OpenFile {
@@ -340,7 +340,7 @@ pub(crate) fn open_file(
 impl Checkpoint {
     /// Opens the checkpoint in directory `dir`.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
-        Self::open_storage(Arc::new(LocalFs::open_dir(dir.as_ref())?))
+        Self::open_storage(crate::storage::open_location(dir.as_ref())?)
     }
 
     /// Opens the checkpoint in `storage`.

@@ -10,7 +10,7 @@ use saver_core::naming::INDEX_FILE;
 
 use crate::error::{Error, Result};
 use crate::reader::{describe_incomplete, load_manifest, open_file};
-use crate::storage::{LocalFs, Storage};
+use crate::storage::{open_location, Storage};
 
 /// Overall verdict.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -60,7 +60,7 @@ pub struct VerifyReport {
 /// and verify itself. A missing or replaced parent makes the delta corrupt, named in a problem.
 pub fn verify(dir: impl AsRef<Path>, parallel: usize) -> Result<VerifyReport> {
     let dir = dir.as_ref();
-    let mut report = verify_storage(&LocalFs::open_dir(dir)?, parallel)?;
+    let mut report = verify_storage(&*open_location(dir)?, parallel)?;
     if report.status != Status::Ok {
         return Ok(report);
     }
@@ -74,7 +74,7 @@ pub fn verify(dir: impl AsRef<Path>, parallel: usize) -> Result<VerifyReport> {
         Err(e) => return Err(e),
     };
     for (link, ckpt) in chain.dirs().iter().zip(chain.links()).skip(1) {
-        let r = verify_storage(&LocalFs::open_dir(link)?, parallel)?;
+        let r = verify_storage(&*open_location(link)?, parallel)?;
         report
             .parents
             .push(format!("{} ({})", link.display(), ckpt.manifest().save_id));

@@ -174,18 +174,22 @@ pub struct SaveReport {
 
 /// Saves a model into directory `dir` (created if needed). See [`save_to`].
 pub fn save(dir: impl AsRef<Path>, input: SaveInput<'_>, opts: &SaveOptions) -> Result<SaveReport> {
-    save_to(&local_storage(dir.as_ref(), opts)?, input, opts)
+    save_to(&*storage_for_save(dir.as_ref(), opts)?, input, opts)
 }
 
-/// The directory a local save writes into, created if needed, with direct I/O as `opts` says.
-pub(crate) fn local_storage(dir: &Path, opts: &SaveOptions) -> Result<LocalFs> {
+/// Where a save into `dir` writes: the object-store prefix a URL names, or the local directory,
+/// created if needed, with direct I/O as `opts` says.
+pub(crate) fn storage_for_save(dir: &Path, opts: &SaveOptions) -> Result<Arc<dyn Storage>> {
+    if crate::storage::location_url(dir).is_some() {
+        return crate::storage::create_location(dir);
+    }
     let storage = LocalFs::create_dir(dir)?;
     let direct = match opts.direct_io {
         DirectIo::Auto => opts.durable && storage.suits_direct_io(),
         DirectIo::On => true,
         DirectIo::Off => false,
     };
-    Ok(storage.with_direct_io(direct))
+    Ok(Arc::new(storage.with_direct_io(direct)))
 }
 
 fn random_save_id() -> String {

@@ -97,10 +97,14 @@ pub fn run(args: SaveArgs) -> CmdResult {
             }
             opts.user_metadata = source.user_metadata();
             // A plain input's rows are sorted out by bucket in temporary files beside the
-            // checkpoint: on its filesystem, and gone with the process.
-            std::fs::create_dir_all(&args.out)
-                .map_err(|e| format!("create {}: {e}", args.out.display()))?;
-            tables = Some(source.tables(&args.out, args.parallel)?);
+            // checkpoint (on its filesystem, and gone with the process), or in the system's
+            // temporary directory when the checkpoint goes to an object store.
+            let scratch = saver_io::storage::scratch_dir(&args.out);
+            if saver_io::storage::location_url(&args.out).is_none() {
+                std::fs::create_dir_all(&args.out)
+                    .map_err(|e| format!("create {}: {e}", args.out.display()))?;
+            }
+            tables = Some(source.tables(&scratch, args.parallel)?);
             dense = source.dense()?;
             save_input(tables.as_ref().expect("just set"), &dense)?
         }
@@ -162,7 +166,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
             } else {
                 String::new()
             },
-            write_path(report.direct_io_files, report.files),
+            write_path(&args.out, report.direct_io_files, report.files),
             report.commit_seconds,
             match (report.committed, report.committed_here) {
                 (true, true) => "committed".to_string(),
@@ -217,8 +221,9 @@ fn note_left_alone(out: &std::path::Path, report: &SaveReport) {
 
 /// How the data files were written, for the text report: a slow save through the page cache on a
 /// disk that suits direct I/O is worth a look at `--direct-io`.
-fn write_path(direct: usize, files: usize) -> String {
+fn write_path(out: &std::path::Path, direct: usize, files: usize) -> String {
     match direct {
+        _ if saver_io::storage::location_url(out).is_some() => "uploaded".to_string(),
         0 => "written through the page cache".to_string(),
         d if d == files => "written with direct I/O".to_string(),
         d => format!("{d} of {files} files written with direct I/O"),

@@ -58,8 +58,12 @@ pub fn check_parent_path(path: &str) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// `to` relative to `from`, both directories that exist (symbolic links resolved).
+/// `to` relative to `from`, both directories that exist (symbolic links resolved), or both
+/// prefixes of one bucket.
 pub(crate) fn relative_path(from: &Path, to: &Path) -> Result<String> {
+    if let Some(rel) = crate::storage::relative_url(from, to)? {
+        return Ok(rel);
+    }
     let from = from
         .canonicalize()
         .map_err(io_err("resolve the directory", from))?;

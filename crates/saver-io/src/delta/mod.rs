@@ -38,7 +38,7 @@ use crate::chain::{Chain, ChainTable};
 use crate::error::{Error, Result};
 use crate::source::BucketRows;
 use crate::storage::Storage;
-use crate::writer::{local_storage, save_prepared, DeltaOf, SaveOptions, SaveReport};
+use crate::writer::{save_prepared, storage_for_save, DeltaOf, SaveOptions, SaveReport};
 pub use order::InMemoryOrder;
 use spool::{Spool, SpoolTable};
 
@@ -54,7 +54,7 @@ pub fn save_delta(
     dense: Vec<DenseTensor<'_>>,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    save_delta_to(&local_storage(dir, opts)?, tables, dense, opts)
+    save_delta_to(&*storage_for_save(dir, opts)?, tables, dense, opts)
 }
 
 /// Saves a delta of `tables` and `dense` into `storage` against the chain in `opts.parent`.
@@ -147,11 +147,10 @@ impl Delta {
                 message: format!("parent {} cannot be opened: {e}", parent.display()),
             },
         })?;
-        let own = child_dir.canonicalize().ok();
         if let Some(d) = chain
             .dirs()
             .iter()
-            .find(|d| own.is_some() && d.canonicalize().ok() == own)
+            .find(|d| crate::storage::same_location(d, &child_dir))
         {
             return Err(Error::Chain {
                 link: child_dir.display().to_string(),
@@ -210,7 +209,7 @@ impl Delta {
             let parent_table = parent_slots(&self.chain, *t, &compared)?
                 .map(|slots| ChainTable::new(&self.chain, t.name(), slots))
                 .transpose()?;
-            let scratch = self.child_dir.as_path();
+            let scratch = &crate::storage::scratch_dir(&self.child_dir);
             let mut changed = Spool::new(scratch, t.slots())?;
             let mut removed = Spool::new(scratch, &[])?;
             diff_table(
@@ -240,7 +239,7 @@ impl Delta {
                 .filter(|(b, _)| range.contains(b))
                 .collect();
             ids.sort_unstable();
-            let mut removed = Spool::new(&self.child_dir, &[])?;
+            let mut removed = Spool::new(&crate::storage::scratch_dir(&self.child_dir), &[])?;
             for (_, id) in ids {
                 removed.push(id, &[])?;
             }

@@ -24,7 +24,6 @@ use crate::error::{Error, Result};
 use crate::import::{first_trainer_state, is_checkpoint, with_dense};
 use crate::reader::{describe_incomplete, Checkpoint};
 use crate::restore::LoadedDense;
-use crate::storage::{LocalFs, Storage};
 
 /// What receives rows in batches: ids, and each slot's rows back to back (in the table's slot
 /// order).
@@ -89,7 +88,7 @@ impl Source {
     /// as incomplete: its data files are valid safetensors, but read as plain ones every sparse
     /// tensor would be taken for a dense one.
     pub fn open(path: &Path) -> Result<Self> {
-        if path.is_dir() {
+        if path.is_dir() || crate::storage::location_url(path).is_some() {
             if is_checkpoint(path) {
                 let ckpt = Checkpoint::open(path)?;
                 if ckpt.manifest().parent.is_some() {
@@ -98,7 +97,7 @@ impl Source {
                 }
                 return Ok(Self::Checkpoint(Box::new(ckpt)));
             }
-            let storage = LocalFs::open_dir(path)?;
+            let storage = crate::storage::open_location(path)?;
             if !storage.exists(INDEX_FILE)?
                 && storage
                     .list()?
@@ -107,7 +106,7 @@ impl Source {
             {
                 return Err(Error::Incomplete {
                     dir: path.into(),
-                    what: describe_incomplete(&storage)?,
+                    what: describe_incomplete(&*storage)?,
                 });
             }
         }

@@ -94,7 +94,12 @@ impl std::fmt::Debug for PlainInput {
     }
 }
 
-fn plain_files(path: &Path) -> Result<(LocalFs, Vec<String>)> {
+fn plain_files(path: &Path) -> Result<(Arc<dyn Storage>, Vec<String>)> {
+    if crate::storage::location_url(path).is_some() {
+        let storage = crate::storage::open_location(path)?;
+        let files = plain_dir_files(&*storage)?;
+        return Ok((storage, files));
+    }
     let meta = std::fs::metadata(path).map_err(crate::error::io_err("open", path))?;
     if !meta.is_file() && !meta.is_dir() {
         return Err(Error::UnsafePath {
@@ -116,9 +121,16 @@ fn plain_files(path: &Path) -> Result<(LocalFs, Vec<String>)> {
                 named_in: "the --from path".into(),
                 why: "not a UTF-8 file name",
             })?;
-        return Ok((LocalFs::open_dir(dir)?, vec![name.to_string()]));
+        return Ok((Arc::new(LocalFs::open_dir(dir)?), vec![name.to_string()]));
     }
     let storage = LocalFs::open_dir(path)?;
+    let files = plain_dir_files(&storage)?;
+    Ok((Arc::new(storage), files))
+}
+
+/// The data files of a plain safetensors directory: those its index names, or all
+/// `*.safetensors`.
+fn plain_dir_files(storage: &dyn Storage) -> Result<Vec<String>> {
     let files: Vec<String> = if storage.exists(INDEX_FILE)? {
         #[derive(serde::Deserialize)]
         struct PlainIndex {
@@ -143,13 +155,13 @@ fn plain_files(path: &Path) -> Result<(LocalFs, Vec<String>)> {
     if files.is_empty() {
         return Err(Error::Mismatch(format!(
             "{} holds no .safetensors file",
-            path.display()
+            storage.location()
         )));
     }
     for f in &files {
-        check_file_name(f, &path.join(INDEX_FILE).display().to_string())?;
+        check_file_name(f, &format!("{}/{INDEX_FILE}", storage.location()))?;
     }
-    Ok((storage, files))
+    Ok(files)
 }
 
 impl PlainInput {

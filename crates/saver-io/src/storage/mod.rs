@@ -4,7 +4,9 @@
 //! durable commit by rename, exclusive creation (for the commit claim), listing and positional
 //! reads. [`LocalFs`] implements it on a local or shared POSIX filesystem; [`FaultyStorage`] wraps
 //! any storage and injects failures, to test that every failure path leaves no half-valid
-//! checkpoint behind. An object-store backend implements the same trait.
+//! checkpoint behind. [`ObjectStorage`] (feature `s3`) keeps a checkpoint under a prefix of an
+//! S3-compatible bucket. [`open_location`] and [`create_location`] take either: a path, or a
+//! URL (`s3://bucket/prefix`), which never silently becomes a local path.
 //!
 //! Names are single file names relative to the checkpoint directory. Every backend must refuse
 //! names that could leave it ([`check_file_name`]).
@@ -12,8 +14,11 @@
 mod direct;
 mod faulty;
 mod local;
+#[cfg(feature = "s3")]
+mod object;
 
 use std::fmt;
+use std::path::Path;
 use std::sync::Arc;
 
 use saver_core::plan::Spill;
@@ -23,6 +28,8 @@ use crate::spill::FileSpill;
 pub use faulty::{Fault, FaultyStorage};
 pub use local::LocalFs;
 pub use local::LocalLock;
+#[cfg(feature = "s3")]
+pub use object::{ObjectStorage, LEASE, MIN_PART_SIZE};
 
 use crate::error::{Error, Result};
 
@@ -48,6 +55,125 @@ pub fn check_file_name(name: &str, named_in: &str) -> Result<()> {
         named_in: named_in.to_string(),
         why,
     })
+}
+
+/// The URL in `location`, if it is one (`scheme://…`): a location that must not be taken for a
+/// local path.
+pub fn location_url(location: &Path) -> Option<&str> {
+    let s = location.to_str()?;
+    let (scheme, _) = s.split_once("://")?;
+    let is_scheme = !scheme.is_empty()
+        && scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
+    is_scheme.then_some(s)
+}
+
+/// The storage a URL names: `s3://bucket/prefix`, or an error naming what this build supports.
+fn url_storage(url: &str) -> Result<Arc<dyn Storage>> {
+    if url.starts_with("s3://") {
+        #[cfg(feature = "s3")]
+        return Ok(Arc::new(ObjectStorage::from_url(url)?));
+        #[cfg(not(feature = "s3"))]
+        return Err(Error::InvalidOption {
+            option: "location",
+            why: format!("{url}: this build of saver has no S3 support (cargo feature `s3`)"),
+        });
+    }
+    Err(Error::InvalidOption {
+        option: "location",
+        why: format!(
+            "{url}: unsupported URL scheme (saver reads and writes local paths and s3://bucket/prefix)"
+        ),
+    })
+}
+
+/// Whether `a` and `b` are one location: the same directory (symbolic links resolved), or the
+/// same bucket and prefix.
+pub fn same_location(a: &Path, b: &Path) -> bool {
+    match (location_url(a), location_url(b)) {
+        (None, None) => match (a.canonicalize(), b.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        },
+        (Some(a), Some(b)) => normalized_url(a) == normalized_url(b),
+        _ => false,
+    }
+}
+
+/// A URL with its path's empty, `.` and `..` segments resolved; `None` if they leave the root.
+fn normalized_url(url: &str) -> Option<(String, Vec<String>)> {
+    let (scheme, rest) = url.split_once("://")?;
+    let (root, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut segs: Vec<String> = Vec::new();
+    for s in path.split('/') {
+        match s {
+            "" | "." => {}
+            ".." => {
+                segs.pop()?;
+            }
+            s => segs.push(s.to_string()),
+        }
+    }
+    Some((format!("{scheme}://{root}"), segs))
+}
+
+/// `to` relative to `from` where either is a URL: `Ok(None)` where both are local paths, an error
+/// where they are not under one store root (a chain's links name each other relatively).
+pub(crate) fn relative_url(from: &Path, to: &Path) -> Result<Option<String>> {
+    let (a, b) = match (location_url(from), location_url(to)) {
+        (None, None) => return Ok(None),
+        (Some(a), Some(b)) => (normalized_url(a), normalized_url(b)),
+        _ => (None, None),
+    };
+    let unrelated = || Error::InvalidOption {
+        option: "parent",
+        why: format!(
+            "{} and {} are not in one bucket: a delta names its parent relative to itself, so \
+             both must be in one store",
+            from.display(),
+            to.display()
+        ),
+    };
+    let ((root_a, a), (root_b, b)) = a.zip(b).ok_or_else(unrelated)?;
+    if root_a != root_b {
+        return Err(unrelated());
+    }
+    let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let mut rel: Vec<&str> = vec![".."; a.len() - common];
+    rel.extend(b[common..].iter().map(String::as_str));
+    Ok(Some(if rel.is_empty() {
+        ".".to_string()
+    } else {
+        rel.join("/")
+    }))
+}
+
+/// Where temporary files of work on `location` go: the directory itself (its filesystem), or
+/// the system's temporary directory for an object store.
+pub fn scratch_dir(location: &Path) -> std::path::PathBuf {
+    match location_url(location) {
+        Some(_) => std::env::temp_dir(),
+        None => location.to_path_buf(),
+    }
+}
+
+/// The existing checkpoint directory or object-store prefix at `location`.
+pub fn open_location(location: &Path) -> Result<Arc<dyn Storage>> {
+    match location_url(location) {
+        Some(url) => url_storage(url),
+        None => Ok(Arc::new(LocalFs::open_dir(location)?)),
+    }
+}
+
+/// The checkpoint directory (created if needed) or object-store prefix at `location`, to write
+/// into.
+pub fn create_location(location: &Path) -> Result<Arc<dyn Storage>> {
+    match location_url(location) {
+        Some(url) => url_storage(url),
+        None => Ok(Arc::new(LocalFs::create_dir(location)?)),
+    }
 }
 
 /// A file being written. Becomes visible under its final name only on [`WriteHandle::commit`].

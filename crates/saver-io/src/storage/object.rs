@@ -1,0 +1,863 @@
+//! [`ObjectStorage`]: a checkpoint under a prefix of an S3-compatible bucket, on the
+//! `object_store` crate.
+//!
+//! How the [`Storage`] operations map onto an object store:
+//!
+//! * **Data files** go up as multipart uploads whose parts are fixed byte ranges of the file
+//!   (`part_size`, 8 MiB or more): a part is uploaded by the writer thread that writes its last
+//!   byte, so parts go up in parallel from the writer threads and memory stays bounded by the parts
+//!   being filled. The first part holds the header, which the save writes last, so it is the last
+//!   to go up. Nothing is visible under the file's name until the upload is completed
+//!   ([`WriteHandle::commit`]); an aborted or killed upload leaves no object. Files smaller than one
+//!   part are put whole.
+//! * **Commit without rename:** every object appears atomically when its PUT or its completion
+//!   succeeds, and the store's read-after-write consistency makes it visible to every reader from
+//!   then on. The index, put last, stays the commit point.
+//! * **Exclusive creation and the commit lock** use conditional creation (`If-None-Match: *`) where
+//!   the store honours it, which is probed once per storage (some stores, Garage among them,
+//!   accept the header and overwrite anyway). The commit lock is then a lease object that expires
+//!   ([`LEASE`]), so a committer that dies never blocks the next. Where the store does not honour
+//!   conditional creation, creation is check-then-put and there is no lock: see "Object storage"
+//!   in `docs/FORMAT.md` for what that leaves unguaranteed when two saves race into one prefix.
+//! * **Reads** are ranged GETs; every request has a timeout and bounded retries with backoff, so a
+//!   store that stops answering is an error naming it, never a hang (30 s a request and 60 s of
+//!   retries by default; `SAVER_S3_TIMEOUT_SECONDS` and `SAVER_S3_RETRY_SECONDS` change them).
+
+use std::future::Future;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use object_store::aws::AmazonS3Builder;
+use object_store::multipart::{MultipartStore, PartId};
+use object_store::path::Path as ObjectPath;
+use object_store::{
+    ClientOptions, MultipartId, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+    RetryConfig, UpdateVersion,
+};
+use saver_core::naming::COMMIT_LOCK;
+
+use super::{check_file_name, CommitLock, ReadHandle, Storage, WriteHandle};
+use crate::error::{Error, Result};
+
+/// The smallest part of a multipart upload (S3 refuses smaller parts but the last).
+pub const MIN_PART_SIZE: u64 = 8 << 20;
+
+/// Most parts of one multipart upload (S3's limit).
+const MAX_PARTS: u64 = 10_000;
+
+/// How long a commit lock lasts if its holder neither releases it nor dies cleanly. Commits hold
+/// the lock for a few small requests, far less than this.
+pub const LEASE: Duration = Duration::from_secs(30);
+
+/// Timeout of one request (`SAVER_S3_TIMEOUT_SECONDS`); a request that takes longer is retried,
+/// within [`retry_for`].
+fn request_timeout() -> Duration {
+    seconds_from_env("SAVER_S3_TIMEOUT_SECONDS", 30)
+}
+
+/// How long one operation is retried, with exponential backoff, before it fails
+/// (`SAVER_S3_RETRY_SECONDS`).
+fn retry_for() -> Duration {
+    seconds_from_env("SAVER_S3_RETRY_SECONDS", 60)
+}
+
+fn seconds_from_env(var: &str, default: u64) -> Duration {
+    let secs = std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0 && *s <= 86_400.0);
+    secs.map_or(Duration::from_secs(default), Duration::from_secs_f64)
+}
+
+/// The runtime that runs every request of every object storage in the process. Callers block on
+/// their request from any thread, inside or outside another runtime.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("saver-object-store")
+            .enable_all()
+            .build()
+            .expect("a tokio runtime for object storage")
+    })
+}
+
+/// Runs `f` on the object-store runtime and waits for it. Spawned rather than `block_on`, so a
+/// caller that is itself on a runtime's thread does not panic.
+fn block<T: Send + 'static>(f: impl Future<Output = T> + Send + 'static) -> T {
+    let handle = runtime().spawn(f);
+    match futures::executor::block_on(handle) {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+/// The store's client, shared by the storage and its open files.
+struct Client {
+    store: Arc<dyn ObjectStore>,
+    multipart: Arc<dyn MultipartStore>,
+    /// `s3://bucket`, for messages.
+    bucket_url: String,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("bucket_url", &self.bucket_url)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Client {
+    fn url(&self, key: &ObjectPath) -> String {
+        format!("{}/{key}", self.bucket_url)
+    }
+
+    /// An object-store error as saver's, naming the operation and the object. Missing objects
+    /// become `NotFound` I/O errors, so they count as a checkpoint's fault where a file's would.
+    fn err(&self, op: &'static str, key: &ObjectPath, e: object_store::Error) -> Error {
+        use std::io::ErrorKind;
+        let kind = match &e {
+            object_store::Error::NotFound { .. } => ErrorKind::NotFound,
+            object_store::Error::PermissionDenied { .. }
+            | object_store::Error::Unauthenticated { .. } => ErrorKind::PermissionDenied,
+            object_store::Error::AlreadyExists { .. } => ErrorKind::AlreadyExists,
+            _ => ErrorKind::Other,
+        };
+        Error::Io {
+            op,
+            path: PathBuf::from(self.url(key)),
+            source: std::io::Error::new(kind, one_line(&e.to_string())),
+        }
+    }
+}
+
+/// A store's error message on one line: an S3 error body (XML) becomes its code and message.
+fn one_line(msg: &str) -> String {
+    let tag = |name: &str| {
+        let open = format!("<{name}>");
+        let start = msg.find(&open)? + open.len();
+        let len = msg[start..].find('<')?;
+        Some(&msg[start..start + len])
+    };
+    let msg = match (
+        msg.find("<?xml").or_else(|| msg.find("<Error>")),
+        tag("Code"),
+    ) {
+        (Some(xml), Some(code)) => format!(
+            "{} {code}: {}",
+            msg[..xml].trim_end_matches([' ', ':']),
+            tag("Message").unwrap_or("")
+        ),
+        _ => msg.to_string(),
+    };
+    let mut out = String::with_capacity(msg.len().min(400));
+    for word in msg.split_whitespace() {
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        out.push_str(word);
+        if out.len() > 400 {
+            out.push('…');
+            break;
+        }
+    }
+    out
+}
+
+/// A checkpoint "directory" under a prefix of an object-store bucket: `s3://bucket/prefix`.
+#[derive(Clone, Debug)]
+pub struct ObjectStorage {
+    client: Arc<Client>,
+    prefix: ObjectPath,
+    url: String,
+    part_size: u64,
+    /// Whether the store honours conditional creation, probed at first need.
+    conditional: Arc<OnceLock<bool>>,
+}
+
+/// A URL split into bucket and prefix, with `.` and `..` segments resolved (a chain names its
+/// parents relative to the child), refusing any that would leave the bucket.
+fn parse_s3_url(url: &str) -> Result<(String, String)> {
+    let bad = |why: String| Error::InvalidOption {
+        option: "location",
+        why: format!("{url}: {why}"),
+    };
+    let rest = url
+        .strip_prefix("s3://")
+        .ok_or_else(|| bad("not an s3:// URL".into()))?;
+    let (bucket, path) = rest.split_once('/').unwrap_or((rest, ""));
+    if bucket.is_empty() {
+        return Err(bad("no bucket name (s3://bucket/prefix)".into()));
+    }
+    if bucket.contains(['?', '#', '\\']) || bucket.chars().any(char::is_whitespace) {
+        return Err(bad(format!("{bucket:?} is not a bucket name")));
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    for seg in path.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                if parts.pop().is_none() {
+                    return Err(bad("`..` leaves the bucket".into()));
+                }
+            }
+            s if s.chars().any(char::is_control) => {
+                return Err(bad("a control character in the prefix".into()))
+            }
+            s => parts.push(s),
+        }
+    }
+    Ok((bucket.to_string(), parts.join("/")))
+}
+
+/// Whether `endpoint` is an `http://` URL of this machine (loopback), where plain HTTP is safe.
+fn is_loopback_http(endpoint: &str) -> bool {
+    let Some(rest) = endpoint.strip_prefix("http://") else {
+        return false;
+    };
+    let authority = rest.split('/').next().unwrap_or("");
+    let host = match authority.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => authority.rsplit_once(':').map_or(authority, |(h, _)| h),
+    };
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+impl ObjectStorage {
+    /// Opens `s3://bucket/prefix`, configured from the standard AWS environment
+    /// (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`,
+    /// `AWS_ENDPOINT_URL`, …). Plain `http://` endpoints are allowed on loopback and where
+    /// `AWS_ALLOW_HTTP=true`. Nothing is requested until the first operation.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let (bucket, prefix) = parse_s3_url(url)?;
+        let mut builder = AmazonS3Builder::from_env().with_bucket_name(&bucket);
+        let endpoint = std::env::var("AWS_ENDPOINT_URL")
+            .or_else(|_| std::env::var("AWS_ENDPOINT"))
+            .unwrap_or_default();
+        let mut client = ClientOptions::new()
+            .with_timeout(request_timeout())
+            .with_connect_timeout(Duration::from_secs(5));
+        if is_loopback_http(&endpoint) {
+            client = client.with_allow_http(true);
+        }
+        if std::env::var("AWS_ALLOW_HTTP").is_ok_and(|v| v.eq_ignore_ascii_case("true")) {
+            client = client.with_allow_http(true);
+        }
+        builder = builder.with_client_options(client).with_retry(RetryConfig {
+            max_retries: 8,
+            retry_timeout: retry_for(),
+            ..RetryConfig::default()
+        });
+        let s3 = Arc::new(builder.build().map_err(|e| Error::InvalidOption {
+            option: "location",
+            why: format!("{url}: {}", one_line(&e.to_string())),
+        })?);
+        Ok(Self::with_store(s3, &format!("s3://{bucket}"), &prefix))
+    }
+
+    /// A storage under `prefix` of any `object_store` store with multipart uploads (S3, GCS,
+    /// Azure, or the in-memory store of tests); `bucket_url` (`s3://bucket`, `gs://bucket`, …)
+    /// names it in messages.
+    pub fn with_store<S: ObjectStore + MultipartStore>(
+        store: Arc<S>,
+        bucket_url: &str,
+        prefix: &str,
+    ) -> Self {
+        let prefix = prefix.trim_matches('/');
+        let url = if prefix.is_empty() {
+            bucket_url.to_string()
+        } else {
+            format!("{bucket_url}/{prefix}")
+        };
+        Self {
+            client: Arc::new(Client {
+                store: store.clone(),
+                multipart: store,
+                bucket_url: bucket_url.to_string(),
+            }),
+            prefix: ObjectPath::from(prefix),
+            url,
+            part_size: MIN_PART_SIZE,
+            conditional: Arc::default(),
+        }
+    }
+
+    /// Uploads data files in parts of `bytes` (at least [`MIN_PART_SIZE`]; larger for files
+    /// that would need more than 10 000 parts). Memory of a save is about `parallel` parts plus
+    /// the first part of every file being written.
+    pub fn with_part_size(mut self, bytes: u64) -> Self {
+        self.part_size = bytes.max(MIN_PART_SIZE);
+        self
+    }
+
+    /// Whether the store honours conditional creation (`If-None-Match: *` on PUT): probed once,
+    /// by creating a probe object of this storage's own twice and removing it.
+    pub fn honours_conditional_create(&self) -> Result<bool> {
+        if let Some(&c) = self.conditional.get() {
+            return Ok(c);
+        }
+        static PROBES: AtomicU64 = AtomicU64::new(0);
+        let key = self.prefix.clone().join(format!(
+            ".saver-probe-{}-{}-{}",
+            std::process::id(),
+            crate::owner::process_token(),
+            PROBES.fetch_add(1, Ordering::Relaxed)
+        ));
+        let first = self.put_if_absent(&key, Bytes::from_static(b"probe"))?;
+        let second = self.put_if_absent(&key, Bytes::from_static(b"probe"));
+        let _ = self.delete(&key);
+        if !first {
+            return Err(Error::Mismatch(format!(
+                "{}: the store refused to create a new probe object {key}",
+                self.url
+            )));
+        }
+        let honoured = !second?;
+        Ok(*self.conditional.get_or_init(|| honoured))
+    }
+
+    fn key(&self, name: &str) -> Result<ObjectPath> {
+        check_file_name(name, &format!("a request to {}", self.url))?;
+        Ok(self.prefix.clone().join(name))
+    }
+
+    /// PUT with `If-None-Match: *`; `Ok(false)` if the store said the object exists.
+    fn put_if_absent(&self, key: &ObjectPath, bytes: Bytes) -> Result<bool> {
+        let (c, k) = (self.client.clone(), key.clone());
+        let opts = PutOptions {
+            mode: PutMode::Create,
+            ..PutOptions::default()
+        };
+        match block(async move { c.store.put_opts(&k, bytes.into(), opts).await }) {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. })
+            | Err(object_store::Error::Precondition { .. }) => Ok(false),
+            Err(e) => Err(self.client.err("create", key, e)),
+        }
+    }
+
+    fn put_bytes(&self, key: &ObjectPath, bytes: Bytes) -> Result<()> {
+        let (c, k) = (self.client.clone(), key.clone());
+        block(async move { c.store.put(&k, bytes.into()).await })
+            .map(|_| ())
+            .map_err(|e| self.client.err("put", key, e))
+    }
+
+    fn delete(&self, key: &ObjectPath) -> Result<()> {
+        let (c, k) = (self.client.clone(), key.clone());
+        match block(async move { c.store.delete(&k).await }) {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(self.client.err("remove", key, e)),
+        }
+    }
+
+    /// The object's bytes and version, or `None` if it does not exist.
+    fn get_versioned(
+        &self,
+        key: &ObjectPath,
+        limit: u64,
+    ) -> Result<Option<(Bytes, UpdateVersion)>> {
+        let (c, k) = (self.client.clone(), key.clone());
+        let got = block(async move {
+            let r = c.store.get(&k).await?;
+            if r.meta.size > limit {
+                return Ok(Err(r.meta.size));
+            }
+            let version = UpdateVersion {
+                e_tag: r.meta.e_tag.clone(),
+                version: r.meta.version.clone(),
+            };
+            Ok(Ok((r.bytes().await?, version)))
+        });
+        match got {
+            Ok(Ok(v)) => Ok(Some(v)),
+            Ok(Err(size)) => Err(Error::Corrupt {
+                file: self.client.url(key),
+                what: format!("{size} bytes, more than the {limit} allowed for this kind of file"),
+            }),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.client.err("read", key, e)),
+        }
+    }
+}
+
+impl Storage for ObjectStorage {
+    fn location(&self) -> String {
+        self.url.clone()
+    }
+
+    fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>> {
+        let key = self.key(name)?;
+        let part_size = self.part_size.max(len.div_ceil(MAX_PARTS));
+        if len <= part_size {
+            return Ok(Box::new(ObjectWrite {
+                client: self.client.clone(),
+                key,
+                len,
+                body: Body::Whole(Mutex::new(vec![0; len as usize])),
+            }));
+        }
+        let (c, k) = (self.client.clone(), key.clone());
+        let upload = block(async move { c.multipart.create_multipart(&k).await })
+            .map_err(|e| self.client.err("start the upload of", &key, e))?;
+        let parts = (0..len.div_ceil(part_size))
+            .map(|_| Mutex::new(Part::default()))
+            .collect();
+        Ok(Box::new(ObjectWrite {
+            client: self.client.clone(),
+            key,
+            len,
+            body: Body::Parts {
+                upload,
+                part_size,
+                parts,
+            },
+        }))
+    }
+
+    fn put(&self, name: &str, bytes: &[u8], _durable: bool) -> Result<()> {
+        self.put_bytes(&self.key(name)?, Bytes::copy_from_slice(bytes))
+    }
+
+    fn create_exclusive(&self, name: &str, bytes: &[u8]) -> Result<bool> {
+        let key = self.key(name)?;
+        if self.honours_conditional_create()? {
+            return self.put_if_absent(&key, Bytes::copy_from_slice(bytes));
+        }
+        // Check, then put: racing creators may both succeed (see the module docs).
+        if self.exists(name)? {
+            return Ok(false);
+        }
+        self.put_bytes(&key, Bytes::copy_from_slice(bytes))?;
+        Ok(true)
+    }
+
+    fn open(&self, name: &str) -> Result<Box<dyn ReadHandle>> {
+        let key = self.key(name)?;
+        let (c, k) = (self.client.clone(), key.clone());
+        let meta = block(async move { c.store.head(&k).await })
+            .map_err(|e| self.client.err("open", &key, e))?;
+        Ok(Box::new(ObjectRead {
+            client: self.client.clone(),
+            key,
+            len: meta.size,
+        }))
+    }
+
+    fn get(&self, name: &str, limit: u64) -> Result<Vec<u8>> {
+        let key = self.key(name)?;
+        match self.get_versioned(&key, limit)? {
+            Some((bytes, _)) => Ok(bytes.to_vec()),
+            None => Err(self.client.err(
+                "read",
+                &key,
+                object_store::Error::NotFound {
+                    path: key.to_string(),
+                    source: "no such object".into(),
+                },
+            )),
+        }
+    }
+
+    fn exists(&self, name: &str) -> Result<bool> {
+        let key = self.key(name)?;
+        let (c, k) = (self.client.clone(), key.clone());
+        match block(async move { c.store.head(&k).await }) {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(self.client.err("look up", &key, e)),
+        }
+    }
+
+    fn list(&self) -> Result<Vec<String>> {
+        let (c, p) = (self.client.clone(), self.prefix.clone());
+        let prefix = (!self.prefix.as_ref().is_empty()).then_some(p);
+        let listed = block(async move { c.store.list_with_delimiter(prefix.as_ref()).await })
+            .map_err(|e| self.client.err("list", &self.prefix, e))?;
+        Ok(listed
+            .objects
+            .into_iter()
+            .filter_map(|o| o.location.filename().map(str::to_string))
+            .collect())
+    }
+
+    fn remove(&self, name: &str) -> Result<()> {
+        self.delete(&self.key(name)?)
+    }
+
+    /// Nothing to do: an object is durable once its PUT or upload completes.
+    fn sync_dir(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn lock_commit(&self, wait: Duration) -> Result<Box<dyn CommitLock>> {
+        if !self.honours_conditional_create()? {
+            return Ok(Box::new(NoLock));
+        }
+        let key = self.key(COMMIT_LOCK)?;
+        let start = Instant::now();
+        let mut pause = Duration::from_millis(5);
+        loop {
+            let lease = Lease::new();
+            if self.put_if_absent(&key, lease.to_bytes())? {
+                return Ok(Box::new(ObjectLock {
+                    storage: self.clone(),
+                    key,
+                }));
+            }
+            // Held, or left by a holder that died: take it over once its lease has run out,
+            // only if nobody else did first (a conditional update of the version read).
+            if let Some((bytes, version)) = self.get_versioned(&key, 4096)? {
+                if Lease::parse(&bytes).is_none_or(|l| l.expired()) {
+                    let (c, k) = (self.client.clone(), key.clone());
+                    let opts = PutOptions {
+                        mode: PutMode::Update(version),
+                        ..PutOptions::default()
+                    };
+                    let body = lease.to_bytes();
+                    match block(async move { c.store.put_opts(&k, body.into(), opts).await }) {
+                        Ok(_) => {
+                            return Ok(Box::new(ObjectLock {
+                                storage: self.clone(),
+                                key,
+                            }))
+                        }
+                        Err(object_store::Error::Precondition { .. })
+                        | Err(object_store::Error::AlreadyExists { .. })
+                        | Err(object_store::Error::NotFound { .. }) => {}
+                        Err(e) => return Err(self.client.err("take the lease", &key, e)),
+                    }
+                }
+            }
+            if start.elapsed() >= wait {
+                return Err(Error::LockTimeout {
+                    lock: PathBuf::from(self.client.url(&key)),
+                    waited: start.elapsed(),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(200));
+        }
+    }
+}
+
+/// What a commit-lock object holds: when the lease runs out.
+struct Lease {
+    expires_unix_ms: u64,
+}
+
+impl Lease {
+    fn now_ms() -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis() as u64
+    }
+
+    fn new() -> Self {
+        Self {
+            expires_unix_ms: Self::now_ms() + LEASE.as_millis() as u64,
+        }
+    }
+
+    fn to_bytes(&self) -> Bytes {
+        Bytes::from(format!(
+            "{{\"holder\":\"{}:{}\",\"expires_unix_ms\":{}}}",
+            crate::owner::host_name().replace(['"', '\\'], "_"),
+            std::process::id(),
+            self.expires_unix_ms
+        ))
+    }
+
+    fn parse(bytes: &[u8]) -> Option<Self> {
+        let v: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+        Some(Self {
+            expires_unix_ms: v.get("expires_unix_ms")?.as_u64()?,
+        })
+    }
+
+    fn expired(&self) -> bool {
+        Self::now_ms() > self.expires_unix_ms
+    }
+}
+
+/// The commit lock of a store without conditional creation: there is none to take.
+struct NoLock;
+
+impl CommitLock for NoLock {}
+
+/// A held lease on the commit lock; released by removing the object.
+struct ObjectLock {
+    storage: ObjectStorage,
+    key: ObjectPath,
+}
+
+impl CommitLock for ObjectLock {}
+
+impl Drop for ObjectLock {
+    fn drop(&mut self) {
+        let _ = self.storage.delete(&self.key);
+    }
+}
+
+/// One fixed byte range of a multipart upload.
+#[derive(Default)]
+struct Part {
+    /// The bytes written so far; allocated at the part's first write, given up at its upload.
+    buf: Vec<u8>,
+    /// How many of its bytes were written.
+    filled: u64,
+    /// Set once uploaded.
+    id: Option<PartId>,
+}
+
+enum Body {
+    /// A file smaller than a part, put whole at commit.
+    Whole(Mutex<Vec<u8>>),
+    /// A multipart upload in fixed-size parts.
+    Parts {
+        upload: MultipartId,
+        part_size: u64,
+        parts: Vec<Mutex<Part>>,
+    },
+}
+
+struct ObjectWrite {
+    client: Arc<Client>,
+    key: ObjectPath,
+    len: u64,
+    body: Body,
+}
+
+impl ObjectWrite {
+    fn part_range(&self, part_size: u64, i: usize) -> Range<u64> {
+        let start = i as u64 * part_size;
+        start..(start + part_size).min(self.len)
+    }
+
+    fn upload_part(&self, upload: &MultipartId, i: usize, buf: Vec<u8>) -> Result<PartId> {
+        let (c, k, id) = (self.client.clone(), self.key.clone(), upload.clone());
+        let payload = PutPayload::from(buf);
+        block(async move { c.multipart.put_part(&k, &id, i, payload).await })
+            .map_err(|e| self.client.err("upload a part of", &self.key, e))
+    }
+}
+
+impl WriteHandle for ObjectWrite {
+    fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        let end = offset + buf.len() as u64;
+        if end > self.len {
+            return Err(Error::Mismatch(format!(
+                "internal: a write of bytes {offset}..{end} past the end ({}) of {}",
+                self.len,
+                self.client.url(&self.key)
+            )));
+        }
+        match &self.body {
+            Body::Whole(whole) => {
+                whole.lock().expect("no panic while held")[offset as usize..end as usize]
+                    .copy_from_slice(buf);
+                Ok(())
+            }
+            Body::Parts {
+                upload,
+                part_size,
+                parts,
+            } => {
+                let mut at = offset;
+                while at < end {
+                    let i = (at / part_size) as usize;
+                    let range = self.part_range(*part_size, i);
+                    let n = range.end.min(end) - at;
+                    let src = &buf[(at - offset) as usize..(at - offset + n) as usize];
+                    let full = {
+                        let mut p = parts[i].lock().expect("no panic while held");
+                        let plen = range.end - range.start;
+                        if p.id.is_some() || p.filled + n > plen {
+                            return Err(Error::Mismatch(format!(
+                                "internal: bytes {at}..{} of {} written twice",
+                                at + n,
+                                self.client.url(&self.key)
+                            )));
+                        }
+                        if p.buf.is_empty() {
+                            p.buf = vec![0; plen as usize];
+                        }
+                        let from = (at - range.start) as usize;
+                        p.buf[from..from + n as usize].copy_from_slice(src);
+                        p.filled += n;
+                        (p.filled == plen).then(|| std::mem::take(&mut p.buf))
+                    };
+                    if let Some(bytes) = full {
+                        let id = self.upload_part(upload, i, bytes)?;
+                        parts[i].lock().expect("no panic while held").id = Some(id);
+                    }
+                    at += n;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn commit(self: Box<Self>, _durable: bool) -> Result<()> {
+        match &self.body {
+            Body::Whole(whole) => {
+                let bytes = std::mem::take(&mut *whole.lock().expect("no panic while held"));
+                let (c, k) = (self.client.clone(), self.key.clone());
+                block(async move { c.store.put(&k, bytes.into()).await })
+                    .map(|_| ())
+                    .map_err(|e| self.client.err("put", &self.key, e))
+            }
+            Body::Parts {
+                upload,
+                part_size,
+                parts,
+            } => {
+                let mut ids = Vec::with_capacity(parts.len());
+                for (i, p) in parts.iter().enumerate() {
+                    let p = p.lock().expect("no panic while held");
+                    match &p.id {
+                        Some(id) => ids.push(id.clone()),
+                        None => {
+                            let range = self.part_range(*part_size, i);
+                            let e = Error::Mismatch(format!(
+                                "internal: only {} of bytes {range:?} of {} were written",
+                                p.filled,
+                                self.client.url(&self.key)
+                            ));
+                            drop(p);
+                            self.abort();
+                            return Err(e);
+                        }
+                    }
+                }
+                let (c, k, id) = (self.client.clone(), self.key.clone(), upload.clone());
+                let done = block(async move { c.multipart.complete_multipart(&k, &id, ids).await });
+                match done {
+                    Ok(_) => Ok(()),
+                    Err(e) => {
+                        let e = self.client.err("complete the upload of", &self.key, e);
+                        self.abort();
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    fn abort(self: Box<Self>) {
+        if let Body::Parts { upload, .. } = &self.body {
+            let (c, k, id) = (self.client.clone(), self.key.clone(), upload.clone());
+            let _ = block(async move { c.multipart.abort_multipart(&k, &id).await });
+        }
+    }
+}
+
+struct ObjectRead {
+    client: Arc<Client>,
+    key: ObjectPath,
+    len: u64,
+}
+
+impl ReadHandle for ObjectRead {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let end = offset + buf.len() as u64;
+        if end > self.len {
+            return Err(Error::Corrupt {
+                file: self.client.url(&self.key),
+                what: format!("ends before byte {end} (truncated)"),
+            });
+        }
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let (c, k) = (self.client.clone(), self.key.clone());
+        let got = block(async move { c.store.get_range(&k, offset..end).await })
+            .map_err(|e| self.client.err("read", &self.key, e))?;
+        if got.len() != buf.len() {
+            return Err(Error::Corrupt {
+                file: self.client.url(&self.key),
+                what: format!(
+                    "bytes {offset}..{end} came back as {} bytes (the object changed or ends early)",
+                    got.len()
+                ),
+            });
+        }
+        buf.copy_from_slice(&got);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_resolve_dots_and_never_leave_the_bucket() {
+        assert_eq!(parse_s3_url("s3://b").unwrap(), ("b".into(), "".into()));
+        assert_eq!(
+            parse_s3_url("s3://b/x//y/").unwrap(),
+            ("b".into(), "x/y".into())
+        );
+        assert_eq!(
+            parse_s3_url("s3://b/ck/step2/../step1").unwrap(),
+            ("b".into(), "ck/step1".into())
+        );
+        for bad in [
+            "s3:///x",
+            "s3://b/..",
+            "s3://b/x/../../y",
+            "gs://b/x",
+            "s3://b/a\n",
+        ] {
+            assert!(parse_s3_url(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn store_errors_fit_on_one_line() {
+        let xml =
+            "list: Server returned non-2xx status code: 404 Not Found: <?xml version=\"1.0\"?>\
+                   <Error><Code>NoSuchBucket</Code><Message>Bucket not found: b</Message></Error>";
+        assert_eq!(
+            one_line(xml),
+            "list: Server returned non-2xx status code: 404 Not Found NoSuchBucket: Bucket not found: b"
+        );
+        assert_eq!(one_line("a\n  b"), "a b");
+        assert!(one_line(&"x ".repeat(1000)).len() < 420);
+    }
+
+    #[test]
+    fn only_loopback_endpoints_get_plain_http_by_themselves() {
+        for ok in [
+            "http://127.0.0.1:3900",
+            "http://localhost:3900/",
+            "http://[::1]:3900",
+            "http://127.2.3.4",
+        ] {
+            assert!(is_loopback_http(ok), "{ok}");
+        }
+        for no in [
+            "https://127.0.0.1:3900",
+            "http://10.0.0.1:3900",
+            "http://s3.example.com",
+            "http://localhost.example.com",
+            "",
+        ] {
+            assert!(!is_loopback_http(no), "{no}");
+        }
+    }
+}
