@@ -1,0 +1,305 @@
+//! The `saver` binary against a real S3-compatible server (Garage on loopback): every command
+//! takes `s3://bucket/prefix`, a kill -9 mid-upload never leaves a checkpoint that loads, a
+//! server that stops is an error naming the store (never a hang), and bad credentials or buckets
+//! are one-line errors. Each test runs its own server and gives its environment to the processes
+//! it starts.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+#[path = "../../../tests/common/garage.rs"]
+mod garage;
+
+use garage::Garage;
+use saver_io::storage::{ObjectStorage, Storage};
+
+fn saver_cmd(g: &Garage, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_saver"));
+    c.args(args).envs(g.env());
+    c
+}
+
+fn run(g: &Garage, args: &[&str]) -> Output {
+    saver_cmd(g, args).output().expect("saver runs")
+}
+
+fn ok(g: &Garage, args: &[&str]) -> String {
+    let out = run(g, args);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "saver {args:?} failed: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+/// A failing command's stderr, checked to be a clear message (no panic).
+fn fails(g: &Garage, args: &[&str]) -> String {
+    let out = run(g, args);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "saver {args:?} should fail");
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+fn digest(g: &Garage, dir: &str) -> String {
+    ok(g, &["digest", dir]).trim().to_string()
+}
+
+/// The server's `prefix`, reached with its own credentials (not this process's environment,
+/// which the tests' servers would share).
+fn prefix_of(g: &Garage, prefix: &str) -> ObjectStorage {
+    let s3 = object_store::aws::AmazonS3Builder::new()
+        .with_bucket_name(&g.bucket)
+        .with_region("garage")
+        .with_endpoint(&g.endpoint)
+        .with_allow_http(true)
+        .with_access_key_id(&g.key_id)
+        .with_secret_access_key(&g.secret)
+        .build()
+        .unwrap();
+    ObjectStorage::with_store(
+        std::sync::Arc::new(s3),
+        &format!("s3://{}", g.bucket),
+        prefix,
+    )
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[test]
+fn every_command_takes_an_s3_url() {
+    let Some(g) = Garage::start() else { return };
+    let local = tempfile::tempdir().unwrap();
+    let lck = local.path().join("ck");
+    ok(
+        &g,
+        &[
+            "save",
+            "--synthetic",
+            "tiny",
+            "--shards",
+            "2",
+            "--out",
+            p(&lck),
+        ],
+    );
+    let want = digest(&g, p(&lck));
+
+    // Two processes, one shard each, into one prefix.
+    let url = g.url("cli/ck");
+    let children: Vec<_> = (0..2)
+        .map(|j| {
+            saver_cmd(
+                &g,
+                &[
+                    "save",
+                    "--synthetic",
+                    "tiny",
+                    "--shards",
+                    "2",
+                    "--shard-index",
+                    &j.to_string(),
+                    "--save-id",
+                    "cli-1",
+                    "--wait-seconds",
+                    "60",
+                    "--out",
+                    &url,
+                ],
+            )
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    for c in children {
+        let out = c.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert!(ok(&g, &["verify", &url]).starts_with("ok:"));
+    assert!(ok(&g, &["inspect", &url]).contains(&format!("checkpoint {url}")));
+    assert_eq!(digest(&g, &url), want);
+    let loaded = ok(&g, &["load", &url, "--shards", "3", "--shard-index", "2"]);
+    assert!(loaded.contains("loaded shard 2 of 3"), "{loaded}");
+
+    // Rewrites from the store to the store, and the store as an input.
+    let resharded = g.url("cli/resharded");
+    ok(&g, &["reshard", &url, "--out", &resharded, "--shards", "3"]);
+    assert_eq!(digest(&g, &resharded), want);
+    let exported = g.url("cli/export");
+    ok(&g, &["export", &url, "--out", &exported]);
+    let copy = local.path().join("copy");
+    ok(&g, &["save", "--from", &resharded, "--out", p(&copy)]);
+    assert_eq!(digest(&g, p(&copy)), want);
+    let from_export = local.path().join("from-export");
+    ok(&g, &["save", "--from", &exported, "--out", p(&from_export)]);
+
+    // A delta in the store against a parent in the store.
+    let delta = g.url("cli/delta");
+    ok(
+        &g,
+        &["save", "--from", p(&lck), "--parent", &url, "--out", &delta],
+    );
+    assert_eq!(digest(&g, &delta), want);
+    assert!(ok(&g, &["verify", &delta]).starts_with("ok:"));
+
+    // A URL never becomes a local path.
+    let err = fails(&g, &["verify", "gs://bucket/x"]);
+    assert!(err.contains("unsupported URL scheme"), "{err}");
+    assert!(!Path::new("s3:").exists() && !Path::new("gs:").exists());
+}
+
+#[test]
+fn bad_credentials_or_buckets_are_one_line_errors() {
+    let Some(g) = Garage::start() else { return };
+    let url = g.url("creds/ck");
+    let start = Instant::now();
+    let out = saver_cmd(&g, &["save", "--synthetic", "tiny", "--out", &url])
+        .env("AWS_SECRET_ACCESS_KEY", "0".repeat(64))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    eprintln!("{err}");
+    assert!(err.contains(&url), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "not retried for long"
+    );
+    let err = fails(&g, &["verify", "s3://no-such-bucket/x"]);
+    eprintln!("{err}");
+    assert!(err.contains("s3://no-such-bucket"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+/// Whether `url` holds a checkpoint that verifies; `false` where it holds none. Anything else
+/// (a committed checkpoint that does not verify) fails the test.
+fn committed_and_intact(g: &Garage, url: &str) -> bool {
+    let out = run(g, &["verify", url]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.success() {
+        assert!(text.starts_with("ok:"), "{text}");
+        return true;
+    }
+    assert!(
+        text.contains("not a complete checkpoint") || text.contains("incomplete"),
+        "a killed save left something other than no checkpoint: {text}"
+    );
+    false
+}
+
+#[test]
+fn a_save_killed_mid_upload_never_leaves_a_checkpoint_that_loads() {
+    let Some(g) = Garage::start() else { return };
+    let mut killed = 0;
+    for (round, delay_ms) in [50u64, 150, 300, 500, 800].into_iter().enumerate() {
+        let url = g.url(&format!("kill/ck{round}"));
+        let mut child = saver_cmd(
+            &g,
+            &[
+                "save",
+                "--synthetic",
+                "small",
+                "--shards",
+                "2",
+                "--out",
+                &url,
+            ],
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        let finished = child.try_wait().unwrap().is_some();
+        let _ = child.kill();
+        child.wait().unwrap();
+        if !finished && !committed_and_intact(&g, &url) {
+            killed += 1;
+        }
+        eprintln!("killed after {delay_ms} ms: finished {finished}, killed before commit {killed}");
+        // A retry commits, whatever the killed save left.
+        ok(
+            &g,
+            &["save", "--synthetic", "tiny", "--overwrite", "--out", &url],
+        );
+        assert!(committed_and_intact(&g, &url));
+    }
+    assert!(killed > 0, "no save was killed before its commit");
+}
+
+#[test]
+fn a_server_that_stops_mid_save_is_an_error_naming_the_store_and_a_retry_commits() {
+    let Some(mut g) = Garage::start() else { return };
+    let url = g.url("outage/ck");
+    let child = saver_cmd(
+        &g,
+        &[
+            "save",
+            "--synthetic",
+            "small",
+            "--shards",
+            "2",
+            "--out",
+            &url,
+        ],
+    )
+    .env("SAVER_S3_TIMEOUT_SECONDS", "2")
+    .env("SAVER_S3_RETRY_SECONDS", "3")
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    // Stop the server once the save has claimed its shards, so uploads are under way.
+    let listing = prefix_of(&g, "outage/ck");
+    let start = Instant::now();
+    while !listing
+        .list()
+        .unwrap()
+        .iter()
+        .any(|n| n.ends_with(".writer.json"))
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the save never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    g.stop();
+    let start = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    let waited = start.elapsed();
+    g.restart();
+    if out.status.success() {
+        // It finished before the server stopped: then it must be whole.
+        assert!(committed_and_intact(&g, &url));
+    } else {
+        let err = String::from_utf8_lossy(&out.stderr);
+        eprintln!("after {waited:?}: {err}");
+        assert!(err.contains("s3://saver-test/outage/ck"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(waited < Duration::from_secs(60), "gave up after {waited:?}");
+        assert!(!committed_and_intact(&g, &url));
+    }
+    ok(
+        &g,
+        &["save", "--synthetic", "tiny", "--overwrite", "--out", &url],
+    );
+    assert!(committed_and_intact(&g, &url));
+}

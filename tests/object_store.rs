@@ -1,0 +1,352 @@
+//! The storage conformance suite, run against every backend: the local filesystem and an
+//! S3-compatible object store (a real Garage server on loopback, see `common/garage.rs`). Then
+//! whole checkpoints through the public API on the object store: multi-process saves, resharding
+//! loads for every j of M, deltas whose parent is in the bucket, and the errors a user meets.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+mod common;
+#[path = "common/garage.rs"]
+mod garage;
+
+use saver::core::plan::ForeignRows;
+use saver::io::digest::restored_digest;
+use saver::io::storage::{LocalFs, ObjectStorage, Storage, MIN_PART_SIZE};
+use saver::{save, verify, Chain, Checkpoint, LoadOptions, SaveOptions, Status};
+
+/// Deterministic bytes for a test file.
+fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    common::row_bytes(seed, 0, len)
+}
+
+/// What every backend must do, whatever it is. `exclusive` says whether the backend guarantees
+/// that of racing exclusive creators exactly one wins (the object store does where it honours
+/// conditional creation).
+fn conformance(storage: &dyn Storage, exclusive: bool) {
+    // A file written by several threads at disjoint offsets, in any order, its first bytes last
+    // (as a save writes its header), is invisible until committed, then reads back exactly.
+    let len = (2 * MIN_PART_SIZE + 12_345) as usize;
+    let want = bytes(1, len);
+    let h = storage.create("big.safetensors", len as u64).unwrap();
+    assert!(!storage.exists("big.safetensors").unwrap());
+    let piece = 1 << 20;
+    let mut offsets: Vec<usize> = (piece..len).step_by(piece).collect();
+    offsets.reverse();
+    std::thread::scope(|s| {
+        for lane in 0..3 {
+            let (h, offsets, want) = (&h, &offsets, &want);
+            s.spawn(move || {
+                for &o in offsets.iter().skip(lane).step_by(3) {
+                    h.write_at(o as u64, &want[o..(o + piece).min(len)])
+                        .unwrap();
+                }
+            });
+        }
+    });
+    assert!(!storage.list().unwrap().contains(&"big.safetensors".into()));
+    h.write_at(0, &want[..piece]).unwrap();
+    h.commit(true).unwrap();
+    storage.sync_dir().unwrap();
+    let r = storage.open("big.safetensors").unwrap();
+    assert_eq!(r.len(), len as u64);
+    let mut got = vec![0u8; len];
+    r.read_at(0, &mut got).unwrap();
+    assert!(got == want, "a multipart file reads back as written");
+    let mut mid = vec![0u8; 3 * piece];
+    r.read_at(MIN_PART_SIZE - 7, &mut mid).unwrap();
+    let at = MIN_PART_SIZE as usize - 7;
+    assert!(mid == want[at..at + 3 * piece], "a range across parts");
+    let err = r.read_at(len as u64 - 10, &mut [0u8; 11]).unwrap_err();
+    assert!(err.to_string().contains("truncated"), "{err}");
+
+    // Small files: whole, and aborted files leave nothing.
+    let h = storage.create("small.json", 5).unwrap();
+    h.write_at(0, b"hello").unwrap();
+    h.commit(false).unwrap();
+    assert_eq!(storage.get("small.json", 100).unwrap(), b"hello");
+    let err = storage.get("small.json", 4).unwrap_err();
+    assert!(err.to_string().contains("more than the 4"), "{err}");
+    for len in [10u64, 3 * MIN_PART_SIZE] {
+        let h = storage.create("aborted.safetensors", len).unwrap();
+        h.write_at(0, &bytes(2, 10)).unwrap();
+        h.abort();
+        assert!(!storage.exists("aborted.safetensors").unwrap());
+    }
+    // An empty file.
+    storage.create("empty", 0).unwrap().commit(false).unwrap();
+    assert_eq!(storage.open("empty").unwrap().len(), 0);
+
+    // put replaces whole; exclusive creation keeps the first.
+    storage.put("small.json", b"bye", true).unwrap();
+    assert_eq!(storage.get("small.json", 100).unwrap(), b"bye");
+    assert!(storage.create_exclusive("claim.json", b"first").unwrap());
+    assert!(!storage.create_exclusive("claim.json", b"second").unwrap());
+    assert_eq!(storage.get("claim.json", 100).unwrap(), b"first");
+    if exclusive {
+        for round in 0..8 {
+            let name = format!("race-{round}.json");
+            let wins: usize = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..4)
+                    .map(|i| {
+                        let name = &name;
+                        s.spawn(move || {
+                            storage
+                                .create_exclusive(name, format!("{i}").as_bytes())
+                                .unwrap() as usize
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).sum()
+            });
+            assert_eq!(wins, 1, "exactly one of racing creators wins");
+        }
+    }
+
+    // Listing, removal, and names that would leave the directory.
+    let mut names = storage.list().unwrap();
+    names.retain(|n| !n.starts_with("race-"));
+    names.sort();
+    assert_eq!(
+        names,
+        ["big.safetensors", "claim.json", "empty", "small.json"]
+    );
+    storage.remove("claim.json").unwrap();
+    storage.remove("claim.json").unwrap();
+    assert!(!storage.exists("claim.json").unwrap());
+    let err = storage.open("claim.json").err().expect("gone");
+    assert!(err.is_about_the_checkpoint(), "a missing file: {err}");
+    for bad in ["../x", "a/b", "", ".."] {
+        assert!(storage.create(bad, 1).is_err(), "{bad:?}");
+        assert!(storage.open(bad).is_err(), "{bad:?}");
+    }
+
+    // The commit lock: holders never overlap (where there is a lock to take).
+    if exclusive {
+        let inside = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..3 {
+                s.spawn(|| {
+                    for _ in 0..3 {
+                        let _l = storage.lock_commit(Duration::from_secs(30)).unwrap();
+                        assert_eq!(inside.fetch_add(1, std::sync::atomic::Ordering::SeqCst), 0);
+                        std::thread::sleep(Duration::from_millis(5));
+                        inside.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                });
+            }
+        });
+    }
+}
+
+#[test]
+fn the_local_filesystem_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    conformance(&LocalFs::open_dir(dir.path()).unwrap(), true);
+}
+
+/// An object store that honours conditional creation and updates: the commit lock is a lease.
+#[test]
+fn an_object_store_with_conditional_writes_conforms() {
+    let store = Arc::new(object_store::memory::InMemory::new());
+    let storage = ObjectStorage::with_store(store, "memory://test", "ck");
+    assert!(storage.honours_conditional_create().unwrap());
+    conformance(&storage, true);
+
+    // A lease left by a holder that died is taken over once it has run out, never before.
+    let lock = saver::core::naming::COMMIT_LOCK;
+    storage
+        .put(lock, br#"{"holder":"dead:1","expires_unix_ms":1}"#, true)
+        .unwrap();
+    drop(storage.lock_commit(Duration::from_secs(5)).unwrap());
+    assert!(!storage.exists(lock).unwrap(), "released on drop");
+    storage
+        .put(
+            lock,
+            br#"{"holder":"busy:1","expires_unix_ms":99999999999999}"#,
+            true,
+        )
+        .unwrap();
+    let err = storage
+        .lock_commit(Duration::from_millis(300))
+        .err()
+        .expect("held");
+    assert!(err.to_string().contains("memory://test/ck/"), "{err}");
+}
+
+#[test]
+fn the_object_store_conforms() {
+    let Some(g) = garage::shared() else { return };
+    let storage = ObjectStorage::from_url(&g.url("conformance")).unwrap();
+    let exclusive = storage.honours_conditional_create().unwrap();
+    eprintln!("garage honours conditional creation: {exclusive}");
+    conformance(&storage, exclusive);
+    // Another prefix sees none of it; a prefix is a directory, not a name prefix.
+    let other = ObjectStorage::from_url(&g.url("conformance2")).unwrap();
+    assert!(other.list().unwrap().is_empty());
+    let nested = ObjectStorage::from_url(&g.url("")).unwrap();
+    assert!(!nested.list().unwrap().contains(&"big.safetensors".into()));
+}
+
+fn options(shards: u32) -> SaveOptions {
+    let mut o = SaveOptions::default();
+    o.plan.shard_num = shards;
+    o.plan.parallel = 2;
+    o.plan.max_block_bytes = 64 << 10;
+    o
+}
+
+fn digest_of(dir: &Path, shards: u32, index: u32) -> String {
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let r = ckpt
+        .restore(&LoadOptions {
+            shard_num: shards,
+            shard_index: Some(index),
+            parallel: 2,
+            ..LoadOptions::default()
+        })
+        .unwrap();
+    restored_digest(&r).unwrap()
+}
+
+#[test]
+fn checkpoints_round_trip_through_the_object_store() {
+    let Some(g) = garage::shared() else { return };
+    let model = common::Model::new(60_000);
+    let local = tempfile::tempdir().unwrap();
+    save(local.path(), model.input(), &options(3)).unwrap();
+    let url = g.url("round-trip/ck");
+    let remote = Path::new(&url);
+
+    // Three processes' worth of shards, written at once, committed once.
+    let id = "rt-1".to_string();
+    let reports: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|j| {
+                let (model, id) = (&model, id.clone());
+                s.spawn(move || {
+                    let mut o = options(3);
+                    o.plan.shard_index = Some(j);
+                    o.plan.foreign_rows = ForeignRows::Skip;
+                    o.save_id = Some(id);
+                    o.wait = Some(Duration::from_secs(60));
+                    save(remote, model.input(), &o).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Where the store has a commit lock, one process commits; where it has none, several may
+    // write the index, with the same bytes (a commit is idempotent), so all agree.
+    let exclusive = ObjectStorage::from_url(&url)
+        .unwrap()
+        .honours_conditional_create()
+        .unwrap();
+    let here = reports.iter().filter(|r| r.committed_here).count();
+    assert!(if exclusive { here == 1 } else { here >= 1 }, "{here}");
+    assert!(reports.iter().all(|r| r.committed));
+    let v = verify(remote, 2).unwrap();
+    assert_eq!(v.status, Status::Ok, "{v:?}");
+
+    // Every shard j of M reads the same rows as from the local copy, reading about what it keeps.
+    for m in [1, 2, 5] {
+        for j in 0..m {
+            assert_eq!(
+                digest_of(remote, m, j),
+                digest_of(local.path(), m, j),
+                "shard {j} of {m}"
+            );
+        }
+    }
+    let ckpt = Checkpoint::open(remote).unwrap();
+    let r = ckpt
+        .restore(&LoadOptions {
+            shard_num: 4,
+            shard_index: Some(1),
+            parallel: 2,
+            ..LoadOptions::default()
+        })
+        .unwrap();
+    let amp = r.report.bytes_read as f64 / r.report.bytes_kept.max(1) as f64;
+    assert!(amp < 1.1, "read amplification {amp}");
+
+    // A second save replaces the first and removes exactly its files.
+    let before: Vec<String> = ObjectStorage::from_url(&url).unwrap().list().unwrap();
+    let err = save(remote, model.input(), &options(1)).unwrap_err();
+    assert!(err.to_string().contains("--overwrite"), "{err}");
+    let mut o = options(1);
+    o.overwrite = true;
+    let rep = save(remote, model.input(), &o).unwrap();
+    assert_eq!(rep.replaced.as_deref(), Some("rt-1"));
+    let after: Vec<String> = ObjectStorage::from_url(&url).unwrap().list().unwrap();
+    assert!(after.iter().all(|n| !n.contains("rt-1")), "{after:?}");
+    assert!(before.iter().any(|n| n.contains("rt-1")));
+    assert_eq!(digest_of(remote, 1, 0), digest_of(local.path(), 1, 0));
+}
+
+#[test]
+fn a_delta_names_its_parent_in_the_bucket() {
+    let Some(g) = garage::shared() else { return };
+    let model = common::Model::new(20_000);
+    let base_url = g.url("chain/base");
+    let delta_url = g.url("chain/step2");
+    save(Path::new(&base_url), model.input(), &options(2)).unwrap();
+    // Change some rows, then save a delta against the base.
+    for id in 0..500u64 {
+        model
+            .user
+            .insert(id, &[&[7u8; 32][..], &[1u8; 32][..], &[2u8; 8][..]])
+            .unwrap();
+    }
+    let mut o = options(3);
+    o.parent = Some(base_url.clone().into());
+    save(Path::new(&delta_url), model.input(), &o).unwrap();
+    let ckpt = Checkpoint::open(Path::new(&delta_url)).unwrap();
+    let parent = ckpt.manifest().parent.as_ref().unwrap();
+    assert_eq!(parent.path, "../base");
+    let chain = Chain::open(Path::new(&delta_url)).unwrap();
+    assert_eq!(chain.links().len(), 2);
+    assert_eq!(verify(Path::new(&delta_url), 2).unwrap().status, Status::Ok);
+    let local = tempfile::tempdir().unwrap();
+    save(local.path(), model.input(), &options(1)).unwrap();
+    let want = digest_of(local.path(), 1, 0);
+    let got = restored_digest(&chain.restore(&LoadOptions::default()).unwrap()).unwrap();
+    assert_eq!(got, want);
+    // A parent in another bucket cannot be named relative to the child.
+    let mut o = options(1);
+    o.parent = Some(base_url.into());
+    let other = tempfile::tempdir().unwrap();
+    let err = save(other.path(), model.input(), &o).unwrap_err();
+    assert!(err.to_string().contains("not in one bucket"), "{err}");
+}
+
+#[test]
+fn bad_locations_are_one_line_errors() {
+    let Some(g) = garage::shared() else { return };
+    let cases: BTreeMap<&str, &str> = [
+        ("gs://bucket/x", "unsupported URL scheme"),
+        ("s3:///x", "no bucket name"),
+        ("s3://b/../x", "leaves the bucket"),
+    ]
+    .into();
+    for (url, needle) in cases {
+        let err = Checkpoint::open(Path::new(url)).unwrap_err().to_string();
+        assert!(err.contains(needle), "{url}: {err}");
+        assert!(!err.contains('\n'), "{err}");
+    }
+    // A bucket that does not exist, and a prefix with no checkpoint.
+    let err = Checkpoint::open(Path::new("s3://no-such-bucket-here/x"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("s3://no-such-bucket-here"), "{err}");
+    assert!(!err.contains('\n'), "{err}");
+    let err = Checkpoint::open(Path::new(&g.url("nothing/here")))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("not a complete checkpoint") || err.contains("not found"),
+        "{err}"
+    );
+}
