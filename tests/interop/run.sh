@@ -15,4 +15,4 @@ fi
 cargo build --quiet -p saver-cli
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-"$venv/bin/python" "$root/tests/interop/interop.py" "$root/target/debug/saver" "$work"
+"$venv/bin/python" "$root/tests/interop/interop.py" "${CARGO_TARGET_DIR:-$root/target}/debug/saver" "$work"
