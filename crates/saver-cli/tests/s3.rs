@@ -48,23 +48,62 @@ fn digest(g: &Garage, dir: &str) -> String {
     ok(g, &["digest", dir]).trim().to_string()
 }
 
-/// The server's `prefix`, reached with its own credentials (not this process's environment,
-/// which the tests' servers would share).
-fn prefix_of(g: &Garage, prefix: &str) -> ObjectStorage {
-    let s3 = object_store::aws::AmazonS3Builder::new()
-        .with_bucket_name(&g.bucket)
-        .with_region("garage")
-        .with_endpoint(&g.endpoint)
-        .with_allow_http(true)
-        .with_access_key_id(&g.key_id)
-        .with_secret_access_key(&g.secret)
-        .build()
-        .unwrap();
-    ObjectStorage::with_store(
-        std::sync::Arc::new(s3),
-        &format!("s3://{}", g.bucket),
-        prefix,
+/// A client of the server with its own credentials (not this process's environment, which the
+/// tests' servers would share).
+fn client_of(g: &Garage) -> std::sync::Arc<object_store::aws::AmazonS3> {
+    std::sync::Arc::new(
+        object_store::aws::AmazonS3Builder::new()
+            .with_bucket_name(&g.bucket)
+            .with_region("garage")
+            .with_endpoint(&g.endpoint)
+            .with_allow_http(true)
+            .with_access_key_id(&g.key_id)
+            .with_secret_access_key(&g.secret)
+            .build()
+            .unwrap(),
     )
+}
+
+/// The server's `prefix` as a storage.
+fn prefix_of(g: &Garage, prefix: &str) -> ObjectStorage {
+    ObjectStorage::with_store(client_of(g), &format!("s3://{}", g.bucket), prefix)
+}
+
+/// The uploads that upload markers under `prefix` record: (data object key, upload id).
+fn recorded_uploads(g: &Garage, prefix: &str) -> Vec<(String, String)> {
+    let storage = prefix_of(g, prefix);
+    let mut uploads = Vec::new();
+    for name in storage.list().unwrap() {
+        let Some((data, _)) = name
+            .split_once(".tmp-")
+            .filter(|_| name.ends_with(".upload"))
+        else {
+            continue;
+        };
+        let record: serde_json::Value =
+            serde_json::from_slice(&storage.get(&name, 4096).unwrap()).unwrap();
+        let id = record["upload_id"].as_str().unwrap().to_string();
+        uploads.push((format!("{prefix}/{data}"), id));
+    }
+    uploads
+}
+
+/// Whether the server still takes parts for upload `id` of `key`: an aborted or completed upload
+/// takes none.
+fn upload_is_open(g: &Garage, key: &str, id: &str) -> bool {
+    use object_store::multipart::MultipartStore;
+    let s3 = client_of(g);
+    let (key, id) = (object_store::path::Path::from(key), id.to_string());
+    let rt = tokio_rt();
+    rt.block_on(s3.put_part(&key, &id, 0, vec![0u8; 16].into()))
+        .is_ok()
+}
+
+fn tokio_rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 fn p(path: &Path) -> &str {
@@ -203,6 +242,27 @@ fn committed_and_intact(g: &Garage, url: &str) -> bool {
     false
 }
 
+/// Waits until the save `child` into `prefix` has claimed a shard (or has ended).
+fn wait_for_claims(g: &Garage, prefix: &str, child: &mut std::process::Child) {
+    let listing = prefix_of(g, prefix);
+    let start = Instant::now();
+    while !listing
+        .list()
+        .unwrap()
+        .iter()
+        .any(|n| n.ends_with(".writer.json"))
+    {
+        if child.try_wait().unwrap().is_some() {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the save never started"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// A new save into `url` commits and verifies, whatever an earlier save left there.
 fn a_retry_commits(g: &Garage, url: &str) {
     ok(
@@ -215,8 +275,9 @@ fn a_retry_commits(g: &Garage, url: &str) {
 #[test]
 fn a_save_killed_mid_upload_never_leaves_a_checkpoint_that_loads() {
     let Some(g) = Garage::start() else { return };
-    let mut killed = 0;
-    for (round, delay_ms) in [50u64, 150, 300, 500, 800].into_iter().enumerate() {
+    let (mut killed, mut open_left) = (0, 0);
+    // Killed at varied points after the save claimed its shards: mid-upload, mostly.
+    for (round, delay_ms) in [0u64, 40, 100, 200, 350].into_iter().enumerate() {
         let url = g.url(&format!("kill/ck{round}"));
         let mut child = saver_cmd(
             &g,
@@ -234,6 +295,7 @@ fn a_save_killed_mid_upload_never_leaves_a_checkpoint_that_loads() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+        wait_for_claims(&g, &format!("kill/ck{round}"), &mut child);
         std::thread::sleep(Duration::from_millis(delay_ms));
         let finished = child.try_wait().unwrap().is_some();
         let _ = child.kill();
@@ -242,10 +304,30 @@ fn a_save_killed_mid_upload_never_leaves_a_checkpoint_that_loads() {
             killed += 1;
         }
         eprintln!("killed after {delay_ms} ms: finished {finished}, killed before commit {killed}");
-        // A retry commits, whatever the earlier save left.
+        let prefix = format!("kill/ck{round}");
+        let left = recorded_uploads(&g, &prefix);
+        eprintln!("{} upload marker(s) left", left.len());
+        open_left += left
+            .iter()
+            .filter(|(key, id)| upload_is_open(&g, key, id))
+            .count();
+        // A retry commits, whatever the earlier save left, and aborts the uploads the killed
+        // save left open.
         a_retry_commits(&g, &url);
+        assert_eq!(
+            recorded_uploads(&g, &prefix),
+            vec![],
+            "markers left after a retry"
+        );
+        for (key, id) in &left {
+            assert!(
+                !upload_is_open(&g, key, id),
+                "upload {id} of {key} still open"
+            );
+        }
     }
     assert!(killed > 0, "no save was killed before its commit");
+    assert!(open_left > 0, "no save was killed with an upload open");
 }
 
 #[test]
@@ -271,20 +353,8 @@ fn a_server_that_stops_mid_save_is_an_error_naming_the_store_and_a_retry_commits
     .spawn()
     .unwrap();
     // Stop the server once the save has claimed its shards, so uploads are under way.
-    let listing = prefix_of(&g, "outage/ck");
-    let start = Instant::now();
-    while !listing
-        .list()
-        .unwrap()
-        .iter()
-        .any(|n| n.ends_with(".writer.json"))
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the save never started"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let mut child = child;
+    wait_for_claims(&g, "outage/ck", &mut child);
     std::thread::sleep(Duration::from_millis(50));
     g.stop();
     let start = Instant::now();

@@ -49,6 +49,29 @@ pub(crate) fn host_name() -> String {
     }
 }
 
+/// When process `pid` started, in clock ticks since boot (field 22 of `/proc/<pid>/stat`): with
+/// the pid, it names one process for good, as pids are reused.
+pub(crate) fn process_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces and parentheses itself.
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether the process `pid` that started at `start` (see [`process_start`]) on host `host` is
+/// known to have ended: only a process of this host can be known to, and only when it is gone or
+/// its pid now names a process that started at another time.
+pub(crate) fn has_ended(host: &str, pid: u32, start: u64) -> bool {
+    if host != host_name() || pid == 0 {
+        return false;
+    }
+    match process_start(pid) {
+        Some(now) => start != 0 && now != start,
+        // No such process, unless /proc cannot be read at all here.
+        None => process_start(std::process::id()).is_some(),
+    }
+}
+
 /// The identity of one save call in this process.
 pub(crate) fn current_writer() -> WriterInfo {
     WriterInfo {
@@ -70,5 +93,21 @@ mod tests {
         assert_ne!(a.attempt, b.attempt);
         assert!(!a.host.is_empty());
         assert_eq!(process_token(), process_token());
+    }
+
+    #[test]
+    fn only_ended_processes_of_this_host_have_ended() {
+        let me = std::process::id();
+        let start = process_start(me).expect("/proc on Linux");
+        assert!(!has_ended(&host_name(), me, start));
+        assert!(has_ended(&host_name(), me, start + 1), "pid reused");
+        assert!(!has_ended("some-other-host", me, start + 1));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let child_start = process_start(pid);
+        child.wait().unwrap();
+        if let Some(s) = child_start {
+            assert!(has_ended(&host_name(), pid, s), "reaped child");
+        }
     }
 }

@@ -337,6 +337,9 @@ pub(crate) fn open_file(
     Ok(OpenFile { handle })
 }
 
+/// Byte ranges of one file to read: `(offset in the file, buffer)`.
+type FileReads<'a> = Vec<(u64, &'a mut [u8])>;
+
 impl Checkpoint {
     /// Opens the checkpoint in directory `dir`.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
@@ -396,20 +399,41 @@ impl Checkpoint {
         offset: u64,
         buf: &mut [u8],
     ) -> Result<()> {
-        let end = offset.checked_add(buf.len() as u64);
-        if end.is_none_or(|e| e > t.len) {
-            return Err(Error::Mismatch(format!(
-                "read of {} bytes at {offset} is outside tensor {:?} ({} bytes)",
-                buf.len(),
-                t.name,
-                t.len
-            )));
+        self.read_tensor_ranges(&mut [(t, offset, buf)])
+    }
+
+    /// Reads several tensor ranges, `(tensor, offset within it, buffer)`, at once: the ranges of
+    /// one file go to its handle together, so an object store merges neighbours and fetches them
+    /// concurrently.
+    pub fn read_tensor_ranges(
+        &self,
+        reads: &mut [(&saver_core::manifest::TensorRef, u64, &mut [u8])],
+    ) -> Result<()> {
+        let mut by_file: Vec<(&str, FileReads<'_>)> = Vec::new();
+        for (t, offset, buf) in reads.iter_mut() {
+            let end = offset.checked_add(buf.len() as u64);
+            if end.is_none_or(|e| e > t.len) {
+                return Err(Error::Mismatch(format!(
+                    "read of {} bytes at {offset} is outside tensor {:?} ({} bytes)",
+                    buf.len(),
+                    t.name,
+                    t.len
+                )));
+            }
+            let at = t.offset + *offset;
+            match by_file.iter_mut().find(|(f, _)| *f == t.file) {
+                Some((_, list)) => list.push((at, &mut **buf)),
+                None => by_file.push((&t.file, vec![(at, &mut **buf)])),
+            }
         }
-        let f = self.files.get(&t.file).ok_or_else(|| Error::Corrupt {
-            file: t.file.clone(),
-            what: "not opened".into(),
-        })?;
-        f.handle.read_at(t.offset + offset, buf)
+        for (file, mut list) in by_file {
+            let f = self.files.get(file).ok_or_else(|| Error::Corrupt {
+                file: file.to_string(),
+                what: "not opened".into(),
+            })?;
+            f.handle.read_many(&mut list)?;
+        }
+        Ok(())
     }
 
     /// Reads a dense tensor whole, checking its CRC32.

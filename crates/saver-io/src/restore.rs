@@ -566,25 +566,27 @@ impl Checkpoint {
         slots: &mut [&mut [u8]],
         pieces: &mut Vec<PieceCrc>,
     ) -> Result<u64> {
-        let mut read = |t: &TensorRef, row_bytes: u64, buf: &mut [u8]| -> Result<()> {
-            let offset = rows.start * row_bytes;
-            self.read_tensor_range(t, offset, buf)?;
-            if r.whole {
+        // The ids and wanted slots of these rows in one call: neighbours in one file (all of a
+        // segment's tensors, when the rows are the whole segment) become one request.
+        let mut reads: Vec<(&TensorRef, u64, &mut [u8])> = Vec::with_capacity(slots.len() + 1);
+        reads.push((&r.seg.ids, rows.start * 8, &mut *ids));
+        for (k, out) in slots.iter_mut().enumerate() {
+            let t = &r.seg.slots[r.slot_map[k]];
+            reads.push((t, rows.start * (t.len / r.seg.rows), &mut **out));
+        }
+        self.read_tensor_ranges(&mut reads)?;
+        if r.whole {
+            for (t, offset, buf) in &reads {
                 let mut hasher = Hasher::new();
                 hasher.update(buf);
                 pieces.push(PieceCrc {
-                    key: t as *const TensorRef as usize,
-                    offset,
+                    key: *t as *const TensorRef as usize,
+                    offset: *offset,
                     hasher,
                 });
             }
-            Ok(())
-        };
-        read(&r.seg.ids, 8, ids)?;
-        for (k, &s) in r.slot_map.iter().enumerate() {
-            let t = &r.seg.slots[s];
-            read(t, t.len / r.seg.rows, slots[k])?;
         }
+        drop(reads);
         // Ids must be in the target's buckets and sorted by (bucket, id): catches corrupt bytes in
         // partially read tensors, which no CRC covers.
         let mut prev: Option<(u32, u64)> = None;

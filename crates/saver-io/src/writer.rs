@@ -167,6 +167,10 @@ pub struct SaveReport {
     /// left untouched: other saves' files (in progress, or left by a save that failed or
     /// crashed) and files that are not saver's. Filled in by the call that committed.
     pub left_alone: Vec<String>,
+    /// What writers of this host that had ended (killed, crashed) left unfinished and invisible
+    /// in the storage, cleaned up by this save before it wrote: an object store's incomplete
+    /// multipart uploads, named by their markers.
+    pub cleaned_up: Vec<String>,
     /// What the saved rows of each table show: their values at the save's moment (point-in-time,
     /// whatever was written during the save), or each row as the save reached it.
     pub table_semantics: BTreeMap<String, TableSemantics>,
@@ -312,6 +316,9 @@ pub(crate) fn save_prepared(
         }
     }
     check_not_rejected(storage, &save_id)?;
+    // Best effort: a store that fails here fails the save's own requests just after, with the
+    // error that matters.
+    let cleaned_up = storage.clean_ended_writers().unwrap_or_default();
     let shards: Vec<u32> = match plan_opts.shard_index {
         Some(i) => vec![i],
         None => (0..plan_opts.shard_num).collect(),
@@ -351,7 +358,10 @@ pub(crate) fn save_prepared(
         };
         remove_own(storage, &save_id, &shards, what);
     }
-    result
+    result.map(|report| SaveReport {
+        cleaned_up,
+        ..report
+    })
 }
 
 /// What a save call knows before it plans.
@@ -486,6 +496,7 @@ fn write_and_commit(
             .filter(|_| state == CommitState::CommittedHere)
             .map(|c| c.save_id),
         left_alone,
+        cleaned_up: Vec::new(),
         table_semantics,
     })
 }

@@ -201,6 +201,13 @@ fn note_left_alone(out: &std::path::Path, report: &SaveReport) {
         .iter()
         .filter(|n| saver_core::naming::SaverFile::parse(n).is_some())
         .collect();
+    if !report.cleaned_up.is_empty() {
+        eprintln!(
+            "note: aborted {} upload(s) that ended processes of this host left unfinished in {}",
+            report.cleaned_up.len(),
+            out.display()
+        );
+    }
     if saver_like.is_empty() {
         return;
     }

@@ -204,6 +204,15 @@ pub trait ReadHandle: Send + Sync {
     }
     /// Fills `buf` from `offset`; an error if the file ends first.
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
+    /// Fills each `(offset, buf)` of `reads`; an error if the file ends first. Default: one
+    /// [`ReadHandle::read_at`] each. A store where every request costs a round trip merges
+    /// neighbouring ranges and sends the requests concurrently.
+    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        for (offset, buf) in reads.iter_mut() {
+            self.read_at(*offset, buf)?;
+        }
+        Ok(())
+    }
 }
 
 /// Held while a process commits into a storage; dropping it releases the lock.
@@ -262,6 +271,13 @@ pub trait Storage: Send + Sync + fmt::Debug {
     /// that dies must release it (the OS drops a dead process's file locks; an object store's
     /// lease expires): a crashed committer never blocks the next.
     fn lock_commit(&self, wait: std::time::Duration) -> Result<Box<dyn CommitLock>>;
+    /// Removes what writers that are known to have ended (processes of this host that are gone)
+    /// left unfinished where nobody can see it, such as an object store's incomplete multipart
+    /// uploads; returns the names of what it cleaned. A save calls it before writing. Default:
+    /// nothing (a local file is visible, and left alone as another save's).
+    fn clean_ended_writers(&self) -> Result<Vec<String>> {
+        Ok(Vec::new())
+    }
     /// Where a save's plan spills the rows it keeps out of memory (`PlanOptions::plan_memory`).
     /// Default: a nameless file in the system's temporary directory.
     fn spill(&self) -> Result<Arc<dyn Spill>> {

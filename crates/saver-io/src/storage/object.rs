@@ -38,7 +38,7 @@ use object_store::{
     ClientOptions, MultipartId, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
     RetryConfig, UpdateVersion,
 };
-use saver_core::naming::COMMIT_LOCK;
+use saver_core::naming::{COMMIT_LOCK, TMP_MARK};
 
 use super::{check_file_name, CommitLock, ReadHandle, Storage, WriteHandle};
 use crate::error::{Error, Result};
@@ -352,6 +352,16 @@ impl ObjectStorage {
             .map_err(|e| self.client.err("put", key, e))
     }
 
+    /// Aborts upload `id` of `key`; not an error if the store no longer knows it (aborted, or
+    /// completed: completing made the object, which an abort leaves alone).
+    fn abort_upload(&self, key: &ObjectPath, id: &str) -> Result<()> {
+        let (c, k, id) = (self.client.clone(), key.clone(), id.to_string());
+        match block(async move { c.multipart.abort_multipart(&k, &id).await }) {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(self.client.err("abort the upload of", key, e)),
+        }
+    }
+
     fn delete(&self, key: &ObjectPath) -> Result<()> {
         let (c, k) = (self.client.clone(), key.clone());
         match block(async move { c.store.delete(&k).await }) {
@@ -409,6 +419,20 @@ impl Storage for ObjectStorage {
         let (c, k) = (self.client.clone(), key.clone());
         let upload = block(async move { c.multipart.create_multipart(&k).await })
             .map_err(|e| self.client.err("start the upload of", &key, e))?;
+        // An upload a killed writer leaves is invisible to listings; its marker is not, and
+        // says how to abort it (see `clean_ended_writers`).
+        static UPLOADS: AtomicU64 = AtomicU64::new(0);
+        let marker = self.key(&format!(
+            "{name}{TMP_MARK}{}-{}{UPLOAD_MARK}",
+            crate::owner::process_token(),
+            UPLOADS.fetch_add(1, Ordering::Relaxed)
+        ))?;
+        let record = UploadRecord::of_this_process(upload.clone());
+        if let Err(e) = self.put_bytes(&marker, record.to_bytes()) {
+            let (c, k, id) = (self.client.clone(), key.clone(), upload.clone());
+            let _ = block(async move { c.multipart.abort_multipart(&k, &id).await });
+            return Err(e);
+        }
         let parts = (0..len.div_ceil(part_size))
             .map(|_| Mutex::new(Part::default()))
             .collect();
@@ -418,6 +442,7 @@ impl Storage for ObjectStorage {
             len,
             body: Body::Parts {
                 upload,
+                marker,
                 part_size,
                 parts,
             },
@@ -490,8 +515,40 @@ impl Storage for ObjectStorage {
             .collect())
     }
 
+    /// Removing an upload marker aborts the upload it records first.
     fn remove(&self, name: &str) -> Result<()> {
-        self.delete(&self.key(name)?)
+        let key = self.key(name)?;
+        if let Some(data) = upload_marker_target(name) {
+            if let Some((bytes, _)) = self.get_versioned(&key, 4096)? {
+                if let Some(record) = UploadRecord::parse(&bytes) {
+                    // The data file's key comes from the marker's own name, never from its
+                    // contents: a marker cannot make us abort another object's upload.
+                    self.abort_upload(&self.key(data)?, &record.upload_id)?;
+                }
+            }
+        }
+        self.delete(&key)
+    }
+
+    /// Aborts the uploads that writers of this host left when they ended without finishing them
+    /// (killed, or the machine restarted), found through their markers.
+    fn clean_ended_writers(&self) -> Result<Vec<String>> {
+        let mut cleaned = Vec::new();
+        for name in self.list()? {
+            if upload_marker_target(&name).is_none() {
+                continue;
+            }
+            let Some((bytes, _)) = self.get_versioned(&self.key(&name)?, 4096)? else {
+                continue;
+            };
+            let ended = UploadRecord::parse(&bytes)
+                .is_some_and(|r| crate::owner::has_ended(&r.host, r.pid, r.start));
+            if ended {
+                self.remove(&name)?;
+                cleaned.push(name);
+            }
+        }
+        Ok(cleaned)
     }
 
     /// Nothing to do: an object is durable once its PUT or upload completes.
@@ -609,6 +666,45 @@ impl Drop for ObjectLock {
     }
 }
 
+/// The end of an upload marker's name: `<data file>.tmp-<writer>.upload`.
+const UPLOAD_MARK: &str = ".upload";
+
+/// The data file whose upload marker `name` is, if it is one.
+fn upload_marker_target(name: &str) -> Option<&str> {
+    let (data, rest) = name.split_once(TMP_MARK)?;
+    rest.ends_with(UPLOAD_MARK).then_some(data)
+}
+
+/// What an upload marker holds: the upload, and the process that owns it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct UploadRecord {
+    upload_id: String,
+    host: String,
+    pid: u32,
+    /// When the process started ([`crate::owner::process_start`]); 0 if unknown.
+    start: u64,
+}
+
+impl UploadRecord {
+    fn of_this_process(upload_id: String) -> Self {
+        let pid = std::process::id();
+        Self {
+            upload_id,
+            host: crate::owner::host_name(),
+            pid,
+            start: crate::owner::process_start(pid).unwrap_or(0),
+        }
+    }
+
+    fn to_bytes(&self) -> Bytes {
+        Bytes::from(serde_json::to_vec(self).expect("a plain struct serializes"))
+    }
+
+    fn parse(bytes: &[u8]) -> Option<Self> {
+        serde_json::from_slice(bytes).ok()
+    }
+}
+
 /// One fixed byte range of a multipart upload.
 #[derive(Default)]
 struct Part {
@@ -626,6 +722,8 @@ enum Body {
     /// A multipart upload in fixed-size parts.
     Parts {
         upload: MultipartId,
+        /// The object that records the upload until it is completed or aborted.
+        marker: ObjectPath,
         part_size: u64,
         parts: Vec<Mutex<Part>>,
     },
@@ -672,6 +770,7 @@ impl WriteHandle for ObjectWrite {
                 upload,
                 part_size,
                 parts,
+                ..
             } => {
                 let mut at = offset;
                 while at < end {
@@ -719,6 +818,7 @@ impl WriteHandle for ObjectWrite {
             }
             Body::Parts {
                 upload,
+                marker,
                 part_size,
                 parts,
             } => {
@@ -743,7 +843,13 @@ impl WriteHandle for ObjectWrite {
                 let (c, k, id) = (self.client.clone(), self.key.clone(), upload.clone());
                 let done = block(async move { c.multipart.complete_multipart(&k, &id, ids).await });
                 match done {
-                    Ok(_) => Ok(()),
+                    Ok(_) => {
+                        // A marker left by a failure here names a completed upload, which a
+                        // cleanup's abort leaves alone.
+                        let (c, m) = (self.client.clone(), marker.clone());
+                        let _ = block(async move { c.store.delete(&m).await });
+                        Ok(())
+                    }
                     Err(e) => {
                         let e = self.client.err("complete the upload of", &self.key, e);
                         self.abort();
@@ -755,9 +861,18 @@ impl WriteHandle for ObjectWrite {
     }
 
     fn abort(self: Box<Self>) {
-        if let Body::Parts { upload, .. } = &self.body {
-            let (c, k, id) = (self.client.clone(), self.key.clone(), upload.clone());
-            let _ = block(async move { c.multipart.abort_multipart(&k, &id).await });
+        if let Body::Parts { upload, marker, .. } = &self.body {
+            let (c, k, id, m) = (
+                self.client.clone(),
+                self.key.clone(),
+                upload.clone(),
+                marker.clone(),
+            );
+            block(async move {
+                if c.multipart.abort_multipart(&k, &id).await.is_ok() {
+                    let _ = c.store.delete(&m).await;
+                }
+            });
         }
     }
 }
@@ -774,31 +889,131 @@ impl ReadHandle for ObjectRead {
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        let end = offset + buf.len() as u64;
-        if end > self.len {
-            return Err(Error::Corrupt {
-                file: self.client.url(&self.key),
-                what: format!("ends before byte {end} (truncated)"),
-            });
+        self.read_many(&mut [(offset, buf)])
+    }
+
+    /// Merges neighbouring ranges ([`fetch_plan`]) and sends the ranged GETs concurrently, up to
+    /// [`READ_CONCURRENCY`] at a time; each piece is copied into place as it arrives, so memory
+    /// stays within the buffers plus the pieces in flight.
+    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let mut wanted = Vec::with_capacity(reads.len());
+        for (offset, buf) in reads.iter() {
+            let end = offset.saturating_add(buf.len() as u64);
+            if end > self.len {
+                return Err(Error::Corrupt {
+                    file: self.client.url(&self.key),
+                    what: format!("ends before byte {end} (truncated)"),
+                });
+            }
+            wanted.push(*offset..end);
         }
-        if buf.is_empty() {
+        let requests = fetch_plan(&wanted, READ_PIECE);
+        if requests.is_empty() {
             return Ok(());
         }
-        let (c, k) = (self.client.clone(), self.key.clone());
-        let got = block(async move { c.store.get_range(&k, offset..end).await })
-            .map_err(|e| self.client.err("read", &self.key, e))?;
-        if got.len() != buf.len() {
-            return Err(Error::Corrupt {
-                file: self.client.url(&self.key),
-                what: format!(
-                    "bytes {offset}..{end} came back as {} bytes (the object changed or ends early)",
-                    got.len()
-                ),
-            });
+        let (tx, mut rx) = futures::channel::mpsc::channel(READ_CONCURRENCY);
+        let (c, k, reqs) = (self.client.clone(), self.key.clone(), requests.clone());
+        runtime().spawn(async move {
+            use futures::{SinkExt, StreamExt};
+            let mut tx = tx;
+            let mut arriving = futures::stream::iter(reqs)
+                .map(|r| {
+                    let (c, k) = (c.clone(), k.clone());
+                    async move {
+                        let got = c.store.get_range(&k, r.clone()).await;
+                        (r, got)
+                    }
+                })
+                .buffer_unordered(READ_CONCURRENCY);
+            while let Some(piece) = arriving.next().await {
+                if tx.send(piece).await.is_err() {
+                    return; // the reader gave up after an error
+                }
+            }
+        });
+        for _ in 0..requests.len() {
+            let Some((r, got)) = futures::executor::block_on(futures::StreamExt::next(&mut rx))
+            else {
+                return Err(Error::Mismatch(format!(
+                    "internal: the reads of {} ended early",
+                    self.client.url(&self.key)
+                )));
+            };
+            let got = got.map_err(|e| self.client.err("read", &self.key, e))?;
+            if got.len() as u64 != r.end - r.start {
+                return Err(Error::Corrupt {
+                    file: self.client.url(&self.key),
+                    what: format!(
+                        "bytes {}..{} came back as {} bytes (the object changed or ends early)",
+                        r.start,
+                        r.end,
+                        got.len()
+                    ),
+                });
+            }
+            for (offset, buf) in reads.iter_mut() {
+                let lo = r.start.max(*offset);
+                let hi = r.end.min(*offset + buf.len() as u64);
+                if lo < hi {
+                    buf[(lo - *offset) as usize..(hi - *offset) as usize]
+                        .copy_from_slice(&got[(lo - r.start) as usize..(hi - r.start) as usize]);
+                }
+            }
         }
-        buf.copy_from_slice(&got);
         Ok(())
     }
+}
+
+/// The largest ranged GET of a read: larger reads go as several requests at once, which a store
+/// serves faster than one stream.
+const READ_PIECE: u64 = 4 << 20;
+
+/// Most ranged GETs in flight for one [`ReadHandle::read_many`].
+const READ_CONCURRENCY: usize = 8;
+
+/// The largest gap between two wanted ranges that is fetched rather than cut (a request costs a
+/// round trip; a small gap costs less).
+const MERGE_GAP: u64 = 256 << 10;
+
+/// The ranged GETs that fetch byte ranges `wanted` of an object. Overlapping and touching ranges
+/// merge; ranges a small gap apart merge too, as long as the gaps of a merged run stay within 1/16
+/// of its wanted bytes (so at most 1/16 more is read than wanted); each run is cut into requests
+/// of at most `piece` bytes. Sorted, disjoint, none empty.
+fn fetch_plan(wanted: &[Range<u64>], piece: u64) -> Vec<Range<u64>> {
+    let mut sorted: Vec<Range<u64>> = wanted.iter().filter(|r| !r.is_empty()).cloned().collect();
+    sorted.sort_by_key(|r| r.start);
+    // (run, wanted bytes in it, gap bytes in it)
+    let mut runs: Vec<(Range<u64>, u64, u64)> = Vec::new();
+    for r in sorted {
+        if let Some((run, want, gaps)) = runs.last_mut() {
+            if r.start <= run.end {
+                *want += r.end.saturating_sub(run.end);
+                run.end = run.end.max(r.end);
+                continue;
+            }
+            let gap = r.start - run.end;
+            let more = r.end - r.start;
+            if gap <= MERGE_GAP && (*gaps + gap) * 16 <= *want + more {
+                *want += more;
+                *gaps += gap;
+                run.end = r.end;
+                continue;
+            }
+        }
+        let want = r.end - r.start;
+        runs.push((r, want, 0));
+    }
+    let piece = piece.max(1);
+    let mut requests = Vec::new();
+    for (run, _, _) in runs {
+        let mut at = run.start;
+        while at < run.end {
+            let end = (at + piece).min(run.end);
+            requests.push(at..end);
+            at = end;
+        }
+    }
+    requests
 }
 
 #[cfg(test)]
@@ -825,6 +1040,100 @@ mod tests {
         ] {
             assert!(parse_s3_url(bad).is_err(), "{bad}");
         }
+    }
+
+    proptest::proptest! {
+        /// Every wanted byte is fetched, at most 1/16 more than wanted is, no request is larger
+        /// than a piece, and requests stay few: one per piece of a merged run.
+        #[test]
+        fn fetch_plans_cover_merge_and_bound(
+            wanted in proptest::collection::vec((0u64..1 << 24, 0u64..1 << 22), 0..12),
+            piece in 1u64..1 << 23,
+        ) {
+            let wanted: Vec<Range<u64>> = wanted.iter().map(|&(s, n)| s..s + n).collect();
+            let plan = fetch_plan(&wanted, piece);
+            for w in plan.windows(2) {
+                proptest::prop_assert!(w[0].end <= w[1].start, "sorted and disjoint: {plan:?}");
+            }
+            for r in &plan {
+                proptest::prop_assert!(!r.is_empty() && r.end - r.start <= piece);
+            }
+            let mut union: Vec<Range<u64>> = Vec::new();
+            let mut sorted: Vec<_> = wanted.iter().filter(|r| !r.is_empty()).cloned().collect();
+            sorted.sort_by_key(|r| r.start);
+            for r in sorted {
+                match union.last_mut() {
+                    Some(u) if r.start <= u.end => u.end = u.end.max(r.end),
+                    _ => union.push(r),
+                }
+            }
+            for u in &union {
+                let mut at = u.start;
+                for r in plan.iter().filter(|r| r.end > u.start && r.start < u.end) {
+                    proptest::prop_assert!(r.start <= at, "byte {at} is not fetched");
+                    at = at.max(r.end);
+                }
+                proptest::prop_assert!(at >= u.end, "bytes {at}..{} are not fetched", u.end);
+            }
+            let want: u64 = union.iter().map(|u| u.end - u.start).sum();
+            let fetched: u64 = plan.iter().map(|r| r.end - r.start).sum();
+            proptest::prop_assert!(fetched * 16 <= want * 17, "{fetched} fetched for {want}");
+            proptest::prop_assert!(plan.len() as u64 <= union.len() as u64 + fetched / piece);
+        }
+    }
+
+    /// A writer's unfinished upload is aborted by a later cleanup only once its process has ended.
+    #[test]
+    fn only_uploads_of_ended_writers_are_cleaned_up() {
+        let store = Arc::new(object_store::memory::InMemory::new());
+        let storage = ObjectStorage::with_store(store, "memory://test", "ck");
+        let len = 3 * MIN_PART_SIZE;
+        let live = storage.create("live.safetensors", len).unwrap();
+        live.write_at(0, &vec![1; MIN_PART_SIZE as usize]).unwrap();
+        let dead = storage.create("dead.safetensors", len).unwrap();
+        let markers = storage.list().unwrap();
+        assert_eq!(markers.len(), 2, "one marker per open upload: {markers:?}");
+        assert!(
+            storage.clean_ended_writers().unwrap().is_empty(),
+            "this process runs"
+        );
+
+        // Make the second upload's record name a process of this host that has ended.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        let marker = markers.iter().find(|m| m.starts_with("dead.")).unwrap();
+        let mut record = UploadRecord::parse(&storage.get(marker, 4096).unwrap()).unwrap();
+        (record.pid, record.start) = (pid, 0);
+        storage.put(marker, &record.to_bytes(), false).unwrap();
+        assert_eq!(storage.clean_ended_writers().unwrap(), vec![marker.clone()]);
+        assert!(
+            dead.write_at(0, &vec![2; MIN_PART_SIZE as usize]).is_err() || {
+                // Some stores take parts of an aborted upload; none completes it.
+                (1..3).for_each(|i| {
+                    let at = i * MIN_PART_SIZE;
+                    let _ = dead.write_at(at, &vec![2; MIN_PART_SIZE as usize]);
+                });
+                dead.commit(false).is_err()
+            }
+        );
+        assert!(!storage.exists("dead.safetensors").unwrap());
+
+        // The live upload finishes, and leaves no marker.
+        for i in 1..3 {
+            live.write_at(i * MIN_PART_SIZE, &vec![1; MIN_PART_SIZE as usize])
+                .unwrap();
+        }
+        live.commit(false).unwrap();
+        assert_eq!(
+            storage.list().unwrap(),
+            vec!["live.safetensors".to_string()]
+        );
+        assert_eq!(
+            upload_marker_target("a.safetensors.tmp-1-2.upload"),
+            Some("a.safetensors")
+        );
+        assert_eq!(upload_marker_target("a.safetensors.tmp-1-2"), None);
     }
 
     #[test]
