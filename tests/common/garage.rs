@@ -17,13 +17,14 @@ pub struct Garage {
     bin: PathBuf,
     dir: tempfile::TempDir,
     child: Option<Child>,
-    /// `http://127.0.0.1:<port>`.
+    /// `http://<host>:<port>`: loopback unless started with [`Garage::start_on`].
     pub endpoint: String,
     /// The bucket the tests write into.
     pub bucket: String,
     /// Access key id and secret of a key allowed to read and write it.
     pub key_id: String,
     pub secret: String,
+    s3_host: String,
     s3_port: u16,
     rpc_port: u16,
 }
@@ -76,6 +77,12 @@ impl Garage {
     /// Starts a server, or returns `None` (after saying why) where garage is not installed and
     /// not required.
     pub fn start() -> Option<Self> {
+        Self::start_on("127.0.0.1")
+    }
+
+    /// [`Garage::start`], with the S3 API on address `s3_host` (an address other network
+    /// namespaces reach, for tests of many hosts).
+    pub fn start_on(s3_host: &str) -> Option<Self> {
         let Some(bin) = garage_bin() else {
             if std::env::var("SAVER_REQUIRE_GARAGE").is_ok_and(|v| v == "1") {
                 panic!("SAVER_REQUIRE_GARAGE=1 but no garage binary on PATH or in ~/.cargo/bin");
@@ -91,10 +98,11 @@ impl Garage {
             bin,
             dir,
             child: None,
-            endpoint: format!("http://127.0.0.1:{s3_port}"),
+            endpoint: format!("http://{s3_host}:{s3_port}"),
             bucket: "saver-test".into(),
             key_id: String::new(),
             secret: String::new(),
+            s3_host: s3_host.to_string(),
             s3_port,
             rpc_port,
         };
@@ -110,7 +118,7 @@ rpc_secret = "{secret}"
 
 [s3_api]
 s3_region = "garage"
-api_bind_addr = "127.0.0.1:{s3_port}"
+api_bind_addr = "{s3_host}:{s3_port}"
 root_domain = ".s3.garage.localhost"
 
 [admin]
@@ -222,7 +230,7 @@ admin_token = "saver-test-admin"
     /// Waits until the S3 port accepts connections.
     fn wait_for_s3(&self) {
         let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", self.s3_port)).is_err() {
+        while std::net::TcpStream::connect((self.s3_host.as_str(), self.s3_port)).is_err() {
             assert!(start.elapsed() < Duration::from_secs(30), "no S3 port");
             std::thread::sleep(Duration::from_millis(50));
         }

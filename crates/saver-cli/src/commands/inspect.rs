@@ -59,6 +59,8 @@ struct Report {
     total_bytes: u64,
     user_metadata: std::collections::BTreeMap<String, String>,
     trainer_state_shards: Vec<u32>,
+    /// The process that wrote each shard (`host:pid`), in shard order, where the manifest names it.
+    writers: Vec<String>,
     /// For a delta: the parent as the manifest names it.
     #[serde(skip_serializing_if = "Option::is_none")]
     parent: Option<saver_core::ParentRef>,
@@ -159,6 +161,12 @@ pub fn run(dir: &Path, out: Output) -> CmdResult {
             .filter(|s| s.trainer_state.is_some())
             .map(|s| s.shard)
             .collect(),
+        writers: m
+            .shards
+            .iter()
+            .filter_map(|s| s.writer.as_ref())
+            .map(|w| format!("{}:{}", w.host, w.pid))
+            .collect(),
         parent: m.parent.clone(),
         chain: m.parent.as_ref().map(|_| chain_of(dir)),
     };
@@ -216,6 +224,9 @@ pub fn run(dir: &Path, out: Output) -> CmdResult {
             output::size(f.bytes),
             f.tensors
         );
+    }
+    if !report.writers.is_empty() {
+        println!("written by {}", report.writers.join(", "));
     }
     for (k, v) in &report.user_metadata {
         println!("metadata {k} = {v}");
