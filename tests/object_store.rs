@@ -59,6 +59,30 @@ fn conformance(storage: &dyn Storage, exclusive: bool) {
     r.read_at(MIN_PART_SIZE - 7, &mut mid).unwrap();
     let at = MIN_PART_SIZE as usize - 7;
     assert!(mid == want[at..at + 3 * piece], "a range across parts");
+    // Many ranges at once: overlapping, touching, a small gap apart, far apart, empty.
+    let ranges: [(usize, usize); 7] = [
+        (5, 100),
+        (50, 4000),
+        (4000, 10),
+        (4100, 3 << 20),
+        (len - 9000, 9000),
+        (MIN_PART_SIZE as usize + 3, 0),
+        (MIN_PART_SIZE as usize - 2, 5 << 20),
+    ];
+    let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|&(_, n)| vec![0u8; n]).collect();
+    let mut reads: Vec<(u64, &mut [u8])> = ranges
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(&(o, _), b)| (o as u64, b.as_mut_slice()))
+        .collect();
+    r.read_many(&mut reads).unwrap();
+    for (&(o, n), b) in ranges.iter().zip(&bufs) {
+        assert!(b[..] == want[o..o + n], "read_many of {n} bytes at {o}");
+    }
+    let err = r
+        .read_many(&mut [(0, &mut [0u8; 4][..]), (len as u64 - 1, &mut [0u8; 2][..])])
+        .unwrap_err();
+    assert!(err.to_string().contains("truncated"), "{err}");
     let err = r.read_at(len as u64 - 10, &mut [0u8; 11]).unwrap_err();
     assert!(err.to_string().contains("truncated"), "{err}");
 

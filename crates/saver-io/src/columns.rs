@@ -64,13 +64,22 @@ impl Checkpoint {
         };
         let exclude = globs("exclude_slots", &opts.exclude_slots)?;
         let mut report = LoadReport::default();
-        let mut plans = Vec::new();
+        let mut wanted = Vec::new();
         for t in self.selected_tables(opts)? {
             let slots = Self::kept_slots(t, &exclude);
             self.check_target(t, t.key_dtype, &slots)?;
-            let reads = self.segment_reads(t, &slots, &target, &mut report)?;
-            plans.push((t, slots, reads));
+            wanted.push((t, slots));
         }
+        let requests: Vec<_> = wanted
+            .iter()
+            .map(|(t, slots)| (*t, slots.as_slice(), target.clone()))
+            .collect();
+        let reads = self.segment_reads(&requests, &mut report)?;
+        let plans: Vec<_> = wanted
+            .into_iter()
+            .zip(reads)
+            .map(|((t, slots), reads)| (t, slots, reads))
+            .collect();
         let mut tables: Vec<TableColumns> = plans
             .iter()
             .map(|(t, slots, reads)| {
@@ -126,7 +135,7 @@ impl Checkpoint {
                 }
             }
         }
-        let pool = reader_pool(opts.parallel)?;
+        let pool = reader_pool(crate::restore::reader_threads(self, opts.parallel))?;
         let results: Result<Vec<(u64, u64, Vec<PieceCrc>)>> = pool.install(|| {
             jobs.par_iter_mut()
                 .map(|job| {

@@ -392,6 +392,11 @@ impl Checkpoint {
         Ok(self.manifest.trainer_state(shard)?)
     }
 
+    /// Whether the checkpoint's files are remote (reads wait on network round trips).
+    pub(crate) fn is_remote(&self) -> bool {
+        self.files.values().any(|f| f.handle.is_remote())
+    }
+
     /// Reads `buf.len()` bytes of tensor `t` from byte `offset` of the tensor.
     pub fn read_tensor_range(
         &self,
@@ -426,12 +431,31 @@ impl Checkpoint {
                 None => by_file.push((&t.file, vec![(at, &mut **buf)])),
             }
         }
-        for (file, mut list) in by_file {
+        let mut groups = Vec::with_capacity(by_file.len());
+        for (file, list) in by_file {
             let f = self.files.get(file).ok_or_else(|| Error::Corrupt {
                 file: file.to_string(),
                 what: "not opened".into(),
             })?;
-            f.handle.read_many(&mut list)?;
+            groups.push((&*f.handle, list));
+        }
+        // A remote file's reads wait on round trips: the files go at once (a few at a time).
+        if groups.len() > 1 && groups.iter().any(|(h, _)| h.is_remote()) {
+            for batch in groups.chunks_mut(8) {
+                std::thread::scope(|scope| {
+                    let running: Vec<_> = batch
+                        .iter_mut()
+                        .map(|(h, list)| scope.spawn(move || h.read_many(list)))
+                        .collect();
+                    running
+                        .into_iter()
+                        .try_for_each(|r| r.join().expect("a read does not panic"))
+                })?;
+            }
+            return Ok(());
+        }
+        for (h, mut list) in groups {
+            h.read_many(&mut list)?;
         }
         Ok(())
     }

@@ -57,7 +57,8 @@ pub struct LoadOptions {
     pub shard_num: u32,
     /// `Some(j)`: load only shard `j` of `M`. `None`: every target shard.
     pub shard_index: Option<u32>,
-    /// Reader threads.
+    /// Reader threads; at least 8 for a checkpoint in an object store, whose reads mostly wait
+    /// on round trips (memory: one `chunk_bytes` chunk per thread).
     pub parallel: usize,
     /// Bytes read per chunk (buffer size per thread).
     pub chunk_bytes: u64,
@@ -223,6 +224,14 @@ pub(crate) struct SegmentRead<'m> {
     pub whole: bool,
 }
 
+/// Where the first row of a bucket lies, as far as a bucket index tells.
+enum RowOf {
+    /// This row.
+    Found(u64),
+    /// Among these rows, found by scanning their ids.
+    Scan(Range<u64>),
+}
+
 impl SegmentRead<'_> {
     /// Bytes of one row as delivered (id plus wanted slots).
     pub fn row_bytes(&self) -> u64 {
@@ -239,6 +248,20 @@ impl SegmentRead<'_> {
         (self.rows.start..self.rows.end)
             .step_by(step as usize)
             .map(move |r| r..(r + step).min(self.rows.end))
+    }
+}
+
+/// Chunks a load keeps in flight from a remote store, whatever `parallel` says: its threads
+/// mostly wait on round trips, and a store serves many requests at once faster than few.
+pub(crate) const REMOTE_CHUNKS_IN_FLIGHT: usize = 8;
+
+/// The reader threads of a load of `ck` with `parallel` asked: at least
+/// [`REMOTE_CHUNKS_IN_FLIGHT`] when its files are remote.
+pub(crate) fn reader_threads(ck: &Checkpoint, parallel: usize) -> usize {
+    if ck.is_remote() {
+        parallel.max(REMOTE_CHUNKS_IN_FLIGHT)
+    } else {
+        parallel
     }
 }
 
@@ -409,18 +432,11 @@ impl Checkpoint {
         )
     }
 
-    /// Reads the row range of `seg` within buckets `target`, using the bucket index.
-    fn rows_in(
-        &self,
-        seg: &SegmentManifest,
-        target: &Range<u32>,
-        report: &mut u64,
-    ) -> Result<Range<u64>> {
+    /// The entries of `seg`'s bucket index, read as `raw`: checked against its CRC32 and for
+    /// order, and that they name only the segment's buckets and rows.
+    fn bucket_entries(seg: &SegmentManifest, raw: &[u8]) -> Result<Vec<u64>> {
         let t = &seg.bucket_index;
-        let mut raw = vec![0u8; t.len as usize];
-        self.read_tensor_range(t, 0, &mut raw)?;
-        *report += t.len;
-        if crc32fast::hash(&raw) != t.crc32 {
+        if crc32fast::hash(raw) != t.crc32 {
             return Err(Error::Corrupt {
                 file: t.file.clone(),
                 what: format!("tensor {:?} fails its CRC32 check", t.name),
@@ -448,38 +464,28 @@ impl Checkpoint {
             }
             prev = Some((b, r));
         }
+        Ok(entries)
+    }
+
+    /// Where the first row of `bucket` lies in a segment with bucket index `entries`: the row
+    /// itself, or the rows whose ids must be scanned for it. The index may name only every k-th
+    /// non-empty bucket (see FORMAT.md): the first row of `bucket` then lies in the group that
+    /// starts at the last entry at or before it.
+    fn first_row_of(seg: &SegmentManifest, entries: &[u64], bucket: u32) -> RowOf {
         let row_of = |e: u64| e & ((1 << 48) - 1);
-        // The index may name only every k-th non-empty bucket (see FORMAT.md): the first row of
-        // `bucket` then lies in the group that starts at the last entry at or before it, and is
-        // found by scanning that group's ids (bounded by the ids tensor, so by the file size).
-        let mut first_row_at = |bucket: u32| -> Result<u64> {
-            if bucket >= seg.buckets[1] {
-                return Ok(seg.rows);
-            }
-            let pos = entries.partition_point(|&e| (e >> 48) <= u64::from(bucket));
-            if pos == 0 {
-                return Ok(0);
-            }
-            let start = row_of(entries[pos - 1]);
-            if entries[pos - 1] >> 48 == u64::from(bucket) {
-                return Ok(start);
-            }
-            let end = entries.get(pos).map_or(seg.rows, |&e| row_of(e));
-            let mut ids = vec![0u8; ((end - start) * 8) as usize];
-            self.read_tensor_range(&seg.ids, start * 8, &mut ids)?;
-            *report += ids.len() as u64;
-            let skip = ids
-                .chunks_exact(8)
-                .position(|c| {
-                    PartitionRule::bucket_of(u64::from_le_bytes(c.try_into().expect("8 bytes")))
-                        >= bucket
-                })
-                .map_or(end - start, |k| k as u64);
-            Ok(start + skip)
-        };
-        let lo = first_row_at(target.start)?;
-        let hi = first_row_at(target.end)?;
-        Ok(lo..hi)
+        if bucket >= seg.buckets[1] {
+            return RowOf::Found(seg.rows);
+        }
+        let pos = entries.partition_point(|&e| (e >> 48) <= u64::from(bucket));
+        if pos == 0 {
+            return RowOf::Found(0);
+        }
+        let start = row_of(entries[pos - 1]);
+        if entries[pos - 1] >> 48 == u64::from(bucket) {
+            return RowOf::Found(start);
+        }
+        let end = entries.get(pos).map_or(seg.rows, |&e| row_of(e));
+        RowOf::Scan(start..end)
     }
 
     /// Checks that table `t` of the checkpoint can fill a target with `key` ids and `wanted` slots.
@@ -518,42 +524,113 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// The reads that deliver buckets `target` of table `t` with slots `wanted`: one per segment
-    /// overlapping the target, with its row range found through the segment's bucket index.
+    /// The reads that deliver each request `(table, wanted slots, target buckets)`: one per
+    /// segment overlapping the target, with its row range found through the segment's bucket
+    /// index. The bucket indexes of all those segments (of every table) are read in one batch,
+    /// then the ids scanned at the targets' edges in a second: two rounds of requests to a
+    /// remote store, not two a segment.
     pub(crate) fn segment_reads<'m>(
         &'m self,
-        t: &'m TableManifest,
-        wanted: &[SlotSpec],
-        target: &Range<u32>,
+        requests: &[(&'m TableManifest, &[SlotSpec], Range<u32>)],
         report: &mut LoadReport,
-    ) -> Result<Vec<SegmentRead<'m>>> {
+    ) -> Result<Vec<Vec<SegmentRead<'m>>>> {
         let mut reads = Vec::new();
-        for p in &t.partitions {
-            let slot_map = Arc::new(slot_map(t, p, wanted)?);
-            for seg in &p.segments {
-                let lo = seg.buckets[0].max(target.start);
-                let hi = seg.buckets[1].min(target.end);
-                if lo >= hi {
-                    continue;
+        let mut owner = Vec::new();
+        for (n, (t, wanted, target)) in requests.iter().enumerate() {
+            for p in &t.partitions {
+                let slot_map = Arc::new(slot_map(t, p, wanted)?);
+                for seg in &p.segments {
+                    let lo = seg.buckets[0].max(target.start);
+                    let hi = seg.buckets[1].min(target.end);
+                    if lo >= hi {
+                        continue;
+                    }
+                    let whole = seg.buckets[0] >= target.start && seg.buckets[1] <= target.end;
+                    reads.push(SegmentRead {
+                        table: t,
+                        seg,
+                        slot_map: slot_map.clone(),
+                        rows: 0..seg.rows,
+                        target: lo..hi,
+                        whole,
+                    });
+                    owner.push(n);
                 }
-                let whole = seg.buckets[0] >= target.start && seg.buckets[1] <= target.end;
-                // The bucket index is read (and CRC-checked) even when the whole segment is
-                // wanted: it costs 8 bytes per non-empty bucket, and a load must refuse a
-                // corrupt checkpoint whatever tensor the corruption hit.
-                let rows = self.rows_in(seg, &(lo..hi), &mut report.bytes_read)?;
-                report.tensors_checked += 1;
-                debug_assert!(!whole || rows == (0..seg.rows));
-                reads.push(SegmentRead {
-                    table: t,
-                    seg,
-                    slot_map: slot_map.clone(),
-                    rows,
-                    target: lo..hi,
-                    whole,
-                });
             }
         }
-        Ok(reads)
+        // The bucket index is read (and CRC-checked) even when the whole segment is wanted: it
+        // costs 8 bytes per non-empty bucket, and a load must refuse a corrupt checkpoint
+        // whatever tensor the corruption hit.
+        let mut raws: Vec<Vec<u8>> = reads
+            .iter()
+            .map(|r| vec![0u8; r.seg.bucket_index.len as usize])
+            .collect();
+        let mut batch: Vec<(&TensorRef, u64, &mut [u8])> = reads
+            .iter()
+            .zip(raws.iter_mut())
+            .map(|(r, raw)| (&r.seg.bucket_index, 0, raw.as_mut_slice()))
+            .collect();
+        self.read_tensor_ranges(&mut batch)?;
+        drop(batch);
+        let mut edges = Vec::with_capacity(reads.len());
+        for (r, raw) in reads.iter().zip(&raws) {
+            report.bytes_read += raw.len() as u64;
+            report.tensors_checked += 1;
+            let entries = Self::bucket_entries(r.seg, raw)?;
+            edges.push([
+                Self::first_row_of(r.seg, &entries, r.target.start),
+                Self::first_row_of(r.seg, &entries, r.target.end),
+            ]);
+        }
+        drop(raws);
+        let mut scans: Vec<(usize, usize, Vec<u8>)> = Vec::new();
+        for (i, pair) in edges.iter().enumerate() {
+            for (k, e) in pair.iter().enumerate() {
+                if let RowOf::Scan(rows) = e {
+                    scans.push((i, k, vec![0u8; ((rows.end - rows.start) * 8) as usize]));
+                }
+            }
+        }
+        let mut batch: Vec<(&TensorRef, u64, &mut [u8])> = scans
+            .iter_mut()
+            .map(|(i, k, buf)| {
+                let RowOf::Scan(rows) = &edges[*i][*k] else {
+                    unreachable!("only scans were collected")
+                };
+                (&reads[*i].seg.ids, rows.start * 8, buf.as_mut_slice())
+            })
+            .collect();
+        self.read_tensor_ranges(&mut batch)?;
+        drop(batch);
+        for (i, k, ids) in scans {
+            report.bytes_read += ids.len() as u64;
+            let RowOf::Scan(rows) = &edges[i][k] else {
+                unreachable!("only scans were collected")
+            };
+            let bucket = if k == 0 {
+                reads[i].target.start
+            } else {
+                reads[i].target.end
+            };
+            let skip = ids
+                .chunks_exact(8)
+                .position(|c| {
+                    PartitionRule::bucket_of(u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                        >= bucket
+                })
+                .map_or(rows.end - rows.start, |n| n as u64);
+            edges[i][k] = RowOf::Found(rows.start + skip);
+        }
+        let mut out: Vec<Vec<SegmentRead<'m>>> = requests.iter().map(|_| Vec::new()).collect();
+        for ((mut r, pair), n) in reads.into_iter().zip(&edges).zip(owner) {
+            let (RowOf::Found(lo), RowOf::Found(hi)) = (&pair[0], &pair[1]) else {
+                unreachable!("every scan was resolved")
+            };
+            r.rows = *lo..*hi;
+            debug_assert!(!r.whole || r.rows == (0..r.seg.rows));
+            out[n].push(r);
+        }
+        Ok(out)
     }
 
     /// Reads rows `rows` of `r`: ids (8 bytes each) into `ids`, wanted slots into `slots`. Records
@@ -616,19 +693,27 @@ impl Checkpoint {
     ) -> Result<LoadReport> {
         let start = Instant::now();
         let mut report = LoadReport::default();
-        let mut reads = Vec::new();
-        let mut work = Vec::new();
-        for (i, &(j, t, sink)) in sinks.iter().enumerate() {
+        let mut requests = Vec::with_capacity(sinks.len());
+        for &(j, t, sink) in sinks {
             self.check_target(t, sink.key_dtype(), sink.slots())?;
             let target = PartitionRule::bucket_range(j, opts.shard_num);
-            for r in self.segment_reads(t, sink.slots(), &target, &mut report)? {
+            requests.push((t, sink.slots(), target));
+        }
+        let mut reads = Vec::new();
+        let mut work = Vec::new();
+        for (i, of_sink) in self
+            .segment_reads(&requests, &mut report)?
+            .into_iter()
+            .enumerate()
+        {
+            for r in of_sink {
                 for rows in r.chunks(opts.chunk_bytes) {
                     work.push((i, reads.len(), rows));
                 }
                 reads.push(r);
             }
         }
-        let pool = reader_pool(opts.parallel)?;
+        let pool = reader_pool(reader_threads(self, opts.parallel))?;
         let results: Result<Vec<(u64, u64, Vec<PieceCrc>)>> = pool.install(|| {
             work.par_iter()
                 .map_init(

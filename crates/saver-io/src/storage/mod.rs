@@ -213,6 +213,11 @@ pub trait ReadHandle: Send + Sync {
         }
         Ok(())
     }
+    /// Whether a read waits on a network round trip (so reads of several files are better sent
+    /// at once). Default: false.
+    fn is_remote(&self) -> bool {
+        false
+    }
 }
 
 /// Held while a process commits into a storage; dropping it releases the lock.

@@ -892,6 +892,10 @@ impl ReadHandle for ObjectRead {
         self.read_many(&mut [(offset, buf)])
     }
 
+    fn is_remote(&self) -> bool {
+        true
+    }
+
     /// Merges neighbouring ranges ([`fetch_plan`]) and sends the ranged GETs concurrently, up to
     /// [`READ_CONCURRENCY`] at a time; each piece is copied into place as it arrives, so memory
     /// stays within the buffers plus the pieces in flight.

@@ -1,0 +1,369 @@
+//! saver against an S3-compatible store (Garage on loopback, started here), against the plain
+//! `object_store` requests that move the same bytes, in one run.
+//!
+//! `cargo bench --bench object_store -- [--size 2GiB] [--runs 3]`
+//!
+//! Needs a `garage` binary on `PATH` or in `~/.cargo/bin` (`cargo install --locked garage`).
+//! Baselines: a multipart upload of the checkpoint's bytes in 8 MiB parts, 8 in flight (the limit
+//! of a save), and ranged GETs of 8 MiB, 8 in flight, of the bytes a load reads (the limit of a
+//! load). Every configuration runs once per round, interleaved, after a warm-up round; medians are
+//! reported with each figure as a ratio to its baseline of the same run. Then peak memory of a save
+//! and a load, against the same operation on a local directory.
+
+#[path = "../tests/common/garage.rs"]
+mod garage;
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::multipart::MultipartStore;
+use object_store::path::Path as Key;
+use object_store::{ObjectStoreExt, PutPayload};
+use saver::core::synthetic::{parse_size, SyntheticModel, SyntheticSpec};
+use saver::io::storage::{ObjectStorage, Storage};
+use saver::{save, Checkpoint, LoadOptions, SaveOptions};
+
+/// One configuration: runs once, returns its timed seconds (setup and teardown untimed).
+type Run<'a> = Box<dyn FnMut() -> f64 + 'a>;
+
+const PIECE: u64 = 8 << 20;
+const IN_FLIGHT: usize = 8;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn interleaved(runs: usize, configs: &mut [(String, Run<'_>)]) -> Vec<f64> {
+    let mut times = vec![Vec::new(); configs.len()];
+    for round in 0..=runs {
+        for (i, (name, f)) in configs.iter_mut().enumerate() {
+            let secs = f();
+            eprintln!("round {round}: {name}: {secs:.2} s");
+            if round > 0 {
+                times[i].push(secs);
+            }
+        }
+    }
+    times.into_iter().map(median).collect()
+}
+
+fn rss() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |k: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Peak resident memory that `f` adds to this process (`None` where it cannot be measured).
+fn peak_of<T>(f: impl FnOnce() -> T) -> (Option<u64>, T) {
+    let (before, _) = rss();
+    let ok = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+    let out = f();
+    (ok.then(|| rss().1.saturating_sub(before)), out)
+}
+
+fn human(b: u64) -> String {
+    if b >= 1 << 30 {
+        format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    }
+}
+
+fn gib_s(bytes: u64, secs: f64) -> String {
+    format!("{:.2} GiB/s", bytes as f64 / secs / (1u64 << 30) as f64)
+}
+
+/// The baseline of a save: one multipart upload of `bytes` bytes, [`PIECE`] parts, [`IN_FLIGHT`]
+/// at a time, from one buffer (no copies).
+fn plain_upload(rt: &tokio::runtime::Runtime, s3: &Arc<AmazonS3>, key: &Key, bytes: u64) {
+    let buf = Bytes::from(vec![7u8; PIECE as usize]);
+    rt.block_on(async {
+        let id = s3.create_multipart(key).await.unwrap();
+        let parts: Vec<_> = futures::stream::iter(0..bytes.div_ceil(PIECE))
+            .map(|i| {
+                let len = PIECE.min(bytes - i * PIECE) as usize;
+                let (s3, key, id, payload) = (
+                    s3.clone(),
+                    key.clone(),
+                    id.clone(),
+                    PutPayload::from(buf.slice(..len)),
+                );
+                async move { s3.put_part(&key, &id, i as usize, payload).await.unwrap() }
+            })
+            .buffered(IN_FLIGHT)
+            .collect()
+            .await;
+        s3.complete_multipart(key, &id, parts).await.unwrap();
+    });
+}
+
+/// The baseline of a load: ranged GETs of [`PIECE`] bytes, [`IN_FLIGHT`] at a time, of the first
+/// `bytes` bytes of `objects` (key, size) in turn. Returns the bytes fetched.
+fn plain_get(
+    rt: &tokio::runtime::Runtime,
+    s3: &Arc<AmazonS3>,
+    objects: &[(Key, u64)],
+    bytes: u64,
+) -> u64 {
+    let mut ranges = Vec::new();
+    let mut left = bytes;
+    for (key, size) in objects {
+        let mut at = 0;
+        while at < *size && left > 0 {
+            let n = PIECE.min(size - at).min(left);
+            ranges.push((key.clone(), at..at + n));
+            at += n;
+            left -= n;
+        }
+    }
+    rt.block_on(async {
+        futures::stream::iter(ranges)
+            .map(|(key, r)| {
+                let s3 = s3.clone();
+                async move { s3.get_range(&key, r).await.unwrap().len() as u64 }
+            })
+            .buffer_unordered(IN_FLIGHT)
+            .fold(0, |a, n| async move { a + n })
+            .await
+    })
+}
+
+/// Removes every object under `url` (untimed teardown).
+fn remove_all(url: &str) {
+    let s = ObjectStorage::from_url(url).unwrap();
+    for name in s.list().unwrap() {
+        s.remove(&name).unwrap();
+    }
+}
+
+fn opts(parallel: usize, shards: u32) -> SaveOptions {
+    let mut o = SaveOptions {
+        overwrite: true,
+        ..SaveOptions::default()
+    };
+    o.plan.parallel = parallel;
+    o.plan.shard_num = shards;
+    o
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |k: &str| {
+        args.iter()
+            .position(|a| a == k)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let size = arg("--size")
+        .and_then(|s| parse_size(&s))
+        .unwrap_or(2 << 30);
+    let runs: usize = arg("--runs").and_then(|s| s.parse().ok()).unwrap_or(3);
+    let Some(g) = garage::Garage::start() else {
+        eprintln!("no garage binary: cargo install --locked garage");
+        return;
+    };
+    g.set_env();
+    let s3 = Arc::new(
+        AmazonS3Builder::new()
+            .with_bucket_name(&g.bucket)
+            .with_region("garage")
+            .with_endpoint(&g.endpoint)
+            .with_allow_http(true)
+            .with_access_key_id(&g.key_id)
+            .with_secret_access_key(&g.secret)
+            .build()
+            .unwrap(),
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+
+    let spec: SyntheticSpec = common::spec_of_size(size).parse().unwrap();
+    let model = SyntheticModel::generate(&spec).unwrap();
+    let local = common::scratch().join("object-store");
+    let _ = std::fs::remove_dir_all(&local);
+
+    // Peak memory of a save beyond the model, to the store and to a local directory.
+    let (peak_local, probe) = peak_of(|| save(&local, model.input(), &opts(2, 1)).unwrap());
+    let probe_url = g.url("probe");
+    let (peak_s3, _) = peak_of(|| save(Path::new(&probe_url), model.input(), &opts(2, 1)).unwrap());
+    let bytes = probe.bytes_written;
+    println!(
+        "## Object store (Garage on loopback), {} model ({} rows, {} data files)\n",
+        human(bytes),
+        probe.rows,
+        probe.files
+    );
+    println!(
+        "Medians of {runs} rounds after a warm-up round, configurations interleaved. Baselines: \
+         `object_store` multipart upload of the same number of bytes ({} parts, {IN_FLIGHT} in \
+         flight), and ranged GETs ({} each, {IN_FLIGHT} in flight) of the bytes the load reads. \
+         Ratio: saver's throughput / the baseline's.\n",
+        human(PIECE),
+        human(PIECE)
+    );
+
+    // A fresh prefix for every save, so each writes into an empty one.
+    let n = std::cell::Cell::new(0u32);
+    let mut saves: Vec<(String, Run<'_>)> = vec![(
+        "plain multipart upload (limit)".into(),
+        Box::new(|| {
+            let key = Key::from("plain/upload");
+            let t = Instant::now();
+            plain_upload(&rt, &s3, &key, bytes);
+            let secs = t.elapsed().as_secs_f64();
+            rt.block_on(s3.delete(&key)).unwrap();
+            secs
+        }),
+    )];
+    for (shards, parallel) in [(1u32, 2usize), (1, 4), (8, 4)] {
+        let (model, g, n) = (&model, &g, &n);
+        saves.push((
+            format!("saver save, {shards} shard(s), parallel {parallel}"),
+            Box::new(move || {
+                n.set(n.get() + 1);
+                let url = g.url(&format!("save/{}", n.get()));
+                let t = Instant::now();
+                save(Path::new(&url), model.input(), &opts(parallel, shards)).unwrap();
+                let secs = t.elapsed().as_secs_f64();
+                remove_all(&url);
+                secs
+            }),
+        ));
+    }
+    let times = interleaved(runs, &mut saves);
+    println!("| save | time | throughput | ratio to limit |\n| --- | --- | --- | --- |");
+    for (i, t) in times.iter().enumerate() {
+        let ratio = if i == 0 {
+            "1.00".to_string()
+        } else {
+            format!("**{:.2}**", times[0] / t)
+        };
+        println!(
+            "| {} | {t:.2} s | {} | {ratio} |",
+            saves[i].0,
+            gib_s(bytes, *t)
+        );
+    }
+    drop(saves);
+
+    // Loads: the probe checkpoint (1 shard) whole, and one saved with 8 shards read as shard 1
+    // of 3.
+    let url8 = g.url("probe8");
+    save(Path::new(&url8), model.input(), &opts(4, 8)).unwrap();
+    let ck = Checkpoint::open(Path::new(&probe_url)).unwrap();
+    let ck8 = Checkpoint::open(Path::new(&url8)).unwrap();
+    let objects = |ck: &Checkpoint, prefix: &str| -> Vec<(Key, u64)> {
+        ck.manifest()
+            .files
+            .iter()
+            .map(|f| (Key::from(format!("{prefix}/{}", f.name)), f.bytes))
+            .collect()
+    };
+    let (whole, eighths) = (objects(&ck, "probe"), objects(&ck8, "probe8"));
+    let reshard_opts = LoadOptions {
+        shard_num: 3,
+        shard_index: Some(1),
+        parallel: 2,
+        ..LoadOptions::default()
+    };
+    let reshard_read = ck8.load_columns(&reshard_opts).unwrap().report.bytes_read;
+    let all = LoadOptions {
+        parallel: 2,
+        ..LoadOptions::default()
+    };
+    let timed = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    let mut loads: Vec<(String, Run<'_>)> = vec![
+        (
+            "plain ranged GETs of the checkpoint (limit)".into(),
+            Box::new(|| timed(&mut || assert_eq!(plain_get(&rt, &s3, &whole, bytes), bytes))),
+        ),
+        (
+            "saver load into new arrays (load_columns), parallel 2".into(),
+            Box::new(|| timed(&mut || drop(ck.load_columns(&all).unwrap()))),
+        ),
+        (
+            "saver restore into new hashtables, parallel 2".into(),
+            Box::new(|| timed(&mut || drop(ck.restore(&all).unwrap()))),
+        ),
+        (
+            "plain ranged GETs of the bytes shard 1 of 3 reads (limit)".into(),
+            Box::new(|| {
+                timed(&mut || assert!(plain_get(&rt, &s3, &eighths, reshard_read) == reshard_read))
+            }),
+        ),
+        (
+            "saver resharding load 8 → shard 1 of 3 into arrays, parallel 2".into(),
+            Box::new(|| timed(&mut || drop(ck8.load_columns(&reshard_opts).unwrap()))),
+        ),
+    ];
+    let times = interleaved(runs, &mut loads);
+    println!("\n| load | time | throughput | ratio to limit |\n| --- | --- | --- | --- |");
+    let read = [bytes, bytes, bytes, reshard_read, reshard_read];
+    for (i, t) in times.iter().enumerate() {
+        let base = if i < 3 { times[0] } else { times[3] };
+        let ratio = if i == 0 || i == 3 {
+            "1.00".to_string()
+        } else {
+            format!("**{:.2}**", base / t)
+        };
+        println!(
+            "| {} | {t:.2} s | {} | {ratio} |",
+            loads[i].0,
+            gib_s(read[i], *t)
+        );
+    }
+    drop(loads);
+
+    // Peak memory of a load beyond what it returns, from the store and from the local directory.
+    let local_ck = Checkpoint::open(&local).unwrap();
+    let (peak_load_local, a) = peak_of(|| local_ck.load_columns(&all).unwrap());
+    let kept = a.report.bytes_kept;
+    drop(a);
+    let (peak_load_s3, b) = peak_of(|| ck.load_columns(&all).unwrap());
+    drop(b);
+    let r = ck8.load_columns(&reshard_opts).unwrap().report;
+    println!(
+        "\nResharding load 8 → shard 1 of 3: {} read for {} kept, read amplification {:.4}.\n",
+        human(r.bytes_read),
+        human(r.bytes_kept),
+        r.read_amplification
+    );
+    let show = |p: Option<u64>| p.map_or("not measurable here".to_string(), human);
+    println!(
+        "| peak memory beyond the model | local directory | object store |\n| --- | --- | --- |"
+    );
+    println!(
+        "| save, 1 shard, parallel 2 | {} | {} |",
+        show(peak_local),
+        show(peak_s3)
+    );
+    println!(
+        "| load into arrays, parallel 2 (beyond the {} it returns) | {} | {} |",
+        human(kept),
+        show(peak_load_local.map(|p| p.saturating_sub(kept))),
+        show(peak_load_s3.map(|p| p.saturating_sub(kept)))
+    );
+    let _ = std::fs::remove_dir_all(&local);
+}

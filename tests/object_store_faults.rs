@@ -1,0 +1,271 @@
+//! The object-store backend against the failures a live server rarely produces on demand: a part
+//! upload, an upload's completion or its abort that fails, and a ranged GET that comes back short.
+//! A store wrapper injects them into an in-memory store; every one must end as an error naming the
+//! object (never a panic or a checkpoint that looks complete), and a retry must commit.
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use futures::stream::BoxStream;
+use object_store::memory::InMemory;
+use object_store::multipart::{MultipartStore, PartId};
+use object_store::path::Path as Key;
+use object_store::{
+    CopyOptions, GetOptions, GetRange, GetResult, ListResult, MultipartId, MultipartUpload,
+    ObjectMeta, ObjectStore, PutMultipartOptions, PutOptions, PutPayload, PutResult,
+};
+use saver::core::synthetic::SyntheticModel;
+use saver::io::storage::{ObjectStorage, Storage};
+use saver::io::{save_to, verify_storage};
+use saver::{Checkpoint, LoadOptions, SaveOptions, Status};
+
+/// A request kind a fault can hit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    PutPart,
+    Complete,
+    Abort,
+    /// A ranged GET answers one byte short.
+    ShortGet,
+}
+
+/// An in-memory store that fails the `n`-th request of a kind (counted from 1), `times` times.
+#[derive(Debug, Default)]
+struct Faulty {
+    inner: InMemory,
+    faults: Mutex<Vec<(Op, usize, usize)>>,
+    seen: Mutex<Vec<Op>>,
+}
+
+impl fmt::Display for Faulty {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Faulty({})", self.inner)
+    }
+}
+
+impl Faulty {
+    fn inject(&self, op: Op, nth: usize, times: usize) {
+        let mut faults = self.faults.lock().unwrap();
+        faults.retain(|f| f.0 != op);
+        faults.push((op, nth, times));
+        self.seen.lock().unwrap().retain(|o| *o != op);
+    }
+
+    /// Whether this request of kind `op` is to fail.
+    fn hit(&self, op: Op) -> bool {
+        let mut seen = self.seen.lock().unwrap();
+        seen.push(op);
+        let count = seen.iter().filter(|o| **o == op).count();
+        let mut faults = self.faults.lock().unwrap();
+        match faults.iter_mut().find(|f| f.0 == op) {
+            Some((_, nth, times)) if count >= *nth && *times > 0 => {
+                *times -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn injected(op: Op) -> object_store::Error {
+        object_store::Error::Generic {
+            store: "Faulty",
+            source: format!("injected failure of {op:?}").into(),
+        }
+    }
+}
+
+#[async_trait]
+impl ObjectStore for Faulty {
+    async fn put_opts(
+        &self,
+        location: &Key,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Key,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &Key,
+        mut options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        if let Some(GetRange::Bounded(r)) = &options.range {
+            if r.end - r.start > 1 && self.hit(Op::ShortGet) {
+                options.range = Some(GetRange::Bounded(r.start..r.end - 1));
+            }
+        }
+        self.inner.get_opts(location, options).await
+    }
+
+    async fn get_ranges(
+        &self,
+        location: &Key,
+        ranges: &[Range<u64>],
+    ) -> object_store::Result<Vec<bytes::Bytes>> {
+        self.inner.get_ranges(location, ranges).await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Key>>,
+    ) -> BoxStream<'static, object_store::Result<Key>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(&self, prefix: Option<&Key>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Key>) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &Key,
+        to: &Key,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+#[async_trait]
+impl MultipartStore for Faulty {
+    async fn create_multipart(&self, path: &Key) -> object_store::Result<MultipartId> {
+        self.inner.create_multipart(path).await
+    }
+
+    async fn put_part(
+        &self,
+        path: &Key,
+        id: &MultipartId,
+        part_idx: usize,
+        data: PutPayload,
+    ) -> object_store::Result<PartId> {
+        if self.hit(Op::PutPart) {
+            return Err(Self::injected(Op::PutPart));
+        }
+        self.inner.put_part(path, id, part_idx, data).await
+    }
+
+    async fn complete_multipart(
+        &self,
+        path: &Key,
+        id: &MultipartId,
+        parts: Vec<PartId>,
+    ) -> object_store::Result<PutResult> {
+        if self.hit(Op::Complete) {
+            return Err(Self::injected(Op::Complete));
+        }
+        self.inner.complete_multipart(path, id, parts).await
+    }
+
+    async fn abort_multipart(&self, path: &Key, id: &MultipartId) -> object_store::Result<()> {
+        if self.hit(Op::Abort) {
+            return Err(Self::injected(Op::Abort));
+        }
+        self.inner.abort_multipart(path, id).await
+    }
+}
+
+fn setup() -> (Arc<Faulty>, ObjectStorage, SyntheticModel) {
+    let store = Arc::new(Faulty::default());
+    let storage = ObjectStorage::with_store(store.clone(), "memory://faults", "ck");
+    // Big enough for multipart data files (over 8 MiB each).
+    let spec = "tables=2,rows=40000,dim=64,slots=embedding+adagrad,dense=1MiB,seed=5";
+    let model = SyntheticModel::generate(&spec.parse().unwrap()).unwrap();
+    (store, storage, model)
+}
+
+fn opts() -> SaveOptions {
+    let mut o = SaveOptions {
+        overwrite: true,
+        ..SaveOptions::default()
+    };
+    o.plan.parallel = 2;
+    o
+}
+
+/// No checkpoint and nothing of the failed save (no data, no marker, no open upload) is left.
+fn nothing_left(storage: &ObjectStorage) {
+    let names = storage.list().unwrap();
+    assert!(
+        names.is_empty(),
+        "a failed single-process save left {names:?}"
+    );
+}
+
+#[test]
+fn failed_part_uploads_and_completions_fail_the_save_cleanly_and_a_retry_commits() {
+    for (op, nth) in [
+        (Op::PutPart, 1),
+        (Op::PutPart, 3),
+        (Op::Complete, 1),
+        (Op::PutPart, 5),
+    ] {
+        let (store, storage, model) = setup();
+        store.inject(op, nth, 1);
+        let err = save_to(&storage, model.input(), &opts()).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("memory://faults/ck/"), "{op:?} {nth}: {msg}");
+        assert!(msg.contains("injected failure"), "{op:?} {nth}: {msg}");
+        assert_eq!(msg.lines().count(), 1, "{msg}");
+        nothing_left(&storage);
+        let report = save_to(&storage, model.input(), &opts()).unwrap();
+        assert!(report.committed);
+        assert_eq!(verify_storage(&storage, 2).unwrap().status, Status::Ok);
+    }
+}
+
+#[test]
+fn an_abort_that_fails_is_finished_through_the_upload_marker() {
+    let (store, storage, model) = setup();
+    // The part fails, and so does the abort that follows it: the save's cleanup removes the
+    // file's marker, which aborts the upload again.
+    store.inject(Op::PutPart, 2, 1);
+    let err = save_to(&storage, model.input(), &opts()).unwrap_err();
+    assert!(err.to_string().contains("injected failure"), "{err}");
+    nothing_left(&storage);
+
+    store.inject(Op::Abort, 1, 1);
+    store.inject(Op::PutPart, 1, 1);
+    let _ = save_to(&storage, model.input(), &opts()).unwrap_err();
+    // The first abort failed: the cleanup's removal of the marker retried it, or left the marker
+    // for the next save (never an upload with no marker).
+    let left: Vec<String> = storage.list().unwrap();
+    assert!(
+        left.iter().all(|n| n.ends_with(".upload")),
+        "only markers may be left: {left:?}"
+    );
+    let report = save_to(&storage, model.input(), &opts()).unwrap();
+    assert!(report.committed);
+}
+
+#[test]
+fn a_short_ranged_read_is_an_error_naming_the_object() {
+    let (store, storage, model) = setup();
+    save_to(&storage, model.input(), &opts()).unwrap();
+    let ck = Checkpoint::open_storage(Arc::new(storage.clone())).unwrap();
+    store.inject(Op::ShortGet, 1, usize::MAX);
+    let err = ck
+        .load_columns(&LoadOptions::default())
+        .err()
+        .expect("a short read fails the load");
+    let msg = err.to_string();
+    assert!(msg.contains("memory://faults/ck/model-"), "{msg}");
+    assert_eq!(msg.lines().count(), 1, "{msg}");
+    let report = verify_storage(&storage, 2).unwrap();
+    assert_ne!(report.status, Status::Ok, "a short read must not verify");
+}
