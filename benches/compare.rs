@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::{gib_s, human, median, rss};
+
 use std::time::Instant;
 
 use saver::core::synthetic::{parse_size, SyntheticModel, SyntheticSpec};
@@ -15,11 +17,6 @@ use saver::{save, Checkpoint, DirectIo, LoadOptions, SaveOptions};
 
 /// One benchmarked configuration: runs once, returns what it built (dropped untimed).
 type Run<'a> = Box<dyn FnMut() -> Box<dyn std::any::Any> + 'a>;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
 
 /// Runs every configuration once per round, for a warm-up round and `runs` timed rounds, with a
 /// `sync` before each timed run so every run starts without dirty pages. Interleaving spreads this
@@ -40,21 +37,6 @@ fn interleaved(runs: usize, configs: &mut [(String, Run<'_>)]) -> Vec<f64> {
         }
     }
     times.into_iter().map(median).collect()
-}
-
-/// Resident and peak-resident memory of this process, from /proc/self/status (bytes).
-fn rss() -> (u64, u64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |k: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(k))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-            * 1024
-    };
-    (field("VmRSS:"), field("VmHWM:"))
 }
 
 /// Resets the peak-RSS counter (Linux: writing 5 to clear_refs), so VmHWM measures what follows.
@@ -82,22 +64,10 @@ fn opts(flags: &Flags, parallel: usize, durable: bool, shards: u32) -> SaveOptio
     o
 }
 
-fn gib_s(bytes: u64, secs: f64) -> String {
-    format!("{:.2} GiB/s", bytes as f64 / secs / (1u64 << 30) as f64)
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let arg = |k: &str| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let size = arg("--size")
-        .and_then(|s| parse_size(&s))
-        .unwrap_or(2 << 30);
-    let runs: usize = arg("--runs").and_then(|s| s.parse().ok()).unwrap_or(3);
+    let arg = common::arg;
+    let (size, runs) = common::size_and_runs();
     let plan_memory = arg("--plan-memory")
         .and_then(|s| parse_size(&s))
         .unwrap_or(saver::PlanOptions::default().plan_memory);
@@ -281,12 +251,4 @@ fn main() {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-fn human(b: u64) -> String {
-    if b >= 1 << 30 {
-        format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
-    } else {
-        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
-    }
 }

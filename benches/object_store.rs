@@ -15,17 +15,19 @@ mod garage;
 
 mod common;
 
+use common::{gib_s, human, median, rss};
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::aws::AmazonS3;
 use object_store::multipart::MultipartStore;
 use object_store::path::Path as Key;
 use object_store::{ObjectStoreExt, PutPayload};
-use saver::core::synthetic::{parse_size, SyntheticModel, SyntheticSpec};
+use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver::io::storage::{ObjectStorage, Storage};
 use saver::{save, Checkpoint, LoadOptions, SaveOptions};
 
@@ -34,11 +36,6 @@ type Run<'a> = Box<dyn FnMut() -> f64 + 'a>;
 
 const PIECE: u64 = 8 << 20;
 const IN_FLIGHT: usize = 8;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
 
 fn interleaved(runs: usize, configs: &mut [(String, Run<'_>)]) -> Vec<f64> {
     let mut times = vec![Vec::new(); configs.len()];
@@ -54,38 +51,12 @@ fn interleaved(runs: usize, configs: &mut [(String, Run<'_>)]) -> Vec<f64> {
     times.into_iter().map(median).collect()
 }
 
-fn rss() -> (u64, u64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |k: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(k))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-            * 1024
-    };
-    (field("VmRSS:"), field("VmHWM:"))
-}
-
 /// Peak resident memory that `f` adds to this process (`None` where it cannot be measured).
 fn peak_of<T>(f: impl FnOnce() -> T) -> (Option<u64>, T) {
     let (before, _) = rss();
     let ok = std::fs::write("/proc/self/clear_refs", "5").is_ok();
     let out = f();
     (ok.then(|| rss().1.saturating_sub(before)), out)
-}
-
-fn human(b: u64) -> String {
-    if b >= 1 << 30 {
-        format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
-    } else {
-        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
-    }
-}
-
-fn gib_s(bytes: u64, secs: f64) -> String {
-    format!("{:.2} GiB/s", bytes as f64 / secs / (1u64 << 30) as f64)
 }
 
 /// The baseline of a save: one multipart upload of `bytes` bytes, [`PIECE`] parts, [`IN_FLIGHT`]
@@ -162,33 +133,13 @@ fn opts(parallel: usize, shards: u32) -> SaveOptions {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let arg = |k: &str| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let size = arg("--size")
-        .and_then(|s| parse_size(&s))
-        .unwrap_or(2 << 30);
-    let runs: usize = arg("--runs").and_then(|s| s.parse().ok()).unwrap_or(3);
+    let (size, runs) = common::size_and_runs();
     let Some(g) = garage::Garage::start() else {
         eprintln!("no garage binary: cargo install --locked garage");
         return;
     };
     g.set_env();
-    let s3 = Arc::new(
-        AmazonS3Builder::new()
-            .with_bucket_name(&g.bucket)
-            .with_region("garage")
-            .with_endpoint(&g.endpoint)
-            .with_allow_http(true)
-            .with_access_key_id(&g.key_id)
-            .with_secret_access_key(&g.secret)
-            .build()
-            .unwrap(),
-    );
+    let s3 = g.s3_client();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

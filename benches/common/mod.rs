@@ -119,3 +119,56 @@ pub fn train_step(t: &saver::EmbeddingTable, hot: u64, batch: u64, r: &mut u64) 
         });
     }
 }
+
+/// The median of `v` (not empty).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// Resident and peak-resident memory of this process, from /proc/self/status (bytes).
+pub fn rss() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |k: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// `bytes` in GiB or MiB.
+pub fn human(b: u64) -> String {
+    if b >= 1 << 30 {
+        format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    }
+}
+
+/// `bytes` moved in `secs`, in GiB/s.
+pub fn gib_s(bytes: u64, secs: f64) -> String {
+    format!("{:.2} GiB/s", bytes as f64 / secs / (1u64 << 30) as f64)
+}
+
+/// The value after `name` on the benchmark's command line (`--size 2GiB`), if given.
+pub fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
+/// `--size` (default 2 GiB) and `--runs` (default 3).
+pub fn size_and_runs() -> (u64, usize) {
+    let size = arg("--size")
+        .and_then(|s| saver::core::synthetic::parse_size(&s))
+        .unwrap_or(2 << 30);
+    let runs = arg("--runs").and_then(|s| s.parse().ok()).unwrap_or(3);
+    (size, runs)
+}

@@ -269,6 +269,22 @@ admin_token = "saver-test-admin"
         }
     }
 
+    /// An `object_store` client of the server's bucket with the server's own credentials (not
+    /// this process's environment, which the servers of several tests would share).
+    pub fn s3_client(&self) -> std::sync::Arc<object_store::aws::AmazonS3> {
+        std::sync::Arc::new(
+            object_store::aws::AmazonS3Builder::new()
+                .with_bucket_name(&self.bucket)
+                .with_region("garage")
+                .with_endpoint(&self.endpoint)
+                .with_allow_http(true)
+                .with_access_key_id(&self.key_id)
+                .with_secret_access_key(&self.secret)
+                .build()
+                .expect("a client of the test server"),
+        )
+    }
+
     /// `s3://<bucket>/<prefix>`.
     pub fn url(&self, prefix: &str) -> String {
         format!("s3://{}/{prefix}", self.bucket)

@@ -130,11 +130,14 @@ fn json_field(text: &str, field: &str) -> serde_json::Value {
     v[field].clone()
 }
 
-fn local_saver(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_saver"))
-        .args(args)
-        .output()
-        .unwrap();
+/// `saver args` in the test's own namespace (against the server, if given).
+fn local_saver(g: Option<&Garage>, args: &[&str]) -> String {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_saver"));
+    c.args(args);
+    if let Some(g) = g {
+        c.envs(g.env()).env("AWS_ALLOW_HTTP", "true");
+    }
+    let out = c.output().unwrap();
     assert!(
         out.status.success(),
         "{}",
@@ -167,8 +170,8 @@ fn writers_and_readers_on_separate_hosts_share_one_checkpoint_in_the_store() {
     let local = tempfile::tempdir().unwrap();
     let local_ck = local.path().join("ck");
     let local_ck = local_ck.to_str().unwrap();
-    local_saver(&["save", "--synthetic", model, "--out", local_ck]);
-    let want_digest = local_saver(&["digest", local_ck]).trim().to_string();
+    local_saver(None, &["save", "--synthetic", model, "--out", local_ck]);
+    let want_digest = local_saver(None, &["digest", local_ck]).trim().to_string();
 
     for round in 0..3 {
         let url = g.url(&format!("hosts/ck{round}"));
@@ -217,7 +220,7 @@ fn writers_and_readers_on_separate_hosts_share_one_checkpoint_in_the_store() {
         assert!(committed_here >= 1, "no writer committed");
 
         // The manifest names the writers' hosts: three hosts wrote one save.
-        let inspect = local_saver_with(&g, &["inspect", "--json", &url]);
+        let inspect = local_saver(Some(&g), &["inspect", "--json", &url]);
         for i in 0..WRITERS {
             assert!(inspect.contains(&format!("host-{i}")), "{inspect}");
         }
@@ -249,15 +252,18 @@ fn writers_and_readers_on_separate_hosts_share_one_checkpoint_in_the_store() {
             .collect();
         for (j, r) in readers.into_iter().enumerate() {
             let report = finished(&format!("reader {j}"), r);
-            let want = local_saver(&[
-                "load",
-                local_ck,
-                "--shards",
-                &READERS.to_string(),
-                "--shard-index",
-                &j.to_string(),
-                "--json",
-            ]);
+            let want = local_saver(
+                None,
+                &[
+                    "load",
+                    local_ck,
+                    "--shards",
+                    &READERS.to_string(),
+                    "--shard-index",
+                    &j.to_string(),
+                    "--json",
+                ],
+            );
             assert_eq!(
                 json_field(&report, "digest"),
                 json_field(&want, "digest"),
@@ -278,20 +284,4 @@ fn writers_and_readers_on_separate_hosts_share_one_checkpoint_in_the_store() {
         );
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want_digest);
     }
-}
-
-/// `saver args` in the test's own namespace, against the server.
-fn local_saver_with(g: &Garage, args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_saver"))
-        .args(args)
-        .envs(g.env())
-        .env("AWS_ALLOW_HTTP", "true")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).to_string()
 }

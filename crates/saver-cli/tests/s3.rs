@@ -48,25 +48,9 @@ fn digest(g: &Garage, dir: &str) -> String {
     ok(g, &["digest", dir]).trim().to_string()
 }
 
-/// A client of the server with its own credentials (not this process's environment, which the
-/// tests' servers would share).
-fn client_of(g: &Garage) -> std::sync::Arc<object_store::aws::AmazonS3> {
-    std::sync::Arc::new(
-        object_store::aws::AmazonS3Builder::new()
-            .with_bucket_name(&g.bucket)
-            .with_region("garage")
-            .with_endpoint(&g.endpoint)
-            .with_allow_http(true)
-            .with_access_key_id(&g.key_id)
-            .with_secret_access_key(&g.secret)
-            .build()
-            .unwrap(),
-    )
-}
-
 /// The server's `prefix` as a storage.
 fn prefix_of(g: &Garage, prefix: &str) -> ObjectStorage {
-    ObjectStorage::with_store(client_of(g), &format!("s3://{}", g.bucket), prefix)
+    ObjectStorage::with_store(g.s3_client(), &format!("s3://{}", g.bucket), prefix)
 }
 
 /// The uploads that upload markers under `prefix` record: (data object key, upload id).
@@ -92,7 +76,7 @@ fn recorded_uploads(g: &Garage, prefix: &str) -> Vec<(String, String)> {
 /// takes none.
 fn upload_is_open(g: &Garage, key: &str, id: &str) -> bool {
     use object_store::multipart::MultipartStore;
-    let s3 = client_of(g);
+    let s3 = g.s3_client();
     let (key, id) = (object_store::path::Path::from(key), id.to_string());
     let rt = tokio_rt();
     rt.block_on(s3.put_part(&key, &id, 0, vec![0u8; 16].into()))
