@@ -58,18 +58,29 @@ pub(crate) fn process_start(pid: u32) -> Option<u64> {
     after_name.split_whitespace().nth(19)?.parse().ok()
 }
 
-/// Whether the process `pid` that started at `start` (see [`process_start`]) on host `host` is
-/// known to have ended: only a process of this host can be known to, and only when it is gone or
-/// its pid now names a process that started at another time.
-pub(crate) fn has_ended(host: &str, pid: u32, start: u64) -> bool {
-    if host != host_name() || pid == 0 {
+/// The pid namespace this process runs in, named so that no other machine, boot or container
+/// shares the name: the kernel's boot id and the namespace's inode. A pid means something only
+/// within its namespace, so only there can a process be known to have ended. `None` where
+/// `/proc` does not tell.
+pub(crate) fn pid_namespace() -> Option<&'static str> {
+    static NS: OnceLock<Option<String>> = OnceLock::new();
+    NS.get_or_init(|| {
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        let ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
+        Some(format!("{}/{}", boot.trim(), ns.display()))
+    })
+    .as_deref()
+}
+
+/// Whether the process `pid` of pid namespace `namespace` (see [`pid_namespace`]) that started
+/// at `start` (see [`process_start`]) is known to have ended: only a process of this namespace
+/// can be, and only when it is gone or its pid now names a process that started at another
+/// time. Host names are no test: two containers may share one.
+pub(crate) fn has_ended(namespace: &str, pid: u32, start: u64) -> bool {
+    if pid == 0 || start == 0 || pid_namespace() != Some(namespace) {
         return false;
     }
-    match process_start(pid) {
-        Some(now) => start != 0 && now != start,
-        // No such process, unless /proc cannot be read at all here.
-        None => process_start(std::process::id()).is_some(),
-    }
+    process_start(pid).is_none_or(|now| now != start)
 }
 
 /// The identity of one save call in this process.
@@ -96,18 +107,23 @@ mod tests {
     }
 
     #[test]
-    fn only_ended_processes_of_this_host_have_ended() {
+    fn only_ended_processes_of_this_namespace_have_ended() {
+        let ns = pid_namespace().expect("/proc on Linux");
         let me = std::process::id();
         let start = process_start(me).expect("/proc on Linux");
-        assert!(!has_ended(&host_name(), me, start));
-        assert!(has_ended(&host_name(), me, start + 1), "pid reused");
-        assert!(!has_ended("some-other-host", me, start + 1));
-        let mut child = std::process::Command::new("true").spawn().unwrap();
+        assert!(!has_ended(ns, me, start));
+        assert!(has_ended(ns, me, start + 1), "pid reused");
+        assert!(!has_ended("another-machine/pid:[1]", me, start + 1));
+        assert!(!has_ended(ns, me, 0), "start unknown");
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
         let pid = child.id();
-        let child_start = process_start(pid);
+        let child_start = process_start(pid).expect("a running child");
+        assert!(!has_ended(ns, pid, child_start));
+        child.kill().unwrap();
         child.wait().unwrap();
-        if let Some(s) = child_start {
-            assert!(has_ended(&host_name(), pid, s), "reaped child");
-        }
+        assert!(has_ended(ns, pid, child_start), "killed and reaped");
     }
 }

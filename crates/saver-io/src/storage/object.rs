@@ -530,8 +530,8 @@ impl Storage for ObjectStorage {
         self.delete(&key)
     }
 
-    /// Aborts the uploads that writers of this host left when they ended without finishing them
-    /// (killed, or the machine restarted), found through their markers.
+    /// Aborts the uploads that processes of this pid namespace (this machine, this boot) left
+    /// when they ended without finishing them (killed), found through their markers.
     fn clean_ended_writers(&self) -> Result<Vec<String>> {
         let mut cleaned = Vec::new();
         for name in self.list()? {
@@ -542,7 +542,7 @@ impl Storage for ObjectStorage {
                 continue;
             };
             let ended = UploadRecord::parse(&bytes)
-                .is_some_and(|r| crate::owner::has_ended(&r.host, r.pid, r.start));
+                .is_some_and(|r| crate::owner::has_ended(&r.namespace, r.pid, r.start));
             if ended {
                 self.remove(&name)?;
                 cleaned.push(name);
@@ -679,7 +679,11 @@ fn upload_marker_target(name: &str) -> Option<&str> {
 #[derive(serde::Serialize, serde::Deserialize)]
 struct UploadRecord {
     upload_id: String,
+    /// For people reading the marker.
     host: String,
+    /// The pid namespace of the process ([`crate::owner::pid_namespace`]); empty if unknown.
+    #[serde(default)]
+    namespace: String,
     pid: u32,
     /// When the process started ([`crate::owner::process_start`]); 0 if unknown.
     start: u64,
@@ -691,6 +695,9 @@ impl UploadRecord {
         Self {
             upload_id,
             host: crate::owner::host_name(),
+            namespace: crate::owner::pid_namespace()
+                .unwrap_or_default()
+                .to_string(),
             pid,
             start: crate::owner::process_start(pid).unwrap_or(0),
         }
@@ -1102,13 +1109,18 @@ mod tests {
             "this process runs"
         );
 
-        // Make the second upload's record name a process of this host that has ended.
-        let mut child = std::process::Command::new("true").spawn().unwrap();
+        // Make the second upload's record name a process of this machine that has ended.
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
         let pid = child.id();
+        let start = crate::owner::process_start(pid).expect("a running child");
+        child.kill().unwrap();
         child.wait().unwrap();
         let marker = markers.iter().find(|m| m.starts_with("dead.")).unwrap();
         let mut record = UploadRecord::parse(&storage.get(marker, 4096).unwrap()).unwrap();
-        (record.pid, record.start) = (pid, 0);
+        (record.pid, record.start) = (pid, start);
         storage.put(marker, &record.to_bytes(), false).unwrap();
         assert_eq!(storage.clean_ended_writers().unwrap(), vec![marker.clone()]);
         assert!(
