@@ -37,6 +37,8 @@ struct Faulty {
     inner: InMemory,
     faults: Mutex<Vec<(Op, usize, usize)>>,
     seen: Mutex<Vec<Op>>,
+    /// Accept `If-None-Match: *` and overwrite anyway, as Garage 2.5 does.
+    ignores_conditions: bool,
 }
 
 impl fmt::Display for Faulty {
@@ -82,8 +84,11 @@ impl ObjectStore for Faulty {
         &self,
         location: &Key,
         payload: PutPayload,
-        opts: PutOptions,
+        mut opts: PutOptions,
     ) -> object_store::Result<PutResult> {
+        if self.ignores_conditions {
+            opts.mode = object_store::PutMode::Overwrite;
+        }
         self.inner.put_opts(location, payload, opts).await
     }
 
@@ -268,4 +273,43 @@ fn a_short_ranged_read_is_an_error_naming_the_object() {
     assert_eq!(msg.lines().count(), 1, "{msg}");
     let report = verify_storage(&storage, 2).unwrap();
     assert_ne!(report.status, Status::Ok, "a short read must not verify");
+}
+
+/// On a store that ignores conditional writes there is no commit lock, so the processes of one
+/// save commit at the same moment: each must see the save committed (by itself or another of
+/// them), never mistake its own save's index for a rival's.
+#[test]
+fn writers_of_one_save_commit_together_without_a_lock() {
+    let store = Arc::new(Faulty {
+        ignores_conditions: true,
+        ..Faulty::default()
+    });
+    let storage = ObjectStorage::with_store(store, "memory://nolock", "ck");
+    assert!(!storage.honours_conditional_create().unwrap());
+    let spec = "tables=2,rows=3000,dim=8,slots=embedding,dense=64KiB,seed=9";
+    let model = SyntheticModel::generate(&spec.parse().unwrap()).unwrap();
+    for round in 0..100 {
+        let reports: Vec<_> = std::thread::scope(|s| {
+            let running: Vec<_> = (0..3u32)
+                .map(|i| {
+                    let (storage, model) = (&storage, &model);
+                    s.spawn(move || {
+                        let mut o = opts();
+                        o.plan.shard_num = 3;
+                        o.plan.shard_index = Some(i);
+                        o.plan.foreign_rows = saver::core::plan::ForeignRows::Skip;
+                        o.save_id = Some(format!("r{round}"));
+                        o.wait = Some(std::time::Duration::from_secs(30));
+                        save_to(storage, model.input(), &o)
+                    })
+                })
+                .collect();
+            running.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in reports {
+            let r = r.unwrap_or_else(|e| panic!("round {round}: {e}"));
+            assert!(r.committed, "round {round}");
+        }
+        assert_eq!(verify_storage(&storage, 2).unwrap().status, Status::Ok);
+    }
 }

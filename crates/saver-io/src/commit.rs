@@ -193,6 +193,11 @@ pub fn try_commit(
     }
     check_not_rejected(storage, save_id)?;
     let current = committed(storage)?;
+    // Without a lock (an object store without conditional writes), another process of this save
+    // may have committed it since the check above: that is this save's commit, not a rival's.
+    if current.as_ref().is_some_and(|c| c.save_id == save_id) {
+        return Ok(CommitState::Committed);
+    }
     let mut manifest = match check_shards(storage, save_id, shard_num, &current)? {
         Ok(m) => m,
         Err(why) => return Err(mark_rejected(storage, save_id, &why)?),
