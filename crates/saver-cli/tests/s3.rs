@@ -314,6 +314,40 @@ fn a_save_killed_mid_upload_never_leaves_a_checkpoint_that_loads() {
     assert!(open_left > 0, "no save was killed with an upload open");
 }
 
+/// The cleanup a save runs at its start never touches the uploads of a save that is running in
+/// another process: raced here against live saves, many times, while their uploads are open.
+#[test]
+fn cleanups_leave_the_uploads_of_running_saves_alone() {
+    let Some(g) = Garage::start() else { return };
+    let mut saw_open = 0;
+    for round in 0..3 {
+        let prefix = format!("live/ck{round}");
+        let url = g.url(&prefix);
+        let mut child = saver_cmd(&g, &["save", "--synthetic", "small", "--out", &url])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let storage = prefix_of(&g, &prefix);
+        while child.try_wait().unwrap().is_none() {
+            saw_open += usize::from(!recorded_uploads(&g, &prefix).is_empty());
+            assert_eq!(
+                storage.clean_ended_writers().unwrap(),
+                Vec::<String>::new(),
+                "a cleanup took a running save's upload"
+            );
+        }
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(committed_and_intact(&g, &url));
+    }
+    assert!(saw_open > 0, "no cleanup ran while an upload was open");
+}
+
 #[test]
 fn a_server_that_stops_mid_save_is_an_error_naming_the_store_and_a_retry_commits() {
     let Some(mut g) = Garage::start() else { return };
