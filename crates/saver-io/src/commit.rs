@@ -188,16 +188,14 @@ pub fn try_commit(
         return Ok(CommitState::Missing(missing));
     }
     let lock = storage.lock_commit(COMMIT_LOCK_WAIT)?;
-    if is_committed(storage, save_id)? {
-        return Ok(CommitState::Committed);
-    }
-    check_not_rejected(storage, save_id)?;
+    // Another process of this save may have committed it since the check above (under the lock
+    // before ours, or, on an object store without conditional writes, with no lock at all): that
+    // is this save's commit, not a rival's.
     let current = committed(storage)?;
-    // Without a lock (an object store without conditional writes), another process of this save
-    // may have committed it since the check above: that is this save's commit, not a rival's.
     if current.as_ref().is_some_and(|c| c.save_id == save_id) {
         return Ok(CommitState::Committed);
     }
+    check_not_rejected(storage, save_id)?;
     let mut manifest = match check_shards(storage, save_id, shard_num, &current)? {
         Ok(m) => m,
         Err(why) => return Err(mark_rejected(storage, save_id, &why)?),

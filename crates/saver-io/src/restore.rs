@@ -224,6 +224,15 @@ pub(crate) struct SegmentRead<'m> {
     pub whole: bool,
 }
 
+/// Ids to scan for the first row of `bucket`, an edge (0: start, 1: end) of read `read`'s target.
+struct EdgeScan {
+    read: usize,
+    edge: usize,
+    bucket: u32,
+    rows: Range<u64>,
+    ids: Vec<u8>,
+}
+
 /// Where the first row of a bucket lies, as far as a bucket index tells.
 enum RowOf {
     /// This row.
@@ -572,46 +581,52 @@ impl Checkpoint {
             .collect();
         self.read_tensor_ranges(&mut batch)?;
         drop(batch);
-        let mut edges = Vec::with_capacity(reads.len());
-        for (r, raw) in reads.iter().zip(&raws) {
+        // The first row of each read's target edges; an edge the index does not pin down is
+        // found by scanning ids, queued here.
+        let mut edges = vec![[0u64; 2]; reads.len()];
+        let mut scans: Vec<EdgeScan> = Vec::new();
+        for (i, (r, raw)) in reads.iter().zip(&raws).enumerate() {
             report.bytes_read += raw.len() as u64;
             report.tensors_checked += 1;
             let entries = Self::bucket_entries(r.seg, raw)?;
-            edges.push([
-                Self::first_row_of(r.seg, &entries, r.target.start),
-                Self::first_row_of(r.seg, &entries, r.target.end),
-            ]);
-        }
-        drop(raws);
-        let mut scans: Vec<(usize, usize, Vec<u8>)> = Vec::new();
-        for (i, pair) in edges.iter().enumerate() {
-            for (k, e) in pair.iter().enumerate() {
-                if let RowOf::Scan(rows) = e {
-                    scans.push((i, k, vec![0u8; ((rows.end - rows.start) * 8) as usize]));
+            for (k, bucket) in [r.target.start, r.target.end].into_iter().enumerate() {
+                match Self::first_row_of(r.seg, &entries, bucket) {
+                    RowOf::Found(row) => edges[i][k] = row,
+                    RowOf::Scan(rows) => {
+                        let ids = vec![0u8; ((rows.end - rows.start) * 8) as usize];
+                        scans.push(EdgeScan {
+                            read: i,
+                            edge: k,
+                            bucket,
+                            rows,
+                            ids,
+                        });
+                    }
                 }
             }
         }
+        drop(raws);
         let mut batch: Vec<(&TensorRef, u64, &mut [u8])> = scans
             .iter_mut()
-            .map(|(i, k, buf)| {
-                let RowOf::Scan(rows) = &edges[*i][*k] else {
-                    unreachable!("only scans were collected")
-                };
-                (&reads[*i].seg.ids, rows.start * 8, buf.as_mut_slice())
+            .map(|e| {
+                (
+                    &reads[e.read].seg.ids,
+                    e.rows.start * 8,
+                    e.ids.as_mut_slice(),
+                )
             })
             .collect();
         self.read_tensor_ranges(&mut batch)?;
         drop(batch);
-        for (i, k, ids) in scans {
+        for EdgeScan {
+            read: i,
+            edge: k,
+            bucket,
+            rows,
+            ids,
+        } in scans
+        {
             report.bytes_read += ids.len() as u64;
-            let RowOf::Scan(rows) = &edges[i][k] else {
-                unreachable!("only scans were collected")
-            };
-            let bucket = if k == 0 {
-                reads[i].target.start
-            } else {
-                reads[i].target.end
-            };
             let skip = ids
                 .chunks_exact(8)
                 .position(|c| {
@@ -619,14 +634,11 @@ impl Checkpoint {
                         >= bucket
                 })
                 .map_or(rows.end - rows.start, |n| n as u64);
-            edges[i][k] = RowOf::Found(rows.start + skip);
+            edges[i][k] = rows.start + skip;
         }
         let mut out: Vec<Vec<SegmentRead<'m>>> = requests.iter().map(|_| Vec::new()).collect();
-        for ((mut r, pair), n) in reads.into_iter().zip(&edges).zip(owner) {
-            let (RowOf::Found(lo), RowOf::Found(hi)) = (&pair[0], &pair[1]) else {
-                unreachable!("every scan was resolved")
-            };
-            r.rows = *lo..*hi;
+        for ((mut r, [lo, hi]), n) in reads.into_iter().zip(edges).zip(owner) {
+            r.rows = lo..hi;
             debug_assert!(!r.whole || r.rows == (0..r.seg.rows));
             out[n].push(r);
         }

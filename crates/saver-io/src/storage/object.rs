@@ -362,6 +362,22 @@ impl ObjectStorage {
         }
     }
 
+    /// What upload marker `name` records, if it is one, is still there and reads as a record:
+    /// the data object's key and the record. The key comes from the marker's own name, never
+    /// from its contents: a marker cannot make us abort another object's upload.
+    fn marker_record(&self, name: &str) -> Result<Option<(ObjectPath, UploadRecord)>> {
+        let Some(data) = upload_marker_target(name) else {
+            return Ok(None);
+        };
+        let Some((bytes, _)) = self.get_versioned(&self.key(name)?, 4096)? else {
+            return Ok(None);
+        };
+        match UploadRecord::parse(&bytes) {
+            Some(record) => Ok(Some((self.key(data)?, record))),
+            None => Ok(None),
+        }
+    }
+
     fn delete(&self, key: &ObjectPath) -> Result<()> {
         let (c, k) = (self.client.clone(), key.clone());
         match block(async move { c.store.delete(&k).await }) {
@@ -517,17 +533,10 @@ impl Storage for ObjectStorage {
 
     /// Removing an upload marker aborts the upload it records first.
     fn remove(&self, name: &str) -> Result<()> {
-        let key = self.key(name)?;
-        if let Some(data) = upload_marker_target(name) {
-            if let Some((bytes, _)) = self.get_versioned(&key, 4096)? {
-                if let Some(record) = UploadRecord::parse(&bytes) {
-                    // The data file's key comes from the marker's own name, never from its
-                    // contents: a marker cannot make us abort another object's upload.
-                    self.abort_upload(&self.key(data)?, &record.upload_id)?;
-                }
-            }
+        if let Some((data, record)) = self.marker_record(name)? {
+            self.abort_upload(&data, &record.upload_id)?;
         }
-        self.delete(&key)
+        self.delete(&self.key(name)?)
     }
 
     /// Aborts the uploads that processes of this pid namespace (this machine, this boot) left
@@ -535,16 +544,12 @@ impl Storage for ObjectStorage {
     fn clean_ended_writers(&self) -> Result<Vec<String>> {
         let mut cleaned = Vec::new();
         for name in self.list()? {
-            if upload_marker_target(&name).is_none() {
-                continue;
-            }
-            let Some((bytes, _)) = self.get_versioned(&self.key(&name)?, 4096)? else {
+            let Some((data, record)) = self.marker_record(&name)? else {
                 continue;
             };
-            let ended = UploadRecord::parse(&bytes)
-                .is_some_and(|r| crate::owner::has_ended(&r.namespace, r.pid, r.start));
-            if ended {
-                self.remove(&name)?;
+            if crate::owner::has_ended(&record.namespace, record.pid, record.start) {
+                self.abort_upload(&data, &record.upload_id)?;
+                self.delete(&self.key(&name)?)?;
                 cleaned.push(name);
             }
         }
