@@ -7,7 +7,8 @@
 //!   read amplification;
 //! * `compact` (a chain rewritten as a full checkpoint) against a full save.
 //!
-//! `cargo bench --bench delta -- [--spec criteo-kaggle,scale=0.5] [--runs 3] [--dir PATH] [--keep]`
+//! `cargo bench --bench delta -- [--spec criteo-kaggle,scale=0.5] [--runs 3] [--dir PATH] [--keep]
+//! [--only-tracked]` (`--only-tracked`: the tracked delta alone, e.g. to profile it)
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -123,13 +124,17 @@ fn main() {
     std::fs::create_dir_all(&root).unwrap();
     let m = SyntheticModel::generate(&spec.parse::<SyntheticSpec>().unwrap()).unwrap();
 
+    let only_tracked = args.iter().any(|a| a == "--only-tracked");
+
     // Full and delta saves of the same state, interleaved.
     let base = root.join("base");
-    save(&base, m.input(), &opts(None)).unwrap();
-    mutate(&m.tables, 1);
+    if !only_tracked {
+        save(&base, m.input(), &opts(None)).unwrap();
+        mutate(&m.tables, 1);
+    }
     let (mut full_t, mut delta_t) = (Vec::new(), Vec::new());
     let (full, delta) = (root.join("full"), root.join("delta"));
-    for round in 0..=runs {
+    for round in (0..=runs).filter(|_| !only_tracked) {
         for (dir, parent, times) in [
             (&full, None, &mut full_t),
             (&delta, Some(base.as_path()), &mut delta_t),
@@ -144,20 +149,22 @@ fn main() {
             }
         }
     }
-    let (fb, db) = (dir_bytes(&full), dir_bytes(&delta));
-    let (ft, dt) = (median(full_t), median(delta_t));
-    println!("| what | full save | delta (content) | ratio |");
+    println!("| what | full save | delta | ratio |");
     println!("| --- | --- | --- | --- |");
-    println!(
-        "| bytes | {:.1} MiB | {:.1} MiB | {:.4} |",
-        fb as f64 / 1048576.0,
-        db as f64 / 1048576.0,
-        db as f64 / fb as f64
-    );
-    println!(
-        "| time (durable), changes found by comparing | {ft:.2} s | {dt:.2} s | {:.3} |",
-        dt / ft
-    );
+    if !only_tracked {
+        let (fb, db) = (dir_bytes(&full), dir_bytes(&delta));
+        let (ft, dt) = (median(full_t), median(delta_t));
+        println!(
+            "| bytes | {:.1} MiB | {:.1} MiB | {:.4} |",
+            fb as f64 / 1048576.0,
+            db as f64 / 1048576.0,
+            db as f64 / fb as f64
+        );
+        println!(
+            "| time (durable), changes found by comparing | {ft:.2} s | {dt:.2} s | {:.3} |",
+            dt / ft
+        );
+    }
 
     // Tracked: each round saves a baseline, changes the tables, then times a delta of them
     // against a full save of the same state.
@@ -204,6 +211,10 @@ fn main() {
         td / tf
     );
     drop(tracked);
+    if only_tracked {
+        let _ = std::fs::remove_dir_all(&root);
+        return;
+    }
 
     // A chain of a base and 10 deltas, against its compaction.
     let mut last = base.clone();

@@ -183,11 +183,18 @@ impl Found {
     }
 }
 
+/// Rows a [`Collected`] counts as a list of buckets before it takes an array of every bucket's
+/// count: a delta's tables (a few rows each, scanned in 64 parts) would otherwise allocate,
+/// clear and add up a `BUCKETS`-long array for every part.
+const FEW_ROWS: usize = BUCKETS as usize / 8;
+
 /// What scanning threads collected: counts per bucket and, unless spilled, the rows.
 #[derive(Default)]
 struct Collected {
-    /// Rows per bucket (empty until the first part is counted).
+    /// Rows per bucket (empty until more than [`FEW_ROWS`] rows are counted).
     counts: Vec<u64>,
+    /// The bucket of each row counted, while `counts` is empty.
+    few: Vec<u32>,
     parts: Vec<MemoryPart>,
     without_handles: bool,
     foreign_count: u64,
@@ -197,10 +204,22 @@ struct Collected {
 impl Collected {
     /// Counts rows by their buckets.
     fn count(&mut self, buckets: &[u32]) {
+        if self.counts.is_empty() && self.few.len() + buckets.len() <= FEW_ROWS {
+            self.few.extend_from_slice(buckets);
+            return;
+        }
+        self.make_dense();
+        for &b in buckets {
+            self.counts[b as usize] += 1;
+        }
+    }
+
+    /// Moves the counted buckets into the array of counts.
+    fn make_dense(&mut self) {
         if self.counts.is_empty() {
             self.counts = vec![0; BUCKETS as usize];
         }
-        for &b in buckets {
+        for b in self.few.drain(..) {
             self.counts[b as usize] += 1;
         }
     }
@@ -211,20 +230,44 @@ impl Collected {
         self.foreign_first = self.foreign_first.or(f.foreign_first);
     }
 
-    fn merge(mut self, other: Self) -> Self {
+    fn merge(mut self, mut other: Self) -> Self {
+        if self.counts.is_empty() && !other.counts.is_empty() {
+            std::mem::swap(&mut self.counts, &mut other.counts);
+            std::mem::swap(&mut self.few, &mut other.few);
+        }
         if self.counts.is_empty() {
-            self.counts = other.counts;
-        } else if !other.counts.is_empty() {
-            self.counts
-                .iter_mut()
-                .zip(&other.counts)
-                .for_each(|(a, b)| *a += b);
+            self.count(&other.few);
+        } else {
+            for (a, b) in self.counts.iter_mut().zip(&other.counts) {
+                *a += b;
+            }
+            for &b in &other.few {
+                self.counts[b as usize] += 1;
+            }
         }
         self.parts.extend(other.parts);
         self.without_handles |= other.without_handles;
         self.foreign_count += other.foreign_count;
         self.foreign_first = self.foreign_first.or(other.foreign_first);
         self
+    }
+
+    /// Where each bucket's rows start (`BUCKETS + 1` offsets).
+    fn bucket_starts(&self) -> Vec<u64> {
+        if self.counts.is_empty() {
+            let mut few = self.few.clone();
+            few.sort_unstable();
+            let mut bucket_start = Vec::with_capacity(BUCKETS as usize + 1);
+            let mut at = 0;
+            for b in 0..=BUCKETS {
+                bucket_start.push(at as u64);
+                while few.get(at) == Some(&b) {
+                    at += 1;
+                }
+            }
+            return bucket_start;
+        }
+        bucket_starts(&self.counts)
     }
 }
 
@@ -321,12 +364,13 @@ pub(crate) fn scan_table<'a>(
             })
             .try_reduce(Collected::default, |a, b| Ok(a.merge(b)))?;
     }
+    let bucket_start = collected.bucket_starts();
     let Collected {
-        counts,
         parts,
         without_handles,
         foreign_count,
         foreign_first,
+        ..
     } = collected;
     if foreign_count > 0 && foreign == ForeignRows::Error {
         return Err(Error::ForeignRows {
@@ -337,7 +381,6 @@ pub(crate) fn scan_table<'a>(
         });
     }
 
-    let bucket_start = bucket_starts(&counts);
     let store = match spilled {
         Some(s) => Store::Spilled(s),
         None => Store::Memory(parts),
@@ -420,7 +463,7 @@ mod tests {
                 None => acc.parts.push(f.into_memory_part()),
             }
         }
-        let start = bucket_starts(&acc.counts);
+        let start = acc.bucket_starts();
         let store = match spilled {
             Some(s) => Store::Spilled(s),
             None => Store::Memory(acc.parts),
@@ -449,6 +492,44 @@ mod tests {
             at = end;
         }
         Ok((ids, handles))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Counting buckets gives the same starts whether the counts stay a list of buckets or
+        /// become an array, and however the parts' counts are merged.
+        #[test]
+        fn bucket_counts_are_the_same_as_lists_and_as_arrays(
+            chunks in vec(
+                (vec(0u32..BUCKETS, 0..64), 0usize..FEW_ROWS + 100),
+                1..12,
+            ),
+            split in 0usize..12,
+        ) {
+            let chunks: Vec<Vec<u32>> = chunks
+                .into_iter()
+                .map(|(mut c, extra)| {
+                    // Long chunks of one bucket push the counts past `FEW_ROWS` quickly.
+                    let fill = c.first().copied().unwrap_or(7);
+                    c.extend(std::iter::repeat_n(fill, extra));
+                    c
+                })
+                .collect();
+            let mut direct = vec![0u64; BUCKETS as usize];
+            for &b in chunks.iter().flatten() {
+                direct[b as usize] += 1;
+            }
+            let split = split.min(chunks.len());
+            let (mut a, mut b) = (Collected::default(), Collected::default());
+            for c in &chunks[..split] {
+                a.count(c);
+            }
+            for c in &chunks[split..] {
+                b.count(c);
+            }
+            let merged = a.merge(b);
+            prop_assert_eq!(merged.bucket_starts(), bucket_starts(&direct));
+        }
     }
 
     proptest! {

@@ -331,22 +331,26 @@ impl SparseTable for TrackedChanges<'_> {
 }
 
 /// The filters of a delta's plan: a table's removed ids follow the table's ids block, and no
-/// row filter applies to them (rows were filtered when the delta was found).
+/// row filter applies to them (rows were filtered when the delta was found). Without row filters
+/// in `filters`, the plan has none either: a row filter makes the plan copy every row's values
+/// to show them to it.
 fn delta_filters(filters: &Filters) -> Filters {
     let blocks = filters.clone();
+    let kept = Filters::new().keep_blocks(move |b| match b.table.and_then(removed_table_of) {
+        Some(base) => blocks.keep_block(&BlockInfo {
+            kind: BlockKind::Ids,
+            table: Some(base),
+            slot: None,
+            dense: None,
+            shard: b.shard,
+        }),
+        None => blocks.keep_block(b),
+    });
+    if !filters.has_row_filters() {
+        return kept;
+    }
     let rows = filters.clone();
-    Filters::new()
-        .keep_blocks(move |b| match b.table.and_then(removed_table_of) {
-            Some(base) => blocks.keep_block(&BlockInfo {
-                kind: BlockKind::Ids,
-                table: Some(base),
-                slot: None,
-                dense: None,
-                shard: b.shard,
-            }),
-            None => blocks.keep_block(b),
-        })
-        .keep_rows(move |r| removed_table_of(r.table()).is_some() || rows.keep_row(r))
+    kept.keep_rows(move |r| removed_table_of(r.table()).is_some() || rows.keep_row(r))
 }
 
 /// The parent chain's slots of table `t` matching the slots `compared` of `t` (checked: same

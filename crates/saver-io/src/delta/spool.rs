@@ -1,5 +1,7 @@
 //! Rows kept aside in a nameless temporary file until the save writes them: the changed rows
-//! and removed ids a delta comparison finds, in (bucket, id bits) order.
+//! and removed ids a delta comparison finds, in (bucket, id bits) order. A spool of at most
+//! [`MEMORY_BYTES`] stays in memory: a delta has two spools a table, mostly small, and a file
+//! costs more to create than they take to hold.
 //!
 //! Each row is stored whole, id first, then every slot, so a run of rows the save asks for is
 //! one read.
@@ -17,12 +19,22 @@ use crate::source::core_error as core;
 /// Bytes gathered before they are written.
 const WRITE_BUFFER: usize = 4 << 20;
 
+/// Most bytes of a spool kept in memory rather than in a file.
+const MEMORY_BYTES: usize = 256 << 10;
+
 /// Rows of a spool the save's planner scans per part.
 const PART_ROWS: u64 = 1 << 16;
 
+/// Where a spool's rows are.
+enum Stored {
+    File(File),
+    Memory(Vec<u8>),
+}
+
 /// Rows being appended.
 pub struct Spool {
-    file: File,
+    /// Created when the rows first outgrow the write buffer.
+    file: Option<File>,
     dir: PathBuf,
     widths: Vec<usize>,
     buf: Vec<u8>,
@@ -31,15 +43,14 @@ pub struct Spool {
 }
 
 impl Spool {
-    /// An empty spool of rows of `slots`, in a nameless temporary file in `dir`.
+    /// An empty spool of rows of `slots`, in memory or in a nameless temporary file in `dir`.
     pub fn new(dir: &Path, slots: &[SlotSpec]) -> Result<Self> {
-        let file = tempfile::tempfile_in(dir).map_err(io_err("create a temporary file in", dir))?;
         let widths = slots
             .iter()
             .map(|s| s.row_bytes().map(|b| b as usize))
             .collect::<saver_core::Result<_>>()?;
         Ok(Self {
-            file,
+            file: None,
             dir: dir.to_path_buf(),
             widths,
             buf: Vec::new(),
@@ -63,8 +74,14 @@ impl Spool {
     }
 
     fn flush(&mut self) -> Result<()> {
-        self.file
-            .write_all_at(&self.buf, self.written)
+        let file = match &mut self.file {
+            Some(f) => f,
+            None => self.file.insert(
+                tempfile::tempfile_in(&self.dir)
+                    .map_err(io_err("create a temporary file in", &self.dir))?,
+            ),
+        };
+        file.write_all_at(&self.buf, self.written)
             .map_err(io_err("write a temporary file in", &self.dir))?;
         self.written += self.buf.len() as u64;
         self.buf.clear();
@@ -79,7 +96,12 @@ impl Spool {
         slots: &[SlotSpec],
         point_in_time: bool,
     ) -> Result<SpoolTable> {
-        self.flush()?;
+        let stored = if self.file.is_none() && self.buf.len() <= MEMORY_BYTES {
+            Stored::Memory(std::mem::take(&mut self.buf))
+        } else {
+            self.flush()?;
+            Stored::File(self.file.take().expect("a flush creates the file"))
+        };
         let width = 8 + self.widths.iter().sum::<usize>();
         Ok(SpoolTable {
             name: name.to_string(),
@@ -87,7 +109,7 @@ impl Spool {
             slots: slots.to_vec(),
             widths: self.widths,
             width,
-            file: self.file,
+            stored,
             dir: self.dir,
             rows: self.rows,
             point_in_time,
@@ -102,7 +124,7 @@ pub struct SpoolTable {
     slots: Vec<SlotSpec>,
     widths: Vec<usize>,
     width: usize,
-    file: File,
+    stored: Stored,
     dir: PathBuf,
     rows: u64,
     point_in_time: bool,
@@ -111,9 +133,21 @@ pub struct SpoolTable {
 impl SpoolTable {
     fn read(&self, rows: std::ops::Range<u64>, buf: &mut Vec<u8>) -> Result<()> {
         buf.resize((rows.end - rows.start) as usize * self.width, 0);
-        self.file
-            .read_exact_at(buf, rows.start * self.width as u64)
-            .map_err(io_err("read a temporary file in", &self.dir))
+        let at = rows.start * self.width as u64;
+        match &self.stored {
+            Stored::File(f) => f
+                .read_exact_at(buf, at)
+                .map_err(io_err("read a temporary file in", &self.dir)),
+            Stored::Memory(m) => {
+                let n = buf.len();
+                let rows = usize::try_from(at)
+                    .ok()
+                    .and_then(|at| m.get(at..at.checked_add(n)?))
+                    .ok_or_else(|| past_the_end(&self.name))?;
+                buf.copy_from_slice(rows);
+                Ok(())
+            }
+        }
     }
 
     /// Copies the rows of `buf` (whole rows from `first`) into `out` from row `at` on.
@@ -130,10 +164,19 @@ impl SpoolTable {
     }
 
     fn id_at(&self, row: u64) -> Result<u64> {
+        let at = row * self.width as u64;
         let mut b = [0u8; 8];
-        self.file
-            .read_exact_at(&mut b, row * self.width as u64)
-            .map_err(io_err("read a temporary file in", &self.dir))?;
+        match &self.stored {
+            Stored::File(f) => f
+                .read_exact_at(&mut b, at)
+                .map_err(io_err("read a temporary file in", &self.dir))?,
+            Stored::Memory(m) => b.copy_from_slice(
+                usize::try_from(at)
+                    .ok()
+                    .and_then(|at| m.get(at..at.checked_add(8)?))
+                    .ok_or_else(|| past_the_end(&self.name))?,
+            ),
+        }
         Ok(u64::from_le_bytes(b))
     }
 
@@ -152,6 +195,11 @@ impl SpoolTable {
         }
         Ok(None)
     }
+}
+
+/// A read past a spool's rows: a caller's bug, reported rather than a panic.
+fn past_the_end(table: &str) -> crate::error::Error {
+    crate::error::Error::Mismatch(format!("a read past the spooled rows of table {table:?}"))
 }
 
 impl SparseTable for SpoolTable {
@@ -286,5 +334,63 @@ impl TableSnapshot for SpoolSnapshot<'_> {
             i += n;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use saver_core::Dtype;
+
+    use super::*;
+
+    /// Spools of `rows` rows of a 24-byte slot, in bucket order, and what they hold.
+    fn spooled(dir: &Path, rows: u64) -> (SpoolTable, Vec<(u64, Vec<u8>)>) {
+        let slots = vec![SlotSpec::new("e", Dtype::F32, vec![6])];
+        let mut expected: Vec<(u64, Vec<u8>)> = (0..rows)
+            .map(|k| {
+                let id = saver_core::partition::fmix64(k + 1);
+                (id, (0..24).map(|b| (id as u8).wrapping_add(b)).collect())
+            })
+            .collect();
+        expected.sort_by_key(|(id, _)| (PartitionRule::bucket_of(*id), *id));
+        let mut spool = Spool::new(dir, &slots).unwrap();
+        for (id, row) in &expected {
+            spool.push(*id, &[row]).unwrap();
+        }
+        let table = spool.finish("t", KeyDtype::U64, &slots, true).unwrap();
+        (table, expected)
+    }
+
+    /// A spool small enough to stay in memory and one that goes to a file read back the same:
+    /// by scan, by handle, and by id.
+    #[test]
+    fn spools_in_memory_and_in_files_read_back_the_same() {
+        let dir = tempfile::tempdir().unwrap();
+        let per_row = 8 + 24;
+        for rows in [0, 1, 100, (MEMORY_BYTES / per_row) as u64, 200_000] {
+            let (table, expected) = spooled(dir.path(), rows);
+            let in_memory = matches!(table.stored, Stored::Memory(_));
+            assert_eq!(in_memory, rows as usize * per_row <= MEMORY_BYTES, "{rows} rows");
+            let snap = table.snapshot().unwrap();
+            let mut seen = Vec::new();
+            snap.scan(1000, true, &mut |c| {
+                for (k, &id) in c.ids.iter().enumerate() {
+                    seen.push((id, c.slots[0][k * 24..(k + 1) * 24].to_vec()));
+                }
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(seen, expected, "{rows} rows, scanned");
+            if let Some(last) = expected.last() {
+                let mut out = vec![0u8; 24];
+                snap.read_rows(&[last.0], &mut [&mut out[..]]).unwrap();
+                assert_eq!(out, last.1, "{rows} rows, read by id");
+                // SAFETY: a handle past the rows is refused, not read.
+                let past = unsafe {
+                    snap.read_rows_by_handle(&[last.0], &[rows], &mut [&mut out[..]])
+                };
+                assert!(past.is_err(), "{rows} rows: a handle past the end");
+            }
+        }
     }
 }

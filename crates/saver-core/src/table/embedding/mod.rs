@@ -8,6 +8,7 @@ mod snapshot;
 use std::ops::Range;
 
 use dashmap::{DashMap, Entry, SharedValue};
+use rayon::prelude::*;
 
 use cow::PreImages;
 pub use hasher::{IdHashBuilder, IdHasher};
@@ -54,6 +55,28 @@ fn prefetch_slot(map: &RowMap, hash: u64) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (map, hash);
+}
+
+/// Asks the CPU to start loading the `bytes` bytes at `addr`: every cache line they touch (a
+/// row of more than 128 bytes spans three or more, and a line left out costs a full miss per
+/// row). Only a hint: it reads nothing and cannot fault, whatever the address.
+#[inline(always)]
+fn prefetch_bytes(addr: u64, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        const LINE: u64 = 64;
+        let end = addr.saturating_add(bytes.max(1) as u64 - 1);
+        let mut line = addr & !(LINE - 1);
+        while line <= end {
+            // SAFETY: SSE is part of x86_64; a prefetch is a hint that never faults, whatever
+            // the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+            line += LINE;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (addr, bytes);
 }
 
 /// A concurrent embedding table: many threads insert, update, read and remove rows while another
@@ -283,6 +306,30 @@ impl EmbeddingTable {
     /// The generation a tracking table's row was last written at.
     fn stamp_of(&self, words: &[u64]) -> u64 {
         words.last().copied().unwrap_or(0)
+    }
+
+    /// The rows of `ids` in `map` (one of the table's shards, locked by the caller), `None` for
+    /// an id it does not hold. Listed ids are scattered over a map far larger than the caches:
+    /// each probe is prefetched ahead, so that the misses overlap.
+    fn rows_of<'m>(&self, map: &'m RowMap, ids: &[u64]) -> Vec<Option<&'m Row>> {
+        let hashes: Vec<u64> = ids
+            .iter()
+            .map(|id| self.rows.hash_usize(id) as u64)
+            .collect();
+        ids.iter()
+            .enumerate()
+            .map(|(k, &id)| {
+                if let Some(&ahead) = hashes.get(k + PREFETCH_AHEAD) {
+                    prefetch_slot(map, ahead);
+                }
+                map.find(hashes[k], |(key, _)| *key == id).map(|b| {
+                    // SAFETY: the bucket was just found in the map the caller keeps locked,
+                    // which the returned references borrow.
+                    let (_, row) = unsafe { b.as_ref() };
+                    row.get()
+                })
+            })
+            .collect()
     }
 
     /// The table's name. (Also [`SparseTable::name`]; inherent, so that `t.name()` compiles
@@ -756,17 +803,27 @@ impl ChangeTracking for EmbeddingTable {
         // raised first, and each shard pruned under its read lock, so that a write either
         // finds its row's stamp under the new floor and lists it, or was listed and is kept.
         t.floor.store(token, std::sync::atomic::Ordering::SeqCst);
-        for (s, shard) in self.rows.shards().iter().enumerate() {
-            let guard = shard.read();
-            lock(&t.written[s]).retain(|&id| {
-                let hash = self.rows.hash_usize(&id) as u64;
-                guard.find(hash, |(k, _)| *k == id).is_some_and(|b| {
-                    // SAFETY: the bucket was just found in the table the guard keeps locked.
-                    let (_, row) = unsafe { b.as_ref() };
-                    self.stamp_of(self.slabs.words(row.get())) >= token
-                })
+        // Their rows' stamps are prefetched ahead, like the probes; shards in parallel.
+        let stamp_at = (self.row_words * 8).saturating_sub(8) as u64;
+        self.rows
+            .shards()
+            .par_iter()
+            .enumerate()
+            .for_each(|(s, shard)| {
+                let guard = shard.read();
+                let mut written = lock(&t.written[s]);
+                let rows = self.rows_of(&guard, &written);
+                let mut k = 0;
+                // `retain` visits every element once, in order: `k` follows it.
+                written.retain(|_| {
+                    if let Some(Some(ahead)) = rows.get(k + PREFETCH_AHEAD) {
+                        prefetch_bytes(self.slabs.words(ahead).as_ptr() as u64 + stamp_at, 8);
+                    }
+                    let keep = rows[k].is_some_and(|r| self.stamp_of(self.slabs.words(r)) >= token);
+                    k += 1;
+                    keep
+                });
             });
-        }
     }
 }
 

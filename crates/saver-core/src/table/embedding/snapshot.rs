@@ -178,27 +178,6 @@ impl Drop for EmbeddingSnapshot<'_> {
     }
 }
 
-/// Asks the CPU to start loading the row at `addr`: every cache line it touches (a row of more
-/// than 128 bytes spans three or more, and a line left out costs a full miss per row).
-#[inline(always)]
-fn prefetch_row(addr: u64, row_bytes: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        const LINE: u64 = 64;
-        let end = addr.saturating_add(row_bytes.max(1) as u64 - 1);
-        let mut line = addr & !(LINE - 1);
-        while line <= end {
-            // SAFETY: SSE is part of x86_64; a prefetch is a hint that never faults, whatever
-            // the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
-            line += LINE;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (addr, row_bytes);
-}
-
 impl TableSnapshot for EmbeddingSnapshot<'_> {
     fn scan(
         &self,
@@ -234,11 +213,14 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         // reads need no lock held from the scan on (pre-images and retired rows keep them
         // right). A larger shard is handed out while it is walked, `visit` under the lock: then
         // a row filter may read the table but must not write to it.
+        // A tracking table's changes: only the rows listed as written since the token.
+        let listed = self.since.and_then(|g| t.written_since(part, g));
+        let rows_here = listed.as_ref().map_or(guard.len(), Vec::len);
         let row_bytes = 16 + if with_values { t.row_words * 8 } else { 0 };
-        let collect = guard.len().saturating_mul(row_bytes) <= COLLECT_BYTES;
+        let collect = rows_here.saturating_mul(row_bytes) <= COLLECT_BYTES;
         let hold_rows = if collect { usize::MAX } else { max_rows };
         let capacity = if collect {
-            guard.len()
+            rows_here
         } else {
             max_rows.min(1 << 16)
         };
@@ -303,16 +285,23 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
                 None => push(id, row.addr(), t.slabs.words(row)),
             }
         };
-        match self.since.and_then(|g| t.written_since(part, g)) {
-            // A tracking table's changes: only the rows listed as written since the token.
+        match listed {
+            // Listed ids are scattered over the map and the slabs, far larger than the caches:
+            // their probes, then their rows' stamps (or whole rows, when their values are
+            // wanted), are prefetched ahead of their reads, so that the misses overlap.
             Some(listed) => {
-                for id in listed {
-                    let hash = t.rows.hash_usize(&id) as u64;
-                    if let Some(bucket) = guard.find(hash, |(k, _)| *k == id) {
-                        // SAFETY: the guard keeps the table locked while the bucket is used.
-                        let (_, row) = unsafe { bucket.as_ref() };
-                        visit_row(id, row.get())?;
+                let found: Vec<(u64, &Row)> = listed
+                    .iter()
+                    .zip(t.rows_of(&guard, &listed))
+                    .filter_map(|(&id, row)| Some((id, row?)))
+                    .collect();
+                let wanted = if with_values { t.row_words * 8 } else { 8 };
+                let skip = (t.row_words * 8).saturating_sub(wanted) as u64;
+                for (k, &(id, row)) in found.iter().enumerate() {
+                    if let Some(&(_, ahead)) = found.get(k + PREFETCH_AHEAD) {
+                        super::prefetch_bytes(t.slabs.words(ahead).as_ptr() as u64 + skip, wanted);
                     }
+                    visit_row(id, row)?;
                 }
             }
             None => {
@@ -378,7 +367,7 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         }
         let row_bytes = t.row_words * 8;
         for &h in handles.iter().take(PREFETCH_AHEAD) {
-            prefetch_row(h, row_bytes);
+            super::prefetch_bytes(h, row_bytes);
         }
         let shards = t.rows.shards();
         let mut r = 0;
@@ -389,7 +378,7 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
             let run_end = (r + LOCK_RUN).min(ids.len());
             loop {
                 if let Some(&ahead) = handles.get(r + PREFETCH_AHEAD) {
-                    prefetch_row(ahead, row_bytes);
+                    super::prefetch_bytes(ahead, row_bytes);
                 }
                 // Written since the moment (or removed: handle 0): read as it was then.
                 if !pre.is_empty() && self.copy_pre_image(&mut pre, ids[r], r, out)? {
