@@ -28,7 +28,7 @@ const COALESCE_BYTES: u64 = 4096;
 pub(super) type ResolvedBatch<'a> = dyn FnMut(&mut Vec<u64>, &mut Vec<Run>) -> Result<()> + 'a;
 
 /// Most bytes of rows read in one piece through the scratch buffer when runs are coalesced.
-const WINDOW_BYTES: u64 = 8 << 20;
+const WINDOW_BYTES: u64 = 512 << 10;
 
 /// Ids read at a time by each link's cursor.
 const CURSOR_IDS: u64 = 8192;
