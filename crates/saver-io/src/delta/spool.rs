@@ -370,7 +370,11 @@ mod tests {
         for rows in [0, 1, 100, (MEMORY_BYTES / per_row) as u64, 200_000] {
             let (table, expected) = spooled(dir.path(), rows);
             let in_memory = matches!(table.stored, Stored::Memory(_));
-            assert_eq!(in_memory, rows as usize * per_row <= MEMORY_BYTES, "{rows} rows");
+            assert_eq!(
+                in_memory,
+                rows as usize * per_row <= MEMORY_BYTES,
+                "{rows} rows"
+            );
             let snap = table.snapshot().unwrap();
             let mut seen = Vec::new();
             snap.scan(1000, true, &mut |c| {
@@ -386,9 +390,8 @@ mod tests {
                 snap.read_rows(&[last.0], &mut [&mut out[..]]).unwrap();
                 assert_eq!(out, last.1, "{rows} rows, read by id");
                 // SAFETY: a handle past the rows is refused, not read.
-                let past = unsafe {
-                    snap.read_rows_by_handle(&[last.0], &[rows], &mut [&mut out[..]])
-                };
+                let past =
+                    unsafe { snap.read_rows_by_handle(&[last.0], &[rows], &mut [&mut out[..]]) };
                 assert!(past.is_err(), "{rows} rows: a handle past the end");
             }
         }
