@@ -386,6 +386,12 @@ impl Chain {
                 regions
                     .into_par_iter()
                     .map(|mut r| {
+                        // The pages faulted in by one call each, as a compacted checkpoint's
+                        // load does, rather than one trap a page in the copies below.
+                        crate::memory::prefault(bytemuck::cast_slice_mut(r.ids));
+                        for s in r.slots.iter_mut() {
+                            crate::memory::prefault(s);
+                        }
                         r.ids.copy_from_slice(&r.part_ids);
                         drop(r.part_ids);
                         RunReader::default().fill(t, &mut r.runs, &mut r.slots)

@@ -152,24 +152,7 @@ impl<'c> StoredTable<'c> {
     ) -> Result<()> {
         let segment = &self.segments[s];
         if !ids.is_empty() {
-            let t = &segment.seg.ids;
-            self.read_checked(s, usize::MAX, t, rows.start * 8, ids)?;
-            let buckets = self.segment_buckets(s);
-            let mut prev: Option<(u32, u64)> = None;
-            for c in ids.chunks_exact(8) {
-                let id = u64::from_le_bytes(c.try_into().expect("8 bytes"));
-                let b = PartitionRule::bucket_of(id);
-                if !buckets.contains(&b) || prev.is_some_and(|p| p >= (b, id)) {
-                    return Err(self.corrupt(
-                        t,
-                        format_args!(
-                            "holds id {} out of bucket order",
-                            self.table.key_dtype.format_id(id)
-                        ),
-                    ));
-                }
-                prev = Some((b, id));
-            }
+            self.read_ids(s, rows.start, ids, |_, _| {})?;
         }
         for (k, out) in slots.iter_mut().enumerate() {
             if out.is_empty() {
@@ -177,6 +160,38 @@ impl<'c> StoredTable<'c> {
             }
             let t = segment.slots[k];
             self.read_checked(s, k, t, rows.start * self.row_bytes[k], out)?;
+        }
+        Ok(())
+    }
+
+    /// Reads the ids of segment `s` from row `first` into `ids` (8 bytes each), checks that they
+    /// lie in the segment's buckets in (bucket, id bits) order, and calls `each(id, bucket)` for
+    /// each in turn.
+    pub(crate) fn read_ids(
+        &self,
+        s: usize,
+        first: u64,
+        ids: &mut [u8],
+        mut each: impl FnMut(u64, u32),
+    ) -> Result<()> {
+        let t = &self.segments[s].seg.ids;
+        self.read_checked(s, usize::MAX, t, first * 8, ids)?;
+        let buckets = self.segment_buckets(s);
+        let mut prev: Option<(u32, u64)> = None;
+        for c in ids.chunks_exact(8) {
+            let id = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+            let b = PartitionRule::bucket_of(id);
+            if !buckets.contains(&b) || prev.is_some_and(|p| p >= (b, id)) {
+                return Err(self.corrupt(
+                    t,
+                    format_args!(
+                        "holds id {} out of bucket order",
+                        self.table.key_dtype.format_id(id)
+                    ),
+                ));
+            }
+            prev = Some((b, id));
+            each(id, b);
         }
         Ok(())
     }
