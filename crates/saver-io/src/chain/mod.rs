@@ -394,7 +394,7 @@ impl Chain {
                         }
                         r.ids.copy_from_slice(&r.part_ids);
                         drop(r.part_ids);
-                        RunReader::default().fill(t, &mut r.runs, &mut r.slots)
+                        RunReader::into_final_arrays().fill(t, &mut r.runs, &mut r.slots)
                     })
                     .collect::<Result<Vec<()>>>()
             })?;

@@ -569,9 +569,20 @@ pub(super) struct RunReader {
     scratch: Vec<Vec<u8>>,
     /// Where [`RunReader::by_link`] puts runs.
     sorted: Vec<Run>,
+    /// Whether the rows go to memory that is not read again soon (a load's final arrays), and
+    /// so are better copied there past the caches.
+    streaming: bool,
 }
 
 impl RunReader {
+    /// A reader into a load's final arrays: see [`RunReader::streaming`].
+    pub(super) fn into_final_arrays() -> Self {
+        Self {
+            streaming: true,
+            ..Self::default()
+        }
+    }
+
     /// Orders `runs` by link, keeping their order within a link (a counting sort: a merge's
     /// runs number a tenth of its rows, and a comparison sort of them cost more than the rest of
     /// the merge's bookkeeping).
@@ -687,10 +698,15 @@ impl RunReader {
                     let (from, k) = ((r.first - first) as usize, r.count as usize);
                     for ((o, src), &w) in out.iter_mut().zip(&bufs).zip(&widths) {
                         if !o.is_empty() {
-                            copy_streaming(
+                            let (to, from) = (
                                 &mut o[r.at * w..(r.at + k) * w],
                                 &src[from * w..(from + k) * w],
                             );
+                            if self.streaming {
+                                copy_streaming(to, from);
+                            } else {
+                                to.copy_from_slice(from);
+                            }
                         }
                     }
                 }
