@@ -152,7 +152,7 @@ impl<'c> StoredTable<'c> {
     ) -> Result<()> {
         let segment = &self.segments[s];
         if !ids.is_empty() {
-            self.read_ids(s, rows.start, ids, |_, _| {})?;
+            self.read_ids(s, rows.start, ids, None, |_, _| {})?;
         }
         for (k, out) in slots.iter_mut().enumerate() {
             if out.is_empty() {
@@ -165,19 +165,21 @@ impl<'c> StoredTable<'c> {
     }
 
     /// Reads the ids of segment `s` from row `first` into `ids` (8 bytes each), checks that they
-    /// lie in the segment's buckets in (bucket, id bits) order, and calls `each(id, bucket)` for
+    /// lie in the segment's buckets in (bucket, id bits) order, after `after` (the (bucket, id)
+    /// of the row before `first`, when the caller read it), and calls `each(id, bucket)` for
     /// each in turn.
     pub(crate) fn read_ids(
         &self,
         s: usize,
         first: u64,
         ids: &mut [u8],
+        after: Option<(u32, u64)>,
         mut each: impl FnMut(u64, u32),
     ) -> Result<()> {
         let t = &self.segments[s].seg.ids;
         self.read_checked(s, usize::MAX, t, first * 8, ids)?;
         let buckets = self.segment_buckets(s);
-        let mut prev: Option<(u32, u64)> = None;
+        let mut prev = after;
         for c in ids.chunks_exact(8) {
             let id = u64::from_le_bytes(c.try_into().expect("8 bytes"));
             let b = PartitionRule::bucket_of(id);
