@@ -205,7 +205,7 @@ impl ReadHandle for LocalRead {
 /// Reserves the file's blocks up front: writes into allocated extents are faster than into a
 /// sparse file, and a full disk is reported before any byte is written. Falls back to a sparse
 /// `set_len` where the filesystem cannot preallocate.
-fn allocate(file: &File, len: u64) -> std::io::Result<()> {
+pub(crate) fn allocate(file: &File, len: u64) -> std::io::Result<()> {
     if len > 0 {
         // SAFETY: a valid open descriptor and in-range arguments.
         let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };

@@ -26,6 +26,7 @@ use saver_core::plan::Spill;
 use crate::spill::FileSpill;
 
 pub use faulty::{Fault, FaultyStorage};
+pub(crate) use local::allocate;
 pub use local::LocalFs;
 pub use local::LocalLock;
 #[cfg(feature = "s3")]
