@@ -81,10 +81,26 @@ fn runtime() -> &'static tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("saver-object-store")
+            .on_thread_start(block_sigpipe)
             .enable_all()
             .build()
             .expect("a tokio runtime for object storage")
     })
+}
+
+/// Keeps SIGPIPE from the calling thread. A process may give SIGPIPE its default action (the
+/// `saver` binary does, so that `saver … | head` ends quietly), and then a request written to a
+/// connection the server has just closed (`writev` sends no `MSG_NOSIGNAL`) would kill it
+/// without a word. Blocked, the signal stays pending and the write fails with `EPIPE`, which
+/// the request reports and retries like any broken connection.
+fn block_sigpipe() {
+    // SAFETY: an empty set with one valid signal added, applied to the calling thread only.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGPIPE);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
 }
 
 /// Runs `f` on the object-store runtime and waits for it. Spawned rather than `block_on`, so a
