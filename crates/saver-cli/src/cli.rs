@@ -218,7 +218,8 @@ pub struct SaveArgs {
     #[arg(long, default_value = "2GiB", value_parser = parse_size)]
     pub max_file_size: u64,
     /// Most memory the plan may hold of sorted ids and row handles (16 bytes a row); tables past
-    /// it wait in nameless temporary files in --out until written. The default keeps a save
+    /// it wait in nameless temporary files in --out until written (a plain safetensors input's
+    /// rows are listed again by bucket instead: no such files). The default keeps a save
     /// within about 64 MiB + 8 MiB per writer thread beyond the model; raise it (e.g. 1GiB) to
     /// spare a network filesystem the spill's extra 16 bytes a row of I/O.
     #[arg(long, default_value = "16MiB", value_parser = parse_size)]

@@ -211,7 +211,10 @@ impl SavePlan<'_> {
                     handles,
                     slots,
                 } = buf;
-                table.rows.copy(abs, true, ids, handles).map_err(E::from)?;
+                table
+                    .rows
+                    .copy(&*table.snapshot, abs, true, ids, handles)
+                    .map_err(E::from)?;
                 let n = ids.len();
                 slots.resize_with(table.slots.len(), Vec::new);
                 for (s, b) in slots.iter_mut().enumerate() {

@@ -121,7 +121,10 @@ pub struct PlanOptions {
     /// (saves put it in nameless temporary files of the checkpoint directory), and then takes
     /// at most 16 MiB of scan buffers while scanning, and per writer thread about one unit of
     /// rows being written: at most `chunk_bytes / 8` bytes of ids and handles (64 Ki rows, 1 MiB,
-    /// at the default chunk). Without a store, everything stays in memory.
+    /// at the default chunk). Without a store, everything stays in memory. A table whose snapshot
+    /// lists rows by bucket ([`crate::table::TableSnapshot::rows_in_buckets`], e.g. a plain
+    /// safetensors input) keeps nothing aside past the budget: the writer has each unit's rows
+    /// listed again.
     ///
     /// Default 16 MiB (a million rows): a save then holds about 64 MiB + `parallel` ×
     /// `chunk_bytes` beyond the model, whatever its size. Spilling writes and reads 16 bytes a row
@@ -473,9 +476,14 @@ impl<'a> SavePlan<'a> {
     /// The sorted ids of a partition (as raw bits), in the order they are written.
     pub fn partition_ids(&self, part: &PartitionPlan) -> Result<Vec<u64>> {
         let (mut ids, mut handles) = (Vec::new(), Vec::new());
-        self.tables[part.table]
-            .rows
-            .copy(part.rows.clone(), false, &mut ids, &mut handles)?;
+        let table = &self.tables[part.table];
+        table.rows.copy(
+            &*table.snapshot,
+            part.rows.clone(),
+            false,
+            &mut ids,
+            &mut handles,
+        )?;
         Ok(ids)
     }
 

@@ -14,6 +14,10 @@
 //! and appended again, by unit. That costs one more pass over the region's 16 bytes a row, and
 //! keeps what a writer thread holds at a few MiB, where a whole region of a table of a billion
 //! rows would be 64 MiB.
+//!
+//! A table whose snapshot lists the rows of a bucket range on demand (files already grouped by
+//! bucket) is neither held nor spilled past the plan memory: the scan only counts its buckets,
+//! and each unit's rows are listed again when the writer reaches it ([`Store::Relisted`]).
 
 use std::io;
 use std::ops::Range;
@@ -21,7 +25,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
-use crate::partition::PartitionRule;
+use crate::partition::{PartitionRule, BUCKETS};
+use crate::table::TableSnapshot;
 
 /// Scratch storage for the rows a plan keeps out of memory (see `PlanOptions::plan_memory`):
 /// append-only, read back at the offsets `append` returned, private to the process, and gone
@@ -286,6 +291,29 @@ impl RunBuffers {
 pub(crate) enum Store {
     Memory(Vec<MemoryPart>),
     Spilled(Spilled),
+    /// Nowhere: each unit's rows are listed again by the table's snapshot
+    /// ([`TableSnapshot::rows_in_buckets`]) and those of the buckets this plan keeps are taken.
+    Relisted(KeptBuckets),
+}
+
+/// The buckets whose rows a plan keeps (of the shards it plans, not all blocks dropped).
+pub(crate) struct KeptBuckets(Vec<u64>);
+
+impl KeptBuckets {
+    /// The buckets `keep` says yes to.
+    pub fn new(keep: impl Fn(u32) -> bool) -> Self {
+        let mut bits = vec![0u64; BUCKETS as usize / 64];
+        for b in 0..BUCKETS {
+            if keep(b) {
+                bits[b as usize / 64] |= 1 << (b % 64);
+            }
+        }
+        Self(bits)
+    }
+
+    fn contains(&self, bucket: u32) -> bool {
+        self.0[bucket as usize / 64] >> (bucket % 64) & 1 == 1
+    }
 }
 
 /// A unit's sorted rows while the writer still needs them.
@@ -346,7 +374,8 @@ impl TableRows {
         bucket_start: &[u64],
         unit_rows: usize,
     ) -> Self {
-        let spilled = matches!(store, Store::Spilled(_));
+        // Units of a table out of memory are bounded; one in memory is sorted a region at a time.
+        let spilled = !matches!(store, Store::Memory(_));
         let start = |b: usize| bucket_start[b] as usize;
         let (mut units, mut unit_start, mut splits) = (Vec::new(), Vec::new(), Vec::new());
         for h in 0..256 {
@@ -406,9 +435,11 @@ impl TableRows {
     /// Puts the ids of `range` (positions in the table's sorted order) in `ids` and, when the
     /// table has handles, their handles in `handles` (else leaves it empty). With `take`, the
     /// rows count as written: a unit is freed once all its rows are taken. Reading without
-    /// taking never keeps a unit in memory.
+    /// taking never keeps a unit in memory. `snapshot` is the table's, which lists the rows of
+    /// a [`Store::Relisted`] table.
     pub fn copy(
         &self,
+        snapshot: &dyn TableSnapshot,
         range: Range<usize>,
         take: bool,
         ids: &mut Vec<u64>,
@@ -423,7 +454,7 @@ impl TableRows {
             let u = self.unit_start.partition_point(|&s| s <= at) - 1;
             let base = self.unit_start[u];
             let end = self.unit_start[u + 1].min(range.end);
-            let sorted = self.unit(u, if take { end - at } else { 0 })?;
+            let sorted = self.unit(snapshot, u, if take { end - at } else { 0 })?;
             ids.extend_from_slice(&sorted.ids[at - base..end - base]);
             if self.with_handles {
                 handles.extend_from_slice(&sorted.handles[at - base..end - base]);
@@ -434,13 +465,13 @@ impl TableRows {
     }
 
     /// Unit `u`, sorted; `take` of its rows count as written.
-    fn unit(&self, u: usize, take: usize) -> Result<Arc<SortedUnit>> {
+    fn unit(&self, snapshot: &dyn TableSnapshot, u: usize, take: usize) -> Result<Arc<SortedUnit>> {
         let len = self.unit_start[u + 1] - self.unit_start[u];
         // Held while sorting, so that two writer threads needing the unit sort it once.
         let mut cached = self.cache[u].lock().unwrap_or_else(PoisonError::into_inner);
         let sorted = match &cached.sorted {
             Some(r) => Arc::clone(r),
-            None => Arc::new(self.sort(self.units[u], len)?),
+            None => Arc::new(self.sort(snapshot, self.units[u], len)?),
         };
         if take > 0 {
             cached.taken += take;
@@ -450,7 +481,7 @@ impl TableRows {
     }
 
     /// Gathers unit `unit`'s `len` rows and sorts them.
-    fn sort(&self, unit: Unit, len: usize) -> Result<SortedUnit> {
+    fn sort(&self, snapshot: &dyn TableSnapshot, unit: Unit, len: usize) -> Result<SortedUnit> {
         let h = unit.region;
         let mut ids = Vec::with_capacity(len);
         let mut handles = Vec::with_capacity(if self.with_handles { len } else { 0 });
@@ -474,6 +505,36 @@ impl TableRows {
                     s.read_runs(&runs[p], self.with_handles, &mut ids, &mut handles)?;
                 }
             },
+            Store::Relisted(kept) => {
+                let buckets = self.unit_buckets(unit);
+                if !snapshot.rows_in_buckets(buckets.clone(), &mut ids, &mut handles)? {
+                    return Err(Error::Table {
+                        table: self.table.clone(),
+                        message: "the snapshot no longer lists rows by bucket".into(),
+                    });
+                }
+                if handles.len() != ids.len() {
+                    return Err(Error::Table {
+                        table: self.table.clone(),
+                        message: format!(
+                            "buckets {buckets:?} listed {} ids with {} handles",
+                            ids.len(),
+                            handles.len()
+                        ),
+                    });
+                }
+                let mut n = 0;
+                for i in 0..ids.len() {
+                    let b = PartitionRule::bucket_of(ids[i]);
+                    if buckets.contains(&b) && kept.contains(b) {
+                        ids[n] = ids[i];
+                        handles[n] = handles[i];
+                        n += 1;
+                    }
+                }
+                ids.truncate(n);
+                handles.truncate(if self.with_handles { n } else { 0 });
+            }
         }
         if ids.len() != len {
             return Err(Error::Table {
@@ -493,6 +554,23 @@ impl TableRows {
             });
         }
         Ok(SortedUnit { ids, handles })
+    }
+
+    /// The buckets of `unit`: its region's, or those of its part.
+    fn unit_buckets(&self, unit: Unit) -> Range<u32> {
+        let h = unit.region as u32;
+        match (unit.part, &self.splits[unit.region]) {
+            (Some(p), Some(split)) => {
+                let first = split.part_of_low.iter().position(|&q| q == p).unwrap_or(0);
+                let end = split
+                    .part_of_low
+                    .iter()
+                    .rposition(|&q| q == p)
+                    .map_or(0, |l| l + 1);
+                (h << 8) + first as u32..(h << 8) + end as u32
+            }
+            _ => h << 8..(h + 1) << 8,
+        }
     }
 
     /// The runs of each part of split region `h`, splitting it on first use: its spilled runs

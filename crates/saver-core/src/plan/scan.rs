@@ -14,7 +14,7 @@ use crate::table::{validate_slots, RowChunk, RowView, SlotSpec, SparseTable, Tab
 
 use super::bucket_starts::BucketStarts;
 use super::rows::{
-    flag_pass, high_byte, MemoryPart, RunBufferPool, Spill, Spilled, Store, TableRows,
+    flag_pass, high_byte, KeptBuckets, MemoryPart, RunBufferPool, Spill, Spilled, Store, TableRows,
 };
 use super::ForeignRows;
 
@@ -330,13 +330,18 @@ pub(crate) fn scan_table<'a>(
     };
     let any_kept = kept.iter().any(Option::is_some);
     let with_values = filters.has_row_filters() && any_kept;
-    let spilled = spill.map(|s| Spilled::new(&name, s));
+    // A table past the plan memory whose snapshot lists rows by bucket keeps none of them: the
+    // writer has them listed again, unit by unit. Not with row filters, which see slot values.
+    let relisted = spill.is_some()
+        && !with_values
+        && snapshot.rows_in_buckets(0..0, &mut Vec::new(), &mut Vec::new())?;
+    let spilled = spill.filter(|_| !relisted).map(|s| Spilled::new(&name, s));
 
     let mut collected = Collected::default();
     if any_kept {
         // Parts are scanned concurrently; each thread counts buckets into its own array.
         let parts = snapshot.scan_parts().max(1);
-        let per_part = if spilled.is_some() {
+        let per_part = if spilled.is_some() || relisted {
             SCAN_ROWS
         } else {
             table.len() / parts + 1
@@ -352,12 +357,16 @@ pub(crate) fn scan_table<'a>(
                     acc.count(&f.buckets);
                     if let Some(b) = buffer.as_mut() {
                         b.take(&mut f.ids, &mut f.handles, &f.buckets)?;
+                    } else if relisted {
+                        f.ids.clear();
+                        f.handles.clear();
                     }
                     Ok(())
                 })?;
                 acc.add_found(&f);
                 match buffer {
                     Some(b) => b.finish()?,
+                    None if relisted => {}
                     None => acc.parts.push(f.into_memory_part()),
                 }
                 Ok(acc)
@@ -383,6 +392,7 @@ pub(crate) fn scan_table<'a>(
 
     let store = match spilled {
         Some(s) => Store::Spilled(s),
+        None if relisted => Store::Relisted(KeptBuckets::new(|b| keep(b) == Some(true))),
         None => Store::Memory(parts),
     };
     let rows = TableRows::new(
@@ -426,16 +436,68 @@ mod tests {
         assert_eq!(unit_rows(0), 1);
     }
 
+    /// Where [`group`] puts the rows.
+    #[derive(Clone, Debug)]
+    enum To {
+        Memory,
+        Spill(Arc<dyn Spill>),
+        /// Nowhere: they are listed again, those of the kept buckets taken.
+        Relisted(fn(u32) -> bool),
+    }
+
+    impl std::fmt::Debug for dyn Spill {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Spill")
+        }
+    }
+
+    /// A snapshot that lists its rows (`ids`, a handle `!id` each) by bucket and nothing else.
+    struct Listing(Vec<u64>);
+
+    impl TableSnapshot for Listing {
+        fn scan(
+            &self,
+            _: usize,
+            _: bool,
+            _: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
+        ) -> Result<()> {
+            unreachable!("the rows are only listed by bucket")
+        }
+        fn read_rows(&self, _: &[u64], _: &mut [&mut [u8]]) -> Result<()> {
+            unreachable!("no row is read")
+        }
+        fn rows_in_buckets(
+            &self,
+            buckets: Range<u32>,
+            ids: &mut Vec<u64>,
+            handles: &mut Vec<u64>,
+        ) -> Result<bool> {
+            for &i in &self.0 {
+                if buckets.contains(&PartitionRule::bucket_of(i)) {
+                    ids.push(i);
+                    handles.push(!i);
+                }
+            }
+            Ok(true)
+        }
+    }
+
     /// The scan's grouping of `ids`, cut into parts at `cuts` (part `p` with handles iff
-    /// `handles_of(p)`; a handle is `!id`), into memory or `spill` (sorted in units of at most
-    /// `unit_rows`); returns the rows and bucket starts, as `scan_table` does.
+    /// `handles_of(p)`; a handle is `!id`), into memory, a spill or nowhere (sorted in units of
+    /// at most `unit_rows` out of memory); returns the rows and bucket starts, as `scan_table`
+    /// does. Relisted, only the rows of kept buckets count.
     fn group(
         ids: &[u64],
         cuts: &[usize],
         handles_of: impl Fn(usize) -> bool,
-        spill: Option<Arc<dyn Spill>>,
+        to: To,
         unit_rows: usize,
     ) -> Result<(TableRows, Vec<u64>)> {
+        let (spill, relisted) = match &to {
+            To::Memory => (None, None),
+            To::Spill(s) => (Some(Arc::clone(s)), None),
+            To::Relisted(keep) => (None, Some(*keep)),
+        };
         let mut bounds: Vec<usize> = cuts.iter().map(|&c| c.min(ids.len())).collect();
         bounds.push(0);
         bounds.push(ids.len());
@@ -451,7 +513,11 @@ mod tests {
             } else {
                 f.without_handles = true;
             }
-            let buckets: Vec<u32> = f.ids.iter().map(|&i| PartitionRule::bucket_of(i)).collect();
+            let mut buckets: Vec<u32> =
+                f.ids.iter().map(|&i| PartitionRule::bucket_of(i)).collect();
+            if let Some(keep) = relisted {
+                buckets.retain(|&b| keep(b));
+            }
             acc.count(&buckets);
             acc.add_found(&f);
             match &spilled {
@@ -460,13 +526,15 @@ mod tests {
                     b.take(&mut f.ids, &mut f.handles, &buckets)?;
                     b.finish()?;
                 }
+                None if relisted.is_some() => {}
                 None => acc.parts.push(f.into_memory_part()),
             }
         }
         let start = acc.bucket_starts();
-        let store = match spilled {
-            Some(s) => Store::Spilled(s),
-            None => Store::Memory(acc.parts),
+        let store = match (spilled, relisted) {
+            (Some(s), _) => Store::Spilled(s),
+            (None, Some(keep)) => Store::Relisted(KeptBuckets::new(keep)),
+            (None, None) => Store::Memory(acc.parts),
         };
         let rows = TableRows::new(
             "t",
@@ -479,14 +547,20 @@ mod tests {
         Ok((rows, start))
     }
 
-    /// Takes every row in pieces of `step`, as writer chunks do.
-    fn take_all(rows: &TableRows, n: usize, step: usize) -> Result<(Vec<u64>, Vec<u64>)> {
+    /// Takes every row in pieces of `step`, as writer chunks do, from a table whose snapshot
+    /// lists `listed`.
+    fn take_all(
+        rows: &TableRows,
+        listed: &Listing,
+        n: usize,
+        step: usize,
+    ) -> Result<(Vec<u64>, Vec<u64>)> {
         let (mut ids, mut handles) = (Vec::new(), Vec::new());
         let (mut i, mut h) = (Vec::new(), Vec::new());
         let mut at = 0;
         while at < n {
             let end = (at + step).min(n);
-            rows.copy(at..end, true, &mut i, &mut h)?;
+            rows.copy(listed, at..end, true, &mut i, &mut h)?;
             ids.extend_from_slice(&i);
             handles.extend_from_slice(&h);
             at = end;
@@ -543,16 +617,34 @@ mod tests {
             cuts in vec(0usize..3000, 0..5),
             with_handles: bool,
             part_without: Option<usize>,
-            spill: bool,
+            to in 0u8..4,
             unit_rows in prop_oneof![Just(DEFAULT_UNIT_ROWS), 1usize..16],
             step in 1usize..700,
         ) {
             // A handle any id maps to, so that a handle left behind by a swap or a copy shows.
             let has = |p: usize| with_handles && Some(p) != part_without;
-            let store = spill.then(|| Arc::new(MemorySpill::default()) as Arc<dyn Spill>);
-            let (rows, start) = group(&ids, &cuts, has, store, unit_rows).unwrap();
-            prop_assert_eq!(rows.spilled(), spill);
-            let (sorted, handles) = take_all(&rows, ids.len(), step).unwrap();
+            let to = match to {
+                0 => To::Memory,
+                1 => To::Spill(Arc::new(MemorySpill::default())),
+                2 => To::Relisted(|_| true),
+                // A plan that keeps some buckets only: the listing has the others too.
+                _ => To::Relisted(|b| b % 3 != 0),
+            };
+            let spill = !matches!(to, To::Memory);
+            let listed = Listing(ids.clone());
+            let ids: Vec<u64> = match &to {
+                To::Relisted(keep) => {
+                    ids.iter().copied().filter(|&i| keep(PartitionRule::bucket_of(i))).collect()
+                }
+                _ => ids,
+            };
+            let (rows, start) = match &to {
+                // Relisted, the rows listed are those counted, whatever the parts scanned.
+                To::Relisted(_) => group(&listed.0, &cuts, has, to.clone(), unit_rows).unwrap(),
+                _ => group(&ids, &cuts, has, to.clone(), unit_rows).unwrap(),
+            };
+            prop_assert_eq!(rows.spilled(), matches!(to, To::Spill(_)));
+            let (sorted, handles) = take_all(&rows, &listed, ids.len(), step).unwrap();
             let with_handles = (0..=cuts.len()).all(has);
             prop_assert_eq!(handles.len(), if with_handles { ids.len() } else { 0 });
 
@@ -588,7 +680,7 @@ mod tests {
             }
             // Every unit was freed once taken; reading again sorts it again from the store.
             let (mut again, mut again_handles) = (Vec::new(), Vec::new());
-            rows.copy(0..ids.len(), false, &mut again, &mut again_handles).unwrap();
+            rows.copy(&listed, 0..ids.len(), false, &mut again, &mut again_handles).unwrap();
             prop_assert_eq!(&again, &sorted);
             prop_assert_eq!(&again_handles, &handles);
         }
@@ -597,15 +689,19 @@ mod tests {
         fn a_repeated_id_is_named_when_its_region_is_sorted(
             ids in vec(any::<u64>(), 1..500),
             twin in any::<prop::sample::Index>(),
-            spill: bool,
+            to in 0u8..3,
             unit_rows in prop_oneof![Just(DEFAULT_UNIT_ROWS), 1usize..8],
         ) {
             let mut ids = ids;
             let id = ids[twin.index(ids.len())];
             ids.push(id);
-            let store = spill.then(|| Arc::new(MemorySpill::default()) as Arc<dyn Spill>);
-            let (rows, _) = group(&ids, &[ids.len() / 2], |_| true, store, unit_rows).unwrap();
-            let err = take_all(&rows, ids.len(), 64).unwrap_err();
+            let to = match to {
+                0 => To::Memory,
+                1 => To::Spill(Arc::new(MemorySpill::default())),
+                _ => To::Relisted(|_| true),
+            };
+            let (rows, _) = group(&ids, &[ids.len() / 2], |_| true, to, unit_rows).unwrap();
+            let err = take_all(&rows, &Listing(ids.clone()), ids.len(), 64).unwrap_err();
             prop_assert!(
                 matches!(&err, Error::DuplicateId { table, id: shown } if table == "t" && *shown == id.to_string()),
                 "{}", err
@@ -620,11 +716,11 @@ mod tests {
             &ids,
             &[],
             |_| true,
-            Some(Arc::new(FailingSpill)),
+            To::Spill(Arc::new(FailingSpill)),
             DEFAULT_UNIT_ROWS,
         ) {
             Err(e) => e,
-            Ok((rows, _)) => take_all(&rows, ids.len(), 100).unwrap_err(),
+            Ok((rows, _)) => take_all(&rows, &Listing(Vec::new()), ids.len(), 100).unwrap_err(),
         };
         let msg = err.to_string();
         assert!(matches!(err, Error::Spill { .. }), "{msg}");

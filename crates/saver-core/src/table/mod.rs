@@ -337,6 +337,25 @@ pub trait TableSnapshot: Send + Sync {
         }
     }
 
+    /// Lists again the rows whose bucket is in `buckets`: pushes each such id, and the handle
+    /// [`Self::scan`] produced with it, to `ids` and `handles`, in any order. Returns false, and
+    /// pushes nothing, when the snapshot cannot list a bucket range without a whole scan (the
+    /// default). Asked with an empty range before a plan's scan, to learn whether it can.
+    ///
+    /// A plan past its memory (`PlanOptions::plan_memory`) asks a snapshot that can for each
+    /// unit's rows when it writes them, instead of moving every scanned id and handle to its
+    /// spill store and back: tables read from files grouped by bucket answer from what the write
+    /// reads anyway. The answer must list exactly the rows the scan produced in those buckets.
+    fn rows_in_buckets(
+        &self,
+        buckets: std::ops::Range<u32>,
+        ids: &mut Vec<u64>,
+        handles: &mut Vec<u64>,
+    ) -> Result<bool> {
+        let _ = (buckets, ids, handles);
+        Ok(false)
+    }
+
     /// Copies the rows of `ids` (all ids this snapshot's scan produced) into `out`: `out[s]` has
     /// room for exactly `ids.len()` rows of slot `s`, or is empty when slot `s` is not wanted. All slots of one row must come from the same
     /// moment. An id the snapshot cannot produce is an error, never a silently zeroed row.

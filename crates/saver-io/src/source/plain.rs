@@ -405,6 +405,20 @@ pub struct PlainTable<'p> {
     /// page fault and the kernel's zeroing of every 4 KiB, more than reading into it.
     spare: Mutex<Vec<Vec<u8>>>,
     spare_buffers: usize,
+    /// Groups recently ordered by bucket, most recent last (see [`GroupIndex`]).
+    indexes: Mutex<Vec<Arc<GroupIndex>>>,
+}
+
+/// A group's rows ordered by bucket, built from its ids when a save lists a bucket range's rows
+/// again ([`TableSnapshot::rows_in_buckets`]) instead of keeping every id and handle aside.
+struct GroupIndex {
+    group: usize,
+    /// The group's first bucket.
+    first: u32,
+    /// `starts[b - first]..starts[b - first + 1]` are bucket `b`'s entries in `rows`.
+    starts: Vec<u32>,
+    /// (id, row in the group), by bucket.
+    rows: Vec<(u64, u32)>,
 }
 
 impl<'p> PlainTable<'p> {
@@ -438,6 +452,7 @@ impl<'p> PlainTable<'p> {
             cache_columns: 4 * parallel,
             spare: Mutex::new(Vec::new()),
             spare_buffers: parallel,
+            indexes: Mutex::new(Vec::new()),
         };
         if count > 1 {
             table.groups = table.spill(count, scratch, parallel)?;
@@ -771,10 +786,76 @@ impl<'p> PlainTable<'p> {
         Ok(())
     }
 
+    /// The buckets of group `g`.
+    fn group_buckets(&self, g: usize) -> std::ops::Range<u32> {
+        match &self.groups {
+            Groups::Direct => 0..saver_core::partition::BUCKETS,
+            Groups::Spilled { shift, .. } => ((g as u32) << shift)..((g as u32 + 1) << shift),
+        }
+    }
+
+    /// Group `g`'s rows by bucket, from the cache or built from its ids. Each writer thread
+    /// works through one group at a time, so a few are kept.
+    fn index(&self, g: usize) -> Result<Arc<GroupIndex>> {
+        {
+            let mut cache = self.indexes.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(k) = cache.iter().position(|i| i.group == g) {
+                let hit = cache.remove(k);
+                cache.push(Arc::clone(&hit));
+                return Ok(hit);
+            }
+        }
+        let buckets = self.group_buckets(g);
+        let ids = self.column(g, Column::Ids)?;
+        let n = ids.len() / 8;
+        if n > u32::MAX as usize {
+            return Err(Error::Corrupt {
+                file: self.spec.ids.file.clone(),
+                what: format!("table {:?} has a group of {n} rows", self.spec.name),
+            });
+        }
+        let id = |r: usize| u64::from_le_bytes(ids[r * 8..r * 8 + 8].try_into().expect("8 bytes"));
+        let mut starts = vec![0u32; (buckets.end - buckets.start) as usize + 1];
+        let mut of_row = Vec::with_capacity(n);
+        for r in 0..n {
+            let b = PartitionRule::bucket_of(id(r)) - buckets.start;
+            starts[b as usize + 1] += 1;
+            of_row.push(b);
+        }
+        for b in 1..starts.len() {
+            starts[b] += starts[b - 1];
+        }
+        let mut next = starts.clone();
+        let mut rows = vec![(0u64, 0u32); n];
+        for (r, &b) in of_row.iter().enumerate() {
+            let at = &mut next[b as usize];
+            rows[*at as usize] = (id(r), r as u32);
+            *at += 1;
+        }
+        drop(of_row);
+        self.release(ids);
+        let index = Arc::new(GroupIndex {
+            group: g,
+            first: buckets.start,
+            starts,
+            rows,
+        });
+        let mut cache = self.indexes.lock().unwrap_or_else(PoisonError::into_inner);
+        if cache.len() >= self.spare_buffers.max(1) {
+            cache.remove(0);
+        }
+        cache.push(Arc::clone(&index));
+        Ok(index)
+    }
+
     fn group_of(&self, id: u64) -> usize {
+        self.group_of_bucket(PartitionRule::bucket_of(id))
+    }
+
+    fn group_of_bucket(&self, bucket: u32) -> usize {
         match &self.groups {
             Groups::Direct => 0,
-            Groups::Spilled { shift, .. } => (PartitionRule::bucket_of(id) >> shift) as usize,
+            Groups::Spilled { shift, .. } => (bucket >> shift) as usize,
         }
     }
 }
@@ -870,6 +951,36 @@ impl TableSnapshot for PlainSnapshot<'_, '_> {
         }
         values.into_iter().for_each(|v| t.give_back(v));
         Ok(())
+    }
+
+    fn rows_in_buckets(
+        &self,
+        buckets: std::ops::Range<u32>,
+        ids: &mut Vec<u64>,
+        handles: &mut Vec<u64>,
+    ) -> saver_core::Result<bool> {
+        let t = self.0;
+        let buckets = buckets.start..buckets.end.min(saver_core::partition::BUCKETS);
+        if buckets.is_empty() {
+            return Ok(true);
+        }
+        let (first, last) = (
+            t.group_of_bucket(buckets.start),
+            t.group_of_bucket(buckets.end - 1),
+        );
+        for g in first..=last {
+            let index = t.index(g).map_err(|e| core(&t.spec.name, e))?;
+            let lo = buckets.start.max(index.first) - index.first;
+            let hi = (buckets.end - index.first).min(index.starts.len() as u32 - 1);
+            let rows =
+                &index.rows[index.starts[lo as usize] as usize..index.starts[hi as usize] as usize];
+            ids.extend(rows.iter().map(|r| r.0));
+            handles.extend(
+                rows.iter()
+                    .map(|r| ((g as u64) << ROW_BITS) | u64::from(r.1)),
+            );
+        }
+        Ok(true)
     }
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> saver_core::Result<()> {
