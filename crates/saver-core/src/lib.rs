@@ -69,6 +69,7 @@ pub mod manifest;
 pub mod naming;
 pub mod partition;
 pub mod plan;
+pub mod prefetch;
 pub mod synthetic;
 pub mod table;
 pub mod tensor;

@@ -57,26 +57,10 @@ fn prefetch_slot(map: &RowMap, hash: u64) {
     let _ = (map, hash);
 }
 
-/// Asks the CPU to start loading the `bytes` bytes at `addr`: every cache line they touch (a
-/// row of more than 128 bytes spans three or more, and a line left out costs a full miss per
-/// row). Only a hint: it reads nothing and cannot fault, whatever the address.
+/// [`crate::prefetch::prefetch_range`] of the `bytes` bytes at `addr`.
 #[inline(always)]
 fn prefetch_bytes(addr: u64, bytes: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        const LINE: u64 = 64;
-        let end = addr.saturating_add(bytes.max(1) as u64 - 1);
-        let mut line = addr & !(LINE - 1);
-        while line <= end {
-            // SAFETY: SSE is part of x86_64; a prefetch is a hint that never faults, whatever
-            // the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
-            line += LINE;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (addr, bytes);
+    crate::prefetch::prefetch_range(addr, bytes);
 }
 
 /// A concurrent embedding table: many threads insert, update, read and remove rows while another
