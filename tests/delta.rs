@@ -734,3 +734,27 @@ fn tables_restored_with_tracking_give_a_tracked_delta_at_once() {
         .to_string()
         .contains("change tracking"));
 }
+
+/// A whole load of a chain reads every link's row tensors whole, so it checks each one's CRC32,
+/// and its report counts them (it once counted only the dense tensors).
+#[test]
+fn a_chain_load_counts_every_tensor_it_checks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, delta, _) = base_and_delta(tmp.path());
+    let chain = Chain::open(&delta).unwrap();
+    let whole = LoadOptions::default();
+    let base_alone = Checkpoint::open(&base).unwrap().restore(&whole).unwrap();
+    let restored = chain.restore(&whole).unwrap();
+    let columns = chain.load_columns(&whole).unwrap();
+    // The base's tensors, plus at least the delta's ids and slots.
+    assert!(
+        restored.report.tensors_checked >= base_alone.report.tensors_checked + 3,
+        "{} checked, the base alone {}",
+        restored.report.tensors_checked,
+        base_alone.report.tensors_checked
+    );
+    assert_eq!(
+        columns.report.tensors_checked,
+        restored.report.tensors_checked
+    );
+}

@@ -401,6 +401,7 @@ impl Chain {
             report.rows += ids.len() as u64;
             report.bytes_kept += ids.len() as u64 * t.full_row_bytes();
             report.bytes_read += t.bytes_read();
+            report.tensors_checked += t.tensors_checked();
             out.push(TableColumns {
                 name: opts
                     .rename
@@ -490,6 +491,7 @@ impl Chain {
             rows: done.iter().map(|d| d.0).sum(),
             bytes_kept: done.iter().map(|d| d.1).sum(),
             bytes_read: tables.iter().map(ChainTable::bytes_read).sum(),
+            tensors_checked: tables.iter().map(ChainTable::tensors_checked).sum(),
             ..Default::default()
         };
         let (dense, report) = self.finish_load(opts, report, start)?;

@@ -159,6 +159,11 @@ impl<'c> ChainTable<'c> {
         self.bytes_read.load(Ordering::Relaxed)
     }
 
+    /// Tensors of the links whose CRC32 was checked so far.
+    pub fn tensors_checked(&self) -> u64 {
+        self.links.iter().map(|l| l.rows.tensors_checked()).sum()
+    }
+
     /// At least the live rows of `buckets`, from the links' manifests: their rows added up, an
     /// upper bound that a load sizes its tables with, so that their maps never grow (and
     /// rehash) on the way.

@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use crc32fast::Hasher;
@@ -44,6 +45,8 @@ pub struct StoredTable<'c> {
     rows: u64,
     /// CRC pieces of the tensors read so far, checked as soon as a tensor is read whole.
     crcs: Mutex<CrcPieces>,
+    /// Tensors whose CRC32 has been checked.
+    checked: AtomicU64,
 }
 
 impl<'c> StoredTable<'c> {
@@ -91,6 +94,7 @@ impl<'c> StoredTable<'c> {
             rows: segments.iter().map(|s| s.seg.rows).sum(),
             segments,
             crcs: Mutex::new(HashMap::new()),
+            checked: AtomicU64::new(0),
         })
     }
 
@@ -237,6 +241,7 @@ impl<'c> StoredTable<'c> {
         if combined.finalize() != t.crc32 {
             return Err(self.corrupt(t, "fails its CRC32 check"));
         }
+        self.checked.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -334,6 +339,11 @@ impl<'c> StoredTable<'c> {
     /// The table's manifest entry.
     pub fn manifest(&self) -> &'c TableManifest {
         self.table
+    }
+
+    /// Tensors whose CRC32 was checked so far: each one read whole, its pieces tiling it.
+    pub fn tensors_checked(&self) -> u64 {
+        self.checked.load(Ordering::Relaxed)
     }
 
     /// The checkpoint the table is read from.
