@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use saver_core::plan::Spill;
 
 use crate::error::{Error, Result};
+use crate::storage::reserve;
 
 /// Spilled plan rows in temporary files that have no name (`O_TMPFILE` where the filesystem
 /// supports it, else created and unlinked at once), so they disappear with the process, even
@@ -39,17 +40,6 @@ const POSITION_BITS: u32 = 56;
 /// A spill file's blocks are reserved this many bytes at a time, ahead of the appends: writes
 /// into allocated blocks skip the filesystem's per-page reservation.
 const RESERVE_BYTES: u64 = 64 << 20;
-
-/// Reserves `len` bytes of `file` from `offset` where the filesystem can. Only a speed-up: a
-/// chunk may be reserved past the spill's end, so a disk too full for it is left to the writes
-/// themselves to report, when they need the space.
-fn reserve(file: &File, offset: u64, len: u64) {
-    use std::os::fd::AsRawFd;
-    if let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) {
-        // SAFETY: a valid open descriptor and in-range arguments; failure leaves the file as is.
-        unsafe { libc::fallocate(file.as_raw_fd(), 0, offset, len) };
-    }
-}
 
 impl FileSpill {
     /// A new, empty spill in `dir`, with one file per thread of the current rayon pool.
@@ -99,7 +89,9 @@ impl Spill for FileSpill {
         let end = at + bytes.len() as u64;
         let mut chunk = at.div_ceil(RESERVE_BYTES).max(1) * RESERVE_BYTES;
         while chunk < end {
-            reserve(&stripe.file, chunk, RESERVE_BYTES);
+            // Only a speed-up: a chunk may reach past the spill's end, so a disk too full for it
+            // is left to the writes to report, when they need the space.
+            let _ = reserve(&stripe.file, chunk, RESERVE_BYTES);
             chunk += RESERVE_BYTES;
         }
         stripe

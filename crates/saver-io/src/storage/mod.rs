@@ -26,9 +26,9 @@ use saver_core::plan::Spill;
 use crate::spill::FileSpill;
 
 pub use faulty::{Fault, FaultyStorage};
-pub(crate) use local::allocate;
 pub use local::LocalFs;
 pub use local::LocalLock;
+pub(crate) use local::{allocate, reserve};
 #[cfg(feature = "s3")]
 pub use object::{ObjectStorage, LEASE, MIN_PART_SIZE};
 
