@@ -2,7 +2,7 @@
 # Where a durable `saver save --from` of a plain safetensors model spends the disk, against `cp` +
 # `sync` of the same file (docs/BENCHMARKS.md, "Every command streams"). For each command it
 # prints the wall time and the bytes the output's block device wrote (/proc/diskstats), with the
-# page cache warmed first; then it times two buffered writers of SIZE MiB each into nameless files
+# page cache warmed first; then it times two buffered writers of SIZE MiB each into files of WORK_DIR
 # (`dd`), once at SIZE/2 and once at SIZE, which shows the kernel's dirty-page throttling: past
 # vm.dirty_ratio of the memory, a buffered writer runs at the disk's speed, not the memory's.
 #
@@ -12,7 +12,8 @@ bin="$(realpath "$1")"; model="$(realpath "$2")"; work="$3"; size="${4:-3072}"
 mkdir -p "$work"; cd "$work"
 dev=$(df --output=source . | tail -1 | sed 's|^/dev/||')
 sectors() {
-  # The device itself, or the disk a partition is on when the filesystem's device is not listed.
+  # Sectors written by the filesystem's device; 0 when /proc/diskstats does not list it (a
+  # device-mapper volume or a network filesystem: then the byte counts mean nothing).
   awk -v d="$dev" '$3 == d { print $10; found = 1 } END { if (!found) print 0 }' /proc/diskstats
 }
 run() {
