@@ -7,6 +7,8 @@
 # vm.dirty_ratio of the memory, a buffered writer runs at the disk's speed, not the memory's.
 #
 #   bash benches/streaming/import_disk_traffic.sh SAVER MODEL.safetensors WORK_DIR [SIZE_MIB]
+#
+# WORK_DIR is scratch: the script overwrites and deletes ck, cp.out, a and b in it.
 set -euo pipefail
 bin="$(realpath "$1")"; model="$(realpath "$2")"; work="$3"; size="${4:-3072}"
 mkdir -p "$work"; cd "$work"

@@ -5,6 +5,8 @@
 # For docs/BENCHMARKS.md ("Every command streams").
 #
 #   bash benches/streaming/import_vs_copy.sh SAVER MODEL.safetensors WORK_DIR N [OTHER_SAVER]
+#
+# WORK_DIR is scratch: the script overwrites and deletes ck, cp.out, cp.t, new.t and old.t in it.
 set -euo pipefail
 new="$(realpath "$1")"; model="$(realpath "$2")"; work="$3"; n="$4"; old="${5:+$(realpath "$5")}"
 mkdir -p "$work"; cd "$work"
