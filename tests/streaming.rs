@@ -143,6 +143,7 @@ proptest! {
         reshards in 1u32..4,
         group_bytes in prop_oneof![Just(4096u64), Just(1 << 20)],
         sort_memory in prop_oneof![Just(1usize), Just(3000), Just(32 << 20)],
+        rounds in prop_oneof![Just(None), Just(Some(2usize)), Just(Some(3)), Just(Some(64))],
     ) {
         let d = tempfile::tempdir().unwrap();
         let input = d.path().join("model.safetensors");
@@ -158,11 +159,14 @@ proptest! {
             .collect();
         let mem_digest = tables_digest(&mem_tables, &model.dense).unwrap();
 
-        // Streaming: the input distributed by bucket (small groups: many of them), saved.
+        // Streaming: the input distributed by bucket (small groups: many of them; in one pass
+        // or in rounds), saved.
         let Source::Plain(plain) = Source::open(&input).unwrap() else { panic!("plain") };
         let scratch = d.path().join("scratch");
         std::fs::create_dir(&scratch).unwrap();
-        let tables = SourceTables::Plain(plain.tables_grouped(&scratch, 2, group_bytes).unwrap());
+        let tables = SourceTables::Plain(
+            plain.tables_in_rounds(&scratch, 2, group_bytes, rounds).unwrap(),
+        );
         let dense = plain.read_dense().unwrap();
         prop_assert_eq!(source_digest(&tables, &dense).unwrap(), mem_digest.clone());
         let report = save(d.path().join("stream"), save_input(&tables, &dense).unwrap(), &opts(shards)).unwrap();

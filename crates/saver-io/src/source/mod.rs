@@ -6,7 +6,9 @@
 //! What they hold (see docs/FORMAT.md, "Memory of the commands"): dense tensors whole (small in
 //! the models this is for), and beyond that a bounded amount, whatever the number of rows.
 
+mod distribute;
 pub mod plain;
+mod rounds;
 pub mod sorted;
 pub mod stored;
 

@@ -10,10 +10,11 @@
 //! to one of up to [`MAX_GROUPS`] *groups* of contiguous buckets, in nameless temporary files;
 //! from then on the table is read group by group, one group (about [`GROUP_BYTES`]) held at a
 //! time per reading thread. A table of at most [`GROUP_BYTES`] is one group, read straight from
-//! the input.
+//! the input. A table too large for the kernel to keep its temporary rows in the page cache is
+//! distributed in rounds instead (see [`super::rounds`]): its ids first, then its slot rows a
+//! round of groups at a time, while the save reads them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -27,7 +28,10 @@ use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
 use crate::header::{read_header, HeaderEntry};
 use crate::restore::LoadedDense;
-use crate::storage::{allocate, check_file_name, LocalFs, ReadHandle, Storage};
+use crate::storage::{check_file_name, LocalFs, ReadHandle, Storage};
+
+use super::distribute::{Content, InputColumn, Pass, Runs, TableInput, TemporaryFiles};
+use super::rounds::Rounds;
 
 /// Rows of a group about this many bytes; a table up to this size is one group.
 pub const GROUP_BYTES: u64 = 16 << 20;
@@ -35,17 +39,6 @@ pub const GROUP_BYTES: u64 = 16 << 20;
 /// Most groups a table is distributed into. Beyond `GROUP_BYTES × MAX_GROUPS` (64 GiB) groups
 /// grow with the table: a reading thread then holds `table / MAX_GROUPS`.
 pub const MAX_GROUPS: usize = 4096;
-
-/// Most bytes of row buffers one distributing thread holds (spread over the groups).
-const DISTRIBUTE_BUFFER_BYTES: usize = 64 << 20;
-
-/// Bytes a distributing thread gathers for a group before it appends them, as one run, to its
-/// temporary file, while the groups' buffers fit in [`DISTRIBUTE_BUFFER_BYTES`]. Runs of 32 KiB
-/// cost a quarter more time than these: every run is a write, and a read per column later.
-const RUN_BYTES: usize = 128 << 10;
-
-/// Bytes of input one distributing thread reads at a time.
-const WINDOW_BYTES: u64 = 8 << 20;
 
 /// Rows a gather asks the CPU to load ahead of the one it copies: a group's rows are in no
 /// useful order, so each row read is a cache miss the hardware cannot foresee.
@@ -82,7 +75,9 @@ pub struct PlainTableSpec {
 /// data read.
 pub struct PlainInput {
     location: PathBuf,
-    handles: HashMap<String, Box<dyn ReadHandle>>,
+    handles: HashMap<String, Arc<dyn ReadHandle>>,
+    /// Whether the input is on the local filesystem (read more than once only then).
+    local: bool,
     /// Tables, in input order.
     pub tables: Vec<PlainTableSpec>,
     /// Dense tensors, in input order.
@@ -179,7 +174,7 @@ impl PlainInput {
         let (storage, files) = plain_files(path)?;
         let mut tensors: BTreeMap<String, PlainTensor> = BTreeMap::new();
         let mut order: Vec<String> = Vec::new();
-        let mut handles: HashMap<String, Box<dyn ReadHandle>> = HashMap::new();
+        let mut handles: HashMap<String, Arc<dyn ReadHandle>> = HashMap::new();
         let mut user_metadata = BTreeMap::new();
         for f in &files {
             let h = storage.open(f)?;
@@ -203,7 +198,7 @@ impl PlainInput {
                     },
                 );
             }
-            handles.insert(f.clone(), h);
+            handles.insert(f.clone(), Arc::from(h));
         }
         let table_names: Vec<String> = order
             .iter()
@@ -269,6 +264,7 @@ impl PlainInput {
         Ok(Self {
             location: path.to_path_buf(),
             handles,
+            local: crate::storage::location_url(path).is_none(),
             tables,
             dense,
             user_metadata,
@@ -325,12 +321,41 @@ impl PlainInput {
         parallel: usize,
         group_bytes: u64,
     ) -> Result<Vec<PlainTable<'_>>> {
+        self.tables_in_rounds(scratch, parallel, group_bytes, None)
+    }
+
+    /// [`Self::tables_grouped`], each table of more than one group distributed in `rounds`
+    /// rounds (at most one per group; 1: a single pass) instead of as many as suit its size and
+    /// the machine's memory (`None`, see the module docs).
+    pub fn tables_in_rounds(
+        &self,
+        scratch: &Path,
+        parallel: usize,
+        group_bytes: u64,
+        rounds: Option<usize>,
+    ) -> Result<Vec<PlainTable<'_>>> {
         self.tables
             .iter()
             .map(|spec| {
-                PlainTable::distribute(self, spec, scratch, parallel, group_bytes.max(4096))
+                PlainTable::distribute(self, spec, scratch, parallel, group_bytes.max(4096), rounds)
             })
             .collect()
+    }
+
+    /// Table `spec`'s columns, owned (for a distribution's passes).
+    fn table_input(&self, spec: &PlainTableSpec, row_bytes: &[usize]) -> TableInput {
+        let column = |t: &PlainTensor| InputColumn {
+            handle: Arc::clone(&self.handles[&t.file]),
+            name: t.entry.name.clone(),
+            offset: t.entry.offset,
+            len: t.entry.len,
+        };
+        TableInput {
+            ids: column(&spec.ids),
+            slots: spec.slots.iter().map(|(_, t)| column(t)).collect(),
+            row_bytes: row_bytes.to_vec(),
+            rows: spec.rows,
+        }
     }
 }
 
@@ -339,38 +364,15 @@ enum Groups {
     /// One group: the input's own tensors.
     Direct,
     /// Groups in temporary files: per group, its runs (file, offset, rows), each run the
-    /// rows' ids then each slot's rows, back to back.
+    /// rows' ids then each slot's rows, back to back; or, with `rounds`, only their ids, the
+    /// slot rows being in the rounds' files.
     Spilled {
         files: TemporaryFiles,
-        runs: Vec<Vec<(usize, u64, u64)>>,
+        runs: Runs,
         shift: u32,
         dir: PathBuf,
+        rounds: Option<Rounds>,
     },
-}
-
-/// A distribution's temporary files, one per distributing thread.
-struct TemporaryFiles(Vec<File>);
-
-impl std::ops::Deref for TemporaryFiles {
-    type Target = [File];
-    fn deref(&self) -> &[File] {
-        &self.0
-    }
-}
-
-impl Drop for TemporaryFiles {
-    /// Closes the files side by side: closing the last descriptor of a nameless file frees its
-    /// cached pages and blocks, about a second for 6 GiB, with the CPU and the disk otherwise idle.
-    fn drop(&mut self) {
-        let files = std::mem::take(&mut self.0);
-        if files.len() > 1 {
-            std::thread::scope(|scope| {
-                for f in files {
-                    scope.spawn(move || drop(f));
-                }
-            });
-        }
-    }
 }
 
 /// One group's rows in memory, in distribution order.
@@ -389,14 +391,12 @@ enum Column {
 /// Loaded columns by (group, column), most recent last.
 type ColumnCache = Vec<((usize, Column), Arc<Vec<u8>>)>;
 
-/// Per group, its runs in the temporary files: (file, offset, rows).
-type Runs = Vec<Vec<(usize, u64, u64)>>;
-
 /// A table of a [`PlainInput`], distributed by bucket (see the module docs). Rows are read
 /// group by group; each reading thread holds about one group.
 pub struct PlainTable<'p> {
-    input: &'p PlainInput,
     spec: &'p PlainTableSpec,
+    /// The table's columns in the input.
+    columns: TableInput,
     slots: Vec<SlotSpec>,
     row_bytes: Vec<usize>,
     /// `row_bytes` as [`super::BucketRows`] gives them.
@@ -427,13 +427,15 @@ struct GroupIndex {
 
 impl<'p> PlainTable<'p> {
     /// Distributes table `spec` of `input` into groups of about `group_bytes` in nameless
-    /// temporary files in `scratch` (unless it is one group), reading with `parallel` threads.
+    /// temporary files in `scratch` (unless it is one group), reading with `parallel` threads,
+    /// in `rounds` rounds (see [`PlainInput::tables_in_rounds`]).
     pub fn distribute(
         input: &'p PlainInput,
         spec: &'p PlainTableSpec,
         scratch: &Path,
         parallel: usize,
         group_bytes: u64,
+        rounds: Option<usize>,
     ) -> Result<Self> {
         let slots: Vec<SlotSpec> = spec.slots.iter().map(|s| s.0.clone()).collect();
         let row_bytes = validate_slots(&spec.name, &slots)?;
@@ -445,7 +447,7 @@ impl<'p> PlainTable<'p> {
             .min(MAX_GROUPS as u64) as usize;
         let parallel = parallel.max(1);
         let mut table = Self {
-            input,
+            columns: input.table_input(spec, &row_bytes),
             spec,
             slots,
             row_bytes_u64: row_bytes.iter().map(|&b| b as u64).collect(),
@@ -459,7 +461,12 @@ impl<'p> PlainTable<'p> {
             indexes: Mutex::new(Vec::new()),
         };
         if count > 1 {
-            table.groups = table.spill(count, scratch, parallel)?;
+            let rounds = match rounds {
+                Some(r) => r.clamp(1, count),
+                None if input.local => super::rounds::rounds_for(bytes, count),
+                None => 1,
+            };
+            table.groups = table.spill(count, rounds, scratch, parallel)?;
         }
         Ok(table)
     }
@@ -478,124 +485,80 @@ impl<'p> PlainTable<'p> {
         ids: &mut Vec<u8>,
         slots: &mut [Vec<u8>],
     ) -> Result<()> {
-        let n = (rows.end - rows.start) as usize;
-        ids.resize(n * 8, 0);
-        self.input.read(&self.spec.ids, rows.start * 8, ids)?;
-        for ((buf, (_, t)), &b) in slots.iter_mut().zip(&self.spec.slots).zip(&self.row_bytes) {
-            buf.resize(n * b, 0);
-            self.input.read(t, rows.start * b as u64, buf)?;
-        }
-        Ok(())
+        self.columns.read(rows, ids, Some(slots))
     }
 
     /// Appends every row to its group's runs, `parallel` threads each taking a contiguous part
-    /// of the input and a file of its own.
-    fn spill(&self, count: usize, scratch: &Path, parallel: usize) -> Result<Groups> {
+    /// of the input and a file of its own: in one pass, or, in `rounds` rounds, the ids in one
+    /// pass and the slot rows in rounds, made ahead of the save on a thread of their own.
+    fn spill(
+        &self,
+        count: usize,
+        rounds: usize,
+        scratch: &Path,
+        parallel: usize,
+    ) -> Result<Groups> {
         let shift = 16 - count.trailing_zeros();
-        let row = 8 + self.row_bytes.iter().sum::<usize>();
-        let cap = ((RUN_BYTES * count).min(DISTRIBUTE_BUFFER_BYTES) / count / row).max(16);
-        let window = (WINDOW_BYTES / row as u64).max(1);
-        let rows = self.spec.rows;
-        let per = rows.div_ceil(parallel as u64).max(1);
-        let parts: Vec<std::ops::Range<u64>> = (0..parallel as u64)
-            .map(|p| (p * per).min(rows)..((p + 1) * per).min(rows))
-            .filter(|r| !r.is_empty())
-            .collect();
-        let io = |op, e| Error::Io {
-            op,
-            path: scratch.to_path_buf(),
-            source: e,
+        let parts = self.columns.parts(parallel);
+        let rows_of = |part: &std::ops::Range<u64>| part.end - part.start;
+        let width = if rounds > 1 {
+            8
+        } else {
+            8 + self.row_bytes.iter().sum::<usize>() as u64
         };
-        let files: Vec<File> = parts
-            .iter()
-            .map(|part| {
-                let file = tempfile::tempfile_in(scratch)
-                    .map_err(|e| io("create a temporary file in", e))?;
-                // Exactly the part's rows go to its file. Writes into allocated blocks skip the
-                // filesystem's per-page reservation (a sixth of a distribution's time on ext4),
-                // and a full disk is reported before the first row is read.
-                allocate(&file, (part.end - part.start) * row as u64)
-                    .map_err(|e| io("reserve space for a temporary file in", e))?;
-                Ok(file)
-            })
-            .collect::<Result<_>>()?;
-        let results: Vec<Result<Runs>> = std::thread::scope(|scope| {
-            let workers: Vec<_> = parts
-                .iter()
-                .zip(&files)
-                .enumerate()
-                .map(|(f, (part, file))| {
-                    let part = part.clone();
-                    scope.spawn(move || -> Result<Runs> {
-                        let mut runs = vec![Vec::new(); count];
-                        // Per group: its rows' ids (little-endian bytes) and each slot's rows.
-                        let mut bufs: Vec<(Vec<u8>, Vec<Vec<u8>>)> =
-                            vec![(Vec::new(), vec![Vec::new(); self.row_bytes.len()]); count];
-                        let mut at = 0u64;
-                        let mut flush = |g: usize,
-                                         buf: &mut (Vec<u8>, Vec<Vec<u8>>),
-                                         runs: &mut Runs|
-                         -> Result<()> {
-                            if buf.0.is_empty() {
-                                return Ok(());
-                            }
-                            let mut parts = Vec::with_capacity(1 + buf.1.len());
-                            parts.push(buf.0.as_slice());
-                            parts.extend(buf.1.iter().map(Vec::as_slice));
-                            let len = write_all_vectored_at(file, &parts, at)
-                                .map_err(|e| io("write a temporary file in", e))?;
-                            runs[g].push((f, at, (buf.0.len() / 8) as u64));
-                            at += len;
-                            buf.0.clear();
-                            buf.1.iter_mut().for_each(Vec::clear);
-                            Ok(())
-                        };
-                        let mut ids = Vec::new();
-                        let mut slots = vec![Vec::new(); self.row_bytes.len()];
-                        let mut lo = part.start;
-                        while lo < part.end {
-                            let hi = (lo + window).min(part.end);
-                            self.read_input(lo..hi, &mut ids, &mut slots)?;
-                            for (r, c) in ids.chunks_exact(8).enumerate() {
-                                let id = u64::from_le_bytes(c.try_into().expect("8 bytes"));
-                                let g = (PartitionRule::bucket_of(id) >> shift) as usize;
-                                let buf = &mut bufs[g];
-                                buf.0.extend_from_slice(c);
-                                for ((dst, src), &b) in
-                                    buf.1.iter_mut().zip(&slots).zip(&self.row_bytes)
-                                {
-                                    dst.extend_from_slice(&src[r * b..(r + 1) * b]);
-                                }
-                                if buf.0.len() >= cap * 8 {
-                                    flush(g, buf, &mut runs)?;
-                                }
-                            }
-                            lo = hi;
-                        }
-                        for (g, buf) in bufs.iter_mut().enumerate() {
-                            flush(g, buf, &mut runs)?;
-                        }
-                        Ok(runs)
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .map(|w| w.join().expect("a distributing thread panicked"))
-                .collect()
-        });
-        let mut runs = vec![Vec::new(); count];
-        for r in results {
-            for (g, mut rs) in r?.into_iter().enumerate() {
-                runs[g].append(&mut rs);
-            }
+        let (files, runs) = Pass {
+            input: &self.columns,
+            shift,
+            groups: 0..count,
+            content: if rounds > 1 {
+                Content::Ids
+            } else {
+                Content::Rows
+            },
+            parts: &parts,
+            sizes: parts.iter().map(|p| rows_of(p) * width).collect(),
+            scratch,
+            cancel: None,
         }
+        .run()?;
+        let rounds = if rounds > 1 {
+            // Rows of each group in each part: what each round's files will hold.
+            let mut rows = vec![vec![0u64; count]; parts.len()];
+            for (g, rs) in runs.iter().enumerate() {
+                for &(f, _, n) in rs {
+                    rows[f][g] += n;
+                }
+            }
+            Some(Rounds::start(
+                self.columns.clone(),
+                &self.spec.name,
+                shift,
+                count.div_ceil(rounds),
+                parts,
+                &rows,
+                scratch.to_path_buf(),
+            )?)
+        } else {
+            None
+        };
         Ok(Groups::Spilled {
-            files: TemporaryFiles(files),
+            files,
             runs,
             shift,
             dir: scratch.to_path_buf(),
+            rounds,
         })
+    }
+
+    /// Records that `units` slot rows of group `g` were read, once each by a save: a table
+    /// distributed in rounds lets a round go once all of its rows were read.
+    fn served(&self, g: usize, units: u64) {
+        if let Groups::Spilled {
+            rounds: Some(r), ..
+        } = &self.groups
+        {
+            r.served(g, units);
+        }
     }
 
     /// The ids of group `g`, in its row order.
@@ -651,6 +614,15 @@ impl<'p> PlainTable<'p> {
                 Ok(Group { ids, slots })
             }
             Groups::Spilled {
+                rounds: Some(_), ..
+            } => {
+                let ids = self.group_ids(g)?;
+                for (k, s) in slots.iter_mut().enumerate() {
+                    *s = self.load_column(g, Column::Slot(k))?;
+                }
+                Ok(Group { ids, slots })
+            }
+            Groups::Spilled {
                 files, runs, dir, ..
             } => {
                 let total: u64 = runs[g].iter().map(|r| r.2).sum();
@@ -690,27 +662,56 @@ impl<'p> PlainTable<'p> {
         let b = width(column);
         match &self.groups {
             Groups::Direct => {
-                let t = match column {
-                    Column::Ids => &self.spec.ids,
-                    Column::Slot(k) => &self.spec.slots[k].1,
+                let c = match column {
+                    Column::Ids => &self.columns.ids,
+                    Column::Slot(k) => &self.columns.slots[k],
                 };
                 let mut out = self.buffer(self.spec.rows as usize * b);
-                self.input.read(t, 0, &mut out)?;
+                c.read(0, &mut out)?;
                 Ok(out)
             }
             Groups::Spilled {
-                files, runs, dir, ..
+                rounds: Some(rounds),
+                dir,
+                ..
+            } if column != Column::Ids => {
+                let Column::Slot(k) = column else {
+                    unreachable!("ids are read from the table's own runs")
+                };
+                let round = rounds.of_group(g)?;
+                let runs = &round.runs[g];
+                let total: u64 = runs.iter().map(|r| r.2).sum();
+                let mut out = self.buffer(total as usize * b);
+                let mut at = 0;
+                for &(f, run_at, n) in runs {
+                    let n = n as usize;
+                    // Within a round's run: each slot's rows.
+                    let skip = n * self.row_bytes[..k].iter().sum::<usize>();
+                    round.files[f]
+                        .read_exact_at(&mut out[at..at + n * b], run_at + skip as u64)
+                        .map_err(crate::error::io_err("read a temporary file in", dir))?;
+                    at += n * b;
+                }
+                Ok(out)
+            }
+            Groups::Spilled {
+                files,
+                runs,
+                dir,
+                rounds,
+                ..
             } => {
                 let total: u64 = runs[g].iter().map(|r| r.2).sum();
                 let mut out = self.buffer(total as usize * b);
                 let mut at = 0;
                 for &(f, run_at, n) in &runs[g] {
                     let n = n as usize;
-                    // Within a run: ids, then each slot's rows.
+                    // Within a run: ids, then each slot's rows (none when in rounds).
                     let skip: usize = match column {
                         Column::Ids => 0,
                         Column::Slot(k) => n * (8 + self.row_bytes[..k].iter().sum::<usize>()),
                     };
+                    debug_assert!(rounds.is_none() || column == Column::Ids);
                     files[f]
                         .read_exact_at(&mut out[at..at + n * b], run_at + skip as u64)
                         .map_err(crate::error::io_err("read a temporary file in", dir))?;
@@ -759,6 +760,7 @@ impl<'p> PlainTable<'p> {
         let mut slots: Vec<Vec<u8>> = vec![Vec::new(); self.row_bytes.len()];
         for g in 0..self.group_count() {
             let group = self.load_group(g)?;
+            self.served(g, (group.ids.len() * group.slots.len()) as u64);
             let mut order: Vec<(u32, u64, u32)> = group
                 .ids
                 .iter()
@@ -1069,61 +1071,13 @@ impl TableSnapshot for PlainSnapshot<'_, '_> {
                     o[k * b..(k + 1) * b].copy_from_slice(&src[r * b..(r + 1) * b]);
                 }
                 t.release(src);
+                t.served(g, n as u64);
             }
             t.release(group_ids);
             i += n;
         }
         Ok(())
     }
-}
-
-/// Writes `parts`, back to back, at `at` of `file` (one `pwritev` when the kernel takes them
-/// whole), without first copying them into one buffer. Returns the bytes written.
-fn write_all_vectored_at(file: &File, parts: &[&[u8]], mut at: u64) -> std::io::Result<u64> {
-    use std::os::fd::AsRawFd;
-    let total: usize = parts.iter().map(|p| p.len()).sum();
-    let mut iov: Vec<libc::iovec> = parts
-        .iter()
-        .filter(|p| !p.is_empty())
-        .map(|p| libc::iovec {
-            iov_base: p.as_ptr() as *mut libc::c_void,
-            iov_len: p.len(),
-        })
-        .collect();
-    let mut first = 0;
-    while first < iov.len() {
-        let count = (iov.len() - first).min(libc::UIO_MAXIOV as usize) as libc::c_int;
-        let offset = libc::off_t::try_from(at)
-            .map_err(|_| std::io::Error::other("offset past the largest file offset"))?;
-        // SAFETY: every iovec points into a live slice of `parts`, which outlives the call.
-        let n = unsafe { libc::pwritev(file.as_raw_fd(), iov[first..].as_ptr(), count, offset) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        let mut n = n as usize;
-        at += n as u64;
-        // Skip what was written: whole iovecs, then the front of a partly written one.
-        while n > 0 {
-            let v = &mut iov[first];
-            if n >= v.iov_len {
-                n -= v.iov_len;
-                first += 1;
-            } else {
-                // SAFETY: `n` is less than this iovec's length, so the pointer stays inside it.
-                v.iov_base = unsafe { (v.iov_base as *mut u8).add(n) } as *mut libc::c_void;
-                v.iov_len -= n;
-                n = 0;
-            }
-        }
-    }
-    Ok(total as u64)
 }
 
 /// Warnings for groups of would-be dense tensors `P/…` that look like a table whose ids tensor is
@@ -1170,35 +1124,4 @@ fn misspelled_tables(
         }
     }
     warnings
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(32))]
-        /// Parts written at an offset read back as their concatenation there, however many (past
-        /// the kernel's limit of iovecs per call) and however long (empty ones included).
-        #[test]
-        fn vectored_writes_put_the_parts_back_to_back(
-            lens in proptest::collection::vec(0usize..40, 0..1500),
-            at in 0u64..10_000,
-        ) {
-            let parts: Vec<Vec<u8>> = lens
-                .iter()
-                .enumerate()
-                .map(|(i, &n)| (0..n).map(|j| (i * 31 + j) as u8).collect())
-                .collect();
-            let views: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
-            let file = tempfile::tempfile().unwrap();
-            let written = write_all_vectored_at(&file, &views, at).unwrap();
-            let whole = parts.concat();
-            prop_assert_eq!(written, whole.len() as u64);
-            let mut back = vec![0u8; whole.len()];
-            file.read_exact_at(&mut back, at).unwrap();
-            prop_assert_eq!(back, whole);
-        }
-    }
 }

@@ -1,0 +1,185 @@
+//! A plain table distributed in rounds (its slot rows made a round of groups at a time, on a
+//! thread of their own, while saves read them): saves racing each other over one distributed
+//! input, and an input that breaks while rounds are still to be made.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use saver::io::digest::source_digest;
+use saver::io::source::{save_input, Source, SourceTables};
+use saver::io::{save, Checkpoint, SaveOptions};
+
+/// Writes a plain input of one table `t0` of `rows` rows in no useful order (ids, two slots of
+/// eight f32 each) and a dense tensor.
+fn write_plain(path: &Path, rows: usize, seed: u64) {
+    use safetensors::tensor::TensorView;
+    let ids: Vec<u8> = (0..rows as u64)
+        .flat_map(|i| (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed).to_le_bytes())
+        .collect();
+    let slot = |k: u64| -> Vec<u8> {
+        (0..rows as u64 * 32)
+            .map(|b| (b.wrapping_mul(31) ^ seed ^ k) as u8)
+            .collect()
+    };
+    let (a, b) = (slot(1), slot(2));
+    let dense = vec![7u8; 16];
+    let views = vec![
+        (
+            "t0/ids".to_string(),
+            TensorView::new(safetensors::Dtype::I64, vec![rows], &ids).unwrap(),
+        ),
+        (
+            "t0/emb".to_string(),
+            TensorView::new(safetensors::Dtype::F32, vec![rows, 8], &a).unwrap(),
+        ),
+        (
+            "t0/acc".to_string(),
+            TensorView::new(safetensors::Dtype::F32, vec![rows, 8], &b).unwrap(),
+        ),
+        (
+            "dense.w".to_string(),
+            TensorView::new(safetensors::Dtype::F32, vec![4], &dense).unwrap(),
+        ),
+    ];
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+fn opts(shards: u32, parallel: usize) -> SaveOptions {
+    let mut o = SaveOptions {
+        save_id: Some("rounds".into()),
+        durable: false,
+        ..SaveOptions::default()
+    };
+    o.plan.shard_num = shards;
+    o.plan.parallel = parallel;
+    o.plan.max_file_size = 64 << 10;
+    o
+}
+
+fn data_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().to_string(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Runs `f` on a thread of its own and waits at most a minute for it: what is tested here must
+/// end, with a result or an error, and never wait forever for a round.
+fn within_a_minute<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("finished within a minute (no reader waits forever for a round)")
+}
+
+/// Several saves at once from one input distributed in rounds, started at varied moments, each
+/// write the bytes of a save from the input distributed in one pass; then a digest, which reads
+/// every round again after the saves let them go, gives the one-pass digest.
+#[test]
+fn saves_racing_over_rounds_write_what_one_pass_writes() {
+    within_a_minute(|| {
+        let d = tempfile::tempdir().unwrap();
+        let input = d.path().join("model.safetensors");
+        write_plain(&input, 6000, 42);
+        let scratch = d.path().join("scratch");
+        std::fs::create_dir(&scratch).unwrap();
+        let Source::Plain(plain) = Source::open(&input).unwrap() else {
+            panic!("plain")
+        };
+        let dense = plain.read_dense().unwrap();
+        let one_pass =
+            SourceTables::Plain(plain.tables_in_rounds(&scratch, 2, 4096, Some(1)).unwrap());
+        save(
+            d.path().join("ref"),
+            save_input(&one_pass, &dense).unwrap(),
+            &opts(3, 2),
+        )
+        .unwrap();
+        let want = data_files(&d.path().join("ref"));
+        let want_digest = source_digest(&one_pass, &dense).unwrap();
+        drop(one_pass);
+
+        for (iteration, (rounds, savers)) in [(2, 2), (3, 3), (8, 2), (64, 3), (5, 1)]
+            .into_iter()
+            .enumerate()
+        {
+            let tables = SourceTables::Plain(
+                plain
+                    .tables_in_rounds(&scratch, 1 + iteration % 2, 4096, Some(rounds))
+                    .unwrap(),
+            );
+            std::thread::scope(|scope| {
+                for s in 0..savers {
+                    let (tables, dense, want) = (&tables, &dense, &want);
+                    let dir = d.path().join(format!("s{s}"));
+                    scope.spawn(move || {
+                        std::thread::sleep(Duration::from_millis((s * 7 + iteration * 3) as u64));
+                        save(
+                            &dir,
+                            save_input(tables, dense).unwrap(),
+                            &opts(3, 1 + s % 2),
+                        )
+                        .unwrap();
+                        assert!(
+                            data_files(&dir) == *want,
+                            "save {s} of {savers} over {rounds} rounds wrote other bytes"
+                        );
+                        std::fs::remove_dir_all(&dir).unwrap();
+                    });
+                }
+            });
+            assert_eq!(source_digest(&tables, &dense).unwrap(), want_digest);
+        }
+        assert_eq!(std::fs::read_dir(&scratch).unwrap().count(), 0);
+    });
+}
+
+/// An input cut short after its ids were distributed: the rounds still to be made cannot be
+/// read, and the save fails with an error naming the table, instead of waiting for them.
+#[test]
+fn an_input_cut_short_fails_the_save_instead_of_hanging() {
+    let err = within_a_minute(|| {
+        let d = tempfile::tempdir().unwrap();
+        let input = d.path().join("model.safetensors");
+        write_plain(&input, 6000, 7);
+        let scratch = d.path().join("scratch");
+        std::fs::create_dir(&scratch).unwrap();
+        let Source::Plain(plain) = Source::open(&input).unwrap() else {
+            panic!("plain")
+        };
+        let dense = plain.read_dense().unwrap();
+        let tables =
+            SourceTables::Plain(plain.tables_in_rounds(&scratch, 2, 4096, Some(16)).unwrap());
+        let len = std::fs::metadata(&input).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&input)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+        let saved = save(
+            d.path().join("ck"),
+            save_input(&tables, &dense).unwrap(),
+            &opts(2, 2),
+        );
+        let err = saved.expect_err("half the input is gone").to_string();
+        // Nothing that looks like a checkpoint is left.
+        assert!(Checkpoint::open(d.path().join("ck")).is_err());
+        err
+    });
+    assert!(
+        err.contains("t0"),
+        "the error names the table or its tensor: {err}"
+    );
+}
