@@ -136,8 +136,11 @@ impl PreImages {
                 read: false,
             },
         );
-        drop(pre);
+        // Counted before the shard's lock is let go: `close` and `mark_read` subtract a kept
+        // row's bytes under that lock, and a count added after them wrapped below zero (a debug
+        // build then panicked on the sum below).
         let now = self.kept_bytes.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        drop(pre);
         self.peak_bytes.fetch_max(now, Ordering::SeqCst);
     }
 
