@@ -120,21 +120,27 @@ impl Content {
     }
 }
 
-/// A pass over a table's input.
+/// A pass over a table's input: one read of it, window by window, writing one or more outputs.
 pub(super) struct Pass<'a> {
     pub input: &'a TableInput,
     /// A row's group is its bucket `>> shift`.
     pub shift: u32,
-    /// The groups whose rows the pass takes; the others' rows are skipped.
-    pub groups: Range<usize>,
-    pub content: Content,
-    /// One thread and one temporary file per part, in part order.
+    /// One thread per part, in part order, and one temporary file per part and output.
     pub parts: &'a [Range<u64>],
-    /// Bytes each part's file will hold (reserved before the first row is read).
-    pub sizes: Vec<u64>,
+    pub outputs: Vec<Output>,
     pub scratch: &'a Path,
     /// Set to give up early (the pass then fails).
     pub cancel: Option<&'a AtomicBool>,
+}
+
+/// What a pass writes to one set of temporary files (one per part).
+pub(super) struct Output {
+    /// The groups whose rows it takes; the others' rows are skipped.
+    pub groups: Range<usize>,
+    pub content: Content,
+    /// Bytes each part's file is reserved for before the first row is read: what it will hold,
+    /// or an estimate.
+    pub sizes: Vec<u64>,
 }
 
 /// A distribution's temporary files, one per distributing thread.
@@ -162,90 +168,106 @@ impl Drop for TemporaryFiles {
     }
 }
 
+/// One part's buffers and runs for one output.
+struct PartOutput<'o> {
+    output: &'o Output,
+    file: &'o File,
+    /// Rows a group gathers before they are appended as one run.
+    cap: usize,
+    /// Per taken group (from `output.groups.start`): its rows' count, ids (little-endian
+    /// bytes) and each slot's rows.
+    bufs: Vec<(usize, Vec<u8>, Vec<Vec<u8>>)>,
+    runs: Runs,
+    at: u64,
+}
+
 impl Pass<'_> {
-    /// Runs the pass: every row of a taken group goes to its group's runs, each part's rows in
-    /// input order, the parts' runs in part order. Returns the files and, per group of the whole
-    /// table (`groups.end` at least), its runs.
-    pub fn run(&self) -> Result<(TemporaryFiles, Runs)> {
+    /// Runs the pass: every row of a group an output takes goes to that group's runs in the
+    /// output's files, each part's rows in input order, the parts' runs in part order. Returns,
+    /// per output, its files and, per group of the whole table (`groups.end` at least), its runs.
+    pub fn run(&self) -> Result<Vec<(TemporaryFiles, Runs)>> {
         let io = |op, e| Error::Io {
             op,
             path: self.scratch.to_path_buf(),
             source: e,
         };
-        let files: Vec<File> = self
-            .parts
+        let files: Vec<Vec<File>> = self
+            .outputs
             .iter()
-            .zip(&self.sizes)
-            .map(|(_, &size)| {
-                let file = tempfile::tempfile_in(self.scratch)
-                    .map_err(|e| io("create a temporary file in", e))?;
-                // Exactly the part's rows go to its file. Writes into allocated blocks skip the
-                // filesystem's per-page reservation (a sixth of a distribution's time on ext4),
-                // and a full disk is reported before the first row is read.
-                allocate(&file, size)
-                    .map_err(|e| io("reserve space for a temporary file in", e))?;
-                Ok(file)
+            .map(|o| {
+                o.sizes
+                    .iter()
+                    .take(self.parts.len())
+                    .map(|&size| {
+                        let file = tempfile::tempfile_in(self.scratch)
+                            .map_err(|e| io("create a temporary file in", e))?;
+                        // Writes into allocated blocks skip the filesystem's per-page reservation
+                        // (a sixth of a distribution's time on ext4), and a full disk is reported
+                        // before the first row is read.
+                        allocate(&file, size)
+                            .map_err(|e| io("reserve space for a temporary file in", e))?;
+                        Ok(file)
+                    })
+                    .collect::<Result<_>>()
             })
             .collect::<Result<_>>()?;
-        let results: Vec<Result<Runs>> = std::thread::scope(|scope| {
+        let results: Vec<Result<Vec<Runs>>> = std::thread::scope(|scope| {
             let workers: Vec<_> = self
                 .parts
                 .iter()
-                .zip(&files)
                 .enumerate()
-                .map(|(f, (part, file))| scope.spawn(move || self.part(f, part.clone(), file)))
+                .map(|(f, part)| {
+                    let files: Vec<&File> = files.iter().map(|of| &of[f]).collect();
+                    scope.spawn(move || self.part(f, part.clone(), &files))
+                })
                 .collect();
             workers
                 .into_iter()
                 .map(|w| w.join().expect("a distributing thread panicked"))
                 .collect()
         });
-        let mut runs = vec![Vec::new(); self.groups.end];
+        let mut runs: Vec<Runs> = self
+            .outputs
+            .iter()
+            .map(|o| vec![Vec::new(); o.groups.end])
+            .collect();
         for r in results {
-            for (g, mut rs) in r?.into_iter().enumerate() {
-                runs[self.groups.start + g].append(&mut rs);
+            for ((o, of_part), all) in self.outputs.iter().zip(r?).zip(&mut runs) {
+                for (g, mut rs) in of_part.into_iter().enumerate() {
+                    all[o.groups.start + g].append(&mut rs);
+                }
             }
         }
-        Ok((TemporaryFiles(files), runs))
+        Ok(files.into_iter().map(TemporaryFiles).zip(runs).collect())
     }
 
-    /// One part's rows into file `f`: per taken group (from `groups.start`), its runs.
-    fn part(&self, f: usize, part: Range<u64>, file: &File) -> Result<Runs> {
+    /// One part's rows into file `f` of each output: per output, per taken group, its runs.
+    fn part(&self, f: usize, part: Range<u64>, files: &[&File]) -> Result<Vec<Runs>> {
         let input = self.input;
-        let taken = self.groups.len().max(1);
-        let width = usize::from(self.content.ids()) * 8
-            + if self.content.slots() {
-                input.row_bytes.iter().sum::<usize>()
-            } else {
-                0
-            };
-        let cap = ((RUN_BYTES * taken).min(DISTRIBUTE_BUFFER_BYTES) / taken / width.max(1)).max(16);
-        let window = (WINDOW_BYTES / (8 + input.row_bytes.iter().sum::<usize>()) as u64).max(1);
-        let mut runs = vec![Vec::new(); self.groups.len()];
-        // Per taken group: its rows' count, ids (little-endian bytes) and each slot's rows.
-        let mut bufs: Vec<(usize, Vec<u8>, Vec<Vec<u8>>)> =
-            vec![(0, Vec::new(), vec![Vec::new(); input.row_bytes.len()]); self.groups.len()];
-        let mut at = 0u64;
-        let mut flush =
-            |g: usize, buf: &mut (usize, Vec<u8>, Vec<Vec<u8>>), runs: &mut Runs| -> Result<()> {
-                if buf.0 == 0 {
-                    return Ok(());
+        let slot_bytes = input.row_bytes.iter().sum::<usize>();
+        let budget = DISTRIBUTE_BUFFER_BYTES / self.outputs.len().max(1);
+        let mut outs: Vec<PartOutput<'_>> = self
+            .outputs
+            .iter()
+            .zip(files)
+            .map(|(output, &file)| {
+                let taken = output.groups.len();
+                let width = usize::from(output.content.ids()) * 8
+                    + usize::from(output.content.slots()) * slot_bytes;
+                let cap =
+                    ((RUN_BYTES * taken.max(1)).min(budget) / taken.max(1) / width.max(1)).max(16);
+                PartOutput {
+                    output,
+                    file,
+                    cap,
+                    bufs: vec![(0, Vec::new(), vec![Vec::new(); input.row_bytes.len()]); taken],
+                    runs: vec![Vec::new(); taken],
+                    at: 0,
                 }
-                let mut parts = Vec::with_capacity(1 + buf.2.len());
-                parts.push(buf.1.as_slice());
-                parts.extend(buf.2.iter().map(Vec::as_slice));
-                let len = write_all_vectored_at(file, &parts, at).map_err(|e| Error::Io {
-                    op: "write a temporary file in",
-                    path: self.scratch.to_path_buf(),
-                    source: e,
-                })?;
-                runs[g].push((f, at, buf.0 as u64));
-                at += len;
-                buf.0 = 0;
-                buf.1.clear();
-                buf.2.iter_mut().for_each(Vec::clear);
-                Ok(())
-            };
+            })
+            .collect();
+        let with_slots = self.outputs.iter().any(|o| o.content.slots());
+        let window = (WINDOW_BYTES / (8 + slot_bytes) as u64).max(1);
         let mut ids = Vec::new();
         let mut slots = vec![Vec::new(); input.row_bytes.len()];
         let mut lo = part.start;
@@ -257,35 +279,60 @@ impl Pass<'_> {
                 )));
             }
             let hi = (lo + window).min(part.end);
-            let with_slots = self.content.slots().then_some(slots.as_mut_slice());
-            input.read(lo..hi, &mut ids, with_slots)?;
+            input.read(lo..hi, &mut ids, with_slots.then_some(slots.as_mut_slice()))?;
             for (r, c) in ids.chunks_exact(8).enumerate() {
                 let id = u64::from_le_bytes(c.try_into().expect("8 bytes"));
                 let g = (PartitionRule::bucket_of(id) >> self.shift) as usize;
-                if !self.groups.contains(&g) {
-                    continue;
-                }
-                let g = g - self.groups.start;
-                let buf = &mut bufs[g];
-                buf.0 += 1;
-                if self.content.ids() {
-                    buf.1.extend_from_slice(c);
-                }
-                if self.content.slots() {
-                    for ((dst, src), &b) in buf.2.iter_mut().zip(&slots).zip(&input.row_bytes) {
-                        dst.extend_from_slice(&src[r * b..(r + 1) * b]);
+                for out in &mut outs {
+                    if !out.output.groups.contains(&g) {
+                        continue;
                     }
-                }
-                if buf.0 >= cap {
-                    flush(g, buf, &mut runs)?;
+                    let k = g - out.output.groups.start;
+                    let buf = &mut out.bufs[k];
+                    buf.0 += 1;
+                    if out.output.content.ids() {
+                        buf.1.extend_from_slice(c);
+                    }
+                    if out.output.content.slots() {
+                        for ((dst, src), &b) in buf.2.iter_mut().zip(&slots).zip(&input.row_bytes) {
+                            dst.extend_from_slice(&src[r * b..(r + 1) * b]);
+                        }
+                    }
+                    if buf.0 >= out.cap {
+                        self.flush(f, out, k)?;
+                    }
                 }
             }
             lo = hi;
         }
-        for (g, buf) in bufs.iter_mut().enumerate() {
-            flush(g, buf, &mut runs)?;
+        for out in &mut outs {
+            for k in 0..out.bufs.len() {
+                self.flush(f, out, k)?;
+            }
         }
-        Ok(runs)
+        Ok(outs.into_iter().map(|o| o.runs).collect())
+    }
+
+    /// Appends taken group `k`'s gathered rows, as one run, to `out`'s file of part `f`.
+    fn flush(&self, f: usize, out: &mut PartOutput<'_>, k: usize) -> Result<()> {
+        let buf = &mut out.bufs[k];
+        if buf.0 == 0 {
+            return Ok(());
+        }
+        let mut parts = Vec::with_capacity(1 + buf.2.len());
+        parts.push(buf.1.as_slice());
+        parts.extend(buf.2.iter().map(Vec::as_slice));
+        let len = write_all_vectored_at(out.file, &parts, out.at).map_err(|e| Error::Io {
+            op: "write a temporary file in",
+            path: self.scratch.to_path_buf(),
+            source: e,
+        })?;
+        out.runs[k].push((f, out.at, buf.0 as u64));
+        out.at += len;
+        buf.0 = 0;
+        buf.1.clear();
+        buf.2.iter_mut().for_each(Vec::clear);
+        Ok(())
     }
 }
 

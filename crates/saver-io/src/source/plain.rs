@@ -30,7 +30,7 @@ use crate::header::{read_header, HeaderEntry};
 use crate::restore::LoadedDense;
 use crate::storage::{check_file_name, LocalFs, ReadHandle, Storage};
 
-use super::distribute::{Content, InputColumn, Pass, Runs, TableInput, TemporaryFiles};
+use super::distribute::{Content, InputColumn, Output, Pass, Runs, TableInput, TemporaryFiles};
 use super::rounds::Rounds;
 
 /// Rows of a group about this many bytes; a table up to this size is one group.
@@ -500,53 +500,47 @@ impl<'p> PlainTable<'p> {
     ) -> Result<Groups> {
         let shift = 16 - count.trailing_zeros();
         let parts = self.columns.parts(parallel);
-        let rows_of = |part: &std::ops::Range<u64>| part.end - part.start;
-        let width = if rounds > 1 {
-            8
-        } else {
-            8 + self.row_bytes.iter().sum::<usize>() as u64
-        };
-        let (files, runs) = Pass {
-            input: &self.columns,
-            shift,
-            groups: 0..count,
-            content: if rounds > 1 {
-                Content::Ids
-            } else {
-                Content::Rows
-            },
-            parts: &parts,
-            sizes: parts.iter().map(|p| rows_of(p) * width).collect(),
-            scratch,
-            cancel: None,
-        }
-        .run()?;
-        let rounds = if rounds > 1 {
-            // Rows of each group in each part: what each round's files will hold.
-            let mut rows = vec![vec![0u64; count]; parts.len()];
-            for (g, rs) in runs.iter().enumerate() {
-                for &(f, _, n) in rs {
-                    rows[f][g] += n;
-                }
-            }
-            Some(Rounds::start(
+        if rounds > 1 {
+            let (files, runs, rounds) = Rounds::distribute(
                 self.columns.clone(),
                 &self.spec.name,
                 shift,
+                count,
                 count.div_ceil(rounds),
                 parts,
-                &rows,
                 scratch.to_path_buf(),
-            )?)
-        } else {
-            None
-        };
+            )?;
+            return Ok(Groups::Spilled {
+                files,
+                runs,
+                shift,
+                dir: scratch.to_path_buf(),
+                rounds: Some(rounds),
+            });
+        }
+        let row = 8 + self.row_bytes.iter().sum::<usize>() as u64;
+        let (files, runs) = Pass {
+            input: &self.columns,
+            shift,
+            parts: &parts,
+            outputs: vec![Output {
+                groups: 0..count,
+                content: Content::Rows,
+                // Exactly the part's rows go to its file.
+                sizes: parts.iter().map(|p| (p.end - p.start) * row).collect(),
+            }],
+            scratch,
+            cancel: None,
+        }
+        .run()?
+        .pop()
+        .expect("one output");
         Ok(Groups::Spilled {
             files,
             runs,
             shift,
             dir: scratch.to_path_buf(),
-            rounds,
+            rounds: None,
         })
     }
 

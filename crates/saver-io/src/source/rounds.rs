@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
-use super::distribute::{Content, Pass, Runs, TableInput, TemporaryFiles};
+use super::distribute::{Content, Output, Pass, Runs, TableInput, TemporaryFiles};
 use crate::error::{Error, Result};
 
 /// Rounds made ahead of the save and not yet read, at most (a round being made counts).
@@ -136,26 +136,68 @@ pub(super) struct Rounds {
 }
 
 impl Rounds {
-    /// Starts making the rounds of a table split into `groups` groups of buckets `>> shift`,
-    /// `per_round` groups a round; `rows[p][g]`: rows of group `g` in part `p` of the input.
-    pub fn start(
+    /// Distributes table `table` (`input`, read by `parts`) in `groups` groups of buckets
+    /// `>> shift`, `per_round` groups a round, in temporary files in `scratch`: its ids, and the
+    /// slot rows of its first [`AHEAD`] rounds, in one pass (the reads of the input are what
+    /// rounds cost); then starts the thread that makes the other rounds. Returns the ids' files
+    /// and, per group, their runs, and the rounds.
+    pub fn distribute(
         input: TableInput,
         table: &str,
         shift: u32,
+        groups: usize,
         per_round: usize,
         parts: Vec<Range<u64>>,
-        rows: &[Vec<u64>],
         scratch: PathBuf,
-    ) -> Result<Self> {
-        let groups = rows.first().map_or(0, Vec::len);
+    ) -> Result<(TemporaryFiles, Runs, Self)> {
         let per_round = per_round.max(1);
         let count = groups.div_ceil(per_round);
         let slot_bytes: u64 = input.row_bytes.iter().map(|&b| b as u64).sum();
+        let round_groups = |r: usize| r * per_round..((r + 1) * per_round).min(groups);
+        let first = AHEAD.min(count);
+        let mut outputs = vec![Output {
+            groups: 0..groups,
+            content: Content::Ids,
+            sizes: parts.iter().map(|p| (p.end - p.start) * 8).collect(),
+        }];
+        // A round's share of a part's rows is known only after this pass: reserved as its share
+        // of the buckets, and a sixteenth more (ids spread over buckets by hash, evenly).
+        outputs.extend((0..first).map(|r| {
+            Output {
+                groups: round_groups(r),
+                content: Content::Slots,
+                sizes: parts
+                    .iter()
+                    .map(|p| {
+                        let share =
+                            (p.end - p.start) * round_groups(r).len() as u64 / groups as u64;
+                        (share + share / 16 + 64) * slot_bytes
+                    })
+                    .collect(),
+            }
+        }));
+        let mut made = Pass {
+            input: &input,
+            shift,
+            parts: &parts,
+            outputs,
+            scratch: &scratch,
+            cancel: None,
+        }
+        .run()?
+        .into_iter();
+        let (ids, id_runs) = made.next().expect("the ids' output");
+        // Rows of each group in each part: what each round's files will hold.
+        let mut rows = vec![vec![0u64; groups]; parts.len()];
+        for (g, rs) in id_runs.iter().enumerate() {
+            for &(f, _, n) in rs {
+                rows[f][g] += n;
+            }
+        }
         let sizes = (0..count)
             .map(|r| {
-                let g = r * per_round..((r + 1) * per_round).min(groups);
                 rows.iter()
-                    .map(|of_part| of_part[g.clone()].iter().sum::<u64>() * slot_bytes)
+                    .map(|of_part| of_part[round_groups(r)].iter().sum::<u64>() * slot_bytes)
                     .collect()
             })
             .collect();
@@ -175,7 +217,7 @@ impl Rounds {
             consumed: (0..count).map(|_| AtomicUsize::new(0)).collect(),
             state: Mutex::new(State {
                 rounds: (0..count).map(|_| Slot::Absent).collect(),
-                made: vec![false; count],
+                made: (0..count).map(|r| r < first).collect(),
                 wanted: BTreeSet::new(),
                 failed: None,
             }),
@@ -187,6 +229,12 @@ impl Rounds {
         for r in 0..count {
             shared.consumed[r].store(shared.empty_groups(r), Ordering::Relaxed);
         }
+        {
+            let mut state = shared.lock();
+            for (r, (files, runs)) in made.enumerate() {
+                state.rounds[r] = Slot::Ready(Arc::new(RoundData { files, runs }));
+            }
+        }
         let worker = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("saver-distribute".into())
@@ -196,10 +244,14 @@ impl Rounds {
                 path: shared.scratch.clone(),
                 source: e,
             })?;
-        Ok(Self {
-            shared,
-            thread: Some(thread),
-        })
+        Ok((
+            ids,
+            id_runs,
+            Self {
+                shared,
+                thread: Some(thread),
+            },
+        ))
     }
 
     /// The round that holds group `g`'s slot rows, made if it is not (waiting for it).
@@ -366,14 +418,18 @@ impl Shared {
         let (files, runs) = Pass {
             input: &self.input,
             shift: self.shift,
-            groups: self.round_groups(r),
-            content: Content::Slots,
             parts: &self.parts,
-            sizes: self.sizes[r].clone(),
+            outputs: vec![Output {
+                groups: self.round_groups(r),
+                content: Content::Slots,
+                sizes: self.sizes[r].clone(),
+            }],
             scratch: &self.scratch,
             cancel: Some(&self.stop),
         }
-        .run()?;
+        .run()?
+        .pop()
+        .expect("one output");
         Ok(RoundData { files, runs })
     }
 }
