@@ -11,8 +11,8 @@
 //! from then on the table is read group by group, one group (about [`GROUP_BYTES`]) held at a
 //! time per reading thread. A table of at most [`GROUP_BYTES`] is one group, read straight from
 //! the input. A table too large for the kernel to keep its temporary rows in the page cache is
-//! distributed in rounds instead (see [`super::rounds`]): its ids first, then its slot rows a
-//! round of groups at a time, while the save reads them.
+//! distributed in rounds instead (see `source/rounds.rs`): its ids and its first rounds of slot
+//! rows in one pass, then a round of groups at a time while the save reads them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::fs::FileExt;

@@ -9,9 +9,11 @@
 //! `1/AHEAD` of that limit each (more only while the save reads more rounds at once), which stay
 //! in the page cache, and the distribution of the next round overlaps the writing of the last.
 //!
-//! The price is one read of the whole input per round, so rounds are used only where the input
-//! is a local file that fits comfortably in the page cache ([`rounds_for`]); elsewhere a table is
-//! distributed in one pass.
+//! The price is one read of the whole input per round (the first pass writes the ids and the
+//! first [`AHEAD`] rounds together), so rounds are used only where the input is a local file
+//! that fits comfortably in the page cache ([`rounds_for`]); elsewhere a table is distributed in
+//! one pass. Each large table of a model has rounds of its own: a model of several keeps about
+//! [`AHEAD`] rounds of each.
 //!
 //! A round is a cache of the input's rows, never their only copy: once every slot row of its
 //! groups has been read once ([`Rounds::served`]), its files are dropped, and a later read of
