@@ -224,6 +224,12 @@ pub struct SaveArgs {
     /// spare a network filesystem the spill's extra 16 bytes a row of I/O.
     #[arg(long, default_value = "16MiB", value_parser = parse_size)]
     pub plan_memory: u64,
+    /// With --from a plain safetensors input: distribute each table of more than one group in N
+    /// rounds, each a read of the whole input (1: a single pass). By default a table larger than
+    /// the kernel's dirty-page limit that fits twice in the available memory takes as many
+    /// rounds as keep its temporary rows in the page cache (at most 8), others one pass.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub import_rounds: Option<u32>,
     /// Leave out slots matching this glob (repeatable).
     #[arg(long)]
     pub exclude_slots: Vec<String>,

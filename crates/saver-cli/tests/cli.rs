@@ -934,3 +934,87 @@ fn n_cli_processes_save_one_delta_with_another_shard_count() {
         );
     }
 }
+
+/// `save --from` a plain table of several groups in rounds (`--import-rounds`) writes what one
+/// pass writes (same digest, a complete checkpoint); the flag is refused without `--from` and
+/// below 1.
+#[test]
+fn import_in_rounds_writes_what_one_pass_writes() {
+    let d = tempfile::tempdir().unwrap();
+    let plain = d.path().join("plain.safetensors");
+    // 300 000 rows of 8 + 2 x 64 bytes: 41 MB, four groups of the distribution.
+    let rows = 300_000usize;
+    let ids: Vec<i64> = (0..rows as i64)
+        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15u64 as i64))
+        .collect();
+    let emb: Vec<f32> = (0..rows * 16).map(|x| x as f32).collect();
+    let acc: Vec<f32> = (0..rows * 16).map(|x| (x % 977) as f32 * 0.25).collect();
+    write_plain(
+        &plain,
+        vec![
+            ("big/ids", St::I64, vec![rows], le(&ids, i64::to_le_bytes)),
+            (
+                "big/emb",
+                St::F32,
+                vec![rows, 16],
+                le(&emb, f32::to_le_bytes),
+            ),
+            (
+                "big/acc",
+                St::F32,
+                vec![rows, 16],
+                le(&acc, f32::to_le_bytes),
+            ),
+            (
+                "tower.w",
+                St::F32,
+                vec![2],
+                le(&[1.0f32, 2.0], f32::to_le_bytes),
+            ),
+        ],
+    );
+    let mut digests = Vec::new();
+    for rounds in ["1", "2", "4"] {
+        let out = d.path().join(format!("r{rounds}"));
+        ok(&[
+            "save",
+            "--from",
+            p(&plain),
+            "--out",
+            p(&out),
+            "--shards",
+            "3",
+            "--parallel",
+            "2",
+            "--import-rounds",
+            rounds,
+            "--no-fsync",
+        ]);
+        ok(&["verify", p(&out)]);
+        digests.push(ok(&["digest", p(&out)]).trim().to_string());
+    }
+    assert_eq!(digests[0], digests[1], "2 rounds against one pass");
+    assert_eq!(digests[0], digests[2], "4 rounds against one pass");
+    assert_eq!(ok(&["digest", p(&plain)]).trim(), digests[0]);
+
+    let (_, err) = fails(&[
+        "save",
+        "--synthetic",
+        "tiny",
+        "--out",
+        p(&d.path().join("x")),
+        "--import-rounds",
+        "2",
+    ]);
+    assert!(err.contains("--from"), "{err}");
+    let (_, err) = fails(&[
+        "save",
+        "--from",
+        p(&plain),
+        "--out",
+        p(&d.path().join("y")),
+        "--import-rounds",
+        "0",
+    ]);
+    assert!(err.contains("--import-rounds"), "{err}");
+}

@@ -82,6 +82,11 @@ pub fn run(args: SaveArgs) -> CmdResult {
     let tables: Option<SourceTables<'_>>;
     let input = match (&args.synthetic, &args.from) {
         (Some(spec), _) => {
+            if args.import_rounds.is_some() {
+                return Err(
+                    "--import-rounds applies to a plain input (--from), not --synthetic".into(),
+                );
+            }
             tables = None;
             let spec: SyntheticSpec = spec.parse()?;
             synthetic = SyntheticModel::generate(&spec)?;
@@ -104,7 +109,8 @@ pub fn run(args: SaveArgs) -> CmdResult {
                 std::fs::create_dir_all(&args.out)
                     .map_err(|e| format!("create {}: {e}", args.out.display()))?;
             }
-            tables = Some(source.tables(&scratch, args.parallel)?);
+            let rounds = args.import_rounds.map(|r| r as usize);
+            tables = Some(source.tables_in_rounds(&scratch, args.parallel, rounds)?);
             dense = source.dense()?;
             save_input(tables.as_ref().expect("just set"), &dense)?
         }

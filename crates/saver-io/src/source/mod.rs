@@ -118,10 +118,26 @@ impl Source {
     /// The tables. A plain input's are distributed by bucket first, into nameless temporary
     /// files in `scratch`, read with `parallel` threads.
     pub fn tables(&self, scratch: &Path, parallel: usize) -> Result<SourceTables<'_>> {
+        self.tables_in_rounds(scratch, parallel, None)
+    }
+
+    /// [`Self::tables`], a plain input's large tables distributed in `rounds` rounds (`None`: as
+    /// many as suit the table and the machine; see [`PlainInput::tables_in_rounds`]).
+    pub fn tables_in_rounds(
+        &self,
+        scratch: &Path,
+        parallel: usize,
+        rounds: Option<usize>,
+    ) -> Result<SourceTables<'_>> {
         Ok(match self {
             Self::Checkpoint(c) => SourceTables::Stored(StoredTable::all(c, &[], &[])?),
             Self::Chain(c) => SourceTables::Chain(c.tables(&[], &[])?),
-            Self::Plain(p) => SourceTables::Plain(p.tables(scratch, parallel)?),
+            Self::Plain(p) => SourceTables::Plain(p.tables_in_rounds(
+                scratch,
+                parallel,
+                plain::GROUP_BYTES,
+                rounds,
+            )?),
         })
     }
 
