@@ -35,8 +35,8 @@ const AHEAD: usize = 2;
 /// Most rounds of a table: each reads the whole input once more.
 const MAX_ROUNDS: usize = 8;
 
-/// A round of groups held in the page cache must leave room for the output's pages: no round
-/// is smaller than this.
+/// No round is smaller than this: under a dirty limit of a few MiB (`vm.dirty_background_bytes`
+/// set low), rounds of a fraction of it would buy nothing for their reads of the input.
 const MIN_ROUND_BYTES: u64 = 64 << 20;
 
 /// How many rounds to distribute a local table of `table_bytes` in, split into `groups` groups:
