@@ -3,12 +3,13 @@
 //! input, and an input that breaks while rounds are still to be made.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use saver::io::digest::source_digest;
-use saver::io::source::{save_input, Source, SourceTables};
+use saver::io::restore::LoadedDense;
+use saver::io::source::{save_input, PlainInput, Source, SourceTables};
 use saver::io::{save, Checkpoint, SaveOptions};
 
 /// Writes a plain input of one table `t0` of `rows` rows in no useful order (ids, two slots of
@@ -72,6 +73,20 @@ fn data_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
         .collect()
 }
 
+/// A plain input of 6000 rows written in `dir` and opened, a scratch directory beside it, and its
+/// dense tensors: (input path, scratch, input, dense).
+fn open_plain(dir: &Path, seed: u64) -> (PathBuf, PathBuf, PlainInput, Vec<LoadedDense>) {
+    let input = dir.join("model.safetensors");
+    write_plain(&input, 6000, seed);
+    let scratch = dir.join("scratch");
+    std::fs::create_dir(&scratch).unwrap();
+    let Source::Plain(plain) = Source::open(&input).unwrap() else {
+        panic!("plain")
+    };
+    let dense = plain.read_dense().unwrap();
+    (input, scratch, plain, dense)
+}
+
 /// Runs `f` on a thread of its own and waits at most a minute for it: what is tested here must
 /// end, with a result or an error, and never wait forever for a round.
 fn within_a_minute<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -90,14 +105,7 @@ fn within_a_minute<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) ->
 fn saves_racing_over_rounds_write_what_one_pass_writes() {
     within_a_minute(|| {
         let d = tempfile::tempdir().unwrap();
-        let input = d.path().join("model.safetensors");
-        write_plain(&input, 6000, 42);
-        let scratch = d.path().join("scratch");
-        std::fs::create_dir(&scratch).unwrap();
-        let Source::Plain(plain) = Source::open(&input).unwrap() else {
-            panic!("plain")
-        };
-        let dense = plain.read_dense().unwrap();
+        let (input, scratch, plain, dense) = open_plain(d.path(), 42);
         let one_pass =
             SourceTables::Plain(plain.tables_in_rounds(&scratch, 2, 4096, Some(1)).unwrap());
         save(
@@ -151,14 +159,7 @@ fn saves_racing_over_rounds_write_what_one_pass_writes() {
 fn an_input_cut_short_fails_the_save_instead_of_hanging() {
     let err = within_a_minute(|| {
         let d = tempfile::tempdir().unwrap();
-        let input = d.path().join("model.safetensors");
-        write_plain(&input, 6000, 7);
-        let scratch = d.path().join("scratch");
-        std::fs::create_dir(&scratch).unwrap();
-        let Source::Plain(plain) = Source::open(&input).unwrap() else {
-            panic!("plain")
-        };
-        let dense = plain.read_dense().unwrap();
+        let (input, scratch, plain, dense) = open_plain(d.path(), 7);
         let tables =
             SourceTables::Plain(plain.tables_in_rounds(&scratch, 2, 4096, Some(16)).unwrap());
         let len = std::fs::metadata(&input).unwrap().len();

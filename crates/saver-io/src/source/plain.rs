@@ -279,15 +279,17 @@ impl PlainInput {
 
     /// Reads `buf.len()` bytes of `t` from byte `offset` within it.
     pub fn read(&self, t: &PlainTensor, offset: u64, buf: &mut [u8]) -> Result<()> {
-        if offset + buf.len() as u64 > t.entry.len {
-            return Err(Error::Mismatch(format!(
-                "read of {} bytes at {offset} is outside tensor {:?} ({} bytes)",
-                buf.len(),
-                t.entry.name,
-                t.entry.len
-            )));
+        self.column(t).read(offset, buf)
+    }
+
+    /// Tensor `t` as a column a distribution reads, owning its file's handle.
+    fn column(&self, t: &PlainTensor) -> InputColumn {
+        InputColumn {
+            handle: Arc::clone(&self.handles[&t.file]),
+            name: t.entry.name.clone(),
+            offset: t.entry.offset,
+            len: t.entry.len,
         }
-        self.handles[&t.file].read_at(t.entry.offset + offset, buf)
     }
 
     /// Every dense tensor, read whole.
@@ -344,15 +346,9 @@ impl PlainInput {
 
     /// Table `spec`'s columns, owned (for a distribution's passes).
     fn table_input(&self, spec: &PlainTableSpec, row_bytes: &[usize]) -> TableInput {
-        let column = |t: &PlainTensor| InputColumn {
-            handle: Arc::clone(&self.handles[&t.file]),
-            name: t.entry.name.clone(),
-            offset: t.entry.offset,
-            len: t.entry.len,
-        };
         TableInput {
-            ids: column(&spec.ids),
-            slots: spec.slots.iter().map(|(_, t)| column(t)).collect(),
+            ids: self.column(&spec.ids),
+            slots: spec.slots.iter().map(|(_, t)| self.column(t)).collect(),
             row_bytes: row_bytes.to_vec(),
             rows: spec.rows,
         }

@@ -63,6 +63,11 @@ fn rounds_given(table_bytes: u64, groups: usize, available: u64, dirty: u64) -> 
         .min(groups)
 }
 
+/// The groups of round `r`, of `groups` groups taken `per_round` a round.
+fn round_groups(r: usize, per_round: usize, groups: usize) -> Range<usize> {
+    r * per_round..((r + 1) * per_round).min(groups)
+}
+
 /// `MemAvailable` of `/proc/meminfo`, in bytes.
 fn available_bytes() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -155,7 +160,7 @@ impl Rounds {
         let per_round = per_round.max(1);
         let count = groups.div_ceil(per_round);
         let slot_bytes: u64 = input.row_bytes.iter().map(|&b| b as u64).sum();
-        let round_groups = |r: usize| r * per_round..((r + 1) * per_round).min(groups);
+        let round_groups = |r: usize| round_groups(r, per_round, groups);
         let first = AHEAD.min(count);
         let mut outputs = vec![Output {
             groups: 0..groups,
@@ -337,7 +342,7 @@ impl Shared {
     }
 
     fn round_groups(&self, r: usize) -> Range<usize> {
-        r * self.per_round..((r + 1) * self.per_round).min(self.groups)
+        round_groups(r, self.per_round, self.groups)
     }
 
     fn empty_groups(&self, r: usize) -> usize {
