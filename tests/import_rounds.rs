@@ -105,7 +105,7 @@ fn within_a_minute<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) ->
 fn saves_racing_over_rounds_write_what_one_pass_writes() {
     within_a_minute(|| {
         let d = tempfile::tempdir().unwrap();
-        let (input, scratch, plain, dense) = open_plain(d.path(), 42);
+        let (_, scratch, plain, dense) = open_plain(d.path(), 42);
         let one_pass =
             SourceTables::Plain(plain.tables_in_rounds(&scratch, 2, 4096, Some(1)).unwrap());
         save(
