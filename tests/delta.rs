@@ -192,6 +192,71 @@ proptest! {
     }
 }
 
+/// Deltas much larger than what the merge reads of a link at a time (8192 ids), over a base
+/// that shares their buckets: the merge goes through many batches, each ending at a different
+/// link's last id, and ids that several links hold meet in one batch. The chain still holds
+/// what a full save of the final state holds, through every way of reading it.
+#[test]
+fn large_deltas_merge_in_many_batches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut state = State::new();
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let row = |id: u64, k: u64| ((id ^ k).to_le_bytes(), (k as f32) + 1.0);
+    for id in 0..60_000u64 {
+        state.entry(0).or_default().insert(id, row(id, 0));
+    }
+    let mut last: Option<PathBuf> = None;
+    for k in 0..4u64 {
+        if k > 0 {
+            // Ids below 80 000: a third new, the rest over the base or an older delta.
+            for _ in 0..30_000 {
+                let id = next() % 80_000;
+                state.entry(0).or_default().insert(id, row(id, k));
+            }
+            for _ in 0..4_000 {
+                let id = next() % 80_000;
+                state.entry(0).or_default().remove(&id);
+            }
+        }
+        let dir = tmp.path().join(format!("l{k}"));
+        // One segment a shard, so that a part holds all of a link's rows in its buckets.
+        let mut o = options(2, None, last.as_deref());
+        o.plan.max_block_bytes = 256 << 20;
+        save_state(&dir, &state, &[k as u8], &o).unwrap();
+        last = Some(dir);
+    }
+    let last = last.unwrap();
+    let full = tmp.path().join("full");
+    save_state(&full, &state, &[3], &options(3, None, None)).unwrap();
+    assert_eq!(digest(&last), digest(&full));
+    let chain = Chain::open(&last).unwrap();
+    assert_eq!(chain.links().len(), 4);
+    let reference = Checkpoint::open(&full).unwrap();
+    for (shards, j) in [(1, 0), (3, 1)] {
+        let opts = LoadOptions {
+            shard_num: shards,
+            shard_index: Some(j),
+            ..LoadOptions::default()
+        };
+        let (a, b) = (
+            chain.load_columns(&opts).unwrap(),
+            reference.load_columns(&opts).unwrap(),
+        );
+        assert_eq!(a.tables, b.tables);
+        let (a, b) = (
+            chain.restore(&opts).unwrap(),
+            reference.restore(&opts).unwrap(),
+        );
+        assert_eq!(restored_digest(&a).unwrap(), restored_digest(&b).unwrap());
+    }
+}
+
 /// A base and a delta of it (a few rows changed, one removed), in `root`.
 fn base_and_delta(root: &Path) -> (PathBuf, PathBuf, State) {
     let mut state = State::new();

@@ -1,8 +1,6 @@
 //! One table of a chain, resolved: [`ChainTable`], a k-way merge of the links' rows in bucket
 //! order.
 
-use std::cmp::Reverse;
-use std::collections::binary_heap::{BinaryHeap, PeekMut};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -200,64 +198,61 @@ impl<'c> ChainTable<'c> {
             }
         }
         // The cursor with the most rows (the full checkpoint's, as a rule) is emitted in runs up
-        // to the next key of any other; only the others go through the heap, whose entries are
-        // (key, rank << 16 | cursor): the least rank of a key is the entry that decides it.
+        // to the next key of any other. The others are merged a batch at a time: every entry
+        // they hold up to the least of their last keys, gathered in rank order and sorted by key
+        // with a stable sort (which merges their sorted runs), so that the first entry of a key
+        // is the one that decides it. A heap did the same a row at a time: `perf` gave it 40 %
+        // more samples than the sort and the bulk's emission together.
         let Some(b) = (0..cursors.len()).max_by_key(|&c| cursors[c].end - cursors[c].first) else {
             return Ok(());
         };
         let mut bulk = cursors.swap_remove(b);
-        let mut heap = BinaryHeap::with_capacity(cursors.len());
-        for (c, cur) in cursors.iter_mut().enumerate() {
-            if cur.fill()? {
-                heap.push(Reverse((cur.key(), cur.rank() << 16 | c as u32)));
-            }
-        }
+        cursors.sort_by_key(Cursor::rank);
+        let mut batch: Vec<Entry> = Vec::new();
         loop {
-            let next = heap.peek().map(|Reverse((k, _))| *k);
-            let mut bulk_at_next = false;
-            while bulk.fill()? {
-                let keys = &bulk.keys[bulk.pos..];
-                let n = match next {
-                    None => keys.len(),
-                    Some(k) => keys.iter().position(|&x| x >= k).unwrap_or(keys.len()),
-                };
-                if n > 0 && !bulk.removal {
-                    emit(&bulk.ids[bulk.pos..bulk.pos + n], bulk.handle())?;
-                }
-                bulk.pos += n;
-                if bulk.pos < bulk.ids.len() {
-                    bulk_at_next = Some(bulk.keys[bulk.pos]) == next;
-                    break;
+            let mut bound: Option<u128> = None;
+            for c in cursors.iter_mut() {
+                if c.fill()? {
+                    let last = c.keys[c.keys.len() - 1];
+                    bound = Some(bound.map_or(last, |b| b.min(last)));
                 }
             }
-            let Some(key) = next else {
-                return Ok(());
+            let Some(bound) = bound else {
+                return bulk.emit_below(None, emit);
             };
-            // Every entry of `key`: the newest link decides, a row before a removal of it.
-            let mut best = None;
-            if bulk_at_next {
-                best = Some((bulk.rank(), bulk.handle()));
-                bulk.pos += 1;
+            batch.clear();
+            for c in cursors.iter_mut() {
+                let keys = &c.keys[c.pos.min(c.keys.len())..];
+                let n = keys.partition_point(|&k| k <= bound);
+                let rank = c.rank();
+                batch.extend(keys[..n].iter().enumerate().map(|(i, &key)| Entry {
+                    key,
+                    handle: c.handle_at(c.pos + i),
+                    rank,
+                }));
+                c.pos += n;
             }
-            while let Some(mut top) = heap.peek_mut() {
-                let Reverse((k, tag)) = *top;
-                if k != key {
-                    break;
+            batch.sort_by_key(|e| e.key);
+            let mut i = 0;
+            while i < batch.len() {
+                let Entry {
+                    key,
+                    mut handle,
+                    mut rank,
+                } = batch[i];
+                bulk.emit_below(Some(key), emit)?;
+                if bulk.fill()? && bulk.key() == key {
+                    if bulk.rank() < rank {
+                        (rank, handle) = (bulk.rank(), bulk.handle());
+                    }
+                    bulk.pos += 1;
                 }
-                let cur = &mut cursors[(tag & 0xffff) as usize];
-                if best.is_none_or(|(rank, _)| tag >> 16 < rank) {
-                    best = Some((tag >> 16, cur.handle()));
+                i += 1;
+                while i < batch.len() && batch[i].key == key {
+                    i += 1;
                 }
-                cur.pos += 1;
-                if cur.fill()? {
-                    *top = Reverse((cur.key(), tag));
-                } else {
-                    PeekMut::pop(top);
-                }
-            }
-            if let Some((rank, h)) = best {
                 if rank & 1 == 0 {
-                    emit(&[key as u64], h)?;
+                    emit(&[key as u64], handle)?;
                 }
             }
         }
@@ -369,6 +364,15 @@ impl<'c> ChainTable<'c> {
     }
 }
 
+/// An entry of a link other than the merge's bulk one: its key, the handle of its row, and its
+/// [`Cursor::rank`].
+#[derive(Clone, Copy)]
+struct Entry {
+    key: u128,
+    handle: u64,
+    rank: u32,
+}
+
 /// Reads the ids of one link's rows (or removed ids) over a row range of one segment.
 struct Cursor<'t, 'c> {
     table: &'t StoredTable<'c>,
@@ -417,9 +421,34 @@ impl<'t, 'c> Cursor<'t, 'c> {
 
     /// The handle of the current row.
     fn handle(&self) -> u64 {
+        self.handle_at(self.pos)
+    }
+
+    /// The handle of row `at` of the ids held.
+    fn handle_at(&self, at: usize) -> u64 {
         ((self.link as u64) << LINK_SHIFT)
             | ((self.seg as u64) << ROW_BITS)
-            | (self.first + self.pos as u64)
+            | (self.first + at as u64)
+    }
+
+    /// Emits the rows before key `next` (all rows when `None`) in runs, unless they are
+    /// removals; stops at the first row of `next` or above.
+    fn emit_below(&mut self, next: Option<u128>, emit: &mut Emit<'_>) -> Result<()> {
+        while self.fill()? {
+            let keys = &self.keys[self.pos..];
+            let n = match next {
+                None => keys.len(),
+                Some(k) => keys.iter().position(|&x| x >= k).unwrap_or(keys.len()),
+            };
+            if n > 0 && !self.removal {
+                emit(&self.ids[self.pos..self.pos + n], self.handle())?;
+            }
+            self.pos += n;
+            if self.pos < self.ids.len() {
+                break;
+            }
+        }
+        Ok(())
     }
 
     /// Which entry of a key decides it, least first: the newest link's, its row before its
