@@ -14,12 +14,11 @@ use crate::error::{Error, Result};
 use crate::source::stored::ROW_BITS;
 use crate::source::{core_error as core, BucketRows, StoredTable, VisitRows};
 
+mod runs;
+pub(super) use runs::{Run, RunReader};
+
 /// Bits of a chain row handle below the link number: a [`StoredTable`] handle.
 const LINK_SHIFT: u32 = 58;
-
-/// Rows of one link's segment whose gap is at most this many bytes of a slot are read in one
-/// piece, with the rows between: a gap smaller than a page saves the device nothing.
-const COALESCE_BYTES: u64 = 4096;
 
 /// What [`ChainTable::merge`] calls with each run of live rows: their ids, and the handle of
 /// the first (the others follow it, rows of one link's segment).
@@ -28,9 +27,6 @@ type Emit<'a> = dyn FnMut(&[u64], u64) -> Result<()> + 'a;
 /// What [`ChainTable::resolve_batches`] calls with each batch: its ids and runs, to take or
 /// leave.
 pub(super) type ResolvedBatch<'a> = dyn FnMut(&mut Vec<u64>, &mut Vec<Run>) -> Result<()> + 'a;
-
-/// Most bytes of rows read in one piece through the scratch buffer when runs are coalesced.
-const WINDOW_BYTES: u64 = 512 << 10;
 
 /// Ids read at a time by each link's cursor.
 const CURSOR_IDS: u64 = 8192;
@@ -547,204 +543,6 @@ impl<'t, 'c> ChainSnapshot<'t, 'c> {
     }
 }
 
-/// Rows `first..first + count` of segment `seg` of link `link`'s rows, which are rows
-/// `at..at + count` of what is being read.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Run {
-    link: usize,
-    seg: usize,
-    first: u64,
-    count: u64,
-    at: usize,
-}
-
-impl Run {
-    /// Adds `count` rows from the row of `handle` as rows from `at`: to the last run if they
-    /// continue it, else as a run.
-    fn push(runs: &mut Vec<Run>, handle: u64, at: usize, count: u64) {
-        let link = (handle >> LINK_SHIFT) as usize;
-        let seg = ((handle & ((1 << LINK_SHIFT) - 1)) >> ROW_BITS) as usize;
-        let row = handle & ((1 << ROW_BITS) - 1);
-        if let Some(r) = runs.last_mut() {
-            if r.link == link
-                && r.seg == seg
-                && r.first + r.count == row
-                && r.at + r.count as usize == at
-            {
-                r.count += count;
-                return;
-            }
-        }
-        runs.push(Run {
-            link,
-            seg,
-            first: row,
-            count,
-            at,
-        });
-    }
-}
-
-/// Reads runs of link rows, with scratch buffers kept between calls.
-#[derive(Default)]
-pub(super) struct RunReader {
-    scratch: Vec<Vec<u8>>,
-    /// Where [`RunReader::by_link`] puts runs.
-    sorted: Vec<Run>,
-    /// Whether the rows go to memory that is not read again soon (a load's final arrays), and
-    /// so are better copied there past the caches.
-    streaming: bool,
-}
-
-impl RunReader {
-    /// A reader into a load's final arrays: see [`RunReader::streaming`].
-    pub(super) fn into_final_arrays() -> Self {
-        Self {
-            streaming: true,
-            ..Self::default()
-        }
-    }
-
-    /// Orders `runs` by link, keeping their order within a link (a counting sort: a merge's
-    /// runs number a tenth of its rows, and a comparison sort of them cost more than the rest of
-    /// the merge's bookkeeping).
-    fn by_link(&mut self, runs: &mut [Run]) {
-        let links = runs.iter().map(|r| r.link).max().map_or(0, |m| m + 1);
-        let mut starts = vec![0usize; links + 1];
-        for r in runs.iter() {
-            starts[r.link + 1] += 1;
-        }
-        for l in 0..links {
-            starts[l + 1] += starts[l];
-        }
-        self.sorted.clear();
-        self.sorted.resize(runs.len(), runs[0]);
-        for r in runs.iter() {
-            self.sorted[starts[r.link]] = *r;
-            starts[r.link] += 1;
-        }
-        runs.copy_from_slice(&self.sorted);
-    }
-
-    /// Reads the rows of `runs` (of `t`) into `out`, one slice a slot holding the rows at the
-    /// runs' `at` (an empty slice: that slot is not wanted). Runs of one link's segment separated
-    /// by less than [`COALESCE_BYTES`] of any slot are read in one piece (the rows between them,
-    /// which a newer link replaced or removed, are read and skipped), so that a base shadowed
-    /// here and there by deltas is read in long runs rather than row by row; a run read alone
-    /// goes straight into `out`, the others through a scratch buffer, one copy a run.
-    pub(super) fn fill(
-        &mut self,
-        t: &ChainTable<'_>,
-        runs: &mut [Run],
-        out: &mut [&mut [u8]],
-    ) -> Result<()> {
-        // Link by link; within a link, runs come in row order already (a merge emits each
-        // link's rows in its order), so a stable sort by link alone is a merge of sorted runs.
-        if !runs.is_sorted_by_key(|r| r.link) {
-            self.by_link(runs);
-        }
-        if !runs.is_sorted_by_key(|r| (r.link, r.seg, r.first)) {
-            runs.sort_unstable_by_key(|r| (r.link, r.seg, r.first));
-        }
-        let widths: Vec<usize> = t.row_bytes.iter().map(|&b| b as usize).collect();
-        let gap = (COALESCE_BYTES / t.row_bytes.iter().copied().max().unwrap_or(1).max(1)).max(1);
-        let window = (WINDOW_BYTES / t.full_row_bytes()).max(1);
-        self.scratch.resize_with(widths.len(), Vec::new);
-        let mut a = 0;
-        while a < runs.len() {
-            let Run {
-                link, seg, first, ..
-            } = runs[a];
-            let mut end = first + runs[a].count;
-            let mut b = a + 1;
-            while b < runs.len() {
-                let r = &runs[b];
-                if r.link != link
-                    || r.seg != seg
-                    || r.first < end
-                    || r.first - end > gap
-                    || r.first + r.count - first > window
-                {
-                    break;
-                }
-                end = r.first + r.count;
-                b += 1;
-            }
-            let rows = match t.links.get(link) {
-                Some(l) if seg < l.rows.segment_count() && end <= l.rows.segment_rows(seg) => {
-                    &l.rows
-                }
-                _ => {
-                    return Err(Error::Mismatch(format!(
-                        "rows {first}..{end} of segment {seg} of link {link} are not table {:?}'s",
-                        t.name
-                    )))
-                }
-            };
-            let n = (end - first) as usize;
-            if b == a + 1 {
-                let at = runs[a].at;
-                let mut bufs: Vec<&mut [u8]> = out
-                    .iter_mut()
-                    .zip(&widths)
-                    .map(|(o, &w)| {
-                        if o.is_empty() {
-                            &mut [][..]
-                        } else {
-                            &mut o[at * w..(at + n) * w]
-                        }
-                    })
-                    .collect();
-                rows.read_segment(seg, first..end, &mut [], &mut bufs)?;
-                let read: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-                t.bytes_read.fetch_add(read, Ordering::Relaxed);
-            } else {
-                let mut bufs: Vec<&mut [u8]> = self
-                    .scratch
-                    .iter_mut()
-                    .zip(&widths)
-                    .zip(out.iter())
-                    .map(|((s, &w), o)| {
-                        if o.is_empty() {
-                            &mut [][..]
-                        } else {
-                            s.resize(n * w, 0);
-                            &mut s[..n * w]
-                        }
-                    })
-                    .collect();
-                rows.read_segment(seg, first..end, &mut [], &mut bufs)?;
-                let read: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-                t.bytes_read.fetch_add(read, Ordering::Relaxed);
-                for r in &runs[a..b] {
-                    let (from, k) = ((r.first - first) as usize, r.count as usize);
-                    for ((o, src), &w) in out.iter_mut().zip(&bufs).zip(&widths) {
-                        if !o.is_empty() {
-                            let (to, from) = (
-                                &mut o[r.at * w..(r.at + k) * w],
-                                &src[from * w..(from + k) * w],
-                            );
-                            if self.streaming {
-                                copy_streaming(to, from);
-                            } else {
-                                to.copy_from_slice(from);
-                            }
-                        }
-                    }
-                }
-            }
-            a = b;
-        }
-        // The streaming stores of `copy_streaming` ordered before whatever follows.
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: SSE is part of x86_64.
-        unsafe {
-            std::arch::x86_64::_mm_sfence()
-        };
-        Ok(())
-    }
-}
-
 impl TableSnapshot for ChainSnapshot<'_, '_> {
     fn scan(
         &self,
@@ -844,58 +642,5 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
         }
         self.read_handles(handles, out)
             .map_err(|e| core(&self.table.name, e))
-    }
-}
-
-/// Copies `src` into `dst` (of the same length) with stores that bypass the caches where it can:
-/// `dst` is memory the load will not read again soon, and an ordinary store first reads the
-/// line it writes.
-fn copy_streaming(dst: &mut [u8], src: &[u8]) {
-    assert_eq!(dst.len(), src.len());
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-        let head = dst.as_ptr().align_offset(16).min(dst.len());
-        let (d_head, d_rest) = dst.split_at_mut(head);
-        let (s_head, s_rest) = src.split_at(head);
-        d_head.copy_from_slice(s_head);
-        let body = d_rest.len() / 16 * 16;
-        for i in (0..body).step_by(16) {
-            // SAFETY: `i + 16 <= body <= len` of both slices, `d_rest` is 16-byte aligned here,
-            // and SSE2 is part of x86_64.
-            unsafe {
-                let v = _mm_loadu_si128(s_rest.as_ptr().add(i).cast::<__m128i>());
-                _mm_stream_si128(d_rest.as_mut_ptr().add(i).cast::<__m128i>(), v);
-            }
-        }
-        d_rest[body..].copy_from_slice(&s_rest[body..]);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    dst.copy_from_slice(src);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    proptest! {
-        /// Streaming copies give the bytes of an ordinary copy, whatever the alignment and
-        /// length of either side, and touch nothing outside the destination.
-        #[test]
-        fn copy_streaming_is_a_copy(
-            src in proptest::collection::vec(any::<u8>(), 0..300),
-            from in 0usize..17,
-            to in 0usize..17,
-            len in 0usize..280,
-        ) {
-            let from = from.min(src.len());
-            let len = len.min(src.len() - from);
-            let mut dst = vec![0xA5u8; to + len + 17];
-            let mut want = dst.clone();
-            want[to..to + len].copy_from_slice(&src[from..from + len]);
-            copy_streaming(&mut dst[to..to + len], &src[from..from + len]);
-            prop_assert_eq!(dst, want);
-        }
     }
 }

@@ -1,6 +1,6 @@
 //! Rows kept aside in a nameless temporary file until the save writes them: the changed rows
 //! and removed ids a delta comparison finds, in (bucket, id bits) order. A spool of at most
-//! [`MEMORY_BYTES`] stays in memory: a delta has two spools a table, mostly small, and a file
+//! `MEMORY_BYTES` (256 KiB) stays in memory: a delta has two spools a table, mostly small, and a file
 //! costs more to create than they take to hold.
 //!
 //! Each row is stored whole, id first, then every slot, so a run of rows the save asks for is
