@@ -11,6 +11,7 @@ use dashmap::{DashMap, Entry, SharedValue};
 use rayon::prelude::*;
 
 use cow::PreImages;
+use hasher::OrderedIdHashBuilder;
 pub use hasher::{IdHashBuilder, IdHasher};
 use slab::{Row, Slabs};
 use snapshot::{EmbeddingSnapshot, Retired};
@@ -78,7 +79,7 @@ pub struct EmbeddingTable {
     slot_bytes: Vec<usize>,
     slot_offsets: Vec<usize>,
     row_words: usize,
-    rows: DashMap<u64, Row, IdHashBuilder>,
+    rows: DashMap<u64, Row, OrderedIdHashBuilder>,
     /// The rows' memory: arenas for equal parts of `buckets`.
     slabs: Slabs,
     /// The buckets whose rows the table expects (see [`Self::for_shard`]); their range is split
@@ -183,8 +184,11 @@ impl EmbeddingTable {
         let buckets = PartitionRule::bucket_range(shard, shard_num);
         // Past 2^16 shards a shard may own no bucket at all: it still needs one arena.
         let arenas = (buckets.end - buckets.start).clamp(1, slab::ARENAS);
-        let map =
-            DashMap::with_capacity_and_hasher_and_shard_amount(rows, IdHashBuilder, MAP_SHARDS);
+        let map = DashMap::with_capacity_and_hasher_and_shard_amount(
+            rows,
+            OrderedIdHashBuilder::for_rows(rows, MAP_SHARDS),
+            MAP_SHARDS,
+        );
         let pre = PreImages::new(map.shards().len());
         Ok(Self {
             name,
@@ -820,13 +824,20 @@ mod tests {
     use crate::partition::BUCKETS;
 
     fn table() -> EmbeddingTable {
-        EmbeddingTable::new(
+        sized_table(0)
+    }
+
+    /// [`table`] sized for `rows` rows: past about 57,000, its map's hash keeps bucket order
+    /// (see `hasher`).
+    fn sized_table(rows: usize) -> EmbeddingTable {
+        EmbeddingTable::with_capacity(
             "t",
             KeyDtype::I64,
             vec![
                 SlotSpec::new("embedding", Dtype::F32, vec![3]),
                 SlotSpec::new("freq", Dtype::I64, vec![]),
             ],
+            rows,
         )
         .unwrap()
     }
@@ -989,8 +1000,13 @@ mod tests {
                 1..6,
             ),
             tracked in proptest::bool::ANY,
+            sized in proptest::sample::select(vec![0usize, 60_000, 1 << 20]),
         ) {
-            let chunked = if tracked { table().with_change_tracking().unwrap() } else { table() };
+            let chunked = if tracked {
+                sized_table(sized).with_change_tracking().unwrap()
+            } else {
+                sized_table(sized)
+            };
             let single = table();
             for (rows, removals, sorted) in rounds {
                 let mut rows = rows;
@@ -1015,6 +1031,38 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A table sized up front whose map then grows to several times that size: every row is
+    /// still found, with its values, and removed rows are gone.
+    #[test]
+    fn a_sized_table_keeps_its_rows_past_its_size() {
+        let t = sized_table(60_000);
+        let mut model: HashMap<u64, i64> = HashMap::new();
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for round in 0..5 {
+            let mut rows: Vec<(u64, i64)> = (0..40_000)
+                .map(|i| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x % 400_000, round * 100_000 + i)
+                })
+                .collect();
+            rows.sort_by_key(|&(id, _)| (PartitionRule::bucket_of(id), id));
+            rows.dedup_by_key(|r| r.0);
+            insert_rows_as_chunk(&t, &rows);
+            model.extend(rows.iter().copied());
+            for &(id, _) in rows.iter().step_by(7) {
+                assert!(t.remove(id));
+                model.remove(&id);
+            }
+        }
+        assert_eq!(t.len(), model.len());
+        for id in 0..400_000u64 {
+            let want = model.get(&id).map(|v| v.to_le_bytes().to_vec());
+            assert_eq!(t.get_slot(id, 1), want, "id {id}");
         }
     }
 
