@@ -29,27 +29,33 @@ impl BuildHasher for IdHashBuilder {
     type Hasher = IdHasher;
 
     fn build_hasher(&self) -> IdHasher {
-        IdHasher(0, 0)
+        IdHasher(0, SlotOrder::NONE)
     }
 }
 
-/// Builds [`IdHasher`]s whose hashes put the rows of a map shard of `2^position_bits` slots in
-/// bucket order (see the module's documentation).
+/// Builds [`IdHasher`]s whose hashes put a table's rows in bucket order in each map shard (see
+/// the module's documentation).
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct OrderedIdHashBuilder {
-    position_bits: u32,
-}
+pub(crate) struct OrderedIdHashBuilder(SlotOrder);
 
 impl OrderedIdHashBuilder {
-    /// For a map sized for `rows` rows in `shards` shards. A map that grows past that keeps the
-    /// hash: its rows are then in no particular order, as with plain `fmix64`.
-    pub(crate) fn for_rows(rows: usize, shards: usize) -> Self {
+    /// For a map sized for `rows` rows in `shards` shards, of a table whose rows lie in
+    /// `buckets`. Only a range of buckets that is an aligned power of two (one shard of a power
+    /// of two of them, or all) is ordered: its fixed leading bits are then whole bits of the hash,
+    /// put aside, so that the rest fill every slot; other tables keep plain `fmix64`. A map that
+    /// grows past its size keeps the hash, its rows then in no particular order.
+    pub(crate) fn for_rows(rows: usize, shards: usize, buckets: std::ops::Range<u32>) -> Self {
         let per_shard = rows.div_ceil(shards.max(1)).max(1);
         // hashbrown's slots: a power of two with room for 8/7 of the rows.
         let slots = (per_shard.saturating_mul(8) / 7).max(1).next_power_of_two();
-        Self {
-            position_bits: slots.trailing_zeros(),
+        let len = buckets.end.saturating_sub(buckets.start);
+        if !len.is_power_of_two() || !buckets.start.is_multiple_of(len) || len > 1 << 16 {
+            return Self(SlotOrder::NONE);
         }
+        Self(SlotOrder {
+            slot_bits: slots.trailing_zeros(),
+            fixed_bits: 16 - len.trailing_zeros(),
+        })
     }
 }
 
@@ -57,28 +63,53 @@ impl BuildHasher for OrderedIdHashBuilder {
     type Hasher = IdHasher;
 
     fn build_hasher(&self) -> IdHasher {
-        IdHasher(0, self.position_bits)
+        IdHasher(0, self.0)
     }
+}
+
+/// How [`ordered`] lays a hash out: for a map shard of `2^slot_bits` slots, over buckets whose
+/// top `fixed_bits` bits are the same.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotOrder {
+    slot_bits: u32,
+    fixed_bits: u32,
+}
+
+impl SlotOrder {
+    /// Plain `fmix64`.
+    const NONE: Self = Self {
+        slot_bits: 0,
+        fixed_bits: 0,
+    };
 }
 
 /// Hashes one `u64` id with `fmix64`; other inputs (never used by the table) are folded in. Built
 /// by an [`OrderedIdHashBuilder`], the bits are then reordered.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct IdHasher(u64, u32);
+pub struct IdHasher(u64, SlotOrder);
 
-/// `f`'s bits reordered for a map shard of `2^m` slots: its low `m` bits (the row's home slot)
-/// begin with the bucket's bits that vary within a dashmap shard (`f`'s top 7, then bits 48..51)
-/// and go on with bits of `f` that the bucket does not hold; the dashmap shard's bits (51..57)
-/// stay where they are; the top 7 (hashbrown's tag, compared before a key) are `f`'s lowest,
-/// independent of the slot. Maps below 1024 slots a shard keep `f`.
-fn ordered(f: u64, m: u32) -> u64 {
-    if !(10..=51).contains(&m) {
+/// `f`'s bits reordered for `order`: the low `m = slot_bits` bits (the row's home slot in a map
+/// shard) begin with the bucket's bits that vary within a dashmap shard and within the table
+/// (`f`'s top 7 but the `c = fixed_bits` fixed ones, then bits 48..51), and go on with bits of
+/// `f` that the bucket does not hold; the fixed bits go above the slot's; the dashmap shard's
+/// bits (51..57) stay where they are; the top 7 (hashbrown's tag, compared before a key) are
+/// `f`'s lowest, independent of the slot. A permutation of `f`'s bits. Maps below 1024 slots a
+/// shard (or of more than `2^(51 - c)`), and tables of fewer than 512 buckets (whose dashmap
+/// shards' bits are fixed too), keep `f`.
+fn ordered(f: u64, order: SlotOrder) -> u64 {
+    let (m, c) = (order.slot_bits, order.fixed_bits);
+    if m < 10 || c > 7 || m + c > 51 {
         return f;
     }
-    let order = (f >> 57) << 3 | (f >> 48 & 7);
-    let low = (f >> 7) & ((1 << (m - 10)) - 1);
-    let high = (f >> (m - 3)) & ((1 << (51 - m)) - 1);
-    low | order << (m - 10) | high << m | (f & (0x3f << 51)) | (f & 0x7f) << 57
+    // The varying bucket bits: q of them, the most significant first.
+    let q = 10 - c;
+    let varying = ((f >> 57) & ((1 << (7 - c)) - 1)) << 3 | (f >> 48 & 7);
+    let low = (f >> 7) & ((1 << (m - q)) - 1);
+    // Above the slot: the rest of bits 7..48, then the fixed bucket bits.
+    let rest = 48 - (7 + m - q);
+    let fixed = f.checked_shr(64 - c).unwrap_or(0);
+    let high = (f >> (7 + m - q)) & ((1 << rest) - 1) | fixed << rest;
+    low | varying << (m - q) | high << m | (f & (0x3f << 51)) | (f & 0x7f) << 57
 }
 
 impl Hasher for IdHasher {
@@ -109,13 +140,48 @@ mod tests {
     /// `fmix64`'s, which the partition rule's bucket holds.
     #[test]
     fn ordered_hash_is_a_permutation_of_the_partition_hash_bits() {
-        for m in 0..64 {
-            let images: Vec<u64> = (0..64).map(|i| ordered(1 << i, m)).collect();
-            assert!(images.iter().all(|h| h.count_ones() == 1), "m = {m}");
-            let all = images.iter().fold(0u64, |a, h| a | h);
-            assert_eq!(all, u64::MAX, "m = {m}");
-            for (i, &h) in images.iter().enumerate().take(57).skip(51) {
-                assert_eq!(h, 1 << i, "m = {m}");
+        for slot_bits in 0..64 {
+            for fixed_bits in 0..=16 {
+                let order = SlotOrder {
+                    slot_bits,
+                    fixed_bits,
+                };
+                let images: Vec<u64> = (0..64).map(|i| ordered(1 << i, order)).collect();
+                assert!(images.iter().all(|h| h.count_ones() == 1), "{order:?}");
+                assert_eq!(images.iter().fold(0, |a, h| a | h), u64::MAX, "{order:?}");
+                for (i, &h) in images.iter().enumerate().take(57).skip(51) {
+                    assert_eq!(h, 1 << i, "{order:?}");
+                }
+            }
+        }
+    }
+
+    /// The rows of a table that owns shard `j` of `2^k` spread over every home slot of each map
+    /// shard: the bucket bits the table shares take no part in the slot (a table of half the
+    /// buckets once put all its rows in half the slots).
+    #[test]
+    fn a_shards_rows_reach_every_slot() {
+        for k in 0..=7u32 {
+            let shard_num = 1u32 << k;
+            for j in [0, shard_num - 1] {
+                let buckets = PartitionRule::bucket_range(j, shard_num);
+                let rows = 1 << 18;
+                let b = OrderedIdHashBuilder::for_rows(rows, 64, buckets.clone());
+                let m = b.0.slot_bits;
+                assert!(m >= 10, "{k} {m}");
+                let mut seen = vec![false; 1 << 10];
+                let mut id = 0u64;
+                let mut found = 0;
+                while found < 200_000 {
+                    id += 1;
+                    if !buckets.contains(&PartitionRule::bucket_of(id)) {
+                        continue;
+                    }
+                    found += 1;
+                    let slot = b.hash_one(id) & ((1 << m) - 1);
+                    seen[(slot >> (m - 10)) as usize] = true;
+                }
+                assert!(seen.iter().all(|&s| s), "shard {j} of {shard_num}");
             }
         }
     }
@@ -125,15 +191,19 @@ mod tests {
         /// to the bits the bucket does not decide), and the reordered hash is linear over XOR, as
         /// a bit permutation is.
         #[test]
-        fn ordered_slots_follow_the_buckets(a: u64, b: u64, m in 10u32..=51) {
-            let (fa, fb) = (fmix64(a), fmix64(b));
+        fn ordered_slots_follow_the_buckets(a: u64, b: u64, m in 10u32..=51, c in 0u32..=7) {
+            let order = SlotOrder { slot_bits: m, fixed_bits: c };
+            // Both in the same table: the same fixed top bits.
+            let fixed = !0u64 << (64 - c.max(1)) & if c == 0 { 0 } else { !0 };
+            let (fa, fb) = (fmix64(a), fmix64(b) & !fixed | fmix64(a) & fixed);
             let shard = |f: u64| (f >> 51) & 0x3f;
             let mask = (1u64 << m) - 1;
-            let (sa, sb) = (ordered(fa, m) & mask, ordered(fb, m) & mask);
+            let q = 10 - c;
+            let (sa, sb) = (ordered(fa, order) & mask, ordered(fb, order) & mask);
             if shard(fa) == shard(fb) && (fa >> 48) < (fb >> 48) {
-                proptest::prop_assert!(sa >> (m - 10) <= sb >> (m - 10));
+                proptest::prop_assert!(sa >> (m - q) <= sb >> (m - q));
             }
-            proptest::prop_assert_eq!(ordered(fa ^ fb, m), ordered(fa, m) ^ ordered(fb, m));
+            proptest::prop_assert_eq!(ordered(fa ^ fb, order), ordered(fa, order) ^ ordered(fb, order));
         }
     }
 

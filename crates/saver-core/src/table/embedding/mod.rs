@@ -186,7 +186,7 @@ impl EmbeddingTable {
         let arenas = (buckets.end - buckets.start).clamp(1, slab::ARENAS);
         let map = DashMap::with_capacity_and_hasher_and_shard_amount(
             rows,
-            OrderedIdHashBuilder::for_rows(rows, MAP_SHARDS),
+            OrderedIdHashBuilder::for_rows(rows, MAP_SHARDS, buckets.clone()),
             MAP_SHARDS,
         );
         let pre = PreImages::new(map.shards().len());
@@ -1038,7 +1038,25 @@ mod tests {
     /// still found, with its values, and removed rows are gone.
     #[test]
     fn a_sized_table_keeps_its_rows_past_its_size() {
-        let t = sized_table(60_000);
+        // All buckets; a shard of a power of two (its hash ordered too); of three (plain hash).
+        for (shard, shard_num) in [(0, 1), (1, 4), (2, 3)] {
+            sized_shard_table_keeps_its_rows(shard, shard_num);
+        }
+    }
+
+    fn sized_shard_table_keeps_its_rows(shard: u32, shard_num: u32) {
+        let t = EmbeddingTable::for_shard(
+            "t",
+            KeyDtype::I64,
+            vec![
+                SlotSpec::new("embedding", Dtype::F32, vec![3]),
+                SlotSpec::new("freq", Dtype::I64, vec![]),
+            ],
+            60_000,
+            shard,
+            shard_num,
+        )
+        .unwrap();
         let mut model: HashMap<u64, i64> = HashMap::new();
         let mut x = 0x2545_f491_4f6c_dd1du64;
         for round in 0..5 {
