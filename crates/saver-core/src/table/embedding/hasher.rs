@@ -2,7 +2,7 @@
 //!
 //! Two reasons not to use the standard SipHash. Speed: a training step and a save hash every id,
 //! and `fmix64` costs a few cycles where SipHash costs tens of nanoseconds. Locality: dashmap picks
-//! a row's lock shard from bits 50–56 of the hash, and the partition rule picks its bucket from
+//! a row's lock shard from bits 51–56 of the hash, and the partition rule picks its bucket from
 //! bits 48–63 of the same `fmix64`, so every row of one bucket lives under one dashmap lock. A save
 //! reads rows bucket by bucket, and can then hold one read lock for a long run of rows instead of
 //! taking one per row.
@@ -10,12 +10,13 @@
 //! The hash is unkeyed: ids chosen to collide could slow the table down (they cannot corrupt it).
 //! Embedding ids are feature hashes or dictionary indexes, not raw attacker input.
 //!
-//! A table sized up front (a load knows its row count) reorders `fmix64`'s bits for its map
-//! ([`OrderedIdHashBuilder`]): the low bits, where a map shard puts the row, rise with the
-//! bucket. A checkpoint's rows come in bucket order, so a restore fills each map shard front to
-//! back, a few slots apart, instead of one slot anywhere in a map far larger than the caches a
-//! row (a cache and TLB miss each, half of a restore's inserts). The hash is still a permutation
-//! of `fmix64`'s bits, the shard's bits stay put, and random ids spread over the slots as before.
+//! A table sized up front (a load knows its row count), of all buckets or of one shard of a power
+//! of two of them, reorders `fmix64`'s bits for its map ([`OrderedIdHashBuilder`]): the low bits,
+//! where a map shard puts the row, rise with the bucket. A checkpoint's rows come in bucket
+//! order, so a restore fills each map shard front to back, a few slots apart, instead of one slot
+//! anywhere in a map far larger than the caches a row (a cache and TLB miss each, half of a
+//! restore's inserts). The hash is still a permutation of `fmix64`'s bits, the dashmap shard's
+//! bits stay put, and random ids spread over the slots as before.
 
 use std::hash::{BuildHasher, Hasher};
 
