@@ -71,7 +71,7 @@ impl BuildHasher for OrderedIdHashBuilder {
 /// How [`ordered`] lays a hash out: for a map shard of `2^slot_bits` slots, over buckets whose
 /// top `fixed_bits` bits are the same.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SlotOrder {
+pub(crate) struct SlotOrder {
     slot_bits: u32,
     fixed_bits: u32,
 }
