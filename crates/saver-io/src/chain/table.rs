@@ -218,7 +218,7 @@ impl<'c> ChainTable<'c> {
             };
             batch.clear();
             for c in cursors.iter_mut() {
-                let keys = &c.keys[c.pos.min(c.keys.len())..];
+                let keys = &c.keys[c.pos..];
                 let n = keys.partition_point(|&k| k <= bound);
                 let rank = c.rank();
                 batch.extend(keys[..n].iter().enumerate().map(|(i, &key)| Entry {
