@@ -60,6 +60,14 @@ impl OrderedIdHashBuilder {
     }
 }
 
+impl OrderedIdHashBuilder {
+    /// The slots a map shard was sized for, as a power of two.
+    #[cfg(test)]
+    pub(crate) fn slot_bits(&self) -> u32 {
+        self.0.slot_bits
+    }
+}
+
 impl BuildHasher for OrderedIdHashBuilder {
     type Hasher = IdHasher;
 

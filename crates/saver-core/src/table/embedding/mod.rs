@@ -1034,6 +1034,19 @@ mod tests {
         }
     }
 
+    /// The hash is laid out for the map shards' real size: dashmap's split of the capacity and
+    /// hashbrown's slots for it, as `OrderedIdHashBuilder::for_rows` computes them.
+    #[test]
+    fn the_ordered_hash_knows_the_map_shards_size() {
+        for rows in [60_000, 1 << 20, 3_000_001] {
+            let t = sized_table(rows);
+            let bits = t.rows.hasher().slot_bits();
+            for shard in t.rows.shards() {
+                assert_eq!(shard.read().buckets(), 1 << bits, "{rows} rows");
+            }
+        }
+    }
+
     /// A table sized up front whose map then grows to several times that size: every row is
     /// still found, with its values, and removed rows are gone.
     #[test]
