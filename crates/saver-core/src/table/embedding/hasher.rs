@@ -58,9 +58,7 @@ impl OrderedIdHashBuilder {
             fixed_bits: 16 - len.trailing_zeros(),
         })
     }
-}
 
-impl OrderedIdHashBuilder {
     /// The slots a map shard was sized for, as a power of two.
     #[cfg(test)]
     pub(crate) fn slot_bits(&self) -> u32 {
@@ -90,6 +88,12 @@ impl SlotOrder {
         slot_bits: 0,
         fixed_bits: 0,
     };
+
+    /// Whether [`ordered`] reorders for this layout: maps of at least 1024 slots a shard whose
+    /// slot leaves the dashmap shard's bits (51..57) room, over at least 512 buckets.
+    fn applies(self) -> bool {
+        self.slot_bits >= 10 && self.fixed_bits <= 7 && self.slot_bits + self.fixed_bits <= 51
+    }
 }
 
 /// Hashes one `u64` id with `fmix64`; other inputs (never used by the table) are folded in. Built
@@ -106,10 +110,10 @@ pub struct IdHasher(u64, SlotOrder);
 /// shard (or of more than `2^(51 - c)`), and tables of fewer than 512 buckets (whose dashmap
 /// shards' bits are fixed too), keep `f`.
 fn ordered(f: u64, order: SlotOrder) -> u64 {
-    let (m, c) = (order.slot_bits, order.fixed_bits);
-    if m < 10 || c > 7 || m + c > 51 {
+    if !order.applies() {
         return f;
     }
+    let (m, c) = (order.slot_bits, order.fixed_bits);
     // The varying bucket bits: q of them, the most significant first.
     let q = 10 - c;
     let varying = ((f >> 57) & ((1 << (7 - c)) - 1)) << 3 | (f >> 48 & 7);
@@ -197,9 +201,9 @@ mod tests {
 
     proptest::proptest! {
         /// Within one dashmap shard, rows in bucket order go to home slots in the same order (up
-        /// to the bits the bucket does not decide) wherever the slot leaves the dashmap shard's
-        /// bits room (`m + c <= 51`; larger maps keep plain `fmix64`), and the reordered hash is
-        /// linear over XOR, as a bit permutation is.
+        /// to the bits the bucket does not decide) wherever the hash is reordered (larger maps
+        /// keep plain `fmix64`), and the reordered hash is linear over XOR, as a bit permutation
+        /// is.
         #[test]
         fn ordered_slots_follow_the_buckets(a: u64, b: u64, m in 10u32..=51, c in 0u32..=7) {
             let order = SlotOrder { slot_bits: m, fixed_bits: c };
@@ -210,7 +214,7 @@ mod tests {
             let mask = (1u64 << m) - 1;
             let q = 10 - c;
             let (sa, sb) = (ordered(fa, order) & mask, ordered(fb, order) & mask);
-            if m + c <= 51 && shard(fa) == shard(fb) && (fa >> 48) < (fb >> 48) {
+            if order.applies() && shard(fa) == shard(fb) && (fa >> 48) < (fb >> 48) {
                 proptest::prop_assert!(sa >> (m - q) <= sb >> (m - q));
             }
             proptest::prop_assert_eq!(ordered(fa ^ fb, order), ordered(fa, order) ^ ordered(fb, order));
