@@ -39,14 +39,14 @@ fn plan(c: &mut Criterion) {
                     rows as f64 / 1e6
                 ),
                 |b| {
+                    let input: SaveInput<'_> = model.input();
                     b.iter(|| {
-                        let input: SaveInput<'_> = model.input();
                         // A fresh spill file per save, as `save` makes.
                         let spill = spilled.then(|| {
                             Arc::new(FileSpill::in_dir(&scratch).unwrap()) as Arc<dyn Spill>
                         });
                         let p = saver::core::plan::plan_with_spill(
-                            input,
+                            &input,
                             &PlanOptions {
                                 shard_num: shards,
                                 plan_memory: if spilled { 0 } else { 1 << 40 },

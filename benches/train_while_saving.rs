@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use saver::{save_async, EmbeddingTable, SaveOptions, SparseTable};
+use saver::{save_async, EmbeddingTable, SaveInput, SaveOptions};
 
 mod common;
 
@@ -75,9 +75,8 @@ fn main() {
                 };
                 opts.plan.parallel = parallel;
                 let dir = scratch.join(format!("h{hot_percent}k{k}"));
-                let tables: Vec<Arc<dyn SparseTable>> = vec![t.clone()];
                 let from = begin.elapsed();
-                let h = save_async(&dir, tables, &[], opts).unwrap();
+                let h = save_async(&dir, SaveInput::new().table(t.clone()), opts).unwrap();
                 let blocked = begin.elapsed() - from;
                 h.wait().unwrap();
                 let to = begin.elapsed();
@@ -118,7 +117,7 @@ fn main() {
             opts.plan.parallel = parallel;
             let dir = scratch.join(format!("idle{hot_percent}p{parallel}"));
             let start = Instant::now();
-            save_async(&dir, vec![t.clone() as Arc<dyn SparseTable>], &[], opts)
+            save_async(&dir, SaveInput::new().table(t.clone()), opts)
                 .unwrap()
                 .wait()
                 .unwrap();

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use saver::core::partition::fmix64;
 use saver::{
     save_async, Checkpoint, DenseTensor, Dtype, EmbeddingTable, KeyDtype, LoadOptions, SaveHandle,
-    SaveOptions, SlotSpec, SparseTable,
+    SaveInput, SaveOptions, SlotSpec,
 };
 
 const DIM: usize = 8;
@@ -124,11 +124,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..SaveOptions::default()
         }
         .with_trainer_state(&state)?;
-        let dense = [DenseTensor::from_f32("mlp.weight", vec![256], &mlp)?];
         let started = std::time::Instant::now();
-        let tables: Vec<Arc<dyn SparseTable>> = vec![table.clone()];
+        // The table is shared with the save (an Arc); the dense tensor is copied by the call.
+        let input = SaveInput::new()
+            .table(Arc::clone(&table))
+            .dense(DenseTensor::from_f32("mlp.weight", vec![256], &mlp)?);
         let dir = root.join(format!("step-{}", state.step));
-        in_flight = Some(save_async(dir, tables, &dense, opts)?);
+        in_flight = Some(save_async(dir, input, opts)?);
         println!(
             "step {}: background save started, training again after {:?}",
             state.step,

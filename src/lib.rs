@@ -20,13 +20,14 @@ pub mod prelude {
     pub use saver_core::table::{RowChunk, RowMut, TableSemantics};
     pub use saver_core::{
         BlockKind, ColumnTable, DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype,
-        PartitionRule, PlanOptions, RowView, SaveInput, SlotSpec, SparseTable, TableSnapshot,
+        PartitionRule, PlanOptions, RowView, SaveInput, SlotSpec, SparseTable, TableRef,
+        TableSnapshot,
     };
     pub use saver_io::export::{export, export_chain, ExportOptions, ExportReport};
     pub use saver_io::{
-        save, save_async, verify, Chain, Checkpoint, DirectIo, LoadOptions, LoadReport,
-        LoadedDense, Restored, RestoredShard, SaveHandle, SaveOptions, SaveReport, Status,
-        TableSink, VerifyReport,
+        save, save_async, verify, Chain, Checkpoint, DeltaMethod, DirectIo, LoadOptions,
+        LoadReport, LoadedDense, Progress, Restored, RestoredShard, SaveHandle, SaveOptions,
+        SaveReport, Status, TableSink, VerifyReport,
     };
 }
 

@@ -295,12 +295,9 @@ fn a_save_of_several_tables_while_training_is_one_moment_for_all() {
 #[test]
 fn workers_saving_their_shards_of_shared_tables_share_one_moment() {
     scenario(&["users", "items"], |tables, dir, k| {
-        let dyn_tables: Vec<&dyn SparseTable> = tables
-            .iter()
-            .map(|t| t.as_ref() as &dyn SparseTable)
-            .collect();
         // The step to save: one moment for both workers, fixed before either starts.
-        let held = moment::hold(&dyn_tables).unwrap();
+        let all = input(tables);
+        let held = moment::hold(&all).unwrap();
         std::thread::scope(|s| {
             for shard in 0..2 {
                 s.spawn(move || {
@@ -317,18 +314,42 @@ fn workers_saving_their_shards_of_shared_tables_share_one_moment() {
 }
 
 #[test]
+fn one_call_saves_every_workers_shard_at_one_moment() {
+    scenario(&["users", "items"], |tables, dir, k| {
+        // Each worker gives its table for its shard (here both workers share the tables, so each
+        // skips the other's rows); one call, foreground or background, saves both shards.
+        let mut o = opts(&format!("set{k}"));
+        o.plan.foreign_rows = ForeignRows::Skip;
+        let mut workers = SaveInput::new();
+        for shard in 0..2 {
+            for t in tables {
+                workers = workers.shard_table(shard, Arc::clone(t));
+            }
+        }
+        let r = if k % 2 == 0 {
+            save(dir, workers, &o).unwrap()
+        } else {
+            save_async(dir, workers, o).unwrap().wait().unwrap()
+        };
+        assert!(r.committed_here);
+        assert_eq!(r.shards, vec![0, 1]);
+        assert_eq!(r.table_semantics["users"], TableSemantics::PointInTime);
+    });
+}
+
+#[test]
 fn a_background_save_returns_at_its_moment_and_saves_that_moment() {
     let blocked = std::sync::Mutex::new(Vec::new());
     scenario(&["items", "users"], |tables, dir, k| {
         // Shared with the background save; the trainers keep writing to them.
-        let shared: Vec<Arc<dyn SparseTable>> = tables
-            .iter()
-            .map(|t| Arc::clone(t) as Arc<dyn SparseTable>)
-            .collect();
         let weights: Vec<f32> = (0..64).map(|i| (i + k) as f32).collect();
-        let dense = [saver::DenseTensor::from_f32("mlp.w", vec![64], &weights).unwrap()];
+        let mut input = SaveInput::new()
+            .dense(saver::DenseTensor::from_f32("mlp.w", vec![64], &weights).unwrap());
+        for t in tables {
+            input = input.table(Arc::clone(t));
+        }
         let started = Instant::now();
-        let h = save_async(dir, shared, &dense, opts(&format!("bg{k}"))).unwrap();
+        let h = save_async(dir, input, opts(&format!("bg{k}"))).unwrap();
         blocked.lock().unwrap().push(started.elapsed());
         let r = h.wait().unwrap();
         assert!(r.committed_here);

@@ -27,8 +27,8 @@ fn a_trainer_needs_one_import() {
     let written = Arc::new(AtomicU64::new(0));
     let counter = Arc::clone(&written);
     let opts = SaveOptions {
-        progress: Some(Arc::new(move |n| {
-            counter.fetch_add(n, Ordering::Relaxed);
+        progress: Some(Arc::new(move |p: saver::Progress| {
+            counter.fetch_add(p.bytes, Ordering::Relaxed);
         })),
         ..SaveOptions::default()
     };

@@ -28,18 +28,27 @@ pub fn json<T: Serialize>(value: &T) {
     );
 }
 
-/// A byte-progress spinner on stderr, or nothing when stderr is not a terminal or JSON is asked.
+/// A byte-progress bar on stderr (a percentage once the save knows its total), or nothing when
+/// stderr is not a terminal or JSON is asked.
 pub fn byte_progress(json: bool, what: &'static str) -> Option<(ProgressBar, Arc<ProgressFn>)> {
     if json || !std::io::stderr().is_terminal() {
         return None;
     }
     let bar = ProgressBar::new_spinner();
     bar.set_style(
-        ProgressStyle::with_template("{spinner} {msg} {bytes} ({bytes_per_sec}) {elapsed}")
-            .expect("valid template"),
+        ProgressStyle::with_template(
+            "{spinner} {msg} {bytes}/{total_bytes} ({percent}%, {bytes_per_sec}) {elapsed}",
+        )
+        .expect("valid template"),
     );
     bar.set_message(what);
     bar.enable_steady_tick(std::time::Duration::from_millis(120));
     let b = bar.clone();
-    Some((bar, Arc::new(move |n| b.inc(n))))
+    Some((
+        bar,
+        Arc::new(move |p: saver_io::Progress| {
+            b.set_length(p.total);
+            b.set_position(p.written.max(b.position()));
+        }),
+    ))
 }

@@ -50,7 +50,8 @@
 //!     filters: Filters::new().exclude_slots("freq")?.keep_rows(|row| row.scalar("freq").unwrap() >= 3.0),
 //!     ..PlanOptions::default()
 //! };
-//! let plan = plan(SaveInput::new().table(&table), &opts)?;
+//! let input = SaveInput::new().table(&table);
+//! let plan = plan(&input, &opts)?;
 //! let rows: usize = plan.shards().iter().flat_map(|s| &s.partitions).map(|p| p.rows.len()).sum();
 //! assert_eq!(rows, (-50i64..50).filter(|id| id.rem_euclid(7) >= 3).count());
 //! # Ok::<(), saver_core::Error>(())
@@ -81,7 +82,7 @@ pub use manifest::{
     Manifest, ParentRef, ShardManifest, TableManifestExt, DELTA_FORMAT_VERSION, FORMAT_VERSION,
 };
 pub use partition::PartitionRule;
-pub use plan::{plan, ForeignRows, PlanOptions, SaveInput, SavePlan};
+pub use plan::{plan, ForeignRows, PlanOptions, SaveInput, SavePlan, TableRef};
 pub use table::{
     ChangeTracking, ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSnapshot,
 };

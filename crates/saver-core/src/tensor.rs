@@ -101,6 +101,27 @@ impl<'a> DenseTensor<'a> {
     pub fn byte_len(&self) -> u64 {
         self.data.len() as u64
     }
+
+    /// The same tensor over the same bytes, borrowed: no copy.
+    pub fn view(&self) -> DenseTensor<'_> {
+        DenseTensor {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            data: Cow::Borrowed(&self.data),
+        }
+    }
+
+    /// The tensor with bytes of its own: a copy where it borrowed them, so that the caller may
+    /// change its buffers at once (what a background save needs).
+    pub fn into_owned(self) -> DenseTensor<'static> {
+        DenseTensor {
+            name: self.name,
+            dtype: self.dtype,
+            shape: self.shape,
+            data: Cow::Owned(self.data.into_owned()),
+        }
+    }
 }
 
 #[cfg(test)]

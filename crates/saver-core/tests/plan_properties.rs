@@ -82,7 +82,8 @@ proptest! {
         let a = make_table("a", &ids_a, 4);
         let b = make_table("b", &ids_b, 1);
         let opts = PlanOptions { shard_num, ..PlanOptions::default() };
-        let p = plan(SaveInput::new().table(&a).table(&b), &opts).unwrap();
+        let p_input = SaveInput::new().table(&a).table(&b);
+        let p = plan(&p_input, &opts).unwrap();
         let rows = planned_rows(&p);
         let mut seen = BTreeSet::new();
         for (t, id, shard) in &rows {
@@ -108,9 +109,11 @@ proptest! {
         let input = || SaveInput::new().table(&t)
             .dense(DenseTensor::from_f32("w1", vec![100], &w).unwrap())
             .dense(DenseTensor::from_f32("w2", vec![10, 5], &w[..50]).unwrap());
-        let all = plan(input(), &PlanOptions { shard_num, ..PlanOptions::default() }).unwrap();
+        let all_input = input();
+        let all = plan(&all_input, &PlanOptions { shard_num, ..PlanOptions::default() }).unwrap();
         for j in 0..shard_num {
-            let one = plan(input(), &PlanOptions {
+            let one_input = input();
+            let one = plan(&one_input, &PlanOptions {
                 shard_num,
                 shard_index: Some(j),
                 foreign_rows: ForeignRows::Skip,
@@ -155,7 +158,7 @@ proptest! {
             max_block_bytes: 64 << 10,
             ..PlanOptions::default()
         };
-        let p = plan(input, &opts).unwrap();
+        let p = plan(&input, &opts).unwrap();
         let s = &p.shards()[0];
         check_tiling(s)?;
         let loads: Vec<u64> = s.files.iter().map(|f| f.data_len).collect();
@@ -180,8 +183,10 @@ proptest! {
         let rev: Vec<u64> = ids.iter().rev().copied().collect();
         let t2 = make_table("t", &rev, 2);
         let o = PlanOptions { shard_num, ..PlanOptions::default() };
-        let p1 = plan(SaveInput::new().table(&t1), &o).unwrap();
-        let p2 = plan(SaveInput::new().table(&t2), &PlanOptions { parallel: 7, ..o.clone() }).unwrap();
+        let p1_input = SaveInput::new().table(&t1);
+        let p1 = plan(&p1_input, &o).unwrap();
+        let p2_input = SaveInput::new().table(&t2);
+        let p2 = plan(&p2_input, &PlanOptions { parallel: 7, ..o.clone() }).unwrap();
         prop_assert_eq!(planned_rows(&p1), planned_rows(&p2));
         for (a, b) in p1.shards().iter().zip(p2.shards()) {
             for (fa, fb) in a.files.iter().zip(&b.files) {
@@ -206,7 +211,7 @@ fn filter_that_drops_everything_gives_an_empty_valid_plan() {
         filters: Filters::new().keep_blocks(|_| false),
         ..PlanOptions::default()
     };
-    let p = plan(input, &opts).unwrap();
+    let p = plan(&input, &opts).unwrap();
     assert_eq!(p.shards().len(), 3);
     assert!(p
         .shards()
@@ -221,7 +226,8 @@ fn filter_that_drops_everything_gives_an_empty_valid_plan() {
         filters: Filters::new().keep_rows(|_| false),
         ..PlanOptions::default()
     };
-    let p = plan(SaveInput::new().table(&t), &opts).unwrap();
+    let p_input = SaveInput::new().table(&t);
+    let p = plan(&p_input, &opts).unwrap();
     for s in p.shards() {
         assert_eq!(s.partitions.len(), 1);
         assert!(s.partitions[0].rows.is_empty() && s.partitions[0].segments.is_empty());
@@ -239,7 +245,8 @@ fn dropping_a_tables_ids_drops_its_slots_too() {
             .keep_blocks(|blk| !(blk.table == Some("a") && blk.kind == saver_core::BlockKind::Ids)),
         ..PlanOptions::default()
     };
-    let p = plan(SaveInput::new().table(&a).table(&b), &opts).unwrap();
+    let p_input = SaveInput::new().table(&a).table(&b);
+    let p = plan(&p_input, &opts).unwrap();
     for s in p.shards() {
         for f in &s.files {
             assert!(
@@ -265,7 +272,8 @@ fn excluded_slots_and_row_thresholds() {
             .keep_rows_where("freq>=5".parse().unwrap()),
         ..PlanOptions::default()
     };
-    let p = plan(SaveInput::new().table(&t), &opts).unwrap();
+    let p_input = SaveInput::new().table(&t);
+    let p = plan(&p_input, &opts).unwrap();
     let names: Vec<&str> = p.shards()[0].files[0]
         .tensors
         .iter()
@@ -288,8 +296,9 @@ fn negative_and_extreme_ids_are_planned() {
     ];
     let t = make_table("t", &ids, 1);
     for n in [1, 2, 3, 5, 16] {
+        let input = SaveInput::new().table(&t);
         let p = plan(
-            SaveInput::new().table(&t),
+            &input,
             &PlanOptions {
                 shard_num: n,
                 ..PlanOptions::default()
@@ -306,7 +315,7 @@ fn bad_input_gets_named_errors() {
     let t = make_table("t", &[1, 2], 1);
     let t2 = make_table("t", &[1, 2], 1);
     let err = |input: SaveInput<'_>, o: &PlanOptions| {
-        plan(input, o).err().expect("must fail").to_string()
+        plan(&input, o).err().expect("must fail").to_string()
     };
     let o = PlanOptions::default();
     assert!(err(SaveInput::new().table(&t).table(&t2), &o).contains("duplicate table name \"t\""));
@@ -374,7 +383,8 @@ fn large_partitions_are_cut_into_bounded_segments() {
         max_block_bytes: 64 << 10,
         ..PlanOptions::default()
     };
-    let p = plan(SaveInput::new().table(&t), &opts).unwrap();
+    let p_input = SaveInput::new().table(&t);
+    let p = plan(&p_input, &opts).unwrap();
     let part = &p.shards()[0].partitions[0];
     assert!(part.segments.len() > 10);
     let mut next = part.buckets.start;
@@ -412,7 +422,8 @@ fn large_shards_are_split_into_files_for_the_writer_threads() {
             split_files,
             ..PlanOptions::default()
         };
-        let p = plan(input(), &opts).unwrap();
+        let p_input = input();
+        let p = plan(&p_input, &opts).unwrap();
         let sizes: Vec<u64> = p.shards()[0]
             .files
             .iter()
@@ -423,8 +434,9 @@ fn large_shards_are_split_into_files_for_the_writer_threads() {
     // One file per 256 MiB: 2 files of 320 MiB, whatever the writer threads.
     assert_eq!(files(4), vec![320 << 20, 320 << 20]);
     assert_eq!(files(1), vec![640 << 20]);
+    let input = input();
     let err = plan(
-        input(),
+        &input,
         &PlanOptions {
             split_files: 0,
             ..PlanOptions::default()
@@ -452,7 +464,7 @@ fn segments_stay_whole_in_one_file() {
         max_block_bytes: 64 << 10,
         ..PlanOptions::default()
     };
-    let p = plan(input, &opts).unwrap();
+    let p = plan(&input, &opts).unwrap();
     for s in p.shards() {
         assert!(s.files.len() > 1, "several files per shard");
         for seg in s.partitions.iter().flat_map(|p| &p.segments) {
@@ -485,7 +497,7 @@ fn a_file_whose_header_would_pass_the_safetensors_limit_is_refused_before_writin
     for n in &names {
         input = input.dense(DenseTensor::new(n.clone(), Dtype::U8, vec![0], Vec::new()).unwrap());
     }
-    let Err(err) = plan(input, &PlanOptions::default()) else {
+    let Err(err) = plan(&input, &PlanOptions::default()) else {
         panic!("a plan with a 110 MB header was accepted");
     };
     let msg = err.to_string();

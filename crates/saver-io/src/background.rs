@@ -1,7 +1,8 @@
 //! Saving while training: [`save_async`] starts a save on a thread of its own and returns to the
 //! trainer as soon as the save's moment is fixed.
 //!
-//! The save is point-in-time for tables that support it ([`SparseTable::point_in_time`], which
+//! The save is point-in-time for tables that support it
+//! ([`SparseTable::point_in_time`](saver_core::SparseTable::point_in_time), which
 //! [`saver_core::EmbeddingTable`] does): every saved row is its value at the moment, however the
 //! trainer writes to the tables meanwhile. Dense tensors are copied before the call returns, so the
 //! trainer may change its own buffers at once. The trainer state in [`SaveOptions`] is the one the
@@ -9,14 +10,14 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, OnceLock};
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
 use saver_core::table::moment::MomentHook;
-use saver_core::{DenseTensor, SaveInput, SparseTable};
+use saver_core::SaveInput;
 
 use crate::error::{Error, Result};
-use crate::writer::{save, SaveOptions, SaveReport};
+use crate::writer::{save_on_this_thread, storage_for_save, Progress, SaveOptions, SaveReport};
 
 /// A save running in the background, started by [`save_async`].
 ///
@@ -86,11 +87,15 @@ fn join(t: JoinHandle<Result<SaveReport>>) -> Result<SaveReport> {
     })
 }
 
-/// Starts saving `tables` and `dense` into directory `dir` on a thread of its own, and returns once
-/// the save's moment is fixed: every table's point-in-time snapshot taken (no row is copied for
-/// that), and the dense tensors copied. From then on the trainer may write to the tables and its
-/// dense buffers; the save shows them as they were at the call. Errors found before the moment
-/// (bad options, names) are returned here; later ones by [`SaveHandle::wait`].
+/// Starts saving `input` into directory `dir` on a thread of its own, and returns once the save's
+/// moment is fixed: every table's point-in-time snapshot taken (no row is copied for that), and
+/// the dense tensors copied. From then on the trainer may write to the tables and its dense
+/// buffers; the save shows them as they were at the call. Errors found before the moment (bad
+/// options, names) are returned here; later ones by [`SaveHandle::wait`].
+///
+/// `input` is the input of [`save`](crate::save): its tables must be shared (`Arc`), since the
+/// save outlives the call; tables of in-process workers ([`SaveInput::shard_table`]) are saved
+/// by this one call, every shard at one moment, one commit.
 ///
 /// A table can be in one save at a time, unless the second save starts before the first reads
 /// any row (then both share one moment): a save started while another of the same table is
@@ -98,25 +103,18 @@ fn join(t: JoinHandle<Result<SaveReport>>) -> Result<SaveReport> {
 /// starting the next.
 pub fn save_async(
     dir: impl Into<PathBuf>,
-    tables: Vec<Arc<dyn SparseTable>>,
-    dense: &[DenseTensor<'_>],
+    input: SaveInput<'_>,
     mut opts: SaveOptions,
 ) -> Result<SaveHandle> {
     let dir = dir.into();
-    let dense: Vec<DenseTensor<'static>> = dense
-        .iter()
-        .map(|d| {
-            DenseTensor::new(d.name(), d.dtype(), d.shape().to_vec(), d.data().to_vec())
-                .map_err(Error::from)
-        })
-        .collect::<Result<_>>()?;
+    let input = input.into_owned()?;
     let written = Arc::new(AtomicU64::new(0));
     let user_progress = opts.progress.take();
     let counter = Arc::clone(&written);
-    opts.progress = Some(Arc::new(move |n| {
-        counter.fetch_add(n, Ordering::Relaxed);
-        if let Some(p) = &user_progress {
-            p(n);
+    opts.progress = Some(Arc::new(move |p: Progress| {
+        counter.fetch_add(p.bytes, Ordering::Relaxed);
+        if let Some(user) = &user_progress {
+            user(p);
         }
     }));
     let (moment_tx, moment_rx) = mpsc::sync_channel::<()>(1);
@@ -131,26 +129,21 @@ pub fn save_async(
         .name("saver-background".into())
         .spawn(move || {
             lower_priority();
-            let mut input = SaveInput::new();
-            for t in &tables {
-                input = input.table(t.as_ref());
-            }
-            for d in dense {
-                input = input.dense(d);
-            }
-            // The plan's scan runs on the current rayon pool: one made by a background save's
-            // thread, so that its threads share the lower priority (a thread inherits it from the
-            // thread that makes it), and made once, so that later saves do not wait for it.
-            static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
-            let pool = POOL.get_or_init(|| {
-                rayon::ThreadPoolBuilder::new()
-                    .thread_name(|i| format!("saver-background-{i}"))
-                    .build()
-                    .ok()
-            });
+            // The save's scans run on a pool of this save's own, made by this thread so that its
+            // threads share the lower priority (a thread inherits it from the thread that makes
+            // it). Never one pool for several saves: a save that waits on a pool's thread runs
+            // the pool's other jobs meanwhile, and another save's job that waits for this one's
+            // commit would then block underneath it.
+            let pool = rayon::ThreadPoolBuilder::new()
+                .thread_name(|i| format!("saver-background-{i}"))
+                .build();
+            let save = || {
+                let storage = storage_for_save(&dir, &opts)?;
+                save_on_this_thread(&*storage, input, &opts)
+            };
             let report = match pool {
-                Some(pool) => pool.install(|| save(&dir, input, &opts)),
-                None => save(&dir, input, &opts),
+                Ok(pool) => pool.install(save),
+                Err(_) => save(),
             };
             // The hook (and with it the sender) goes with the options: a save that failed
             // before its moment wakes the caller with a closed channel.

@@ -53,4 +53,6 @@ pub use error::{Error, Result};
 pub use reader::Checkpoint;
 pub use restore::{LoadOptions, LoadReport, LoadedDense, Restored, RestoredShard, TableSink};
 pub use verify::{verify, verify_storage, Status, VerifyReport};
-pub use writer::{save, save_to, DirectIo, SaveOptions, SaveReport};
+pub use writer::{
+    save, save_to, DeltaMethod, DirectIo, Progress, ProgressFn, SaveOptions, SaveReport,
+};

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -14,10 +14,11 @@ use saver_core::manifest::{
     encode_trainer_state, format_version_of, CheckpointRef, ParentRef, TableGiven, WriterInfo,
 };
 use saver_core::naming::{check_save_id, shard_manifest_name, INDEX_FILE};
+use saver_core::plan::TableRef;
 use saver_core::plan::{plan_with_spill, tables_past_budget, ChunkBuffer, Loc};
 use saver_core::table::TableSemantics;
 use saver_core::ChangeTracking;
-use saver_core::{PlanOptions, SaveInput, SavePlan};
+use saver_core::{DenseTensor, PlanOptions, SaveInput, SavePlan};
 
 use crate::commit::{
     check_not_rejected, claim_shard, committed, files_left_alone, remove_own, try_commit,
@@ -27,8 +28,19 @@ use crate::error::{Error, Result};
 use crate::schedule::{Claimer, FileQueues};
 use crate::storage::{LocalFs, Storage, WriteHandle};
 
-/// Called with the number of bytes just written, from writer threads.
-pub type ProgressFn = dyn Fn(u64) + Send + Sync;
+/// How far a save's writing has come, as handed to [`SaveOptions::progress`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Bytes of tensor data just written, by the call that reports it.
+    pub bytes: u64,
+    /// Bytes of tensor data written so far by this call.
+    pub written: u64,
+    /// Bytes of tensor data this call writes in all: `written / total` is the fraction done.
+    pub total: u64,
+}
+
+/// Called with the save's [`Progress`] as pieces are written, from writer threads.
+pub type ProgressFn = dyn Fn(Progress) + Send + Sync;
 
 /// How to save.
 #[derive(Clone)]
@@ -67,21 +79,22 @@ pub struct SaveOptions {
     /// checkpoint. The manifest names the parent by its path relative to the new checkpoint, its
     /// save id and its manifest's checksum; loading the delta resolves the chain.
     pub parent: Option<PathBuf>,
-    /// Progress callback, called from writer threads with the bytes just written. It must own
-    /// what it uses (`'static`): to count into a variable of yours, share it through an `Arc`:
+    /// Progress callback, called from writer threads with the bytes just written, the bytes
+    /// written so far and the total ([`Progress`]). It must own what it uses (`'static`): to
+    /// count into a variable of yours, share it through an `Arc`:
     ///
     /// ```
     /// use std::sync::atomic::{AtomicU64, Ordering};
     /// use std::sync::Arc;
-    /// let written = Arc::new(AtomicU64::new(0));
-    /// let counter = Arc::clone(&written);
+    /// let percent = Arc::new(AtomicU64::new(0));
+    /// let shown = Arc::clone(&percent);
     /// let opts = saver_io::SaveOptions {
-    ///     progress: Some(Arc::new(move |n| {
-    ///         counter.fetch_add(n, Ordering::Relaxed);
+    ///     progress: Some(Arc::new(move |p: saver_io::Progress| {
+    ///         shown.store(p.written * 100 / p.total.max(1), Ordering::Relaxed);
     ///     })),
     ///     ..Default::default()
     /// };
-    /// // ... save with `opts`, then read `written.load(Ordering::Relaxed)`.
+    /// // ... save with `opts`, then read `percent.load(Ordering::Relaxed)`.
     /// ```
     pub progress: Option<Arc<ProgressFn>>,
 }
@@ -174,6 +187,25 @@ pub struct SaveReport {
     /// What the saved rows of each table show: their values at the save's moment (point-in-time,
     /// whatever was written during the save), or each row as the save reached it.
     pub table_semantics: BTreeMap<String, TableSemantics>,
+    /// A delta save: how each table's changes were found, tracked or compared (and why). Empty
+    /// for a full save.
+    pub delta_tables: BTreeMap<String, DeltaMethod>,
+    /// The most memory copy-on-write held for this save's moment at once: pre-images of rows
+    /// the trainers wrote while the save read them (each table's peak, summed).
+    pub copy_on_write_peak_bytes: u64,
+}
+
+/// How a delta save found a table's changes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "method")]
+pub enum DeltaMethod {
+    /// The table's record of its changes since the parent gave them: nothing was compared.
+    Tracked,
+    /// Every row was compared with the parent's chain, for the reason given.
+    Compared {
+        /// Why the table's changes could not be tracked.
+        why: String,
+    },
 }
 
 /// Saves a model into directory `dir` (created if needed). See [`save_to`].
@@ -239,22 +271,71 @@ fn committed_before_save(storage: &dyn Storage) -> Result<Option<CheckpointRef>>
 /// The save creates only files named after its save id, after claiming its shards; on failure it
 /// removes what it wrote; after its commit it removes the files of the checkpoint it replaced,
 /// as that checkpoint's manifest lists them, and nothing else ([`SaveReport::left_alone`]).
+///
+/// Tables of in-process workers ([`SaveInput::shard_table`]) are saved by one call: every shard,
+/// all at one moment, one commit.
 pub fn save_to(
     storage: &dyn Storage,
     input: SaveInput<'_>,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    if opts.parent.is_some() {
-        return crate::delta::save_delta_of_input(storage, input, opts);
-    }
-    save_prepared(storage, input, opts, None)
+    off_shared_pool(|| save_on_this_thread(storage, input, opts))
 }
 
-/// What makes a save a delta: its parent, and the dense tensors of the new state it does not
-/// write because the parent's chain holds them unchanged.
-pub(crate) struct DeltaOf {
+/// Runs `save` on a thread of its own when called from a thread of a rayon pool. A save that
+/// waits (for its writer threads, for the commit) on a pool's thread runs other jobs of that
+/// pool meanwhile; one of them can be another save of the same checkpoint, which then waits for
+/// this one's commit underneath it on the same stack, and neither ends.
+fn off_shared_pool<R: Send>(save: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_none() {
+        return save();
+    }
+    std::thread::scope(|s| {
+        s.spawn(save)
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
+/// [`save_to`] on the calling thread: what a background save, which runs on a pool of its own,
+/// calls.
+pub(crate) fn save_on_this_thread(
+    storage: &dyn Storage,
+    input: SaveInput<'_>,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
+    let workers = input.worker_tables(opts.plan.shard_num, opts.plan.foreign_rows)?;
+    if !workers.is_empty() && opts.plan.shard_index.is_some() {
+        return Err(Error::InvalidOption {
+            option: "shard_index",
+            why: "tables given per shard (SaveInput::shard_table) are saved by one call that \
+                  writes every shard: leave shard_index unset"
+                .into(),
+        });
+    }
+    let mut joined = SaveInput::new();
+    joined.tables = input
+        .tables
+        .iter()
+        .map(|t| TableRef::Borrowed(&**t))
+        .chain(workers.iter().map(|w| TableRef::Borrowed(w)))
+        .collect();
+    joined.dense = input.dense.iter().map(DenseTensor::view).collect();
+    if opts.parent.is_some() {
+        return crate::delta::save_delta_of_input(storage, joined, opts);
+    }
+    save_prepared(storage, joined, opts, None)
+}
+
+/// What makes a save a delta: its parent, the dense tensors of the new state it does not write
+/// because the parent's chain holds them unchanged, and how each table's changes were found.
+pub(crate) struct DeltaOf<'t> {
     pub parent: ParentRef,
     pub dense_in_parent: Vec<String>,
+    pub methods: BTreeMap<String, DeltaMethod>,
+    /// The tables whose changes the delta holds, with the token of the snapshot it read: told
+    /// when the delta is durable and when it commits, like the tables of a full save.
+    pub tracking: Vec<(&'t dyn ChangeTracking, u64)>,
 }
 
 /// [`save_to`] of a model ready to be written: a full checkpoint, or a delta's changed rows and
@@ -263,15 +344,14 @@ pub(crate) fn save_prepared(
     storage: &dyn Storage,
     input: SaveInput<'_>,
     opts: &SaveOptions,
-    delta: Option<DeltaOf>,
+    delta: Option<DeltaOf<'_>>,
 ) -> Result<SaveReport> {
     let t0 = Instant::now();
     if delta.is_none() {
         // The companion tables of removed ids belong to deltas: in a full checkpoint a reader
         // refuses them.
         if let Some(t) = input
-            .tables
-            .iter()
+            .all_tables()
             .find(|t| saver_core::naming::removed_table_of(t.name()).is_some())
         {
             return Err(saver_core::Error::InvalidName {
@@ -365,10 +445,10 @@ pub(crate) fn save_prepared(
 }
 
 /// What a save call knows before it plans.
-struct Shared {
+struct Shared<'t> {
     writer: WriterInfo,
     replaces: Option<CheckpointRef>,
-    delta: Option<DeltaOf>,
+    delta: Option<DeltaOf<'t>>,
     t0: Instant,
 }
 
@@ -377,14 +457,13 @@ fn write_and_commit(
     input: SaveInput<'_>,
     opts: &SaveOptions,
     plan_opts: &PlanOptions,
-    shared: Shared,
+    shared: Shared<'_>,
     shard_manifests_written: &mut bool,
 ) -> Result<SaveReport> {
     let save_id = plan_opts.save_id.clone();
     let tables_given = tables_given(&input);
     let table_semantics = input
-        .tables
-        .iter()
+        .all_tables()
         .map(|t| {
             let semantics = if t.point_in_time() {
                 TableSemantics::PointInTime
@@ -395,20 +474,22 @@ fn write_and_commit(
         })
         .collect();
     // Only a plan past its memory budget touches the spill.
-    let spill = tables_past_budget(&input.tables, plan_opts.plan_memory)
+    let spill = tables_past_budget(input.all_tables(), plan_opts.plan_memory)
         .contains(&true)
         .then(|| storage.spill())
         .transpose()?;
     let tracking: Vec<&dyn ChangeTracking> = input
-        .tables
-        .iter()
+        .all_tables()
         .filter_map(|t| t.change_tracking())
         .collect();
-    let plan = plan_with_spill(input, plan_opts, spill)?;
+    let plan = plan_with_spill(&input, plan_opts, spill)?;
     // The moment each tracking table's snapshot was taken: what it is saved as of, once
     // committed.
-    let tokens: Vec<(&dyn ChangeTracking, u64)> =
+    let mut tokens: Vec<(&dyn ChangeTracking, u64)> =
         tracking.iter().map(|&c| (c, c.last_snapshot())).collect();
+    if let Some(d) = &shared.delta {
+        tokens.extend(d.tracking.iter().copied());
+    }
     let dense_given = plan.dense_given();
     let plan_seconds = shared.t0.elapsed().as_secs_f64();
 
@@ -448,6 +529,14 @@ fn write_and_commit(
         )?;
     }
     let write_seconds = t1.elapsed().as_secs_f64();
+    let copy_on_write_peak_bytes = plan.copy_on_write_peak();
+    // Durable: whichever call commits the save, these tables' next delta of it is tracked.
+    let whole = !plan_opts.filters.has_row_filters();
+    if whole {
+        for &(c, token) in &tokens {
+            c.written(&save_id, token);
+        }
+    }
 
     let t2 = Instant::now();
     let n = plan_opts.shard_num;
@@ -473,7 +562,6 @@ fn write_and_commit(
         .map(|p| p.rows.len() as u64)
         .sum();
     if matches!(state, CommitState::Committed | CommitState::CommittedHere) {
-        let whole = !plan_opts.filters.has_row_filters();
         for (c, token) in tokens {
             c.committed(whole.then_some(save_id.as_str()), token);
         }
@@ -498,6 +586,8 @@ fn write_and_commit(
         left_alone,
         cleaned_up: Vec::new(),
         table_semantics,
+        delta_tables: shared.delta.map(|d| d.methods).unwrap_or_default(),
+        copy_on_write_peak_bytes,
     })
 }
 
@@ -559,6 +649,8 @@ pub fn write_plan(
     // Each thread writes one file front to back: see `schedule.rs`.
     let queues = FileQueues::new(plan.chunks().into_iter().map(|c| (plan.chunk_file(&c), c)));
     let failed = AtomicBool::new(false);
+    let total = plan.data_bytes();
+    let done = AtomicU64::new(0);
     let written: Vec<Result<Vec<PieceCrc>>> = pool.broadcast(|_| {
         let mut buf = ChunkBuffer::default();
         let mut crcs = Vec::new();
@@ -586,7 +678,13 @@ pub fn write_plan(
                     hasher,
                 });
                 if let Some(p) = progress {
-                    p(piece.bytes.len() as u64);
+                    let bytes = piece.bytes.len() as u64;
+                    let written = done.fetch_add(bytes, Ordering::Relaxed) + bytes;
+                    p(Progress {
+                        bytes,
+                        written,
+                        total,
+                    });
                 }
                 Ok(())
             });

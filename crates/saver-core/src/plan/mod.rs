@@ -19,6 +19,7 @@
 mod bucket_starts;
 mod chunks;
 pub mod header;
+mod input;
 mod layout;
 mod rows;
 mod scan;
@@ -32,6 +33,7 @@ use rayon::prelude::*;
 use bucket_starts::BucketStarts;
 pub use chunks::{Chunk, ChunkBuffer, Piece};
 use header::{render_header, FileFacts, HeaderTensor};
+pub use input::{SaveInput, TableRef};
 pub use rows::Spill;
 use scan::ScannedTable;
 
@@ -58,42 +60,6 @@ pub enum ForeignRows {
     Error,
     /// Skip them: right when every process holds the whole table (replicated, or generated).
     Skip,
-}
-
-/// The model to save: sparse tables and dense tensors.
-///
-/// In a multi-process save (one process per shard), every process passes the same tables (each
-/// holding, at least, the rows of its shard) and **every dense tensor**: dense tensors are
-/// replicated, and each process writes the ones the plan assigns to its shard, balanced by bytes.
-/// The commit compares what each process was given (names, dtypes, shapes and a CRC32 of every
-/// dense tensor's content) and fails, naming the tensor and the shards, if a dense tensor was
-/// passed to some processes only, differs between them, or would not be written exactly once:
-/// nothing is dropped silently.
-#[derive(Default)]
-pub struct SaveInput<'a> {
-    /// Sparse tables.
-    pub tables: Vec<&'a dyn SparseTable>,
-    /// Dense tensors: in a multi-process save, all of them in every process.
-    pub dense: Vec<DenseTensor<'a>>,
-}
-
-impl<'a> SaveInput<'a> {
-    /// An empty model.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Adds a table.
-    pub fn table(mut self, table: &'a dyn SparseTable) -> Self {
-        self.tables.push(table);
-        self
-    }
-
-    /// Adds a dense tensor.
-    pub fn dense(mut self, tensor: DenseTensor<'a>) -> Self {
-        self.dense.push(tensor);
-        self
-    }
 }
 
 /// How to plan a save.
@@ -339,10 +305,13 @@ fn validate_input(input: &SaveInput<'_>) -> Result<()> {
 
 /// Which of `tables` would take the plan past `plan_memory` (16 bytes a row): tables in input
 /// order stay in memory while they fit, the rest spill (given a [`Spill`] store).
-pub fn tables_past_budget(tables: &[&dyn SparseTable], plan_memory: u64) -> Vec<bool> {
+pub fn tables_past_budget<'t>(
+    tables: impl IntoIterator<Item = &'t (dyn SparseTable + 't)>,
+    plan_memory: u64,
+) -> Vec<bool> {
     let mut budget = plan_memory;
     tables
-        .iter()
+        .into_iter()
         .map(|t| {
             let need = t.len() as u64 * 16;
             let past = need > budget;
@@ -355,27 +324,36 @@ pub fn tables_past_budget(tables: &[&dyn SparseTable], plan_memory: u64) -> Vec<
 }
 
 /// Plans a save, every table's rows in memory. See the module docs.
-pub fn plan<'a>(input: SaveInput<'a>, opts: &PlanOptions) -> Result<SavePlan<'a>> {
+pub fn plan<'a>(input: &'a SaveInput<'_>, opts: &PlanOptions) -> Result<SavePlan<'a>> {
     plan_with_spill(input, opts, None)
 }
 
 /// Plans a save; tables whose rows would take the plan past [`PlanOptions::plan_memory`] wait
 /// in `spill` until written. The plan, and the bytes written, are the same either way.
 pub fn plan_with_spill<'a>(
-    input: SaveInput<'a>,
+    input: &'a SaveInput<'_>,
     opts: &PlanOptions,
     spill: Option<Arc<dyn Spill>>,
 ) -> Result<SavePlan<'a>> {
     opts.validate()?;
-    validate_input(&input)?;
+    if !input.shard_tables.is_empty() {
+        return Err(Error::InvalidOption {
+            option: "shard_table",
+            why: "the tables of in-process workers are planned joined: plan the input's \
+                  SaveInput::worker_tables (saver_io::save does)"
+                .into(),
+        });
+    }
+    validate_input(input)?;
     let shards: Vec<u32> = match opts.shard_index {
         Some(i) => vec![i],
         None => (0..opts.shard_num).collect(),
     };
-    let spills: Vec<Option<Arc<dyn Spill>>> = tables_past_budget(&input.tables, opts.plan_memory)
-        .into_iter()
-        .map(|past| spill.as_ref().filter(|_| past).map(Arc::clone))
-        .collect();
+    let spills: Vec<Option<Arc<dyn Spill>>> =
+        tables_past_budget(input.all_tables(), opts.plan_memory)
+            .into_iter()
+            .map(|past| spill.as_ref().filter(|_| past).map(Arc::clone))
+            .collect();
     // Every table's snapshot first, at one moment: the save shows every table as it was then.
     let snapshots = moment::at_one_moment(|| {
         input
@@ -396,7 +374,7 @@ pub fn plan_with_spill<'a>(
         .zip(spills)
         .map(|((t, snapshot), spill)| {
             scan::scan_table(
-                *t,
+                &**t,
                 snapshot,
                 opts.shard_num,
                 &shards,
@@ -411,20 +389,13 @@ pub fn plan_with_spill<'a>(
         })
         .collect::<Result<_>>()?;
     drop(buffers);
-    let dense_shard = layout::assign_dense(&input.dense, opts.shard_num);
+    let dense: Vec<DenseTensor<'a>> = input.dense.iter().map(DenseTensor::view).collect();
+    let dense_shard = layout::assign_dense(&dense, opts.shard_num);
     let shard_plans = shards
         .par_iter()
         .enumerate()
         .map(|(pos, &s)| {
-            layout::layout_shard(
-                s,
-                pos,
-                &tables,
-                &input.dense,
-                &dense_shard,
-                &opts.filters,
-                opts,
-            )
+            layout::layout_shard(s, pos, &tables, &dense, &dense_shard, &opts.filters, opts)
         })
         .collect::<Result<Vec<_>>>()?;
     for t in &mut tables {
@@ -433,7 +404,7 @@ pub fn plan_with_spill<'a>(
     Ok(SavePlan {
         opts: opts.clone(),
         tables,
-        dense: input.dense,
+        dense,
         dense_shard,
         shards: shard_plans,
     })
@@ -485,6 +456,15 @@ impl<'a> SavePlan<'a> {
             &mut handles,
         )?;
         Ok(ids)
+    }
+
+    /// The most bytes of pre-images the tables' snapshots kept at once for their moment so far
+    /// (each table's peak, summed): what copy-on-write costs this save in memory.
+    pub fn copy_on_write_peak(&self) -> u64 {
+        self.tables
+            .iter()
+            .map(|t| t.snapshot.copy_on_write_peak())
+            .sum()
     }
 
     /// Rows of the tables that wait in the spill store rather than memory.

@@ -37,9 +37,11 @@
 mod columns;
 mod embedding;
 pub mod moment;
+pub mod workers;
 
 pub use columns::ColumnTable;
 pub use embedding::{EmbeddingTable, IdHashBuilder, IdHasher, RowMut};
+pub use workers::WorkerTable;
 
 use serde::{Deserialize, Serialize};
 
@@ -255,12 +257,24 @@ pub trait SparseTable: Send + Sync {
 /// token `g`" is exact relative to the snapshot of generation `g`: the rows that snapshot saved
 /// as they were, and every write it did not see.
 ///
-/// The save tells the table when a save of it commits ([`Self::committed`]); a later delta save
-/// whose parent is that save asks for the rows written since its token, instead of comparing.
+/// The save tells the table when a save of it commits ([`Self::committed`]), or, when the save
+/// wrote the table but another process or call commits it, that it was written
+/// ([`Self::written`]); a later delta save whose parent is that save asks for the rows written
+/// since its token ([`Self::baseline_of`]), instead of comparing.
 pub trait ChangeTracking: Send + Sync {
     /// The last committed save of the table this process knows of: its save id and the token of
     /// its snapshot. `None`: none since the table began tracking.
     fn baseline(&self) -> Option<(String, u64)>;
+    /// The token of this table's snapshot in save `save_id`, which the caller found committed
+    /// (it is the parent of a delta), if the table knows every change since that token: the
+    /// save is its [`Self::baseline`], or a save that wrote the table ([`Self::written`]) and
+    /// becomes the baseline now. `None`: the delta compares rows instead. The default knows only
+    /// the baseline.
+    fn baseline_of(&self, save_id: &str) -> Option<u64> {
+        self.baseline()
+            .filter(|(id, _)| id == save_id)
+            .map(|(_, token)| token)
+    }
     /// The token of the newest snapshot of the table (its generation).
     fn last_snapshot(&self) -> u64;
     /// A point-in-time snapshot of the rows written at or after token `since` (whole rows, as
@@ -277,6 +291,13 @@ pub trait ChangeTracking: Send + Sync {
     /// holds every row of the table as of that token, `None` if it does not (a row filter
     /// dropped some), which leaves no baseline.
     fn committed(&self, save_id: Option<&str>, token: u64);
+    /// A save whose snapshot of the table had token `token` wrote every row of it durably, and
+    /// did not see the commit (another process or call of the save commits): if a later delta
+    /// names `save_id` as its parent, the save did commit, and [`Self::baseline_of`] takes it as
+    /// the baseline then. The default forgets it (the delta compares).
+    fn written(&self, save_id: &str, token: u64) {
+        let _ = (save_id, token);
+    }
 }
 
 /// What a save's rows of one table show.
@@ -376,5 +397,12 @@ pub trait TableSnapshot: Send + Sync {
     ) -> Result<()> {
         let _ = handles;
         self.read_rows(ids, out)
+    }
+
+    /// The most bytes of pre-images kept at once for this snapshot's moment so far: what
+    /// copy-on-write cost this save in memory (reported as
+    /// `SaveReport::copy_on_write_peak_bytes`). Default 0, for snapshots that keep none.
+    fn copy_on_write_peak(&self) -> u64 {
+        0
     }
 }

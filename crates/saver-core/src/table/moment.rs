@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
-use crate::table::{SparseTable, TableSnapshot};
+use crate::plan::SaveInput;
+use crate::table::TableSnapshot;
 
 /// The newest published generation.
 static CLOCK: AtomicU64 = AtomicU64::new(0);
@@ -106,11 +107,11 @@ impl std::fmt::Debug for Held<'_> {
     }
 }
 
-/// Fixes one moment for `tables` now and holds it (see [`Held`]).
-pub fn hold<'a>(tables: &[&'a dyn SparseTable]) -> Result<Held<'a>> {
+/// Fixes one moment for the tables of `input` now and holds it (see [`Held`]).
+pub fn hold<'a>(input: &'a SaveInput<'_>) -> Result<Held<'a>> {
     let snapshots = at_one_moment(|| {
-        tables
-            .iter()
+        input
+            .all_tables()
             .map(|t| t.snapshot())
             .collect::<Result<Vec<_>>>()
     })?;

@@ -20,6 +20,7 @@
 mod order;
 pub mod spool;
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::mpsc::sync_channel;
@@ -28,7 +29,7 @@ use std::sync::{Mutex, PoisonError};
 use saver_core::filter::{BlockInfo, BlockKind, Filters};
 use saver_core::naming::{removed_table_name, removed_table_of};
 use saver_core::partition::BUCKETS;
-use saver_core::plan::ForeignRows;
+use saver_core::plan::{ForeignRows, TableRef};
 use saver_core::table::{RowView, TableSnapshot};
 use saver_core::{
     ChangeTracking, DenseTensor, KeyDtype, PartitionRule, SaveInput, SlotSpec, SparseTable,
@@ -38,7 +39,9 @@ use crate::chain::{Chain, ChainTable};
 use crate::error::{Error, Result};
 use crate::source::BucketRows;
 use crate::storage::Storage;
-use crate::writer::{save_prepared, storage_for_save, DeltaOf, SaveOptions, SaveReport};
+use crate::writer::{
+    save_prepared, storage_for_save, DeltaMethod, DeltaOf, SaveOptions, SaveReport,
+};
 pub use order::InMemoryOrder;
 use spool::{Spool, SpoolTable};
 
@@ -66,7 +69,20 @@ pub fn save_delta_to(
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
     let ctx = Delta::open(storage, opts)?;
-    ctx.save(storage, tables, Vec::new(), dense, opts)
+    let methods = tables
+        .iter()
+        .map(|t| {
+            let why = "the table is read from files (a checkpoint, a chain or a plain input), \
+                       which keep no record of their changes"
+                .to_string();
+            (t.name().to_string(), DeltaMethod::Compared { why })
+        })
+        .collect();
+    let found = Found {
+        methods,
+        tokens: Vec::new(),
+    };
+    ctx.save(storage, tables, Vec::new(), dense, opts, found)
 }
 
 /// Saves a delta of a model given as any tables. A table that tracks its changes
@@ -76,52 +92,74 @@ pub fn save_delta_to(
 /// What [`crate::save_to`] does when `opts.parent` is set.
 pub(crate) fn save_delta_of_input(
     storage: &dyn Storage,
-    input: SaveInput<'_>,
+    mut input: SaveInput<'_>,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
+    let dense = std::mem::take(&mut input.dense);
     let ctx = Delta::open(storage, opts)?;
     let parent_id = ctx.chain.newest().manifest().save_id.clone();
     let mut ordered = Vec::new();
     let mut tracked = Vec::new();
+    let mut methods = BTreeMap::new();
     // (tracking, token of the snapshot this save reads) of every table that tracks.
     let mut tokens: Vec<(&dyn ChangeTracking, u64)> = Vec::new();
-    for t in &input.tables {
+    for t in input.all_tables() {
         let tracking = t.change_tracking();
-        // The baseline must be the parent, hold the table, and this save must keep every row
-        // (a row filter could drop rows the parent holds: only a comparison finds those).
-        let baseline = tracking
-            .and_then(ChangeTracking::baseline)
-            .filter(|(id, _)| *id == parent_id && !opts.plan.filters.has_row_filters())
-            .filter(|_| ctx.chain.table_manifests().any(|m| m.name == t.name()));
-        match (tracking, baseline) {
-            (Some(c), Some((_, since))) => {
+        let since = match tracking {
+            None => Err("the table keeps no record of its changes: make it with \
+                         with_change_tracking, or restore it with LoadOptions::change_tracking"
+                .to_string()),
+            // A row filter could drop rows the parent holds: only a comparison finds those.
+            Some(_) if opts.plan.filters.has_row_filters() => {
+                Err("the save has a row filter, which may drop rows the parent holds".into())
+            }
+            Some(_) if !ctx.chain.table_manifests().any(|m| m.name == t.name()) => {
+                Err("the parent holds no table of this name".into())
+            }
+            Some(c) => c.baseline_of(&parent_id).ok_or_else(|| match c.baseline() {
+                Some((id, _)) => {
+                    format!("the table's last committed save is {id}, not the parent {parent_id}")
+                }
+                None => format!(
+                    "the table knows of no committed save of it, and was not written by the \
+                     parent {parent_id} (after a restart, restore it with \
+                     LoadOptions::change_tracking or call set_baseline)"
+                ),
+            }),
+        };
+        match (tracking, since) {
+            (Some(c), Ok(since)) => {
                 let (snapshot, token) = c.changed_since(since)?;
                 let removed = c.removed_between(since, token);
                 tokens.push((c, token));
                 tracked.push(TrackedChanges {
-                    table: *t,
+                    table: t,
                     snapshot: Mutex::new(Some(snapshot)),
                     removed,
                     rows_hint: c.changed_hint(),
                 });
+                methods.insert(t.name().to_string(), DeltaMethod::Tracked);
             }
-            _ => {
-                ordered.push(InMemoryOrder::new(*t)?);
+            (_, why) => {
+                ordered.push(InMemoryOrder::new(t)?);
                 if let Some(c) = tracking {
                     tokens.push((c, c.last_snapshot()));
                 }
+                let why = why.err().unwrap_or_default();
+                methods.insert(t.name().to_string(), DeltaMethod::Compared { why });
             }
         }
     }
     let refs: Vec<&dyn BucketRows> = ordered.iter().map(|t| t as &dyn BucketRows).collect();
-    let report = ctx.save(storage, &refs, tracked, input.dense, opts)?;
-    if report.committed {
-        let whole = !opts.plan.filters.has_row_filters();
-        for (c, token) in tokens {
-            c.committed(whole.then_some(report.save_id.as_str()), token);
-        }
-    }
-    Ok(report)
+    let found = Found { methods, tokens };
+    ctx.save(storage, &refs, tracked, dense, opts, found)
+}
+
+/// How a delta found each table's changes, and the tables to tell of its commit.
+#[derive(Default)]
+struct Found<'t> {
+    methods: BTreeMap<String, DeltaMethod>,
+    tokens: Vec<(&'t dyn ChangeTracking, u64)>,
 }
 
 /// A delta save's parent chain and where the delta goes.
@@ -177,6 +215,7 @@ impl Delta {
         tracked: Vec<TrackedChanges<'_>>,
         dense: Vec<DenseTensor<'_>>,
         opts: &SaveOptions,
+        found: Found<'_>,
     ) -> Result<SaveReport> {
         let plan = &opts.plan;
         let shard = plan.shard_index.unwrap_or(0);
@@ -249,10 +288,10 @@ impl Delta {
         }
         let mut input = SaveInput::new();
         for s in &spools {
-            input.tables.push(s);
+            input.tables.push(TableRef::Borrowed(s));
         }
         for t in &kept_tracked {
-            input.tables.push(t);
+            input.tables.push(TableRef::Borrowed(t));
         }
         // Dense tensors the chain holds unchanged (same dtype, shape and CRC32) are named, not
         // written.
@@ -286,6 +325,8 @@ impl Delta {
         let delta = DeltaOf {
             parent: self.parent_ref.clone(),
             dense_in_parent,
+            methods: found.methods,
+            tracking: found.tokens,
         };
         save_prepared(storage, input, &opts, Some(delta))
     }

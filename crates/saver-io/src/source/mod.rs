@@ -200,6 +200,10 @@ pub fn save_input<'a>(
     dense: &'a [LoadedDense],
 ) -> Result<SaveInput<'a>> {
     let mut input = SaveInput::new();
-    input.tables = tables.as_dyn();
+    input.tables = tables
+        .as_dyn()
+        .into_iter()
+        .map(saver_core::plan::TableRef::Borrowed)
+        .collect();
     with_dense(input, dense)
 }

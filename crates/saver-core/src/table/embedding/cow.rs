@@ -45,6 +45,8 @@ pub(super) struct PreImages {
     /// Bytes of row words kept now, and the most kept at once since the table was made.
     kept_bytes: AtomicUsize,
     peak_bytes: AtomicUsize,
+    /// The most bytes kept at once since the open moment began: what this moment's saves cost.
+    moment_peak: AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -59,6 +61,7 @@ impl PreImages {
             shards: (0..shards).map(|_| Mutex::default()).collect(),
             kept_bytes: AtomicUsize::new(0),
             peak_bytes: AtomicUsize::new(0),
+            moment_peak: AtomicUsize::new(0),
         }
     }
 
@@ -80,6 +83,9 @@ impl PreImages {
     pub(super) fn open(&self, registered: &dyn Fn(u64)) -> bool {
         let mut sharing = lock(&self.sharing);
         if sharing.open == 0 {
+            // Nothing is kept with no moment open: this moment's peak starts at the bytes kept now.
+            self.moment_peak
+                .store(self.kept_bytes.load(Ordering::SeqCst), Ordering::SeqCst);
             moment::register(|g| {
                 registered(g);
                 self.generation.store(g, Ordering::SeqCst)
@@ -142,6 +148,7 @@ impl PreImages {
         let now = self.kept_bytes.fetch_add(bytes, Ordering::SeqCst) + bytes;
         drop(pre);
         self.peak_bytes.fetch_max(now, Ordering::SeqCst);
+        self.moment_peak.fetch_max(now, Ordering::SeqCst);
     }
 
     /// The pre-images of shard `shard`, locked; call with the shard's map lock held.
@@ -171,6 +178,11 @@ impl PreImages {
     /// The most bytes of pre-images kept at once.
     pub(super) fn peak_bytes(&self) -> usize {
         self.peak_bytes.load(Ordering::SeqCst)
+    }
+
+    /// The most bytes of pre-images kept at once since the open moment (or the last one) began.
+    pub(super) fn moment_peak(&self) -> usize {
+        self.moment_peak.load(Ordering::SeqCst)
     }
 
     /// Pre-image entries (kept or already read) of the open snapshot.

@@ -100,6 +100,9 @@ struct Tracking {
     /// Per map shard: every removal since the baseline's snapshot.
     removed: Box<[std::sync::Mutex<Vec<Removal>>]>,
     baseline: std::sync::Mutex<Option<(String, u64)>>,
+    /// Saves that wrote the table but whose commit it has not seen, with their tokens: newer
+    /// than the baseline, the oldest first (see [`ChangeTracking::written`]).
+    written_saves: std::sync::Mutex<Vec<(String, u64)>>,
     last_snapshot: std::sync::atomic::AtomicU64,
     /// Per map shard: ids written since `floor`, each at least once (and maybe more than once);
     /// every row stamped at or after `floor` is listed. 0: no list kept yet (set to the first
@@ -225,6 +228,7 @@ impl EmbeddingTable {
                 .map(|_| std::sync::Mutex::default())
                 .collect(),
             baseline: std::sync::Mutex::new(None),
+            written_saves: std::sync::Mutex::default(),
             last_snapshot: std::sync::atomic::AtomicU64::new(0),
             written: (0..self.rows.shards().len())
                 .map(|_| std::sync::Mutex::default())
@@ -775,6 +779,43 @@ impl ChangeTracking for EmbeddingTable {
         ids
     }
 
+    fn baseline_of(&self, save_id: &str) -> Option<u64> {
+        let t = self.tracking.as_ref()?;
+        if let Some((id, token)) = lock(&t.baseline).as_ref() {
+            if id == save_id {
+                return Some(*token);
+            }
+        }
+        let token = lock(&t.written_saves)
+            .iter()
+            .find(|(id, _)| id == save_id)
+            .map(|&(_, token)| token)?;
+        // The list of written ids starts at the floor: changes since an older token are lost.
+        if token < t.floor.load(std::sync::atomic::Ordering::SeqCst) {
+            return None;
+        }
+        // The caller found the save committed: it is the baseline from now on.
+        self.committed(Some(save_id), token);
+        self.baseline()
+            .filter(|(id, _)| id == save_id)
+            .map(|(_, token)| token)
+    }
+
+    fn written(&self, save_id: &str, token: u64) {
+        let Some(t) = &self.tracking else { return };
+        let baseline = lock(&t.baseline).as_ref().map_or(0, |b| b.1);
+        if token < baseline {
+            return;
+        }
+        let mut written = lock(&t.written_saves);
+        written.push((save_id.to_string(), token));
+        // Only recent saves become parents; a bounded list whatever the job's length.
+        const KEPT: usize = 16;
+        if written.len() > KEPT {
+            written.remove(0);
+        }
+    }
+
     fn committed(&self, save_id: Option<&str>, token: u64) {
         let Some(t) = &self.tracking else { return };
         let mut baseline = lock(&t.baseline);
@@ -783,6 +824,8 @@ impl ChangeTracking for EmbeddingTable {
             return;
         }
         *baseline = save_id.map(|id| (id.to_string(), token));
+        // Saves written before it can no longer be a baseline: changes since them are pruned.
+        lock(&t.written_saves).retain(|(id, g)| *g >= token && Some(id.as_str()) != save_id);
         // Removals before that moment are in that save (or an older one) now.
         for s in t.removed.iter() {
             lock(s).retain(|&(_, g)| g >= token);
@@ -1322,7 +1365,8 @@ mod tests {
         for id in 0..50u64 {
             t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
         }
-        let held = crate::table::moment::hold(&[&t]).unwrap();
+        let input = crate::SaveInput::new().table(&t);
+        let held = crate::table::moment::hold(&input).unwrap();
         t.update(7, |r| r.slot_mut::<i64>(1)[0] = -1);
         let a = t.snapshot().unwrap();
         let b = t.snapshot().unwrap();

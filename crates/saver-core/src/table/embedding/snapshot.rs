@@ -179,6 +179,10 @@ impl Drop for EmbeddingSnapshot<'_> {
 }
 
 impl TableSnapshot for EmbeddingSnapshot<'_> {
+    fn copy_on_write_peak(&self) -> u64 {
+        self.table.pre.moment_peak() as u64
+    }
+
     fn scan(
         &self,
         max_rows: usize,
