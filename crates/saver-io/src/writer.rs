@@ -279,22 +279,21 @@ pub fn save_to(
     input: SaveInput<'_>,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    off_shared_pool(|| save_on_this_thread(storage, input, opts))
+    in_pool_of_its_own(|| save_on_this_thread(storage, input, opts))
 }
 
-/// Runs `save` on a thread of its own when called from a thread of a rayon pool. A save that
-/// waits (for its writer threads, for the commit) on a pool's thread runs other jobs of that
-/// pool meanwhile; one of them can be another save of the same checkpoint, which then waits for
-/// this one's commit underneath it on the same stack, and neither ends.
-fn off_shared_pool<R: Send>(save: impl FnOnce() -> R + Send) -> R {
-    if rayon::current_thread_index().is_none() {
-        return save();
+/// Runs `save` on a rayon pool of its own, which its scans and copies use. Never one pool for
+/// several saves: a save that waits (for its threads, for the commit) on a thread of a shared
+/// pool runs that pool's other jobs meanwhile, or leaves them waiting for the thread, and one of
+/// them can be another save of the same checkpoint that waits for this one's commit.
+fn in_pool_of_its_own<R: Send>(save: impl FnOnce() -> R + Send) -> R {
+    match rayon::ThreadPoolBuilder::new()
+        .thread_name(|i| format!("saver-save-{i}"))
+        .build()
+    {
+        Ok(pool) => pool.install(save),
+        Err(_) => save(),
     }
-    std::thread::scope(|s| {
-        s.spawn(save)
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-    })
 }
 
 /// [`save_to`] on the calling thread: what a background save, which runs on a pool of its own,
