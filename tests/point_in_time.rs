@@ -455,3 +455,97 @@ fn a_custom_table_that_copies_its_rows_is_point_in_time_and_survives_removals() 
         stop.store(true, Ordering::Relaxed);
     });
 }
+
+/// `save_async(step k)`, hot rows written, `save_async(step k + 1)` while the first still runs:
+/// the second either fails, naming the table and why, or holds the rows as they were at its own
+/// call. It never holds the first save's moment under its own step.
+#[test]
+fn an_overlapping_background_save_never_holds_an_earlier_moment_under_its_step() {
+    const ROWS: u64 = 100_000;
+    const HOT: u64 = 2_000;
+    let t = Arc::new(table("items"));
+    for id in 0..ROWS {
+        t.upsert(id, |r| r.slot_mut::<u64>(0)[0] = 0);
+    }
+    let root = tempfile::tempdir().unwrap();
+    // Both cores busy, as under training: the first save takes longer.
+    let stop = AtomicBool::new(false);
+    let (mut refused, mut overlapped) = (0, 0);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                std::hint::black_box(fmix64(std::hint::black_box(7)));
+            }
+        });
+        let hot = |v: u64| {
+            for id in 0..HOT {
+                t.upsert(id * 37 % ROWS, |r| r.slot_mut::<u64>(0)[0] = v);
+            }
+        };
+        let check = |dir: &Path, step: u64| {
+            let ck = Checkpoint::open(dir).unwrap();
+            assert_eq!(ck.manifest().step, Some(step), "{}", dir.display());
+            let restored = ck.restore(&LoadOptions::default()).unwrap();
+            let items = restored.table("items").unwrap();
+            for id in 0..HOT {
+                let got = u64::from_le_bytes(
+                    items
+                        .get_slot(id * 37 % ROWS, 0)
+                        .unwrap()
+                        .try_into()
+                        .unwrap(),
+                );
+                assert_eq!(
+                    got,
+                    step,
+                    "{}: hot row {id} of another moment",
+                    dir.display()
+                );
+            }
+        };
+        for k in 0..8u64 {
+            let step = |k: u64| 10 * k + 1;
+            let opts = |step: u64| SaveOptions {
+                save_id: Some(format!("s{step}")),
+                step: Some(step),
+                durable: false,
+                ..SaveOptions::default()
+            };
+            hot(step(k));
+            let a = root.path().join(format!("a{k}"));
+            let first =
+                save_async(&a, SaveInput::new().table(Arc::clone(&t)), opts(step(k))).unwrap();
+            hot(step(k) + 1);
+            let b = root.path().join(format!("b{k}"));
+            let running = !first.is_finished();
+            match save_async(
+                &b,
+                SaveInput::new().table(Arc::clone(&t)),
+                opts(step(k) + 1),
+            ) {
+                Ok(second) => {
+                    overlapped += usize::from(running);
+                    second.wait().unwrap();
+                    check(&b, step(k) + 1);
+                }
+                Err(e) => {
+                    refused += 1;
+                    let e = e.to_string();
+                    assert!(
+                        e.contains("\"items\"") && e.contains("moment has passed"),
+                        "{e}"
+                    );
+                    assert!(!b.join("model.safetensors.index.json").exists());
+                }
+            }
+            first.wait().unwrap();
+            check(&a, step(k));
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    println!("{refused} refused, {overlapped} ran alongside");
+    assert!(
+        refused + overlapped > 0,
+        "no second save started while the first ran"
+    );
+}

@@ -2,7 +2,7 @@
 //! temporary directory, with a bucket and a key of its own, stopped (killed) when dropped.
 //!
 //! The `garage` binary is found on `PATH` or in `~/.cargo/bin` (`.ci/run` installs it there with
-//! `cargo install --locked garage`). Where it is absent the tests that need it are skipped with a
+//! `cargo install --locked garage --version 2.5.0`). Where it is absent the tests that need it are skipped with a
 //! message, unless `SAVER_REQUIRE_GARAGE=1` (set by `.ci/run`), which makes its absence a failure.
 
 #![allow(dead_code)]
@@ -88,7 +88,7 @@ impl Garage {
                 panic!("SAVER_REQUIRE_GARAGE=1 but no garage binary on PATH or in ~/.cargo/bin");
             }
             eprintln!(
-                "skipped: no garage binary (cargo install --locked garage, or set SAVER_GARAGE_BIN)"
+                "skipped: no garage binary (cargo install --locked garage --version 2.5.0, or set SAVER_GARAGE_BIN)"
             );
             return None;
         };

@@ -88,27 +88,32 @@ pub enum Command {
         #[command(flatten)]
         out_fmt: Output,
     },
-    /// Write a consolidated plain safetensors copy for serving or other tools: `<table>/ids`
-    /// (ascending), `<table>/<slot>` rows in the same order, dense tensors by name.
-    /// Rewrites a delta checkpoint and its chain of parents as one full checkpoint, with the
+    /// Rewrite a delta checkpoint and its chain of parents as one full checkpoint, with the
     /// same content (same digest).
     #[command(after_help = "Example:\n  saver compact /ckpt/step1300-delta --out /ckpt/step1300")]
     Compact {
+        /// Source checkpoint directory (a delta, or a full checkpoint).
         src: PathBuf,
+        /// Destination directory.
         #[arg(long)]
         out: PathBuf,
         /// Shards of the full checkpoint (default: the delta's).
         #[arg(long)]
         shards: Option<u32>,
+        /// Writer threads.
         #[arg(long, default_value_t = default_parallel())]
         parallel: usize,
+        /// Replace a committed checkpoint in the destination.
         #[arg(long)]
         overwrite: bool,
+        /// Skip fsync (faster, not crash-safe).
         #[arg(long)]
         no_fsync: bool,
         #[command(flatten)]
         out_fmt: Output,
     },
+    /// Write a consolidated plain safetensors copy for serving or other tools: `<table>/ids`
+    /// (ascending), `<table>/<slot>` rows in the same order, dense tensors by name.
     #[command(
         after_help = "Example:\n  saver export /ckpt/step100 --out /serving/v7 --exclude-slots 'adagrad*' --dtype f16"
     )]

@@ -646,17 +646,44 @@ fn n_cli_processes_save_one_checkpoint() {
 }
 
 #[test]
-fn every_command_has_help_with_an_example() {
-    let mut seen = HashMap::new();
-    for cmd in [
-        "save", "inspect", "verify", "load", "reshard", "compact", "export", "digest",
-    ] {
+fn every_command_has_help_of_its_own_with_an_example() {
+    // Each command's summary (the first line of its help) and what the top-level list says of it.
+    let own = [
+        ("save", "Save a checkpoint"),
+        ("inspect", "Show what a checkpoint holds"),
+        ("verify", "Check a checkpoint completely"),
+        ("load", "Restore a checkpoint into memory"),
+        (
+            "reshard",
+            "Rewrite a checkpoint for another number of shards",
+        ),
+        ("compact", "Rewrite a delta checkpoint and its chain"),
+        ("export", "Write a consolidated plain safetensors copy"),
+        ("digest", "Print a digest of a model's content"),
+    ];
+    let top = ok(&["--help"]);
+    let mut summaries = HashMap::new();
+    for (cmd, summary) in own {
         let h = ok(&[cmd, "--help"]);
         assert!(h.contains("Example"), "{cmd}: {h}");
-        seen.insert(cmd, h);
+        let first = h.lines().next().unwrap_or_default();
+        assert!(first.starts_with(summary), "{cmd}'s help begins {first:?}");
+        assert!(
+            !h.contains("Output options shared"),
+            "{cmd}: a flattened struct's doc leaked: {h}"
+        );
+        let listed = top
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{cmd} ")))
+            .unwrap_or_else(|| panic!("{cmd} is not listed: {top}"));
+        assert!(listed.contains(summary), "{cmd} is listed as {listed:?}");
+        // No two commands share a summary.
+        assert!(
+            summaries.insert(first.to_string(), cmd).is_none(),
+            "{cmd}: {first}"
+        );
     }
-    assert!(seen["save"].contains("--keep-rows"));
-    assert!(ok(&["--help"]).contains("reshard"));
+    assert!(ok(&["save", "--help"]).contains("--keep-rows"));
 }
 
 #[test]

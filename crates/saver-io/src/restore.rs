@@ -203,6 +203,21 @@ pub struct RestoredShard {
     pub tables: Vec<EmbeddingTable>,
 }
 
+impl RestoredShard {
+    /// The table restored under `name`.
+    pub fn table(&self, name: &str) -> Option<&EmbeddingTable> {
+        self.tables.iter().find(|t| SparseTable::name(*t) == name)
+    }
+
+    /// The tables by name, each in an `Arc`: what trainer threads and background saves share.
+    pub fn into_shared(self) -> BTreeMap<String, Arc<EmbeddingTable>> {
+        self.tables
+            .into_iter()
+            .map(|t| (SparseTable::name(&t).to_string(), Arc::new(t)))
+            .collect()
+    }
+}
+
 /// The result of an owning restore: fresh tables, so a failed restore leaves nothing half-loaded.
 pub struct Restored {
     /// Target shards, in order.
@@ -211,6 +226,28 @@ pub struct Restored {
     pub dense: Vec<LoadedDense>,
     /// Figures.
     pub report: LoadReport,
+}
+
+impl Restored {
+    /// The tables of target shard `shard`.
+    pub fn shard(&self, shard: u32) -> Option<&RestoredShard> {
+        self.shards.iter().find(|s| s.shard == shard)
+    }
+
+    /// The table `name` of a restore of one target shard (`LoadOptions::shard_index`, or one
+    /// shard in all); `None` if there is no such table, or several target shards to choose from
+    /// (ask [`Self::shard`]).
+    pub fn table(&self, name: &str) -> Option<&EmbeddingTable> {
+        match self.shards.as_slice() {
+            [one] => one.table(name),
+            _ => None,
+        }
+    }
+
+    /// The dense tensor restored under `name`.
+    pub fn dense(&self, name: &str) -> Option<&LoadedDense> {
+        self.dense.iter().find(|d| d.name == name)
+    }
 }
 
 /// The rows of one segment that one target needs.

@@ -23,6 +23,8 @@ use crate::table::TableSnapshot;
 
 /// The newest published generation.
 static CLOCK: AtomicU64 = AtomicU64::new(0);
+/// Generations held open by [`hold`], once per live [`Held`].
+static HELD: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 /// The last generation handed out; held while a group registers, so groups publish in order.
 static NEXT: Mutex<u64> = Mutex::new(0);
 
@@ -80,6 +82,19 @@ pub fn has_passed(generation: u64) -> bool {
     generation != 0 && CLOCK.load(Ordering::SeqCst) >= generation
 }
 
+/// Whether a snapshot taken now may show the moment of `generation`, which another snapshot of
+/// the same table opened: only while that moment has not come (the snapshots are taken in one
+/// [`at_one_moment`] group) or while a [`Held`] moment holds it. A moment that has passed without
+/// being held would make a later save show rows as they were before it was called (under the
+/// later save's step and trainer state): such a save must take a moment of its own.
+pub fn may_join(generation: u64) -> bool {
+    !has_passed(generation)
+        || HELD
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&generation)
+}
+
 /// Called once a save's moment is fixed (every table's snapshot taken), before any row is read:
 /// what lets a trainer that started a save in the background go on training
 /// ([`PlanOptions::on_moment`](crate::PlanOptions::on_moment)).
@@ -99,6 +114,7 @@ impl std::fmt::Debug for MomentHook {
 /// since the moment are kept until the hold and every save sharing it end.
 pub struct Held<'a> {
     _snapshots: Vec<Box<dyn TableSnapshot + 'a>>,
+    generation: u64,
 }
 
 impl std::fmt::Debug for Held<'_> {
@@ -107,17 +123,36 @@ impl std::fmt::Debug for Held<'_> {
     }
 }
 
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(at) = held.iter().position(|&g| g == self.generation) {
+            held.swap_remove(at);
+        }
+    }
+}
+
 /// Fixes one moment for the tables of `input` now and holds it (see [`Held`]).
 pub fn hold<'a>(input: &'a SaveInput<'_>) -> Result<Held<'a>> {
-    let snapshots = at_one_moment(|| {
-        input
+    let (snapshots, generation) = at_one_moment(|| {
+        let snapshots = input
             .all_tables()
             .map(|t| t.snapshot())
-            .collect::<Result<Vec<_>>>()
-    })?;
-    Ok(Held {
-        _snapshots: snapshots,
-    })
+            .collect::<Result<Vec<_>>>();
+        let generation = PENDING.with(Cell::get).expect("set by at_one_moment");
+        // Held before the moment comes, so that no save in between finds it passed and unheld.
+        HELD.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(generation);
+        (snapshots, generation)
+    });
+    // Made first, so that a failed snapshot lets go of the generation as it drops.
+    let mut held = Held {
+        _snapshots: Vec::new(),
+        generation,
+    };
+    held._snapshots = snapshots?;
+    Ok(held)
 }
 
 #[cfg(test)]

@@ -77,8 +77,9 @@ impl PreImages {
     }
 
     /// Opens a snapshot. The first opens a moment (now, or at the end of the enclosing
-    /// `moment::at_one_moment`); one opened while another is open joins its moment, unless the
-    /// other has already freed rows it read (then `false`: it cannot be joined).
+    /// `moment::at_one_moment`); one opened while another is open joins its moment if that
+    /// moment has not come yet (one group) or is held ([`moment::may_join`]) and the other has
+    /// freed no row it read; otherwise `false`: it cannot be joined.
     /// `registered(g)` runs with the new moment's generation before the moment comes.
     pub(super) fn open(&self, registered: &dyn Fn(u64)) -> bool {
         let mut sharing = lock(&self.sharing);
@@ -96,7 +97,7 @@ impl PreImages {
             };
             return true;
         }
-        if sharing.freed_any {
+        if sharing.freed_any || !moment::may_join(self.generation()) {
             return false;
         }
         sharing.open += 1;

@@ -696,9 +696,11 @@ impl SparseTable for EmbeddingTable {
     }
 
     /// A point-in-time snapshot (see `table::moment`). A snapshot taken while another is open
-    /// shares its moment (several in-process workers saving their shards of one table, or
-    /// [`moment::hold`](crate::table::moment::hold)); it is refused once the open one has begun
-    /// to free the rows it read.
+    /// shares its moment only while that moment has not come (both taken in one
+    /// [`moment::at_one_moment`](crate::table::moment::at_one_moment) group, as one save of
+    /// several workers' tables does) or is held
+    /// ([`moment::hold`](crate::table::moment::hold)), and the open one has freed no row it
+    /// read; otherwise it is refused: it would show rows as they were before it was asked for.
     fn snapshot(&self) -> Result<Box<dyn TableSnapshot + '_>> {
         Ok(Box::new(self.open_snapshot(None)?))
     }
@@ -1357,6 +1359,27 @@ mod tests {
             let (ids, _) = scan_all(snap.as_ref());
             assert!(ids.contains(&1001) && ids.contains(&5000) && !ids.contains(&0));
         }
+    }
+
+    #[test]
+    fn a_snapshot_never_joins_a_moment_that_has_passed_unheld() {
+        let t = table();
+        for id in 0..10u64 {
+            t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = 1);
+        }
+        let first = t.snapshot().unwrap();
+        // Written after the first moment: a second save now must not show the old value.
+        t.update(3, |r| r.slot_mut::<i64>(1)[0] = 2);
+        let err = t.snapshot().err().expect("refused").to_string();
+        assert!(err.contains("its moment has passed"), "{err}");
+        drop(first);
+        let second = t.snapshot().unwrap();
+        let got = freqs(second.as_ref(), &[3], &[]).unwrap();
+        assert_eq!(got, vec![2]);
+        drop(second);
+        // Two snapshots of one group share its moment.
+        let (a, b) = crate::table::moment::at_one_moment(|| (t.snapshot(), t.snapshot()));
+        assert!(a.is_ok() && b.is_ok());
     }
 
     #[test]

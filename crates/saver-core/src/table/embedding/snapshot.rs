@@ -126,8 +126,9 @@ impl<'t> EmbeddingSnapshot<'t> {
         if !table.pre.open(registered) {
             return Err(Error::Table {
                 table: table.name.clone(),
-                message: "another save of this table is under way and has passed the point \
-                          where a second save could share its moment; wait for it to finish"
+                message: "another save of this table is under way, and its moment has passed: \
+                          a save started now would show the rows as they were then, under this \
+                          save's step; wait for that save to finish (SaveHandle::wait) first"
                     .into(),
             });
         }
