@@ -501,3 +501,67 @@ fn a_committer_killed_while_holding_the_lock_never_blocks_the_commit() {
         saver::Status::Ok
     );
 }
+
+/// A panic in a row filter, a block filter or the progress callback of a background save: the
+/// error reaches `wait`, nothing commits, and the save leaves none of its files (claims and
+/// temporary data files included).
+#[test]
+fn a_panicking_background_save_removes_its_own_files() {
+    use std::sync::Arc;
+    let tables: Vec<Arc<saver::EmbeddingTable>> = (0..2)
+        .map(|k| {
+            let t = saver::EmbeddingTable::new(
+                format!("t{k}"),
+                saver::KeyDtype::U64,
+                vec![saver::SlotSpec::new("e", saver::Dtype::F32, vec![64])],
+            )
+            .unwrap();
+            for id in 0..40_000u64 {
+                t.upsert(id, |r| r.slot_mut::<f32>(0).fill(id as f32));
+            }
+            Arc::new(t)
+        })
+        .collect();
+    let root = tempfile::tempdir().unwrap();
+    for (k, what) in ["row filter", "block filter", "progress"]
+        .iter()
+        .enumerate()
+    {
+        let dir = root.path().join(format!("p{k}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("users-file.txt"), b"mine").unwrap();
+        let mut opts = saver::SaveOptions {
+            durable: false,
+            ..saver::SaveOptions::default()
+        };
+        opts.plan.shard_num = 2;
+        match *what {
+            "row filter" => {
+                opts.plan.filters =
+                    saver::Filters::new().keep_rows(|r| r.id_bits() != 12_345 || panic!("boom"))
+            }
+            "block filter" => {
+                opts.plan.filters = saver::Filters::new()
+                    .keep_blocks(|b| b.table != Some("t1") || b.shard != 1 || panic!("boom"))
+            }
+            _ => {
+                opts.progress = Some(Arc::new(|p: saver::Progress| {
+                    assert!(p.written < p.total / 2, "boom")
+                }))
+            }
+        }
+        let input = tables
+            .iter()
+            .fold(saver::SaveInput::new(), |i, t| i.table(Arc::clone(t)));
+        let err = match saver::save_async(&dir, input, opts) {
+            Ok(h) => h.wait().unwrap_err(),
+            Err(e) => e,
+        };
+        assert!(err.to_string().contains("boom"), "{what}: {err}");
+        let left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, vec!["users-file.txt".to_string()], "{what}");
+    }
+}

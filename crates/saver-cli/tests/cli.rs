@@ -1045,3 +1045,44 @@ fn import_in_rounds_writes_what_one_pass_writes() {
     ]);
     assert!(err.contains("--import-rounds"), "{err}");
 }
+
+#[test]
+fn a_mistyped_object_store_url_is_an_error_never_a_local_directory() {
+    let d = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_saver"))
+            .current_dir(d.path())
+            .args(args)
+            .output()
+            .expect("saver runs")
+    };
+    for url in ["s3:/ckpt/x", "s3:ckpt/x", "S3:/ckpt/x", "gs:/b/x"] {
+        let out = run(&["save", "--synthetic", "tiny", "--out", url]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{url}: {err}");
+        assert!(
+            err.contains(url) && err.contains("s3://bucket/prefix"),
+            "{url}: {err}"
+        );
+        for verb in ["verify", "inspect", "digest"] {
+            let out = run(&[verb, url]);
+            assert!(!out.status.success(), "{verb} {url}");
+        }
+    }
+    // Nothing was made in the working directory.
+    assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);
+    // A local directory whose name has a colon is still one, written as a path.
+    ok(&[
+        "save",
+        "--synthetic",
+        "tiny",
+        "--out",
+        p(&d.path().join("run:7")),
+    ]);
+    let out = run(&["save", "--synthetic", "tiny", "--out", "./s3:x"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

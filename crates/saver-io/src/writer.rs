@@ -411,32 +411,44 @@ pub(crate) fn save_prepared(
         }
     }
     let mut shard_manifests_written = false;
-    let result = write_and_commit(
-        storage,
-        input,
-        opts,
-        &plan_opts,
-        Shared {
-            writer,
-            replaces: seen,
-            delta,
-            t0,
-        },
-        &mut shard_manifests_written,
-    );
-    if let Err(e) = &result {
+    // A panic (in a filter, a table, the progress callback) fails the save as an error does:
+    // its files go before the panic goes on.
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        write_and_commit(
+            storage,
+            input,
+            opts,
+            &plan_opts,
+            Shared {
+                writer,
+                replaces: seen,
+                delta,
+                t0,
+            },
+            &mut shard_manifests_written,
+        )
+    }));
+    let rejected = match &outcome {
+        Ok(Ok(_)) => None,
+        Ok(Err(e)) => Some(matches!(e, Error::Rejected { .. })),
+        Err(_) => Some(false),
+    };
+    if let Some(rejected) = rejected {
         let what = if single {
-            Leftovers::Everything
+            Some(Leftovers::Everything)
         } else if !shard_manifests_written {
-            Leftovers::ShardsAndClaims
-        } else if matches!(e, Error::Rejected { .. }) {
-            Leftovers::Shards
+            Some(Leftovers::ShardsAndClaims)
+        } else if rejected {
+            Some(Leftovers::Shards)
         } else {
             // Written and durable: another process of the save may still commit it.
-            return result;
+            None
         };
-        remove_own(storage, &save_id, &shards, what);
+        if let Some(what) = what {
+            remove_own(storage, &save_id, &shards, what);
+        }
     }
+    let result = outcome.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
     result.map(|report| SaveReport {
         cleaned_up,
         ..report

@@ -185,6 +185,19 @@ impl Delta {
                 message: format!("parent {} cannot be opened: {e}", parent.display()),
             },
         })?;
+        // Refused before anything is written: a longer chain would commit and then be unreadable.
+        if chain.links().len() >= crate::chain::MAX_CHAIN_LINKS {
+            return Err(Error::Chain {
+                link: child_dir.display().to_string(),
+                message: format!(
+                    "parent {}'s chain has {} links, the most a chain may have: compact it \
+                     (saver compact) and save the delta of the compacted checkpoint, or save a \
+                     full checkpoint",
+                    parent.display(),
+                    chain.links().len()
+                ),
+            });
+        }
         if let Some(d) = chain
             .dirs()
             .iter()
@@ -198,6 +211,27 @@ impl Delta {
                     d.display()
                 ),
             });
+        }
+        // The same directory by another path (a bind mount, an NFS export, a second mount of a
+        // bucket): the checkpoint it holds is a link of the chain, by its save id.
+        if let Some(held) = crate::commit::committed(storage)? {
+            if let Some(link) = chain
+                .links()
+                .iter()
+                .position(|l| l.manifest().save_id == held.save_id)
+            {
+                return Err(Error::Chain {
+                    link: child_dir.display().to_string(),
+                    message: format!(
+                        "it holds save {}, a link of the parent's chain (link {}, {}): a delta \
+                         saved over it would remove the rows it depends on; save the delta into \
+                         a directory of its own",
+                        held.save_id,
+                        link,
+                        chain.dirs()[link].display()
+                    ),
+                });
+            }
         }
         let parent_ref = chain.parent_ref_for(&child_dir)?;
         Ok(Self {

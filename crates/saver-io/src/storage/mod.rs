@@ -58,21 +58,38 @@ pub fn check_file_name(name: &str, named_in: &str) -> Result<()> {
     })
 }
 
-/// The URL in `location`, if it is one (`scheme://…`): a location that must not be taken for a
-/// local path.
+/// Schemes of object stores and remote filesystems: `s3:bucket/x` or `s3:/bucket/x` is a
+/// mistyped URL, never a local directory named `s3:`.
+const REMOTE_SCHEMES: [&str; 11] = [
+    "s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "http", "https", "hdfs",
+];
+
+/// The URL in `location`, if it is one (`scheme://…`, or a remote scheme with a colon such as a
+/// mistyped `s3:/bucket`): a location that must not be taken for a local path.
 pub fn location_url(location: &Path) -> Option<&str> {
     let s = location.to_str()?;
-    let (scheme, _) = s.split_once("://")?;
+    let (scheme, rest) = s.split_once(':')?;
     let is_scheme = !scheme.is_empty()
         && scheme.starts_with(|c: char| c.is_ascii_alphabetic())
         && scheme
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
-    is_scheme.then_some(s)
+    let remote = REMOTE_SCHEMES.contains(&scheme.to_ascii_lowercase().as_str());
+    (is_scheme && (rest.starts_with("//") || remote)).then_some(s)
 }
 
 /// The storage a URL names: `s3://bucket/prefix`, or an error naming what this build supports.
 fn url_storage(url: &str) -> Result<Arc<dyn Storage>> {
+    if !url.contains("://") {
+        return Err(Error::InvalidOption {
+            option: "location",
+            why: format!(
+                "{url}: not a URL (a location on an object store is written s3://bucket/prefix) \
+                 and not taken for a local path either; for a local directory whose name has a \
+                 colon, write ./{url}"
+            ),
+        });
+    }
     if url.starts_with("s3://") {
         #[cfg(feature = "s3")]
         return Ok(Arc::new(ObjectStorage::from_url(url)?));
