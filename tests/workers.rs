@@ -356,3 +356,50 @@ fn a_restart_without_change_tracking_says_why_its_first_delta_is_compared() {
     let r = save(root.path().join("delta2"), input, &o).unwrap();
     assert_eq!(r.delta_tables["items"], DeltaMethod::Tracked);
 }
+
+#[test]
+fn the_report_gives_this_saves_copy_on_write_peak_and_progress_its_total() {
+    use std::sync::Mutex;
+    let root = tempfile::tempdir().unwrap();
+    let tables = worker(0, 1, 20_000, 1, false);
+    let seen: Arc<Mutex<Vec<saver::Progress>>> = Arc::default();
+    let save_with = |dir: &str, writes: u64| {
+        let mut o = opts(dir, 1);
+        let t = Arc::clone(&tables[0]);
+        // Between the moment and the first row read: each write keeps one pre-image.
+        o.plan.on_moment = Some(saver::core::table::moment::MomentHook(Arc::new(
+            move || {
+                for id in 0..writes {
+                    write(&t, id, 5);
+                }
+            },
+        )));
+        let log = Arc::clone(&seen);
+        o.progress = Some(Arc::new(move |p| log.lock().unwrap().push(p)));
+        let input = tables
+            .iter()
+            .fold(SaveInput::new(), |i, t| i.table(Arc::clone(t)));
+        save_async(root.path().join(dir), input, o)
+            .unwrap()
+            .wait()
+            .unwrap()
+    };
+    let r = save_with("a", 500);
+    // 500 rows of 4 f32 and an i64: at least 24 bytes each were kept at once.
+    assert!(
+        r.copy_on_write_peak_bytes >= 500 * 24,
+        "{}",
+        r.copy_on_write_peak_bytes
+    );
+    let progress = std::mem::take(&mut *seen.lock().unwrap());
+    let total = progress[0].total;
+    assert!(total > 0 && total <= r.bytes_written);
+    assert!(progress
+        .iter()
+        .all(|p| p.total == total && p.written <= total));
+    assert_eq!(progress.iter().map(|p| p.bytes).sum::<u64>(), total);
+    assert_eq!(progress.iter().map(|p| p.written).max(), Some(total));
+    // The peak is this save's: one during which nothing is written kept nothing.
+    let r = save_with("b", 0);
+    assert_eq!(r.copy_on_write_peak_bytes, 0);
+}
