@@ -97,10 +97,12 @@ fn join(t: JoinHandle<Result<SaveReport>>) -> Result<SaveReport> {
 /// save outlives the call; tables of in-process workers ([`SaveInput::shard_table`]) are saved
 /// by this one call, every shard at one moment, one commit.
 ///
-/// A table can be in one save at a time, unless the second save starts before the first reads
-/// any row (then both share one moment): a save started while another of the same table is
-/// writing fails with an error naming the table. Check [`SaveHandle::is_finished`] before
-/// starting the next.
+/// A table can be in one save at a time: a save started while another save of the same table
+/// is under way fails with an error naming the table, since it could only show the rows as they
+/// were at the other save's moment, under its own step (tables held together by
+/// [`moment::hold`](saver_core::table::moment::hold) are the exception: their saves share the
+/// held moment). Check [`SaveHandle::is_finished`], or wait for the handle, before starting the
+/// next.
 pub fn save_async(
     dir: impl Into<PathBuf>,
     input: SaveInput<'_>,
