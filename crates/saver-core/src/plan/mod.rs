@@ -355,12 +355,15 @@ pub fn plan_with_spill<'a>(
             .map(|past| spill.as_ref().filter(|_| past).map(Arc::clone))
             .collect();
     // Every table's snapshot first, at one moment: the save shows every table as it was then.
-    let snapshots = moment::at_one_moment(|| {
-        input
-            .tables
-            .iter()
-            .map(|t| t.snapshot())
-            .collect::<Result<Vec<_>>>()
+    // For this save: the shards of one save, planned by several threads, share one moment.
+    let snapshots = moment::for_save(&opts.save_id, || {
+        moment::at_one_moment(|| {
+            input
+                .tables
+                .iter()
+                .map(|t| t.snapshot())
+                .collect::<Result<Vec<_>>>()
+        })
     })?;
     if let Some(hook) = &opts.on_moment {
         (hook.0)();

@@ -31,6 +31,30 @@ static NEXT: Mutex<u64> = Mutex::new(0);
 thread_local! {
     /// The generation of the group this thread is registering, if any.
     static PENDING: Cell<Option<u64>> = const { Cell::new(None) };
+    /// The save whose snapshots this thread takes, if it said ([`for_save`]).
+    static SAVE: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `take`, which takes snapshots for the save `save_id`: a snapshot of a table that another
+/// worker of the same save (a thread of this process saving another shard of it) holds open may
+/// share that snapshot's moment, even once it has passed ([`may_join`]): every shard of one save
+/// shows one moment, and a save under another id never shows a moment before its call.
+pub fn for_save<R>(save_id: &str, take: impl FnOnce() -> R) -> R {
+    let before = SAVE.with(|s| s.replace(Some(save_id.to_string())));
+    /// Restores the outer save, even if `take` panics.
+    struct Restore(Option<String>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SAVE.with(|s| *s.borrow_mut() = self.0.take());
+        }
+    }
+    let _restore = Restore(before);
+    take()
+}
+
+/// The save this thread takes snapshots for ([`for_save`]), if any.
+pub fn current_save() -> Option<String> {
+    SAVE.with(|s| s.borrow().clone())
 }
 
 /// Runs `take`, which takes the snapshots of a save, so that every point-in-time snapshot taken in
@@ -83,16 +107,18 @@ pub fn has_passed(generation: u64) -> bool {
 }
 
 /// Whether a snapshot taken now may show the moment of `generation`, which another snapshot of
-/// the same table opened: only while that moment has not come (the snapshots are taken in one
-/// [`at_one_moment`] group) or while a [`Held`] moment holds it. A moment that has passed without
-/// being held would make a later save show rows as they were before it was called (under the
-/// later save's step and trainer state): such a save must take a moment of its own.
-pub fn may_join(generation: u64) -> bool {
+/// the same table opened for the save `opened_for`: while that moment has not come (the
+/// snapshots are taken in one [`at_one_moment`] group), while a [`Held`] moment holds it, or when
+/// both snapshots are for one save ([`for_save`]: the shards of one checkpoint). A moment that has
+/// passed would otherwise make a later save show rows as they were before it was called (under
+/// the later save's step and trainer state): such a save must take a moment of its own.
+pub fn may_join(generation: u64, opened_for: Option<&str>) -> bool {
     !has_passed(generation)
         || HELD
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .contains(&generation)
+        || opened_for.is_some_and(|id| current_save().as_deref() == Some(id))
 }
 
 /// Called once a save's moment is fixed (every table's snapshot taken), before any row is read:

@@ -129,7 +129,11 @@ pub(crate) fn save_delta_of_input(
         };
         match (tracking, since) {
             (Some(c), Ok(since)) => {
-                let (snapshot, token) = c.changed_since(since)?;
+                // The shards of one save, taken by several threads, share one moment.
+                let (snapshot, token) = match &opts.save_id {
+                    Some(id) => saver_core::table::moment::for_save(id, || c.changed_since(since)),
+                    None => c.changed_since(since),
+                }?;
                 let removed = c.removed_between(since, token);
                 tokens.push((c, token));
                 tracked.push(TrackedChanges {

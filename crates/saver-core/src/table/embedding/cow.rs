@@ -34,6 +34,8 @@ struct Sharing {
     open: usize,
     /// Whether a pre-image was freed: a snapshot can no longer join the moment.
     freed_any: bool,
+    /// The save the moment was opened for (see `moment::for_save`).
+    save: Option<String>,
 }
 
 /// The pre-images of the open point-in-time snapshots, one map per dashmap shard.
@@ -78,8 +80,8 @@ impl PreImages {
 
     /// Opens a snapshot. The first opens a moment (now, or at the end of the enclosing
     /// `moment::at_one_moment`); one opened while another is open joins its moment if that
-    /// moment has not come yet (one group) or is held ([`moment::may_join`]) and the other has
-    /// freed no row it read; otherwise `false`: it cannot be joined.
+    /// moment has not come yet (one group), is held, or was opened for the same save
+    /// ([`moment::may_join`]), and the other has freed no row it read; otherwise `false`.
     /// `registered(g)` runs with the new moment's generation before the moment comes.
     pub(super) fn open(&self, registered: &dyn Fn(u64)) -> bool {
         let mut sharing = lock(&self.sharing);
@@ -94,10 +96,11 @@ impl PreImages {
             *sharing = Sharing {
                 open: 1,
                 freed_any: false,
+                save: moment::current_save(),
             };
             return true;
         }
-        if sharing.freed_any || !moment::may_join(self.generation()) {
+        if sharing.freed_any || !moment::may_join(self.generation(), sharing.save.as_deref()) {
             return false;
         }
         sharing.open += 1;
