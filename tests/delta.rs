@@ -861,3 +861,123 @@ fn a_chain_load_counts_every_tensor_it_checks() {
         restored.report.tensors_checked
     );
 }
+
+/// A chain whose every delta rewrites 70 % of the rows, so that each older link is read only in
+/// part; one byte flipped 2/7 of the way into one link's embedding tensor of shard 1. Every read
+/// of the chain that touches that tensor fails naming it; nothing is returned, and no rewrite
+/// (compact, reshard, export, save --from, a delta over it) commits.
+#[test]
+fn a_corrupt_byte_in_any_link_is_refused_by_every_read_and_never_laundered() {
+    const ROWS: u64 = 60_000;
+    let table = || {
+        EmbeddingTable::new(
+            "q0",
+            KeyDtype::U64,
+            vec![SlotSpec::new("embedding", Dtype::F32, vec![16])],
+        )
+        .unwrap()
+    };
+    for links in [1usize, 2, 4] {
+        for bad in 0..links {
+            let tmp = tempfile::tempdir().unwrap();
+            let t = table();
+            let mut dirs: Vec<PathBuf> = Vec::new();
+            for k in 0..links {
+                for id in 0..ROWS {
+                    // Link 0 writes every row; each later link rewrites 70 % of them, a
+                    // different 70 % each time, so that every link keeps rows the tip reads.
+                    let drawn =
+                        (id ^ (k as u64).wrapping_mul(0x9E37_79B9)).wrapping_mul(2654435761);
+                    if k == 0 || (drawn >> 7) % 10 < 7 {
+                        t.upsert(id, |r| {
+                            r.slot_mut::<f32>(0).fill((id * 10 + k as u64) as f32)
+                        });
+                    }
+                }
+                let dir = tmp.path().join(format!("l{k}"));
+                let mut o = options(2, None, dirs.last().map(PathBuf::as_path));
+                // Segments of thousands of rows: each link's keeps rows the tip reads.
+                o.plan.max_block_bytes = 1 << 20;
+                save(&dir, SaveInput::new().table(&t), &o).unwrap();
+                dirs.push(dir);
+            }
+            let tip = dirs.last().unwrap().clone();
+            // The flip, in link `bad`'s embedding of shard 1.
+            let tensor = {
+                let ck = Checkpoint::open(&dirs[bad]).unwrap();
+                let p = &ck.manifest().table("q0").unwrap().partitions;
+                p.iter().find(|p| p.shard == 1).unwrap().segments[0].slots[0].clone()
+            };
+            let file = dirs[bad].join(&tensor.file);
+            let mut bytes = std::fs::read(&file).unwrap();
+            bytes[(tensor.offset + tensor.len * 2 / 7) as usize] ^= 0x40;
+            std::fs::write(&file, bytes).unwrap();
+            let named = |what: &str, e: Error| {
+                let e = e.to_string();
+                assert!(
+                    e.contains(&tensor.name),
+                    "{links} links, bad {bad}, {what}: {e}"
+                );
+            };
+            let chain = Chain::open(&tip).unwrap();
+            named(
+                "restore",
+                chain.restore(&LoadOptions::default()).err().unwrap(),
+            );
+            let shard1 = LoadOptions {
+                shard_num: 2,
+                shard_index: Some(1),
+                ..LoadOptions::default()
+            };
+            named(
+                "restore shard 1 of 2",
+                chain.restore(&shard1).err().unwrap(),
+            );
+            named(
+                "arrays",
+                chain.load_columns(&LoadOptions::default()).err().unwrap(),
+            );
+            let source = Source::open(&tip).unwrap();
+            let tables = source.tables(&tip, 1).unwrap();
+            let dense = source.dense().unwrap();
+            named("digest", source_digest(&tables, &dense).err().unwrap());
+            let input = saver::io::source::save_input(&tables, &dense).unwrap();
+            let from = tmp.path().join("from");
+            named(
+                "save --from",
+                save(&from, input, &options(3, None, None)).unwrap_err(),
+            );
+            let compacted = tmp.path().join("compacted");
+            named(
+                "compact",
+                reshard_chain(&chain, &compacted, &options(2, None, None)).unwrap_err(),
+            );
+            let exported = tmp.path().join("exported");
+            named(
+                "export",
+                export_chain(&chain, &exported, &ExportOptions::default()).unwrap_err(),
+            );
+            // A delta over it compares against the corrupt rows: refused too.
+            let over = tmp.path().join("over");
+            let o = options(2, None, Some(&tip));
+            named(
+                "delta over it",
+                save(&over, SaveInput::new().table(&table()), &o).unwrap_err(),
+            );
+            for out in [&from, &compacted, &exported, &over] {
+                assert!(
+                    !out.join("model.safetensors.index.json").exists(),
+                    "{}",
+                    out.display()
+                );
+            }
+            // Shard 0 of 2 does not read the bad tensor, and gets the right rows.
+            let shard0 = LoadOptions {
+                shard_num: 2,
+                shard_index: Some(0),
+                ..LoadOptions::default()
+            };
+            chain.restore(&shard0).unwrap();
+        }
+    }
+}

@@ -510,6 +510,9 @@ pub fn tables_digest(
                 Ok(())
             }),
         )?;
+        for snap in snaps {
+            snap.finish()?;
+        }
     }
     Ok(hash_dense(h, dense))
 }
@@ -533,6 +536,8 @@ pub fn source_digest(tables: &SourceTables<'_>, dense: &[LoadedDense]) -> Result
             t.rows(),
             Box::new(move |visit| t.visit_in_bucket_order(step, visit)),
         )?;
+        // No digest of bytes that fail their checksums.
+        t.finish_checks()?;
     }
     Ok(hash_dense(h, dense))
 }

@@ -276,9 +276,12 @@ fn export_tables(
         }
         written += hlen + off;
     }
-    let filled = crate::restore::reader_pool(opts.parallel).and_then(|pool| {
-        pool.install(|| fill(&tables, &dense, &tensors, &handles, out, opts.sort_memory))
-    });
+    let filled = crate::restore::reader_pool(opts.parallel)
+        .and_then(|pool| {
+            pool.install(|| fill(&tables, &dense, &tensors, &handles, out, opts.sort_memory))
+        })
+        // An export of bytes that fail their checksums is never committed.
+        .and_then(|()| tables.iter().try_for_each(|t| t.finish_checks()));
     if let Err(e) = filled {
         handles.into_iter().for_each(|h| h.abort());
         return Err(e);

@@ -512,6 +512,8 @@ fn write_and_commit(
         opts.durable,
         opts.progress.as_deref(),
     )?;
+    // Before any shard manifest: a source whose bytes fail their checksums is never committed.
+    plan.finish_reads()?;
     for (pos, shard_crcs) in written.crcs.iter().enumerate() {
         let mut m = plan.shard_manifest(
             pos,

@@ -470,6 +470,14 @@ impl<'a> SavePlan<'a> {
             .sum()
     }
 
+    /// Lets every table's snapshot check what it read ([`TableSnapshot::finish`]): called once
+    /// the plan is written, before the save commits.
+    ///
+    /// [`TableSnapshot::finish`]: crate::table::TableSnapshot::finish
+    pub fn finish_reads(&self) -> Result<()> {
+        self.tables.iter().try_for_each(|t| t.snapshot.finish())
+    }
+
     /// Rows of the tables that wait in the spill store rather than memory.
     pub fn spilled_rows(&self) -> u64 {
         self.tables

@@ -405,4 +405,12 @@ pub trait TableSnapshot: Send + Sync {
     fn copy_on_write_peak(&self) -> u64 {
         0
     }
+
+    /// Called once every row the save needs has been read, before the save commits: a snapshot
+    /// of stored rows checks here whatever it could not check as it read (the checksums of
+    /// tensors read only in part), so that bad input never becomes a checkpoint that verifies.
+    /// Default: nothing to check.
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
 }

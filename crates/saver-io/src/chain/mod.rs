@@ -398,6 +398,8 @@ impl Chain {
                     })
                     .collect::<Result<Vec<()>>>()
             })?;
+            // Every byte loaded covered by a checksum that was checked, before it is returned.
+            t.finish_checks()?;
             report.rows += ids.len() as u64;
             report.bytes_kept += ids.len() as u64 * t.full_row_bytes();
             report.bytes_read += t.bytes_read();
@@ -486,6 +488,8 @@ impl Chain {
                 .collect()
         });
         let done = done?;
+        // Every byte loaded covered by a checksum that was checked, before anything is returned.
+        tables.iter().try_for_each(ChainTable::finish_checks)?;
         set_baselines(&shards, opts, &self.newest().manifest().save_id)?;
         let report = crate::LoadReport {
             rows: done.iter().map(|d| d.0).sum(),

@@ -153,6 +153,19 @@ impl<'c> ChainTable<'c> {
         self.bytes_read.load(Ordering::Relaxed)
     }
 
+    /// Checks every tensor of every link read only in part so far (a link's rows that later
+    /// links replaced are not read) against its CRC32: see [`StoredTable::finish_checks`]. Call
+    /// before returning or committing what was read.
+    pub fn finish_checks(&self) -> Result<()> {
+        for l in &self.links {
+            l.rows.finish_checks()?;
+            if let Some(r) = &l.removed {
+                r.finish_checks()?;
+            }
+        }
+        Ok(())
+    }
+
     /// Tensors of the links whose CRC32 was checked so far.
     pub fn tensors_checked(&self) -> u64 {
         self.links.iter().map(|l| l.rows.tensors_checked()).sum()
@@ -522,6 +535,9 @@ impl BucketRows for ChainTable<'_> {
     fn visit_in_bucket_order(&self, batch: usize, visit: &mut VisitRows<'_>) -> Result<()> {
         self.visit_buckets(0..BUCKETS, batch, visit)
     }
+    fn finish_checks(&self) -> Result<()> {
+        ChainTable::finish_checks(self)
+    }
 }
 
 struct ChainSnapshot<'t, 'c> {
@@ -544,6 +560,12 @@ impl<'t, 'c> ChainSnapshot<'t, 'c> {
 }
 
 impl TableSnapshot for ChainSnapshot<'_, '_> {
+    fn finish(&self) -> saver_core::Result<()> {
+        self.table
+            .finish_checks()
+            .map_err(|e| crate::source::core_error(&self.table.name, e))
+    }
+
     fn scan(
         &self,
         max_rows: usize,

@@ -298,6 +298,11 @@ impl Delta {
                 &mut changed,
                 &mut removed,
             )?;
+            // A delta found against bytes that fail their checksums would be wrong: refused.
+            if let Some(p) = &parent_table {
+                p.finish_checks()?;
+            }
+            t.finish_checks()?;
             let name = t.name();
             spools.push(changed.finish(name, t.key_dtype(), t.slots(), t.point_in_time())?);
             spools.push(removed.finish(&removed_table_name(name), t.key_dtype(), &[], true)?);

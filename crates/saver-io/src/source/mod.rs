@@ -41,6 +41,12 @@ pub trait BucketRows: SparseTable {
     /// Visits every row in (bucket, id bits) order, at most `batch` rows at a time: ids, and each
     /// slot's rows back to back.
     fn visit_in_bucket_order(&self, batch: usize, visit: &mut VisitRows<'_>) -> Result<()>;
+    /// Checks what was read only in part against its checksums (a chain's older links, a
+    /// target's buckets): called before what was read is returned or committed. Default: every
+    /// read was checked as it was made.
+    fn finish_checks(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// A model to read: a checkpoint or a plain input, opened (headers and manifests read, no data).

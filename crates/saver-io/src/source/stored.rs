@@ -33,7 +33,10 @@ struct Segment<'c> {
 
 /// Per (segment, slot or `usize::MAX` for ids): CRC32 pieces (offset, length, state) read so far.
 /// With the bytes they cover in all.
-type CrcPieces = HashMap<(usize, usize), (Vec<(u64, u64, Hasher)>, u64)>;
+type CrcPieces = HashMap<(usize, usize), (Pieces, u64)>;
+
+/// CRC32 pieces of one tensor: (offset, length, state).
+type Pieces = Vec<(u64, u64, Hasher)>;
 
 /// A table of an open checkpoint, all partitions together, rows read on demand.
 pub struct StoredTable<'c> {
@@ -231,14 +234,18 @@ impl<'c> StoredTable<'c> {
         let mut at = 0;
         for (offset, len, h) in &pieces {
             if *offset != at {
-                // Some bytes were read twice: the pieces do not tile the tensor, so the check
-                // cannot be made from them. Never the case for a save, which reads each row once.
-                return Ok(());
+                // Some bytes were read twice: the pieces do not tile the tensor, so the check is
+                // made from the tensor read whole. Never the case for a save, which reads each
+                // row once.
+                combined = Hasher::new();
+                self.hash_range(t, 0..t.len, &mut combined)?;
+                at = t.len;
+                break;
             }
             combined.combine(h);
             at += len;
         }
-        if combined.finalize() != t.crc32 {
+        if at != t.len || combined.finalize() != t.crc32 {
             return Err(self.corrupt(t, "fails its CRC32 check"));
         }
         self.checked.fetch_add(1, Ordering::Relaxed);
@@ -346,6 +353,58 @@ impl<'c> StoredTable<'c> {
         self.checked.load(Ordering::Relaxed)
     }
 
+    /// Checks the CRC32 of every tensor read only in part so far (a chain reads only the rows of
+    /// a link that later links did not replace, a target shard only its buckets): reads the
+    /// bytes between the pieces read and combines them with the pieces' CRC32s, or, where
+    /// pieces overlap, reads the tensor whole. Every byte this table returned is then covered by
+    /// a checksum that was checked; call it before what was read is returned or committed.
+    pub(crate) fn finish_checks(&self) -> Result<()> {
+        let pending: Vec<((usize, usize), Pieces)> = {
+            let mut crcs = self.crcs.lock().unwrap_or_else(PoisonError::into_inner);
+            crcs.drain()
+                .map(|(key, (pieces, _))| (key, pieces))
+                .collect()
+        };
+        for ((s, k), mut pieces) in pending {
+            let t = if k == usize::MAX {
+                &self.segments[s].seg.ids
+            } else {
+                self.segments[s].slots[k]
+            };
+            pieces.sort_by_key(|p| p.0);
+            let tiles = pieces.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0);
+            let mut combined = Hasher::new();
+            let mut at = 0;
+            if tiles {
+                for (offset, len, h) in &pieces {
+                    self.hash_range(t, at..*offset, &mut combined)?;
+                    combined.combine(h);
+                    at = offset + len;
+                }
+            }
+            self.hash_range(t, at..t.len, &mut combined)?;
+            if combined.finalize() != t.crc32 {
+                return Err(self.corrupt(t, "fails its CRC32 check"));
+            }
+            self.checked.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Adds bytes `range` of `t` to `h`, read a bounded window at a time.
+    fn hash_range(&self, t: &TensorRef, range: Range<u64>, h: &mut Hasher) -> Result<()> {
+        const WINDOW: u64 = 4 << 20;
+        let mut buf = vec![0u8; WINDOW.min(range.end.saturating_sub(range.start)) as usize];
+        let mut at = range.start;
+        while at < range.end {
+            let n = WINDOW.min(range.end - at) as usize;
+            self.ckpt.read_tensor_range(t, at, &mut buf[..n])?;
+            h.update(&buf[..n]);
+            at += n as u64;
+        }
+        Ok(())
+    }
+
     /// The checkpoint the table is read from.
     pub fn checkpoint(&self) -> &'c Checkpoint {
         self.ckpt
@@ -355,6 +414,10 @@ impl<'c> StoredTable<'c> {
 impl super::BucketRows for StoredTable<'_> {
     fn row_bytes(&self) -> &[u64] {
         &self.row_bytes
+    }
+
+    fn finish_checks(&self) -> Result<()> {
+        StoredTable::finish_checks(self)
     }
 
     fn rows(&self) -> u64 {
@@ -419,6 +482,12 @@ impl SparseTable for StoredTable<'_> {
 struct Snapshot<'t, 'c>(&'t StoredTable<'c>);
 
 impl TableSnapshot for Snapshot<'_, '_> {
+    fn finish(&self) -> saver_core::Result<()> {
+        self.0
+            .finish_checks()
+            .map_err(|e| core(&self.0.table.name, e))
+    }
+
     fn scan(
         &self,
         max_rows: usize,
