@@ -1086,3 +1086,46 @@ fn a_mistyped_object_store_url_is_an_error_never_a_local_directory() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn too_many_open_files_is_an_error_never_a_corrupt_chain() {
+    let d = tempfile::tempdir().unwrap();
+    let link = |k: usize| d.path().join(format!("l{k}"));
+    ok(&[
+        "save",
+        "--synthetic",
+        "tiny",
+        "--shards",
+        "4",
+        "--out",
+        p(&link(0)),
+    ]);
+    for k in 1..6 {
+        let spec = format!("tiny,seed={k}");
+        ok(&[
+            "save",
+            "--synthetic",
+            &spec,
+            "--shards",
+            "4",
+            "--parent",
+            p(&link(k - 1)),
+            "--out",
+            p(&link(k)),
+        ]);
+    }
+    ok(&["verify", p(&link(5))]);
+    // So few descriptors that the chain's links cannot all be open at once.
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -n 16 && exec {} verify {}",
+            env!("CARGO_BIN_EXE_saver"),
+            p(&link(5))
+        ))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.to_lowercase().contains("too many open files"), "{err}");
+}

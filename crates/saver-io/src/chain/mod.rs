@@ -142,6 +142,11 @@ impl Chain {
             }
             let parent_dir = child_dir.join(&p.path);
             let parent = Checkpoint::open(&parent_dir).map_err(|e| {
+                // A resource or permission error (too many open files, EACCES) says nothing
+                // about the chain: it stays what it is, never a broken link.
+                if !e.is_about_the_checkpoint() {
+                    return e;
+                }
                 err(format!(
                     "parent {} cannot be opened: {e}",
                     parent_dir.display()

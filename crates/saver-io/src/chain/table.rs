@@ -156,12 +156,14 @@ impl<'c> ChainTable<'c> {
     /// Checks every tensor of every link read only in part so far (a link's rows that later
     /// links replaced are not read) against its CRC32: see [`StoredTable::finish_checks`]. Call
     /// before returning or committing what was read.
+    /// The bytes it reads count in [`Self::bytes_read`].
     pub fn finish_checks(&self) -> Result<()> {
         for l in &self.links {
-            l.rows.finish_checks()?;
+            let mut read = l.rows.finish_checks()?;
             if let Some(r) = &l.removed {
-                r.finish_checks()?;
+                read += r.finish_checks()?;
             }
+            self.bytes_read.fetch_add(read, Ordering::Relaxed);
         }
         Ok(())
     }

@@ -358,13 +358,15 @@ impl<'c> StoredTable<'c> {
     /// bytes between the pieces read and combines them with the pieces' CRC32s, or, where
     /// pieces overlap, reads the tensor whole. Every byte this table returned is then covered by
     /// a checksum that was checked; call it before what was read is returned or committed.
-    pub(crate) fn finish_checks(&self) -> Result<()> {
+    /// Returns the bytes it read.
+    pub(crate) fn finish_checks(&self) -> Result<u64> {
         let pending: Vec<((usize, usize), Pieces)> = {
             let mut crcs = self.crcs.lock().unwrap_or_else(PoisonError::into_inner);
             crcs.drain()
                 .map(|(key, (pieces, _))| (key, pieces))
                 .collect()
         };
+        let mut read = 0;
         for ((s, k), mut pieces) in pending {
             let t = if k == usize::MAX {
                 &self.segments[s].seg.ids
@@ -377,22 +379,22 @@ impl<'c> StoredTable<'c> {
             let mut at = 0;
             if tiles {
                 for (offset, len, h) in &pieces {
-                    self.hash_range(t, at..*offset, &mut combined)?;
+                    read += self.hash_range(t, at..*offset, &mut combined)?;
                     combined.combine(h);
                     at = offset + len;
                 }
             }
-            self.hash_range(t, at..t.len, &mut combined)?;
+            read += self.hash_range(t, at..t.len, &mut combined)?;
             if combined.finalize() != t.crc32 {
                 return Err(self.corrupt(t, "fails its CRC32 check"));
             }
             self.checked.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(())
+        Ok(read)
     }
 
-    /// Adds bytes `range` of `t` to `h`, read a bounded window at a time.
-    fn hash_range(&self, t: &TensorRef, range: Range<u64>, h: &mut Hasher) -> Result<()> {
+    /// Adds bytes `range` of `t` to `h`, read a bounded window at a time; returns their count.
+    fn hash_range(&self, t: &TensorRef, range: Range<u64>, h: &mut Hasher) -> Result<u64> {
         const WINDOW: u64 = 4 << 20;
         let mut buf = vec![0u8; WINDOW.min(range.end.saturating_sub(range.start)) as usize];
         let mut at = range.start;
@@ -402,7 +404,7 @@ impl<'c> StoredTable<'c> {
             h.update(&buf[..n]);
             at += n as u64;
         }
-        Ok(())
+        Ok(range.end.saturating_sub(range.start))
     }
 
     /// The checkpoint the table is read from.
@@ -417,7 +419,7 @@ impl super::BucketRows for StoredTable<'_> {
     }
 
     fn finish_checks(&self) -> Result<()> {
-        StoredTable::finish_checks(self)
+        StoredTable::finish_checks(self).map(|_| ())
     }
 
     fn rows(&self) -> u64 {
@@ -485,6 +487,7 @@ impl TableSnapshot for Snapshot<'_, '_> {
     fn finish(&self) -> saver_core::Result<()> {
         self.0
             .finish_checks()
+            .map(|_| ())
             .map_err(|e| core(&self.0.table.name, e))
     }
 
