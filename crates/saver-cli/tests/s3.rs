@@ -395,3 +395,102 @@ fn a_server_that_stops_mid_save_is_an_error_naming_the_store_and_a_retry_commits
     // A retry commits, whatever the earlier save left.
     a_retry_commits(&g, &url);
 }
+
+/// Readers (`load`, `verify`, `digest`) in a loop while a checkpoint on the store is overwritten
+/// again and again: each reads the old or the new checkpoint, whole, starting over on the new one
+/// when the old one's objects go; never a missing object, never "corrupt". A reader overtaken by
+/// overwrites every time it starts over says so (exit 1), and reads once they pause.
+#[test]
+fn readers_racing_overwrites_see_the_old_or_the_new_checkpoint() {
+    let Some(g) = Garage::start() else { return };
+    let url = g.url("ow/ck");
+    let seeds = 24;
+    ok(
+        &g,
+        &[
+            "save",
+            "--synthetic",
+            "tiny,seed=0",
+            "--shards",
+            "2",
+            "--out",
+            &url,
+        ],
+    );
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let failures = std::sync::Mutex::new(Vec::new());
+    let reads = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for reader in 0..3 {
+            let (g, url, done, failures, reads) = (&g, &url, &done, &failures, &reads);
+            s.spawn(move || {
+                let verbs: [&[&str]; 3] = [
+                    &["load", "--no-digest", "--shards", "3", "--shard-index", "1"],
+                    &["verify"],
+                    &["digest"],
+                ];
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let mut args = verbs[reader].to_vec();
+                    args.push(url);
+                    let out = run(g, &args);
+                    reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if !out.status.success() {
+                        failures.lock().unwrap().push(format!(
+                            "{args:?}: exit {:?}: {}",
+                            out.status.code(),
+                            String::from_utf8_lossy(&out.stderr)
+                        ));
+                    }
+                }
+            });
+        }
+        for k in 1..=seeds {
+            // Pauses of varied length: readers finish some reads between overwrites, and are
+            // overtaken in others.
+            std::thread::sleep(Duration::from_millis((k * 97 % 5) * 150));
+            let spec = format!("tiny,seed={k}");
+            ok(
+                &g,
+                &[
+                    "save",
+                    "--synthetic",
+                    &spec,
+                    "--shards",
+                    "2",
+                    "--overwrite",
+                    "--out",
+                    &url,
+                ],
+            );
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let failures = failures.into_inner().unwrap();
+    let reads = reads.into_inner();
+    assert!(reads >= 12, "{reads} reads");
+    for f in &failures {
+        assert!(
+            f.contains("exit Some(1)") && f.contains("was replaced"),
+            "{f}"
+        );
+    }
+    println!(
+        "{} of {reads} reads overtaken by overwrites",
+        failures.len()
+    );
+    // Once saves pause, every reader reads.
+    ok(
+        &g,
+        &[
+            "load",
+            "--no-digest",
+            "--shards",
+            "3",
+            "--shard-index",
+            "1",
+            &url,
+        ],
+    );
+    ok(&g, &["verify", &url]);
+    ok(&g, &["digest", &url]);
+}

@@ -107,6 +107,18 @@ pub enum Error {
     /// What the caller asked to load does not fit the checkpoint or the target.
     #[error("{0}")]
     Mismatch(String),
+    /// A reader was overtaken by overwrites: the checkpoint it was reading was replaced (and its
+    /// files removed) again and again. Not a verdict on any checkpoint: read again.
+    #[error(
+        "{location} was replaced {times} times while it was read, each time before the read \
+         ended: read it again once saves into it pause"
+    )]
+    KeptReplaced {
+        /// The checkpoint's location.
+        location: String,
+        /// How many times the reader started over.
+        times: usize,
+    },
     /// A link of a chain of delta checkpoints is missing, replaced, or does not fit its child.
     #[error("checkpoint {link}: {message}")]
     Chain {

@@ -74,7 +74,7 @@ pub(crate) fn describe_incomplete(storage: &dyn Storage) -> Result<String> {
 }
 
 /// How many times a reader starts over when the checkpoint it reads is replaced under it.
-const MAX_REOPENS: usize = 8;
+const MAX_REOPENS: usize = 32;
 
 /// Runs `read` on the committed checkpoint of `storage` and starts over, up to [`MAX_REOPENS`]
 /// times, when its outcome is `failed` and the index changed meanwhile. A save that replaces a
@@ -91,16 +91,40 @@ pub(crate) fn retry_if_replaced<T>(
     let mut out = read();
     for _ in 0..MAX_REOPENS {
         if !failed(&out) {
-            break;
+            return out;
         }
         let now = index();
         if now == before {
-            break;
+            return out;
         }
         before = now;
         out = read();
     }
+    // Still failing, on a checkpoint replaced once more meanwhile: the outcome says nothing
+    // about any checkpoint.
+    if failed(&out) && index() != before {
+        return Err(Error::KeptReplaced {
+            location: storage.location(),
+            times: MAX_REOPENS,
+        });
+    }
     out
+}
+
+/// Runs `read`, which opens the checkpoint (or chain) in `dir` and reads it, and runs it again on
+/// the new checkpoint when it failed and the index changed meanwhile: a save that replaces a
+/// checkpoint removes the old one's files after its commit, and an object store, unlike a local
+/// directory, does not keep a removed object readable for whoever opened it. So a reader racing
+/// an overwrite reports the old or the new checkpoint, never a missing object. An error on an
+/// index that did not change stands; after 32 reopens, [`Error::KeptReplaced`]. A `dir` that
+/// holds no checkpoint (a plain input) is read once.
+pub fn read_latest<T>(dir: &Path, mut read: impl FnMut() -> Result<T>) -> Result<T> {
+    match crate::storage::open_location(dir) {
+        Ok(storage) if storage.exists(INDEX_FILE).unwrap_or(false) => {
+            retry_if_replaced(&*storage, read, Result::is_err)
+        }
+        _ => read(),
+    }
 }
 
 /// Reads the index and the manifest it names, checking they agree.

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use saver_core::SparseTable;
 use saver_io::digest::{content_digest, source_digest};
 use saver_io::import::read_model;
+use saver_io::reader::read_latest;
 use saver_io::source::Source;
 
 use super::CmdResult;
@@ -26,12 +27,15 @@ pub fn run(path: &Path, parallel: usize, version: u8, out: Output) -> CmdResult 
             .collect();
         content_digest(&tables, &model.dense)
     } else {
-        let source = Source::open(path)?;
-        for w in source.warnings() {
-            eprintln!("warning: {w}");
-        }
-        let tables = source.tables(&std::env::temp_dir(), parallel)?;
-        source_digest(&tables, &source.dense()?)?
+        // Opened again if it is replaced while it is read (see `read_latest`).
+        read_latest(path, || {
+            let source = Source::open(path)?;
+            for w in source.warnings() {
+                eprintln!("warning: {w}");
+            }
+            let tables = source.tables(&std::env::temp_dir(), parallel)?;
+            source_digest(&tables, &source.dense()?)
+        })?
     };
     if out.json {
         output::json(&serde_json::json!({

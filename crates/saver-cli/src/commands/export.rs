@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use saver_core::Dtype;
 use saver_io::export::{export_chain, ExportOptions};
+use saver_io::reader::read_latest;
 use saver_io::Chain;
 
 use super::CmdResult;
@@ -22,23 +23,20 @@ pub fn run(
     overwrite: bool,
     fmt: Output,
 ) -> CmdResult {
-    let chain = Chain::open(src)?;
-    let r = export_chain(
-        &chain,
-        out,
-        &ExportOptions {
-            max_file_size,
-            tables,
-            exclude_slots,
-            dtype: dtype.map(|d| match d {
-                CastDtype::F32 => Dtype::F32,
-                CastDtype::F16 => Dtype::F16,
-                CastDtype::Bf16 => Dtype::BF16,
-            }),
-            overwrite,
-            ..ExportOptions::default()
-        },
-    )?;
+    let opts = ExportOptions {
+        max_file_size,
+        tables,
+        exclude_slots,
+        dtype: dtype.map(|d| match d {
+            CastDtype::F32 => Dtype::F32,
+            CastDtype::F16 => Dtype::F16,
+            CastDtype::Bf16 => Dtype::BF16,
+        }),
+        overwrite,
+        ..ExportOptions::default()
+    };
+    // Read again if the source is replaced meanwhile (see `read_latest`).
+    let r = read_latest(src, || export_chain(&Chain::open(src)?, out, &opts))?;
     if fmt.json {
         output::json(&r);
     } else {

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use serde::Serialize;
 
 use saver_io::digest::{columns_digest, restored_digest};
+use saver_io::reader::read_latest;
 use saver_io::{Chain, LoadOptions, LoadReport};
 
 use super::CmdResult;
@@ -35,9 +36,6 @@ pub fn run(args: LoadArgs) -> CmdResult {
         no_digest,
         out,
     } = args;
-    // A delta is read through its chain; a full checkpoint directly.
-    let chain = Chain::open(&dir)?;
-    let ck = chain.newest();
     let opts = LoadOptions {
         shard_num: shards,
         shard_index,
@@ -45,31 +43,38 @@ pub fn run(args: LoadArgs) -> CmdResult {
         huge_pages,
         ..LoadOptions::default()
     };
-    let (load, dense, digest) = match into {
-        LoadTarget::Tables => {
-            let r = if chain.is_delta() {
-                chain.restore(&opts)?
-            } else {
-                ck.restore(&opts)?
-            };
-            let digest = (!no_digest).then(|| restored_digest(&r)).transpose()?;
-            (r.report, r.dense.len(), digest)
-        }
-        LoadTarget::Arrays => {
-            let c = if chain.is_delta() {
-                chain.load_columns(&opts)?
-            } else {
-                ck.load_columns(&opts)?
-            };
-            let digest = (!no_digest).then(|| columns_digest(&c)).transpose()?;
-            (c.report, c.dense.len(), digest)
-        }
-    };
+    // Opened again if it is replaced while it is read (see `read_latest`).
+    let (tables, load, dense, digest) = read_latest(&dir, || {
+        // A delta is read through its chain; a full checkpoint directly.
+        let chain = Chain::open(&dir)?;
+        let ck = chain.newest();
+        let tables = chain.table_manifests().count();
+        Ok(match into {
+            LoadTarget::Tables => {
+                let r = if chain.is_delta() {
+                    chain.restore(&opts)?
+                } else {
+                    ck.restore(&opts)?
+                };
+                let digest = (!no_digest).then(|| restored_digest(&r)).transpose()?;
+                (tables, r.report, r.dense.len(), digest)
+            }
+            LoadTarget::Arrays => {
+                let c = if chain.is_delta() {
+                    chain.load_columns(&opts)?
+                } else {
+                    ck.load_columns(&opts)?
+                };
+                let digest = (!no_digest).then(|| columns_digest(&c)).transpose()?;
+                (tables, c.report, c.dense.len(), digest)
+            }
+        })
+    })?;
     let report = Report {
         dir: dir.display().to_string(),
         shards,
         shard_index,
-        tables: chain.table_manifests().count(),
+        tables,
         dense,
         load: &load,
         digest,

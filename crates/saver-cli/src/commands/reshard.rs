@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
+use saver_io::reader::read_latest;
 use saver_io::reshard::reshard_chain;
 use saver_io::{Chain, SaveOptions};
 
@@ -20,17 +21,21 @@ pub fn run(
     durable: bool,
     fmt: Output,
 ) -> CmdResult {
-    let chain = Chain::open(src)?;
+    // Read again if the source is replaced meanwhile (see `read_latest`).
+    let (chain, shards, r) = read_latest(src, || {
+        let chain = Chain::open(src)?;
+        let shards = shards.unwrap_or(chain.newest().manifest().shard_num);
+        let mut opts = SaveOptions {
+            durable,
+            overwrite,
+            ..SaveOptions::default()
+        };
+        opts.plan.shard_num = shards;
+        opts.plan.parallel = parallel;
+        let r = reshard_chain(&chain, out, &opts)?;
+        Ok((chain, shards, r))
+    })?;
     let from_shards = chain.newest().manifest().shard_num;
-    let shards = shards.unwrap_or(from_shards);
-    let mut opts = SaveOptions {
-        durable,
-        overwrite,
-        ..SaveOptions::default()
-    };
-    opts.plan.shard_num = shards;
-    opts.plan.parallel = parallel;
-    let r = reshard_chain(&chain, out, &opts)?;
     if fmt.json {
         output::json(&r);
     } else {
