@@ -144,7 +144,7 @@ impl Chain {
             let parent = Checkpoint::open(&parent_dir).map_err(|e| {
                 // A resource or permission error (too many open files, EACCES) says nothing
                 // about the chain: it stays what it is, never a broken link.
-                if !e.is_about_the_checkpoint() {
+                if matches!(e, Error::Io { .. }) && !e.is_about_the_checkpoint() {
                     return e;
                 }
                 err(format!(
