@@ -184,3 +184,63 @@ fn an_input_cut_short_fails_the_save_instead_of_hanging() {
         "the error names the table or its tensor: {err}"
     );
 }
+
+/// Swaps the first two ids of `t0` in place in the input file: the file's size stays, its content
+/// and change times do not.
+fn swap_two_ids(input: &Path) {
+    use std::os::unix::fs::FileExt;
+    let bytes = std::fs::read(input).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let at = 8 + n + header["t0/ids"]["data_offsets"][0].as_u64().unwrap() as usize;
+    let mut two = bytes[at..at + 16].to_vec();
+    two.rotate_left(8);
+    let f = std::fs::OpenOptions::new().write(true).open(input).unwrap();
+    f.write_all_at(&two, at as u64).unwrap();
+}
+
+/// The input rewritten in place (two ids swapped) after it was opened, before the save or while
+/// it writes, distributed in 1, 2, 4 and 16 rounds: the save fails naming the table and the file,
+/// and leaves no checkpoint; so does a digest of it.
+#[test]
+fn an_input_rewritten_in_place_fails_the_save_naming_the_table() {
+    for rounds in [1usize, 2, 4, 16] {
+        for during in [false, true] {
+            let err = within_a_minute(move || {
+                let d = tempfile::tempdir().unwrap();
+                let (input, scratch, plain, dense) = open_plain(d.path(), 3);
+                let tables = SourceTables::Plain(
+                    plain
+                        .tables_in_rounds(&scratch, 2, 4096, Some(rounds))
+                        .unwrap(),
+                );
+                let mut o = opts(2, 2);
+                if during {
+                    let once = std::sync::Arc::new(std::sync::Once::new());
+                    let input = input.clone();
+                    o.progress = Some(std::sync::Arc::new(move |_| {
+                        once.call_once(|| swap_two_ids(&input))
+                    }));
+                } else {
+                    swap_two_ids(&input);
+                }
+                let saved = save(
+                    d.path().join("ck"),
+                    save_input(&tables, &dense).unwrap(),
+                    &o,
+                );
+                let err = saved.expect_err("the input changed").to_string();
+                assert!(Checkpoint::open(d.path().join("ck")).is_err());
+                if !during {
+                    let digest = source_digest(&tables, &dense).expect_err("changed");
+                    assert!(digest.to_string().contains("changed"), "{digest}");
+                }
+                err
+            });
+            assert!(
+                err.contains("t0") && err.contains("model.safetensors") && err.contains("changed"),
+                "{rounds} rounds, during: {during}: {err}"
+            );
+        }
+    }
+}

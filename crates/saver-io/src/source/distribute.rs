@@ -14,7 +14,7 @@ use std::sync::Arc;
 use saver_core::PartitionRule;
 
 use crate::error::{Error, Result};
-use crate::storage::{allocate, ReadHandle};
+use crate::storage::{allocate, FileVersion, ReadHandle};
 
 /// Most bytes of row buffers one distributing thread holds (spread over the groups).
 const DISTRIBUTE_BUFFER_BYTES: usize = 64 << 20;
@@ -34,6 +34,9 @@ pub(super) type Runs = Vec<Vec<(usize, u64, u64)>>;
 #[derive(Clone)]
 pub(super) struct InputColumn {
     pub handle: Arc<dyn ReadHandle>,
+    /// The file it is in, and the file's version when the input was opened.
+    pub file: String,
+    pub opened: Option<FileVersion>,
     /// The tensor's name, for errors.
     pub name: String,
     /// Absolute offset of the tensor's first byte in its file.
@@ -55,6 +58,26 @@ impl InputColumn {
         }
         self.handle.read_at(self.offset + offset, buf)
     }
+
+    /// An error if the tensor's file changed since the input was opened: rows read before and
+    /// after the change would be saved together.
+    pub fn check_unchanged(&self) -> Result<()> {
+        let Some(opened) = self.opened else {
+            return Ok(());
+        };
+        match self.handle.version()? {
+            Some(now) if now == opened => Ok(()),
+            now => Err(Error::Mismatch(format!(
+                "tensor {:?}: input file {} changed while it was read (opened with {} bytes, \
+                 now {}): rows read before and after the change would be saved together; save \
+                 from a copy that nothing writes to",
+                self.name,
+                self.file,
+                opened.len,
+                now.map_or("unknown".to_string(), |n| n.len.to_string()) + " bytes, changed"
+            ))),
+        }
+    }
 }
 
 /// A plain table's columns in the input, owned.
@@ -68,6 +91,15 @@ pub(super) struct TableInput {
 }
 
 impl TableInput {
+    /// An error naming table `table` if any of its files changed since the input was opened
+    /// ([`InputColumn::check_unchanged`]).
+    pub fn check_unchanged(&self, table: &str) -> Result<()> {
+        std::iter::once(&self.ids)
+            .chain(&self.slots)
+            .try_for_each(InputColumn::check_unchanged)
+            .map_err(|e| Error::Mismatch(format!("table {table:?}: {e}")))
+    }
+
     /// Reads rows `rows` of the input: ids, and every slot's rows unless `slots` is `None`.
     pub fn read(
         &self,

@@ -28,7 +28,7 @@ use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
 use crate::header::{read_header, HeaderEntry};
 use crate::restore::LoadedDense;
-use crate::storage::{check_file_name, LocalFs, ReadHandle, Storage};
+use crate::storage::{check_file_name, FileVersion, LocalFs, ReadHandle, Storage};
 
 use super::distribute::{Content, InputColumn, Output, Pass, Runs, TableInput, TemporaryFiles};
 use super::rounds::Rounds;
@@ -75,7 +75,9 @@ pub struct PlainTableSpec {
 /// data read.
 pub struct PlainInput {
     location: PathBuf,
-    handles: HashMap<String, Arc<dyn ReadHandle>>,
+    /// Each file's handle, and its version when it was opened: an import reads a file more
+    /// than once, and a file written to meanwhile fails the save instead of mixing two contents.
+    files: HashMap<String, (Arc<dyn ReadHandle>, Option<FileVersion>)>,
     /// Whether the input is on the local filesystem (read more than once only then).
     local: bool,
     /// Tables, in input order.
@@ -174,7 +176,8 @@ impl PlainInput {
         let (storage, files) = plain_files(path)?;
         let mut tensors: BTreeMap<String, PlainTensor> = BTreeMap::new();
         let mut order: Vec<String> = Vec::new();
-        let mut handles: HashMap<String, Arc<dyn ReadHandle>> = HashMap::new();
+        let mut opened: HashMap<String, (Arc<dyn ReadHandle>, Option<FileVersion>)> =
+            HashMap::new();
         let mut user_metadata = BTreeMap::new();
         for f in &files {
             let h = storage.open(f)?;
@@ -198,7 +201,8 @@ impl PlainInput {
                     },
                 );
             }
-            handles.insert(f.clone(), Arc::from(h));
+            let version = h.version()?;
+            opened.insert(f.clone(), (Arc::from(h), version));
         }
         let table_names: Vec<String> = order
             .iter()
@@ -263,7 +267,7 @@ impl PlainInput {
             .collect();
         Ok(Self {
             location: path.to_path_buf(),
-            handles,
+            files: opened,
             local: crate::storage::location_url(path).is_none(),
             tables,
             dense,
@@ -285,7 +289,9 @@ impl PlainInput {
     /// Tensor `t` as a column a distribution reads, owning its file's handle.
     fn column(&self, t: &PlainTensor) -> InputColumn {
         InputColumn {
-            handle: Arc::clone(&self.handles[&t.file]),
+            handle: Arc::clone(&self.files[&t.file].0),
+            file: t.file.clone(),
+            opened: self.files[&t.file].1,
             name: t.entry.name.clone(),
             offset: t.entry.offset,
             len: t.entry.len,
@@ -857,6 +863,10 @@ impl<'p> PlainTable<'p> {
 }
 
 impl super::BucketRows for PlainTable<'_> {
+    fn finish_checks(&self) -> Result<()> {
+        self.columns.check_unchanged(&self.spec.name)
+    }
+
     fn row_bytes(&self) -> &[u64] {
         &self.row_bytes_u64
     }
@@ -894,6 +904,13 @@ impl SparseTable for PlainTable<'_> {
 struct PlainSnapshot<'t, 'p>(&'t PlainTable<'p>);
 
 impl TableSnapshot for PlainSnapshot<'_, '_> {
+    fn finish(&self) -> saver_core::Result<()> {
+        self.0
+            .columns
+            .check_unchanged(&self.0.spec.name)
+            .map_err(|e| core(&self.0.spec.name, e))
+    }
+
     fn scan(
         &self,
         max_rows: usize,

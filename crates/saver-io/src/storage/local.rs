@@ -184,6 +184,20 @@ impl ReadHandle for LocalRead {
         self.len
     }
 
+    fn version(&self) -> Result<Option<super::FileVersion>> {
+        use std::os::unix::fs::MetadataExt;
+        let m = self
+            .file
+            .metadata()
+            .map_err(crate::error::io_err("stat", &self.path))?;
+        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
+        Ok(Some(super::FileVersion {
+            len: m.len(),
+            modified_ns: ns(m.mtime(), m.mtime_nsec()),
+            changed_ns: ns(m.ctime(), m.ctime_nsec()),
+        }))
+    }
+
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.file.read_exact_at(buf, offset).map_err(|e| {
             if e.kind() == ErrorKind::UnexpectedEof {

@@ -236,6 +236,24 @@ pub trait ReadHandle: Send + Sync {
     fn is_remote(&self) -> bool {
         false
     }
+    /// What tells the file's content now from its content when it was opened: for a local file,
+    /// its size and its modification and status-change times (a write changes them). `None`
+    /// where the store cannot tell. What reads a file more than once (an import in rounds)
+    /// compares it before it commits.
+    fn version(&self) -> Result<Option<FileVersion>> {
+        Ok(None)
+    }
+}
+
+/// A file's size and change times, as [`ReadHandle::version`] gives them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileVersion {
+    /// Length in bytes.
+    pub len: u64,
+    /// Last modification, in nanoseconds since the epoch.
+    pub modified_ns: i128,
+    /// Last status change (set by the kernel on every write), in nanoseconds since the epoch.
+    pub changed_ns: i128,
 }
 
 /// Held while a process commits into a storage; dropping it releases the lock.
