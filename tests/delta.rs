@@ -981,3 +981,25 @@ fn a_corrupt_byte_in_any_link_is_refused_by_every_read_and_never_laundered() {
         }
     }
 }
+
+/// The parent overwritten by another save while a delta of it is being written: the delta fails
+/// naming the parent, and leaves no checkpoint (before, it committed and could not be read).
+#[test]
+fn a_delta_whose_parent_is_replaced_while_it_is_saved_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, _, state) = base_and_delta(tmp.path());
+    let mut o = options(2, None, Some(&base));
+    let once = std::sync::Arc::new(std::sync::Once::new());
+    let (parent, other) = (base.clone(), state.clone());
+    o.progress = Some(std::sync::Arc::new(move |_| {
+        once.call_once(|| {
+            let mut o = options(2, None, None);
+            o.overwrite = true;
+            save_state(&parent, &other, b"other", &o).unwrap();
+        })
+    }));
+    let out = tmp.path().join("late");
+    let err = save_state(&out, &state, b"w2", &o).unwrap_err().to_string();
+    assert!(err.contains("replaced") && err.contains("base"), "{err}");
+    assert!(!out.join("model.safetensors.index.json").exists());
+}

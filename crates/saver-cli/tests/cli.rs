@@ -910,6 +910,30 @@ fn n_cli_processes_save_one_delta_with_another_shard_count() {
         "--shards",
         "2",
     ]);
+    // The parent reached by two paths (a bind mount, which resolving links does not see
+    // through): one checkpoint, whichever path a process was given.
+    std::fs::create_dir(path("base-link")).unwrap();
+    let bound = Command::new("mount")
+        .args(["--bind", p(&path("base")), p(&path("base-link"))])
+        .status()
+        .is_ok_and(|s| s.success());
+    /// Unmounts even when an assertion fails.
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = bound.then(|| Unmount(path("base-link")));
+    if !bound {
+        assert!(
+            std::env::var_os("SAVER_REQUIRE_ROOT").is_none(),
+            "mount --bind failed, and SAVER_REQUIRE_ROOT is set"
+        );
+        eprintln!("the bind-mounted parent path is skipped: mount --bind needs root");
+        std::fs::remove_dir(path("base-link")).unwrap();
+        std::os::unix::fs::symlink(path("base"), path("base-link")).unwrap();
+    }
     // Rounds with varied start order and timing: every one commits exactly once, equal to m1.
     for round in 0..4 {
         let out = path(&format!("delta{round}"));
@@ -929,7 +953,7 @@ fn n_cli_processes_save_one_delta_with_another_shard_count() {
                         "--from",
                         p(&path("m1.safetensors")),
                         "--parent",
-                        p(&path("base")),
+                        p(&path(if i % 2 == 1 { "base-link" } else { "base" })),
                         "--shards",
                         &shards.to_string(),
                         "--shard-index",

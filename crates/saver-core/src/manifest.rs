@@ -429,11 +429,18 @@ fn check_same_save(first: &ShardManifest, s: &ShardManifest) -> Result<()> {
             s.step, first.step
         )));
     }
-    if s.parent != first.parent {
+    // One parent checkpoint, whatever path each process reached it by (a link, a mount).
+    let parent = |m: &ShardManifest| {
+        m.parent
+            .as_ref()
+            .map(|p| (p.save_id.clone(), p.manifest_crc32))
+    };
+    if parent(s) != parent(first) {
+        let show = |p: Option<&ParentRef>| p.map_or("none".to_string(), ToString::to_string);
         return Err(differ(format!(
-            "parent {:?} against {:?}",
-            s.parent.as_ref().map(|p| &p.save_id),
-            first.parent.as_ref().map(|p| &p.save_id)
+            "parent {} against {}",
+            show(s.parent.as_ref()),
+            show(first.parent.as_ref())
         )));
     }
     if s.dense_in_parent != first.dense_in_parent {

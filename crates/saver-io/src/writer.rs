@@ -335,6 +335,31 @@ pub(crate) struct DeltaOf<'t> {
     /// The tables whose changes the delta holds, with the token of the snapshot it read: told
     /// when the delta is durable and when it commits, like the tables of a full save.
     pub tracking: Vec<(&'t dyn ChangeTracking, u64)>,
+    /// Where the parent is: checked again before the delta commits.
+    pub parent_dir: PathBuf,
+}
+
+impl DeltaOf<'_> {
+    /// An error if the parent was replaced since the delta was found against it: the delta would
+    /// name a checkpoint that is gone, and no chain through it could be read.
+    fn check_parent(&self) -> Result<()> {
+        let now = committed(&*crate::storage::open_location(&self.parent_dir)?)?;
+        let same = now.as_ref().is_some_and(|c| {
+            c.save_id == self.parent.save_id && c.manifest_crc32 == self.parent.manifest_crc32
+        });
+        if same {
+            return Ok(());
+        }
+        Err(Error::Chain {
+            link: self.parent_dir.display().to_string(),
+            message: format!(
+                "the parent {} was replaced{} while a delta of it was saved; save the delta again \
+                 against what the directory holds now",
+                self.parent.save_id,
+                now.map_or(String::new(), |c| format!(" by save {c}"))
+            ),
+        })
+    }
 }
 
 /// [`save_to`] of a model ready to be written: a full checkpoint, or a delta's changed rows and
@@ -512,8 +537,12 @@ fn write_and_commit(
         opts.durable,
         opts.progress.as_deref(),
     )?;
-    // Before any shard manifest: a source whose bytes fail their checksums is never committed.
+    // Before any shard manifest: a source whose bytes fail their checksums is never committed,
+    // nor a delta whose parent is gone.
     plan.finish_reads()?;
+    if let Some(d) = &shared.delta {
+        d.check_parent()?;
+    }
     for (pos, shard_crcs) in written.crcs.iter().enumerate() {
         let mut m = plan.shard_manifest(
             pos,

@@ -370,6 +370,7 @@ impl Delta {
             dense_in_parent,
             methods: found.methods,
             tracking: found.tokens,
+            parent_dir: self.chain.dirs()[0].clone(),
         };
         save_prepared(storage, input, &opts, Some(delta))
     }
