@@ -18,7 +18,7 @@ use saver_core::plan::TableRef;
 use saver_core::plan::{plan_with_spill, tables_past_budget, ChunkBuffer, Loc};
 use saver_core::table::TableSemantics;
 use saver_core::ChangeTracking;
-use saver_core::{DenseTensor, PlanOptions, SaveInput, SavePlan};
+use saver_core::{PlanOptions, SaveInput, SavePlan};
 
 use crate::commit::{
     check_not_rejected, claim_shard, committed, files_left_alone, remove_own, try_commit,
@@ -312,14 +312,12 @@ pub(crate) fn save_on_this_thread(
                 .into(),
         });
     }
-    let mut joined = SaveInput::new();
-    joined.tables = input
+    // The workers' tables in place of their shards' tables.
+    let mut joined = input.view();
+    joined.shard_tables.clear();
+    joined
         .tables
-        .iter()
-        .map(|t| TableRef::Borrowed(&**t))
-        .chain(workers.iter().map(|w| TableRef::Borrowed(w)))
-        .collect();
-    joined.dense = input.dense.iter().map(DenseTensor::view).collect();
+        .extend(workers.iter().map(|w| TableRef::Borrowed(w)));
     if opts.parent.is_some() {
         return crate::delta::save_delta_of_input(storage, joined, opts);
     }

@@ -228,28 +228,8 @@ impl<'c> StoredTable<'c> {
             }
             crcs.remove(&(s, k)).expect("just used").0
         };
-        let mut pieces = whole;
-        pieces.sort_by_key(|p| p.0);
-        let mut combined = Hasher::new();
-        let mut at = 0;
-        for (offset, len, h) in &pieces {
-            if *offset != at {
-                // Some bytes were read twice: the pieces do not tile the tensor, so the check is
-                // made from the tensor read whole. Never the case for a save, which reads each
-                // row once.
-                combined = Hasher::new();
-                self.hash_range(t, 0..t.len, &mut combined)?;
-                at = t.len;
-                break;
-            }
-            combined.combine(h);
-            at += len;
-        }
-        if at != t.len || combined.finalize() != t.crc32 {
-            return Err(self.corrupt(t, "fails its CRC32 check"));
-        }
-        self.checked.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        // Pieces that tile the tensor leave no bytes to read.
+        self.check_pieces(t, whole).map(|_| ())
     }
 
     /// Finds the row of `id`: its segment and row number there.
@@ -367,29 +347,37 @@ impl<'c> StoredTable<'c> {
                 .collect()
         };
         let mut read = 0;
-        for ((s, k), mut pieces) in pending {
+        for ((s, k), pieces) in pending {
             let t = if k == usize::MAX {
                 &self.segments[s].seg.ids
             } else {
                 self.segments[s].slots[k]
             };
-            pieces.sort_by_key(|p| p.0);
-            let tiles = pieces.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0);
-            let mut combined = Hasher::new();
-            let mut at = 0;
-            if tiles {
-                for (offset, len, h) in &pieces {
-                    read += self.hash_range(t, at..*offset, &mut combined)?;
-                    combined.combine(h);
-                    at = offset + len;
-                }
-            }
-            read += self.hash_range(t, at..t.len, &mut combined)?;
-            if combined.finalize() != t.crc32 {
-                return Err(self.corrupt(t, "fails its CRC32 check"));
-            }
-            self.checked.fetch_add(1, Ordering::Relaxed);
+            read += self.check_pieces(t, pieces)?;
         }
+        Ok(read)
+    }
+
+    /// Compares `t`'s CRC32 with the manifest's, from the CRC32s of the `pieces` read of it and
+    /// the bytes between them, read now; where pieces overlap (some bytes were read twice), from
+    /// the tensor read whole. Returns the bytes it read.
+    fn check_pieces(&self, t: &TensorRef, mut pieces: Pieces) -> Result<u64> {
+        pieces.sort_by_key(|p| p.0);
+        let tiles = pieces.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0);
+        let mut combined = Hasher::new();
+        let (mut at, mut read) = (0, 0);
+        if tiles {
+            for (offset, len, h) in &pieces {
+                read += self.hash_range(t, at..*offset, &mut combined)?;
+                combined.combine(h);
+                at = offset + len;
+            }
+        }
+        read += self.hash_range(t, at..t.len, &mut combined)?;
+        if combined.finalize() != t.crc32 {
+            return Err(self.corrupt(t, "fails its CRC32 check"));
+        }
+        self.checked.fetch_add(1, Ordering::Relaxed);
         Ok(read)
     }
 
