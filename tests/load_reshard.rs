@@ -458,6 +458,68 @@ fn partial_reads_check_ids_structurally() {
     );
 }
 
+/// A byte flipped in a slot tensor of a segment that a resharding load reads only in part (the
+/// segment straddles the edge of the target's buckets): every target that reads any row of that
+/// segment refuses it, into tables and into arrays, whichever side of the edge the byte lies on.
+/// Before, the target that read the flipped row returned it.
+#[test]
+fn a_flipped_byte_in_a_segment_read_in_part_is_refused_by_every_target_reading_it() {
+    let dir = tempfile::tempdir().unwrap();
+    saved_model(dir.path(), 1);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let segs = ck.manifest().table("user").unwrap().partitions[0]
+        .segments
+        .clone();
+    drop(ck);
+    let mut tried = 0;
+    for m in [3u32, 4, 5] {
+        let edges: Vec<u32> = (1..m)
+            .map(|j| PartitionRule::bucket_range(j, m).start)
+            .collect();
+        let Some(seg) = segs
+            .iter()
+            .find(|s| edges.iter().any(|&e| s.buckets[0] < e && e < s.buckets[1]))
+        else {
+            continue;
+        };
+        for at in [1, 2, 3, 5, 6] {
+            let copy = tempfile::tempdir().unwrap();
+            for f in std::fs::read_dir(dir.path()).unwrap() {
+                let f = f.unwrap().path();
+                std::fs::copy(&f, copy.path().join(f.file_name().unwrap())).unwrap();
+            }
+            let t = &seg.slots[0];
+            flip(&copy.path().join(&t.file), t.offset + t.len * at / 7);
+            let ck = Checkpoint::open(copy.path()).unwrap();
+            for j in 0..m {
+                let target = PartitionRule::bucket_range(j, m);
+                let reads = seg.buckets[0] < target.end && target.start < seg.buckets[1];
+                let opts = LoadOptions {
+                    shard_num: m,
+                    shard_index: Some(j),
+                    ..LoadOptions::default()
+                };
+                let loads = [
+                    ("tables", ck.restore(&opts).err()),
+                    ("arrays", ck.load_columns(&opts).err()),
+                ];
+                for (what, err) in loads {
+                    match err {
+                        Some(e) if reads => {
+                            assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+                            assert!(e.to_string().contains(&t.name), "{e}");
+                        }
+                        Some(e) => panic!("target {j} of {m} does not read {}: {e}", t.name),
+                        None => assert!(!reads, "{what}, target {j} of {m}, flip at {at}/7"),
+                    }
+                }
+            }
+            tried += 1;
+        }
+    }
+    assert!(tried > 0, "no segment straddles a target edge");
+}
+
 /// Rows of a columnar table as id -> slot rows.
 fn rows_of_columns(t: &saver::io::columns::TableColumns) -> BTreeMap<u64, Vec<Vec<u8>>> {
     let sizes: Vec<usize> = t

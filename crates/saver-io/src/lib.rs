@@ -36,6 +36,7 @@ pub mod import;
 pub mod index;
 mod memory;
 mod owner;
+mod pieces;
 pub mod reader;
 pub mod reshard;
 pub mod restore;

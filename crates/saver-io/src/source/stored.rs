@@ -11,14 +11,13 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use crc32fast::Hasher;
-
 use saver_core::manifest::{SegmentManifest, TableManifest, TensorRef};
 use saver_core::table::{RowChunk, TableSnapshot};
 use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
 use super::core_error as core;
 use crate::error::{Error, Result};
+use crate::pieces::{self, Piece};
 use crate::reader::Checkpoint;
 
 /// Bits of a row handle that hold the row's number within its segment; the segment is above.
@@ -35,8 +34,8 @@ struct Segment<'c> {
 /// With the bytes they cover in all.
 type CrcPieces = HashMap<(usize, usize), (Pieces, u64)>;
 
-/// CRC32 pieces of one tensor: (offset, length, state).
-type Pieces = Vec<(u64, u64, Hasher)>;
+/// CRC32 pieces of one tensor.
+type Pieces = Vec<Piece>;
 
 /// A table of an open checkpoint, all partitions together, rows read on demand.
 pub struct StoredTable<'c> {
@@ -216,12 +215,11 @@ impl<'c> StoredTable<'c> {
         buf: &mut [u8],
     ) -> Result<()> {
         self.ckpt.read_tensor_range(t, offset, buf)?;
-        let mut h = Hasher::new();
-        h.update(buf);
+        let piece = Piece::of(offset, buf);
         let whole = {
             let mut crcs = self.crcs.lock().unwrap_or_else(PoisonError::into_inner);
             let (pieces, covered) = crcs.entry((s, k)).or_default();
-            pieces.push((offset, buf.len() as u64, h));
+            pieces.push(piece);
             *covered += buf.len() as u64;
             if *covered < t.len {
                 return Ok(());
@@ -359,40 +357,14 @@ impl<'c> StoredTable<'c> {
     }
 
     /// Compares `t`'s CRC32 with the manifest's, from the CRC32s of the `pieces` read of it and
-    /// the bytes between them, read now; where pieces overlap (some bytes were read twice), from
-    /// the tensor read whole. Returns the bytes it read.
-    fn check_pieces(&self, t: &TensorRef, mut pieces: Pieces) -> Result<u64> {
-        pieces.sort_by_key(|p| p.0);
-        let tiles = pieces.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0);
-        let mut combined = Hasher::new();
-        let (mut at, mut read) = (0, 0);
-        if tiles {
-            for (offset, len, h) in &pieces {
-                read += self.hash_range(t, at..*offset, &mut combined)?;
-                combined.combine(h);
-                at = offset + len;
-            }
-        }
-        read += self.hash_range(t, at..t.len, &mut combined)?;
-        if combined.finalize() != t.crc32 {
+    /// the bytes they leave out, read now. Returns the bytes it read.
+    fn check_pieces(&self, t: &TensorRef, pieces: Pieces) -> Result<u64> {
+        let (crc, read) = pieces::crc_of(self.ckpt, t, pieces)?;
+        if crc != t.crc32 {
             return Err(self.corrupt(t, "fails its CRC32 check"));
         }
         self.checked.fetch_add(1, Ordering::Relaxed);
         Ok(read)
-    }
-
-    /// Adds bytes `range` of `t` to `h`, read a bounded window at a time; returns their count.
-    fn hash_range(&self, t: &TensorRef, range: Range<u64>, h: &mut Hasher) -> Result<u64> {
-        const WINDOW: u64 = 4 << 20;
-        let mut buf = vec![0u8; WINDOW.min(range.end.saturating_sub(range.start)) as usize];
-        let mut at = range.start;
-        while at < range.end {
-            let n = WINDOW.min(range.end - at) as usize;
-            self.ckpt.read_tensor_range(t, at, &mut buf[..n])?;
-            h.update(&buf[..n]);
-            at += n as u64;
-        }
-        Ok(range.end.saturating_sub(range.start))
     }
 
     /// The checkpoint the table is read from.
