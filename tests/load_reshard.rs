@@ -458,19 +458,35 @@ fn partial_reads_check_ids_structurally() {
     );
 }
 
+/// The rows a load returned, per table, as id -> row bytes of every slot.
+fn loaded_rows(r: &saver::Restored) -> BTreeMap<(String, u64), Vec<Vec<u8>>> {
+    let mut out = BTreeMap::new();
+    for shard in &r.shards {
+        for t in &shard.tables {
+            for (id, row) in rows_of(t) {
+                out.insert((t.name().to_string(), id), row);
+            }
+        }
+    }
+    out
+}
+
 /// A byte flipped in a slot tensor of a segment that a resharding load reads only in part (the
-/// segment straddles the edge of the target's buckets): every target that reads any row of that
-/// segment refuses it, into tables and into arrays, whichever side of the edge the byte lies on.
-/// Before, the target that read the flipped row returned it.
+/// segment straddles the edge of the target's buckets), on either side of the edge: the target
+/// that reads the flipped row refuses it, into tables and into arrays, naming the tensor; a
+/// target that reads other rows of the tensor either refuses it too or returns exactly the rows
+/// of the intact checkpoint. Before, the target that read the flipped row returned it.
 #[test]
-fn a_flipped_byte_in_a_segment_read_in_part_is_refused_by_every_target_reading_it() {
+fn a_flipped_byte_in_a_segment_read_in_part_is_never_returned() {
     let dir = tempfile::tempdir().unwrap();
-    saved_model(dir.path(), 1);
+    let m = Model::new(60_000);
+    let mut o = save_opts(1);
+    o.plan.max_block_bytes = 4 << 20;
+    save(dir.path(), m.input(), &o).unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
     let segs = ck.manifest().table("user").unwrap().partitions[0]
         .segments
         .clone();
-    drop(ck);
     let mut tried = 0;
     for m in [3u32, 4, 5] {
         let edges: Vec<u32> = (1..m)
@@ -482,36 +498,52 @@ fn a_flipped_byte_in_a_segment_read_in_part_is_refused_by_every_target_reading_i
         else {
             continue;
         };
+        let t = &seg.slots[0];
+        assert!(t.blocks.is_some(), "{} is not longer than a block", t.name);
+        let target_opts = |j| LoadOptions {
+            shard_num: m,
+            shard_index: Some(j),
+            ..LoadOptions::default()
+        };
+        let intact: Vec<_> = (0..m)
+            .map(|j| loaded_rows(&ck.restore(&target_opts(j)).unwrap()))
+            .collect();
         for at in [1, 2, 3, 5, 6] {
             let copy = tempfile::tempdir().unwrap();
             for f in std::fs::read_dir(dir.path()).unwrap() {
                 let f = f.unwrap().path();
                 std::fs::copy(&f, copy.path().join(f.file_name().unwrap())).unwrap();
             }
-            let t = &seg.slots[0];
-            flip(&copy.path().join(&t.file), t.offset + t.len * at / 7);
-            let ck = Checkpoint::open(copy.path()).unwrap();
+            let byte = t.len * at / 7;
+            flip(&copy.path().join(&t.file), t.offset + byte);
+            // The target holding the flipped row: its id's bucket.
+            let row = byte / (t.len / seg.rows);
+            let ids = std::fs::read(dir.path().join(&seg.ids.file)).unwrap();
+            let at_id = (seg.ids.offset + row * 8) as usize;
+            let id = u64::from_le_bytes(ids[at_id..at_id + 8].try_into().unwrap());
+            let holder = (0..m)
+                .find(|&j| {
+                    PartitionRule::bucket_range(j, m).contains(&PartitionRule::bucket_of(id))
+                })
+                .unwrap();
+            let flipped = Checkpoint::open(copy.path()).unwrap();
             for j in 0..m {
-                let target = PartitionRule::bucket_range(j, m);
-                let reads = seg.buckets[0] < target.end && target.start < seg.buckets[1];
-                let opts = LoadOptions {
-                    shard_num: m,
-                    shard_index: Some(j),
-                    ..LoadOptions::default()
-                };
-                let loads = [
-                    ("tables", ck.restore(&opts).err()),
-                    ("arrays", ck.load_columns(&opts).err()),
-                ];
-                for (what, err) in loads {
+                let tables = flipped.restore(&target_opts(j));
+                let arrays = flipped.load_columns(&target_opts(j));
+                for (what, err) in [
+                    ("tables", tables.as_ref().err()),
+                    ("arrays", arrays.as_ref().err()),
+                ] {
                     match err {
-                        Some(e) if reads => {
+                        Some(e) => {
                             assert!(matches!(e, Error::Corrupt { .. }), "{e}");
                             assert!(e.to_string().contains(&t.name), "{e}");
                         }
-                        Some(e) => panic!("target {j} of {m} does not read {}: {e}", t.name),
-                        None => assert!(!reads, "{what}, target {j} of {m}, flip at {at}/7"),
+                        None => assert_ne!(j, holder, "{what}, target {j} of {m}, flip at {at}/7"),
                     }
+                }
+                if let Ok(r) = &tables {
+                    assert_eq!(loaded_rows(r), intact[j as usize], "target {j} of {m}");
                 }
             }
             tried += 1;
@@ -520,6 +552,40 @@ fn a_flipped_byte_in_a_segment_read_in_part_is_refused_by_every_target_reading_i
     assert!(tried > 0, "no segment straddles a target edge");
 }
 
+/// Every tensor longer than one checksummed block carries the CRC32 of each block, and they match
+/// its bytes (`verify`, which checks them too, says Ok).
+#[test]
+fn block_checksums_match_the_bytes_of_every_long_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Model::new(60_000);
+    let mut o = save_opts(2);
+    o.plan.max_block_bytes = 4 << 20;
+    save(dir.path(), m.input(), &o).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let mut with_blocks = 0;
+    for t in ck.manifest().tensor_refs() {
+        let bytes = std::fs::read(dir.path().join(&t.file)).unwrap();
+        let data = &bytes[t.offset as usize..(t.offset + t.len) as usize];
+        match &t.blocks {
+            None => assert!(
+                t.len <= saver::core::plan::MIN_CRC_BLOCK_BYTES,
+                "{}",
+                t.name
+            ),
+            Some(b) => {
+                with_blocks += 1;
+                let want: Vec<u32> = data.chunks(b.bytes as usize).map(crc32fast::hash).collect();
+                assert_eq!(b.crc32, want, "{}", t.name);
+            }
+        }
+    }
+    assert!(with_blocks > 0);
+    drop(ck);
+    assert_eq!(
+        saver::verify(dir.path(), 2).unwrap().status,
+        saver::Status::Ok
+    );
+}
 /// Rows of a columnar table as id -> slot rows.
 fn rows_of_columns(t: &saver::io::columns::TableColumns) -> BTreeMap<u64, Vec<Vec<u8>>> {
     let sizes: Vec<usize> = t

@@ -79,10 +79,11 @@ pub use dtype::{Dtype, KeyDtype};
 pub use error::{Error, Result};
 pub use filter::{BlockInfo, BlockKind, Filters, ScalarCondition};
 pub use manifest::{
-    Manifest, ParentRef, ShardManifest, TableManifestExt, DELTA_FORMAT_VERSION, FORMAT_VERSION,
+    BlockCrcs, Manifest, ParentRef, ShardManifest, TableManifestExt, DELTA_FORMAT_VERSION,
+    FORMAT_VERSION,
 };
 pub use partition::PartitionRule;
-pub use plan::{plan, ForeignRows, PlanOptions, SaveInput, SavePlan, TableRef};
+pub use plan::{plan, ForeignRows, PlanOptions, SaveInput, SavePlan, TableRef, TensorCrc};
 pub use table::{
     ChangeTracking, ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSnapshot,
 };

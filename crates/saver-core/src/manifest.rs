@@ -73,6 +73,78 @@ pub struct TensorRef {
     pub len: u64,
     /// CRC32 (IEEE) of the tensor's bytes.
     pub crc32: u32,
+    /// CRC32 of each block of the tensor, for a tensor longer than one block: what lets a read
+    /// of some of its rows (a load for another shard count, a link of a chain) check what it
+    /// read without reading the rest. Absent in checkpoints written before blocks existed; a
+    /// reader then checks the whole tensor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<BlockCrcs>,
+}
+
+/// The bytes of a tensor cut into blocks of `bytes` (the last one holds the rest), with a CRC32
+/// of each.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockCrcs {
+    /// Bytes in each block but the last.
+    pub bytes: u64,
+    /// CRC32 (IEEE) of each block in order, 8 hex digits each: a fifth of the manifest's size as
+    /// a JSON list of numbers.
+    #[serde(with = "hex_crcs")]
+    pub crc32: Vec<u32>,
+}
+
+impl BlockCrcs {
+    /// The byte range of block `k` of a tensor of `len` bytes.
+    pub fn block(&self, k: u64, len: u64) -> std::ops::Range<u64> {
+        let start = k * self.bytes;
+        start..(start + self.bytes).min(len)
+    }
+
+    /// Checks that the blocks cut a tensor of `len` bytes: a block size above zero and one CRC32
+    /// per block.
+    pub fn check(&self, len: u64) -> std::result::Result<(), String> {
+        if self.bytes == 0 {
+            return Err("has blocks of 0 bytes".into());
+        }
+        let want = len.div_ceil(self.bytes);
+        if self.crc32.len() as u64 != want {
+            return Err(format!(
+                "has {} block CRC32s for {want} blocks of {} bytes",
+                self.crc32.len(),
+                self.bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A list of CRC32s as one string of 8 hex digits each.
+mod hex_crcs {
+    use serde::de::Error as _;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(crcs: &[u32], s: S) -> Result<S::Ok, S::Error> {
+        let mut out = String::with_capacity(crcs.len() * 8);
+        for c in crcs {
+            out.push_str(&format!("{c:08x}"));
+        }
+        s.serialize_str(&out)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+        let hex = String::deserialize(d)?;
+        if hex.len() % 8 != 0 || !hex.is_ascii() {
+            return Err(D::Error::custom("block CRC32s must be 8 hex digits each"));
+        }
+        (0..hex.len())
+            .step_by(8)
+            .map(|i| {
+                u32::from_str_radix(&hex[i..i + 8], 16).map_err(|_| {
+                    D::Error::custom(format!("block CRC32 {:?} is not hex", &hex[i..i + 8]))
+                })
+            })
+            .collect()
+    }
 }
 
 /// One run of rows of a table partition, covering a contiguous bucket range.
@@ -363,6 +435,12 @@ impl TableManifestExt for TableManifest {
                 }
                 next = seg.buckets[1];
                 rows += seg.rows;
+                for t in std::iter::once(&seg.ids).chain(&seg.slots) {
+                    if let Some(b) = &t.blocks {
+                        b.check(t.len)
+                            .map_err(|why| bad(format!("tensor {:?} {why}", t.name)))?;
+                    }
+                }
                 if seg.ids.dtype != self.key_dtype.dtype() || seg.ids.shape != [seg.rows] {
                     return Err(bad(format!(
                         "tensor {:?} does not hold {} ids",
@@ -721,6 +799,46 @@ pub fn decode_trainer_state<T: DeserializeOwned>(b64: &str) -> Result<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Block CRC32s survive the manifest's JSON whatever their values and count, and the
+        /// check accepts exactly one CRC32 per block.
+        #[test]
+        fn block_crcs_round_trip_through_json(
+            crcs in proptest::collection::vec(any::<u32>(), 0..64),
+            bytes in 1u64..1000,
+            short in 0u64..1000,
+        ) {
+            let b = BlockCrcs { bytes, crc32: crcs.clone() };
+            let json = serde_json::to_string(&b).unwrap();
+            let back: BlockCrcs = serde_json::from_str(&json).unwrap();
+            prop_assert_eq!(&back, &b);
+            let n = crcs.len() as u64;
+            let len = if n == 0 { 0 } else { (n - 1) * bytes + 1 + short % bytes };
+            prop_assert!(b.check(len).is_ok());
+            prop_assert!(b.check(len + bytes).is_err());
+            if n > 0 {
+                prop_assert_eq!(b.block(n - 1, len).end, len);
+            }
+        }
+    }
+
+    #[test]
+    fn block_crcs_that_are_not_hex_are_refused() {
+        for bad in [
+            r#"{"bytes":4,"crc32":"0000000"}"#,
+            r#"{"bytes":4,"crc32":"0000000g"}"#,
+            r#"{"bytes":4,"crc32":[1,2]}"#,
+        ] {
+            assert!(serde_json::from_str::<BlockCrcs>(bad).is_err(), "{bad}");
+        }
+        let zero = BlockCrcs {
+            bytes: 0,
+            crc32: vec![],
+        };
+        assert!(zero.check(0).is_err());
+    }
 
     #[derive(Debug, PartialEq, Serialize, Deserialize)]
     struct State {

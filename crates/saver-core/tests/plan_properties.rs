@@ -193,8 +193,8 @@ proptest! {
                 prop_assert_eq!(&fa.tensors, &fb.tensors);
             }
         }
-        let m1 = p1.shard_manifest(0, &p1.shards()[0].files.iter().map(|f| vec![0; f.tensors.len()]).collect::<Vec<_>>(), &BTreeMap::new(), None);
-        let m2 = p2.shard_manifest(0, &p2.shards()[0].files.iter().map(|f| vec![0; f.tensors.len()]).collect::<Vec<_>>(), &BTreeMap::new(), None);
+        let m1 = p1.shard_manifest(0, &p1.shards()[0].files.iter().map(|f| vec![saver_core::TensorCrc { crc32: 0, blocks: None }; f.tensors.len()]).collect::<Vec<_>>(), &BTreeMap::new(), None);
+        let m2 = p2.shard_manifest(0, &p2.shards()[0].files.iter().map(|f| vec![saver_core::TensorCrc { crc32: 0, blocks: None }; f.tensors.len()]).collect::<Vec<_>>(), &BTreeMap::new(), None);
         prop_assert_eq!(m1, m2);
     }
 }

@@ -323,10 +323,10 @@ pub(crate) fn reader_pool(parallel: usize) -> Result<rayon::ThreadPool> {
         })
 }
 
-/// A piece of a tensor a load read, keyed by the tensor's address in the manifest.
+/// The pieces of one tensor a load read, keyed by the tensor's address in the manifest.
 pub(crate) struct PieceCrc {
     key: usize,
-    piece: Piece,
+    pieces: Vec<Piece>,
 }
 
 impl Checkpoint {
@@ -703,9 +703,11 @@ impl Checkpoint {
         }
         self.read_tensor_ranges(&mut reads)?;
         for (t, offset, buf) in &reads {
+            let mut of_tensor = Vec::new();
+            pieces::push(t, *offset, buf, &mut of_tensor);
             pieces.push(PieceCrc {
                 key: *t as *const TensorRef as usize,
-                piece: Piece::of(*offset, buf),
+                pieces: of_tensor,
             });
         }
         drop(reads);
@@ -802,11 +804,11 @@ impl Checkpoint {
         Ok(report)
     }
 
-    /// Compares the CRC32 of every tensor a load read, whole or in part, with the manifest's. A
-    /// tensor read only in part (a segment at the edge of the target's buckets) is completed by
-    /// reading the bytes the load left out, so that every byte returned was checked; those bytes
-    /// count in `report.bytes_read` (read amplification), and the tensors in
-    /// `report.tensors_checked`.
+    /// Checks the CRC32s of every tensor a load read, whole or in part. In a tensor read only in
+    /// part (a segment at the edge of the target's buckets), each checksummed block the load
+    /// touched is completed by reading the bytes the load left out of it, so that every byte
+    /// returned was checked; those bytes count in `report.bytes_read` (read amplification), and
+    /// the tensors in `report.tensors_checked`.
     pub(crate) fn check_pieces(
         &self,
         pieces: Vec<PieceCrc>,
@@ -814,7 +816,7 @@ impl Checkpoint {
     ) -> Result<()> {
         let mut by: HashMap<usize, Vec<Piece>> = HashMap::new();
         for p in pieces {
-            by.entry(p.key).or_default().push(p.piece);
+            by.entry(p.key).or_default().extend(p.pieces);
         }
         let mut tensors = Vec::with_capacity(by.len());
         for t in self.manifest().tensor_refs() {
@@ -827,14 +829,10 @@ impl Checkpoint {
         let checked: Result<Vec<u64>> = tensors
             .into_par_iter()
             .map(|(t, ps)| {
-                let (crc, read) = pieces::crc_of(self, t, ps)?;
-                if crc != t.crc32 {
-                    return Err(Error::Corrupt {
-                        file: t.file.clone(),
-                        what: format!("tensor {:?} fails its CRC32 check", t.name),
-                    });
-                }
-                Ok(read)
+                pieces::check(self, t, ps)?.ok_or_else(|| Error::Corrupt {
+                    file: t.file.clone(),
+                    what: format!("tensor {:?} fails its CRC32 check", t.name),
+                })
             })
             .collect();
         let checked = checked?;

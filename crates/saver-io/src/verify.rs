@@ -183,7 +183,7 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
                 let mut bytes = 0;
                 let mut buf = vec![0u8; 8 << 20];
                 for t in &refs {
-                    let mut h = crc32fast::Hasher::new();
+                    let mut crcs = TensorCrcs::new(t);
                     let mut off = 0;
                     let mut failed = false;
                     while off < t.len {
@@ -199,20 +199,32 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
                             failed = true;
                             break;
                         }
-                        h.update(&buf[..n]);
+                        crcs.update(&buf[..n]);
                         off += n as u64;
                     }
                     bytes += off;
-                    if !failed && h.finalize() != t.crc32 {
-                        problems.push(Problem {
-                            file: fm.name.clone(),
-                            tensor: Some(t.name.clone()),
-                            detail: format!(
-                                "tensor {:?} fails its CRC32 check (bytes changed)",
-                                t.name
-                            ),
-                        });
+                    if failed {
+                        continue;
                     }
+                    let (whole, bad_block) = crcs.finish();
+                    let detail = if whole != t.crc32 {
+                        format!("tensor {:?} fails its CRC32 check (bytes changed)", t.name)
+                    } else if let Some(k) = bad_block {
+                        // The bytes match the tensor's CRC32: the manifest's block list is wrong,
+                        // and partial reads would refuse what whole reads accept.
+                        format!(
+                            "tensor {:?} fails the CRC32 of its block {k} (the manifest's block \
+                             checksums disagree with its bytes)",
+                            t.name
+                        )
+                    } else {
+                        continue;
+                    };
+                    problems.push(Problem {
+                        file: fm.name.clone(),
+                        tensor: Some(t.name.clone()),
+                        detail,
+                    });
                 }
                 Ok((refs.len(), bytes, problems))
             })
@@ -229,4 +241,91 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
         report.status = Status::Corrupt;
     }
     Ok(report)
+}
+
+/// The CRC32 of a tensor read front to back, and of each of its checksummed blocks.
+struct TensorCrcs<'t> {
+    t: &'t TensorRef,
+    whole: crc32fast::Hasher,
+    block: crc32fast::Hasher,
+    /// Bytes fed so far.
+    at: u64,
+    /// The first block whose CRC32 differs from the manifest's.
+    bad_block: Option<u64>,
+}
+
+impl<'t> TensorCrcs<'t> {
+    fn new(t: &'t TensorRef) -> Self {
+        Self {
+            t,
+            whole: crc32fast::Hasher::new(),
+            block: crc32fast::Hasher::new(),
+            at: 0,
+            bad_block: None,
+        }
+    }
+
+    fn update(&mut self, mut bytes: &[u8]) {
+        let Some(blocks) = &self.t.blocks else {
+            self.whole.update(bytes);
+            self.at += bytes.len() as u64;
+            return;
+        };
+        let size = blocks.bytes.max(1);
+        while !bytes.is_empty() {
+            let n = ((size - self.at % size) as usize).min(bytes.len());
+            self.block.update(&bytes[..n]);
+            self.at += n as u64;
+            bytes = &bytes[n..];
+            if self.at.is_multiple_of(size) || self.at == self.t.len {
+                let block = std::mem::take(&mut self.block);
+                self.whole.combine(&block);
+                let k = (self.at - 1) / size;
+                if self.bad_block.is_none()
+                    && blocks.crc32.get(k as usize) != Some(&block.finalize())
+                {
+                    self.bad_block = Some(k);
+                }
+            }
+        }
+    }
+
+    /// The tensor's CRC32, and the first block that failed its check.
+    fn finish(self) -> (u32, Option<u64>) {
+        (self.whole.finalize(), self.bad_block)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use saver_core::manifest::BlockCrcs;
+    use saver_core::Dtype;
+
+    /// Bytes fed in reads of any size give the tensor's CRC32 and find the block whose CRC32 the
+    /// manifest has wrong, even when the whole tensor's matches.
+    #[test]
+    fn a_wrong_block_crc_is_found_whatever_the_read_size() {
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut blocks: Vec<u32> = data.chunks(64).map(crc32fast::hash).collect();
+        blocks[9] ^= 1;
+        let t = TensorRef {
+            file: "f".into(),
+            name: "t".into(),
+            dtype: Dtype::U8,
+            shape: vec![1000],
+            offset: 0,
+            len: 1000,
+            crc32: crc32fast::hash(&data),
+            blocks: Some(BlockCrcs {
+                bytes: 64,
+                crc32: blocks,
+            }),
+        };
+        for read in [1, 63, 64, 65, 300, 1000] {
+            let mut c = TensorCrcs::new(&t);
+            data.chunks(read).for_each(|b| c.update(b));
+            assert_eq!(c.finish(), (t.crc32, Some(9)), "reads of {read}");
+        }
+    }
 }

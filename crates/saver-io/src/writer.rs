@@ -11,11 +11,14 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use saver_core::manifest::{
-    encode_trainer_state, format_version_of, CheckpointRef, ParentRef, TableGiven, WriterInfo,
+    encode_trainer_state, format_version_of, BlockCrcs, CheckpointRef, ParentRef, TableGiven,
+    WriterInfo,
 };
 use saver_core::naming::{check_save_id, shard_manifest_name, INDEX_FILE};
 use saver_core::plan::TableRef;
-use saver_core::plan::{plan_with_spill, tables_past_budget, ChunkBuffer, Loc};
+use saver_core::plan::{
+    crc_block_bytes, plan_with_spill, tables_past_budget, ChunkBuffer, Loc, TensorCrc,
+};
 use saver_core::table::TableSemantics;
 use saver_core::ChangeTracking;
 use saver_core::{PlanOptions, SaveInput, SavePlan};
@@ -643,8 +646,8 @@ struct PieceCrc {
 /// What [`write_plan`] wrote.
 #[derive(Debug)]
 pub struct PlanWritten {
-    /// CRC32 of every tensor, as `crcs[shard][file][tensor]`.
-    pub crcs: Vec<Vec<Vec<u32>>>,
+    /// Checksums of every tensor, as `crcs[shard][file][tensor]`.
+    pub crcs: Vec<Vec<Vec<TensorCrc>>>,
     /// Data files written with direct I/O (see [`WriteHandle::is_direct`]).
     pub direct_io_files: usize,
 }
@@ -708,15 +711,25 @@ pub fn write_plan(
                 if durable {
                     h.start_writeback(at, piece.bytes.len() as u64);
                 }
-                let mut hasher = Hasher::new();
-                hasher.update(piece.bytes);
-                crcs.push(PieceCrc {
-                    shard: piece.shard,
-                    loc: piece.loc,
-                    offset: piece.offset,
-                    len: piece.bytes.len() as u64,
-                    hasher,
-                });
+                // One CRC per part of the piece within a checksummed block, so that
+                // `combine_crcs` can make the block CRCs as well as the tensor's.
+                let block = crc_block_bytes(t.end - t.start).unwrap_or(u64::MAX);
+                let mut at = 0;
+                while at < piece.bytes.len() {
+                    let offset = piece.offset + at as u64;
+                    let block_end = (offset / block).saturating_add(1).saturating_mul(block);
+                    let n = ((block_end - offset) as usize).min(piece.bytes.len() - at);
+                    let mut hasher = Hasher::new();
+                    hasher.update(&piece.bytes[at..at + n]);
+                    crcs.push(PieceCrc {
+                        shard: piece.shard,
+                        loc: piece.loc,
+                        offset,
+                        len: n as u64,
+                        hasher,
+                    });
+                    at += n;
+                }
                 if let Some(p) = progress {
                     let bytes = piece.bytes.len() as u64;
                     let written = done.fetch_add(bytes, Ordering::Relaxed) + bytes;
@@ -740,7 +753,8 @@ pub fn write_plan(
         let crcs = combine_crcs(plan, pieces.into_iter().flatten())?;
         for (pos, shard) in plan.shards().iter().enumerate() {
             for (f, _) in shard.files.iter().enumerate() {
-                handles[pos][f].write_at(0, &plan.header(pos, f, &crcs[pos][f]))?;
+                let whole: Vec<u32> = crcs[pos][f].iter().map(|c| c.crc32).collect();
+                handles[pos][f].write_at(0, &plan.header(pos, f, &whole))?;
             }
         }
         Ok(crcs)
@@ -774,12 +788,12 @@ pub fn write_plan(
     })
 }
 
-/// Combines per-piece CRCs into per-tensor CRCs, in offset order, checking every byte of every
-/// tensor was produced exactly once.
+/// Combines per-piece CRCs into per-tensor and per-block CRCs, in offset order, checking every
+/// byte of every tensor was produced exactly once. Pieces never straddle a block.
 fn combine_crcs(
     plan: &SavePlan<'_>,
     pieces: impl Iterator<Item = PieceCrc>,
-) -> Result<Vec<Vec<Vec<u32>>>> {
+) -> Result<Vec<Vec<Vec<TensorCrc>>>> {
     let mut by_tensor: HashMap<(usize, usize, usize), Vec<PieceCrc>> = HashMap::new();
     for p in pieces {
         by_tensor
@@ -793,9 +807,13 @@ fn combine_crcs(
         for (f, file) in shard.files.iter().enumerate() {
             let mut crcs = Vec::with_capacity(file.tensors.len());
             for (t, tensor) in file.tensors.iter().enumerate() {
+                let len = tensor.end - tensor.start;
+                let block_bytes = crc_block_bytes(len);
                 let mut pieces = by_tensor.remove(&(s, f, t)).unwrap_or_default();
                 pieces.sort_by_key(|p| p.offset);
-                let mut h = Hasher::new();
+                let mut whole = Hasher::new();
+                let mut blocks = Vec::new();
+                let mut block = Hasher::new();
                 let mut next = 0;
                 for p in pieces {
                     if p.offset != next {
@@ -805,16 +823,25 @@ fn combine_crcs(
                         )));
                     }
                     next += p.len;
-                    h.combine(&p.hasher);
+                    whole.combine(&p.hasher);
+                    block.combine(&p.hasher);
+                    if block_bytes.is_some_and(|b| next.is_multiple_of(b)) || next == len {
+                        blocks.push(std::mem::take(&mut block).finalize());
+                    }
                 }
-                if next != tensor.end - tensor.start {
+                if next != len {
                     return Err(Error::Mismatch(format!(
-                        "internal: tensor {} was produced with {next} of {} bytes",
+                        "internal: tensor {} was produced with {next} of {len} bytes",
                         tensor.name,
-                        tensor.end - tensor.start
                     )));
                 }
-                crcs.push(h.finalize());
+                crcs.push(TensorCrc {
+                    crc32: whole.finalize(),
+                    blocks: block_bytes.map(|bytes| BlockCrcs {
+                        bytes,
+                        crc32: blocks,
+                    }),
+                });
             }
             files.push(crcs);
         }

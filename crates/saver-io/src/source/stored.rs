@@ -215,11 +215,10 @@ impl<'c> StoredTable<'c> {
         buf: &mut [u8],
     ) -> Result<()> {
         self.ckpt.read_tensor_range(t, offset, buf)?;
-        let piece = Piece::of(offset, buf);
         let whole = {
             let mut crcs = self.crcs.lock().unwrap_or_else(PoisonError::into_inner);
             let (pieces, covered) = crcs.entry((s, k)).or_default();
-            pieces.push(piece);
+            pieces::push(t, offset, buf, pieces);
             *covered += buf.len() as u64;
             if *covered < t.len {
                 return Ok(());
@@ -359,10 +358,9 @@ impl<'c> StoredTable<'c> {
     /// Compares `t`'s CRC32 with the manifest's, from the CRC32s of the `pieces` read of it and
     /// the bytes they leave out, read now. Returns the bytes it read.
     fn check_pieces(&self, t: &TensorRef, pieces: Pieces) -> Result<u64> {
-        let (crc, read) = pieces::crc_of(self.ckpt, t, pieces)?;
-        if crc != t.crc32 {
+        let Some(read) = pieces::check(self.ckpt, t, pieces)? else {
             return Err(self.corrupt(t, "fails its CRC32 check"));
-        }
+        };
         self.checked.fetch_add(1, Ordering::Relaxed);
         Ok(read)
     }
