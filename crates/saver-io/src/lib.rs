@@ -35,6 +35,7 @@ pub mod header;
 pub mod import;
 pub mod index;
 mod memory;
+mod open_files;
 mod owner;
 mod pieces;
 pub mod reader;

@@ -16,6 +16,7 @@ use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
 use crate::header::{parse_header, MAX_HEADER_BYTES};
 use crate::index::Index;
+use crate::open_files::DataFile;
 use crate::storage::{check_file_name, ReadHandle, Storage};
 
 /// A data file, opened and checked.
@@ -28,7 +29,7 @@ pub struct Checkpoint {
     storage: Arc<dyn Storage>,
     index: Index,
     manifest: Manifest,
-    files: HashMap<String, OpenFile>,
+    files: HashMap<String, DataFile>,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -372,9 +373,13 @@ impl Checkpoint {
 
     /// Opens the checkpoint in `storage`.
     ///
-    /// Every data file is opened here and read through these handles later, so a checkpoint
-    /// replaced (and its files removed) after `open` returns stays readable. One replaced while
-    /// `open` runs is opened anew: the result is the old or the new checkpoint, whole.
+    /// Every data file is opened and its header checked here. Files are read through these
+    /// handles later, so a checkpoint replaced (and its files removed) after `open` returns stays
+    /// readable, as long as the process keeps fewer data files open than half its descriptor
+    /// limit; past that (the links of a long chain), files are closed after the check and
+    /// reopened for each read, which then fails if they are gone (see
+    /// [`crate::reader::read_latest`]). One replaced while `open` runs is opened anew: the result
+    /// is the old or the new checkpoint, whole.
     pub fn open_storage(storage: Arc<dyn Storage>) -> Result<Self> {
         let (index, manifest, files) = retry_if_replaced(
             storage.as_ref(),
@@ -382,7 +387,9 @@ impl Checkpoint {
                 let (index, manifest) = load_manifest(storage.as_ref())?;
                 let mut files = HashMap::new();
                 for fm in &manifest.files {
-                    files.insert(fm.name.clone(), open_file(storage.as_ref(), &manifest, fm)?);
+                    let f = open_file(storage.as_ref(), &manifest, fm)?;
+                    let f = DataFile::new(storage.clone(), &fm.name, f.handle)?;
+                    files.insert(fm.name.clone(), f);
                 }
                 Ok((index, manifest, files))
             },
@@ -418,7 +425,7 @@ impl Checkpoint {
 
     /// Whether the checkpoint's files are remote (reads wait on network round trips).
     pub(crate) fn is_remote(&self) -> bool {
-        self.files.values().any(|f| f.handle.is_remote())
+        self.files.values().any(DataFile::is_remote)
     }
 
     /// Reads `buf.len()` bytes of tensor `t` from byte `offset` of the tensor.
@@ -461,15 +468,15 @@ impl Checkpoint {
                 file: file.to_string(),
                 what: "not opened".into(),
             })?;
-            groups.push((&*f.handle, list));
+            groups.push((f, list));
         }
         // A remote file's reads wait on round trips: the files go at once (a few at a time).
-        if groups.len() > 1 && groups.iter().any(|(h, _)| h.is_remote()) {
+        if groups.len() > 1 && groups.iter().any(|(f, _)| f.is_remote()) {
             for batch in groups.chunks_mut(8) {
                 std::thread::scope(|scope| {
                     let running: Vec<_> = batch
                         .iter_mut()
-                        .map(|(h, list)| scope.spawn(move || h.read_many(list)))
+                        .map(|(f, list)| scope.spawn(move || f.handle()?.read_many(list)))
                         .collect();
                     running
                         .into_iter()
@@ -478,8 +485,9 @@ impl Checkpoint {
             }
             return Ok(());
         }
-        for (h, mut list) in groups {
-            h.read_many(&mut list)?;
+        // One file at a time: a file past the descriptor budget is open only while it is read.
+        for (f, mut list) in groups {
+            f.handle()?.read_many(&mut list)?;
         }
         Ok(())
     }
