@@ -59,7 +59,7 @@ pub const SPLIT_FILE_BYTES: u64 = 256 << 20;
 pub const CRC_BLOCK_BYTES: u64 = 256 << 10;
 
 /// The smallest checksummed block: a tensor no longer than this has only its CRC32.
-pub const MIN_CRC_BLOCK_BYTES: u64 = 4 << 10;
+pub const MIN_CRC_BLOCK_BYTES: u64 = 1 << 10;
 
 /// The size of the checksummed blocks of a tensor of `len` bytes, if it has any: about a
 /// sixteenth of it (a power of two), from [`MIN_CRC_BLOCK_BYTES`] to [`CRC_BLOCK_BYTES`]. Small
