@@ -16,6 +16,8 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = cli::Cli::parse();
+    // A store that does not answer would otherwise leave the command silent for its retries.
+    saver_io::storage::on_slow_request(|what| eprintln!("saver: {what}"));
     match commands::run(cli.command) {
         Ok(code) => code,
         Err(e) => {

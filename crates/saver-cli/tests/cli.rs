@@ -1187,3 +1187,39 @@ fn a_chain_of_64_links_of_16_shards_reads_under_a_limit_of_1024_open_files() {
         assert!(err.to_lowercase().contains("too many open files"), "{err}");
     }
 }
+
+/// An endpoint that accepts connections and never answers: `verify` fails after one retry window
+/// (not one window per request it would make: three before), says which object it is waiting
+/// for while it waits, and names the store in its error.
+#[test]
+fn a_silent_store_fails_a_command_within_one_retry_window_saying_what_it_waits_for() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in listener.incoming() {
+            held.push(c);
+        }
+    });
+    let started = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_saver"))
+        .args(["verify", "s3://silent/ckpt"])
+        .env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
+        .env("AWS_ACCESS_KEY_ID", "k")
+        .env("AWS_SECRET_ACCESS_KEY", "s")
+        .env("AWS_REGION", "garage")
+        .env("SAVER_S3_TIMEOUT_SECONDS", "2")
+        .env("SAVER_S3_RETRY_SECONDS", "3")
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("waiting for s3://silent/ckpt/model.safetensors.index.json"),
+        "{err}"
+    );
+    assert!(err.contains("SAVER_S3_RETRY_SECONDS"), "{err}");
+    // One window: a first attempt of 2 s and its retry, about 4 s; three windows took 12 s.
+    assert!(took < std::time::Duration::from_secs(9), "{took:?}: {err}");
+}

@@ -30,7 +30,7 @@ pub use local::LocalFs;
 pub use local::LocalLock;
 pub(crate) use local::{allocate, reserve};
 #[cfg(feature = "s3")]
-pub use object::{ObjectStorage, LEASE, MIN_PART_SIZE};
+pub use object::{on_slow_request, ObjectStorage, LEASE, MIN_PART_SIZE};
 
 use crate::error::{Error, Result};
 

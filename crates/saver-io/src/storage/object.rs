@@ -23,11 +23,12 @@
 //!   store that stops answering is an error naming it, never a hang (30 s a request and 60 s of
 //!   retries by default; `SAVER_S3_TIMEOUT_SECONDS` and `SAVER_S3_RETRY_SECONDS` change them).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -113,6 +114,24 @@ fn block<T: Send + 'static>(f: impl Future<Output = T> + Send + 'static) -> T {
     }
 }
 
+/// Where to say what a request that gets no answer is waiting for; see [`on_slow_request`].
+static SLOW_NOTICE: OnceLock<fn(&str)> = OnceLock::new();
+
+/// Has `notice` told, once per request, when a request has waited longer than one request
+/// timeout (`SAVER_S3_TIMEOUT_SECONDS`) for the store: which object, and for how much longer it
+/// is retried. The `saver` binary prints it; a library user may log it. Set once per process.
+pub fn on_slow_request(notice: fn(&str)) {
+    let _ = SLOW_NOTICE.set(notice);
+}
+
+/// Stores that did not answer for a whole retry window, by bucket URL: when, and the error. A
+/// command makes many requests; without this, each would wait its own window (verify against
+/// a store that accepts connections but never answers took three windows, 180 s by default).
+fn unanswering() -> &'static Mutex<HashMap<String, (Instant, String)>> {
+    static SILENT: OnceLock<Mutex<HashMap<String, (Instant, String)>>> = OnceLock::new();
+    SILENT.get_or_init(Mutex::default)
+}
+
 /// The store's client, shared by the storage and its open files.
 struct Client {
     store: Arc<dyn ObjectStore>,
@@ -132,6 +151,78 @@ impl std::fmt::Debug for Client {
 impl Client {
     fn url(&self, key: &ObjectPath) -> String {
         format!("{}/{key}", self.bucket_url)
+    }
+
+    /// Runs request `f` about `key` and waits for it, saying what it waits for once it has
+    /// waited a request timeout ([`on_slow_request`]). A store that did not answer for a whole
+    /// retry window less than a window ago is not asked again: the request fails at once with
+    /// that store's error, so that one window bounds a command against a silent store.
+    fn block<X: Send + 'static>(
+        &self,
+        key: &ObjectPath,
+        f: impl Future<Output = object_store::Result<X>> + Send + 'static,
+    ) -> object_store::Result<X> {
+        self.check_answering()?;
+        let started = Instant::now();
+        let notice = SLOW_NOTICE.get().map(|&notice| {
+            let what = format!(
+                "waiting for {}: no answer after {} s; retried for up to {} s \
+                 (SAVER_S3_TIMEOUT_SECONDS, SAVER_S3_RETRY_SECONDS)",
+                self.url(key),
+                request_timeout().as_secs_f64(),
+                retry_for().as_secs_f64()
+            );
+            runtime().spawn(async move {
+                tokio::time::sleep(request_timeout()).await;
+                notice(&what);
+            })
+        });
+        let out = block(f);
+        if let Some(n) = notice {
+            n.abort();
+        }
+        self.note_answer(started, out.as_ref().err());
+        out
+    }
+
+    /// An error if this store did not answer for a whole retry window less than a window ago.
+    fn check_answering(&self) -> object_store::Result<()> {
+        let mut silent = unanswering().lock().unwrap_or_else(PoisonError::into_inner);
+        match silent.get(&self.bucket_url) {
+            Some((at, why)) if at.elapsed() < retry_for() => Err(object_store::Error::Generic {
+                store: "S3",
+                source: format!(
+                    "not sent: {} did not answer for {} s just before (SAVER_S3_RETRY_SECONDS): \
+                     {why}",
+                    self.bucket_url,
+                    retry_for().as_secs_f64()
+                )
+                .into(),
+            }),
+            Some(_) => {
+                silent.remove(&self.bucket_url);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Records whether the store answered a request started at `started`: a transport failure
+    /// after a whole retry window marks it silent; an answer clears that.
+    fn note_answer(&self, started: Instant, err: Option<&object_store::Error>) {
+        let mut silent = unanswering().lock().unwrap_or_else(PoisonError::into_inner);
+        match err {
+            None => {
+                silent.remove(&self.bucket_url);
+            }
+            Some(e @ object_store::Error::Generic { .. }) if started.elapsed() >= retry_for() => {
+                silent.insert(
+                    self.bucket_url.clone(),
+                    (Instant::now(), one_line(&e.to_string())),
+                );
+            }
+            Some(_) => {}
+        }
     }
 
     /// An object-store error as saver's, naming the operation and the object. Missing objects
@@ -353,7 +444,9 @@ impl ObjectStorage {
             mode: PutMode::Create,
             ..PutOptions::default()
         };
-        match block(async move { c.store.put_opts(&k, bytes.into(), opts).await }) {
+        match self.client.block(key, async move {
+            c.store.put_opts(&k, bytes.into(), opts).await
+        }) {
             Ok(_) => Ok(true),
             Err(object_store::Error::AlreadyExists { .. })
             | Err(object_store::Error::Precondition { .. }) => Ok(false),
@@ -363,7 +456,8 @@ impl ObjectStorage {
 
     fn put_bytes(&self, key: &ObjectPath, bytes: Bytes) -> Result<()> {
         let (c, k) = (self.client.clone(), key.clone());
-        block(async move { c.store.put(&k, bytes.into()).await })
+        self.client
+            .block(key, async move { c.store.put(&k, bytes.into()).await })
             .map(|_| ())
             .map_err(|e| self.client.err("put", key, e))
     }
@@ -372,7 +466,10 @@ impl ObjectStorage {
     /// completed: completing made the object, which an abort leaves alone).
     fn abort_upload(&self, key: &ObjectPath, id: &str) -> Result<()> {
         let (c, k, id) = (self.client.clone(), key.clone(), id.to_string());
-        match block(async move { c.multipart.abort_multipart(&k, &id).await }) {
+        match self.client.block(
+            key,
+            async move { c.multipart.abort_multipart(&k, &id).await },
+        ) {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(self.client.err("abort the upload of", key, e)),
         }
@@ -396,7 +493,10 @@ impl ObjectStorage {
 
     fn delete(&self, key: &ObjectPath) -> Result<()> {
         let (c, k) = (self.client.clone(), key.clone());
-        match block(async move { c.store.delete(&k).await }) {
+        match self
+            .client
+            .block(key, async move { c.store.delete(&k).await })
+        {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(self.client.err("remove", key, e)),
         }
@@ -409,7 +509,7 @@ impl ObjectStorage {
         limit: u64,
     ) -> Result<Option<(Bytes, UpdateVersion)>> {
         let (c, k) = (self.client.clone(), key.clone());
-        let got = block(async move {
+        let got = self.client.block(key, async move {
             let r = c.store.get(&k).await?;
             if r.meta.size > limit {
                 return Ok(Err(r.meta.size));
@@ -449,7 +549,9 @@ impl Storage for ObjectStorage {
             }));
         }
         let (c, k) = (self.client.clone(), key.clone());
-        let upload = block(async move { c.multipart.create_multipart(&k).await })
+        let upload = self
+            .client
+            .block(&key, async move { c.multipart.create_multipart(&k).await })
             .map_err(|e| self.client.err("start the upload of", &key, e))?;
         // An upload a killed writer leaves is invisible to listings; its marker is not, and
         // says how to abort it (see `clean_ended_writers`).
@@ -462,7 +564,10 @@ impl Storage for ObjectStorage {
         let record = UploadRecord::of_this_process(upload.clone());
         if let Err(e) = self.put_bytes(&marker, record.to_bytes()) {
             let (c, k, id) = (self.client.clone(), key.clone(), upload.clone());
-            let _ = block(async move { c.multipart.abort_multipart(&k, &id).await });
+            let _ = self.client.block(
+                &key,
+                async move { c.multipart.abort_multipart(&k, &id).await },
+            );
             return Err(e);
         }
         let parts = (0..len.div_ceil(part_size))
@@ -501,7 +606,9 @@ impl Storage for ObjectStorage {
     fn open(&self, name: &str) -> Result<Box<dyn ReadHandle>> {
         let key = self.key(name)?;
         let (c, k) = (self.client.clone(), key.clone());
-        let meta = block(async move { c.store.head(&k).await })
+        let meta = self
+            .client
+            .block(&key, async move { c.store.head(&k).await })
             .map_err(|e| self.client.err("open", &key, e))?;
         Ok(Box::new(ObjectRead {
             client: self.client.clone(),
@@ -528,7 +635,10 @@ impl Storage for ObjectStorage {
     fn exists(&self, name: &str) -> Result<bool> {
         let key = self.key(name)?;
         let (c, k) = (self.client.clone(), key.clone());
-        match block(async move { c.store.head(&k).await }) {
+        match self
+            .client
+            .block(&key, async move { c.store.head(&k).await })
+        {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),
             Err(e) => Err(self.client.err("look up", &key, e)),
@@ -538,7 +648,11 @@ impl Storage for ObjectStorage {
     fn list(&self) -> Result<Vec<String>> {
         let (c, p) = (self.client.clone(), self.prefix.clone());
         let prefix = (!self.prefix.as_ref().is_empty()).then_some(p);
-        let listed = block(async move { c.store.list_with_delimiter(prefix.as_ref()).await })
+        let listed = self
+            .client
+            .block(&self.prefix, async move {
+                c.store.list_with_delimiter(prefix.as_ref()).await
+            })
             .map_err(|e| self.client.err("list", &self.prefix, e))?;
         Ok(listed
             .objects
@@ -602,7 +716,9 @@ impl Storage for ObjectStorage {
                         ..PutOptions::default()
                     };
                     let body = lease.to_bytes();
-                    match block(async move { c.store.put_opts(&k, body.into(), opts).await }) {
+                    match self.client.block(&key, async move {
+                        c.store.put_opts(&k, body.into(), opts).await
+                    }) {
                         Ok(_) => {
                             return Ok(Box::new(ObjectLock {
                                 storage: self.clone(),
@@ -773,7 +889,10 @@ impl ObjectWrite {
     fn upload_part(&self, upload: &MultipartId, i: usize, buf: Vec<u8>) -> Result<PartId> {
         let (c, k, id) = (self.client.clone(), self.key.clone(), upload.clone());
         let payload = PutPayload::from(buf);
-        block(async move { c.multipart.put_part(&k, &id, i, payload).await })
+        self.client
+            .block(&self.key, async move {
+                c.multipart.put_part(&k, &id, i, payload).await
+            })
             .map_err(|e| self.client.err("upload a part of", &self.key, e))
     }
 }
@@ -840,7 +959,11 @@ impl WriteHandle for ObjectWrite {
             Body::Whole(whole) => {
                 let bytes = std::mem::take(&mut *whole.lock().expect("no panic while held"));
                 let (c, k) = (self.client.clone(), self.key.clone());
-                block(async move { c.store.put(&k, bytes.into()).await })
+                self.client
+                    .block(
+                        &self.key,
+                        async move { c.store.put(&k, bytes.into()).await },
+                    )
                     .map(|_| ())
                     .map_err(|e| self.client.err("put", &self.key, e))
             }
@@ -869,13 +992,17 @@ impl WriteHandle for ObjectWrite {
                     }
                 }
                 let (c, k, id) = (self.client.clone(), self.key.clone(), upload.clone());
-                let done = block(async move { c.multipart.complete_multipart(&k, &id, ids).await });
+                let done = self.client.block(&self.key, async move {
+                    c.multipart.complete_multipart(&k, &id, ids).await
+                });
                 match done {
                     Ok(_) => {
                         // A marker left by a failure here names a completed upload, which a
                         // cleanup's abort leaves alone.
                         let (c, m) = (self.client.clone(), marker.clone());
-                        let _ = block(async move { c.store.delete(&m).await });
+                        let _ = self
+                            .client
+                            .block(marker, async move { c.store.delete(&m).await });
                         Ok(())
                     }
                     Err(e) => {
@@ -943,6 +1070,10 @@ impl ReadHandle for ObjectRead {
         if requests.is_empty() {
             return Ok(());
         }
+        self.client
+            .check_answering()
+            .map_err(|e| self.client.err("read", &self.key, e))?;
+        let started = Instant::now();
         let (tx, mut rx) = futures::channel::mpsc::channel(READ_CONCURRENCY);
         let (c, k, reqs) = (self.client.clone(), self.key.clone(), requests.clone());
         runtime().spawn(async move {
@@ -971,7 +1102,10 @@ impl ReadHandle for ObjectRead {
                     self.client.url(&self.key)
                 )));
             };
-            let got = got.map_err(|e| self.client.err("read", &self.key, e))?;
+            let got = got.map_err(|e| {
+                self.client.note_answer(started, Some(&e));
+                self.client.err("read", &self.key, e)
+            })?;
             if got.len() as u64 != r.end - r.start {
                 return Err(Error::Corrupt {
                     file: self.client.url(&self.key),
@@ -992,6 +1126,7 @@ impl ReadHandle for ObjectRead {
                 }
             }
         }
+        self.client.note_answer(started, None);
         Ok(())
     }
 }
