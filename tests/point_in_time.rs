@@ -16,7 +16,7 @@ use saver::core::partition::fmix64;
 use saver::core::table::moment;
 use saver::core::table::TableSemantics;
 use saver::{
-    save, save_async, Checkpoint, Dtype, EmbeddingTable, ForeignRows, KeyDtype, LoadOptions,
+    save, save_async, Chain, Checkpoint, Dtype, EmbeddingTable, ForeignRows, KeyDtype, LoadOptions,
     SaveInput, SaveOptions, SlotSpec, SparseTable,
 };
 
@@ -126,8 +126,11 @@ fn train(tables: &[&EmbeddingTable], stop: &AtomicBool, begin: Instant) -> Log {
 
 /// Each table's saved rows: id -> version, checking no row is torn or another id's.
 fn saved_rows(dir: &Path, names: &[&str]) -> Vec<HashMap<u64, u64>> {
-    let ck = Checkpoint::open(dir).unwrap();
-    let restored = ck.restore(&LoadOptions::default()).unwrap();
+    // A delta's rows are those of its whole chain.
+    let restored = Chain::open(dir)
+        .unwrap()
+        .restore(&LoadOptions::default())
+        .unwrap();
     names
         .iter()
         .map(|name| {
@@ -287,6 +290,20 @@ fn a_save_of_several_tables_while_training_is_one_moment_for_all() {
         // Every other save spills its plan, so rows are read long after the scan.
         if k % 2 == 1 {
             o.plan.plan_memory = 0;
+        }
+        save(dir, input(tables), &o).unwrap();
+    });
+}
+
+/// Deltas of several tables saved while training, each over the previous save; the tables keep
+/// no record of their changes, so each delta compares every table with its parent: the chain
+/// each delta ends is one moment for all the tables.
+#[test]
+fn a_delta_of_several_tables_while_training_is_one_moment_for_all() {
+    scenario(&["users", "items", "cross"], |tables, dir, k| {
+        let mut o = opts(&format!("delta{k}"));
+        if k > 0 {
+            o.parent = Some(dir.with_file_name(format!("s{}", k - 1)));
         }
         save(dir, input(tables), &o).unwrap();
     });

@@ -103,37 +103,55 @@ pub(crate) fn save_delta_of_input(
     let mut methods = BTreeMap::new();
     // (tracking, token of the snapshot this save reads) of every table that tracks.
     let mut tokens: Vec<(&dyn ChangeTracking, u64)> = Vec::new();
-    for t in input.all_tables() {
-        let tracking = t.change_tracking();
-        let since = match tracking {
-            None => Err("the table keeps no record of its changes: make it with \
-                         with_change_tracking, or restore it with LoadOptions::change_tracking"
-                .to_string()),
-            // A row filter could drop rows the parent holds: only a comparison finds those.
-            Some(_) if opts.plan.filters.has_row_filters() => {
-                Err("the save has a row filter, which may drop rows the parent holds".into())
-            }
-            Some(_) if !ctx.chain.table_manifests().any(|m| m.name == t.name()) => {
-                Err("the parent holds no table of this name".into())
-            }
-            Some(c) => c.baseline_of(&parent_id).ok_or_else(|| match c.baseline() {
-                Some((id, _)) => {
-                    format!("the table's last committed save is {id}, not the parent {parent_id}")
-                }
-                None => format!(
-                    "the table knows of no committed save of it, and was not written by the \
-                     parent {parent_id} (after a restart, restore it with \
-                     LoadOptions::change_tracking or call set_baseline)"
-                ),
-            }),
-        };
-        match (tracking, since) {
-            (Some(c), Ok(since)) => {
-                // The shards of one save, taken by several threads, share one moment.
-                let (snapshot, token) = match &opts.save_id {
-                    Some(id) => saver_core::table::moment::for_save(id, || c.changed_since(since)),
-                    None => c.changed_since(since),
-                }?;
+    // Every table's snapshot at one moment (cheap: no row is copied), so that the delta holds
+    // one moment for all; the comparisons' scans and sorts come after.
+    let tables: Vec<&dyn SparseTable> = input.all_tables().collect();
+    let taken = saver_core::table::moment::at_one_moment(|| {
+        tables
+            .iter()
+            .map(|&t| {
+                let tracking = t.change_tracking();
+                let since =
+                    tracked_since(t, tracking, &parent_id, ctx.chain.table_manifests(), opts);
+                Ok(match (tracking, since) {
+                    (Some(c), Ok(since)) => {
+                        // The shards of one save, taken by several threads, share one moment.
+                        let (snapshot, token) = match &opts.save_id {
+                            Some(id) => {
+                                saver_core::table::moment::for_save(id, || c.changed_since(since))
+                            }
+                            None => c.changed_since(since),
+                        }?;
+                        Taken::Tracked {
+                            c,
+                            since,
+                            snapshot,
+                            token,
+                        }
+                    }
+                    (tracking, why) => {
+                        let snapshot = match &opts.save_id {
+                            Some(id) => saver_core::table::moment::for_save(id, || t.snapshot()),
+                            None => t.snapshot(),
+                        }?;
+                        Taken::Compared {
+                            snapshot,
+                            token: tracking.map(|c| (c, c.last_snapshot())),
+                            why: why.err().unwrap_or_default(),
+                        }
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
+    for (t, taken) in tables.into_iter().zip(taken) {
+        match taken {
+            Taken::Tracked {
+                c,
+                since,
+                snapshot,
+                token,
+            } => {
                 let removed = c.removed_between(since, token);
                 tokens.push((c, token));
                 tracked.push(TrackedChanges {
@@ -144,12 +162,13 @@ pub(crate) fn save_delta_of_input(
                 });
                 methods.insert(t.name().to_string(), DeltaMethod::Tracked);
             }
-            (_, why) => {
-                ordered.push(InMemoryOrder::new(t)?);
-                if let Some(c) = tracking {
-                    tokens.push((c, c.last_snapshot()));
-                }
-                let why = why.err().unwrap_or_default();
+            Taken::Compared {
+                snapshot,
+                token,
+                why,
+            } => {
+                ordered.push(InMemoryOrder::of_snapshot(t, snapshot)?);
+                tokens.extend(token);
                 methods.insert(t.name().to_string(), DeltaMethod::Compared { why });
             }
         }
@@ -157,6 +176,57 @@ pub(crate) fn save_delta_of_input(
     let refs: Vec<&dyn BucketRows> = ordered.iter().map(|t| t as &dyn BucketRows).collect();
     let found = Found { methods, tokens };
     ctx.save(storage, &refs, tracked, dense, opts, found)
+}
+
+/// A table's snapshot for a delta, taken with the others' at one moment.
+enum Taken<'t> {
+    /// Its changes since the parent, from its own record of them.
+    Tracked {
+        c: &'t dyn ChangeTracking,
+        since: u64,
+        snapshot: Box<dyn TableSnapshot + 't>,
+        token: u64,
+    },
+    /// The whole table, to compare with the parent; why; and, for a table that tracks, the
+    /// token of this snapshot.
+    Compared {
+        snapshot: Box<dyn TableSnapshot + 't>,
+        token: Option<(&'t dyn ChangeTracking, u64)>,
+        why: String,
+    },
+}
+
+/// Where `t`'s changes since the parent `parent_id` start in its own record of them, or why the
+/// delta must compare it with the parent instead.
+fn tracked_since<'m>(
+    t: &dyn SparseTable,
+    tracking: Option<&dyn ChangeTracking>,
+    parent_id: &str,
+    mut parent_tables: impl Iterator<Item = &'m saver_core::manifest::TableManifest>,
+    opts: &SaveOptions,
+) -> std::result::Result<u64, String> {
+    match tracking {
+        None => Err("the table keeps no record of its changes: make it with \
+                     with_change_tracking, or restore it with LoadOptions::change_tracking"
+            .to_string()),
+        // A row filter could drop rows the parent holds: only a comparison finds those.
+        Some(_) if opts.plan.filters.has_row_filters() => {
+            Err("the save has a row filter, which may drop rows the parent holds".into())
+        }
+        Some(_) if !parent_tables.any(|m| m.name == t.name()) => {
+            Err("the parent holds no table of this name".into())
+        }
+        Some(c) => c.baseline_of(parent_id).ok_or_else(|| match c.baseline() {
+            Some((id, _)) => {
+                format!("the table's last committed save is {id}, not the parent {parent_id}")
+            }
+            None => format!(
+                "the table knows of no committed save of it, and was not written by the \
+                 parent {parent_id} (after a restart, restore it with \
+                 LoadOptions::change_tracking or call set_baseline)"
+            ),
+        }),
+    }
 }
 
 /// How a delta found each table's changes, and the tables to tell of its commit.

@@ -22,7 +22,15 @@ pub struct InMemoryOrder<'t> {
 impl<'t> InMemoryOrder<'t> {
     /// Takes `table`'s snapshot and sorts its ids.
     pub fn new(table: &'t dyn SparseTable) -> Result<Self> {
-        let snapshot = table.snapshot()?;
+        Self::of_snapshot(table, table.snapshot()?)
+    }
+
+    /// Sorts the ids of `snapshot`, taken of `table` (with the other tables' of a save, at one
+    /// moment).
+    pub fn of_snapshot(
+        table: &'t dyn SparseTable,
+        snapshot: Box<dyn TableSnapshot + 't>,
+    ) -> Result<Self> {
         let mut order = Vec::with_capacity(table.len());
         let mut handles_given = true;
         snapshot.scan(BATCH_ROWS, false, &mut |chunk| {
