@@ -49,9 +49,18 @@ pub(crate) fn push(t: &TensorRef, offset: u64, bytes: &[u8], out: &mut Vec<Piece
     }
 }
 
+/// The CRC32 states of one block's bytes, in order.
+enum Part {
+    /// A piece the caller read.
+    Read(Hasher),
+    /// Gap `n` of the gaps read here.
+    Gap(usize),
+}
+
 /// Checks every block of `t` that `pieces` touch against the manifest's CRC32s, reading from
-/// `ckpt` the bytes of those blocks the pieces leave out. Returns the count of bytes read, or
-/// `None` when a block fails its check.
+/// `ckpt` the bytes of those blocks the pieces leave out (all in a few batched requests, which a
+/// remote store fetches at once). Returns the count of bytes read, or `None` when a block fails
+/// its check.
 pub(crate) fn check(
     ckpt: &Checkpoint,
     t: &TensorRef,
@@ -59,14 +68,49 @@ pub(crate) fn check(
 ) -> Result<Option<u64>> {
     let block = block_bytes(t);
     pieces.sort_by_key(|p| p.offset);
-    let mut read = 0;
-    let mut rest = pieces.as_slice();
-    while let Some(first) = rest.first() {
+    let mut blocks: Vec<(u64, Vec<Part>)> = Vec::new();
+    let mut gaps: Vec<Range<u64>> = Vec::new();
+    let mut rest = pieces.into_iter().peekable();
+    while let Some(first) = rest.peek() {
         let k = first.offset / block;
-        let n = rest.iter().take_while(|p| p.offset / block == k).count();
-        let (of_block, after) = rest.split_at(n);
-        rest = after;
         let range = k * block..((k + 1) * block).min(t.len);
+        let mut of_block = Vec::new();
+        while let Some(p) = rest.next_if(|p| p.offset / block == k) {
+            of_block.push(p);
+        }
+        let tiles = of_block
+            .windows(2)
+            .all(|w| w[0].offset + w[0].len <= w[1].offset);
+        let mut parts = Vec::new();
+        let mut gap = |parts: &mut Vec<Part>, r: Range<u64>| {
+            if !r.is_empty() {
+                parts.push(Part::Gap(gaps.len()));
+                gaps.push(r);
+            }
+        };
+        if tiles {
+            let mut at = range.start;
+            for p in of_block {
+                gap(&mut parts, at..p.offset);
+                at = p.offset + p.len;
+                parts.push(Part::Read(p.crc));
+            }
+            gap(&mut parts, at..range.end);
+        } else {
+            // Some bytes were read twice: the block is hashed whole.
+            gap(&mut parts, range);
+        }
+        blocks.push((k, parts));
+    }
+    let gap_crcs = hash_ranges(ckpt, t, &gaps)?;
+    for (k, parts) in blocks {
+        let mut combined = Hasher::new();
+        for part in &parts {
+            match part {
+                Part::Read(h) => combined.combine(h),
+                Part::Gap(n) => combined.combine(&gap_crcs[*n]),
+            }
+        }
         let want = match &t.blocks {
             Some(b) => match b.crc32.get(k as usize) {
                 Some(&c) => c,
@@ -74,37 +118,51 @@ pub(crate) fn check(
             },
             None => t.crc32,
         };
-        let (crc, r) = crc_of_block(ckpt, t, range, of_block)?;
-        read += r;
-        if crc != want {
+        if combined.finalize() != want {
             return Ok(None);
         }
     }
-    Ok(Some(read))
+    Ok(Some(gaps.iter().map(|r| r.end - r.start).sum()))
 }
 
-/// The CRC32 of bytes `range` of `t` from the `pieces` within it (sorted by offset) and the bytes
-/// between them; and the count of bytes read for it.
-fn crc_of_block(
-    ckpt: &Checkpoint,
-    t: &TensorRef,
-    range: Range<u64>,
-    pieces: &[Piece],
-) -> Result<(u32, u64)> {
-    let tiles = pieces
-        .windows(2)
-        .all(|w| w[0].offset + w[0].len <= w[1].offset);
-    let mut combined = Hasher::new();
-    let (mut at, mut read) = (range.start, 0);
-    if tiles {
-        for p in pieces {
-            read += hash_range(ckpt, t, at..p.offset, &mut combined)?;
-            combined.combine(&p.crc);
-            at = p.offset + p.len;
+/// The CRC32 states of bytes `ranges` of `t`: ranges read together up to [`BATCH_BYTES`] at a
+/// time, a longer one (a whole tensor without blocks) a window at a time.
+fn hash_ranges(ckpt: &Checkpoint, t: &TensorRef, ranges: &[Range<u64>]) -> Result<Vec<Hasher>> {
+    const BATCH_BYTES: u64 = 8 << 20;
+    let len = |r: &Range<u64>| r.end - r.start;
+    let mut out = Vec::with_capacity(ranges.len());
+    let mut i = 0;
+    while i < ranges.len() {
+        if len(&ranges[i]) > BATCH_BYTES {
+            let mut h = Hasher::new();
+            hash_range(ckpt, t, ranges[i].clone(), &mut h)?;
+            out.push(h);
+            i += 1;
+            continue;
         }
+        let (mut j, mut total) = (i, 0);
+        while j < ranges.len() && total + len(&ranges[j]) <= BATCH_BYTES {
+            total += len(&ranges[j]);
+            j += 1;
+        }
+        let mut bufs: Vec<Vec<u8>> = ranges[i..j]
+            .iter()
+            .map(|r| vec![0; len(r) as usize])
+            .collect();
+        let mut reads: Vec<(&TensorRef, u64, &mut [u8])> = ranges[i..j]
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(r, b)| (t, r.start, b.as_mut_slice()))
+            .collect();
+        ckpt.read_tensor_ranges(&mut reads)?;
+        out.extend(bufs.iter().map(|b| {
+            let mut h = Hasher::new();
+            h.update(b);
+            h
+        }));
+        i = j;
     }
-    read += hash_range(ckpt, t, at..range.end, &mut combined)?;
-    Ok((combined.finalize(), read))
+    Ok(out)
 }
 
 /// Adds bytes `range` of `t` to `h`, read a bounded window at a time; returns their count.

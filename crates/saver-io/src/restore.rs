@@ -887,21 +887,26 @@ pub(crate) fn read_dense_refs<'a>(
     set: &Option<GlobSet>,
     report: &mut LoadReport,
 ) -> Result<Vec<LoadedDense>> {
-    let mut out = Vec::new();
-    for (ckpt, d) in refs {
-        if set.as_ref().is_some_and(|s| !s.is_match(&d.tensor.name)) {
-            continue;
-        }
-        let data = ckpt.read_dense(&d.tensor.name)?;
-        report.bytes_read += data.len() as u64;
-        report.bytes_kept += data.len() as u64;
+    let wanted: Vec<_> = refs
+        .into_iter()
+        .filter(|(_, d)| set.as_ref().is_none_or(|s| s.is_match(&d.tensor.name)))
+        .collect();
+    // Several at once: from a remote store, each waits on a round trip.
+    let out: Vec<LoadedDense> = wanted
+        .into_par_iter()
+        .map(|(ckpt, d)| {
+            Ok(LoadedDense {
+                name: d.tensor.name.clone(),
+                dtype: d.tensor.dtype,
+                shape: d.tensor.shape.clone(),
+                data: ckpt.read_dense(&d.tensor.name)?,
+            })
+        })
+        .collect::<Result<_>>()?;
+    for d in &out {
+        report.bytes_read += d.data.len() as u64;
+        report.bytes_kept += d.data.len() as u64;
         report.tensors_checked += 1;
-        out.push(LoadedDense {
-            name: d.tensor.name.clone(),
-            dtype: d.tensor.dtype,
-            shape: d.tensor.shape.clone(),
-            data,
-        });
     }
     Ok(out)
 }

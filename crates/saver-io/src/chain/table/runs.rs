@@ -1,11 +1,14 @@
 //! Reading a chain's rows once resolved: [`Run`]s of consecutive rows of one link, read in
 //! coalesced pieces by a [`RunReader`].
 
+use std::ops::Range;
+
+use rayon::prelude::*;
 use std::sync::atomic::Ordering;
 
 use super::{ChainTable, LINK_SHIFT};
 use crate::error::{Error, Result};
-use crate::source::stored::ROW_BITS;
+use crate::source::stored::{SegmentRows, ROW_BITS};
 
 /// Rows of one link's segment whose gap is at most this many bytes of a slot are read in one
 /// piece, with the rows between: a gap smaller than a page saves the device nothing.
@@ -52,6 +55,52 @@ impl Run {
     }
 }
 
+/// Runs `runs` of a fill, rows `rows` of segment `seg` of link `link`: read in one piece.
+struct Group {
+    runs: Range<usize>,
+    link: usize,
+    seg: usize,
+    rows: Range<u64>,
+}
+
+/// Reads the rows of `groups` (all of one link of `t`) in one batch: one buffer a group and
+/// slot, empty for a slot `out` does not want.
+fn read_link_groups(
+    t: &ChainTable<'_>,
+    groups: &[Group],
+    widths: &[usize],
+    out: &[&mut [u8]],
+) -> Result<Vec<Vec<Vec<u8>>>> {
+    let rows = &t.links[groups[0].link].rows;
+    let mut bufs: Vec<Vec<Vec<u8>>> = groups
+        .iter()
+        .map(|x| {
+            let n = (x.rows.end - x.rows.start) as usize;
+            widths
+                .iter()
+                .zip(out)
+                .map(|(&w, o)| vec![0u8; if o.is_empty() { 0 } else { n * w }])
+                .collect()
+        })
+        .collect();
+    let mut reads: Vec<SegmentRows<'_>> = groups
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(x, b)| {
+            (
+                x.seg,
+                x.rows.clone(),
+                b.iter_mut().map(Vec::as_mut_slice).collect(),
+            )
+        })
+        .collect();
+    rows.read_segments(&mut reads)?;
+    drop(reads);
+    let read: u64 = bufs.iter().flatten().map(|s| s.len() as u64).sum();
+    t.bytes_read.fetch_add(read, Ordering::Relaxed);
+    Ok(bufs)
+}
+
 /// Reads runs of link rows, with scratch buffers kept between calls.
 #[derive(Default)]
 pub(in crate::chain) struct RunReader {
@@ -93,6 +142,35 @@ impl RunReader {
         runs.copy_from_slice(&self.sorted);
     }
 
+    /// Copies the rows of `runs`, read as rows from `first` into `read` (one buffer a slot), to
+    /// their places in `out`.
+    fn copy_out<B: AsRef<[u8]>>(
+        &self,
+        runs: &[Run],
+        first: u64,
+        read: &[B],
+        widths: &[usize],
+        out: &mut [&mut [u8]],
+    ) {
+        for r in runs {
+            let (from, k) = ((r.first - first) as usize, r.count as usize);
+            for ((o, src), &w) in out.iter_mut().zip(read).zip(widths) {
+                if !o.is_empty() {
+                    let src = src.as_ref();
+                    let (to, from) = (
+                        &mut o[r.at * w..(r.at + k) * w],
+                        &src[from * w..(from + k) * w],
+                    );
+                    if self.streaming {
+                        copy_streaming(to, from);
+                    } else {
+                        to.copy_from_slice(from);
+                    }
+                }
+            }
+        }
+    }
+
     /// Reads the rows of `runs` (of `t`) into `out`, one slice a slot holding the rows at the
     /// runs' `at` (an empty slice: that slot is not wanted). Runs of one link's segment separated
     /// by less than [`COALESCE_BYTES`] of any slot are read in one piece (the rows between them,
@@ -117,6 +195,8 @@ impl RunReader {
         let gap = (COALESCE_BYTES / t.row_bytes.iter().copied().max().unwrap_or(1).max(1)).max(1);
         let window = (WINDOW_BYTES / t.full_row_bytes()).max(1);
         self.scratch.resize_with(widths.len(), Vec::new);
+        // The pieces to read: runs `a..b` of `runs`, rows `first..end` of one link's segment.
+        let mut groups: Vec<Group> = Vec::new();
         let mut a = 0;
         while a < runs.len() {
             let Run {
@@ -137,37 +217,69 @@ impl RunReader {
                 end = r.first + r.count;
                 b += 1;
             }
-            let rows = match t.links.get(link) {
-                Some(l) if seg < l.rows.segment_count() && end <= l.rows.segment_rows(seg) => {
-                    &l.rows
-                }
+            match t.links.get(link) {
+                Some(l) if seg < l.rows.segment_count() && end <= l.rows.segment_rows(seg) => {}
                 _ => {
                     return Err(Error::Mismatch(format!(
                         "rows {first}..{end} of segment {seg} of link {link} are not table {:?}'s",
                         t.name
                     )))
                 }
-            };
-            let n = (end - first) as usize;
-            if b == a + 1 {
-                let at = runs[a].at;
-                let mut bufs: Vec<&mut [u8]> = out
-                    .iter_mut()
-                    .zip(&widths)
-                    .map(|(o, &w)| {
-                        if o.is_empty() {
-                            &mut [][..]
-                        } else {
-                            &mut o[at * w..(at + n) * w]
-                        }
-                    })
-                    .collect();
-                rows.read_segment(seg, first..end, &mut [], &mut bufs)?;
-                let read: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-                t.bytes_read.fetch_add(read, Ordering::Relaxed);
-            } else {
-                let mut bufs: Vec<&mut [u8]> = self
-                    .scratch
+            }
+            groups.push(Group {
+                runs: a..b,
+                link,
+                seg,
+                rows: first..end,
+            });
+            a = b;
+        }
+        // Groups come link by link: the links' ranges of `groups`.
+        let mut by_link: Vec<Range<usize>> = Vec::new();
+        for (i, x) in groups.iter().enumerate() {
+            match by_link.last_mut() {
+                Some(r) if groups[r.start].link == x.link => r.end = i + 1,
+                _ => by_link.push(i..i + 1),
+            }
+        }
+        if t.links.iter().any(|l| l.rows.checkpoint().is_remote()) {
+            // Every piece of a link in one batch, and the links at once: a remote store fetches
+            // them together, where one piece at a time waited a round trip each.
+            let read: Vec<Vec<Vec<Vec<u8>>>> = by_link
+                .par_iter()
+                .map(|r| read_link_groups(t, &groups[r.clone()], &widths, out))
+                .collect::<Result<_>>()?;
+            for (r, bufs) in by_link.iter().zip(&read) {
+                for (x, b) in groups[r.clone()].iter().zip(bufs) {
+                    self.copy_out(&runs[x.runs.clone()], x.rows.start, b, &widths, out);
+                }
+            }
+        } else {
+            for x in &groups {
+                let rows = &t.links[x.link].rows;
+                let (first, end) = (x.rows.start, x.rows.end);
+                let n = (end - first) as usize;
+                if x.runs.len() == 1 {
+                    // A run read alone goes straight into `out`.
+                    let at = runs[x.runs.start].at;
+                    let mut bufs: Vec<&mut [u8]> = out
+                        .iter_mut()
+                        .zip(&widths)
+                        .map(|(o, &w)| {
+                            if o.is_empty() {
+                                &mut [][..]
+                            } else {
+                                &mut o[at * w..(at + n) * w]
+                            }
+                        })
+                        .collect();
+                    rows.read_segment(x.seg, first..end, &mut [], &mut bufs)?;
+                    let read: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+                    t.bytes_read.fetch_add(read, Ordering::Relaxed);
+                    continue;
+                }
+                let mut scratch = std::mem::take(&mut self.scratch);
+                let mut bufs: Vec<&mut [u8]> = scratch
                     .iter_mut()
                     .zip(&widths)
                     .zip(out.iter())
@@ -180,27 +292,14 @@ impl RunReader {
                         }
                     })
                     .collect();
-                rows.read_segment(seg, first..end, &mut [], &mut bufs)?;
+                rows.read_segment(x.seg, first..end, &mut [], &mut bufs)?;
                 let read: u64 = bufs.iter().map(|b| b.len() as u64).sum();
                 t.bytes_read.fetch_add(read, Ordering::Relaxed);
-                for r in &runs[a..b] {
-                    let (from, k) = ((r.first - first) as usize, r.count as usize);
-                    for ((o, src), &w) in out.iter_mut().zip(&bufs).zip(&widths) {
-                        if !o.is_empty() {
-                            let (to, from) = (
-                                &mut o[r.at * w..(r.at + k) * w],
-                                &src[from * w..(from + k) * w],
-                            );
-                            if self.streaming {
-                                copy_streaming(to, from);
-                            } else {
-                                to.copy_from_slice(from);
-                            }
-                        }
-                    }
-                }
+                let views: Vec<&[u8]> = bufs.iter().map(|b| &**b).collect();
+                self.copy_out(&runs[x.runs.clone()], first, &views, &widths, out);
+                drop(bufs);
+                self.scratch = scratch;
             }
-            a = b;
         }
         // The streaming stores of `copy_streaming` ordered before whatever follows.
         #[cfg(target_arch = "x86_64")]
