@@ -374,3 +374,96 @@ fn bad_locations_are_one_line_errors() {
         "{err}"
     );
 }
+
+/// Readers in threads of one process, racing overwrites of one prefix on the store, hundreds of
+/// reads: each read (through `reader::read_latest`, as every command reads) returns a checkpoint
+/// that was saved there, whole — its digest is one of the saved models', never a mixture — or
+/// says it was overtaken ("was replaced"). Never a missing object, never "corrupt". About 20
+/// reads in CI; `SAVER_S3_RACE_SAVES=300` makes hundreds.
+#[test]
+fn library_readers_racing_overwrites_get_a_whole_saved_checkpoint() {
+    let Some(g) = garage::shared() else { return };
+    use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
+    let url = g.url("race/ck");
+    let dir = Path::new(&url);
+    // `SAVER_S3_RACE_SAVES` raises the number of overwrites (and so of reads).
+    let saves: u64 = std::env::var("SAVER_S3_RACE_SAVES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    let models: Vec<SyntheticModel> = (0..saves)
+        .map(|k| {
+            let spec: SyntheticSpec = format!("tiny,seed={k}").parse().unwrap();
+            SyntheticModel::generate(&spec).unwrap()
+        })
+        .collect();
+    let mut o = options(2);
+    o.overwrite = true;
+    // Each model's digest, from a save of it read back whole.
+    let mut digests = std::collections::BTreeSet::new();
+    save(dir, models[0].input(), &o).unwrap();
+    digests.insert(digest_of(dir, 1, 0));
+    let digests = std::sync::Mutex::new(digests);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (reads, overtaken) = (
+        std::sync::atomic::AtomicUsize::new(0),
+        std::sync::atomic::AtomicUsize::new(0),
+    );
+    let seen = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for reader in 0..3u32 {
+            let (done, reads, overtaken, seen) = (&done, &reads, &overtaken, &seen);
+            s.spawn(move || {
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let got = saver::io::reader::read_latest(dir, || {
+                        let chain = Chain::open(dir)?;
+                        let r = chain.restore(&LoadOptions {
+                            shard_num: 1 + reader % 2,
+                            shard_index: Some(0),
+                            parallel: 2,
+                            ..LoadOptions::default()
+                        })?;
+                        Ok((reader % 2, restored_digest(&r)?))
+                    });
+                    reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    match got {
+                        Ok(d) => seen.lock().unwrap().push(d),
+                        Err(e) => {
+                            let e = e.to_string();
+                            assert!(e.contains("was replaced"), "{e}");
+                            overtaken.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                }
+            });
+        }
+        for (k, m) in models.iter().enumerate().skip(1) {
+            std::thread::sleep(Duration::from_millis((k as u64 * 37 % 7) * 40));
+            save(dir, m.input(), &o).unwrap();
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    // What each model reads as, whole (shard 0 of 1) and as shard 0 of 2, read with no race.
+    let mut whole = std::collections::BTreeSet::new();
+    let mut half = std::collections::BTreeSet::new();
+    let local = tempfile::tempdir().unwrap();
+    for (k, m) in models.iter().enumerate() {
+        let d = local.path().join(format!("m{k}"));
+        save(&d, m.input(), &options(2)).unwrap();
+        whole.insert(digest_of(&d, 1, 0));
+        half.insert(digest_of(&d, 2, 0));
+    }
+    assert!(whole.is_superset(&digests.into_inner().unwrap()));
+    let seen = seen.into_inner().unwrap();
+    for (kind, d) in &seen {
+        let known = if *kind == 0 { &whole } else { &half };
+        assert!(known.contains(d), "a read returned rows of no saved model");
+    }
+    let reads = reads.into_inner();
+    assert!(reads >= 12, "{reads} reads");
+    println!(
+        "{reads} reads, {} overtaken, {} distinct checkpoints read",
+        overtaken.into_inner(),
+        seen.iter().collect::<std::collections::BTreeSet<_>>().len()
+    );
+}
