@@ -20,9 +20,9 @@ use std::path::Path;
 use std::time::Instant;
 
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::io::digest::source_digest;
-use saver::io::reshard::reshard_chain;
 use saver::io::source::Source;
+use saver::io::tools::digest::source_digest;
+use saver::io::tools::reshard::reshard_chain;
 use saver::{save, Chain, LoadOptions, SaveOptions};
 
 /// One configuration: runs once, returns its timed seconds.

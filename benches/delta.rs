@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use saver::core::partition::fmix64;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::io::reshard::reshard_chain;
+use saver::io::tools::reshard::reshard_chain;
 use saver::{
     save, Chain, Checkpoint, DenseTensor, EmbeddingTable, LoadOptions, SaveInput, SaveOptions,
     SparseTable,

@@ -8,9 +8,9 @@
 use std::path::{Path, PathBuf};
 
 use saver::core::partition::fmix64;
-use saver::io::digest::source_digest;
-use saver::io::reshard::reshard_chain;
 use saver::io::source::Source;
+use saver::io::tools::digest::source_digest;
+use saver::io::tools::reshard::reshard_chain;
 use saver::{
     save, Chain, Dtype, EmbeddingTable, KeyDtype, LoadOptions, SaveInput, SaveOptions, SlotSpec,
 };

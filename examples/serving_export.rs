@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::io::export::{export, ExportOptions};
+use saver::io::tools::export::{export, ExportOptions};
 use saver::{save, BlockKind, Checkpoint, Dtype, Filters, SaveOptions};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

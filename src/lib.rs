@@ -23,7 +23,7 @@ pub mod prelude {
         PartitionRule, PlanOptions, RowView, SaveInput, SlotSpec, SparseTable, TableRef,
         TableSnapshot,
     };
-    pub use saver_io::export::{export, export_chain, ExportOptions, ExportReport};
+    pub use saver_io::tools::export::{export, export_chain, ExportOptions, ExportReport};
     pub use saver_io::{
         save, save_async, verify, Chain, Checkpoint, DeltaMethod, DirectIo, LoadOptions,
         LoadReport, LoadedDense, Progress, Restored, RestoredShard, SaveHandle, SaveOptions,

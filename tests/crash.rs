@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use saver::core::partition::fmix64;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::io::digest::restored_digest;
 use saver::io::storage::{CommitLock, LocalFs, ReadHandle, Storage, WriteHandle};
+use saver::io::tools::digest::restored_digest;
 use saver::io::{save_to, Error, Result};
 use saver::{save, Checkpoint, ForeignRows, LoadOptions, SaveOptions, Status};
 

@@ -12,10 +12,10 @@ mod common;
 
 use proptest::prelude::*;
 use saver::core::ScalarCondition;
-use saver::io::digest::{restored_digest, source_digest};
-use saver::io::export::export_chain;
-use saver::io::reshard::reshard_chain;
 use saver::io::source::Source;
+use saver::io::tools::digest::{restored_digest, source_digest};
+use saver::io::tools::export::export_chain;
+use saver::io::tools::reshard::reshard_chain;
 use saver::{
     save, Chain, Checkpoint, DenseTensor, Dtype, EmbeddingTable, Error, ExportOptions, Filters,
     KeyDtype, LoadOptions, SaveInput, SaveOptions, SlotSpec, Status,
@@ -394,14 +394,14 @@ fn chains_deeper_than_the_limit_are_refused_and_compact_fixes_them() {
     let tmp = tempfile::tempdir().unwrap();
     let mut state = State::new();
     let mut last: Option<PathBuf> = None;
-    for k in 0..saver::io::chain::MAX_CHAIN_LINKS + 1 {
+    for k in 0..saver::io::load::chain::MAX_CHAIN_LINKS + 1 {
         state
             .entry(1)
             .or_default()
             .insert(id_of(1, k as u16), ([k as u8; 8], 1.0));
         let dir = tmp.path().join(format!("l{k}"));
         let saved = save_state(&dir, &state, b"w", &options(1, None, last.as_deref()));
-        if k < saver::io::chain::MAX_CHAIN_LINKS {
+        if k < saver::io::load::chain::MAX_CHAIN_LINKS {
             saved.unwrap_or_else(|e| panic!("link {k}: {e}"));
             last = Some(dir);
             continue;
@@ -414,9 +414,9 @@ fn chains_deeper_than_the_limit_are_refused_and_compact_fixes_them() {
     // One link below the limit resolves, and compacts into a full checkpoint.
     let prev = tmp
         .path()
-        .join(format!("l{}", saver::io::chain::MAX_CHAIN_LINKS - 1));
+        .join(format!("l{}", saver::io::load::chain::MAX_CHAIN_LINKS - 1));
     let chain = Chain::open(&prev).unwrap();
-    assert_eq!(chain.links().len(), saver::io::chain::MAX_CHAIN_LINKS);
+    assert_eq!(chain.links().len(), saver::io::load::chain::MAX_CHAIN_LINKS);
     let out = tmp.path().join("compacted");
     reshard_chain(&chain, &out, &options(1, None, None)).unwrap();
     assert_eq!(digest(&out), digest(&prev));
@@ -965,7 +965,7 @@ fn a_corrupt_byte_in_any_link_is_refused_by_every_read_and_never_laundered() {
             assert_eq!(restored(&shard(0)).unwrap(), intact[2]);
             let arrays = chain
                 .load_columns(&LoadOptions::default())
-                .and_then(|c| saver::io::digest::columns_digest(&c));
+                .and_then(|c| saver::io::tools::digest::columns_digest(&c));
             check("arrays", arrays, &intact[3]);
             check("digest", chain_digest(&tip), &intact[3]);
             // What a rewrite commits must be the intact chain's rows, or nothing.

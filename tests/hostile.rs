@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use proptest::prelude::*;
 use saver::core::partition::fmix64;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::io::digest::restored_digest;
-use saver::io::header::read_header;
-use saver::io::import::read_plain;
+use saver::io::load::header::read_header;
+use saver::io::source::import::read_plain;
 use saver::io::storage::{LocalFs, Storage};
+use saver::io::tools::digest::restored_digest;
 use saver::io::Error;
 use saver::{save, Checkpoint, LoadOptions, SaveOptions, Status};
 
@@ -511,7 +511,7 @@ proptest! {
             let k = i.index(b.len());
             b[k] = *v;
         }
-        let _ = saver::io::index::Index::parse(&b, INDEX);
+        let _ = saver::io::load::index::Index::parse(&b, INDEX);
         let _ = serde_json::from_slice::<saver::core::Manifest>(&b);
     }
 }

@@ -205,7 +205,7 @@ fn reshard_keeps_every_row_dense_tensor_and_state() {
     save(src.path(), m.input(), &o).unwrap();
     let ck = Checkpoint::open(src.path()).unwrap();
     let out_dir = out.path().join("three");
-    let r = saver::io::reshard::reshard(&ck, &out_dir, &save_opts(3)).unwrap();
+    let r = saver::io::tools::reshard::reshard(&ck, &out_dir, &save_opts(3)).unwrap();
     assert_eq!(r.rows, 5_000 + 2_500);
 
     assert_eq!(
@@ -219,8 +219,8 @@ fn reshard_keeps_every_row_dense_tensor_and_state() {
     let all = LoadOptions::default();
     let (a, b) = (ck.restore(&all).unwrap(), new.restore(&all).unwrap());
     assert_eq!(
-        saver::io::digest::restored_digest(&a).unwrap(),
-        saver::io::digest::restored_digest(&b).unwrap()
+        saver::io::tools::digest::restored_digest(&a).unwrap(),
+        saver::io::tools::digest::restored_digest(&b).unwrap()
     );
     let tables = &b.shards[0].tables;
     let user = tables
@@ -587,7 +587,7 @@ fn block_checksums_match_the_bytes_of_every_long_tensor() {
     );
 }
 /// Rows of a columnar table as id -> slot rows.
-fn rows_of_columns(t: &saver::io::columns::TableColumns) -> BTreeMap<u64, Vec<Vec<u8>>> {
+fn rows_of_columns(t: &saver::io::load::arrays::TableColumns) -> BTreeMap<u64, Vec<Vec<u8>>> {
     let sizes: Vec<usize> = t
         .slots
         .iter()

@@ -13,8 +13,8 @@ mod common;
 mod garage;
 
 use saver::core::plan::ForeignRows;
-use saver::io::digest::restored_digest;
 use saver::io::storage::{LocalFs, ObjectStorage, Storage, MIN_PART_SIZE};
+use saver::io::tools::digest::restored_digest;
 use saver::{save, verify, Chain, Checkpoint, LoadOptions, SaveOptions, Status};
 
 /// Deterministic bytes for a test file.
@@ -415,7 +415,7 @@ fn library_readers_racing_overwrites_get_a_whole_saved_checkpoint() {
             let (done, reads, overtaken, seen) = (&done, &reads, &overtaken, &seen);
             s.spawn(move || {
                 while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                    let got = saver::io::reader::read_latest(dir, || {
+                    let got = saver::io::load::checkpoint::read_latest(dir, || {
                         let chain = Chain::open(dir)?;
                         let r = chain.restore(&LoadOptions {
                             shard_num: 1 + reader % 2,

@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use saver::core::partition::fmix64;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::io::commit::{try_commit, CommitState};
-use saver::io::digest::restored_digest;
+use saver::io::save::commit::{try_commit, CommitState};
 use saver::io::storage::{Fault, FaultyStorage, LocalFs};
+use saver::io::tools::digest::restored_digest;
 use saver::io::{save_to, Error, SaveReport};
 use saver::{
     save, Checkpoint, DenseTensor, Dtype, ForeignRows, LoadOptions, SaveInput, SaveOptions, Status,

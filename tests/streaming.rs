@@ -7,10 +7,11 @@ use std::path::Path;
 
 use proptest::prelude::*;
 use saver::core::{Dtype, SaveInput, SparseTable};
-use saver::io::digest::{restored_digest, source_digest, tables_digest};
-use saver::io::export::{export, ExportOptions};
-use saver::io::import::read_plain;
-use saver::io::source::{save_input, Source, SourceTables, StoredTable};
+use saver::io::load::stored::StoredTable;
+use saver::io::source::import::read_plain;
+use saver::io::source::{save_input, Source, SourceTables};
+use saver::io::tools::digest::{restored_digest, source_digest, tables_digest};
+use saver::io::tools::export::{export, ExportOptions};
 use saver::io::{save, Checkpoint, LoadOptions, SaveOptions};
 
 /// One slot of a plain table: name, dtype, row width in elements, rows back to back.
@@ -185,7 +186,7 @@ proptest! {
         prop_assert_eq!(restored_digest(&restored).unwrap(), mem_digest.clone());
 
         // Reshard, streaming, against a save of the restored tables (in memory).
-        saver::io::reshard::reshard(&ck, &d.path().join("resharded"), &opts(reshards)).unwrap();
+        saver::io::tools::reshard::reshard(&ck, &d.path().join("resharded"), &opts(reshards)).unwrap();
         let mut input = SaveInput::new();
         for s in &restored.shards {
             for t in &s.tables {

@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 use std::sync::Arc;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use saver_io::writer::ProgressFn;
+use saver_io::save::ProgressFn;
 use serde::Serialize;
 
 /// Bytes as `1.5 GiB`.

@@ -5,10 +5,10 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use saver_core::SparseTable;
-use saver_io::digest::{content_digest, source_digest};
-use saver_io::import::read_model;
-use saver_io::reader::read_latest;
+use saver_io::load::checkpoint::read_latest;
+use saver_io::source::import::read_model;
 use saver_io::source::Source;
+use saver_io::tools::digest::{content_digest, source_digest};
 
 use super::CmdResult;
 use crate::cli::Output;

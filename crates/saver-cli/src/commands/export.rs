@@ -4,8 +4,8 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use saver_core::Dtype;
-use saver_io::export::{export_chain, ExportOptions};
-use saver_io::reader::read_latest;
+use saver_io::load::checkpoint::read_latest;
+use saver_io::tools::export::{export_chain, ExportOptions};
 use saver_io::Chain;
 
 use super::CmdResult;

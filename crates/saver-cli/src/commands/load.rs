@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use serde::Serialize;
 
-use saver_io::digest::{columns_digest, restored_digest};
-use saver_io::reader::read_latest;
+use saver_io::load::checkpoint::read_latest;
+use saver_io::tools::digest::{columns_digest, restored_digest};
 use saver_io::{Chain, LoadOptions, LoadReport};
 
 use super::CmdResult;

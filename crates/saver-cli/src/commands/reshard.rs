@@ -4,8 +4,8 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use saver_io::reader::read_latest;
-use saver_io::reshard::reshard_chain;
+use saver_io::load::checkpoint::read_latest;
+use saver_io::tools::reshard::reshard_chain;
 use saver_io::{Chain, SaveOptions};
 
 use super::CmdResult;

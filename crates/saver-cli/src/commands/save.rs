@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use saver_core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver_core::{Filters, ForeignRows, ScalarCondition};
-use saver_io::delta::save_delta;
+use saver_io::save::delta::save_delta;
 use saver_io::source::{save_input, Source, SourceTables};
 use saver_io::{save, DirectIo, SaveOptions, SaveReport};
 

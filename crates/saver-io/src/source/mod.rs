@@ -7,10 +7,10 @@
 //! the models this is for), and beyond that a bounded amount, whatever the number of rows.
 
 mod distribute;
+pub mod import;
 pub mod plain;
 mod rounds;
 pub mod sorted;
-pub mod stored;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -19,35 +19,15 @@ use saver_core::naming::{SaverFile, INDEX_FILE};
 use saver_core::{SaveInput, SparseTable};
 
 pub use plain::{PlainInput, PlainTable};
-pub use stored::StoredTable;
 
-use crate::chain::{Chain, ChainTable};
 use crate::error::{Error, Result};
-use crate::import::{first_trainer_state, is_checkpoint, with_dense};
-use crate::reader::{describe_incomplete, Checkpoint};
-use crate::restore::LoadedDense;
-
-/// What receives rows in batches: ids, and each slot's rows back to back (in the table's slot
-/// order).
-pub type VisitRows<'a> = dyn FnMut(&[u64], &[&[u8]]) -> Result<()> + 'a;
-
-/// A table whose rows can be visited in storage order, (bucket, id bits): what the digest, the
-/// export's sort and the delta's comparison read.
-pub trait BucketRows: SparseTable {
-    /// Bytes of one row of each slot, in [`SparseTable::slots`] order.
-    fn row_bytes(&self) -> &[u64];
-    /// The exact number of rows.
-    fn rows(&self) -> u64;
-    /// Visits every row in (bucket, id bits) order, at most `batch` rows at a time: ids, and each
-    /// slot's rows back to back.
-    fn visit_in_bucket_order(&self, batch: usize, visit: &mut VisitRows<'_>) -> Result<()>;
-    /// Checks what was read only in part against its checksums (a chain's older links, a
-    /// target's buckets): called before what was read is returned or committed. Default: every
-    /// read was checked as it was made.
-    fn finish_checks(&self) -> Result<()> {
-        Ok(())
-    }
-}
+use crate::load::chain::{Chain, ChainTable};
+use crate::load::checkpoint::{describe_incomplete, Checkpoint};
+use crate::load::documents::MAX_JSON_BYTES;
+use crate::load::restore::LoadedDense;
+use crate::load::rows::BucketRows;
+use crate::load::stored::StoredTable;
+use saver_core::DenseTensor;
 
 /// A model to read: a checkpoint or a plain input, opened (headers and manifests read, no data).
 #[derive(Debug)]
@@ -159,7 +139,7 @@ impl Source {
     /// Every dense tensor of `c`, read whole and checked against its CRC32.
     pub fn checkpoint_dense(c: &Checkpoint) -> Result<Vec<LoadedDense>> {
         let refs = c.manifest().dense.iter().map(|d| (c, d));
-        crate::restore::read_dense_refs(refs, &None, &mut crate::LoadReport::default())
+        crate::load::restore::read_dense_refs(refs, &None, &mut crate::LoadReport::default())
     }
 
     /// Shard 0's trainer state, when the source is a checkpoint.
@@ -189,17 +169,6 @@ impl Source {
     }
 }
 
-/// An error of reading table `table`'s rows, as a table snapshot returns it.
-pub(crate) fn core_error(table: &str, e: Error) -> saver_core::Error {
-    match e {
-        Error::Core(e) => e,
-        e => saver_core::Error::Table {
-            table: table.into(),
-            message: e.to_string(),
-        },
-    }
-}
-
 /// Save input of `tables` and `dense` (borrowed).
 pub fn save_input<'a>(
     tables: &'a SourceTables<'_>,
@@ -212,4 +181,47 @@ pub fn save_input<'a>(
         .map(saver_core::plan::TableRef::Borrowed)
         .collect();
     with_dense(input, dense)
+}
+
+/// `input` with `dense` added, borrowed.
+pub(crate) fn with_dense<'a>(
+    mut input: SaveInput<'a>,
+    dense: &'a [LoadedDense],
+) -> Result<SaveInput<'a>> {
+    for d in dense {
+        input = input.dense(DenseTensor::new(
+            d.name.clone(),
+            d.dtype,
+            d.shape.clone(),
+            d.data.as_slice(),
+        )?);
+    }
+    Ok(input)
+}
+
+/// Shard 0's trainer state: what a checkpoint rewritten for another worker count carries, since a
+/// worker's state does not map onto a new worker count.
+pub(crate) fn first_trainer_state(ckpt: &Checkpoint) -> Option<String> {
+    ckpt.manifest()
+        .shards
+        .first()
+        .and_then(|s| s.trainer_state.clone())
+}
+
+/// Whether `dir` holds a saver checkpoint (its index says so). Reads the index only if it is a
+/// regular file.
+pub fn is_checkpoint(dir: &Path) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        metadata: ProbeMetadata,
+    }
+    #[derive(serde::Deserialize)]
+    struct ProbeMetadata {
+        format: Option<String>,
+    }
+    crate::storage::open_location(dir)
+        .and_then(|s| s.get(INDEX_FILE, MAX_JSON_BYTES))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Probe>(&b).ok())
+        .is_some_and(|p| p.metadata.format.as_deref() == Some("saver"))
 }

@@ -3,7 +3,7 @@
 //!
 //! In a plain input, a table is a 1-D I64/U64 tensor named `<table>/ids` with sibling tensors
 //! `<table>/<slot>` whose first dimension equals the number of ids; every other tensor is dense.
-//! This is also what [`crate::export`] writes, so an export can be saved again.
+//! This is also what [`crate::tools::export`] writes, so an export can be saved again.
 //!
 //! A plain table's rows are in no useful order, and a save writes them by bucket. So
 //! [`PlainTable::distribute`] first reads the input once, window by window, and appends each row
@@ -23,11 +23,11 @@ use saver_core::naming::{check_slot_name, check_table_name, INDEX_FILE};
 use saver_core::table::{validate_slots, RowChunk, TableSnapshot};
 use saver_core::{Dtype, KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
-use super::core_error as core;
-use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
-use crate::header::{read_header, HeaderEntry};
-use crate::restore::LoadedDense;
+use crate::load::documents::MAX_JSON_BYTES;
+use crate::load::header::{read_header, HeaderEntry};
+use crate::load::restore::LoadedDense;
+use crate::load::rows::core_error as core;
 use crate::storage::{check_file_name, FileVersion, LocalFs, ReadHandle, Storage};
 
 use super::distribute::{Content, InputColumn, Output, Pass, Runs, TableInput, TemporaryFiles};
@@ -401,7 +401,7 @@ pub struct PlainTable<'p> {
     columns: TableInput,
     slots: Vec<SlotSpec>,
     row_bytes: Vec<usize>,
-    /// `row_bytes` as [`super::BucketRows`] gives them.
+    /// `row_bytes` as [`crate::load::rows::BucketRows`] gives them.
     row_bytes_u64: Vec<u64>,
     groups: Groups,
     /// Columns of groups recently loaded, most recent last.
@@ -750,7 +750,7 @@ impl<'p> PlainTable<'p> {
     pub fn visit_in_bucket_order(
         &self,
         batch: usize,
-        visit: &mut super::VisitRows<'_>,
+        visit: &mut crate::load::rows::VisitRows<'_>,
     ) -> Result<()> {
         let mut ids = Vec::new();
         let mut slots: Vec<Vec<u8>> = vec![Vec::new(); self.row_bytes.len()];
@@ -862,7 +862,7 @@ impl<'p> PlainTable<'p> {
     }
 }
 
-impl super::BucketRows for PlainTable<'_> {
+impl crate::load::rows::BucketRows for PlainTable<'_> {
     fn finish_checks(&self) -> Result<()> {
         self.columns.check_unchanged(&self.spec.name)
     }
@@ -873,7 +873,11 @@ impl super::BucketRows for PlainTable<'_> {
     fn rows(&self) -> u64 {
         self.spec.rows
     }
-    fn visit_in_bucket_order(&self, batch: usize, visit: &mut super::VisitRows<'_>) -> Result<()> {
+    fn visit_in_bucket_order(
+        &self,
+        batch: usize,
+        visit: &mut crate::load::rows::VisitRows<'_>,
+    ) -> Result<()> {
         PlainTable::visit_in_bucket_order(self, batch, visit)
     }
 }

@@ -16,9 +16,9 @@ use rayon::slice::ParallelSliceMut;
 
 use std::sync::mpsc::sync_channel;
 
-use super::{BucketRows, VisitRows};
 use crate::error::{io_err, Result};
-use crate::write_behind::WriteBehind;
+use crate::load::rows::{BucketRows, VisitRows};
+use crate::storage::write_behind::WriteBehind;
 
 /// Most bytes of rows sorted in memory at once.
 pub const RUN_BYTES: usize = 32 << 20;

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use saver_core::naming::{COMMIT_LOCK, TMP_MARK};
 
 use super::direct::{DirectWrites, WindowPool};
+use super::preallocate::allocate;
 use super::{check_file_name, ReadHandle, Storage, WriteHandle};
 use crate::error::{io_err, Error, Result};
 
@@ -100,7 +101,7 @@ impl LocalFs {
         self.dir.join(format!(
             "{name}{TMP_MARK}{}-{}-{n}",
             std::process::id(),
-            crate::owner::process_token()
+            crate::storage::identity::process_token()
         ))
     }
 
@@ -213,36 +214,6 @@ impl ReadHandle for LocalRead {
                 }
             }
         })
-    }
-}
-
-/// Reserves the file's blocks up front: writes into allocated extents are faster than into a
-/// sparse file, and a full disk is reported before any byte is written. Falls back to a sparse
-/// `set_len` where the filesystem cannot preallocate.
-pub(crate) fn allocate(file: &File, len: u64) -> std::io::Result<()> {
-    if len > 0 && reserve(file, 0, len)? {
-        return Ok(());
-    }
-    file.set_len(len)
-}
-
-/// Reserves the blocks of bytes `offset..offset + len` of `file` (`fallocate`, growing the file
-/// to cover them). `Ok(false)` where the filesystem cannot preallocate.
-pub(crate) fn reserve(file: &File, offset: u64, len: u64) -> std::io::Result<bool> {
-    let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
-        return Err(std::io::Error::new(
-            ErrorKind::InvalidInput,
-            "a range past the largest file offset",
-        ));
-    };
-    // SAFETY: a valid open descriptor and in-range arguments.
-    if unsafe { libc::fallocate(file.as_raw_fd(), 0, offset, len) } == 0 {
-        return Ok(true);
-    }
-    let err = std::io::Error::last_os_error();
-    match err.raw_os_error() {
-        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => Ok(false),
-        _ => Err(err),
     }
 }
 
@@ -430,9 +401,9 @@ impl Storage for LocalFs {
     /// Beside the checkpoint: the same filesystem, which has room for the checkpoint, while the
     /// system's temporary directory may be small or in memory.
     fn spill(&self) -> Result<std::sync::Arc<dyn saver_core::plan::Spill>> {
-        Ok(std::sync::Arc::new(crate::spill::FileSpill::in_dir(
-            &self.dir,
-        )?))
+        Ok(std::sync::Arc::new(
+            crate::storage::spill::FileSpill::in_dir(&self.dir)?,
+        ))
     }
 }
 

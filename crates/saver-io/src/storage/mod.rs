@@ -13,9 +13,13 @@
 
 mod direct;
 mod faulty;
+pub(crate) mod identity;
 mod local;
 #[cfg(feature = "s3")]
 mod object;
+mod preallocate;
+pub mod spill;
+pub(crate) mod write_behind;
 
 use std::fmt;
 use std::path::Path;
@@ -23,14 +27,14 @@ use std::sync::Arc;
 
 use saver_core::plan::Spill;
 
-use crate::spill::FileSpill;
+use crate::storage::spill::FileSpill;
 
 pub use faulty::{Fault, FaultyStorage};
 pub use local::LocalFs;
 pub use local::LocalLock;
-pub(crate) use local::{allocate, reserve};
 #[cfg(feature = "s3")]
 pub use object::{on_slow_request, ObjectStorage, LEASE, MIN_PART_SIZE};
+pub(crate) use preallocate::allocate;
 
 use crate::error::{Error, Result};
 

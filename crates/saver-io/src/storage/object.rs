@@ -416,7 +416,7 @@ impl ObjectStorage {
         let key = self.prefix.clone().join(format!(
             ".saver-probe-{}-{}-{}",
             std::process::id(),
-            crate::owner::process_token(),
+            crate::storage::identity::process_token(),
             PROBES.fetch_add(1, Ordering::Relaxed)
         ));
         let first = self.put_if_absent(&key, Bytes::from_static(b"probe"))?;
@@ -558,7 +558,7 @@ impl Storage for ObjectStorage {
         static UPLOADS: AtomicU64 = AtomicU64::new(0);
         let marker = self.key(&format!(
             "{name}{TMP_MARK}{}-{}{UPLOAD_MARK}",
-            crate::owner::process_token(),
+            crate::storage::identity::process_token(),
             UPLOADS.fetch_add(1, Ordering::Relaxed)
         ))?;
         let record = UploadRecord::of_this_process(upload.clone());
@@ -677,7 +677,7 @@ impl Storage for ObjectStorage {
             let Some((data, record)) = self.marker_record(&name)? else {
                 continue;
             };
-            if crate::owner::has_ended(&record.namespace, record.pid, record.start) {
+            if crate::storage::identity::has_ended(&record.namespace, record.pid, record.start) {
                 self.abort_upload(&data, &record.upload_id)?;
                 self.delete(&self.key(&name)?)?;
                 cleaned.push(name);
@@ -766,7 +766,7 @@ impl Lease {
     fn to_bytes(&self) -> Bytes {
         Bytes::from(format!(
             "{{\"holder\":\"{}:{}\",\"expires_unix_ms\":{}}}",
-            crate::owner::host_name().replace(['"', '\\'], "_"),
+            crate::storage::identity::host_name().replace(['"', '\\'], "_"),
             std::process::id(),
             self.expires_unix_ms
         ))
@@ -818,11 +818,11 @@ struct UploadRecord {
     upload_id: String,
     /// For people reading the marker.
     host: String,
-    /// The pid namespace of the process ([`crate::owner::pid_namespace`]); empty if unknown.
+    /// The pid namespace of the process ([`crate::storage::identity::pid_namespace`]); empty if unknown.
     #[serde(default)]
     namespace: String,
     pid: u32,
-    /// When the process started ([`crate::owner::process_start`]); 0 if unknown.
+    /// When the process started ([`crate::storage::identity::process_start`]); 0 if unknown.
     start: u64,
 }
 
@@ -831,12 +831,12 @@ impl UploadRecord {
         let pid = std::process::id();
         Self {
             upload_id,
-            host: crate::owner::host_name(),
-            namespace: crate::owner::pid_namespace()
+            host: crate::storage::identity::host_name(),
+            namespace: crate::storage::identity::pid_namespace()
                 .unwrap_or_default()
                 .to_string(),
             pid,
-            start: crate::owner::process_start(pid).unwrap_or(0),
+            start: crate::storage::identity::process_start(pid).unwrap_or(0),
         }
     }
 
@@ -1271,7 +1271,7 @@ mod tests {
             .spawn()
             .unwrap();
         let pid = child.id();
-        let start = crate::owner::process_start(pid).expect("a running child");
+        let start = crate::storage::identity::process_start(pid).expect("a running child");
         child.kill().unwrap();
         child.wait().unwrap();
         let marker = markers.iter().find(|m| m.starts_with("dead.")).unwrap();

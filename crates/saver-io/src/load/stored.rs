@@ -17,10 +17,10 @@ use saver_core::manifest::{SegmentManifest, TableManifest, TensorRef};
 use saver_core::table::{RowChunk, TableSnapshot};
 use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
-use super::core_error as core;
 use crate::error::{Error, Result};
-use crate::pieces::{self, Piece};
-use crate::reader::Checkpoint;
+use crate::load::checkpoint::Checkpoint;
+use crate::load::pieces::{self, Piece};
+use crate::load::rows::core_error as core;
 
 /// Bits of a row handle that hold the row's number within its segment; the segment is above.
 pub(crate) const ROW_BITS: u32 = 40;
@@ -69,7 +69,7 @@ impl<'c> StoredTable<'c> {
         partitions.sort_by_key(|p| p.buckets[0]);
         let mut segments = Vec::new();
         for p in partitions {
-            let map = crate::restore::slot_map(table, p, &slots)?;
+            let map = crate::load::restore::slot_map(table, p, &slots)?;
             for seg in &p.segments {
                 if seg.rows >= 1 << ROW_BITS {
                     return Err(Error::Corrupt {
@@ -117,7 +117,7 @@ impl<'c> StoredTable<'c> {
             tables: tables.to_vec(),
             ..crate::LoadOptions::default()
         };
-        let exclude = crate::restore::globs("exclude_slots", exclude_slots)?;
+        let exclude = crate::load::restore::globs("exclude_slots", exclude_slots)?;
         ckpt.selected_tables(&opts)?
             .into_iter()
             .map(|t| Self::new(ckpt, t, Checkpoint::kept_slots(t, &exclude)))
@@ -409,7 +409,7 @@ impl<'c> StoredTable<'c> {
     }
 }
 
-impl super::BucketRows for StoredTable<'_> {
+impl crate::load::rows::BucketRows for StoredTable<'_> {
     fn row_bytes(&self) -> &[u64] {
         &self.row_bytes
     }
@@ -422,7 +422,11 @@ impl super::BucketRows for StoredTable<'_> {
         self.rows
     }
 
-    fn visit_in_bucket_order(&self, batch: usize, visit: &mut super::VisitRows<'_>) -> Result<()> {
+    fn visit_in_bucket_order(
+        &self,
+        batch: usize,
+        visit: &mut crate::load::rows::VisitRows<'_>,
+    ) -> Result<()> {
         let widths: Vec<usize> = self.row_bytes.iter().map(|&b| b as usize).collect();
         let step = batch.max(1) as u64;
         let mut raw = Vec::new();

@@ -4,7 +4,7 @@
 //! `with_change_tracking`) and whose last committed save is the parent gives the rows written
 //! since and the ids removed since, without any comparison. For every other table the delta is
 //! found by content: each table's rows are walked in (bucket, id bits) order beside
-//! the parent chain's rows of the same table ([`crate::chain::ChainTable`]), which lie in that
+//! the parent chain's rows of the same table ([`crate::load::chain::ChainTable`]), which lie in that
 //! order on disk. A row the parent lacks or holds with other bytes (in any slot the save keeps)
 //! is written whole; a parent row whose id the table no longer holds, or whose row a row filter
 //! now drops, is recorded as removed. Both go to nameless temporary files beside the checkpoint
@@ -35,13 +35,13 @@ use saver_core::{
     ChangeTracking, DenseTensor, KeyDtype, PartitionRule, SaveInput, SlotSpec, SparseTable,
 };
 
-use crate::chain::{Chain, ChainTable};
 use crate::error::{Error, Result};
-use crate::source::BucketRows;
+use crate::load::chain::{Chain, ChainTable};
+use crate::load::rows::BucketRows;
+use crate::save::options::SaveOptions;
+use crate::save::pipeline::{save_prepared, storage_for_save, DeltaOf};
+use crate::save::report::{DeltaMethod, SaveReport};
 use crate::storage::Storage;
-use crate::writer::{
-    save_prepared, storage_for_save, DeltaMethod, DeltaOf, SaveOptions, SaveReport,
-};
 pub use order::InMemoryOrder;
 use spool::{Spool, SpoolTable};
 
@@ -260,7 +260,7 @@ impl Delta {
             },
         })?;
         // Refused before anything is written: a longer chain would commit and then be unreadable.
-        if chain.links().len() >= crate::chain::MAX_CHAIN_LINKS {
+        if chain.links().len() >= crate::load::chain::MAX_CHAIN_LINKS {
             return Err(Error::Chain {
                 link: child_dir.display().to_string(),
                 message: format!(
@@ -288,7 +288,7 @@ impl Delta {
         }
         // The same directory by another path (a bind mount, an NFS export, a second mount of a
         // bucket): the checkpoint it holds is a link of the chain, by its save id.
-        if let Some(held) = crate::commit::committed(storage)? {
+        if let Some(held) = crate::load::documents::committed(storage)? {
             if let Some(link) = chain
                 .links()
                 .iter()

@@ -13,8 +13,9 @@ use saver_core::{KeyDtype, SlotSpec, SparseTable};
 
 use super::Chain;
 use crate::error::{Error, Result};
-use crate::source::stored::ROW_BITS;
-use crate::source::{core_error as core, BucketRows, StoredTable, VisitRows};
+use crate::load::rows::{core_error as core, BucketRows, VisitRows};
+use crate::load::stored::StoredTable;
+use crate::load::stored::ROW_BITS;
 
 mod runs;
 pub(super) use runs::{Run, RunReader};
@@ -182,7 +183,7 @@ impl<'c> ChainTable<'c> {
     pub(super) fn rows_at_most(&self, buckets: Range<u32>) -> usize {
         self.links
             .iter()
-            .map(|l| crate::restore::expected_rows(l.rows.manifest(), buckets.clone()))
+            .map(|l| crate::load::restore::expected_rows(l.rows.manifest(), buckets.clone()))
             .fold(0, usize::saturating_add)
     }
 
@@ -580,7 +581,7 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
     fn finish(&self) -> saver_core::Result<()> {
         self.table
             .finish_checks()
-            .map_err(|e| crate::source::core_error(&self.table.name, e))
+            .map_err(|e| crate::load::rows::core_error(&self.table.name, e))
     }
 
     fn scan(

@@ -7,7 +7,7 @@
 //!
 //! Integrity: a tensor read whole is checked against its CRC32. A tensor read in part (resharding)
 //! cannot be, so its ids are checked structurally instead: every id must hash into the bucket the
-//! index says, in the target's range, in sorted order. [`crate::verify()`] checks everything.
+//! index says, in the target's range, in sorted order. [`crate::tools::verify()`] checks everything.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -22,8 +22,8 @@ use saver_core::manifest::{SegmentManifest, TableManifest, TensorRef};
 use saver_core::{Dtype, EmbeddingTable, KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
 use crate::error::{Error, Result};
-use crate::pieces::{self, Piece};
-use crate::reader::Checkpoint;
+use crate::load::checkpoint::Checkpoint;
+use crate::load::pieces::{self, Piece};
 
 /// Where restored rows go. Implemented by [`EmbeddingTable`]; implement it for your own table.
 pub trait TableSink: Send + Sync {

@@ -6,7 +6,7 @@
 //! only while the process holds fewer than half its descriptor limit for them; the others are
 //! closed once their header has been checked and reopened for each read, where their size and
 //! change times must still be those seen at open. A file that changed is corrupt; one that is gone
-//! is reported missing, as for a reader that opened it late, and [`crate::reader::read_latest`]
+//! is reported missing, as for a reader that opened it late, and [`crate::load::checkpoint::read_latest`]
 //! starts over on the checkpoint that replaced it.
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -7,7 +7,7 @@ use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
 use super::BATCH_ROWS;
 use crate::error::Result;
-use crate::source::{BucketRows, VisitRows};
+use crate::load::rows::{BucketRows, VisitRows};
 
 /// Any table put in (bucket, id bits) order: its snapshot's ids and row handles, sorted in
 /// memory (16 bytes a row), its rows read by handle a batch at a time.

@@ -17,7 +17,10 @@ use saver_core::table::moment::MomentHook;
 use saver_core::SaveInput;
 
 use crate::error::{Error, Result};
-use crate::writer::{save_on_this_thread, storage_for_save, Progress, SaveOptions, SaveReport};
+use crate::save::options::{Progress, SaveOptions};
+use crate::save::pipeline::storage_for_save;
+use crate::save::report::SaveReport;
+use crate::save::save_on_this_thread;
 
 /// A save running in the background, started by [`save_async`].
 ///

@@ -28,35 +28,19 @@ use saver_core::naming::removed_table_of;
 use saver_core::partition::BUCKETS;
 use saver_core::{EmbeddingTable, PartitionRule, SparseTable};
 
-use crate::columns::{Columns, TableColumns};
 use crate::error::{io_err, Error, Result};
-use crate::memory::{zeroed_bytes, zeroed_u64s};
-use crate::reader::Checkpoint;
-use crate::restore::{
+use crate::load::arrays::{Columns, TableColumns};
+use crate::load::checkpoint::Checkpoint;
+use crate::load::pages::{zeroed_bytes, zeroed_u64s};
+use crate::load::restore::{
     finish_report, globs, read_dense_refs, set_baselines, target_shards, tracked_if, LoadOptions,
     LoadedDense, Restored, RestoredShard,
 };
-use crate::source::BucketRows;
+use crate::load::rows::BucketRows;
 
 /// Most links a chain may have, the full checkpoint at its root included. Each link is read by
 /// every load, so a longer chain is a sign that it should be compacted (`saver compact`).
 pub const MAX_CHAIN_LINKS: usize = 64;
-
-/// Checks a parent path as a manifest gives it: relative, non-empty, no control characters.
-pub fn check_parent_path(path: &str) -> std::result::Result<(), String> {
-    if path.is_empty() {
-        return Err("path is empty".into());
-    }
-    if path.chars().any(char::is_control) {
-        return Err(format!("path {path:?} contains a control character"));
-    }
-    if Path::new(path).is_absolute() || path.starts_with('\\') {
-        return Err(format!(
-            "path {path:?} is absolute: a parent is named relative to its child"
-        ));
-    }
-    Ok(())
-}
 
 /// `to` relative to `from`, both directories that exist (symbolic links resolved), or both
 /// prefixes of one bucket.
@@ -134,7 +118,8 @@ impl Chain {
                      checkpoint (saver compact)"
                 )));
             }
-            check_parent_path(&p.path).map_err(|why| err(format!("parent {why}")))?;
+            crate::load::documents::check_parent_path(&p.path)
+                .map_err(|why| err(format!("parent {why}")))?;
             if seen.contains(&(p.save_id.clone(), p.manifest_crc32)) {
                 return Err(err(format!(
                     "parent {p} is already a link of this chain: the chain is a cycle"
@@ -332,7 +317,7 @@ impl Chain {
             None => 0..BUCKETS,
         };
         let tables = self.selected(opts)?;
-        let pool = crate::restore::reader_pool(opts.parallel)?;
+        let pool = crate::load::restore::reader_pool(opts.parallel)?;
         let mut out = Vec::new();
         let mut report = crate::LoadReport::default();
         for t in &tables {
@@ -393,9 +378,9 @@ impl Chain {
                     .map(|mut r| {
                         // The pages faulted in by one call each, as a compacted checkpoint's
                         // load does, rather than one trap a page in the copies below.
-                        crate::memory::prefault(bytemuck::cast_slice_mut(r.ids));
+                        crate::load::pages::prefault(bytemuck::cast_slice_mut(r.ids));
                         for s in r.slots.iter_mut() {
-                            crate::memory::prefault(s);
+                            crate::load::pages::prefault(s);
                         }
                         r.ids.copy_from_slice(&r.part_ids);
                         drop(r.part_ids);
@@ -475,7 +460,7 @@ impl Chain {
                 }
             }
         }
-        let pool = crate::restore::reader_pool(opts.parallel)?;
+        let pool = crate::load::restore::reader_pool(opts.parallel)?;
         let done: Result<Vec<(u64, u64)>> = pool.install(|| {
             work.par_iter()
                 .map(|(si, ti, r)| {

@@ -3,7 +3,7 @@
 //!
 //! In a plain input, a table is a 1-D I64/U64 tensor named `<table>/ids` with sibling tensors
 //! `<table>/<slot>` whose first dimension equals the number of ids; every other tensor is dense.
-//! This is also what [`crate::export`] writes, so an export can be saved again.
+//! This is also what [`crate::tools::export`] writes, so an export can be saved again.
 //!
 //! [`read_model`] takes the whole model into memory (tables as [`EmbeddingTable`]s). The commands
 //! read in bounded memory through [`crate::source::Source`] instead.
@@ -11,14 +11,12 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use saver_core::naming::INDEX_FILE;
-use saver_core::{DenseTensor, EmbeddingTable, SaveInput, SlotSpec};
+use saver_core::{EmbeddingTable, SaveInput, SlotSpec};
 
-use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
-use crate::reader::Checkpoint;
-use crate::restore::{LoadOptions, LoadedDense, Restored};
-use crate::source::{PlainInput, Source};
+use crate::load::checkpoint::Checkpoint;
+use crate::load::restore::{LoadOptions, LoadedDense, Restored};
+use crate::source::{first_trainer_state, with_dense, PlainInput, Source};
 
 /// A model held in memory, ready to save.
 pub struct Model {
@@ -56,49 +54,6 @@ impl Model {
             warnings: Vec::new(),
         })
     }
-}
-
-/// `input` with `dense` added, borrowed.
-pub(crate) fn with_dense<'a>(
-    mut input: SaveInput<'a>,
-    dense: &'a [LoadedDense],
-) -> Result<SaveInput<'a>> {
-    for d in dense {
-        input = input.dense(DenseTensor::new(
-            d.name.clone(),
-            d.dtype,
-            d.shape.clone(),
-            d.data.as_slice(),
-        )?);
-    }
-    Ok(input)
-}
-
-/// Shard 0's trainer state: what a checkpoint rewritten for another worker count carries, since a
-/// worker's state does not map onto a new worker count.
-pub(crate) fn first_trainer_state(ckpt: &Checkpoint) -> Option<String> {
-    ckpt.manifest()
-        .shards
-        .first()
-        .and_then(|s| s.trainer_state.clone())
-}
-
-/// Whether `dir` holds a saver checkpoint (its index says so). Reads the index only if it is a
-/// regular file.
-pub fn is_checkpoint(dir: &Path) -> bool {
-    #[derive(serde::Deserialize)]
-    struct Probe {
-        metadata: ProbeMetadata,
-    }
-    #[derive(serde::Deserialize)]
-    struct ProbeMetadata {
-        format: Option<String>,
-    }
-    crate::storage::open_location(dir)
-        .and_then(|s| s.get(INDEX_FILE, MAX_JSON_BYTES))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<Probe>(&b).ok())
-        .is_some_and(|p| p.metadata.format.as_deref() == Some("saver"))
 }
 
 /// Reads a model from `path`: a saver checkpoint directory, a plain safetensors directory, or one

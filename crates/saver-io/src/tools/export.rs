@@ -14,14 +14,16 @@ use saver_core::naming::INDEX_FILE;
 use saver_core::plan::header::{render_header_with, HeaderTensor};
 use saver_core::Dtype;
 
-use crate::chain::Chain;
 use crate::error::{Error, Result};
-use crate::reader::Checkpoint;
-use crate::restore::LoadedDense;
+use crate::load::chain::Chain;
+use crate::load::checkpoint::Checkpoint;
+use crate::load::restore::LoadedDense;
+use crate::load::rows::BucketRows;
+use crate::load::stored::StoredTable;
 use crate::source::sorted::{visit_by_id, RUN_BYTES};
-use crate::source::{BucketRows, Source, StoredTable};
+use crate::source::Source;
+use crate::storage::write_behind::WriteBehind;
 use crate::storage::{Storage, WriteHandle};
-use crate::write_behind::WriteBehind;
 
 /// How to export.
 #[derive(Clone, Debug)]
@@ -85,7 +87,7 @@ fn previous_export_files(storage: &dyn Storage) -> Result<Vec<String>> {
         metadata: serde_json::Map<String, serde_json::Value>,
         weight_map: BTreeMap<String, String>,
     }
-    let bytes = storage.get(INDEX_FILE, crate::commit::MAX_JSON_BYTES)?;
+    let bytes = storage.get(INDEX_FILE, crate::load::documents::MAX_JSON_BYTES)?;
     let index: PlainIndex = serde_json::from_slice(&bytes).map_err(|e| {
         Error::Mismatch(format!(
             "{} holds a {INDEX_FILE} that is not an export's ({e}); export into another directory",
@@ -276,7 +278,7 @@ fn export_tables(
         }
         written += hlen + off;
     }
-    let filled = crate::restore::reader_pool(opts.parallel)
+    let filled = crate::load::restore::reader_pool(opts.parallel)
         .and_then(|pool| {
             pool.install(|| fill(&tables, &dense, &tensors, &handles, out, opts.sort_memory))
         })

@@ -11,9 +11,9 @@ use saver_core::partition::BUCKETS;
 use saver_core::{KeyDtype, PartitionRule, SlotSpec};
 
 use crate::error::{Error, Result};
-use crate::memory::{prefault, zeroed_bytes, zeroed_u64s};
-use crate::reader::Checkpoint;
-use crate::restore::{
+use crate::load::checkpoint::Checkpoint;
+use crate::load::pages::{prefault, zeroed_bytes, zeroed_u64s};
+use crate::load::restore::{
     finish_report, globs, reader_pool, target_shards, LoadOptions, LoadReport, LoadedDense,
     PieceCrc,
 };
@@ -45,7 +45,7 @@ pub struct Columns {
 
 /// One chunk of work with its destination slices.
 struct Job<'a, 'm> {
-    read: &'a crate::restore::SegmentRead<'m>,
+    read: &'a crate::load::restore::SegmentRead<'m>,
     rows: std::ops::Range<u64>,
     ids: &'a mut [u64],
     slots: Vec<&'a mut [u8]>,
@@ -135,7 +135,7 @@ impl Checkpoint {
                 }
             }
         }
-        let pool = reader_pool(crate::restore::reader_threads(self, opts.parallel))?;
+        let pool = reader_pool(crate::load::restore::reader_threads(self, opts.parallel))?;
         let results: Result<Vec<(u64, u64, Vec<PieceCrc>)>> = pool.install(|| {
             jobs.par_iter_mut()
                 .map(|job| {

@@ -14,7 +14,7 @@ use saver_core::table::{RowChunk, TableSnapshot};
 use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
 use crate::error::{io_err, Result};
-use crate::source::core_error as core;
+use crate::load::rows::core_error as core;
 
 /// Bytes gathered before they are written.
 const WRITE_BUFFER: usize = 4 << 20;

@@ -1,21 +1,19 @@
-//! Writing a plan to storage and committing it: the save pipeline's last two stages.
+//! The save pipeline: plan, write every planned shard in parallel, make it durable, write the
+//! shard manifests, commit.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crc32fast::Hasher;
 use rayon::prelude::*;
-use serde::Serialize;
 
 use saver_core::manifest::{
-    encode_trainer_state, format_version_of, BlockCrcs, CheckpointRef, ParentRef, TableGiven,
-    WriterInfo,
+    format_version_of, BlockCrcs, CheckpointRef, ParentRef, TableGiven, WriterInfo,
 };
 use saver_core::naming::{check_save_id, shard_manifest_name, INDEX_FILE};
-use saver_core::plan::TableRef;
 use saver_core::plan::{
     crc_block_bytes, plan_with_spill, tables_past_budget, ChunkBuffer, Loc, TensorCrc,
 };
@@ -23,198 +21,17 @@ use saver_core::table::TableSemantics;
 use saver_core::ChangeTracking;
 use saver_core::{PlanOptions, SaveInput, SavePlan};
 
-use crate::commit::{
-    check_not_rejected, claim_shard, committed, files_left_alone, remove_own, try_commit,
-    wait_for_commit, CommitState, Leftovers,
-};
 use crate::error::{Error, Result};
-use crate::schedule::{Claimer, FileQueues};
+use crate::load::documents::committed;
+use crate::save::commit::{
+    check_not_rejected, claim_shard, files_left_alone, remove_own, try_commit, wait_for_commit,
+    CommitState, Leftovers,
+};
+use crate::save::schedule::{Claimer, FileQueues};
 use crate::storage::{LocalFs, Storage, WriteHandle};
 
-/// How far a save's writing has come, as handed to [`SaveOptions::progress`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Progress {
-    /// Bytes of tensor data just written, by the call that reports it.
-    pub bytes: u64,
-    /// Bytes of tensor data written so far by this call.
-    pub written: u64,
-    /// Bytes of tensor data this call writes in all: `written / total` is the fraction done.
-    pub total: u64,
-}
-
-/// Called with the save's [`Progress`] as pieces are written, from writer threads.
-pub type ProgressFn = dyn Fn(Progress) + Send + Sync;
-
-/// How to save.
-#[derive(Clone)]
-pub struct SaveOptions {
-    /// Shards, filters, parallelism, file sizes. `plan.save_id` is ignored: see [`Self::save_id`].
-    pub plan: PlanOptions,
-    /// Identifies the save; part of every file name. Default: random, for a single-process save.
-    /// A multi-process save (`plan.shard_index` set) must be given one, the same in every process
-    /// of that save and used by no other save, nor by a retry of it (for example
-    /// `run7-step1200-a1`, with the job's attempt number): a second writer of a shard under one
-    /// save id gets the save rejected rather than mixed.
-    pub save_id: Option<String>,
-    /// The trainer step this save belongs to, if the trainer gives one. Stored in the manifest;
-    /// every process of a multi-process save must give the same.
-    pub step: Option<u64>,
-    /// fsync data, manifests and directory before each rename (default true). Without it a power
-    /// loss can lose a checkpoint that looked committed.
-    pub durable: bool,
-    /// Replace a committed checkpoint in the directory. The old one stays loadable until the new
-    /// one is committed, then its files are removed.
-    pub overwrite: bool,
-    /// Multi-process: wait up to this long for the other shards and the commit. `None`: return as
-    /// soon as this process's shard is durable (committing if it completes the set).
-    pub wait: Option<Duration>,
-    /// Free-form metadata stored in the manifest.
-    pub user_metadata: BTreeMap<String, String>,
-    /// This process's trainer state, already encoded (see [`Self::with_trainer_state`]).
-    pub trainer_state: Option<String>,
-    /// Whether durable saves by [`save`] write their data files with direct I/O (`O_DIRECT`,
-    /// around the page cache). Default [`DirectIo::Auto`]. [`save_to`] leaves it to the storage
-    /// it is given (see [`LocalFs::with_direct_io`]).
-    pub direct_io: DirectIo,
-    /// Save a delta of the checkpoint in this directory (which may itself be a delta): only the
-    /// rows inserted or changed since it, whole, and the ids removed since it, found by comparing
-    /// each table's rows with the parent's (see [`crate::delta`]). `None` (default): a full
-    /// checkpoint. The manifest names the parent by its path relative to the new checkpoint, its
-    /// save id and its manifest's checksum; loading the delta resolves the chain.
-    pub parent: Option<PathBuf>,
-    /// Progress callback, called from writer threads with the bytes just written, the bytes
-    /// written so far and the total ([`Progress`]). It must own what it uses (`'static`): to
-    /// count into a variable of yours, share it through an `Arc`:
-    ///
-    /// ```
-    /// use std::sync::atomic::{AtomicU64, Ordering};
-    /// use std::sync::Arc;
-    /// let percent = Arc::new(AtomicU64::new(0));
-    /// let shown = Arc::clone(&percent);
-    /// let opts = saver_io::SaveOptions {
-    ///     progress: Some(Arc::new(move |p: saver_io::Progress| {
-    ///         shown.store(p.written * 100 / p.total.max(1), Ordering::Relaxed);
-    ///     })),
-    ///     ..Default::default()
-    /// };
-    /// // ... save with `opts`, then read `percent.load(Ordering::Relaxed)`.
-    /// ```
-    pub progress: Option<Arc<ProgressFn>>,
-}
-
-impl Default for SaveOptions {
-    fn default() -> Self {
-        Self {
-            plan: PlanOptions::default(),
-            save_id: None,
-            step: None,
-            durable: true,
-            overwrite: false,
-            wait: None,
-            user_metadata: BTreeMap::new(),
-            trainer_state: None,
-            direct_io: DirectIo::Auto,
-            parent: None,
-            progress: None,
-        }
-    }
-}
-
-impl SaveOptions {
-    /// Stores a typed trainer state (step, RNG state, data position…), read back with
-    /// [`crate::Checkpoint::trainer_state`].
-    pub fn with_trainer_state<T: Serialize>(mut self, state: &T) -> Result<Self> {
-        self.trainer_state = Some(encode_trainer_state(state)?);
-        Ok(self)
-    }
-}
-
-/// When a save writes its data files with direct I/O.
-///
-/// Direct I/O skips the kernel's copy into the page cache and the writeback the fsync then waits
-/// for: durable saves took half the time in our measurements (docs/BENCHMARKS.md), and a large
-/// checkpoint no longer evicts the training data from the page cache. The checkpoint is then not
-/// in the page cache either, so a load right after a save on the same machine reads the disk.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum DirectIo {
-    /// For durable saves on local disk filesystems known to do direct I/O well (ext4, XFS); off
-    /// elsewhere (network and FUSE filesystems, tmpfs, btrfs) and for saves without fsync, which
-    /// leave the data in the page cache for the kernel to write when it likes.
-    #[default]
-    Auto,
-    /// Wherever the filesystem accepts `O_DIRECT`, with or without fsync.
-    On,
-    /// Never.
-    Off,
-}
-
-/// What a save did.
-#[derive(Clone, Debug, Serialize)]
-pub struct SaveReport {
-    /// The save id (part of every file name).
-    pub save_id: String,
-    /// Shards this call wrote.
-    pub shards: Vec<u32>,
-    /// Data files this call wrote.
-    pub files: usize,
-    /// Rows written, over all tables.
-    pub rows: u64,
-    /// Bytes written, headers included.
-    pub bytes_written: u64,
-    /// Data files written with direct I/O, around the page cache (see [`DirectIo`]); the rest
-    /// went through the page cache, by choice or because their filesystem refused `O_DIRECT`.
-    pub direct_io_files: usize,
-    /// Rows whose place in the plan waited in the spill file rather than memory
-    /// (`PlanOptions::plan_memory`).
-    pub spilled_rows: u64,
-    /// Seconds spent snapshotting and planning.
-    pub plan_seconds: f64,
-    /// Seconds spent writing data and making it durable.
-    pub write_seconds: f64,
-    /// Seconds spent committing (shard manifests, index; waiting, if asked).
-    pub commit_seconds: f64,
-    /// Whether the checkpoint is committed when the call returns.
-    pub committed: bool,
-    /// Whether this call wrote the index.
-    pub committed_here: bool,
-    /// The checkpoint this call's commit replaced, whose files it then removed.
-    pub replaced: Option<String>,
-    /// Files in the directory that belong neither to this checkpoint nor to the one it replaced,
-    /// left untouched: other saves' files (in progress, or left by a save that failed or
-    /// crashed) and files that are not saver's. Filled in by the call that committed.
-    pub left_alone: Vec<String>,
-    /// What writers of this host that had ended (killed, crashed) left unfinished and invisible
-    /// in the storage, cleaned up by this save before it wrote: an object store's incomplete
-    /// multipart uploads, named by their markers.
-    pub cleaned_up: Vec<String>,
-    /// What the saved rows of each table show: their values at the save's moment (point-in-time,
-    /// whatever was written during the save), or each row as the save reached it.
-    pub table_semantics: BTreeMap<String, TableSemantics>,
-    /// A delta save: how each table's changes were found, tracked or compared (and why). Empty
-    /// for a full save.
-    pub delta_tables: BTreeMap<String, DeltaMethod>,
-    /// The most memory copy-on-write held for this save's moment at once: pre-images of rows
-    /// the trainers wrote while the save read them (each table's peak, summed).
-    pub copy_on_write_peak_bytes: u64,
-}
-
-/// How a delta save found a table's changes.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case", tag = "method")]
-pub enum DeltaMethod {
-    /// The table's record of its changes since the parent gave them: nothing was compared.
-    Tracked,
-    /// Every row was compared with the parent's chain, for the reason given.
-    Compared {
-        /// Why the table's changes could not be tracked.
-        why: String,
-    },
-}
-
-/// Saves a model into directory `dir` (created if needed). See [`save_to`].
-pub fn save(dir: impl AsRef<Path>, input: SaveInput<'_>, opts: &SaveOptions) -> Result<SaveReport> {
-    save_to(&*storage_for_save(dir.as_ref(), opts)?, input, opts)
-}
+use crate::save::options::{DirectIo, Progress, ProgressFn, SaveOptions};
+use crate::save::report::{DeltaMethod, SaveReport};
 
 /// Where a save into `dir` writes: the object-store prefix a URL names, or the local directory,
 /// created if needed, with direct I/O as `opts` says.
@@ -238,7 +55,7 @@ fn random_save_id() -> String {
     format!(
         "{}-{:08x}",
         now.as_secs(),
-        crate::owner::random_u64() as u32
+        crate::storage::identity::random_u64() as u32
     )
 }
 
@@ -265,66 +82,6 @@ fn committed_before_save(storage: &dyn Storage) -> Result<Option<CheckpointRef>>
         )),
         e => e,
     })
-}
-
-/// Saves a model into `storage`: plans, writes every planned shard in parallel, makes it durable,
-/// writes the shard manifests and commits (single-process), or commits if this process completes
-/// the set of shards (multi-process).
-///
-/// The save creates only files named after its save id, after claiming its shards; on failure it
-/// removes what it wrote; after its commit it removes the files of the checkpoint it replaced,
-/// as that checkpoint's manifest lists them, and nothing else ([`SaveReport::left_alone`]).
-///
-/// Tables of in-process workers ([`SaveInput::shard_table`]) are saved by one call: every shard,
-/// all at one moment, one commit.
-pub fn save_to(
-    storage: &dyn Storage,
-    input: SaveInput<'_>,
-    opts: &SaveOptions,
-) -> Result<SaveReport> {
-    in_pool_of_its_own(|| save_on_this_thread(storage, input, opts))
-}
-
-/// Runs `save` on a rayon pool of its own, which its scans and copies use. Never one pool for
-/// several saves: a save that waits (for its threads, for the commit) on a thread of a shared
-/// pool runs that pool's other jobs meanwhile, or leaves them waiting for the thread, and one of
-/// them can be another save of the same checkpoint that waits for this one's commit.
-fn in_pool_of_its_own<R: Send>(save: impl FnOnce() -> R + Send) -> R {
-    match rayon::ThreadPoolBuilder::new()
-        .thread_name(|i| format!("saver-save-{i}"))
-        .build()
-    {
-        Ok(pool) => pool.install(save),
-        Err(_) => save(),
-    }
-}
-
-/// [`save_to`] on the calling thread: what a background save, which runs on a pool of its own,
-/// calls.
-pub(crate) fn save_on_this_thread(
-    storage: &dyn Storage,
-    input: SaveInput<'_>,
-    opts: &SaveOptions,
-) -> Result<SaveReport> {
-    let workers = input.worker_tables(opts.plan.shard_num, opts.plan.foreign_rows)?;
-    if !workers.is_empty() && opts.plan.shard_index.is_some() {
-        return Err(Error::InvalidOption {
-            option: "shard_index",
-            why: "tables given per shard (SaveInput::shard_table) are saved by one call that \
-                  writes every shard: leave shard_index unset"
-                .into(),
-        });
-    }
-    // The workers' tables in place of their shards' tables.
-    let mut joined = input.view();
-    joined.shard_tables.clear();
-    joined
-        .tables
-        .extend(workers.iter().map(|w| TableRef::Borrowed(w)));
-    if opts.parent.is_some() {
-        return crate::delta::save_delta_of_input(storage, joined, opts);
-    }
-    save_prepared(storage, joined, opts, None)
 }
 
 /// What makes a save a delta: its parent, the dense tensors of the new state it does not write
@@ -429,7 +186,7 @@ pub(crate) fn save_prepared(
         None => (0..plan_opts.shard_num).collect(),
     };
     let single = plan_opts.shard_index.is_none();
-    let writer = crate::owner::current_writer();
+    let writer = crate::storage::identity::current_writer();
     for (k, &s) in shards.iter().enumerate() {
         if let Err(e) = claim_shard(storage, &save_id, s, &writer) {
             remove_own(storage, &save_id, &shards[..k], Leftovers::ShardsAndClaims);

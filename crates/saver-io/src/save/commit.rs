@@ -27,14 +27,12 @@ use saver_core::naming::{
     legacy_commit_claim_name, manifest_name, rejected_name, shard_manifest_name, writer_claim_name,
     SaverFile, INDEX_FILE,
 };
-use saver_core::{Manifest, ShardManifest};
+use saver_core::Manifest;
 
 use crate::error::{Error, Result};
-use crate::index::Index;
+use crate::load::documents::{committed, parse_json, read_shard_manifest, MAX_JSON_BYTES};
+use crate::load::index::Index;
 use crate::storage::Storage;
-
-/// Largest manifest or index read whole.
-pub(crate) const MAX_JSON_BYTES: u64 = 1 << 30;
 
 /// Largest writer claim or rejection marker read.
 const MAX_MARKER_BYTES: u64 = 64 << 10;
@@ -54,18 +52,6 @@ pub enum CommitState {
     Missing(Vec<u32>),
 }
 
-/// The committed checkpoint in `storage`, if any.
-pub fn committed(storage: &dyn Storage) -> Result<Option<CheckpointRef>> {
-    if !storage.exists(INDEX_FILE)? {
-        return Ok(None);
-    }
-    let index = Index::parse(&storage.get(INDEX_FILE, MAX_JSON_BYTES)?, INDEX_FILE)?;
-    Ok(Some(CheckpointRef {
-        save_id: index.metadata.saver_save_id,
-        manifest_crc32: index.metadata.saver_manifest_crc32,
-    }))
-}
-
 fn is_committed(storage: &dyn Storage, save_id: &str) -> Result<bool> {
     Ok(committed(storage)?.is_some_and(|c| c.save_id == save_id))
 }
@@ -75,27 +61,6 @@ fn missing_shards(storage: &dyn Storage, save_id: &str, shard_num: u32) -> Resul
     Ok((0..shard_num)
         .filter(|&s| !names.contains(&shard_manifest_name(save_id, s)))
         .collect())
-}
-
-fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8], file: &str, what: &str) -> Result<T> {
-    serde_json::from_slice(bytes).map_err(|e| Error::Corrupt {
-        file: file.to_string(),
-        what: format!("not {what}: {e}"),
-    })
-}
-
-/// Reads and parses shard `shard`'s manifest of `save_id`.
-pub(crate) fn read_shard_manifest(
-    storage: &dyn Storage,
-    save_id: &str,
-    shard: u32,
-) -> Result<ShardManifest> {
-    let name = shard_manifest_name(save_id, shard);
-    parse_json(
-        &storage.get(&name, MAX_JSON_BYTES)?,
-        &name,
-        "a shard manifest",
-    )
 }
 
 fn read_claim(storage: &dyn Storage, save_id: &str, shard: u32) -> Result<WriterInfo> {

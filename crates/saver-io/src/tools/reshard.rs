@@ -2,12 +2,13 @@
 
 use std::path::Path;
 
-use crate::chain::Chain;
 use crate::error::Result;
-use crate::import::first_trainer_state;
-use crate::reader::Checkpoint;
-use crate::source::{save_input, SourceTables, StoredTable};
-use crate::writer::{save, SaveOptions, SaveReport};
+use crate::load::chain::Chain;
+use crate::load::checkpoint::Checkpoint;
+use crate::load::stored::StoredTable;
+use crate::save::{save, SaveOptions, SaveReport};
+use crate::source::first_trainer_state;
+use crate::source::{save_input, SourceTables};
 
 /// Rewrites `src` into `out` with `opts.plan.shard_num` shards. Tables, slots, dense tensors and
 /// user metadata are kept; trainer state is per worker and does not map onto a new worker count,

@@ -14,7 +14,7 @@ use crc32fast::Hasher;
 use saver_core::manifest::TensorRef;
 
 use crate::error::Result;
-use crate::reader::Checkpoint;
+use crate::load::checkpoint::Checkpoint;
 
 /// One piece of a tensor that was read, within one of its blocks.
 pub(crate) struct Piece {

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use saver_core::plan::Spill;
 
 use crate::error::{Error, Result};
-use crate::storage::reserve;
+use crate::storage::preallocate::reserve;
 
 /// Spilled plan rows in temporary files that have no name (`O_TMPFILE` where the filesystem
 /// supports it, else created and unlinked at once), so they disappear with the process, even

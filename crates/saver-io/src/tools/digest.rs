@@ -17,11 +17,12 @@ use sha2::{Digest, Sha256};
 
 use saver_core::{EmbeddingTable, KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
-use crate::columns::{Columns, TableColumns};
 use crate::error::{Error, Result};
-use crate::source::{SourceTables, VisitRows};
+use crate::load::arrays::{Columns, TableColumns};
+use crate::load::rows::VisitRows;
+use crate::source::SourceTables;
 
-use crate::restore::LoadedDense;
+use crate::load::restore::LoadedDense;
 
 /// Version tag hashed first, so a changed definition never collides with the old one.
 pub const DIGEST_TAG: &[u8] = b"saver-digest-v1\n";
@@ -305,7 +306,7 @@ pub fn columns_digest(c: &Columns) -> Result<String> {
 }
 
 /// Each restored table's parts (one per target shard), by name.
-fn restored_parts(r: &crate::restore::Restored) -> BTreeMap<String, Vec<&EmbeddingTable>> {
+fn restored_parts(r: &crate::load::restore::Restored) -> BTreeMap<String, Vec<&EmbeddingTable>> {
     let mut tables: BTreeMap<String, Vec<&EmbeddingTable>> = BTreeMap::new();
     for s in &r.shards {
         for t in &s.tables {
@@ -319,7 +320,7 @@ fn restored_parts(r: &crate::restore::Restored) -> BTreeMap<String, Vec<&Embeddi
 }
 
 /// The (version-2) digest of a restore's content (all its shards together).
-pub fn restored_digest(r: &crate::restore::Restored) -> Result<String> {
+pub fn restored_digest(r: &crate::load::restore::Restored) -> Result<String> {
     let tables = restored_parts(r)
         .into_iter()
         .map(|(k, v)| (k, v.into_iter().map(|t| t as &dyn SparseTable).collect()))
@@ -328,7 +329,7 @@ pub fn restored_digest(r: &crate::restore::Restored) -> Result<String> {
 }
 
 /// The version-1 digest of a restore's content.
-pub fn restored_digest_v1(r: &crate::restore::Restored) -> String {
+pub fn restored_digest_v1(r: &crate::load::restore::Restored) -> String {
     content_digest(&restored_parts(r), &r.dense)
 }
 

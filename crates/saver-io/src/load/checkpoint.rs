@@ -12,11 +12,11 @@ use saver_core::manifest::{FileManifest, FORMAT_NAME};
 use saver_core::naming::{shard_manifest_name, SaverFile, INDEX_FILE};
 use saver_core::{Manifest, TableManifestExt as _, DELTA_FORMAT_VERSION, FORMAT_VERSION};
 
-use crate::commit::MAX_JSON_BYTES;
 use crate::error::{Error, Result};
-use crate::header::{parse_header, MAX_HEADER_BYTES};
-use crate::index::Index;
-use crate::open_files::DataFile;
+use crate::load::documents::MAX_JSON_BYTES;
+use crate::load::header::{parse_header, MAX_HEADER_BYTES};
+use crate::load::index::Index;
+use crate::load::open_files::DataFile;
 use crate::storage::{check_file_name, ReadHandle, Storage};
 
 /// A data file, opened and checked.
@@ -55,7 +55,7 @@ pub(crate) fn describe_incomplete(storage: &dyn Storage) -> Result<String> {
         // Read one shard manifest to learn how many shards the save needs.
         let total = shards
             .first()
-            .and_then(|&s| crate::commit::read_shard_manifest(storage, &id, s).ok())
+            .and_then(|&s| crate::load::documents::read_shard_manifest(storage, &id, s).ok())
             .map(|m| m.shard_num);
         match total {
             Some(n) => {
@@ -214,7 +214,8 @@ fn check_manifest(m: &Manifest, index: &Index, file: &str) -> Result<()> {
         )));
     }
     if let Some(p) = &m.parent {
-        crate::chain::check_parent_path(&p.path).map_err(|why| bad(format!("parent {why}")))?;
+        crate::load::documents::check_parent_path(&p.path)
+            .map_err(|why| bad(format!("parent {why}")))?;
     }
     for name in &m.dense_in_parent {
         if m.parent.is_none() || m.dense.iter().any(|d| &d.tensor.name == name) {
@@ -378,7 +379,7 @@ impl Checkpoint {
     /// readable, as long as the process keeps fewer data files open than half its descriptor
     /// limit; past that (the links of a long chain), files are closed after the check and
     /// reopened for each read, which then fails if they are gone (see
-    /// [`crate::reader::read_latest`]). One replaced while `open` runs is opened anew: the result
+    /// [`crate::load::checkpoint::read_latest`]). One replaced while `open` runs is opened anew: the result
     /// is the old or the new checkpoint, whole.
     pub fn open_storage(storage: Arc<dyn Storage>) -> Result<Self> {
         let (index, manifest, files) = retry_if_replaced(

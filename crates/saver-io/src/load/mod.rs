@@ -1,0 +1,16 @@
+//! Reading a committed checkpoint: its documents (index, manifests, file headers), opened and
+//! validated before any tensor byte is read; a delta's chain of parents; loads into tables and
+//! into arrays for any shard count; rows in storage order for what reads a checkpoint's tables.
+
+pub mod arrays;
+pub mod chain;
+pub mod checkpoint;
+pub mod documents;
+pub mod header;
+pub mod index;
+mod open_files;
+mod pages;
+mod pieces;
+pub mod restore;
+pub mod rows;
+pub mod stored;

@@ -1,0 +1,92 @@
+//! Saving: the options and report of a save, its pipeline (plan, write, commit), deltas, and the
+//! background save.
+//!
+//! [`save`] and [`save_to`] decide what a save is from its options: a delta when
+//! [`SaveOptions::parent`] is set ([`delta`]), a full checkpoint otherwise ([`pipeline`]).
+
+pub mod background;
+pub mod commit;
+pub mod delta;
+pub mod options;
+pub mod pipeline;
+pub mod report;
+mod schedule;
+
+use std::path::Path;
+
+use saver_core::plan::TableRef;
+use saver_core::SaveInput;
+
+use crate::error::{Error, Result};
+use crate::storage::Storage;
+
+pub use options::{DirectIo, Progress, ProgressFn, SaveOptions};
+pub use pipeline::{write_plan, PlanWritten};
+pub use report::{DeltaMethod, SaveReport};
+
+use crate::save::pipeline::{save_prepared, storage_for_save};
+
+/// Saves a model into directory `dir` (created if needed). See [`save_to`].
+pub fn save(dir: impl AsRef<Path>, input: SaveInput<'_>, opts: &SaveOptions) -> Result<SaveReport> {
+    save_to(&*storage_for_save(dir.as_ref(), opts)?, input, opts)
+}
+
+/// Saves a model into `storage`: plans, writes every planned shard in parallel, makes it durable,
+/// writes the shard manifests and commits (single-process), or commits if this process completes
+/// the set of shards (multi-process).
+///
+/// The save creates only files named after its save id, after claiming its shards; on failure it
+/// removes what it wrote; after its commit it removes the files of the checkpoint it replaced,
+/// as that checkpoint's manifest lists them, and nothing else ([`SaveReport::left_alone`]).
+///
+/// Tables of in-process workers ([`SaveInput::shard_table`]) are saved by one call: every shard,
+/// all at one moment, one commit.
+pub fn save_to(
+    storage: &dyn Storage,
+    input: SaveInput<'_>,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
+    in_pool_of_its_own(|| save_on_this_thread(storage, input, opts))
+}
+
+/// Runs `save` on a rayon pool of its own, which its scans and copies use. Never one pool for
+/// several saves: a save that waits (for its threads, for the commit) on a thread of a shared
+/// pool runs that pool's other jobs meanwhile, or leaves them waiting for the thread, and one of
+/// them can be another save of the same checkpoint that waits for this one's commit.
+fn in_pool_of_its_own<R: Send>(save: impl FnOnce() -> R + Send) -> R {
+    match rayon::ThreadPoolBuilder::new()
+        .thread_name(|i| format!("saver-save-{i}"))
+        .build()
+    {
+        Ok(pool) => pool.install(save),
+        Err(_) => save(),
+    }
+}
+
+/// [`save_to`] on the calling thread: what a background save, which runs on a pool of its own,
+/// calls.
+pub(crate) fn save_on_this_thread(
+    storage: &dyn Storage,
+    input: SaveInput<'_>,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
+    let workers = input.worker_tables(opts.plan.shard_num, opts.plan.foreign_rows)?;
+    if !workers.is_empty() && opts.plan.shard_index.is_some() {
+        return Err(Error::InvalidOption {
+            option: "shard_index",
+            why: "tables given per shard (SaveInput::shard_table) are saved by one call that \
+                  writes every shard: leave shard_index unset"
+                .into(),
+        });
+    }
+    // The workers' tables in place of their shards' tables.
+    let mut joined = input.view();
+    joined.shard_tables.clear();
+    joined
+        .tables
+        .extend(workers.iter().map(|w| TableRef::Borrowed(w)));
+    if opts.parent.is_some() {
+        return crate::save::delta::save_delta_of_input(storage, joined, opts);
+    }
+    save_prepared(storage, joined, opts, None)
+}

@@ -1,0 +1,130 @@
+//! What a save is asked to do.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use saver_core::manifest::encode_trainer_state;
+use saver_core::PlanOptions;
+
+use crate::error::Result;
+
+/// How far a save's writing has come, as handed to [`SaveOptions::progress`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Bytes of tensor data just written, by the call that reports it.
+    pub bytes: u64,
+    /// Bytes of tensor data written so far by this call.
+    pub written: u64,
+    /// Bytes of tensor data this call writes in all: `written / total` is the fraction done.
+    pub total: u64,
+}
+
+/// Called with the save's [`Progress`] as pieces are written, from writer threads.
+pub type ProgressFn = dyn Fn(Progress) + Send + Sync;
+
+/// How to save.
+#[derive(Clone)]
+pub struct SaveOptions {
+    /// Shards, filters, parallelism, file sizes. `plan.save_id` is ignored: see [`Self::save_id`].
+    pub plan: PlanOptions,
+    /// Identifies the save; part of every file name. Default: random, for a single-process save.
+    /// A multi-process save (`plan.shard_index` set) must be given one, the same in every process
+    /// of that save and used by no other save, nor by a retry of it (for example
+    /// `run7-step1200-a1`, with the job's attempt number): a second writer of a shard under one
+    /// save id gets the save rejected rather than mixed.
+    pub save_id: Option<String>,
+    /// The trainer step this save belongs to, if the trainer gives one. Stored in the manifest;
+    /// every process of a multi-process save must give the same.
+    pub step: Option<u64>,
+    /// fsync data, manifests and directory before each rename (default true). Without it a power
+    /// loss can lose a checkpoint that looked committed.
+    pub durable: bool,
+    /// Replace a committed checkpoint in the directory. The old one stays loadable until the new
+    /// one is committed, then its files are removed.
+    pub overwrite: bool,
+    /// Multi-process: wait up to this long for the other shards and the commit. `None`: return as
+    /// soon as this process's shard is durable (committing if it completes the set).
+    pub wait: Option<Duration>,
+    /// Free-form metadata stored in the manifest.
+    pub user_metadata: BTreeMap<String, String>,
+    /// This process's trainer state, already encoded (see [`Self::with_trainer_state`]).
+    pub trainer_state: Option<String>,
+    /// Whether durable saves by [`save`] write their data files with direct I/O (`O_DIRECT`,
+    /// around the page cache). Default [`DirectIo::Auto`]. [`save_to`] leaves it to the storage
+    /// it is given (see [`LocalFs::with_direct_io`]).
+    pub direct_io: DirectIo,
+    /// Save a delta of the checkpoint in this directory (which may itself be a delta): only the
+    /// rows inserted or changed since it, whole, and the ids removed since it, found by comparing
+    /// each table's rows with the parent's (see [`crate::save::delta`]). `None` (default): a full
+    /// checkpoint. The manifest names the parent by its path relative to the new checkpoint, its
+    /// save id and its manifest's checksum; loading the delta resolves the chain.
+    pub parent: Option<PathBuf>,
+    /// Progress callback, called from writer threads with the bytes just written, the bytes
+    /// written so far and the total ([`Progress`]). It must own what it uses (`'static`): to
+    /// count into a variable of yours, share it through an `Arc`:
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::sync::Arc;
+    /// let percent = Arc::new(AtomicU64::new(0));
+    /// let shown = Arc::clone(&percent);
+    /// let opts = saver_io::SaveOptions {
+    ///     progress: Some(Arc::new(move |p: saver_io::Progress| {
+    ///         shown.store(p.written * 100 / p.total.max(1), Ordering::Relaxed);
+    ///     })),
+    ///     ..Default::default()
+    /// };
+    /// // ... save with `opts`, then read `percent.load(Ordering::Relaxed)`.
+    /// ```
+    pub progress: Option<Arc<ProgressFn>>,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        Self {
+            plan: PlanOptions::default(),
+            save_id: None,
+            step: None,
+            durable: true,
+            overwrite: false,
+            wait: None,
+            user_metadata: BTreeMap::new(),
+            trainer_state: None,
+            direct_io: DirectIo::Auto,
+            parent: None,
+            progress: None,
+        }
+    }
+}
+
+impl SaveOptions {
+    /// Stores a typed trainer state (step, RNG state, data position…), read back with
+    /// [`crate::Checkpoint::trainer_state`].
+    pub fn with_trainer_state<T: Serialize>(mut self, state: &T) -> Result<Self> {
+        self.trainer_state = Some(encode_trainer_state(state)?);
+        Ok(self)
+    }
+}
+
+/// When a save writes its data files with direct I/O.
+///
+/// Direct I/O skips the kernel's copy into the page cache and the writeback the fsync then waits
+/// for: durable saves took half the time in our measurements (docs/BENCHMARKS.md), and a large
+/// checkpoint no longer evicts the training data from the page cache. The checkpoint is then not
+/// in the page cache either, so a load right after a save on the same machine reads the disk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DirectIo {
+    /// For durable saves on local disk filesystems known to do direct I/O well (ext4, XFS); off
+    /// elsewhere (network and FUSE filesystems, tmpfs, btrfs) and for saves without fsync, which
+    /// leave the data in the page cache for the kernel to write when it likes.
+    #[default]
+    Auto,
+    /// Wherever the filesystem accepts `O_DIRECT`, with or without fsync.
+    On,
+    /// Never.
+    Off,
+}
