@@ -56,6 +56,7 @@ impl Checkpoint {
     /// `opts.shard_index = Some(j)`, the rows of shard `j` of `opts.shard_num`.
     pub fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
         let start = Instant::now();
+        let fetched = self.bytes_fetched();
         // Validates shard_num and shard_index exactly as the hashtable restore does.
         target_shards(opts)?;
         let target = match opts.shard_index {
@@ -172,6 +173,7 @@ impl Checkpoint {
             Vec::new()
         };
         report.load_seconds = start.elapsed().as_secs_f64();
+        report.bytes_read = self.bytes_fetched() - fetched;
         finish_report(&mut report);
         Ok(Columns {
             tables,

@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
@@ -30,6 +31,8 @@ pub struct Checkpoint {
     index: Index,
     manifest: Manifest,
     files: HashMap<String, DataFile>,
+    /// Bytes its files delivered so far, merged ranges' gaps included.
+    fetched: AtomicU64,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -401,7 +404,14 @@ impl Checkpoint {
             index,
             manifest,
             files,
+            fetched: AtomicU64::new(0),
         })
+    }
+
+    /// Bytes the checkpoint's files have delivered to its reads so far (a remote store's merged
+    /// ranges counted whole): what a load's `bytes_read` and read amplification count.
+    pub fn bytes_fetched(&self) -> u64 {
+        self.fetched.load(Ordering::Relaxed)
     }
 
     /// The manifest.
@@ -477,18 +487,21 @@ impl Checkpoint {
                 std::thread::scope(|scope| {
                     let running: Vec<_> = batch
                         .iter_mut()
-                        .map(|(f, list)| scope.spawn(move || f.handle()?.read_many(list)))
+                        .map(|(f, list)| scope.spawn(move || f.handle()?.read_many_counted(list)))
                         .collect();
-                    running
-                        .into_iter()
-                        .try_for_each(|r| r.join().expect("a read does not panic"))
+                    running.into_iter().try_for_each(|r| {
+                        let n = r.join().expect("a read does not panic")?;
+                        self.fetched.fetch_add(n, Ordering::Relaxed);
+                        Ok::<(), Error>(())
+                    })
                 })?;
             }
             return Ok(());
         }
         // One file at a time: a file past the descriptor budget is open only while it is read.
         for (f, mut list) in groups {
-            f.handle()?.read_many(&mut list)?;
+            let n = f.handle()?.read_many_counted(&mut list)?;
+            self.fetched.fetch_add(n, Ordering::Relaxed);
         }
         Ok(())
     }

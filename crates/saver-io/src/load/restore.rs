@@ -378,6 +378,7 @@ impl Checkpoint {
     /// Restores into fresh [`EmbeddingTable`]s: every target shard of `opts.shard_num`, or only
     /// `opts.shard_index`. Either everything loads, or an error is returned and nothing is kept.
     pub fn restore(&self, opts: &LoadOptions) -> Result<Restored> {
+        let fetched = self.bytes_fetched();
         let exclude = globs("exclude_slots", &opts.exclude_slots)?;
         let tables = self.selected_tables(opts)?;
         let targets = target_shards(opts)?;
@@ -424,6 +425,7 @@ impl Checkpoint {
         } else {
             Vec::new()
         };
+        report.bytes_read = self.bytes_fetched() - fetched;
         finish_report(&mut report);
         Ok(Restored {
             shards,
@@ -449,12 +451,14 @@ impl Checkpoint {
             }
             .into());
         }
+        let fetched = self.bytes_fetched();
         let tables = self.selected_tables(opts)?;
         let sinks: Vec<(u32, &TableManifest, &dyn TableSink)> = tables
             .iter()
             .filter_map(|t| sink_for(t).map(|s| (shard, *t, s)))
             .collect();
         let mut report = self.load_sinks(&sinks, opts)?;
+        report.bytes_read = self.bytes_fetched() - fetched;
         finish_report(&mut report);
         Ok(report)
     }

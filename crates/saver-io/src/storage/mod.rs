@@ -235,6 +235,13 @@ pub trait ReadHandle: Send + Sync {
         }
         Ok(())
     }
+    /// [`ReadHandle::read_many`], returning the bytes the storage delivered for it: the
+    /// buffers' bytes, and where a store merges neighbouring ranges into one request, the gaps
+    /// between them too. What a load's read amplification counts.
+    fn read_many_counted(&self, reads: &mut [(u64, &mut [u8])]) -> Result<u64> {
+        self.read_many(reads)?;
+        Ok(reads.iter().map(|(_, b)| b.len() as u64).sum())
+    }
     /// Whether a read waits on a network round trip (so reads of several files are better sent
     /// at once). Default: false.
     fn is_remote(&self) -> bool {

@@ -1055,6 +1055,10 @@ impl ReadHandle for ObjectRead {
     /// [`READ_CONCURRENCY`] at a time; each piece is copied into place as it arrives, so memory
     /// stays within the buffers plus the pieces in flight.
     fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.read_many_counted(reads).map(|_| ())
+    }
+
+    fn read_many_counted(&self, reads: &mut [(u64, &mut [u8])]) -> Result<u64> {
         let mut wanted = Vec::with_capacity(reads.len());
         for (offset, buf) in reads.iter() {
             let end = offset.saturating_add(buf.len() as u64);
@@ -1068,8 +1072,9 @@ impl ReadHandle for ObjectRead {
         }
         let requests = fetch_plan(&wanted, READ_PIECE);
         if requests.is_empty() {
-            return Ok(());
+            return Ok(0);
         }
+        let fetched: u64 = requests.iter().map(|r| r.end - r.start).sum();
         self.client
             .check_answering()
             .map_err(|e| self.client.err("read", &self.key, e))?;
@@ -1127,7 +1132,7 @@ impl ReadHandle for ObjectRead {
             }
         }
         self.client.note_answer(started, None);
-        Ok(())
+        Ok(fetched)
     }
 }
 

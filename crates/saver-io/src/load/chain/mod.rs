@@ -279,6 +279,7 @@ impl Chain {
         opts: &LoadOptions,
         mut report: crate::LoadReport,
         start: std::time::Instant,
+        fetched: u64,
     ) -> Result<(Vec<LoadedDense>, crate::LoadReport)> {
         let dense = if opts.load_dense {
             self.read_dense(Some(opts), &mut report)?
@@ -286,8 +287,14 @@ impl Chain {
             Vec::new()
         };
         report.load_seconds = start.elapsed().as_secs_f64();
+        report.bytes_read = self.bytes_fetched() - fetched;
         finish_report(&mut report);
         Ok((dense, report))
+    }
+
+    /// Bytes the links' files have delivered to reads so far: see [`Checkpoint::bytes_fetched`].
+    pub fn bytes_fetched(&self) -> u64 {
+        self.links().iter().map(Checkpoint::bytes_fetched).sum()
     }
 
     /// The tables a load with `opts` reads.
@@ -311,6 +318,7 @@ impl Chain {
     /// target shard `opts.shard_index` (all rows when `None`), in (bucket, id bits) order.
     pub fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
         let start = std::time::Instant::now();
+        let fetched = self.bytes_fetched();
         target_shards(opts)?;
         let target = match opts.shard_index {
             Some(j) => PartitionRule::bucket_range(j, opts.shard_num),
@@ -406,7 +414,7 @@ impl Chain {
                 data,
             });
         }
-        let (dense, report) = self.finish_load(opts, report, start)?;
+        let (dense, report) = self.finish_load(opts, report, start, fetched)?;
         Ok(Columns {
             tables: out,
             dense,
@@ -419,6 +427,7 @@ impl Chain {
     /// only the target's buckets of every link.
     pub fn restore(&self, opts: &LoadOptions) -> Result<Restored> {
         let start = std::time::Instant::now();
+        let fetched = self.bytes_fetched();
         let tables = self.selected(opts)?;
         let targets = target_shards(opts)?;
         let mut shards = Vec::new();
@@ -488,7 +497,7 @@ impl Chain {
             tensors_checked: tables.iter().map(ChainTable::tensors_checked).sum(),
             ..Default::default()
         };
-        let (dense, report) = self.finish_load(opts, report, start)?;
+        let (dense, report) = self.finish_load(opts, report, start, fetched)?;
         Ok(Restored {
             shards,
             dense,
