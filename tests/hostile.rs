@@ -289,6 +289,11 @@ fn a_real_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint() {
         .arg(&mnt)
         .status();
     if !mounted.is_ok_and(|s| s.success()) {
+        // CI runs as root and requires this test (`SAVER_REQUIRE_ROOT=1`, set by `.ci/run`).
+        assert!(
+            std::env::var_os("SAVER_REQUIRE_ROOT").is_none(),
+            "cannot mount a tmpfs, and SAVER_REQUIRE_ROOT is set"
+        );
         eprintln!("SKIPPED: cannot mount a tmpfs here (not root?); FaultyStorage covers the logic");
         return;
     }
@@ -368,14 +373,16 @@ fn training_threads_never_tear_a_saved_row() {
         table.upsert(id, |r| set(r, id, 1));
     }
     let stop = AtomicBool::new(false);
+    let writes = std::sync::atomic::AtomicU64::new(0);
     let tmp = tempfile::tempdir().unwrap();
     let mut checked = 0;
     std::thread::scope(|s| {
         for w in 0..3u64 {
-            let (table, stop) = (&table, &stop);
+            let (table, stop, writes) = (&table, &stop, &writes);
             s.spawn(move || {
                 let mut rng = w + 1;
                 while !stop.load(Ordering::Relaxed) {
+                    writes.fetch_add(1, Ordering::Relaxed);
                     rng = fmix64(rng);
                     let id = rng % 30_000;
                     match rng >> 62 {
@@ -414,7 +421,13 @@ fn training_threads_never_tear_a_saved_row() {
             if k % 2 == 1 {
                 o.plan.plan_memory = 0;
             }
+            let before = writes.load(Ordering::Relaxed);
             let report = save(&dir, saver::SaveInput::new().table(&table), &o).unwrap();
+            // The trainers wrote while the save ran: otherwise no row could have been torn.
+            assert!(
+                writes.load(Ordering::Relaxed) > before,
+                "save {k}: no write during it"
+            );
             assert_eq!(report.spilled_rows > 0, k % 2 == 1);
             let r = Checkpoint::open(&dir)
                 .unwrap()

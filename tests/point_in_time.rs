@@ -251,7 +251,14 @@ fn scenario(names: &[&str], saving: impl Fn(&[Arc<EmbeddingTable>], &Path, usize
         (trainers.join().unwrap(), windows)
     });
     let writes: usize = log.values().map(Vec::len).sum();
-    for (k, (from, to)) in windows.into_iter().enumerate() {
+    for (k, &(from, to)) in windows.iter().enumerate() {
+        // The trainers wrote while the save ran: otherwise a single moment proves nothing.
+        let during = log
+            .values()
+            .flatten()
+            .filter(|op| op.start < to && op.end > from)
+            .count();
+        assert!(during > 0, "save {k}: no write overlapped the save");
         let saved = saved_rows(&root.path().join(format!("s{k}")), names);
         let rows: usize = saved.iter().map(HashMap::len).sum();
         match find_moment(&saved, &log, from, to) {
