@@ -60,19 +60,30 @@ fn peak_of<T>(f: impl FnOnce() -> T) -> (Option<u64>, T) {
 }
 
 /// The baseline of a save: one multipart upload of `bytes` bytes, [`PIECE`] parts, [`IN_FLIGHT`]
-/// at a time, from one buffer (no copies).
+/// at a time. Every part's bytes differ from every other's, down to each 64 KiB: a store that
+/// stores equal blocks once (Garage does) would take one buffer sent again and again for less
+/// work than a checkpoint's. Each part is one copy of a pseudo-random template with its number
+/// and offset stamped every 64 KiB, made when the part is sent, as a save's rows are.
 fn plain_upload(rt: &tokio::runtime::Runtime, s3: &Arc<AmazonS3>, key: &Key, bytes: u64) {
-    let buf = Bytes::from(vec![7u8; PIECE as usize]);
+    let template: Vec<u8> = (0..PIECE / 8)
+        .flat_map(|i| saver::core::partition::fmix64(i ^ 0x5A5A).to_le_bytes())
+        .collect();
+    let template = &template;
     rt.block_on(async {
         let id = s3.create_multipart(key).await.unwrap();
         let parts: Vec<_> = futures::stream::iter(0..bytes.div_ceil(PIECE))
             .map(|i| {
                 let len = PIECE.min(bytes - i * PIECE) as usize;
+                let mut part = template[..len].to_vec();
+                for at in (0..len.saturating_sub(15)).step_by(64 << 10) {
+                    part[at..at + 8].copy_from_slice(&i.to_le_bytes());
+                    part[at + 8..at + 16].copy_from_slice(&(at as u64).to_le_bytes());
+                }
                 let (s3, key, id, payload) = (
                     s3.clone(),
                     key.clone(),
                     id.clone(),
-                    PutPayload::from(buf.slice(..len)),
+                    PutPayload::from(Bytes::from(part)),
                 );
                 async move { s3.put_part(&key, &id, i as usize, payload).await.unwrap() }
             })

@@ -156,9 +156,13 @@ def py(op, *args):
 
 
 def saver_seconds(js):
+    """A load's time, or a save's whole time: reading its input (for `save --from`, the
+    distribution of the rows into bucket order, a full read and write of the tables), planning,
+    writing and committing. The peers' times exclude loading their model, which saver's input
+    phase includes: the comparison can only favour the peers."""
     if "load_seconds" in js:
         return js["load_seconds"]
-    return js["plan_seconds"] + js["write_seconds"] + js["commit_seconds"]
+    return js["input_seconds"] + js["plan_seconds"] + js["write_seconds"] + js["commit_seconds"]
 
 
 def rounds(configs, runs):
@@ -201,14 +205,41 @@ def gibs(b, s):
 
 
 def table(title, rows, nbytes, limit_name, peers):
-    """rows: name -> (seconds, rss). Ratio to the limit and to the best peer (fastest)."""
-    limit = rows[limit_name][0]
+    """rows: name -> (seconds, rss). Ratio to the limit and to the best peer (fastest). The limit
+    is the fastest plain way to do the same work: of every row named "limit: …", the fastest
+    (for durable saves, the better of a buffered write + fsync and an O_DIRECT write)."""
+    limit = min(v[0] for n, v in rows.items() if n.startswith("limit:")) if limit_name is None else rows[limit_name][0]
     best_peer = min((rows[p][0] for p in peers if p in rows), default=None)
-    lines = [f"| {title} | time | throughput | peak RSS | vs limit | vs best peer |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| {title} | time | throughput | peak RSS | vs limit (fastest limit row) | vs best peer |", "| --- | --- | --- | --- | --- | --- |"]
     for name, (s, rss) in rows.items():
         vs_peer = f"{best_peer / s:.2f}" if best_peer and name not in peers else ("-" if not best_peer else f"{best_peer / s:.2f}")
         lines.append(f"| {name} | {fmt_s(s)} | {gibs(nbytes, s)} | {rss / MIB:.0f} MiB | {limit / s:.2f} | {vs_peer} |")
     return "\n".join(lines)
+
+
+def measure_durable(spec, work, runs, out):
+    """Durable saves only: saver's whole save against the fastest plain durable write of the same
+    bytes (buffered + fsync, and O_DIRECT), alternated."""
+    src, plain = os.path.join(work, "src"), os.path.join(work, "plain")
+    for d in (src, plain):
+        shutil.rmtree(d, ignore_errors=True)
+    subprocess.run([SAVER, "save", "--synthetic", spec, "--out", src, "--no-fsync"], check=True, capture_output=True)
+    subprocess.run([SAVER, "export", src, "--out", plain, "--max-file-size", "64GiB"], check=True, capture_output=True)
+    shutil.rmtree(src, ignore_errors=True)
+    nbytes = dir_bytes(plain)
+    out.append(f"\n### Model `{spec}`: {nbytes / GIB:.2f} GiB of tensors, durable saves\n")
+    f, fd = os.path.join(work, "limit.bin"), os.path.join(work, "limit-direct.bin")
+    save = {
+        "limit: plain sequential write + fsync": (py("write", nbytes, f, 1), rm(f), lambda js, w: js["seconds"]),
+        "limit: sequential write, O_DIRECT": (py("write_direct", nbytes, fd), rm(fd), lambda js, w: js["seconds"]),
+    }
+    for shards in (1, 8):
+        d = os.path.join(work, f"s{shards}")
+        cmd = [SAVER, "save", "--from", plain, "--out", d, "--shards", str(shards), "--parallel", "2", "--json"]
+        save[f"saver save --from, {shards} shard(s), parallel 2, whole"] = (cmd, rm(d), lambda js, w: saver_seconds(js))
+    res = rounds(save, runs)
+    out.append(table("durable save", res, nbytes, None, []))
+    clear(work)
 
 
 def measure_model(spec, work, runs, peers, out):
@@ -265,7 +296,7 @@ def measure_model(spec, work, runs, peers, out):
     peer_names = [n for n in res if n.startswith("peer:")]
     for tag in ("fsync", "no fsync"):
         rows = {n: v for n, v in res.items() if n.endswith(f"({tag})")}
-        out.append(table(f"save ({tag})", rows, nbytes, f"limit: plain sequential write ({tag})", [p for p in peer_names if p in rows]))
+        out.append(table(f"save ({tag})", rows, nbytes, None, [p for p in peer_names if p in rows]))
         out.append("")
 
     # Loads, warm page cache.
@@ -362,6 +393,13 @@ def sweep(sizes, work, runs, peers, out, plot_dir):
         out.append("\n(matplotlib not installed: no plot)\n")
 
 
+def commit():
+    """The commit measured, with `+dirty` when the tree has changes."""
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
@@ -370,6 +408,8 @@ def main():
     ap.add_argument("--sweep", default="64MiB,256MiB,1GiB,4GiB,8GiB", help="model sizes of the size sweep ('' for none)")
     ap.add_argument("--models", default="small,scale=10;criteo-kaggle,scale=0.5",
                     help="';'-separated synthetic specs ('' for none); the defaults give about 2 GiB each")
+    ap.add_argument("--durable-only", action="store_true",
+                    help="only durable saves against the fastest plain durable write (no peers, loads or sweep)")
     ap.add_argument("--work", default=os.path.join(ROOT, "target", "bench-peers"))
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks"))
     a = ap.parse_args()
@@ -377,9 +417,12 @@ def main():
     os.makedirs(a.work, exist_ok=True)
     os.makedirs(a.out, exist_ok=True)
     out = ["# saver against the limit and its peers\n",
-           f"Generated by `benches/peers/harness.py --runs {a.runs} --models '{a.models}' --sweep '{a.sweep}'{' --quick' if a.quick else ''}` on {time.strftime('%Y-%m-%d')}; "
+           f"Generated by `benches/peers/harness.py --runs {a.runs} --models '{a.models}' --sweep '{a.sweep}'{' --quick' if a.quick else ''}{' --durable-only' if a.durable_only else ''}{' --no-peers' if not peers else ''}` "
+           f"at commit {commit()} on {time.strftime('%Y-%m-%d')}; "
            f"{os.cpu_count()} cores. Medians of {a.runs} rounds after a warm-up round, configurations interleaved, "
-           "`sync` before each run. Times exclude loading the model into memory (every tool starts with it in memory). "
+           "`sync` before each run. The peers' times exclude loading the model into memory (they start with it in memory); "
+           "saver's save times are whole: reading its input (for `save --from`, distributing the rows into bucket order), "
+           "planning, writing and committing. Each ratio is to the fastest limit row of its table. "
            "Peak RSS is the whole process's, model included."]
     if peers:
         # Probed in a child: importing torch here would make this process large, and children are
@@ -397,6 +440,13 @@ def main():
             f.write("\n".join(out) + "\n")
 
     clear(a.work)
+    if a.durable_only:
+        for spec in models:
+            measure_durable(spec, a.work, a.runs, out)
+            write()
+        print("\n".join(out))
+        shutil.rmtree(a.work, ignore_errors=True)
+        return
     for spec in models:
         measure_model(spec, a.work, a.runs, peers, out)
         write()
