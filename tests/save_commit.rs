@@ -571,3 +571,18 @@ fn a_panicking_background_save_removes_its_own_files() {
         assert_eq!(left, vec!["users-file.txt".to_string()], "{what}");
     }
 }
+
+/// User metadata past its bounds is refused before anything is written, naming it: a checkpoint
+/// that carried it would be refused by every reader.
+#[test]
+fn user_metadata_past_its_bounds_is_refused_before_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Model::new(100);
+    let mut o = opts(1, 1);
+    o.user_metadata = (0..=saver::core::manifest::MAX_USER_METADATA_ENTRIES)
+        .map(|i| (format!("k{i}"), "v".to_string()))
+        .collect();
+    let e = save(dir.path(), m.input(), &o).unwrap_err().to_string();
+    assert!(e.contains("user metadata"), "{e}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}

@@ -129,6 +129,7 @@ pub(crate) fn save_prepared(
     delta: Option<DeltaOf<'_>>,
 ) -> Result<SaveReport> {
     let t0 = Instant::now();
+    saver_core::manifest::check_user_metadata(&opts.user_metadata)?;
     if delta.is_none() {
         // The companion tables of removed ids belong to deltas: in a full checkpoint a reader
         // refuses them.
