@@ -1032,3 +1032,17 @@ fn a_delta_whose_parent_is_replaced_while_it_is_saved_fails() {
     assert!(err.contains("replaced") && err.contains("base"), "{err}");
     assert!(!out.join("model.safetensors.index.json").exists());
 }
+
+/// `compact` of a delta writes one full checkpoint of the chain's newest state, which reads alone.
+#[test]
+fn compact_writes_the_newest_state_as_one_full_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, delta, _) = base_and_delta(tmp.path());
+    let out = tmp.path().join("compacted");
+    saver::io::tools::reshard::compact(&delta, &out, &options(3, None, None)).unwrap();
+    let compacted = Chain::open(&out).unwrap();
+    assert!(!compacted.is_delta());
+    assert_eq!(compacted.newest().manifest().shard_num, 3);
+    let digest = |c: &Chain| restored_digest(&c.restore(&LoadOptions::default()).unwrap()).unwrap();
+    assert_eq!(digest(&compacted), digest(&Chain::open(&delta).unwrap()));
+}

@@ -1,4 +1,5 @@
-//! Rewriting a checkpoint for another number of shards.
+//! Rewriting a checkpoint for another number of shards, and compacting a chain into one
+//! checkpoint.
 
 use std::path::Path;
 
@@ -35,6 +36,14 @@ pub fn reshard_chain(chain: &Chain, out: &Path, opts: &SaveOptions) -> Result<Sa
     let tables = SourceTables::Chain(chain.tables(&[], &[])?);
     let dense = chain.read_dense(None, &mut crate::LoadReport::default())?;
     rewrite(chain.newest(), tables, dense, out, opts)
+}
+
+/// Compacts the checkpoint or chain in `dir` into `out`: one full checkpoint holding the newest
+/// state, which reads without its parents, with `opts.plan.shard_num` shards (keep the chain's
+/// to compact without resharding). What `saver compact` runs; [`reshard_chain`] of the opened
+/// chain.
+pub fn compact(dir: &Path, out: &Path, opts: &SaveOptions) -> Result<SaveReport> {
+    crate::load::checkpoint::read_latest(dir, || reshard_chain(&Chain::open(dir)?, out, opts))
 }
 
 /// Saves `tables` and `dense` with `src`'s trainer state and user metadata.
