@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Restore into tables against a load into arrays of the same checkpoint, in one run
-# (docs/BENCHMARKS.md, "Restore into tables"): alternates `saver load CK --into arrays` and
+# (docs/benchmarks/HISTORY.md, "Restore into tables"): alternates `saver load CK --into arrays` and
 # `--into tables` (both --no-digest, warm page cache) N times and prints the medians of the load
 # times the binary reports, and their ratio (arrays / tables: 1.0 means as fast).
 #

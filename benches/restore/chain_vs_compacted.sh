@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A chain's load against its compaction's, in one run (docs/BENCHMARKS.md, "Incremental
+# A chain's load against its compaction's, in one run (docs/benchmarks/HISTORY.md, "Incremental
 # checkpoints"): alternates `saver load CHAIN` and `saver load COMPACTED` (shard 0 of 2,
 # --no-digest, warm page cache) N times, into arrays or tables, and prints the medians of the load
 # times the binary reports (`load_seconds`), and their ratio (1.0: as fast). The chain and its

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 6 GiB before/after table of docs/BENCHMARKS.md ("Every command streams"): each binary's
+# The 6 GiB before/after table of docs/benchmarks/HISTORY.md ("Every command streams"): each binary's
 # save --from, digest, reshard, export and verify of one plain model, with a cp + sync of the
 # model before each half.
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where a durable `saver save --from` of a plain safetensors model spends the disk, against `cp` +
-# `sync` of the same file (docs/BENCHMARKS.md, "Every command streams"). For each command it
+# `sync` of the same file (docs/benchmarks/HISTORY.md, "Every command streams"). For each command it
 # prints the wall time and the bytes the output's block device wrote (/proc/diskstats), with the
 # page cache warmed first; then it times two buffered writers of SIZE MiB each into files of WORK_DIR
 # (`dd`), once at SIZE/2 and once at SIZE, which shows the kernel's dirty-page throttling: past

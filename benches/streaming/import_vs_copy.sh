@@ -2,7 +2,7 @@
 # `saver save --from` a plain safetensors model (durable) against `cp` + `sync` of the same file,
 # alternated N rounds in one run, the page cache warmed before each command; prints each round
 # and the medians. With a second binary, it is timed in the same rounds (before/after).
-# For docs/BENCHMARKS.md ("Every command streams").
+# For docs/benchmarks/HISTORY.md ("Every command streams").
 #
 #   bash benches/streaming/import_vs_copy.sh SAVER MODEL.safetensors WORK_DIR N [OTHER_SAVER]
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Time and peak RSS of the commands that read or rewrite a whole model, against `cp` + `sync` of
-# the model file in the same run. For docs/BENCHMARKS.md ("Every command streams").
+# the model file in the same run. For docs/benchmarks/HISTORY.md ("Every command streams").
 #
 #   bash benches/streaming/run.sh SAVER_BINARY WORK_DIR SIZE_GIB...
 #
