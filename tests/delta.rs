@@ -1046,3 +1046,28 @@ fn compact_writes_the_newest_state_as_one_full_checkpoint() {
     let digest = |c: &Chain| restored_digest(&c.restore(&LoadOptions::default()).unwrap()).unwrap();
     assert_eq!(digest(&compacted), digest(&Chain::open(&delta).unwrap()));
 }
+
+/// The summary `saver inspect` prints is a library type: a delta's names its parent and every
+/// link of its chain, newest first.
+#[test]
+fn inspect_sums_up_a_delta_and_its_chain() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, delta, _) = base_and_delta(tmp.path());
+    let s = saver::io::tools::inspect::inspect(&delta).unwrap();
+    assert!(s.parent.is_some());
+    let links = s.chain.unwrap().unwrap();
+    assert_eq!(links.len(), 2);
+    assert!(links[0].delta && !links[1].delta);
+    let base_id = Checkpoint::open(&base).unwrap().manifest().save_id.clone();
+    assert_eq!(links[1].save_id, base_id);
+    assert_eq!(s.tables.iter().map(|t| t.rows).sum::<u64>(), {
+        let ck = Checkpoint::open(&delta).unwrap();
+        ck.manifest().tables.iter().map(|t| t.rows).sum::<u64>()
+    });
+    let full = saver::io::tools::inspect::inspect(&base).unwrap();
+    assert!(full.parent.is_none() && full.chain.is_none());
+    assert_eq!(
+        full.total_bytes,
+        full.files.iter().map(|f| f.bytes).sum::<u64>()
+    );
+}
