@@ -200,10 +200,63 @@ pub(crate) fn layout_shard(
     filters: &Filters,
     opts: &PlanOptions,
 ) -> Result<ShardPlan> {
-    let n = opts.shard_num;
-    let range = PartitionRule::bucket_range(shard, n);
-
+    let range = PartitionRule::bucket_range(shard, opts.shard_num);
     // Partitions and the shard's byte estimate, to size segments for balance.
+    let (mut partitions, mut estimate) = partitions_of(tables, pos, range);
+    let dense_here = dense_of(shard, dense, dense_shard, filters);
+    estimate += dense_here.iter().map(|&d| dense[d].byte_len()).sum::<u64>();
+    let (files_estimate, target_block) = block_target(estimate, opts);
+
+    // Files are packed from units: each segment's tensors (ids, bucket index, slots) together,
+    // and each dense tensor. A writer thread writes one file front to back, and a row chunk
+    // writes every tensor of its segment; were those tensors in different files, each file would
+    // be written from several threads' chunks out of order, holding a partly filled direct-I/O
+    // window wherever one had stopped (106 windows, 53 MiB, for a model of 200 small tables).
+    let mut units: Vec<Vec<Block>> = Vec::new();
+    for (p, part) in partitions.iter_mut().enumerate() {
+        let table = &tables[part.table];
+        units.extend(segment_units(
+            shard,
+            p,
+            part,
+            table,
+            files_estimate,
+            target_block,
+        ));
+    }
+    let mut dense_plans = Vec::new();
+    for &d in &dense_here {
+        units.push(vec![dense_block(&dense[d], dense_plans.len())]);
+        dense_plans.push(DensePlan {
+            dense: d,
+            loc: Loc::default(),
+        });
+    }
+    let (blocks, assignment, nfiles) = assign_files(units, opts);
+    let files = place_files(
+        shard,
+        &blocks,
+        &assignment,
+        nfiles,
+        &mut partitions,
+        &mut dense_plans,
+        opts,
+    )?;
+    Ok(ShardPlan {
+        shard,
+        files,
+        partitions,
+        dense: dense_plans,
+    })
+}
+
+/// The partitions of shard position `pos` (one per table that keeps slots there, over `range`),
+/// and their bytes.
+fn partitions_of(
+    tables: &[ScannedTable<'_>],
+    pos: usize,
+    range: Range<u32>,
+) -> (Vec<PartitionPlan>, u64) {
     let mut partitions = Vec::new();
     let mut estimate = 0u64;
     for (t, table) in tables.iter().enumerate() {
@@ -221,7 +274,17 @@ pub(crate) fn layout_shard(
             segments: Vec::new(),
         });
     }
-    let dense_here: Vec<usize> = (0..dense.len())
+    (partitions, estimate)
+}
+
+/// The dense tensors shard `shard` writes: those assigned to it that the block filters keep.
+fn dense_of(
+    shard: u32,
+    dense: &[DenseTensor<'_>],
+    dense_shard: &[u32],
+    filters: &Filters,
+) -> Vec<usize> {
+    (0..dense.len())
         .filter(|&d| dense_shard[d] == shard)
         .filter(|&d| {
             filters.keep_block(&BlockInfo {
@@ -232,8 +295,12 @@ pub(crate) fn layout_shard(
                 shard,
             })
         })
-        .collect();
-    estimate += dense_here.iter().map(|&d| dense[d].byte_len()).sum::<u64>();
+        .collect()
+}
+
+/// How many files a shard of `estimate` bytes needs at least, and the bytes that bound each
+/// segment's tensor (one file) or each unit (several files, so that units balance the files).
+fn block_target(estimate: u64, opts: &PlanOptions) -> (u64, u64) {
     let files_estimate = min_files(estimate, opts) as u64;
     let target_block = if files_estimate == 1 {
         opts.max_block_bytes
@@ -242,125 +309,127 @@ pub(crate) fn layout_shard(
             .max(MIN_BALANCE_BLOCK.min(opts.max_block_bytes))
             .min(opts.max_block_bytes)
     };
+    (files_estimate, target_block)
+}
 
-    // Files are packed from units: each segment's tensors (ids, bucket index, slots) together,
-    // and each dense tensor. A writer thread writes one file front to back, and a row chunk
-    // writes every tensor of its segment; were those tensors in different files, each file would
-    // be written from several threads' chunks out of order, holding a partly filled direct-I/O
-    // window wherever one had stopped (106 windows, 53 MiB, for a model of 200 small tables).
-    let mut units: Vec<Vec<Block>> = Vec::new();
-    for (p, part) in partitions.iter_mut().enumerate() {
-        let table = &tables[part.table];
-        let widest = part
-            .slots
-            .iter()
-            .map(|&s| table.slot_bytes[s] as u64)
-            .max()
-            .unwrap_or(0)
-            .max(8);
-        // In a shard of one file, `target_block` bounds each tensor. Across files it bounds
-        // each unit, so that units stay small enough to balance the files.
-        let unit_row_bytes = if files_estimate == 1 {
-            widest
-        } else {
-            table.saved_row_bytes(&part.slots)
-        };
-        let max_rows = (target_block / unit_row_bytes).clamp(1, u64::from(u32::MAX));
-        for (si, seg_buckets) in cut_segments(table, part.buckets.clone(), max_rows)
-            .into_iter()
-            .enumerate()
-        {
-            let rows = table.rows_in(seg_buckets.clone());
-            let nrows = rows.len() as u64;
-            let index = bucket_index(table, seg_buckets.clone());
-            let seg = si as u32;
-            let mut blocks = Vec::with_capacity(2 + part.slots.len());
-            blocks.push(Block {
-                len: nrows * 8,
-                tensor: HeaderTensor {
-                    name: sparse_tensor_name(&table.name, IDS, shard, seg),
-                    dtype: table.key_dtype.dtype(),
-                    shape: vec![nrows],
-                    start: 0,
-                    end: 0,
-                },
-                what: BlockRef::Ids {
-                    partition: p,
-                    segment: si,
-                },
-            });
-            blocks.push(Block {
-                len: index.len() as u64 * 8,
-                tensor: HeaderTensor {
-                    name: sparse_tensor_name(&table.name, BUCKET_INDEX, shard, seg),
-                    dtype: Dtype::U64,
-                    shape: vec![index.len() as u64],
-                    start: 0,
-                    end: 0,
-                },
-                what: BlockRef::Index {
-                    partition: p,
-                    segment: si,
-                },
-            });
-            for (k, &s) in part.slots.iter().enumerate() {
-                let spec = &table.slots[s];
-                let mut shape = vec![nrows];
-                shape.extend_from_slice(&spec.shape);
-                blocks.push(Block {
-                    len: nrows * table.slot_bytes[s] as u64,
-                    tensor: HeaderTensor {
-                        name: sparse_tensor_name(&table.name, &spec.name, shard, seg),
-                        dtype: spec.dtype,
-                        shape,
-                        start: 0,
-                        end: 0,
-                    },
-                    what: BlockRef::Slot {
-                        partition: p,
-                        segment: si,
-                        slot: k,
-                    },
-                });
-            }
-            units.push(blocks);
-            part.segments.push(SegmentPlan {
-                index: seg,
-                buckets: seg_buckets,
-                rows,
-                bucket_index: index,
-                ids: Loc::default(),
-                index_loc: Loc::default(),
-                slots: vec![Loc::default(); part.slots.len()],
-            });
-        }
-    }
-    let mut dense_plans = Vec::new();
-    for &d in &dense_here {
-        let t = &dense[d];
-        units.push(vec![Block {
-            len: t.byte_len(),
+/// The units of partition `p` (`part`, of `table`): one a segment, its ids, bucket index and slot
+/// tensors; the partition's segments are added to `part`.
+fn segment_units(
+    shard: u32,
+    p: usize,
+    part: &mut PartitionPlan,
+    table: &ScannedTable<'_>,
+    files_estimate: u64,
+    target_block: u64,
+) -> Vec<Vec<Block>> {
+    let mut units = Vec::new();
+    let widest = part
+        .slots
+        .iter()
+        .map(|&s| table.slot_bytes[s] as u64)
+        .max()
+        .unwrap_or(0)
+        .max(8);
+    // In a shard of one file, `target_block` bounds each tensor. Across files it bounds
+    // each unit, so that units stay small enough to balance the files.
+    let unit_row_bytes = if files_estimate == 1 {
+        widest
+    } else {
+        table.saved_row_bytes(&part.slots)
+    };
+    let max_rows = (target_block / unit_row_bytes).clamp(1, u64::from(u32::MAX));
+    for (si, seg_buckets) in cut_segments(table, part.buckets.clone(), max_rows)
+        .into_iter()
+        .enumerate()
+    {
+        let rows = table.rows_in(seg_buckets.clone());
+        let nrows = rows.len() as u64;
+        let index = bucket_index(table, seg_buckets.clone());
+        let seg = si as u32;
+        let mut blocks = Vec::with_capacity(2 + part.slots.len());
+        blocks.push(Block {
+            len: nrows * 8,
             tensor: HeaderTensor {
-                name: t.name().to_string(),
-                dtype: t.dtype(),
-                shape: t.shape().to_vec(),
+                name: sparse_tensor_name(&table.name, IDS, shard, seg),
+                dtype: table.key_dtype.dtype(),
+                shape: vec![nrows],
                 start: 0,
                 end: 0,
             },
-            what: BlockRef::Dense {
-                dense: dense_plans.len(),
+            what: BlockRef::Ids {
+                partition: p,
+                segment: si,
             },
-        }]);
-        dense_plans.push(DensePlan {
-            dense: d,
-            loc: Loc::default(),
+        });
+        blocks.push(Block {
+            len: index.len() as u64 * 8,
+            tensor: HeaderTensor {
+                name: sparse_tensor_name(&table.name, BUCKET_INDEX, shard, seg),
+                dtype: Dtype::U64,
+                shape: vec![index.len() as u64],
+                start: 0,
+                end: 0,
+            },
+            what: BlockRef::Index {
+                partition: p,
+                segment: si,
+            },
+        });
+        for (k, &s) in part.slots.iter().enumerate() {
+            let spec = &table.slots[s];
+            let mut shape = vec![nrows];
+            shape.extend_from_slice(&spec.shape);
+            blocks.push(Block {
+                len: nrows * table.slot_bytes[s] as u64,
+                tensor: HeaderTensor {
+                    name: sparse_tensor_name(&table.name, &spec.name, shard, seg),
+                    dtype: spec.dtype,
+                    shape,
+                    start: 0,
+                    end: 0,
+                },
+                what: BlockRef::Slot {
+                    partition: p,
+                    segment: si,
+                    slot: k,
+                },
+            });
+        }
+        units.push(blocks);
+        part.segments.push(SegmentPlan {
+            index: seg,
+            buckets: seg_buckets,
+            rows,
+            bucket_index: index,
+            ids: Loc::default(),
+            index_loc: Loc::default(),
+            slots: vec![Loc::default(); part.slots.len()],
         });
     }
+    units
+}
 
-    // Pack whole units into files where that balances them as well as packing single tensors
-    // is known to (a quarter over the mean, or one tensor over it) and keeps every file of
-    // several tensors within `max_file_size`; else, with units too coarse for the files (tiny
-    // files, or a shard just past one file once its bucket indexes are counted), single tensors.
+/// The unit of dense tensor `t`, the `n`th dense tensor of the shard.
+fn dense_block(t: &DenseTensor<'_>, n: usize) -> Block {
+    Block {
+        len: t.byte_len(),
+        tensor: HeaderTensor {
+            name: t.name().to_string(),
+            dtype: t.dtype(),
+            shape: t.shape().to_vec(),
+            start: 0,
+            end: 0,
+        },
+        what: BlockRef::Dense { dense: n },
+    }
+}
+
+/// Every block of `units`, and the file of each: whole units packed into files where that
+/// balances them as well as packing single tensors is known to (a quarter over the mean, or one
+/// tensor over it) and keeps every file of several tensors within `max_file_size`; else, with
+/// units too coarse for the files (tiny files, or a shard just past one file once its bucket
+/// indexes are counted), single tensors. Returns the blocks, their files and the file count.
+fn assign_files(units: Vec<Vec<Block>>, opts: &PlanOptions) -> (Vec<Block>, Vec<usize>, usize) {
     let unit_lens: Vec<usize> = units.iter().map(Vec::len).collect();
     let by_unit = pack_files(
         &units
@@ -388,6 +457,20 @@ pub(crate) fn layout_shard(
         pack_files(&sizes, opts)
     };
 
+    (blocks, assignment, nfiles)
+}
+
+/// The files of shard `shard`: each file's blocks in order, their offsets and header; every
+/// block's place recorded in its partition's segment or its dense plan.
+fn place_files(
+    shard: u32,
+    blocks: &[Block],
+    assignment: &[usize],
+    nfiles: usize,
+    partitions: &mut [PartitionPlan],
+    dense_plans: &mut [DensePlan],
+    opts: &PlanOptions,
+) -> Result<Vec<FilePlan>> {
     let mut per_file: Vec<Vec<usize>> = vec![Vec::new(); nfiles];
     for (i, &f) in assignment.iter().enumerate() {
         per_file[f].push(i);
@@ -427,7 +510,7 @@ pub(crate) fn layout_shard(
         let facts = FileFacts {
             save_id: &opts.save_id,
             shard,
-            shard_num: n,
+            shard_num: opts.shard_num,
             file: fi as u32,
         };
         let header = render_header(&facts, &tensors, &vec![0; tensors.len()], opts.alignment);
@@ -449,10 +532,5 @@ pub(crate) fn layout_shard(
         });
     }
 
-    Ok(ShardPlan {
-        shard,
-        files,
-        partitions,
-        dense: dense_plans,
-    })
+    Ok(files)
 }
