@@ -162,6 +162,63 @@ fn export_tables(
     opts: &ExportOptions,
 ) -> Result<ExportReport> {
     let start = Instant::now();
+    check_options(opts)?;
+    let storage = crate::storage::create_location(out)?;
+    if storage.exists(INDEX_FILE)? && !opts.overwrite {
+        return Err(Error::Exists {
+            dir: out.into(),
+            save_id: "export".into(),
+        });
+    }
+    // The files of the export being replaced: its index lists them, and only they are removed.
+    let previous = previous_export_files(&*storage)?;
+    tables.sort_by(|a, b| a.name().cmp(b.name()));
+    let dense = read_dense()?;
+    let mut tensors = out_tensors(&tables, &dense, opts)?;
+    let files = into_files(&tensors, opts.max_file_size);
+    let (names, handles, written) = create_files(&*storage, &files, &mut tensors)?;
+    let filled = crate::load::restore::reader_pool(opts.parallel)
+        .and_then(|pool| {
+            pool.install(|| fill(&tables, &dense, &tensors, &handles, out, opts.sort_memory))
+        })
+        // An export of bytes that fail their checksums is never committed.
+        .and_then(|()| tables.iter().try_for_each(|t| t.finish_checks()));
+    if let Err(e) = filled {
+        handles.into_iter().for_each(|h| h.abort());
+        return Err(e);
+    }
+    for h in handles {
+        h.commit(opts.durable)?;
+    }
+    let weight_map: BTreeMap<&str, &str> = tensors
+        .iter()
+        .map(|t| (t.name.as_str(), names[t.file].as_str()))
+        .collect();
+    let total: u64 = tensors.iter().map(|t| t.len).sum();
+    let index =
+        serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+    storage.put(
+        INDEX_FILE,
+        &serde_json::to_vec_pretty(&index).expect("json"),
+        opts.durable,
+    )?;
+    // Files of the earlier export this one replaced, as its index listed them; a file that no
+    // index named (a user's, another tool's) is never removed.
+    for old in previous {
+        if !names.contains(&old) {
+            storage.remove(&old)?;
+        }
+    }
+    Ok(ExportReport {
+        files: files.len(),
+        tensors: tensors.len(),
+        bytes_written: written,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// An error naming the option `opts` holds out of range.
+fn check_options(opts: &ExportOptions) -> Result<()> {
     if let Some(d) = opts.dtype {
         if !matches!(d, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
             return Err(Error::InvalidOption {
@@ -176,17 +233,16 @@ fn export_tables(
             why: "must be at least 4 KiB".into(),
         });
     }
-    let storage = crate::storage::create_location(out)?;
-    if storage.exists(INDEX_FILE)? && !opts.overwrite {
-        return Err(Error::Exists {
-            dir: out.into(),
-            save_id: "export".into(),
-        });
-    }
-    // The files of the export being replaced: its index lists them, and only they are removed.
-    let previous = previous_export_files(&*storage)?;
-    tables.sort_by(|a, b| a.name().cmp(b.name()));
-    let dense = read_dense()?;
+    Ok(())
+}
+
+/// The tensors of the export, in order: each table's ids and slots (tables by name), then the
+/// dense tensors; floats cast to `opts.dtype` if given.
+fn out_tensors(
+    tables: &[&dyn BucketRows],
+    dense: &[LoadedDense],
+    opts: &ExportOptions,
+) -> Result<Vec<OutTensor>> {
     let out_dtype = |dtype: Dtype| match opts.dtype {
         Some(to) if dtype.is_float() => to,
         _ => dtype,
@@ -206,7 +262,7 @@ fn export_tables(
         });
         Ok(())
     };
-    for t in &tables {
+    for t in tables {
         let name = t.name();
         let rows = t.rows();
         add(format!("{name}/ids"), t.key_dtype().dtype(), vec![rows])?;
@@ -216,20 +272,39 @@ fn export_tables(
             add(format!("{name}/{}", spec.name), spec.dtype, shape)?;
         }
     }
-    for d in &dense {
+    for d in dense {
         add(d.name.clone(), d.dtype, d.shape.clone())?;
     }
+    Ok(tensors)
+}
+
+/// The tensors of each file: filled in order, a new file started when the next tensor would
+/// overflow `max_file_size` (a tensor larger than that has a file of its own).
+fn into_files(tensors: &[OutTensor], max_file_size: u64) -> Vec<Vec<usize>> {
     // Fill files in order, starting a new one when the next tensor would overflow.
     let mut files: Vec<Vec<usize>> = vec![Vec::new()];
     let mut size = 0u64;
     for (i, t) in tensors.iter().enumerate() {
-        if size + t.len > opts.max_file_size && !files.last().expect("one file").is_empty() {
+        if size + t.len > max_file_size && !files.last().expect("one file").is_empty() {
             files.push(Vec::new());
             size = 0;
         }
         size += t.len;
         files.last_mut().expect("one file").push(i);
     }
+    files
+}
+
+/// The files of an export, created: their names, their handles, and their bytes.
+type CreatedFiles = (Vec<String>, Vec<Box<dyn WriteHandle>>, u64);
+
+/// Creates the export's files, each with its header written: their names, handles and bytes.
+/// Records each tensor's file and offset. On error, removes what it created.
+fn create_files(
+    storage: &dyn Storage,
+    files: &[Vec<usize>],
+    tensors: &mut [OutTensor],
+) -> Result<CreatedFiles> {
     let n = files.len();
     let names: Vec<String> = (0..n)
         .map(|i| format!("model-{:05}-of-{n:05}.safetensors", i + 1))
@@ -278,44 +353,7 @@ fn export_tables(
         }
         written += hlen + off;
     }
-    let filled = crate::load::restore::reader_pool(opts.parallel)
-        .and_then(|pool| {
-            pool.install(|| fill(&tables, &dense, &tensors, &handles, out, opts.sort_memory))
-        })
-        // An export of bytes that fail their checksums is never committed.
-        .and_then(|()| tables.iter().try_for_each(|t| t.finish_checks()));
-    if let Err(e) = filled {
-        handles.into_iter().for_each(|h| h.abort());
-        return Err(e);
-    }
-    for h in handles {
-        h.commit(opts.durable)?;
-    }
-    let weight_map: BTreeMap<&str, &str> = tensors
-        .iter()
-        .map(|t| (t.name.as_str(), names[t.file].as_str()))
-        .collect();
-    let total: u64 = tensors.iter().map(|t| t.len).sum();
-    let index =
-        serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
-    storage.put(
-        INDEX_FILE,
-        &serde_json::to_vec_pretty(&index).expect("json"),
-        opts.durable,
-    )?;
-    // Files of the earlier export this one replaced, as its index listed them; a file that no
-    // index named (a user's, another tool's) is never removed.
-    for old in previous {
-        if !names.contains(&old) {
-            storage.remove(&old)?;
-        }
-    }
-    Ok(ExportReport {
-        files: n,
-        tensors: tensors.len(),
-        bytes_written: written,
-        seconds: start.elapsed().as_secs_f64(),
-    })
+    Ok((names, handles, written))
 }
 
 /// Rows of one output tensor on their way to its file: gathered, then cast and written at the
