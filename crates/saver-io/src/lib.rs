@@ -13,7 +13,7 @@
 //!    checked against a CRC32.
 //! 3. [`source`]: the models a save reads in bounded memory: plain safetensors files, stored
 //!    checkpoints and chains.
-//! 4. [`save`]: [`save()`] / [`save_to`]: plan, write every planned shard with `parallel`
+//! 4. [`save`](mod@save): [`save()`](fn@save) / [`save_to`]: plan, write every planned shard with `parallel`
 //!    threads, CRC32 every tensor, make files durable, write the shard manifests, and commit once
 //!    ([`save::commit`]); deltas ([`save::delta`]); [`save_async`], which returns once the save's
 //!    moment is fixed.
@@ -38,4 +38,4 @@ pub use save::background::{save_async, SaveHandle};
 pub use save::{
     save, save_to, DeltaMethod, DirectIo, Progress, ProgressFn, SaveOptions, SaveReport,
 };
-pub use tools::verify::{verify, verify_storage, Status, VerifyReport};
+pub use tools::verify::{verify, verify_storage, Problem, Status, VerifyReport};

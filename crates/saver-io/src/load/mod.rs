@@ -5,7 +5,7 @@
 pub mod arrays;
 pub mod chain;
 pub mod checkpoint;
-pub mod documents;
+pub(crate) mod documents;
 pub mod header;
 pub mod index;
 mod open_files;

@@ -7,7 +7,7 @@
 //!
 //! Integrity: a tensor read whole is checked against its CRC32. A tensor read in part (resharding)
 //! cannot be, so its ids are checked structurally instead: every id must hash into the bucket the
-//! index says, in the target's range, in sorted order. [`crate::tools::verify()`] checks everything.
+//! index says, in the target's range, in sorted order. [`crate::verify()`] checks everything.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;

@@ -96,7 +96,7 @@ fn join(t: JoinHandle<Result<SaveReport>>) -> Result<SaveReport> {
 /// buffers; the save shows them as they were at the call. Errors found before the moment (bad
 /// options, names) are returned here; later ones by [`SaveHandle::wait`].
 ///
-/// `input` is the input of [`save`](crate::save): its tables must be shared (`Arc`), since the
+/// `input` is the input of [`save`](fn@crate::save): its tables must be shared (`Arc`), since the
 /// save outlives the call; tables of in-process workers ([`SaveInput::shard_table`]) are saved
 /// by this one call, every shard at one moment, one commit.
 ///

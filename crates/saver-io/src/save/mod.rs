@@ -2,14 +2,14 @@
 //! background save.
 //!
 //! [`save`] and [`save_to`] decide what a save is from its options: a delta when
-//! [`SaveOptions::parent`] is set ([`delta`]), a full checkpoint otherwise ([`pipeline`]).
+//! [`SaveOptions::parent`] is set ([`delta`]), a full checkpoint otherwise (`pipeline`).
 
-pub mod background;
+pub(crate) mod background;
 pub mod commit;
 pub mod delta;
-pub mod options;
-pub mod pipeline;
-pub mod report;
+mod options;
+pub(crate) mod pipeline;
+mod report;
 mod schedule;
 
 use std::path::Path;

@@ -53,9 +53,9 @@ pub struct SaveOptions {
     pub user_metadata: BTreeMap<String, String>,
     /// This process's trainer state, already encoded (see [`Self::with_trainer_state`]).
     pub trainer_state: Option<String>,
-    /// Whether durable saves by [`save`] write their data files with direct I/O (`O_DIRECT`,
-    /// around the page cache). Default [`DirectIo::Auto`]. [`save_to`] leaves it to the storage
-    /// it is given (see [`LocalFs::with_direct_io`]).
+    /// Whether durable saves by [`crate::save()`] write their data files with direct I/O (`O_DIRECT`,
+    /// around the page cache). Default [`DirectIo::Auto`]. [`crate::save_to`] leaves it to the storage
+    /// it is given (see [`crate::storage::LocalFs::with_direct_io`]).
     pub direct_io: DirectIo,
     /// Save a delta of the checkpoint in this directory (which may itself be a delta): only the
     /// rows inserted or changed since it, whole, and the ids removed since it, found by comparing

@@ -19,7 +19,7 @@ pub struct SaveReport {
     pub rows: u64,
     /// Bytes written, headers included.
     pub bytes_written: u64,
-    /// Data files written with direct I/O, around the page cache (see [`DirectIo`]); the rest
+    /// Data files written with direct I/O, around the page cache (see [`crate::DirectIo`]); the rest
     /// went through the page cache, by choice or because their filesystem refused `O_DIRECT`.
     pub direct_io_files: usize,
     /// Rows whose place in the plan waited in the spill file rather than memory

@@ -8,9 +8,9 @@
 
 mod distribute;
 pub mod import;
-pub mod plain;
+mod plain;
 mod rounds;
-pub mod sorted;
+pub(crate) mod sorted;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -18,7 +18,7 @@ use std::path::Path;
 use saver_core::naming::{SaverFile, INDEX_FILE};
 use saver_core::{SaveInput, SparseTable};
 
-pub use plain::{PlainInput, PlainTable};
+pub use plain::{PlainInput, PlainTable, PlainTableSpec, PlainTensor};
 
 use crate::error::{Error, Result};
 use crate::load::chain::{Chain, ChainTable};

@@ -322,7 +322,7 @@ impl PlainInput {
     }
 
     /// [`Self::tables`] with groups of about `group_bytes` (at least 4 KiB) instead of
-    /// [`GROUP_BYTES`]: smaller groups hold less and cost more reads.
+    /// `GROUP_BYTES`: smaller groups hold less and cost more reads.
     pub fn tables_grouped(
         &self,
         scratch: &Path,

@@ -521,7 +521,7 @@ pub fn tables_digest(
 /// The version-2 digest of the tables and dense tensors of a checkpoint or plain input, read
 /// in bounded memory: a checkpoint's rows lie in digest order already and are read once, front
 /// to back, each tensor checked against its CRC32; a plain input's group by group (see
-/// [`crate::source::plain`]).
+/// `crate::source::plain`).
 pub fn source_digest(tables: &SourceTables<'_>, dense: &[LoadedDense]) -> Result<String> {
     let mut h = Sha256::new();
     h.update(DIGEST_TAG_V2);

@@ -43,7 +43,7 @@ pub struct ExportOptions {
     /// Threads that sort runs.
     pub parallel: usize,
     /// Bytes of rows sorted in memory at once (each table's rows are put in id order by an
-    /// external merge sort). Default [`RUN_BYTES`] (32 MiB).
+    /// external merge sort). Default `RUN_BYTES` (32 MiB).
     pub sort_memory: usize,
 }
 
@@ -129,7 +129,7 @@ const COLUMN_BUFFER_BYTES: usize = 4 << 20;
 /// Exports `ckpt` into directory `out`.
 ///
 /// Streams: each table's rows are put in id order by an external merge sort
-/// ([`crate::source::sorted`], temporary files in `out`) and written as they come, so the
+/// (`crate::source::sorted`, temporary files in `out`) and written as they come, so the
 /// export holds bounded buffers (about 100 MiB) plus the dense tensors, whatever the number of
 /// rows.
 pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {

@@ -5,4 +5,4 @@ pub mod digest;
 pub mod export;
 pub mod inspect;
 pub mod reshard;
-pub mod verify;
+pub(crate) mod verify;

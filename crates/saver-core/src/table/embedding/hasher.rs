@@ -97,7 +97,7 @@ impl SlotOrder {
 }
 
 /// Hashes one `u64` id with `fmix64`; other inputs (never used by the table) are folded in. Built
-/// by an [`OrderedIdHashBuilder`], the bits are then reordered.
+/// by an `OrderedIdHashBuilder`, the bits are then reordered.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct IdHasher(u64, SlotOrder);
 

@@ -157,7 +157,7 @@ impl<'c> ChainTable<'c> {
     }
 
     /// Checks every tensor of every link read only in part so far (a link's rows that later
-    /// links replaced are not read) against its CRC32: see [`StoredTable::finish_checks`]. Call
+    /// links replaced are not read) against its CRC32: see `StoredTable::finish_checks`. Call
     /// before returning or committing what was read.
     /// The bytes it reads count in [`Self::bytes_read`].
     pub fn finish_checks(&self) -> Result<()> {
