@@ -162,7 +162,6 @@ impl Checkpoint {
         let mut pieces = Vec::new();
         for (rows, bytes, p) in results? {
             report.rows += rows;
-            report.bytes_read += bytes;
             report.bytes_kept += bytes;
             pieces.extend(p);
         }

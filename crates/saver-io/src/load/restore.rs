@@ -129,7 +129,9 @@ pub(crate) fn globs(option: &'static str, patterns: &[String]) -> Result<Option<
 pub struct LoadReport {
     /// Rows delivered to sinks.
     pub rows: u64,
-    /// Tensor bytes read from storage (ids, slots, bucket indexes, dense).
+    /// Bytes the checkpoint's files delivered to the load, counted at the storage layer (ids,
+    /// slots, bucket indexes, dense tensors, the rest of blocks read to check them, and the gaps
+    /// of merged ranged reads).
     pub bytes_read: u64,
     /// Bytes delivered (ids, selected slots, dense).
     pub bytes_kept: u64,
@@ -627,7 +629,6 @@ impl Checkpoint {
         let mut edges = vec![[0u64; 2]; reads.len()];
         let mut scans: Vec<EdgeScan> = Vec::new();
         for (i, (r, raw)) in reads.iter().zip(&raws).enumerate() {
-            report.bytes_read += raw.len() as u64;
             report.tensors_checked += 1;
             let entries = Self::bucket_entries(r.seg, raw)?;
             for (k, bucket) in [r.target.start, r.target.end].into_iter().enumerate() {
@@ -667,7 +668,6 @@ impl Checkpoint {
             ids,
         } in scans
         {
-            report.bytes_read += ids.len() as u64;
             let skip = ids
                 .chunks_exact(8)
                 .position(|c| {
@@ -799,7 +799,6 @@ impl Checkpoint {
         let mut pieces = Vec::new();
         for (rows, bytes, p) in results? {
             report.rows += rows;
-            report.bytes_read += bytes;
             report.bytes_kept += bytes;
             pieces.extend(p);
         }
@@ -811,8 +810,8 @@ impl Checkpoint {
     /// Checks the CRC32s of every tensor a load read, whole or in part. In a tensor read only in
     /// part (a segment at the edge of the target's buckets), each checksummed block the load
     /// touched is completed by reading the bytes the load left out of it, so that every byte
-    /// returned was checked; those bytes count in `report.bytes_read` (read amplification), and
-    /// the tensors in `report.tensors_checked`.
+    /// returned was checked (those reads count in the checkpoint's [`Checkpoint::bytes_fetched`],
+    /// and so in the load's read amplification); the tensors count in `report.tensors_checked`.
     pub(crate) fn check_pieces(
         &self,
         pieces: Vec<PieceCrc>,
@@ -841,7 +840,6 @@ impl Checkpoint {
             .collect();
         let checked = checked?;
         report.tensors_checked += checked.len() as u64;
-        report.bytes_read += checked.iter().sum::<u64>();
         Ok(())
     }
 }
@@ -908,7 +906,6 @@ pub(crate) fn read_dense_refs<'a>(
         })
         .collect::<Result<_>>()?;
     for d in &out {
-        report.bytes_read += d.data.len() as u64;
         report.bytes_kept += d.data.len() as u64;
         report.tensors_checked += 1;
     }

@@ -400,7 +400,6 @@ impl Chain {
             t.finish_checks()?;
             report.rows += ids.len() as u64;
             report.bytes_kept += ids.len() as u64 * t.full_row_bytes();
-            report.bytes_read += t.bytes_read();
             report.tensors_checked += t.tensors_checked();
             out.push(TableColumns {
                 name: opts
@@ -493,7 +492,6 @@ impl Chain {
         let report = crate::LoadReport {
             rows: done.iter().map(|d| d.0).sum(),
             bytes_kept: done.iter().map(|d| d.1).sum(),
-            bytes_read: tables.iter().map(ChainTable::bytes_read).sum(),
             tensors_checked: tables.iter().map(ChainTable::tensors_checked).sum(),
             ..Default::default()
         };
