@@ -22,8 +22,8 @@ use std::time::Instant;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver::io::source::Source;
 use saver::io::tools::digest::source_digest;
-use saver::io::tools::reshard::reshard_chain;
-use saver::{save, Chain, LoadOptions, SaveOptions};
+use saver::io::tools::reshard::reshard;
+use saver::{save, Checkpoint, LoadOptions, SaveOptions};
 
 /// One configuration: runs once, returns its timed seconds.
 type Run<'a> = Box<dyn Fn() -> f64 + 'a>;
@@ -49,7 +49,7 @@ fn digest(url: &str) -> String {
 
 /// Loads the checkpoint or chain at `url` into tables; returns the rows loaded.
 fn load(url: &str) -> u64 {
-    let chain = Chain::open(Path::new(url)).unwrap();
+    let chain = Checkpoint::open(Path::new(url)).unwrap();
     let r = chain.restore(&LoadOptions::default()).unwrap();
     r.report.rows
 }
@@ -98,8 +98,8 @@ fn main() {
     }
     let tip = urls.last().unwrap().clone();
     let compacted = g.url("chain/compacted");
-    let chain = Chain::open(Path::new(&tip)).unwrap();
-    reshard_chain(&chain, Path::new(&compacted), &opts(None)).unwrap();
+    let chain = Checkpoint::open(Path::new(&tip)).unwrap();
+    reshard(&chain, Path::new(&compacted), &opts(None)).unwrap();
     drop(chain);
     assert_eq!(digest(&tip), digest(&compacted));
 

@@ -15,10 +15,9 @@ use std::time::Instant;
 
 use saver::core::partition::fmix64;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::io::tools::reshard::reshard_chain;
+use saver::io::tools::reshard::reshard;
 use saver::{
-    save, Chain, Checkpoint, DenseTensor, EmbeddingTable, LoadOptions, SaveInput, SaveOptions,
-    SparseTable,
+    save, Checkpoint, DenseTensor, EmbeddingTable, LoadOptions, SaveInput, SaveOptions, SparseTable,
 };
 
 /// Copies of `m`'s tables with change tracking on.
@@ -226,14 +225,14 @@ fn main() {
         save(&d, m.input(), &opts(Some(&last))).unwrap();
         last = d;
     }
-    let chain = Chain::open(&last).unwrap();
+    let chain = Checkpoint::open(&last).unwrap();
     let compacted = root.join("compacted");
     let (mut compact_t, mut full2_t) = (Vec::new(), Vec::new());
     for round in 0..=runs {
         let _ = std::fs::remove_dir_all(&compacted);
         unsafe { libc::sync() };
         let t = Instant::now();
-        reshard_chain(&chain, &compacted, &opts(None)).unwrap();
+        reshard(&chain, &compacted, &opts(None)).unwrap();
         if round > 0 {
             compact_t.push(t.elapsed().as_secs_f64());
         }
@@ -273,7 +272,7 @@ fn main() {
             }
             ca = r.read_amplification;
             let t = Instant::now();
-            let chain = Chain::open(&last).unwrap();
+            let chain = Checkpoint::open(&last).unwrap();
             let r = if into_arrays {
                 chain.load_columns(&lopts(0)).unwrap().report
             } else {

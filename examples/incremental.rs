@@ -10,9 +10,10 @@ use std::path::{Path, PathBuf};
 use saver::core::partition::fmix64;
 use saver::io::source::Source;
 use saver::io::tools::digest::source_digest;
-use saver::io::tools::reshard::reshard_chain;
+use saver::io::tools::reshard::reshard;
 use saver::{
-    save, Chain, Dtype, EmbeddingTable, KeyDtype, LoadOptions, SaveInput, SaveOptions, SlotSpec,
+    save, Checkpoint, Dtype, EmbeddingTable, KeyDtype, LoadOptions, SaveInput, SaveOptions,
+    SlotSpec,
 };
 
 const ROWS: u64 = 200_000;
@@ -96,13 +97,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // The last chain as one full checkpoint: for serving, or to delete its links.
     let compacted = root.join("compacted");
-    reshard_chain(&Chain::open(&last)?, &compacted, &SaveOptions::default())?;
+    reshard(
+        &Checkpoint::open(&last)?,
+        &compacted,
+        &SaveOptions::default(),
+    )?;
     assert_eq!(digest(&compacted), digest(&last));
     println!("compacted the last chain of {links} links: same digest");
 
     // A restart: the newest checkpoint (a delta) restored into tables that track their changes,
     // with it as their baseline, so the next delta is tracked at once.
-    let restored = Chain::open(&last)?.restore(&LoadOptions {
+    let restored = Checkpoint::open(&last)?.restore(&LoadOptions {
         change_tracking: true,
         ..LoadOptions::default()
     })?;

@@ -395,7 +395,7 @@ fn a_killed_shard_process_blocks_the_commit_and_is_named() {
 
 /// The digest of the chain whose newest link is in `dir`.
 fn chain_digest(dir: &Path) -> String {
-    let chain = saver::Chain::open(dir).unwrap();
+    let chain = saver::Checkpoint::open(dir).unwrap();
     restored_digest(&chain.restore(&LoadOptions::default()).unwrap()).unwrap()
 }
 
@@ -436,7 +436,7 @@ fn killed_delta_saves_never_leave_a_delta_that_loads_and_never_touch_the_parent(
         kills += usize::from(out.status.code().is_none());
         match saver::verify(&dir, 2).unwrap().status {
             Status::Ok => assert_eq!(chain_digest(&dir), digest_b, "kill {k}"),
-            Status::Incomplete => assert!(saver::Chain::open(&dir).is_err(), "kill {k}"),
+            Status::Incomplete => assert!(saver::Checkpoint::open(&dir).is_err(), "kill {k}"),
             Status::Corrupt => panic!("kill {k}: a crash left a corrupt delta"),
         }
         // A retry of the delta commits; the parent was never touched.

@@ -14,11 +14,11 @@ use proptest::prelude::*;
 use saver::core::ScalarCondition;
 use saver::io::source::Source;
 use saver::io::tools::digest::{restored_digest, source_digest};
-use saver::io::tools::export::export_chain;
-use saver::io::tools::reshard::reshard_chain;
+use saver::io::tools::export::export;
+use saver::io::tools::reshard::reshard;
 use saver::{
-    save, Chain, Checkpoint, DenseTensor, Dtype, EmbeddingTable, Error, ExportOptions, Filters,
-    KeyDtype, LoadOptions, SaveInput, SaveOptions, SlotSpec, Status,
+    save, Checkpoint, DenseTensor, Dtype, EmbeddingTable, Error, ExportOptions, Filters, KeyDtype,
+    LoadOptions, SaveInput, SaveOptions, SlotSpec, Status,
 };
 
 /// Table → id → (embedding bytes, freq).
@@ -159,7 +159,7 @@ proptest! {
         prop_assert_eq!(saver::verify(&last, 2).unwrap().status, Status::Ok);
 
         // Same rows for every shard j of M, reading only j's buckets of every link.
-        let chain = Chain::open(&last).unwrap();
+        let chain = Checkpoint::open(&last).unwrap();
         let reference = Checkpoint::open(&full).unwrap();
         for j in 0..load_shards {
             let opts = LoadOptions {
@@ -179,14 +179,14 @@ proptest! {
         let compacted = tmp.path().join("compacted");
         let mut o = options(3, None, None);
         o.plan.max_block_bytes = 256 << 20;
-        reshard_chain(&chain, &compacted, &o).unwrap();
+        reshard(&chain, &compacted, &o).unwrap();
         prop_assert!(Checkpoint::open(&compacted).unwrap().manifest().parent.is_none());
         prop_assert_eq!(digest(&compacted), digest(&full));
 
         // Same export, byte for byte.
         let (ea, eb) = (tmp.path().join("ea"), tmp.path().join("eb"));
-        export_chain(&chain, &ea, &ExportOptions::default()).unwrap();
-        export_chain(&Chain::open(&full).unwrap(), &eb, &ExportOptions::default()).unwrap();
+        export(&chain, &ea, &ExportOptions::default()).unwrap();
+        export(&Checkpoint::open(&full).unwrap(), &eb, &ExportOptions::default()).unwrap();
         for name in ["model-00001-of-00001.safetensors", "model.safetensors.index.json"] {
             prop_assert!(std::fs::read(ea.join(name)).unwrap() == std::fs::read(eb.join(name)).unwrap());
         }
@@ -236,7 +236,7 @@ fn large_deltas_merge_in_many_batches() {
     let full = tmp.path().join("full");
     save_state(&full, &state, &[3], &options(3, None, None)).unwrap();
     assert_eq!(digest(&last), digest(&full));
-    let chain = Chain::open(&last).unwrap();
+    let chain = Checkpoint::open(&last).unwrap();
     assert_eq!(chain.links().len(), 4);
     let reference = Checkpoint::open(&full).unwrap();
     for (shards, j) in [(1, 0), (3, 1)] {
@@ -279,7 +279,7 @@ fn base_and_delta(root: &Path) -> (PathBuf, PathBuf, State) {
 }
 
 #[test]
-fn a_delta_holds_only_what_changed_and_old_readers_refuse_it() {
+fn a_delta_holds_only_what_changed_reads_whole_and_old_readers_refuse_it() {
     let tmp = tempfile::tempdir().unwrap();
     let (_, delta, _) = base_and_delta(tmp.path());
     let ck = Checkpoint::open(&delta).unwrap();
@@ -298,17 +298,19 @@ fn a_delta_holds_only_what_changed_and_old_readers_refuse_it() {
         serde_json::from_slice(&std::fs::read(delta.join("model.safetensors.index.json")).unwrap())
             .unwrap();
     assert_eq!(index["metadata"]["saver_format_version"], 2);
-    // Read alone, a delta would be a wrong model: refused, naming the way to read it.
-    let err = match ck.restore(&LoadOptions::default()) {
-        Ok(_) => panic!("a delta restored alone"),
-        Err(e) => e.to_string(),
-    };
-    assert!(err.contains("delta") && err.contains("compact"), "{err}");
-    assert!(ck.load_columns(&LoadOptions::default()).is_err());
+    // Opened, a delta is read through its chain: the whole newest state, never the changes
+    // alone (which would be a wrong model).
+    let (_, _, state) = base_and_delta(&tmp.path().join("again"));
+    assert!(ck.is_delta());
+    assert_eq!(ck.links().len(), 2);
+    let r = ck.restore(&LoadOptions::default()).unwrap();
+    assert_eq!(r.table("t0").unwrap().len(), state[&0].len());
+    let c = ck.load_columns(&LoadOptions::default()).unwrap();
+    assert_eq!(c.tables.iter().find(|t| t.name == "t0").unwrap().ids.len(), state[&0].len());
 }
 
 fn expect_chain_error(dir: &Path, needles: &[&str]) {
-    let err = Chain::open(dir).unwrap_err();
+    let err = Checkpoint::open(dir).unwrap_err();
     assert!(matches!(err, Error::Chain { .. }), "{err}");
     let text = err.to_string();
     for n in needles {
@@ -369,7 +371,7 @@ fn hostile_parent_references_are_refused() {
         let _ = std::fs::remove_dir_all(&dir);
         copy_dir(&delta, &dir);
         common::reseal(&dir, |m| m["parent"]["path"] = serde_json::json!(evil));
-        let err = Chain::open(&dir).unwrap_err().to_string();
+        let err = Checkpoint::open(&dir).unwrap_err().to_string();
         assert!(err.contains(says), "{evil:?}: {err}");
     }
     // A parent reached through a symbolic link is followed, and still must be the save named.
@@ -394,14 +396,14 @@ fn chains_deeper_than_the_limit_are_refused_and_compact_fixes_them() {
     let tmp = tempfile::tempdir().unwrap();
     let mut state = State::new();
     let mut last: Option<PathBuf> = None;
-    for k in 0..saver::io::load::chain::MAX_CHAIN_LINKS + 1 {
+    for k in 0..saver::io::load::checkpoint::MAX_CHAIN_LINKS + 1 {
         state
             .entry(1)
             .or_default()
             .insert(id_of(1, k as u16), ([k as u8; 8], 1.0));
         let dir = tmp.path().join(format!("l{k}"));
         let saved = save_state(&dir, &state, b"w", &options(1, None, last.as_deref()));
-        if k < saver::io::load::chain::MAX_CHAIN_LINKS {
+        if k < saver::io::load::checkpoint::MAX_CHAIN_LINKS {
             saved.unwrap_or_else(|e| panic!("link {k}: {e}"));
             last = Some(dir);
             continue;
@@ -412,13 +414,17 @@ fn chains_deeper_than_the_limit_are_refused_and_compact_fixes_them() {
         assert!(!dir.join("model.safetensors.index.json").exists());
     }
     // One link below the limit resolves, and compacts into a full checkpoint.
-    let prev = tmp
-        .path()
-        .join(format!("l{}", saver::io::load::chain::MAX_CHAIN_LINKS - 1));
-    let chain = Chain::open(&prev).unwrap();
-    assert_eq!(chain.links().len(), saver::io::load::chain::MAX_CHAIN_LINKS);
+    let prev = tmp.path().join(format!(
+        "l{}",
+        saver::io::load::checkpoint::MAX_CHAIN_LINKS - 1
+    ));
+    let chain = Checkpoint::open(&prev).unwrap();
+    assert_eq!(
+        chain.links().len(),
+        saver::io::load::checkpoint::MAX_CHAIN_LINKS
+    );
     let out = tmp.path().join("compacted");
-    reshard_chain(&chain, &out, &options(1, None, None)).unwrap();
+    reshard(&chain, &out, &options(1, None, None)).unwrap();
     assert_eq!(digest(&out), digest(&prev));
 }
 
@@ -712,7 +718,7 @@ fn tracked_deltas_saved_while_training_are_each_one_moment() {
         }
     });
     for dir in &dirs {
-        let chain = Chain::open(dir).unwrap();
+        let chain = Checkpoint::open(dir).unwrap();
         let c = chain.load_columns(&LoadOptions::default()).unwrap();
         let t = &c.tables[0];
         let mut by_id: Vec<(u64, f32)> = t
@@ -787,7 +793,7 @@ fn tables_restored_with_tracking_give_a_tracked_delta_at_once() {
     let tmp = tempfile::tempdir().unwrap();
     let (_, delta, _) = base_and_delta(tmp.path());
     for loaded in [tmp.path().join("base"), delta] {
-        let chain = Chain::open(&loaded).unwrap();
+        let chain = Checkpoint::open(&loaded).unwrap();
         let opts = LoadOptions {
             change_tracking: true,
             ..LoadOptions::default()
@@ -844,7 +850,7 @@ fn tables_restored_with_tracking_give_a_tracked_delta_at_once() {
 fn a_chain_load_counts_every_tensor_it_checks() {
     let tmp = tempfile::tempdir().unwrap();
     let (base, delta, _) = base_and_delta(tmp.path());
-    let chain = Chain::open(&delta).unwrap();
+    let chain = Checkpoint::open(&delta).unwrap();
     let whole = LoadOptions::default();
     let base_alone = Checkpoint::open(&base).unwrap().restore(&whole).unwrap();
     let restored = chain.restore(&whole).unwrap();
@@ -924,7 +930,7 @@ fn a_corrupt_byte_in_any_link_is_refused_by_every_read_and_never_laundered() {
             };
             // What every read gives of the intact chain.
             let intact = {
-                let chain = Chain::open(&tip).unwrap();
+                let chain = Checkpoint::open(&tip).unwrap();
                 [
                     restored_digest(&chain.restore(&LoadOptions::default()).unwrap()).unwrap(),
                     restored_digest(&chain.restore(&shard(1)).unwrap()).unwrap(),
@@ -957,7 +963,7 @@ fn a_corrupt_byte_in_any_link_is_refused_by_every_read_and_never_laundered() {
                 }
                 Ok(d) => assert_eq!(d, want, "{links} links, bad {bad}, {what}: wrong rows"),
             };
-            let chain = Chain::open(&tip).unwrap();
+            let chain = Checkpoint::open(&tip).unwrap();
             let restored = |o: &LoadOptions| chain.restore(o).and_then(|r| restored_digest(&r));
             check("restore", restored(&LoadOptions::default()), &intact[0]);
             check("restore shard 1 of 2", restored(&shard(1)), &intact[1]);
@@ -984,10 +990,10 @@ fn a_corrupt_byte_in_any_link_is_refused_by_every_read_and_never_laundered() {
             });
             rewritten("save --from", &from, saved, &mut check);
             let compacted = tmp.path().join("compacted");
-            let r = reshard_chain(&chain, &compacted, &options(2, None, None)).map(|_| ());
+            let r = reshard(&chain, &compacted, &options(2, None, None)).map(|_| ());
             rewritten("compact", &compacted, r, &mut check);
             let exported = tmp.path().join("exported");
-            let r = export_chain(&chain, &exported, &ExportOptions::default()).map(|_| ());
+            let r = export(&chain, &exported, &ExportOptions::default()).map(|_| ());
             match r {
                 Err(e) => check("export", Err(e), ""),
                 Ok(()) => assert!(bad + 1 < links, "export read the newest link's rows"),
@@ -1040,11 +1046,15 @@ fn compact_writes_the_newest_state_as_one_full_checkpoint() {
     let (_, delta, _) = base_and_delta(tmp.path());
     let out = tmp.path().join("compacted");
     saver::io::tools::reshard::compact(&delta, &out, &options(3, None, None)).unwrap();
-    let compacted = Chain::open(&out).unwrap();
+    let compacted = Checkpoint::open(&out).unwrap();
     assert!(!compacted.is_delta());
     assert_eq!(compacted.newest().manifest().shard_num, 3);
-    let digest = |c: &Chain| restored_digest(&c.restore(&LoadOptions::default()).unwrap()).unwrap();
-    assert_eq!(digest(&compacted), digest(&Chain::open(&delta).unwrap()));
+    let digest =
+        |c: &Checkpoint| restored_digest(&c.restore(&LoadOptions::default()).unwrap()).unwrap();
+    assert_eq!(
+        digest(&compacted),
+        digest(&Checkpoint::open(&delta).unwrap())
+    );
 }
 
 /// The summary `saver inspect` prints is a library type: a delta's names its parent and every

@@ -15,7 +15,7 @@ mod garage;
 use saver::core::plan::ForeignRows;
 use saver::io::storage::{LocalFs, ObjectStorage, Storage, MIN_PART_SIZE};
 use saver::io::tools::digest::restored_digest;
-use saver::{save, verify, Chain, Checkpoint, LoadOptions, SaveOptions, Status};
+use saver::{save, verify, Checkpoint, LoadOptions, SaveOptions, Status};
 
 /// Deterministic bytes for a test file.
 fn bytes(seed: u64, len: usize) -> Vec<u8> {
@@ -330,7 +330,7 @@ fn a_delta_names_its_parent_in_the_bucket() {
     let ckpt = Checkpoint::open(Path::new(&delta_url)).unwrap();
     let parent = ckpt.manifest().parent.as_ref().unwrap();
     assert_eq!(parent.path, "../base");
-    let chain = Chain::open(Path::new(&delta_url)).unwrap();
+    let chain = Checkpoint::open(Path::new(&delta_url)).unwrap();
     assert_eq!(chain.links().len(), 2);
     assert_eq!(verify(Path::new(&delta_url), 2).unwrap().status, Status::Ok);
     let local = tempfile::tempdir().unwrap();
@@ -416,7 +416,7 @@ fn library_readers_racing_overwrites_get_a_whole_saved_checkpoint() {
             s.spawn(move || {
                 while !done.load(std::sync::atomic::Ordering::Relaxed) {
                     let got = saver::io::load::checkpoint::read_latest(dir, || {
-                        let chain = Chain::open(dir)?;
+                        let chain = Checkpoint::open(dir)?;
                         let r = chain.restore(&LoadOptions {
                             shard_num: 1 + reader % 2,
                             shard_index: Some(0),

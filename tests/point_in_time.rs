@@ -16,7 +16,7 @@ use saver::core::partition::fmix64;
 use saver::core::table::moment;
 use saver::core::table::TableSemantics;
 use saver::{
-    save, save_async, Chain, Checkpoint, Dtype, EmbeddingTable, ForeignRows, KeyDtype, LoadOptions,
+    save, save_async, Checkpoint, Dtype, EmbeddingTable, ForeignRows, KeyDtype, LoadOptions,
     SaveInput, SaveOptions, SlotSpec, SparseTable,
 };
 
@@ -127,7 +127,7 @@ fn train(tables: &[&EmbeddingTable], stop: &AtomicBool, begin: Instant) -> Log {
 /// Each table's saved rows: id -> version, checking no row is torn or another id's.
 fn saved_rows(dir: &Path, names: &[&str]) -> Vec<HashMap<u64, u64>> {
     // A delta's rows are those of its whole chain.
-    let restored = Chain::open(dir)
+    let restored = Checkpoint::open(dir)
         .unwrap()
         .restore(&LoadOptions::default())
         .unwrap();

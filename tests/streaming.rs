@@ -7,7 +7,6 @@ use std::path::Path;
 
 use proptest::prelude::*;
 use saver::core::{Dtype, SaveInput, SparseTable};
-use saver::io::load::stored::StoredTable;
 use saver::io::source::import::read_plain;
 use saver::io::source::{save_input, Source, SourceTables};
 use saver::io::tools::digest::{restored_digest, source_digest, tables_digest};
@@ -179,8 +178,8 @@ proptest! {
 
         // A checkpoint's digest, read on demand, and the digest of its restore.
         let ck = Checkpoint::open(d.path().join("stream")).unwrap();
-        let stored = SourceTables::Stored(StoredTable::all(&ck, &[], &[]).unwrap());
-        let ck_dense = Source::checkpoint_dense(&ck).unwrap();
+        let stored = SourceTables::of_checkpoint(&ck).unwrap();
+        let ck_dense = ck.load_dense_tensors(&LoadOptions::default()).unwrap();
         prop_assert_eq!(source_digest(&stored, &ck_dense).unwrap(), mem_digest.clone());
         let restored = ck.restore(&LoadOptions::default()).unwrap();
         prop_assert_eq!(restored_digest(&restored).unwrap(), mem_digest.clone());

@@ -6,11 +6,12 @@
 //!
 //! 1. [`storage`]: where bytes go: a local directory (with direct I/O), an object store, and a
 //!    storage that injects faults; the process's identity, spill and write-behind files.
-//! 2. [`load`]: reading a committed checkpoint: [`Checkpoint::open`] validates index, manifest and
-//!    every header before any tensor byte; a [`Chain`] resolves a delta and its parents;
-//!    [`Checkpoint::restore`] / [`Chain::restore`] load for shard `j` of any `M` into tables,
-//!    `load_columns` into arrays, reading only the byte ranges that shard needs, every byte
-//!    checked against a CRC32.
+//! 2. [`load`]: reading a committed checkpoint, through one type: [`Checkpoint::open`] opens
+//!    it with every link of its chain (a full checkpoint is a chain of one [`Link`]), each
+//!    link's index, manifest and headers validated before any tensor byte;
+//!    [`Checkpoint::restore`] loads for shard `j` of any `M` into tables,
+//!    [`Checkpoint::load_columns`] into arrays, reading only the byte ranges that shard needs,
+//!    every byte checked against a CRC32.
 //! 3. [`source`]: the models a save reads in bounded memory: plain safetensors files, stored
 //!    checkpoints and chains.
 //! 4. [`save`](mod@save): [`save()`](fn@save) / [`save_to`]: plan, write every planned shard with `parallel`
@@ -31,8 +32,8 @@ pub mod storage;
 pub mod tools;
 
 pub use error::{Error, Result};
-pub use load::chain::{Chain, ChainTable};
-pub use load::checkpoint::Checkpoint;
+pub use load::checkpoint::{ChainTable, Checkpoint};
+pub use load::link::Link;
 pub use load::restore::{LoadOptions, LoadReport, LoadedDense, Restored, RestoredShard, TableSink};
 pub use save::background::{save_async, SaveHandle};
 pub use save::{

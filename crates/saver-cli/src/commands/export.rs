@@ -5,8 +5,8 @@ use std::process::ExitCode;
 
 use saver_core::Dtype;
 use saver_io::load::checkpoint::read_latest;
-use saver_io::tools::export::{export_chain, ExportOptions};
-use saver_io::Chain;
+use saver_io::tools::export::{export, ExportOptions};
+use saver_io::Checkpoint;
 
 use super::CmdResult;
 use crate::cli::{CastDtype, Output};
@@ -36,7 +36,7 @@ pub fn run(
         ..ExportOptions::default()
     };
     // Read again if the source is replaced meanwhile (see `read_latest`).
-    let r = read_latest(src, || export_chain(&Chain::open(src)?, out, &opts))?;
+    let r = read_latest(src, || export(&Checkpoint::open(src)?, out, &opts))?;
     if fmt.json {
         output::json(&r);
     } else {

@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use saver_io::load::checkpoint::read_latest;
 use saver_io::tools::digest::{columns_digest, restored_digest};
-use saver_io::{Chain, LoadOptions, LoadReport};
+use saver_io::{Checkpoint, LoadOptions, LoadReport};
 
 use super::CmdResult;
 use crate::cli::{LoadArgs, LoadTarget};
@@ -45,26 +45,16 @@ pub fn run(args: LoadArgs) -> CmdResult {
     };
     // Opened again if it is replaced while it is read (see `read_latest`).
     let (tables, load, dense, digest) = read_latest(&dir, || {
-        // A delta is read through its chain; a full checkpoint directly.
-        let chain = Chain::open(&dir)?;
-        let ck = chain.newest();
-        let tables = chain.table_manifests().count();
+        let ck = Checkpoint::open(&dir)?;
+        let tables = ck.table_manifests().count();
         Ok(match into {
             LoadTarget::Tables => {
-                let r = if chain.is_delta() {
-                    chain.restore(&opts)?
-                } else {
-                    ck.restore(&opts)?
-                };
+                let r = ck.restore(&opts)?;
                 let digest = (!no_digest).then(|| restored_digest(&r)).transpose()?;
                 (tables, r.report, r.dense.len(), digest)
             }
             LoadTarget::Arrays => {
-                let c = if chain.is_delta() {
-                    chain.load_columns(&opts)?
-                } else {
-                    ck.load_columns(&opts)?
-                };
+                let c = ck.load_columns(&opts)?;
                 let digest = (!no_digest).then(|| columns_digest(&c)).transpose()?;
                 (tables, c.report, c.dense.len(), digest)
             }

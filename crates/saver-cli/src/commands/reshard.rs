@@ -5,8 +5,8 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use saver_io::load::checkpoint::read_latest;
-use saver_io::tools::reshard::reshard_chain;
-use saver_io::{Chain, SaveOptions};
+use saver_io::tools::reshard::reshard;
+use saver_io::{Checkpoint, SaveOptions};
 
 use super::CmdResult;
 use crate::cli::Output;
@@ -23,7 +23,7 @@ pub fn run(
 ) -> CmdResult {
     // Read again if the source is replaced meanwhile (see `read_latest`).
     let (chain, shards, r) = read_latest(src, || {
-        let chain = Chain::open(src)?;
+        let chain = Checkpoint::open(src)?;
         let shards = shards.unwrap_or(chain.newest().manifest().shard_num);
         let mut opts = SaveOptions {
             durable,
@@ -32,7 +32,7 @@ pub fn run(
         };
         opts.plan.shard_num = shards;
         opts.plan.parallel = parallel;
-        let r = reshard_chain(&chain, out, &opts)?;
+        let r = reshard(&chain, out, &opts)?;
         Ok((chain, shards, r))
     })?;
     let from_shards = chain.newest().manifest().shard_num;

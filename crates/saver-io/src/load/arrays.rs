@@ -11,7 +11,7 @@ use saver_core::partition::BUCKETS;
 use saver_core::{KeyDtype, PartitionRule, SlotSpec};
 
 use crate::error::{Error, Result};
-use crate::load::checkpoint::Checkpoint;
+use crate::load::link::Link;
 use crate::load::pages::{prefault, zeroed_bytes, zeroed_u64s};
 use crate::load::restore::{
     finish_report, globs, reader_pool, target_shards, LoadOptions, LoadReport, LoadedDense,
@@ -33,7 +33,7 @@ pub struct TableColumns {
     pub data: Vec<Vec<u8>>,
 }
 
-/// The result of [`Checkpoint::load_columns`].
+/// The result of [`crate::Checkpoint::load_columns`].
 pub struct Columns {
     /// Tables.
     pub tables: Vec<TableColumns>,
@@ -51,10 +51,10 @@ struct Job<'a, 'm> {
     slots: Vec<&'a mut [u8]>,
 }
 
-impl Checkpoint {
+impl Link {
     /// Loads the selected tables (and dense tensors) into arrays: all rows, or with
     /// `opts.shard_index = Some(j)`, the rows of shard `j` of `opts.shard_num`.
-    pub fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
+    pub(crate) fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
         let start = Instant::now();
         let fetched = self.bytes_fetched();
         // Validates shard_num and shard_index exactly as the hashtable restore does.

@@ -3,11 +3,11 @@
 //! into arrays for any shard count; rows in storage order for what reads a checkpoint's tables.
 
 pub mod arrays;
-pub mod chain;
 pub mod checkpoint;
 pub(crate) mod documents;
 pub mod header;
 pub mod index;
+pub mod link;
 mod open_files;
 mod pages;
 mod pieces;

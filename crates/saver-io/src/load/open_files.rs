@@ -1,12 +1,12 @@
 //! The data files of open checkpoints, kept open within the process's file-descriptor budget.
 //!
-//! A checkpoint keeps its data files open from [`crate::Checkpoint::open`] on, so that one replaced
+//! A checkpoint keeps its data files open from [`crate::Link::open`] on, so that one replaced
 //! (its files removed) after it was opened stays readable on a local disk. But a chain opens every
 //! link: 64 links of 16 shards are 1,024 files, the usual soft limit. So local files are kept open
 //! only while the process holds fewer than half its descriptor limit for them; the others are
 //! closed once their header has been checked and reopened for each read, where their size and
 //! change times must still be those seen at open. A file that changed is corrupt; one that is gone
-//! is reported missing, as for a reader that opened it late, and [`crate::load::checkpoint::read_latest`]
+//! is reported missing, as for a reader that opened it late, and [`crate::load::link::read_latest`]
 //! starts over on the checkpoint that replaced it.
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -14,7 +14,7 @@ use crc32fast::Hasher;
 use saver_core::manifest::TensorRef;
 
 use crate::error::Result;
-use crate::load::checkpoint::Checkpoint;
+use crate::load::link::Link;
 
 /// One piece of a tensor that was read, within one of its blocks.
 pub(crate) struct Piece {
@@ -61,11 +61,7 @@ enum Part {
 /// `ckpt` the bytes of those blocks the pieces leave out (all in a few batched requests, which a
 /// remote store fetches at once). Returns the count of bytes read, or `None` when a block fails
 /// its check.
-pub(crate) fn check(
-    ckpt: &Checkpoint,
-    t: &TensorRef,
-    mut pieces: Vec<Piece>,
-) -> Result<Option<u64>> {
+pub(crate) fn check(ckpt: &Link, t: &TensorRef, mut pieces: Vec<Piece>) -> Result<Option<u64>> {
     let block = block_bytes(t);
     pieces.sort_by_key(|p| p.offset);
     let mut blocks: Vec<(u64, Vec<Part>)> = Vec::new();
@@ -127,7 +123,7 @@ pub(crate) fn check(
 
 /// The CRC32 states of bytes `ranges` of `t`: ranges read together up to [`BATCH_BYTES`] at a
 /// time, a longer one (a whole tensor without blocks) a window at a time.
-fn hash_ranges(ckpt: &Checkpoint, t: &TensorRef, ranges: &[Range<u64>]) -> Result<Vec<Hasher>> {
+fn hash_ranges(ckpt: &Link, t: &TensorRef, ranges: &[Range<u64>]) -> Result<Vec<Hasher>> {
     const BATCH_BYTES: u64 = 8 << 20;
     let len = |r: &Range<u64>| r.end - r.start;
     let mut out = Vec::with_capacity(ranges.len());
@@ -166,7 +162,7 @@ fn hash_ranges(ckpt: &Checkpoint, t: &TensorRef, ranges: &[Range<u64>]) -> Resul
 }
 
 /// Adds bytes `range` of `t` to `h`, read a bounded window at a time; returns their count.
-fn hash_range(ckpt: &Checkpoint, t: &TensorRef, range: Range<u64>, h: &mut Hasher) -> Result<u64> {
+fn hash_range(ckpt: &Link, t: &TensorRef, range: Range<u64>, h: &mut Hasher) -> Result<u64> {
     const WINDOW: u64 = 4 << 20;
     let mut buf = vec![0u8; WINDOW.min(range.end.saturating_sub(range.start)) as usize];
     let mut at = range.start;

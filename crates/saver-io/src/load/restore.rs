@@ -22,7 +22,7 @@ use saver_core::manifest::{SegmentManifest, TableManifest, TensorRef};
 use saver_core::{Dtype, EmbeddingTable, KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
 use crate::error::{Error, Result};
-use crate::load::checkpoint::Checkpoint;
+use crate::load::link::Link;
 use crate::load::pieces::{self, Piece};
 
 /// Where restored rows go. Implemented by [`EmbeddingTable`]; implement it for your own table.
@@ -72,11 +72,11 @@ pub struct LoadOptions {
     pub dense: Vec<String>,
     /// Whether to load dense tensors at all.
     pub load_dense: bool,
-    /// Checkpoint table name → name in the target.
+    /// Link table name → name in the target.
     pub rename: BTreeMap<String, String>,
     /// Tables that must be in the checkpoint (by checkpoint name).
     pub required_tables: Vec<String>,
-    /// Ask the kernel for transparent huge pages for the arrays of [`Checkpoint::load_columns`]:
+    /// Ask the kernel for transparent huge pages for the arrays of [`crate::Checkpoint::load_columns`]:
     /// about twice as fast when huge pages are free, but a stall while the kernel compacts memory
     /// when they are not (see `docs/BENCHMARKS.md`). Off by default.
     pub huge_pages: bool,
@@ -305,7 +305,7 @@ pub(crate) const REMOTE_CHUNKS_IN_FLIGHT: usize = 8;
 
 /// The reader threads of a load of `ck` with `parallel` asked: at least
 /// [`REMOTE_CHUNKS_IN_FLIGHT`] when its files are remote.
-pub(crate) fn reader_threads(ck: &Checkpoint, parallel: usize) -> usize {
+pub(crate) fn reader_threads(ck: &Link, parallel: usize) -> usize {
     if ck.is_remote() {
         parallel.max(REMOTE_CHUNKS_IN_FLIGHT)
     } else {
@@ -331,14 +331,14 @@ pub(crate) struct PieceCrc {
     pieces: Vec<Piece>,
 }
 
-impl Checkpoint {
+impl Link {
     /// The selected tables, in manifest order.
     pub(crate) fn selected_tables(&self, opts: &LoadOptions) -> Result<Vec<&TableManifest>> {
         if let Some(p) = &self.manifest().parent {
             // A delta's tables hold only what changed: read alone they would be a wrong model.
             return Err(Error::Mismatch(format!(
                 "{} is a delta checkpoint of {}: its rows are only what changed since then; \
-                 read it through its chain (saver_io::Chain::open, or any saver command), or \
+                 read it through its chain (saver_io::Checkpoint::open, or any saver command), or \
                  compact it into a full checkpoint (saver compact)",
                 self.location(),
                 p.path
@@ -379,7 +379,7 @@ impl Checkpoint {
 
     /// Restores into fresh [`EmbeddingTable`]s: every target shard of `opts.shard_num`, or only
     /// `opts.shard_index`. Either everything loads, or an error is returned and nothing is kept.
-    pub fn restore(&self, opts: &LoadOptions) -> Result<Restored> {
+    pub(crate) fn restore(&self, opts: &LoadOptions) -> Result<Restored> {
         let fetched = self.bytes_fetched();
         let exclude = globs("exclude_slots", &opts.exclude_slots)?;
         let tables = self.selected_tables(opts)?;
@@ -440,7 +440,7 @@ impl Checkpoint {
     /// for a checkpoint table (by manifest entry), or `None` to skip it. Dense tensors are not
     /// loaded (see [`Self::load_dense_tensors`]). A sink may hold part of the rows if this fails:
     /// load into a fresh table and swap it in on success, as [`Self::restore`] does.
-    pub fn load_into<'s>(
+    pub(crate) fn load_into<'s>(
         &self,
         shard: u32,
         opts: &LoadOptions,
@@ -463,12 +463,6 @@ impl Checkpoint {
         report.bytes_read = self.bytes_fetched() - fetched;
         finish_report(&mut report);
         Ok(report)
-    }
-
-    /// Loads the selected dense tensors, CRC-checked.
-    pub fn load_dense_tensors(&self, opts: &LoadOptions) -> Result<Vec<LoadedDense>> {
-        let mut r = LoadReport::default();
-        self.load_dense(opts, &mut r)
     }
 
     pub(crate) fn load_dense(
@@ -687,7 +681,7 @@ impl Checkpoint {
     }
 
     /// Reads rows `rows` of `r`: ids (8 bytes each) into `ids`, wanted slots into `slots`. Records
-    /// the CRC32 pieces read (for [`Checkpoint::check_pieces`]), and checks the ids against the
+    /// the CRC32 pieces read (for [`Link::check_pieces`]), and checks the ids against the
     /// bucket rule and order.
     pub(crate) fn read_rows_into(
         &self,
@@ -810,7 +804,7 @@ impl Checkpoint {
     /// Checks the CRC32s of every tensor a load read, whole or in part. In a tensor read only in
     /// part (a segment at the edge of the target's buckets), each checksummed block the load
     /// touched is completed by reading the bytes the load left out of it, so that every byte
-    /// returned was checked (those reads count in the checkpoint's [`Checkpoint::bytes_fetched`],
+    /// returned was checked (those reads count in the checkpoint's [`Link::bytes_fetched`],
     /// and so in the load's read amplification); the tensors count in `report.tensors_checked`.
     pub(crate) fn check_pieces(
         &self,
@@ -867,7 +861,7 @@ pub(crate) fn slot_map(
 /// Rows of `t` a target owning buckets `range` should receive: each saved partition's rows prorated
 /// by the share of its buckets the target owns (the rule spreads ids evenly over buckets). Sizing
 /// a table up front spares it rehashing every row each time it doubles. Bounded by the manifest's
-/// row counts, which `Checkpoint::open` checked against the tensors present in the files.
+/// row counts, which `Link::open` checked against the tensors present in the files.
 pub(crate) fn expected_rows(t: &TableManifest, range: Range<u32>) -> usize {
     let rows: u64 = t
         .partitions
@@ -885,7 +879,7 @@ pub(crate) fn expected_rows(t: &TableManifest, range: Range<u32>) -> usize {
 /// Reads whole the dense tensors of `refs` (each from the checkpoint given with it) that `set`
 /// selects (all if `None`), each checked against its CRC32, counted into `report`.
 pub(crate) fn read_dense_refs<'a>(
-    refs: impl IntoIterator<Item = (&'a Checkpoint, &'a saver_core::manifest::DenseManifest)>,
+    refs: impl IntoIterator<Item = (&'a Link, &'a saver_core::manifest::DenseManifest)>,
     set: &Option<GlobSet>,
     report: &mut LoadReport,
 ) -> Result<Vec<LoadedDense>> {

@@ -18,7 +18,7 @@ use saver_core::table::{RowChunk, TableSnapshot};
 use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
 use crate::error::{Error, Result};
-use crate::load::checkpoint::Checkpoint;
+use crate::load::link::Link;
 use crate::load::pieces::{self, Piece};
 use crate::load::rows::core_error as core;
 
@@ -45,7 +45,7 @@ type Pieces = Vec<Piece>;
 
 /// A table of an open checkpoint, all partitions together, rows read on demand.
 pub struct StoredTable<'c> {
-    ckpt: &'c Checkpoint,
+    ckpt: &'c Link,
     table: &'c TableManifest,
     slots: Vec<SlotSpec>,
     row_bytes: Vec<u64>,
@@ -59,11 +59,7 @@ pub struct StoredTable<'c> {
 
 impl<'c> StoredTable<'c> {
     /// Table `table` of `ckpt` with the slots `slots` (a subset of the table's, in any order).
-    pub fn new(
-        ckpt: &'c Checkpoint,
-        table: &'c TableManifest,
-        slots: Vec<SlotSpec>,
-    ) -> Result<Self> {
+    pub fn new(ckpt: &'c Link, table: &'c TableManifest, slots: Vec<SlotSpec>) -> Result<Self> {
         ckpt.check_target(table, table.key_dtype, &slots)?;
         let mut partitions: Vec<_> = table.partitions.iter().collect();
         partitions.sort_by_key(|p| p.buckets[0]);
@@ -108,11 +104,7 @@ impl<'c> StoredTable<'c> {
 
     /// Every selected table of `ckpt` (globs `tables`, all if empty), without the slots matching
     /// `exclude_slots`, in manifest order.
-    pub fn all(
-        ckpt: &'c Checkpoint,
-        tables: &[String],
-        exclude_slots: &[String],
-    ) -> Result<Vec<Self>> {
+    pub fn all(ckpt: &'c Link, tables: &[String], exclude_slots: &[String]) -> Result<Vec<Self>> {
         let opts = crate::LoadOptions {
             tables: tables.to_vec(),
             ..crate::LoadOptions::default()
@@ -120,7 +112,7 @@ impl<'c> StoredTable<'c> {
         let exclude = crate::load::restore::globs("exclude_slots", exclude_slots)?;
         ckpt.selected_tables(&opts)?
             .into_iter()
-            .map(|t| Self::new(ckpt, t, Checkpoint::kept_slots(t, &exclude)))
+            .map(|t| Self::new(ckpt, t, Link::kept_slots(t, &exclude)))
             .collect()
     }
 
@@ -404,7 +396,7 @@ impl<'c> StoredTable<'c> {
     }
 
     /// The checkpoint the table is read from.
-    pub fn checkpoint(&self) -> &'c Checkpoint {
+    pub fn checkpoint(&self) -> &'c Link {
         self.ckpt
     }
 }

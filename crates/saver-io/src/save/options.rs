@@ -103,7 +103,7 @@ impl Default for SaveOptions {
 
 impl SaveOptions {
     /// Stores a typed trainer state (step, RNG state, data position…), read back with
-    /// [`crate::Checkpoint::trainer_state`].
+    /// [`crate::Link::trainer_state`].
     pub fn with_trainer_state<T: Serialize>(mut self, state: &T) -> Result<Self> {
         self.trainer_state = Some(encode_trainer_state(state)?);
         Ok(self)

@@ -14,7 +14,7 @@ use std::path::Path;
 use saver_core::{EmbeddingTable, SaveInput, SlotSpec};
 
 use crate::error::{Error, Result};
-use crate::load::checkpoint::Checkpoint;
+use crate::load::link::Link;
 use crate::load::restore::{LoadOptions, LoadedDense, Restored};
 use crate::source::{first_trainer_state, with_dense, PlainInput, Source};
 
@@ -44,7 +44,7 @@ impl Model {
     }
 
     /// A model from a whole-checkpoint restore (one target shard).
-    pub fn from_restored(r: Restored, ckpt: &Checkpoint) -> Result<Self> {
+    pub fn from_restored(r: Restored, ckpt: &Link) -> Result<Self> {
         let tables = r.shards.into_iter().flat_map(|s| s.tables).collect();
         Ok(Self {
             tables,
@@ -61,14 +61,7 @@ impl Model {
 /// memory.
 pub fn read_model(path: &Path, parallel: usize) -> Result<Model> {
     match Source::open(path)? {
-        Source::Checkpoint(ckpt) => {
-            let r = ckpt.restore(&LoadOptions {
-                parallel,
-                ..LoadOptions::default()
-            })?;
-            Model::from_restored(r, &ckpt)
-        }
-        Source::Chain(chain) => {
+        Source::Checkpoint(chain) => {
             let r = chain.restore(&LoadOptions {
                 parallel,
                 ..LoadOptions::default()

@@ -21,9 +21,9 @@ use saver_core::{SaveInput, SparseTable};
 pub use plain::{PlainInput, PlainTable, PlainTableSpec, PlainTensor};
 
 use crate::error::{Error, Result};
-use crate::load::chain::{Chain, ChainTable};
-use crate::load::checkpoint::{describe_incomplete, Checkpoint};
+use crate::load::checkpoint::{ChainTable, Checkpoint};
 use crate::load::documents::MAX_JSON_BYTES;
+use crate::load::link::{describe_incomplete, Link};
 use crate::load::restore::LoadedDense;
 use crate::load::rows::BucketRows;
 use crate::load::stored::StoredTable;
@@ -32,10 +32,8 @@ use saver_core::DenseTensor;
 /// A model to read: a checkpoint or a plain input, opened (headers and manifests read, no data).
 #[derive(Debug)]
 pub enum Source {
-    /// A saver checkpoint.
+    /// A saver checkpoint (a full one, or a delta and its chain of parents).
     Checkpoint(Box<Checkpoint>),
-    /// A delta checkpoint and its chain of parents.
-    Chain(Box<Chain>),
     /// Plain safetensors files.
     Plain(PlainInput),
 }
@@ -44,13 +42,23 @@ pub enum Source {
 pub enum SourceTables<'s> {
     /// A checkpoint's.
     Stored(Vec<StoredTable<'s>>),
-    /// A chain's, resolved.
+    /// A delta's, resolved over its chain.
     Chain(Vec<ChainTable<'s>>),
     /// A plain input's, distributed by bucket.
     Plain(Vec<PlainTable<'s>>),
 }
 
-impl SourceTables<'_> {
+impl<'s> SourceTables<'s> {
+    /// Every table of `ckpt`: a full checkpoint's read straight from their segments, a delta's
+    /// resolved over its chain.
+    pub fn of_checkpoint(ckpt: &'s Checkpoint) -> Result<Self> {
+        Ok(if ckpt.is_delta() {
+            Self::Chain(ckpt.tables(&[], &[])?)
+        } else {
+            Self::Stored(StoredTable::all(ckpt.newest(), &[], &[])?)
+        })
+    }
+
     /// The tables as [`SparseTable`]s.
     pub fn as_dyn(&self) -> Vec<&dyn SparseTable> {
         match self {
@@ -78,12 +86,7 @@ impl Source {
     pub fn open(path: &Path) -> Result<Self> {
         if path.is_dir() || crate::storage::location_url(path).is_some() {
             if is_checkpoint(path) {
-                let ckpt = Checkpoint::open(path)?;
-                if ckpt.manifest().parent.is_some() {
-                    drop(ckpt);
-                    return Ok(Self::Chain(Box::new(Chain::open(path)?)));
-                }
-                return Ok(Self::Checkpoint(Box::new(ckpt)));
+                return Ok(Self::Checkpoint(Box::new(Checkpoint::open(path)?)));
             }
             let storage = crate::storage::open_location(path)?;
             if !storage.exists(INDEX_FILE)?
@@ -116,8 +119,7 @@ impl Source {
         rounds: Option<usize>,
     ) -> Result<SourceTables<'_>> {
         Ok(match self {
-            Self::Checkpoint(c) => SourceTables::Stored(StoredTable::all(c, &[], &[])?),
-            Self::Chain(c) => SourceTables::Chain(c.tables(&[], &[])?),
+            Self::Checkpoint(c) => SourceTables::of_checkpoint(c)?,
             Self::Plain(p) => SourceTables::Plain(p.tables_in_rounds(
                 scratch,
                 parallel,
@@ -130,23 +132,15 @@ impl Source {
     /// Every dense tensor, read whole (a checkpoint's checked against its CRC32).
     pub fn dense(&self) -> Result<Vec<LoadedDense>> {
         match self {
-            Self::Checkpoint(c) => Self::checkpoint_dense(c),
-            Self::Chain(c) => c.read_dense(None, &mut crate::LoadReport::default()),
+            Self::Checkpoint(c) => c.dense_tensors(None, &mut crate::LoadReport::default()),
             Self::Plain(p) => p.read_dense(),
         }
-    }
-
-    /// Every dense tensor of `c`, read whole and checked against its CRC32.
-    pub fn checkpoint_dense(c: &Checkpoint) -> Result<Vec<LoadedDense>> {
-        let refs = c.manifest().dense.iter().map(|d| (c, d));
-        crate::load::restore::read_dense_refs(refs, &None, &mut crate::LoadReport::default())
     }
 
     /// Shard 0's trainer state, when the source is a checkpoint.
     pub fn trainer_state(&self) -> Option<String> {
         match self {
-            Self::Checkpoint(c) => first_trainer_state(c),
-            Self::Chain(c) => first_trainer_state(c.newest()),
+            Self::Checkpoint(c) => first_trainer_state(c.newest()),
             Self::Plain(_) => None,
         }
     }
@@ -155,7 +149,6 @@ impl Source {
     pub fn user_metadata(&self) -> BTreeMap<String, String> {
         match self {
             Self::Checkpoint(c) => c.manifest().user_metadata.clone(),
-            Self::Chain(c) => c.newest().manifest().user_metadata.clone(),
             Self::Plain(p) => p.user_metadata.clone(),
         }
     }
@@ -163,7 +156,7 @@ impl Source {
     /// Things about the input a user should hear of.
     pub fn warnings(&self) -> &[String] {
         match self {
-            Self::Checkpoint(_) | Self::Chain(_) => &[],
+            Self::Checkpoint(_) => &[],
             Self::Plain(p) => &p.warnings,
         }
     }
@@ -201,7 +194,7 @@ pub(crate) fn with_dense<'a>(
 
 /// Shard 0's trainer state: what a checkpoint rewritten for another worker count carries, since a
 /// worker's state does not map onto a new worker count.
-pub(crate) fn first_trainer_state(ckpt: &Checkpoint) -> Option<String> {
+pub(crate) fn first_trainer_state(ckpt: &Link) -> Option<String> {
     ckpt.manifest()
         .shards
         .first()

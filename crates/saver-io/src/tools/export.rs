@@ -15,13 +15,11 @@ use saver_core::plan::header::{render_header_with, HeaderTensor};
 use saver_core::Dtype;
 
 use crate::error::{Error, Result};
-use crate::load::chain::Chain;
 use crate::load::checkpoint::Checkpoint;
 use crate::load::restore::LoadedDense;
 use crate::load::rows::BucketRows;
 use crate::load::stored::StoredTable;
 use crate::source::sorted::{visit_by_id, RUN_BYTES};
-use crate::source::Source;
 use crate::storage::write_behind::WriteBehind;
 use crate::storage::{Storage, WriteHandle};
 
@@ -126,33 +124,23 @@ struct OutTensor {
 /// Bytes of a tensor's rows gathered before they are cast and written.
 const COLUMN_BUFFER_BYTES: usize = 4 << 20;
 
-/// Exports `ckpt` into directory `out`.
+/// Exports the newest state of `ckpt` (a delta resolved over its chain) into directory `out`.
 ///
 /// Streams: each table's rows are put in id order by an external merge sort
 /// (`crate::source::sorted`, temporary files in `out`) and written as they come, so the
 /// export holds bounded buffers (about 100 MiB) plus the dense tensors, whatever the number of
 /// rows.
 pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
-    let tables = StoredTable::all(ckpt, &opts.tables, &opts.exclude_slots)?;
-    let tables: Vec<&dyn BucketRows> = tables.iter().map(|t| t as &dyn BucketRows).collect();
-    export_tables(tables, || Source::checkpoint_dense(ckpt), out, opts)
-}
-
-/// Exports the newest state of `chain` (a delta resolved over its parents, or one full
-/// checkpoint) into directory `out`, as [`export`] does.
-pub fn export_chain(chain: &Chain, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
-    if !chain.is_delta() {
+    let read_dense = || ckpt.dense_tensors(None, &mut crate::LoadReport::default());
+    if !ckpt.is_delta() {
         // One full checkpoint: its rows are read straight from their segments.
-        return export(chain.newest(), out, opts);
+        let tables = StoredTable::all(ckpt.newest(), &opts.tables, &opts.exclude_slots)?;
+        let tables = tables.iter().map(|t| t as &dyn BucketRows).collect();
+        return export_tables(tables, read_dense, out, opts);
     }
-    let tables = chain.tables(&opts.tables, &opts.exclude_slots)?;
-    let tables: Vec<&dyn BucketRows> = tables.iter().map(|t| t as &dyn BucketRows).collect();
-    export_tables(
-        tables,
-        || chain.read_dense(None, &mut crate::LoadReport::default()),
-        out,
-        opts,
-    )
+    let tables = ckpt.tables(&opts.tables, &opts.exclude_slots)?;
+    let tables = tables.iter().map(|t| t as &dyn BucketRows).collect();
+    export_tables(tables, read_dense, out, opts)
 }
 
 fn export_tables(

@@ -9,8 +9,8 @@ use serde::Serialize;
 use saver_core::{Dtype, KeyDtype, ParentRef, PartitionRule};
 
 use crate::error::Result;
-use crate::load::chain::Chain;
 use crate::load::checkpoint::Checkpoint;
+use crate::load::link::Link;
 
 /// One slot of a table.
 #[derive(Clone, Debug, Serialize)]
@@ -118,7 +118,7 @@ pub struct Summary {
 
 /// The links of the chain of the delta in `dir`, or why they cannot be followed.
 fn chain_of(dir: &Path) -> std::result::Result<Vec<LinkSummary>, String> {
-    let chain = Chain::open(dir).map_err(|e| e.to_string())?;
+    let chain = Checkpoint::open(dir).map_err(|e| e.to_string())?;
     Ok(chain
         .links()
         .iter()
@@ -135,7 +135,7 @@ fn chain_of(dir: &Path) -> std::result::Result<Vec<LinkSummary>, String> {
 /// Sums up the checkpoint in `dir` from its manifest (no tensor byte is read); for a delta, also
 /// the links of its chain.
 pub fn inspect(dir: &Path) -> Result<Summary> {
-    let ck = Checkpoint::open(dir)?;
+    let ck = Link::open(dir)?;
     let m = ck.manifest();
     Ok(Summary {
         dir: dir.display().to_string(),

@@ -9,7 +9,7 @@ use saver_core::manifest::TensorRef;
 use saver_core::naming::INDEX_FILE;
 
 use crate::error::{Error, Result};
-use crate::load::checkpoint::{describe_incomplete, load_manifest, open_file};
+use crate::load::link::{describe_incomplete, load_manifest, open_file};
 use crate::storage::{open_location, Storage};
 
 /// Overall verdict.
@@ -64,7 +64,7 @@ pub fn verify(dir: impl AsRef<Path>, parallel: usize) -> Result<VerifyReport> {
     if report.status != Status::Ok {
         return Ok(report);
     }
-    let chain = match crate::load::chain::Chain::open(dir) {
+    let chain = match crate::load::checkpoint::Checkpoint::open(dir) {
         Ok(c) => c,
         Err(e) if e.is_about_the_checkpoint() => {
             report.status = Status::Corrupt;
@@ -112,7 +112,7 @@ fn problem(e: &Error, fallback_file: &str) -> Problem {
 /// not about the checkpoint's bytes (permission denied, I/O errors) are returned as errors, not
 /// as a "corrupt" verdict.
 pub fn verify_storage(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
-    crate::load::checkpoint::retry_if_replaced(
+    crate::load::link::retry_if_replaced(
         storage,
         || verify_once(storage, parallel),
         |r| {

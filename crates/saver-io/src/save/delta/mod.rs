@@ -4,7 +4,7 @@
 //! `with_change_tracking`) and whose last committed save is the parent gives the rows written
 //! since and the ids removed since, without any comparison. For every other table the delta is
 //! found by content: each table's rows are walked in (bucket, id bits) order beside
-//! the parent chain's rows of the same table ([`crate::load::chain::ChainTable`]), which lie in that
+//! the parent chain's rows of the same table ([`crate::load::checkpoint::ChainTable`]), which lie in that
 //! order on disk. A row the parent lacks or holds with other bytes (in any slot the save keeps)
 //! is written whole; a parent row whose id the table no longer holds, or whose row a row filter
 //! now drops, is recorded as removed. Both go to nameless temporary files beside the checkpoint
@@ -36,7 +36,7 @@ use saver_core::{
 };
 
 use crate::error::{Error, Result};
-use crate::load::chain::{Chain, ChainTable};
+use crate::load::checkpoint::{ChainTable, Checkpoint};
 use crate::load::rows::BucketRows;
 use crate::save::options::SaveOptions;
 use crate::save::pipeline::{save_prepared, storage_for_save, DeltaOf};
@@ -238,7 +238,7 @@ struct Found<'t> {
 
 /// A delta save's parent chain and where the delta goes.
 struct Delta {
-    chain: Chain,
+    chain: Checkpoint,
     child_dir: PathBuf,
     parent_ref: saver_core::ParentRef,
 }
@@ -252,7 +252,7 @@ impl Delta {
             why: "a delta save needs a parent".into(),
         })?;
         let child_dir = PathBuf::from(storage.location());
-        let chain = Chain::open(parent).map_err(|e| match e {
+        let chain = Checkpoint::open(parent).map_err(|e| match e {
             e @ Error::Chain { .. } => e,
             e => Error::Chain {
                 link: child_dir.display().to_string(),
@@ -260,7 +260,7 @@ impl Delta {
             },
         })?;
         // Refused before anything is written: a longer chain would commit and then be unreadable.
-        if chain.links().len() >= crate::load::chain::MAX_CHAIN_LINKS {
+        if chain.links().len() >= crate::load::checkpoint::MAX_CHAIN_LINKS {
             return Err(Error::Chain {
                 link: child_dir.display().to_string(),
                 message: format!(
@@ -512,7 +512,7 @@ fn delta_filters(filters: &Filters) -> Filters {
 /// key dtype, each slot with the same dtype and shape); `None` when the parent has no such table
 /// (every row is new).
 fn parent_slots(
-    chain: &Chain,
+    chain: &Checkpoint,
     t: &dyn SparseTable,
     compared: &[usize],
 ) -> Result<Option<Vec<SlotSpec>>> {

@@ -20,7 +20,7 @@ const WINDOW_BYTES: u64 = 512 << 10;
 /// Rows `first..first + count` of segment `seg` of link `link`'s rows, which are rows
 /// `at..at + count` of what is being read.
 #[derive(Clone, Copy, Debug)]
-pub(in crate::load::chain) struct Run {
+pub(in crate::load::checkpoint) struct Run {
     link: usize,
     seg: usize,
     first: u64,
@@ -103,7 +103,7 @@ fn read_link_groups(
 
 /// Reads runs of link rows, with scratch buffers kept between calls.
 #[derive(Default)]
-pub(in crate::load::chain) struct RunReader {
+pub(in crate::load::checkpoint) struct RunReader {
     scratch: Vec<Vec<u8>>,
     /// Where [`RunReader::by_link`] puts runs.
     sorted: Vec<Run>,
@@ -114,7 +114,7 @@ pub(in crate::load::chain) struct RunReader {
 
 impl RunReader {
     /// A reader into a load's final arrays: see [`RunReader::streaming`].
-    pub(in crate::load::chain) fn into_final_arrays() -> Self {
+    pub(in crate::load::checkpoint) fn into_final_arrays() -> Self {
         Self {
             streaming: true,
             ..Self::default()
@@ -177,7 +177,7 @@ impl RunReader {
     /// which a newer link replaced or removed, are read and skipped), so that a base shadowed
     /// here and there by deltas is read in long runs rather than row by row; a run read alone
     /// goes straight into `out`, the others through a scratch buffer, one copy a run.
-    pub(in crate::load::chain) fn fill(
+    pub(in crate::load::checkpoint) fn fill(
         &mut self,
         t: &ChainTable<'_>,
         runs: &mut [Run],

@@ -1,4 +1,4 @@
-//! Opening a committed checkpoint: index, manifest and every data file's header are validated
+//! One link of a checkpoint: one committed save, opened. Its index, manifest and every data file's header are validated
 //! against each other before any tensor byte is read.
 
 use std::collections::{BTreeMap, HashMap};
@@ -25,8 +25,9 @@ pub(crate) struct OpenFile {
     pub handle: Box<dyn ReadHandle>,
 }
 
-/// A committed checkpoint, opened for reading.
-pub struct Checkpoint {
+/// One committed save, opened for reading: a full checkpoint, or one link of a delta's chain.
+/// Read it through [`crate::Checkpoint`], which follows a delta's parents.
+pub struct Link {
     storage: Arc<dyn Storage>,
     index: Index,
     manifest: Manifest,
@@ -35,9 +36,9 @@ pub struct Checkpoint {
     fetched: AtomicU64,
 }
 
-impl std::fmt::Debug for Checkpoint {
+impl std::fmt::Debug for Link {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Checkpoint")
+        f.debug_struct("Link")
             .field("location", &self.storage.location())
             .field("save_id", &self.manifest.save_id)
             .finish()
@@ -369,7 +370,7 @@ pub(crate) fn open_file(
 /// Byte ranges of one file to read: `(offset in the file, buffer)`.
 type FileReads<'a> = Vec<(u64, &'a mut [u8])>;
 
-impl Checkpoint {
+impl Link {
     /// Opens the checkpoint in directory `dir`.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         Self::open_storage(crate::storage::open_location(dir.as_ref())?)
@@ -382,7 +383,7 @@ impl Checkpoint {
     /// readable, as long as the process keeps fewer data files open than half its descriptor
     /// limit; past that (the links of a long chain), files are closed after the check and
     /// reopened for each read, which then fails if they are gone (see
-    /// [`crate::load::checkpoint::read_latest`]). One replaced while `open` runs is opened anew: the result
+    /// [`crate::load::link::read_latest`]). One replaced while `open` runs is opened anew: the result
     /// is the old or the new checkpoint, whole.
     pub fn open_storage(storage: Arc<dyn Storage>) -> Result<Self> {
         let (index, manifest, files) = retry_if_replaced(

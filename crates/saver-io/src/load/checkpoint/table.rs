@@ -11,7 +11,7 @@ use saver_core::partition::BUCKETS;
 use saver_core::table::{RowChunk, TableSnapshot};
 use saver_core::{KeyDtype, SlotSpec, SparseTable};
 
-use super::Chain;
+use super::Checkpoint;
 use crate::error::{Error, Result};
 use crate::load::rows::{core_error as core, BucketRows, VisitRows};
 use crate::load::stored::StoredTable;
@@ -40,7 +40,7 @@ struct Link<'c> {
     removed: Option<StoredTable<'c>>,
 }
 
-/// A table of a [`Chain`], resolved: the rows a full save of the newest state would hold.
+/// A table of a [`Checkpoint`], resolved: the rows a full save of the newest state would hold.
 pub struct ChainTable<'c> {
     name: String,
     key_dtype: KeyDtype,
@@ -59,7 +59,7 @@ pub struct ChainTable<'c> {
 
 impl<'c> ChainTable<'c> {
     /// Table `name` of `chain` with slots `slots` (of the newest link's table).
-    pub fn new(chain: &'c Chain, name: &str, slots: Vec<SlotSpec>) -> Result<Self> {
+    pub fn new(chain: &'c Checkpoint, name: &str, slots: Vec<SlotSpec>) -> Result<Self> {
         let newest = chain.newest().manifest();
         let Some(t) = newest.table(name) else {
             return Err(Error::Mismatch(format!(

@@ -1,9 +1,10 @@
-//! Chains of delta checkpoints, resolved while they are read.
+//! The one reader: [`Checkpoint`], a committed checkpoint opened with every link of its chain.
 //!
-//! A delta checkpoint names its parent ([`ParentRef`]: a path relative to the delta, the parent's
+//! A full checkpoint is a chain of one link, read straight from its segments ([`Link`]). A
+//! delta checkpoint names its parent ([`ParentRef`]: a path relative to the delta, the parent's
 //! save id and the CRC32 of its manifest) and holds, per table, the rows inserted or changed since
 //! the parent and, in the companion table [`removed_table_name`](saver_core::naming::removed_table_name), the ids removed since it. The
-//! parent may itself be a delta. [`Chain::open`] follows the links to a full checkpoint, checking
+//! parent may itself be a delta. [`Checkpoint::open`] follows the links to a full checkpoint, checking
 //! each one; [`ChainTable`] presents one table of the chain as it would be in a full save of the
 //! newest state.
 //!
@@ -14,6 +15,7 @@
 
 mod table;
 
+pub use crate::load::link::read_latest;
 pub use table::ChainTable;
 use table::{Run, RunReader};
 
@@ -30,11 +32,11 @@ use saver_core::{EmbeddingTable, PartitionRule, SparseTable};
 
 use crate::error::{io_err, Error, Result};
 use crate::load::arrays::{Columns, TableColumns};
-use crate::load::checkpoint::Checkpoint;
+use crate::load::link::Link;
 use crate::load::pages::{zeroed_bytes, zeroed_u64s};
 use crate::load::restore::{
     finish_report, globs, read_dense_refs, set_baselines, target_shards, tracked_if, LoadOptions,
-    LoadedDense, Restored, RestoredShard,
+    LoadedDense, Restored, RestoredShard, TableSink,
 };
 use crate::load::rows::BucketRows;
 
@@ -79,21 +81,32 @@ pub(crate) fn relative_path(from: &Path, to: &Path) -> Result<String> {
 
 /// A checkpoint and, if it is a delta, every link down to the full checkpoint it starts from.
 #[derive(Debug)]
-pub struct Chain {
+pub struct Checkpoint {
     /// Newest first.
-    links: Vec<Checkpoint>,
+    links: Vec<Link>,
     dirs: Vec<PathBuf>,
 }
 
-impl Chain {
+impl Checkpoint {
     /// Opens the checkpoint in `dir` and follows its parents. Each parent must exist, be
     /// committed, and be the save its child names (save id and manifest checksum); the chain
     /// must end in a full checkpoint within [`MAX_CHAIN_LINKS`] links and never come back to a
     /// link. Each failure is one error naming the link.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        let first = Checkpoint::open(&dir)?;
-        let key = |c: &Checkpoint| {
+        Self::follow(Link::open(&dir)?, dir)
+    }
+
+    /// Opens the checkpoint in `storage`, as [`Self::open`] does; a delta's parents are found
+    /// by their paths relative to `storage`'s location.
+    pub fn open_storage(storage: std::sync::Arc<dyn crate::storage::Storage>) -> Result<Self> {
+        let dir = PathBuf::from(storage.location());
+        Self::follow(Link::open_storage(storage)?, dir)
+    }
+
+    /// The chain that starts at `first`, opened from `dir`.
+    fn follow(first: Link, dir: PathBuf) -> Result<Self> {
+        let key = |c: &Link| {
             (
                 c.manifest().save_id.clone(),
                 c.index().metadata.saver_manifest_crc32,
@@ -126,7 +139,7 @@ impl Chain {
                 )));
             }
             let parent_dir = child_dir.join(&p.path);
-            let parent = Checkpoint::open(&parent_dir).map_err(|e| {
+            let parent = Link::open(&parent_dir).map_err(|e| {
                 // A resource or permission error (too many open files, EACCES) says nothing
                 // about the chain: it stays what it is, never a broken link.
                 if matches!(e, Error::Io { .. }) && !e.is_about_the_checkpoint() {
@@ -160,21 +173,33 @@ impl Chain {
         Ok(Self { links, dirs })
     }
 
-    /// A chain of one full checkpoint.
-    pub fn of_checkpoint(ckpt: Checkpoint, dir: PathBuf) -> Self {
-        Self {
-            links: vec![ckpt],
-            dirs: vec![dir],
-        }
-    }
-
-    /// The newest link: the checkpoint that was opened.
-    pub fn newest(&self) -> &Checkpoint {
+    /// The newest link: the save that was opened.
+    pub fn newest(&self) -> &Link {
         &self.links[0]
     }
 
+    /// The manifest of the newest link.
+    pub fn manifest(&self) -> &saver_core::Manifest {
+        self.newest().manifest()
+    }
+
+    /// The global index of the newest link.
+    pub fn index(&self) -> &crate::load::index::Index {
+        self.newest().index()
+    }
+
+    /// Where the checkpoint (its newest link) is.
+    pub fn location(&self) -> String {
+        self.newest().location()
+    }
+
+    /// Shard `shard`'s trainer state, decoded as `T`.
+    pub fn trainer_state<T: serde::de::DeserializeOwned>(&self, shard: u32) -> Result<Option<T>> {
+        self.newest().trainer_state(shard)
+    }
+
     /// Every link, newest first; the last is a full checkpoint.
-    pub fn links(&self) -> &[Checkpoint] {
+    pub fn links(&self) -> &[Link] {
         &self.links
     }
 
@@ -203,9 +228,9 @@ impl Chain {
     /// in the nearest link that writes them.
     ///
     /// [`Manifest::dense_in_parent`]: saver_core::Manifest::dense_in_parent
-    pub fn dense_refs(&self) -> Result<Vec<(&Checkpoint, &DenseManifest)>> {
+    pub fn dense_refs(&self) -> Result<Vec<(&Link, &DenseManifest)>> {
         let newest = self.newest().manifest();
-        let mut out: Vec<(&Checkpoint, &DenseManifest)> =
+        let mut out: Vec<(&Link, &DenseManifest)> =
             newest.dense.iter().map(|d| (self.newest(), d)).collect();
         for name in &newest.dense_in_parent {
             let mut found = None;
@@ -236,7 +261,7 @@ impl Chain {
 
     /// The dense tensors of the newest state that `opts.dense` selects (all when `None`), read
     /// whole from the links that hold them and checked against their CRC32.
-    pub fn read_dense(
+    pub(crate) fn dense_tensors(
         &self,
         opts: Option<&LoadOptions>,
         report: &mut crate::LoadReport,
@@ -246,6 +271,19 @@ impl Chain {
             None => None,
         };
         read_dense_refs(self.dense_refs()?, &set, report)
+    }
+
+    /// Reads dense tensor `name` of the newest state whole (from the link that holds it),
+    /// checking its CRC32.
+    pub fn read_dense(&self, name: &str) -> Result<Vec<u8>> {
+        let refs = self.dense_refs()?;
+        let (link, _) = refs
+            .iter()
+            .find(|(_, d)| d.tensor.name == name)
+            .ok_or_else(|| {
+                Error::Mismatch(format!("no dense tensor {name:?} in {}", self.location()))
+            })?;
+        link.read_dense(name)
     }
 
     /// The tables of the newest state (the companion tables of removed ids are not tables),
@@ -269,7 +307,7 @@ impl Chain {
         let exclude = globs("exclude_slots", exclude_slots)?;
         self.table_manifests()
             .filter(|t| set.as_ref().is_none_or(|s| s.is_match(&t.name)))
-            .map(|t| ChainTable::new(self, &t.name, Checkpoint::kept_slots(t, &exclude)))
+            .map(|t| ChainTable::new(self, &t.name, Link::kept_slots(t, &exclude)))
             .collect()
     }
 
@@ -282,7 +320,7 @@ impl Chain {
         fetched: u64,
     ) -> Result<(Vec<LoadedDense>, crate::LoadReport)> {
         let dense = if opts.load_dense {
-            self.read_dense(Some(opts), &mut report)?
+            self.dense_tensors(Some(opts), &mut report)?
         } else {
             Vec::new()
         };
@@ -292,9 +330,9 @@ impl Chain {
         Ok((dense, report))
     }
 
-    /// Bytes the links' files have delivered to reads so far: see [`Checkpoint::bytes_fetched`].
+    /// Bytes the links' files have delivered to reads so far: see [`Link::bytes_fetched`].
     pub fn bytes_fetched(&self) -> u64 {
-        self.links().iter().map(Checkpoint::bytes_fetched).sum()
+        self.links().iter().map(Link::bytes_fetched).sum()
     }
 
     /// The tables a load with `opts` reads.
@@ -314,9 +352,15 @@ impl Chain {
             .collect())
     }
 
-    /// Loads into arrays, as [`Checkpoint::load_columns`] does for one checkpoint: the rows of
-    /// target shard `opts.shard_index` (all rows when `None`), in (bucket, id bits) order.
+    /// Loads the selected tables (and dense tensors) into arrays: all rows, or with
+    /// `opts.shard_index = Some(j)`, the rows of shard `j` of `opts.shard_num`, in (bucket, id
+    /// bits) order. A delta's rows are resolved over its chain, reading only the target's
+    /// buckets of every link.
     pub fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
+        if !self.is_delta() {
+            // One full checkpoint: its segments are read straight into the arrays.
+            return self.newest().load_columns(opts);
+        }
         let start = std::time::Instant::now();
         let fetched = self.bytes_fetched();
         target_shards(opts)?;
@@ -421,10 +465,13 @@ impl Chain {
         })
     }
 
-    /// Restores into fresh [`EmbeddingTable`]s, as [`Checkpoint::restore`] does for one
-    /// checkpoint: every target shard of `opts.shard_num`, or only `opts.shard_index`, reading
-    /// only the target's buckets of every link.
+    /// Restores into fresh [`EmbeddingTable`]s: every target shard of `opts.shard_num`, or only
+    /// `opts.shard_index`, reading only the target's buckets (of every link, for a delta).
+    /// Either everything loads, or an error is returned and nothing is kept.
     pub fn restore(&self, opts: &LoadOptions) -> Result<Restored> {
+        if !self.is_delta() {
+            return self.newest().restore(opts);
+        }
         let start = std::time::Instant::now();
         let fetched = self.bytes_fetched();
         let tables = self.selected(opts)?;
@@ -504,7 +551,86 @@ impl Chain {
     }
 }
 
-/// One part of a table as [`Chain::load_columns`] reads it: its resolved ids and runs, and the
+impl Checkpoint {
+    /// Loads target shard `shard` of `opts.shard_num` into user sinks: `sink_for` returns the
+    /// sink for a checkpoint table (by its manifest entry), or `None` to skip it. Dense tensors
+    /// are not loaded (see [`Self::load_dense_tensors`]). A sink may hold part of the rows if
+    /// this fails: load into a fresh table and swap it in on success, as [`Self::restore`] does.
+    pub fn load_into<'s>(
+        &self,
+        shard: u32,
+        opts: &LoadOptions,
+        sink_for: &dyn Fn(&TableManifest) -> Option<&'s dyn TableSink>,
+    ) -> Result<crate::LoadReport> {
+        if !self.is_delta() {
+            return self.newest().load_into(shard, opts, sink_for);
+        }
+        if shard >= opts.shard_num {
+            return Err(saver_core::Error::ShardOutOfRange {
+                index: shard,
+                num: opts.shard_num,
+            }
+            .into());
+        }
+        let start = std::time::Instant::now();
+        let fetched = self.bytes_fetched();
+        let tables = self.selected(opts)?;
+        let target = PartitionRule::bucket_range(shard, opts.shard_num);
+        let mut work = Vec::new();
+        for t in &tables {
+            let Some(m) = self.table_manifests().find(|m| m.name == t.name()) else {
+                continue;
+            };
+            let Some(sink) = sink_for(m) else {
+                continue;
+            };
+            for part in &t.parts {
+                let r = part.start.max(target.start)..part.end.min(target.end);
+                if !r.is_empty() {
+                    work.push((t, sink, r));
+                }
+            }
+        }
+        let pool = crate::load::restore::reader_pool(opts.parallel)?;
+        let done: Vec<u64> = pool.install(|| {
+            work.par_iter()
+                .map(|(t, sink, r)| {
+                    let mut rows = 0u64;
+                    let batch = (opts.chunk_bytes / t.full_row_bytes()).max(1) as usize;
+                    t.visit_buckets(r.clone(), batch, &mut |ids, slots| {
+                        rows += ids.len() as u64;
+                        sink.insert_chunk(ids, slots)?;
+                        Ok(())
+                    })?;
+                    Ok(rows)
+                })
+                .collect::<Result<_>>()
+        })?;
+        tables.iter().try_for_each(ChainTable::finish_checks)?;
+        let mut report = crate::LoadReport {
+            rows: done.iter().sum(),
+            tensors_checked: tables.iter().map(ChainTable::tensors_checked).sum(),
+            ..Default::default()
+        };
+        report.bytes_kept = work
+            .iter()
+            .zip(&done)
+            .map(|((t, _, _), rows)| rows * t.full_row_bytes())
+            .sum();
+        report.load_seconds = start.elapsed().as_secs_f64();
+        report.bytes_read = self.bytes_fetched() - fetched;
+        finish_report(&mut report);
+        Ok(report)
+    }
+
+    /// The dense tensors `opts.dense` selects (all when empty), CRC-checked: the newest state's,
+    /// each read from the link that holds it.
+    pub fn load_dense_tensors(&self, opts: &LoadOptions) -> Result<Vec<LoadedDense>> {
+        self.dense_tensors(Some(opts), &mut crate::LoadReport::default())
+    }
+}
+
+/// One part of a table as [`Checkpoint::load_columns`] reads it: its resolved ids and runs, and the
 /// region of the final arrays they go to.
 struct Region<'a> {
     ids: &'a mut [u64],
