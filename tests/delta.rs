@@ -306,7 +306,50 @@ fn a_delta_holds_only_what_changed_reads_whole_and_old_readers_refuse_it() {
     let r = ck.restore(&LoadOptions::default()).unwrap();
     assert_eq!(r.table("t0").unwrap().len(), state[&0].len());
     let c = ck.load_columns(&LoadOptions::default()).unwrap();
-    assert_eq!(c.tables.iter().find(|t| t.name == "t0").unwrap().ids.len(), state[&0].len());
+    assert_eq!(
+        c.tables.iter().find(|t| t.name == "t0").unwrap().ids.len(),
+        state[&0].len()
+    );
+}
+
+/// `save` decides full or delta from its options for every input kind: tables read from files
+/// (here a checkpoint opened as a source, as `saver save --from … --parent …` reads it) are
+/// compared with the parent as they are read, and the delta holds what the in-memory delta
+/// holds.
+#[test]
+fn save_of_a_source_with_a_parent_is_a_delta_compared_as_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, delta, state) = base_and_delta(tmp.path());
+    let full = tmp.path().join("full");
+    save_state(&full, &state, b"w1", &options(2, None, None)).unwrap();
+    let source = Source::open(&full).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let tables = source.tables(scratch.path(), 2).unwrap();
+    let dense = source.dense().unwrap();
+    let out = tmp.path().join("from-source");
+    let input = saver::io::source::save_input(&tables, &dense).unwrap();
+    let report = save(&out, input, &options(2, None, Some(&base))).unwrap();
+    for t in ["t0", "t1"] {
+        match &report.delta_tables[t] {
+            saver::DeltaMethod::Compared { why } => {
+                assert!(why.contains("read from files"), "{why}")
+            }
+            m => panic!("{t}: {m:?}"),
+        }
+    }
+    let ours = Checkpoint::open(&out).unwrap();
+    let theirs = Checkpoint::open(&delta).unwrap();
+    assert!(ours.is_delta());
+    for t in ["t0", "t0:removed", "t1"] {
+        assert_eq!(
+            ours.manifest().table(t).unwrap().rows,
+            theirs.manifest().table(t).unwrap().rows,
+            "{t}"
+        );
+    }
+    let digest =
+        |c: &Checkpoint| restored_digest(&c.restore(&LoadOptions::default()).unwrap()).unwrap();
+    assert_eq!(digest(&ours), digest(&Checkpoint::open(&full).unwrap()));
 }
 
 fn expect_chain_error(dir: &Path, needles: &[&str]) {

@@ -160,6 +160,10 @@ pub enum Error {
         /// The codec's message.
         message: String,
     },
+    /// An error of the layer that implements a table (reading its files, say), carried through
+    /// saver-core's traits unchanged: that layer takes it back as it was.
+    #[error(transparent)]
+    External(Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// Result with [`Error`](enum@Error).

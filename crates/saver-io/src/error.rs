@@ -11,7 +11,7 @@ use thiserror::Error;
 pub enum Error {
     /// A planning or data-model error.
     #[error(transparent)]
-    Core(#[from] saver_core::Error),
+    Core(saver_core::Error),
     /// An operating-system I/O error on a file.
     #[error("{op} {path}: {source}")]
     Io {
@@ -150,6 +150,31 @@ impl Error {
             | Error::Chain { .. }
             | Error::Core(_) => true,
             _ => false,
+        }
+    }
+}
+
+impl From<saver_core::Error> for Error {
+    /// A saver-io error that went through one of saver-core's traits (as
+    /// [`saver_core::Error::External`]) comes back as it was.
+    fn from(e: saver_core::Error) -> Self {
+        match e {
+            saver_core::Error::External(inner) => match inner.downcast::<Error>() {
+                Ok(e) => *e,
+                Err(inner) => Error::Core(saver_core::Error::External(inner)),
+            },
+            e => Error::Core(e),
+        }
+    }
+}
+
+impl From<Error> for saver_core::Error {
+    /// A saver-io error raised inside one of saver-core's traits (a table read from files),
+    /// carried unchanged.
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Core(e) => e,
+            e => saver_core::Error::External(Box::new(e)),
         }
     }
 }

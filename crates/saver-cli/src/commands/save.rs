@@ -7,7 +7,6 @@ use serde::Serialize;
 
 use saver_core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver_core::{Filters, ForeignRows, ScalarCondition};
-use saver_io::save::delta::save_delta;
 use saver_io::source::{save_input, Source, SourceTables};
 use saver_io::{save, DirectIo, SaveOptions, SaveReport};
 
@@ -78,8 +77,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
 
     let t0 = Instant::now();
     let synthetic;
-    let (source, dense);
-    let tables: Option<SourceTables<'_>>;
+    let (source, dense, tables): (Source, _, SourceTables<'_>);
     let input = match (&args.synthetic, &args.from) {
         (Some(spec), _) => {
             if args.import_rounds.is_some() {
@@ -87,7 +85,6 @@ pub fn run(args: SaveArgs) -> CmdResult {
                     "--import-rounds applies to a plain input (--from), not --synthetic".into(),
                 );
             }
-            tables = None;
             let spec: SyntheticSpec = spec.parse()?;
             synthetic = SyntheticModel::generate(&spec)?;
             synthetic.input()
@@ -110,9 +107,9 @@ pub fn run(args: SaveArgs) -> CmdResult {
                     .map_err(|e| format!("create {}: {e}", args.out.display()))?;
             }
             let rounds = args.import_rounds.map(|r| r as usize);
-            tables = Some(source.tables_in_rounds(&scratch, args.parallel, rounds)?);
+            tables = source.tables_in_rounds(&scratch, args.parallel, rounds)?;
             dense = source.dense()?;
-            save_input(tables.as_ref().expect("just set"), &dense)?
+            save_input(&tables, &dense)?
         }
         (None, None) => return Err("one of --synthetic or --from is required".into()),
     };
@@ -131,15 +128,9 @@ pub fn run(args: SaveArgs) -> CmdResult {
 
     let progress = output::byte_progress(args.out_fmt.json, "writing");
     opts.progress = progress.as_ref().map(|(_, f)| f.clone());
-    let report = match (args.from.is_some(), &opts.parent) {
-        // A delta of a checkpoint, a chain or a plain input: compared in the order the rows
-        // lie in, in bounded memory.
-        (true, Some(_)) => {
-            let tables: &SourceTables<'_> = tables.as_ref().expect("read from --from");
-            save_delta(&args.out, &tables.as_bucket_rows(), input.dense, &opts)?
-        }
-        _ => save(&args.out, input, &opts)?,
-    };
+    // Full or delta (with --parent) is the library's choice, from the options; a table read
+    // from files is compared with the parent as it is read, in bounded memory.
+    let report = save(&args.out, input, &opts)?;
     if let Some((bar, _)) = progress {
         bar.finish_and_clear();
     }

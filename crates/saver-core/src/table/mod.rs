@@ -34,11 +34,13 @@
 //! with the save call (or `save_async`'s options) from the thread that runs the
 //! training steps, between two steps.
 
+pub mod bucket_order;
 mod columns;
 mod embedding;
 pub mod moment;
 pub mod workers;
 
+pub use bucket_order::{BucketRows, VisitRows};
 pub use columns::ColumnTable;
 pub use embedding::{EmbeddingTable, IdHashBuilder, IdHasher, RowMut};
 pub use workers::WorkerTable;
@@ -244,6 +246,12 @@ pub trait SparseTable: Send + Sync {
     /// delta save write the rows changed since its parent without comparing every row with the
     /// parent's. Default `None`: a delta save compares rows.
     fn change_tracking(&self) -> Option<&dyn ChangeTracking> {
+        None
+    }
+    /// The table as rows in storage order, if it gives them so as it is ([`BucketRows`]: a
+    /// table read from files). A delta save then compares it with its parent as it reads it, in
+    /// bounded memory, instead of sorting its ids in memory first. Default `None`.
+    fn in_bucket_order(&self) -> Option<&dyn BucketRows> {
         None
     }
 }

@@ -406,8 +406,8 @@ impl crate::load::rows::BucketRows for StoredTable<'_> {
         &self.row_bytes
     }
 
-    fn finish_checks(&self) -> Result<()> {
-        StoredTable::finish_checks(self).map(|_| ())
+    fn finish_checks(&self) -> saver_core::Result<()> {
+        Ok(StoredTable::finish_checks(self).map(|_| ())?)
     }
 
     fn rows(&self) -> u64 {
@@ -418,7 +418,14 @@ impl crate::load::rows::BucketRows for StoredTable<'_> {
         &self,
         batch: usize,
         visit: &mut crate::load::rows::VisitRows<'_>,
-    ) -> Result<()> {
+    ) -> saver_core::Result<()> {
+        Ok(self.visit_rows(batch, visit)?)
+    }
+}
+
+impl StoredTable<'_> {
+    /// Every row in storage order (segments lie in (bucket, id bits) order), `batch` at a time.
+    fn visit_rows(&self, batch: usize, visit: &mut crate::load::rows::VisitRows<'_>) -> Result<()> {
         let widths: Vec<usize> = self.row_bytes.iter().map(|&b| b as usize).collect();
         let step = batch.max(1) as u64;
         let mut raw = Vec::new();
@@ -470,6 +477,9 @@ impl SparseTable for StoredTable<'_> {
     /// opened with it: every row is as it was when it was saved.
     fn point_in_time(&self) -> bool {
         true
+    }
+    fn in_bucket_order(&self) -> Option<&dyn saver_core::table::BucketRows> {
+        Some(self)
     }
 }
 

@@ -863,8 +863,8 @@ impl<'p> PlainTable<'p> {
 }
 
 impl crate::load::rows::BucketRows for PlainTable<'_> {
-    fn finish_checks(&self) -> Result<()> {
-        self.columns.check_unchanged(&self.spec.name)
+    fn finish_checks(&self) -> saver_core::Result<()> {
+        Ok(self.columns.check_unchanged(&self.spec.name)?)
     }
 
     fn row_bytes(&self) -> &[u64] {
@@ -877,8 +877,8 @@ impl crate::load::rows::BucketRows for PlainTable<'_> {
         &self,
         batch: usize,
         visit: &mut crate::load::rows::VisitRows<'_>,
-    ) -> Result<()> {
-        PlainTable::visit_in_bucket_order(self, batch, visit)
+    ) -> saver_core::Result<()> {
+        Ok(PlainTable::visit_in_bucket_order(self, batch, visit)?)
     }
 }
 
@@ -902,6 +902,9 @@ impl SparseTable for PlainTable<'_> {
     /// change while a save reads them.
     fn point_in_time(&self) -> bool {
         true
+    }
+    fn in_bucket_order(&self) -> Option<&dyn saver_core::table::BucketRows> {
+        Some(self)
     }
 }
 

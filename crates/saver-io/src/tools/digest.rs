@@ -394,7 +394,8 @@ fn hash_table_v2(
                         "table {name:?}: id {} is {} (rows must come in (bucket, id) order, each once)",
                         key.format_id(id),
                         if prev.is_some_and(|p| p.1 == id) { "there twice" } else { "out of order" }
-                    )));
+                    ))
+                    .into());
                 }
                 prev = Some(at);
                 batch.extend_from_slice(&id.to_le_bytes());
@@ -535,7 +536,7 @@ pub fn source_digest(tables: &SourceTables<'_>, dense: &[LoadedDense]) -> Result
             t.key_dtype(),
             t.slots(),
             t.rows(),
-            Box::new(move |visit| t.visit_in_bucket_order(step, visit)),
+            Box::new(move |visit| Ok(t.visit_in_bucket_order(step, visit)?)),
         )?;
         // No digest of bytes that fail their checksums.
         t.finish_checks()?;

@@ -170,7 +170,11 @@ fn export_tables(
             pool.install(|| fill(&tables, &dense, &tensors, &handles, out, opts.sort_memory))
         })
         // An export of bytes that fail their checksums is never committed.
-        .and_then(|()| tables.iter().try_for_each(|t| t.finish_checks()));
+        .and_then(|()| {
+            tables
+                .iter()
+                .try_for_each(|t| t.finish_checks().map_err(Error::from))
+        });
     if let Err(e) = filled {
         handles.into_iter().for_each(|h| h.abort());
         return Err(e);

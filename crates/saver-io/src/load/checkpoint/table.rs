@@ -354,7 +354,7 @@ impl<'c> ChainTable<'c> {
             let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
             reader.fill(self, runs, &mut outs)?;
             let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
-            visit(ids, &views)
+            Ok(visit(ids, &views)?)
         })
     }
 
@@ -541,6 +541,9 @@ impl SparseTable for ChainTable<'_> {
     fn point_in_time(&self) -> bool {
         true
     }
+    fn in_bucket_order(&self) -> Option<&dyn saver_core::table::BucketRows> {
+        Some(self)
+    }
 }
 
 impl BucketRows for ChainTable<'_> {
@@ -550,11 +553,15 @@ impl BucketRows for ChainTable<'_> {
     fn rows(&self) -> u64 {
         self.live_rows()
     }
-    fn visit_in_bucket_order(&self, batch: usize, visit: &mut VisitRows<'_>) -> Result<()> {
-        self.visit_buckets(0..BUCKETS, batch, visit)
+    fn visit_in_bucket_order(
+        &self,
+        batch: usize,
+        visit: &mut VisitRows<'_>,
+    ) -> saver_core::Result<()> {
+        Ok(self.visit_buckets(0..BUCKETS, batch, visit)?)
     }
-    fn finish_checks(&self) -> Result<()> {
-        ChainTable::finish_checks(self)
+    fn finish_checks(&self) -> saver_core::Result<()> {
+        Ok(ChainTable::finish_checks(self)?)
     }
 }
 

@@ -12,10 +12,10 @@
 //! [`removed_table_name`], through the ordinary plan, write and commit: a delta is committed,
 //! verified and cleaned up exactly as a full checkpoint is.
 //!
-//! Memory: the comparison holds two batches of rows per side. Tables given as
-//! [`BucketRows`] (a checkpoint, a chain or a plain input: `saver save --from … --parent …`)
-//! are read in order as they are; any other [`SparseTable`] is put in order first by sorting its
-//! ids and row handles in memory (16 bytes a row, [`InMemoryOrder`]).
+//! Memory: the comparison holds two batches of rows per side. Tables read from files (a
+//! checkpoint, a chain or a plain input, [`SparseTable::in_bucket_order`]: `saver save --from …
+//! --parent …`) are read in order as they are; any other [`SparseTable`] is put in order first
+//! by sorting its ids and row handles in memory (16 bytes a row, [`InMemoryOrder`]).
 
 mod order;
 pub mod spool;
@@ -39,7 +39,7 @@ use crate::error::{Error, Result};
 use crate::load::checkpoint::{ChainTable, Checkpoint};
 use crate::load::rows::BucketRows;
 use crate::save::options::SaveOptions;
-use crate::save::pipeline::{save_prepared, storage_for_save, DeltaOf};
+use crate::save::pipeline::{save_prepared, DeltaOf};
 use crate::save::report::{DeltaMethod, SaveReport};
 use crate::storage::Storage;
 pub use order::InMemoryOrder;
@@ -48,48 +48,13 @@ use spool::{Spool, SpoolTable};
 /// Rows compared at a time on each side.
 const BATCH_ROWS: usize = 1 << 14;
 
-/// Saves a delta of `tables` (in bucket order: a checkpoint's, a chain's or a plain input's, see
-/// [`crate::source::SourceTables::as_bucket_rows`]) and `dense` into directory `dir` against the
-/// checkpoint in `opts.parent`: what `saver save --from … --parent …` runs, in bounded memory.
-pub fn save_delta(
-    dir: &std::path::Path,
-    tables: &[&dyn BucketRows],
-    dense: Vec<DenseTensor<'_>>,
-    opts: &SaveOptions,
-) -> Result<SaveReport> {
-    save_delta_to(&*storage_for_save(dir, opts)?, tables, dense, opts)
-}
-
-/// Saves a delta of `tables` and `dense` into `storage` against the chain in `opts.parent`.
-/// What [`crate::save_to`] does when a parent is given; `tables` already in bucket order.
-pub fn save_delta_to(
-    storage: &dyn Storage,
-    tables: &[&dyn BucketRows],
-    dense: Vec<DenseTensor<'_>>,
-    opts: &SaveOptions,
-) -> Result<SaveReport> {
-    let ctx = Delta::open(storage, opts)?;
-    let methods = tables
-        .iter()
-        .map(|t| {
-            let why = "the table is read from files (a checkpoint, a chain or a plain input), \
-                       which keep no record of their changes"
-                .to_string();
-            (t.name().to_string(), DeltaMethod::Compared { why })
-        })
-        .collect();
-    let found = Found {
-        methods,
-        tokens: Vec::new(),
-    };
-    ctx.save(storage, tables, Vec::new(), dense, opts, found)
-}
-
 /// Saves a delta of a model given as any tables. A table that tracks its changes
 /// ([`ChangeTracking`]) and whose last committed save is the parent gives its changed rows and
 /// removed ids directly (when the save has no row filter, which could drop rows the parent
-/// holds); any other is put in bucket order in memory ([`InMemoryOrder`]) and compared.
-/// What [`crate::save_to`] does when `opts.parent` is set.
+/// holds); a table read from files ([`SparseTable::in_bucket_order`]: a checkpoint's, a chain's,
+/// a plain input's) is compared as it is read, in bounded memory; any other is put in bucket
+/// order in memory ([`InMemoryOrder`]) and compared. What [`crate::save_to`] does when
+/// `opts.parent` is set.
 pub(crate) fn save_delta_of_input(
     storage: &dyn Storage,
     mut input: SaveInput<'_>,
@@ -110,6 +75,10 @@ pub(crate) fn save_delta_of_input(
         tables
             .iter()
             .map(|&t| {
+                if t.in_bucket_order().is_some() {
+                    // Read from files, which do not change: no moment to fix.
+                    return Ok(Taken::InOrder);
+                }
                 let tracking = t.change_tracking();
                 let since =
                     tracked_since(t, tracking, &parent_id, ctx.chain.table_manifests(), opts);
@@ -144,8 +113,17 @@ pub(crate) fn save_delta_of_input(
             })
             .collect::<Result<Vec<_>>>()
     })?;
+    // Per table in input order: compared as it is read (`Some`), or from `ordered`.
+    let mut compared: Vec<Option<&dyn BucketRows>> = Vec::new();
     for (t, taken) in tables.into_iter().zip(taken) {
         match taken {
+            Taken::InOrder => {
+                let why = "the table is read from files (a checkpoint, a chain or a plain \
+                           input), which keep no record of their changes"
+                    .to_string();
+                methods.insert(t.name().to_string(), DeltaMethod::Compared { why });
+                compared.push(t.in_bucket_order());
+            }
             Taken::Tracked {
                 c,
                 since,
@@ -168,18 +146,25 @@ pub(crate) fn save_delta_of_input(
                 why,
             } => {
                 ordered.push(InMemoryOrder::of_snapshot(t, snapshot)?);
+                compared.push(None);
                 tokens.extend(token);
                 methods.insert(t.name().to_string(), DeltaMethod::Compared { why });
             }
         }
     }
-    let refs: Vec<&dyn BucketRows> = ordered.iter().map(|t| t as &dyn BucketRows).collect();
+    let mut sorted = ordered.iter();
+    let refs: Vec<&dyn BucketRows> = compared
+        .into_iter()
+        .map(|c| c.unwrap_or_else(|| sorted.next().expect("one sorted table each")))
+        .collect();
     let found = Found { methods, tokens };
     ctx.save(storage, &refs, tracked, dense, opts, found)
 }
 
 /// A table's snapshot for a delta, taken with the others' at one moment.
 enum Taken<'t> {
+    /// None: the table is read from files, in bucket order ([`SparseTable::in_bucket_order`]).
+    InOrder,
     /// Its changes since the parent, from its own record of them.
     Tracked {
         c: &'t dyn ChangeTracking,
@@ -585,7 +570,7 @@ fn diff_table(
                         slots: slots.iter().map(|s| s.to_vec()).collect(),
                     };
                     tx.send(Ok(b))
-                        .map_err(|_| Error::Mismatch("the comparison stopped".into()))
+                        .map_err(|_| Error::Mismatch("the comparison stopped".into()).into())
                 });
                 if let Err(e) = r {
                     let _ = tx.send(Err(e));
@@ -630,8 +615,7 @@ fn diff_table(
                                 shard,
                                 count: 1,
                                 first_id: key_dtype.format_id(id),
-                            }
-                            .into())
+                            })
                         }
                     }
                 }
@@ -640,8 +624,7 @@ fn diff_table(
                     return Err(saver_core::Error::DuplicateId {
                         table: name.to_string(),
                         id: key_dtype.format_id(id),
-                    }
-                    .into());
+                    });
                 }
                 last = Some(key);
                 row.clear();

@@ -87,7 +87,11 @@ impl BucketRows for InMemoryOrder<'_> {
     fn rows(&self) -> u64 {
         self.order.len() as u64
     }
-    fn visit_in_bucket_order(&self, batch: usize, visit: &mut VisitRows<'_>) -> Result<()> {
+    fn visit_in_bucket_order(
+        &self,
+        batch: usize,
+        visit: &mut VisitRows<'_>,
+    ) -> saver_core::Result<()> {
         let mut ids = Vec::new();
         let mut handles = Vec::new();
         let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); self.row_bytes.len()];
