@@ -37,26 +37,13 @@ pub enum Command {
     Save(SaveArgs),
     /// Show what a checkpoint holds: tables, slots, rows, dense tensors, shards, files, sizes.
     #[command(after_help = "Example:\n  saver inspect /ckpt/step100 --json")]
-    Inspect {
-        /// Checkpoint directory.
-        dir: PathBuf,
-        #[command(flatten)]
-        out: Output,
-    },
+    Inspect(InspectArgs),
     /// Check a checkpoint completely: structure and the CRC32 of every tensor. Exit status: 0
     /// intact, 3 incomplete (never committed), 4 corrupt, 1 other errors.
     #[command(
         after_help = "Example:\n  saver verify /ckpt/step100 || echo 'do not load this one'"
     )]
-    Verify {
-        /// Checkpoint directory.
-        dir: PathBuf,
-        /// Reader threads.
-        #[arg(long, default_value_t = default_parallel())]
-        parallel: usize,
-        #[command(flatten)]
-        out: Output,
-    },
+    Verify(VerifyArgs),
     /// Restore a checkpoint into memory, for all M target shards or shard J of M, and report
     /// rows, bytes, time, read amplification and (unless --no-digest) the content digest.
     #[command(
@@ -67,80 +54,17 @@ pub enum Command {
     #[command(
         after_help = "Example:\n  saver reshard /ckpt/step100 --out /ckpt/step100-m3 --shards 3"
     )]
-    Reshard {
-        /// Source checkpoint directory.
-        src: PathBuf,
-        /// Destination directory.
-        #[arg(long)]
-        out: PathBuf,
-        /// Number of shards of the new checkpoint.
-        #[arg(long)]
-        shards: u32,
-        /// Writer threads.
-        #[arg(long, default_value_t = default_parallel())]
-        parallel: usize,
-        /// Replace a committed checkpoint in the destination.
-        #[arg(long)]
-        overwrite: bool,
-        /// Skip fsync (faster, not crash-safe).
-        #[arg(long)]
-        no_fsync: bool,
-        #[command(flatten)]
-        out_fmt: Output,
-    },
+    Reshard(ReshardArgs),
     /// Rewrite a delta checkpoint and its chain of parents as one full checkpoint, with the
     /// same content (same digest).
     #[command(after_help = "Example:\n  saver compact /ckpt/step1300-delta --out /ckpt/step1300")]
-    Compact {
-        /// Source checkpoint directory (a delta, or a full checkpoint).
-        src: PathBuf,
-        /// Destination directory.
-        #[arg(long)]
-        out: PathBuf,
-        /// Shards of the full checkpoint (default: the delta's).
-        #[arg(long)]
-        shards: Option<u32>,
-        /// Writer threads.
-        #[arg(long, default_value_t = default_parallel())]
-        parallel: usize,
-        /// Replace a committed checkpoint in the destination.
-        #[arg(long)]
-        overwrite: bool,
-        /// Skip fsync (faster, not crash-safe).
-        #[arg(long)]
-        no_fsync: bool,
-        #[command(flatten)]
-        out_fmt: Output,
-    },
+    Compact(CompactArgs),
     /// Write a consolidated plain safetensors copy for serving or other tools: `<table>/ids`
     /// (ascending), `<table>/<slot>` rows in the same order, dense tensors by name.
     #[command(
         after_help = "Example:\n  saver export /ckpt/step100 --out /serving/v7 --exclude-slots 'adagrad*' --dtype f16"
     )]
-    Export {
-        /// Source checkpoint directory.
-        src: PathBuf,
-        /// Destination directory.
-        #[arg(long)]
-        out: PathBuf,
-        /// Largest file, e.g. 2GiB.
-        #[arg(long, default_value = "2GiB", value_parser = parse_size)]
-        max_file_size: u64,
-        /// Leave out slots matching this glob.
-        #[arg(long)]
-        exclude_slots: Vec<String>,
-        /// Export only tables matching this glob.
-        #[arg(long)]
-        tables: Vec<String>,
-        /// Cast floating slots and dense tensors.
-        #[arg(long, value_enum)]
-        dtype: Option<CastDtype>,
-        /// Replace an existing export in the destination.
-        #[arg(long)]
-        overwrite: bool,
-        #[command(flatten)]
-        out_fmt: Output,
-    },
+    Export(ExportArgs),
     /// Print a digest of a model's content (table names, ids, slot rows, dense tensors),
     /// independent of shard count, file layout and row order. Works on a checkpoint or on plain
     /// safetensors (e.g. an export), in bounded memory: a plain input's rows are sorted by
@@ -148,19 +72,119 @@ pub enum Command {
     #[command(
         after_help = "Example:\n  test \"$(saver digest /ckpt/a)\" = \"$(saver digest /ckpt/a-resharded)\""
     )]
-    Digest {
-        /// Checkpoint directory, plain safetensors directory or file.
-        path: PathBuf,
-        /// Reader threads.
-        #[arg(long, default_value_t = default_parallel())]
-        parallel: usize,
-        /// Digest definition (docs/FORMAT.md): 2 streams; 1, rows by id, holds the model in
-        /// memory and is kept for digests recorded before version 2.
-        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
-        digest_version: u8,
-        #[command(flatten)]
-        out: Output,
-    },
+    Digest(DigestArgs),
+}
+
+/// Flags of `saver inspect`.
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// Checkpoint directory.
+    pub dir: PathBuf,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+/// Flags of `saver verify`.
+#[derive(Args, Debug)]
+pub struct VerifyArgs {
+    /// Checkpoint directory.
+    pub dir: PathBuf,
+    /// Reader threads.
+    #[arg(long, default_value_t = default_parallel())]
+    pub parallel: usize,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+/// Flags of `saver reshard`.
+#[derive(Args, Debug)]
+pub struct ReshardArgs {
+    /// Source checkpoint directory.
+    pub src: PathBuf,
+    /// Destination directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Number of shards of the new checkpoint.
+    #[arg(long)]
+    pub shards: u32,
+    /// Writer threads.
+    #[arg(long, default_value_t = default_parallel())]
+    pub parallel: usize,
+    /// Replace a committed checkpoint in the destination.
+    #[arg(long)]
+    pub overwrite: bool,
+    /// Skip fsync (faster, not crash-safe).
+    #[arg(long)]
+    pub no_fsync: bool,
+    #[command(flatten)]
+    pub out_fmt: Output,
+}
+
+/// Flags of `saver compact`.
+#[derive(Args, Debug)]
+pub struct CompactArgs {
+    /// Source checkpoint directory (a delta, or a full checkpoint).
+    pub src: PathBuf,
+    /// Destination directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Shards of the full checkpoint (default: the delta's).
+    #[arg(long)]
+    pub shards: Option<u32>,
+    /// Writer threads.
+    #[arg(long, default_value_t = default_parallel())]
+    pub parallel: usize,
+    /// Replace a committed checkpoint in the destination.
+    #[arg(long)]
+    pub overwrite: bool,
+    /// Skip fsync (faster, not crash-safe).
+    #[arg(long)]
+    pub no_fsync: bool,
+    #[command(flatten)]
+    pub out_fmt: Output,
+}
+
+/// Flags of `saver export`.
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// Source checkpoint directory.
+    pub src: PathBuf,
+    /// Destination directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Largest file, e.g. 2GiB.
+    #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+    pub max_file_size: u64,
+    /// Leave out slots matching this glob.
+    #[arg(long)]
+    pub exclude_slots: Vec<String>,
+    /// Export only tables matching this glob.
+    #[arg(long)]
+    pub tables: Vec<String>,
+    /// Cast floating slots and dense tensors.
+    #[arg(long, value_enum)]
+    pub dtype: Option<CastDtype>,
+    /// Replace an existing export in the destination.
+    #[arg(long)]
+    pub overwrite: bool,
+    #[command(flatten)]
+    pub out_fmt: Output,
+}
+
+/// Flags of `saver digest`.
+#[derive(Args, Debug)]
+pub struct DigestArgs {
+    /// Checkpoint directory, plain safetensors directory or file.
+    pub path: PathBuf,
+    /// Reader threads.
+    #[arg(long, default_value_t = default_parallel())]
+    pub parallel: usize,
+    /// Digest definition (docs/FORMAT.md): 2 streams; 1, rows by id, holds the model in
+    /// memory and is kept for digests recorded before version 2.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
+    pub digest_version: u8,
+    #[command(flatten)]
+    pub out: Output,
 }
 
 /// Flags of `saver load`.

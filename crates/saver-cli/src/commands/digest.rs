@@ -1,7 +1,6 @@
 //! `saver digest`.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::process::ExitCode;
 
 use saver_core::SparseTable;
@@ -11,10 +10,17 @@ use saver_io::source::Source;
 use saver_io::tools::digest::{content_digest, source_digest};
 
 use super::CmdResult;
-use crate::cli::Output;
+use crate::cli::DigestArgs;
 use crate::output;
 
-pub fn run(path: &Path, parallel: usize, version: u8, out: Output) -> CmdResult {
+pub fn run(args: DigestArgs) -> CmdResult {
+    let DigestArgs {
+        path,
+        parallel,
+        digest_version: version,
+        out,
+    } = args;
+    let path = path.as_path();
     let digest = if version == 1 {
         let model = read_model(path, parallel)?;
         for w in &model.warnings {

@@ -1,6 +1,5 @@
 //! `saver export`.
 
-use std::path::Path;
 use std::process::ExitCode;
 
 use saver_core::Dtype;
@@ -9,20 +8,22 @@ use saver_io::tools::export::{export, ExportOptions};
 use saver_io::Checkpoint;
 
 use super::CmdResult;
-use crate::cli::{CastDtype, Output};
+use crate::cli::{CastDtype, ExportArgs};
 use crate::output;
 
 #[allow(clippy::too_many_arguments)]
-pub fn run(
-    src: &Path,
-    out: &Path,
-    max_file_size: u64,
-    exclude_slots: Vec<String>,
-    tables: Vec<String>,
-    dtype: Option<CastDtype>,
-    overwrite: bool,
-    fmt: Output,
-) -> CmdResult {
+pub fn run(args: ExportArgs) -> CmdResult {
+    let ExportArgs {
+        src,
+        out,
+        max_file_size,
+        exclude_slots,
+        tables,
+        dtype,
+        overwrite,
+        out_fmt: fmt,
+    } = args;
+    let (src, out) = (src.as_path(), out.as_path());
     let opts = ExportOptions {
         max_file_size,
         tables,

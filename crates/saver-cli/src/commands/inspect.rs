@@ -1,15 +1,16 @@
 //! `saver inspect`: prints [`saver_io::tools::inspect::inspect`]'s summary.
 
-use std::path::Path;
 use std::process::ExitCode;
 
 use saver_io::tools::inspect::inspect;
 
 use super::CmdResult;
-use crate::cli::Output;
+use crate::cli::InspectArgs;
 use crate::output;
 
-pub fn run(dir: &Path, out: Output) -> CmdResult {
+pub fn run(args: InspectArgs) -> CmdResult {
+    let InspectArgs { dir, out } = args;
+    let dir = dir.as_path();
     let report = inspect(dir)?;
     if out.json {
         output::json(&report);

@@ -5,22 +5,73 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use saver_io::load::checkpoint::read_latest;
-use saver_io::tools::reshard::reshard;
+use saver_io::tools::reshard::reshard as rewrite;
 use saver_io::{Checkpoint, SaveOptions};
 
 use super::CmdResult;
-use crate::cli::Output;
+use crate::cli::{CompactArgs, Output, ReshardArgs};
 use crate::output;
 
-pub fn run(
-    src: &Path,
-    out: &Path,
+/// `saver reshard`: a new shard count.
+pub fn reshard(args: ReshardArgs) -> CmdResult {
+    let ReshardArgs {
+        src,
+        out,
+        shards,
+        parallel,
+        overwrite,
+        no_fsync,
+        out_fmt,
+    } = args;
+    let to = Rewrite {
+        shards: Some(shards),
+        parallel,
+        overwrite,
+        durable: !no_fsync,
+        fmt: out_fmt,
+    };
+    run(&src, &out, to)
+}
+
+/// `saver compact`: the chain's shard count unless told otherwise.
+pub fn compact(args: CompactArgs) -> CmdResult {
+    let CompactArgs {
+        src,
+        out,
+        shards,
+        parallel,
+        overwrite,
+        no_fsync,
+        out_fmt,
+    } = args;
+    let to = Rewrite {
+        shards,
+        parallel,
+        overwrite,
+        durable: !no_fsync,
+        fmt: out_fmt,
+    };
+    run(&src, &out, to)
+}
+
+/// How a checkpoint is rewritten.
+struct Rewrite {
+    /// `None`: the source's shard count.
     shards: Option<u32>,
     parallel: usize,
     overwrite: bool,
     durable: bool,
     fmt: Output,
-) -> CmdResult {
+}
+
+fn run(src: &Path, out: &Path, to: Rewrite) -> CmdResult {
+    let Rewrite {
+        shards,
+        parallel,
+        overwrite,
+        durable,
+        fmt,
+    } = to;
     // Read again if the source is replaced meanwhile (see `read_latest`).
     let (chain, shards, r) = read_latest(src, || {
         let chain = Checkpoint::open(src)?;
@@ -32,7 +83,7 @@ pub fn run(
         };
         opts.plan.shard_num = shards;
         opts.plan.parallel = parallel;
-        let r = reshard(&chain, out, &opts)?;
+        let r = rewrite(&chain, out, &opts)?;
         Ok((chain, shards, r))
     })?;
     let from_shards = chain.newest().manifest().shard_num;

@@ -1,15 +1,16 @@
 //! `saver verify`.
 
-use std::path::Path;
 use std::process::ExitCode;
 
 use saver_io::{verify, Status};
 
 use super::CmdResult;
-use crate::cli::Output;
+use crate::cli::VerifyArgs;
 use crate::output;
 
-pub fn run(dir: &Path, parallel: usize, out: Output) -> CmdResult {
+pub fn run(args: VerifyArgs) -> CmdResult {
+    let VerifyArgs { dir, parallel, out } = args;
+    let dir = dir.as_path();
     let r = verify(dir, parallel)?;
     if out.json {
         output::json(&r);
