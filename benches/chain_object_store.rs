@@ -9,7 +9,7 @@
 //! medians are reported, with the chain's time as a ratio to the compacted copy's (the baseline:
 //! the same rows, digest and load done the same way, from one checkpoint).
 
-#[path = "../tests/common/garage.rs"]
+#[path = "../tests/integration/common/garage.rs"]
 mod garage;
 
 mod common;

@@ -10,7 +10,7 @@
 //! reported with each figure as a ratio to its baseline of the same run. Then peak memory of a save
 //! and a load, against the same operation on a local directory.
 
-#[path = "../tests/common/garage.rs"]
+#[path = "../tests/integration/common/garage.rs"]
 mod garage;
 
 mod common;

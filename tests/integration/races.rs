@@ -6,7 +6,7 @@
 //!
 //! `SAVER_RACE_ROUNDS=N` raises the number of rounds (default 100 for the save races).
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;

@@ -5,7 +5,7 @@
 //!
 //! `SAVER_CRASH_POINTS=N` raises the number of kill points per scenario (default 50).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -195,7 +195,7 @@ fn spawn_delta_child(
     if direct {
         c.env("SAVER_CRASH_DIRECT", "1");
     }
-    c.args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
+    c.args(["--exact", "crash::crash_child", "--nocapture", "--test-threads=1"])
         .env("SAVER_CRASH_DIR", dir)
         .env("SAVER_CRASH_AT", at.to_string())
         .env("SAVER_CRASH_ID", id)

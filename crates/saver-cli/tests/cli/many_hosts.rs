@@ -11,8 +11,7 @@
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
-#[path = "../../../tests/common/garage.rs"]
-mod garage;
+use crate::garage;
 
 use garage::Garage;
 

@@ -8,8 +8,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-#[path = "../../../tests/common/garage.rs"]
-mod garage;
+use crate::garage;
 
 use garage::Garage;
 use saver_io::storage::{ObjectStorage, Storage};

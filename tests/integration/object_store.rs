@@ -8,9 +8,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-mod common;
-#[path = "common/garage.rs"]
-mod garage;
+use crate::common;
+use crate::common::garage;
 
 use saver::core::plan::ForeignRows;
 use saver::io::storage::{LocalFs, ObjectStorage, Storage, MIN_PART_SIZE};

@@ -1,6 +1,6 @@
 //! Saving and committing, through the public API.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::process::Command;
@@ -389,7 +389,7 @@ fn n_processes_commit_exactly_once_and_match_the_single_process_save() {
             Command::new(&exe)
                 .args([
                     "--exact",
-                    "multi_process_child",
+                    "save_commit::multi_process_child",
                     "--nocapture",
                     "--test-threads=1",
                 ])
@@ -473,7 +473,7 @@ fn a_committer_killed_while_holding_the_lock_never_blocks_the_commit() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "lock_holder_child",
+            "save_commit::lock_holder_child",
             "--nocapture",
             "--test-threads=1",
         ])

@@ -1,6 +1,8 @@
 //! Models shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod garage;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 

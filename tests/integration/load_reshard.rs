@@ -1,6 +1,6 @@
 //! Loading back: round trips with resharding, selection, and every load error.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;

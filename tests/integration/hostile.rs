@@ -4,7 +4,7 @@
 //!
 //! `SAVER_FLIPS=N` (default 240) and `SAVER_FUZZ_CASES=N` (default 64) make the sweeps longer.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -1,0 +1,19 @@
+//! saver's integration tests through the public API, in one test binary (one link step, one
+//! process whose tests share one object-store server): each module is one concern, its own
+//! docs say what it asserts.
+
+mod common;
+
+mod crash;
+mod delta;
+mod hostile;
+mod import_rounds;
+mod load_reshard;
+mod object_store;
+mod object_store_faults;
+mod point_in_time;
+mod prelude;
+mod races;
+mod save_commit;
+mod streaming;
+mod workers;
