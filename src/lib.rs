@@ -14,7 +14,7 @@ pub use saver_io as io;
 
 /// Everything a trainer needs, for `use saver::prelude::*;` (also re-exported at the top level):
 /// tables, snapshots and rows, dense tensors, filters, save and load options and reports, the
-/// background save, verify and export.
+/// background save, verify and export, and the checkpoint manager of a training job.
 pub mod prelude {
     pub use saver_core::table::moment;
     pub use saver_core::table::{RowChunk, RowMut, TableSemantics};
@@ -25,9 +25,9 @@ pub mod prelude {
     };
     pub use saver_io::tools::export::{export, ExportOptions, ExportReport};
     pub use saver_io::{
-        save, save_async, verify, Checkpoint, DeltaMethod, DirectIo, LoadOptions, LoadReport,
-        LoadedDense, Progress, Restored, RestoredShard, SaveHandle, SaveOptions, SaveReport,
-        Status, TableSink, VerifyReport,
+        save, save_async, verify, Checkpoint, CheckpointManager, DeltaMethod, DirectIo,
+        LoadOptions, LoadReport, LoadedDense, Policy, Progress, Restored, RestoredShard, Retention,
+        SaveHandle, SaveOptions, SaveReport, Status, TableSink, VerifyReport,
     };
 }
 

@@ -195,12 +195,17 @@ fn spawn_delta_child(
     if direct {
         c.env("SAVER_CRASH_DIRECT", "1");
     }
-    c.args(["--exact", "crash::crash_child", "--nocapture", "--test-threads=1"])
-        .env("SAVER_CRASH_DIR", dir)
-        .env("SAVER_CRASH_AT", at.to_string())
-        .env("SAVER_CRASH_ID", id)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    c.args([
+        "--exact",
+        "crash::crash_child",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("SAVER_CRASH_DIR", dir)
+    .env("SAVER_CRASH_AT", at.to_string())
+    .env("SAVER_CRASH_ID", id)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
     if let Some(s) = shard {
         c.env("SAVER_CRASH_SHARD", s.to_string());
     }

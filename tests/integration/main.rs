@@ -9,6 +9,7 @@ mod delta;
 mod hostile;
 mod import_rounds;
 mod load_reshard;
+mod manager;
 mod object_store;
 mod object_store_faults;
 mod point_in_time;

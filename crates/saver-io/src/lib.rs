@@ -1,7 +1,7 @@
 //! # saver-io
 //!
 //! Turns a [`saver_core::SavePlan`] into a checkpoint on storage, and a checkpoint back into
-//! tables. Five rooms, each importing only from the rooms before it, in the direction the data
+//! tables. Six rooms, each importing only from the rooms before it, in the direction the data
 //! flows (a test, `tests/layering.rs`, keeps it so):
 //!
 //! 1. [`storage`]: where bytes go: a local directory (with direct I/O), an object store, and a
@@ -19,6 +19,9 @@
 //!    ([`save::commit`]); deltas ([`save::delta`]); [`save_async`], which returns once the save's
 //!    moment is fixed.
 //! 5. [`tools`]: [`verify()`], digests, export, reshard and compact.
+//! 6. [`manage`]: a training job's checkpoints in one root: [`CheckpointManager`] saves step
+//!    after step, full or delta by its [`Policy`], keeps what its [`Retention`] keeps, and
+//!    restarts from the newest committed step.
 //!
 //! All file access goes through the [`storage::Storage`] trait.
 
@@ -26,6 +29,7 @@
 
 pub mod error;
 pub mod load;
+pub mod manage;
 pub mod save;
 pub mod source;
 pub mod storage;
@@ -35,6 +39,7 @@ pub use error::{Error, Result};
 pub use load::checkpoint::{ChainTable, Checkpoint};
 pub use load::link::Link;
 pub use load::restore::{LoadOptions, LoadReport, LoadedDense, Restored, RestoredShard, TableSink};
+pub use manage::{CheckpointManager, Policy, Retention};
 pub use save::background::{save_async, SaveHandle};
 pub use save::{
     save, save_to, DeltaMethod, DirectIo, Progress, ProgressFn, SaveOptions, SaveReport,

@@ -7,7 +7,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The rooms, in the order data flows through them; `error` is below all.
-const ROOMS: [&str; 6] = ["error", "storage", "load", "source", "save", "tools"];
+const ROOMS: [&str; 7] = [
+    "error", "storage", "load", "source", "save", "tools", "manage",
+];
 
 /// A source file's module path: `src/load/chain/table.rs` is `["load", "chain", "table"]`,
 /// `src/load/mod.rs` is `["load"]`.

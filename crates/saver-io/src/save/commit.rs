@@ -111,6 +111,42 @@ fn mark_rejected(storage: &dyn Storage, save_id: &str, why: &str) -> Result<Erro
     })
 }
 
+/// What a writer claim holds: the writer, and where this host can tell that it has ended (its
+/// pid namespace and start time), so that the leftovers of a crashed save can be reclaimed once
+/// its writers are provably gone (`CheckpointManager::clean`). Read as a [`WriterInfo`], the
+/// extra fields are ignored.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub(crate) struct ClaimRecord {
+    #[serde(flatten)]
+    pub writer: WriterInfo,
+    /// The writer's pid namespace ([`crate::storage::identity::pid_namespace`]).
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// When the writer's process started ([`crate::storage::identity::process_start`]).
+    #[serde(default)]
+    pub process_start: Option<u64>,
+}
+
+impl ClaimRecord {
+    fn of(writer: &WriterInfo) -> Self {
+        Self {
+            writer: writer.clone(),
+            namespace: crate::storage::identity::pid_namespace().map(str::to_string),
+            process_start: crate::storage::identity::process_start(writer.pid),
+        }
+    }
+
+    /// Whether the writer is known to have ended: only a process of this pid namespace can be.
+    pub fn writer_has_ended(&self) -> bool {
+        match (&self.namespace, self.process_start) {
+            (Some(ns), Some(start)) => {
+                crate::storage::identity::has_ended(ns, self.writer.pid, start)
+            }
+            _ => false,
+        }
+    }
+}
+
 /// Claims shard `shard` of `save_id` for `writer`, before any of its files is written. If another
 /// writer claimed it first, the save is marked rejected (so that neither writer's shard is ever
 /// committed with the other shards) and the error names both writers.
@@ -121,7 +157,7 @@ pub(crate) fn claim_shard(
     writer: &WriterInfo,
 ) -> Result<()> {
     let name = writer_claim_name(save_id, shard);
-    let json = serde_json::to_vec(writer).expect("writer infos serialize");
+    let json = serde_json::to_vec(&ClaimRecord::of(writer)).expect("claims serialize");
     if storage.create_exclusive(&name, &json)? {
         return Ok(());
     }

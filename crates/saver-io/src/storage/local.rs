@@ -357,6 +357,19 @@ impl Storage for LocalFs {
         Ok(out)
     }
 
+    fn list_dirs(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(&self.dir).map_err(io_err("list", &self.dir))? {
+            let entry = entry.map_err(io_err("list", &self.dir))?;
+            let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+            if let (true, Some(name)) = (is_dir, entry.file_name().to_str()) {
+                out.push(name.to_string());
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
     fn remove(&self, name: &str) -> Result<()> {
         let path = self.path(name)?;
         match fs::remove_file(&path) {

@@ -313,6 +313,15 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn exists(&self, name: &str) -> Result<bool>;
     /// Names of all files (not directories) in the directory.
     fn list(&self) -> Result<Vec<String>>;
+    /// Names of the directories in the directory (an object store's common prefixes): what a
+    /// managed root's steps are found by. Default: an error saying the storage cannot list
+    /// them.
+    fn list_dirs(&self) -> Result<Vec<String>> {
+        Err(Error::InvalidOption {
+            option: "root",
+            why: format!("{}: this storage cannot list directories", self.location()),
+        })
+    }
     /// Removes `name`; not an error if it is already gone.
     fn remove(&self, name: &str) -> Result<()>;
     /// Makes completed renames durable (fsync of the directory on POSIX).

@@ -661,6 +661,22 @@ impl Storage for ObjectStorage {
             .collect())
     }
 
+    fn list_dirs(&self) -> Result<Vec<String>> {
+        let (c, p) = (self.client.clone(), self.prefix.clone());
+        let prefix = (!self.prefix.as_ref().is_empty()).then_some(p);
+        let listed = self
+            .client
+            .block(&self.prefix, async move {
+                c.store.list_with_delimiter(prefix.as_ref()).await
+            })
+            .map_err(|e| self.client.err("list", &self.prefix, e))?;
+        Ok(listed
+            .common_prefixes
+            .into_iter()
+            .filter_map(|p| p.filename().map(str::to_string))
+            .collect())
+    }
+
     /// Removing an upload marker aborts the upload it records first.
     fn remove(&self, name: &str) -> Result<()> {
         if let Some((data, record)) = self.marker_record(name)? {

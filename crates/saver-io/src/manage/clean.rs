@@ -1,0 +1,112 @@
+//! Reclaiming what crashed saves and cut-short removals left in a root's step directories.
+//!
+//! A step directory without a committed checkpoint holds a save under way, a crashed save's
+//! files, or a removal cut short ([`PRUNE_MARKER`]). Only the last two are reclaimed: a removal's
+//! leftovers always, a save's files only once every writer that claimed one of its shards is
+//! provably gone (a process of this host's pid namespace that has ended, as the writer's claim
+//! records it). A save on another host, or one whose writers cannot be told, is left alone and
+//! named in the report.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use saver_core::naming::{writer_claim_name, SaverFile};
+
+use crate::error::Result;
+use crate::load::documents::committed;
+use crate::manage::prune::remove_step;
+use crate::manage::root::{Root, PRUNE_MARKER};
+use crate::save::commit::ClaimRecord;
+
+/// What a clean reclaimed and what it left alone.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CleanReport {
+    /// Steps whose leftovers were reclaimed (or would be, with a dry run).
+    pub reclaimed: Vec<u64>,
+    /// Files removed.
+    pub files_removed: usize,
+    /// Uncommitted steps left alone, and why.
+    pub left_alone: Vec<(u64, String)>,
+    /// Whether nothing was removed because it was a dry run.
+    pub dry_run: bool,
+}
+
+/// Reclaims the leftovers in `root` (see the module docs).
+pub fn clean(root: &Root, dry_run: bool) -> Result<CleanReport> {
+    let mut report = CleanReport {
+        dry_run,
+        ..CleanReport::default()
+    };
+    for step in root.step_dirs()? {
+        let storage = root.step_storage(step)?;
+        if committed(&*storage)?.is_some() {
+            continue;
+        }
+        let names = storage.list()?;
+        if names.iter().any(|n| n == PRUNE_MARKER) {
+            report.reclaimed.push(step);
+            if !dry_run {
+                report.files_removed += remove_step(root, step, None)?;
+            }
+            continue;
+        }
+        match why_alive(&*storage, &names)? {
+            None => {
+                report.reclaimed.push(step);
+                if !dry_run {
+                    report.files_removed += remove_step(root, step, None)?;
+                }
+            }
+            Some(why) => report.left_alone.push((step, why)),
+        }
+    }
+    Ok(report)
+}
+
+/// Why the saves whose files are in `names` may still be running, or `None` when every one of
+/// them is provably over.
+fn why_alive(storage: &dyn crate::storage::Storage, names: &[String]) -> Result<Option<String>> {
+    let mut shards: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+    for n in names {
+        match SaverFile::parse(n) {
+            Some(SaverFile::Data { save_id, shard } | SaverFile::Shard { save_id, shard }) => {
+                shards.entry(save_id).or_default().push(shard);
+            }
+            Some(SaverFile::Save { save_id }) => {
+                shards.entry(save_id).or_default();
+            }
+            None => {}
+        }
+    }
+    for (save_id, mut ss) in shards {
+        ss.sort_unstable();
+        ss.dedup();
+        let mut claims = 0;
+        for s in ss {
+            let name = writer_claim_name(save_id, s);
+            if !names.contains(&name) {
+                continue;
+            }
+            let bytes = storage.get(&name, 1 << 16)?;
+            let claim: Option<ClaimRecord> = serde_json::from_slice(&bytes).ok();
+            match claim {
+                Some(c) if c.writer_has_ended() => claims += 1,
+                Some(c) => {
+                    return Ok(Some(format!(
+                        "save {save_id}: its writer {} may still be running (it is not a \
+                         process of this host that has ended)",
+                        c.writer
+                    )))
+                }
+                None => return Ok(Some(format!("save {save_id}: claim {name} is unreadable"))),
+            }
+        }
+        if claims == 0 {
+            return Ok(Some(format!(
+                "save {save_id}: no writer claim tells who writes it"
+            )));
+        }
+    }
+    Ok(None)
+}

@@ -1,0 +1,167 @@
+//! What a managed root keeps and how it saves: full or delta, what retention keeps, and what a
+//! save does when the previous one is still running.
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::storage::Storage;
+
+/// The file in a root that keeps its policy, so that every process and every restart applies
+/// the same one unless told otherwise.
+pub const POLICY_FILE: &str = "saver-policy.json";
+
+/// How a root's checkpoints are saved and kept.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Policy {
+    /// Save every this many steps ([`crate::manage::CheckpointManager::is_due`]); 1: every step
+    /// the trainer asks for.
+    pub every_steps: u64,
+    /// A full checkpoint every this many saves (1: every save is full); deltas in between.
+    pub full_every: u32,
+    /// Most links a chain may have, its full checkpoint included: the save that would make a
+    /// longer one is full. Kept small so that a restart reads little more than a full
+    /// checkpoint (docs/BENCHMARKS.md).
+    pub max_chain_links: usize,
+    /// The next save is full once the newest delta holds more than this fraction of the bytes
+    /// of its chain's full checkpoint: a delta that large saves little.
+    pub max_delta_fraction: f64,
+    /// What retention keeps.
+    pub retention: Retention,
+    /// What a background save does when the previous one is still running.
+    pub when_busy: WhenBusy,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            every_steps: 1,
+            full_every: 4,
+            max_chain_links: 4,
+            max_delta_fraction: 0.5,
+            retention: Retention::default(),
+            when_busy: WhenBusy::Wait,
+        }
+    }
+}
+
+/// What retention keeps. A step is kept if any rule keeps it, and so is every link its chain
+/// needs; only committed steps count, so a save under way never stands in for one that is done.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Retention {
+    /// The newest this many committed steps (at least 1).
+    pub keep_latest: usize,
+    /// Every step that is a multiple of this (e.g. 10000: one checkpoint per 10k steps for
+    /// good).
+    pub keep_every: Option<u64>,
+    /// Steps kept whatever the other rules say.
+    pub keep_steps: BTreeSet<u64>,
+    /// The best steps by a metric of their user metadata, beyond the newest ones.
+    pub keep_best: Option<KeepBest>,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Self {
+            keep_latest: 2,
+            keep_every: None,
+            keep_steps: BTreeSet::new(),
+            keep_best: None,
+        }
+    }
+}
+
+/// Keep the `count` best steps by the metric `metric` of their user metadata (a number). Kept in
+/// addition to [`Retention::keep_latest`]: the rule never evicts the newest steps.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KeepBest {
+    /// The user metadata key that holds the metric.
+    pub metric: String,
+    /// How many to keep.
+    pub count: usize,
+    /// Whether higher is better (accuracy) or lower (loss).
+    pub higher_is_better: bool,
+}
+
+/// What a background save does when the previous one is still running.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WhenBusy {
+    /// Wait for it (and report its failure, if it failed).
+    Wait,
+    /// Skip this save.
+    Skip,
+}
+
+impl Policy {
+    /// Checks the policy's values.
+    pub fn check(&self) -> Result<()> {
+        let bad = |option: &'static str, why: &str| {
+            Err(Error::InvalidOption {
+                option,
+                why: why.into(),
+            })
+        };
+        if self.every_steps == 0 {
+            return bad("every_steps", "must be at least 1");
+        }
+        if self.full_every == 0 {
+            return bad("full_every", "must be at least 1 (1: every save is full)");
+        }
+        if self.max_chain_links == 0
+            || self.max_chain_links > crate::load::checkpoint::MAX_CHAIN_LINKS
+        {
+            return bad(
+                "max_chain_links",
+                &format!(
+                    "must be 1 to {} (1: every save is full)",
+                    crate::load::checkpoint::MAX_CHAIN_LINKS
+                ),
+            );
+        }
+        if self.max_delta_fraction.is_nan() || self.max_delta_fraction <= 0.0 {
+            return bad("max_delta_fraction", "must be positive");
+        }
+        self.retention.check()
+    }
+
+    /// The policy kept in `root`, if one is.
+    pub fn kept_in(root: &dyn Storage) -> Result<Option<Self>> {
+        if !root.exists(POLICY_FILE)? {
+            return Ok(None);
+        }
+        let bytes = root.get(POLICY_FILE, 1 << 20)?;
+        let p: Self = crate::load::documents::parse_json(&bytes, POLICY_FILE, "a saver policy")?;
+        p.check()?;
+        Ok(Some(p))
+    }
+
+    /// Keeps the policy in `root` for later processes and restarts.
+    pub fn keep_in(&self, root: &dyn Storage) -> Result<()> {
+        self.check()?;
+        let json = serde_json::to_vec_pretty(self).expect("a policy serializes");
+        root.put(POLICY_FILE, &json, true)
+    }
+}
+
+impl Retention {
+    /// Checks the rules' values.
+    pub fn check(&self) -> Result<()> {
+        if self.keep_latest == 0 {
+            return Err(Error::InvalidOption {
+                option: "keep_latest",
+                why: "must be at least 1: retention never removes the newest committed step".into(),
+            });
+        }
+        if self.keep_every == Some(0) {
+            return Err(Error::InvalidOption {
+                option: "keep_every",
+                why: "must be at least 1".into(),
+            });
+        }
+        Ok(())
+    }
+}

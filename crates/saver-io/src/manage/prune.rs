@@ -1,0 +1,181 @@
+//! Retention: which committed steps a root keeps, and removing the others so that every step
+//! left is whole at every moment of the removal.
+//!
+//! The kept set is computed from committed, whole steps only ([`Root::list`]): a save under way
+//! is not one of them, so it never stands in for the checkpoint it will replace. Every link a
+//! kept step's chain needs is kept with it. Steps are removed newest first, so a removed step's
+//! parent, if it goes too, goes after it; each removal writes [`PRUNE_MARKER`], then removes the
+//! index (from then on the step is not committed, and nothing reads it), then every other file
+//! of the save, then the marker and the directory. A removal cut short at any point leaves the
+//! remaining steps whole and the step either committed and untouched or uncommitted with its
+//! marker, which the next prune or clean finishes. Two prunes of one root at once remove the same
+//! files, each tolerating the other's removals.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use saver_core::naming::{SaverFile, INDEX_FILE};
+
+use crate::error::Result;
+use crate::manage::policy::Retention;
+use crate::manage::root::{Root, StepInfo, PRUNE_MARKER};
+
+/// What a prune kept and removed.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PruneReport {
+    /// Steps kept, ascending.
+    pub kept: Vec<u64>,
+    /// Steps removed (or that would be, with a dry run), newest first.
+    pub removed: Vec<u64>,
+    /// Bytes of the removed steps' data files.
+    pub bytes_removed: u64,
+    /// Files removed.
+    pub files_removed: usize,
+    /// Whether nothing was removed because it was a dry run.
+    pub dry_run: bool,
+}
+
+/// The steps `rules` keep among the committed, whole `steps` (ascending), with every link their
+/// chains need.
+pub fn kept_steps(steps: &[StepInfo], rules: &Retention) -> BTreeSet<u64> {
+    let mut kept = BTreeSet::new();
+    kept.extend(
+        steps
+            .iter()
+            .rev()
+            .take(rules.keep_latest.max(1))
+            .map(|s| s.step),
+    );
+    if let Some(n) = rules.keep_every {
+        kept.extend(steps.iter().filter(|s| s.step.is_multiple_of(n)).map(|s| s.step));
+    }
+    kept.extend(
+        steps
+            .iter()
+            .filter(|s| rules.keep_steps.contains(&s.step))
+            .map(|s| s.step),
+    );
+    if let Some(best) = &rules.keep_best {
+        let mut scored: Vec<(f64, u64)> = steps
+            .iter()
+            .filter_map(|s| {
+                let v: f64 = s.user_metadata.get(&best.metric)?.parse().ok()?;
+                v.is_finite().then_some((v, s.step))
+            })
+            .collect();
+        scored.sort_by(|a, b| {
+            let o = a.0.total_cmp(&b.0);
+            if best.higher_is_better {
+                o.reverse()
+            } else {
+                o
+            }
+        });
+        kept.extend(scored.iter().take(best.count).map(|s| s.1));
+    }
+    // Every link of a kept step's chain.
+    let by_step: std::collections::BTreeMap<u64, &StepInfo> =
+        steps.iter().map(|s| (s.step, s)).collect();
+    let mut todo: Vec<u64> = kept.iter().copied().collect();
+    while let Some(s) = todo.pop() {
+        if let Some(p) = by_step.get(&s).and_then(|i| i.parent) {
+            if kept.insert(p) {
+                todo.push(p);
+            }
+        }
+    }
+    kept
+}
+
+/// Applies `rules` to `root`: removes every committed step they do not keep (with `dry_run`,
+/// only says which). Steps that are not committed or whose chains are broken are left alone:
+/// they are [`crate::manage::CheckpointManager::clean`]'s.
+pub fn prune(root: &Root, rules: &Retention, dry_run: bool) -> Result<PruneReport> {
+    rules.check()?;
+    let listing = root.list()?;
+    let kept = kept_steps(&listing.steps, rules);
+    let mut report = PruneReport {
+        kept: kept.iter().copied().collect(),
+        dry_run,
+        ..PruneReport::default()
+    };
+    for s in listing.steps.iter().rev() {
+        if kept.contains(&s.step) {
+            continue;
+        }
+        report.removed.push(s.step);
+        report.bytes_removed += s.bytes;
+        if !dry_run {
+            report.files_removed += remove_step(root, s.step, Some(&s.save_id))?;
+        }
+    }
+    Ok(report)
+}
+
+/// Removes step `step`'s checkpoint in the order the module docs give; `save_id` is the save
+/// its index committed (`None`: the step is no longer committed, and every save file in it
+/// goes). Returns the number of files removed.
+pub(crate) fn remove_step(root: &Root, step: u64, save_id: Option<&str>) -> Result<usize> {
+    match remove_step_files(root, step, save_id) {
+        // Another prune of the root removed it meanwhile.
+        Err(_) if is_gone(root, step) => Ok(0),
+        r => r,
+    }
+}
+
+/// Whether step `step`'s directory is gone (an object store's: holds nothing).
+fn is_gone(root: &Root, step: u64) -> bool {
+    let path = root.step_path(step);
+    match crate::storage::location_url(&path) {
+        None => !path.exists(),
+        Some(_) => root
+            .step_storage(step)
+            .and_then(|s| s.list())
+            .is_ok_and(|l| l.is_empty()),
+    }
+}
+
+fn remove_step_files(root: &Root, step: u64, save_id: Option<&str>) -> Result<usize> {
+    let storage = root.step_storage(step)?;
+    let marker = serde_json::json!({ "step": step, "save_id": save_id });
+    storage.put(PRUNE_MARKER, marker.to_string().as_bytes(), true)?;
+    let mut removed = 0;
+    if storage.exists(INDEX_FILE)? {
+        storage.remove(INDEX_FILE)?;
+        storage.sync_dir()?;
+        removed += 1;
+    }
+    for name in storage.list()? {
+        let ours = match SaverFile::parse(&name) {
+            Some(f) => save_id.is_none_or(|id| f.save_id() == id),
+            None => false,
+        };
+        if ours {
+            storage.remove(&name)?;
+            removed += 1;
+        }
+    }
+    storage.sync_dir()?;
+    // The marker goes last; the directory, if nothing else is in it (another save's files are
+    // left alone).
+    let others = storage
+        .list()?
+        .into_iter()
+        .any(|n| n != PRUNE_MARKER && n != saver_core::naming::COMMIT_LOCK);
+    if !others {
+        storage.remove(PRUNE_MARKER)?;
+        remove_empty_dir(&root.step_path(step));
+    }
+    Ok(removed)
+}
+
+/// Removes a local directory if it is empty (an object store has no directories).
+fn remove_empty_dir(path: &PathBuf) {
+    if crate::storage::location_url(path).is_none() {
+        // Also the commit lock file a save leaves; anything else keeps the directory.
+        let _ = std::fs::remove_file(path.join(saver_core::naming::COMMIT_LOCK));
+        let _ = std::fs::remove_dir(path);
+    }
+}

@@ -1,0 +1,568 @@
+//! The checkpoint manager: a training job's checkpoints in one root. Each test is one of the
+//! failures users of other checkpointing tools report most (retention that deletes the last good
+//! checkpoint, a partial save taken as latest, retention surprises, silent background failures),
+//! written so that it would have caught it; then restarts with another policy and worker count,
+//! retention racing saves, and removals killed at every storage operation.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use saver::io::manage::{KeepBest, Retention, Started, WhenBusy};
+use saver::{
+    CheckpointManager, Dtype, EmbeddingTable, KeyDtype, LoadOptions, Policy, SaveInput,
+    SaveOptions, SlotSpec, SparseTable,
+};
+
+/// The rows a job holds: id → one f32 value and a step stamp.
+type State = BTreeMap<u64, (f32, u64)>;
+
+fn slots() -> Vec<SlotSpec> {
+    vec![
+        SlotSpec::new("embedding", Dtype::F32, vec![1]),
+        SlotSpec::new("stamp", Dtype::U64, vec![]),
+    ]
+}
+
+fn write(table: &EmbeddingTable, id: u64, row: (f32, u64)) {
+    table
+        .insert(id, &[&row.0.to_le_bytes()[..], &row.1.to_le_bytes()[..]])
+        .unwrap();
+}
+
+/// One training step: rows `step*7 .. step*7+40` (mod 300) written, one row removed.
+fn train(table: &EmbeddingTable, state: &mut State, step: u64) {
+    for k in 0..40 {
+        let id = (step * 7 + k) % 300;
+        let row = (step as f32 + k as f32 / 100.0, step);
+        write(table, id, row);
+        state.insert(id, row);
+    }
+    let gone = (step * 13) % 300;
+    if table.remove(gone) {
+        state.remove(&gone);
+    }
+}
+
+fn opts() -> SaveOptions {
+    SaveOptions {
+        durable: false,
+        ..SaveOptions::default()
+    }
+}
+
+fn policy(full_every: u32, keep_latest: usize) -> Policy {
+    Policy {
+        full_every,
+        max_chain_links: full_every as usize,
+        // The test's deltas are large beside their small bases; the cadence is what is tested.
+        max_delta_fraction: 100.0,
+        retention: Retention {
+            keep_latest,
+            ..Retention::default()
+        },
+        ..Policy::default()
+    }
+}
+
+/// The rows of `dir`'s checkpoint, restored with `shards` target shards.
+fn restored_state(dir: &Path, shards: u32) -> State {
+    let r = saver::Checkpoint::open(dir)
+        .unwrap()
+        .restore(&LoadOptions {
+            shard_num: shards,
+            ..LoadOptions::default()
+        })
+        .unwrap();
+    let mut state = State::new();
+    for s in &r.shards {
+        let t = s.table("emb").unwrap();
+        for id in t.ids() {
+            let e = t.get_slot(id, 0).unwrap();
+            let st = t.get_slot(id, 1).unwrap();
+            state.insert(
+                id,
+                (
+                    f32::from_le_bytes(e.try_into().unwrap()),
+                    u64::from_le_bytes(st.try_into().unwrap()),
+                ),
+            );
+        }
+    }
+    state
+}
+
+fn step_dirs(root: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(root)
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.unwrap();
+            e.file_type()
+                .unwrap()
+                .is_dir()
+                .then(|| e.file_name().into_string().unwrap())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// Saves every step, deltas between full saves (tracked: the table keeps its changes), keeps the
+/// newest two and every link they need; every listed step restores to the state it saved, and
+/// a restart with another worker count restores the newest.
+#[test]
+fn a_job_saves_deltas_keeps_the_latest_and_restarts_from_the_newest() {
+    let root = tempfile::tempdir().unwrap();
+    let m = CheckpointManager::open(root.path(), policy(3, 2)).unwrap();
+    let table = EmbeddingTable::new("emb", KeyDtype::U64, slots())
+        .unwrap()
+        .with_change_tracking()
+        .unwrap();
+    let mut state = State::new();
+    let mut saved: BTreeMap<u64, State> = BTreeMap::new();
+    for step in 1..=10u64 {
+        train(&table, &mut state, step);
+        let done = m
+            .save(step * 100, SaveInput::new().table(&table), &opts())
+            .unwrap();
+        saved.insert(step * 100, state.clone());
+        let full = (step - 1) % 3 == 0;
+        assert_eq!(done.save.delta_tables.is_empty(), full, "step {step}");
+        if !full {
+            assert!(
+                matches!(done.save.delta_tables["emb"], saver::DeltaMethod::Tracked),
+                "{:?}",
+                done.save.delta_tables
+            );
+        }
+        let steps = m.steps().unwrap();
+        assert_eq!(m.latest().unwrap().unwrap().step, step * 100);
+        // The newest two, and every link of their chains: nothing else.
+        let listed: Vec<u64> = steps.iter().map(|s| s.step).collect();
+        let mut want: Vec<u64> = Vec::new();
+        for s in steps.iter().rev().take(2) {
+            let mut at = Some(s.step);
+            while let Some(x) = at {
+                want.push(x);
+                at = steps.iter().find(|i| i.step == x).unwrap().parent;
+            }
+        }
+        want.sort();
+        want.dedup();
+        assert_eq!(listed, want, "step {step}");
+        assert!(steps.iter().all(|s| s.links <= 3));
+        for s in &steps {
+            assert_eq!(
+                restored_state(&s.path, 1),
+                saved[&s.step],
+                "step {}",
+                s.step
+            );
+        }
+        // Removed steps leave no directory behind.
+        assert_eq!(step_dirs(root.path()).len(), listed.len());
+    }
+    drop(m);
+    // A restart: another policy, and three workers instead of one.
+    let again = CheckpointManager::open(root.path(), policy(1, 1)).unwrap();
+    let (step, r) = again
+        .restore_latest(&LoadOptions {
+            shard_num: 3,
+            ..LoadOptions::default()
+        })
+        .unwrap()
+        .unwrap();
+    assert_eq!(step, 1000);
+    assert_eq!(r.shards.len(), 3);
+    assert_eq!(
+        restored_state(&again.latest().unwrap().unwrap().path, 3),
+        state
+    );
+    // The next save, under the new policy (full every save, keep 1), replaces the whole chain.
+    train(&table, &mut state, 11);
+    let done = again
+        .save(1100, SaveInput::new().table(&table), &opts())
+        .unwrap();
+    assert!(done.save.delta_tables.is_empty());
+    let steps = again.steps().unwrap();
+    assert_eq!(steps.iter().map(|s| s.step).collect::<Vec<_>>(), vec![1100]);
+    assert_eq!(restored_state(&steps[0].path, 2), state);
+    // An explicit step that is not there is an error, never a fresh start.
+    let err = again.open_step(700).unwrap_err().to_string();
+    assert!(err.contains("step 700") && err.contains("1100"), "{err}");
+}
+
+/// A table whose snapshot is taken at the save's moment and whose scan, later, fails or waits
+/// for a gate: a background save that fails, or that is still running, after its moment.
+struct Troubled {
+    inner: EmbeddingTable,
+    fail: bool,
+    gate: Mutex<Option<mpsc::Receiver<()>>>,
+}
+
+struct TroubledSnapshot<'a> {
+    inner: Box<dyn saver::TableSnapshot + 'a>,
+    table: &'a Troubled,
+}
+
+impl SparseTable for Troubled {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn key_dtype(&self) -> KeyDtype {
+        self.inner.key_dtype()
+    }
+    fn slots(&self) -> &[SlotSpec] {
+        SparseTable::slots(&self.inner)
+    }
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn snapshot(&self) -> saver::core::Result<Box<dyn saver::TableSnapshot + '_>> {
+        Ok(Box::new(TroubledSnapshot {
+            inner: self.inner.snapshot()?,
+            table: self,
+        }))
+    }
+}
+
+impl saver::TableSnapshot for TroubledSnapshot<'_> {
+    fn scan(
+        &self,
+        max_rows: usize,
+        with_values: bool,
+        visit: &mut dyn FnMut(saver::core::table::RowChunk<'_>) -> saver::core::Result<()>,
+    ) -> saver::core::Result<()> {
+        if let Some(gate) = self.table.gate.lock().unwrap().take() {
+            let _ = gate.recv();
+        }
+        if self.table.fail {
+            return Err(saver::core::Error::Table {
+                table: "emb".into(),
+                message: "the feature store went away".into(),
+            });
+        }
+        self.inner.scan(max_rows, with_values, visit)
+    }
+    fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> saver::core::Result<()> {
+        self.inner.read_rows(ids, out)
+    }
+    unsafe fn read_rows_by_handle(
+        &self,
+        ids: &[u64],
+        handles: &[u64],
+        out: &mut [&mut [u8]],
+    ) -> saver::core::Result<()> {
+        // SAFETY: the caller's promise is passed on unchanged.
+        unsafe { self.inner.read_rows_by_handle(ids, handles, out) }
+    }
+}
+
+fn troubled(fail: bool, gate: Option<mpsc::Receiver<()>>) -> Arc<Troubled> {
+    let inner = EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap();
+    for id in 0..100 {
+        write(&inner, id, (id as f32, 2));
+    }
+    Arc::new(Troubled {
+        inner,
+        fail,
+        gate: Mutex::new(gate),
+    })
+}
+
+/// Complaints 1, 2 and 4: with `keep 1`, a background save still running or one that failed
+/// never costs the only whole checkpoint, is never the latest, and a failure is reported when it
+/// happens, not at the next save.
+#[test]
+fn keep_one_never_loses_the_only_whole_checkpoint_to_a_save_in_flight_or_failed() {
+    let root = tempfile::tempdir().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let m = CheckpointManager::open(root.path(), policy(1, 1))
+        .unwrap()
+        .on_failure(move |step, e| tx.send((step, e.to_string())).unwrap());
+    let good = EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap();
+    write(&good, 1, (1.0, 1));
+    m.save(1, SaveInput::new().table(&good), &opts()).unwrap();
+
+    // In flight: its moment is fixed, it is not committed.
+    let (open, gate) = mpsc::channel();
+    let slow = troubled(false, Some(gate));
+    let started = m
+        .save_in_background(2, SaveInput::new().table(slow.clone()), &opts())
+        .unwrap();
+    assert!(matches!(started, Started::Saving { step: 2 }));
+    assert_eq!(
+        m.latest().unwrap().unwrap().step,
+        1,
+        "a save in flight is not the latest"
+    );
+    let pruned = m.prune(None, false).unwrap();
+    assert!(pruned.removed.is_empty(), "{pruned:?}");
+    assert_eq!(m.steps().unwrap().len(), 1);
+    drop(open);
+    let done = m.wait().unwrap().unwrap();
+    assert_eq!(done.step, 2);
+    // Its commit made step 1 unnecessary: removed after it, not before.
+    assert_eq!(done.pruned.unwrap().removed, vec![1]);
+    assert_eq!(m.latest().unwrap().unwrap().step, 2);
+
+    // A save that fails after its moment: reported at once, and step 2 stays.
+    let bad = troubled(true, None);
+    m.save_in_background(3, SaveInput::new().table(bad), &opts())
+        .unwrap();
+    let (step, why) = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    assert_eq!(step, 3);
+    assert!(why.contains("feature store"), "{why}");
+    let err = m.wait().unwrap_err().to_string();
+    assert!(err.contains("feature store"), "{err}");
+    assert_eq!(m.latest().unwrap().unwrap().step, 2);
+    assert_eq!(
+        restored_state(&m.latest().unwrap().unwrap().path, 1).len(),
+        100
+    );
+    // The failed save left no committed step and nothing that lists.
+    assert_eq!(m.steps().unwrap().len(), 1);
+}
+
+/// With `WhenBusy::Skip`, a step that comes while a save runs is skipped, never queued behind it.
+#[test]
+fn a_busy_manager_skips_when_told_to() {
+    let root = tempfile::tempdir().unwrap();
+    let mut p = policy(1, 3);
+    p.when_busy = WhenBusy::Skip;
+    let m = CheckpointManager::open(root.path(), p).unwrap();
+    let (open, gate) = mpsc::channel();
+    let slow = troubled(false, Some(gate));
+    m.save_in_background(1, SaveInput::new().table(slow.clone()), &opts())
+        .unwrap();
+    let skipped = m
+        .save_in_background(2, SaveInput::new().table(troubled(false, None)), &opts())
+        .unwrap();
+    assert!(matches!(
+        skipped,
+        Started::Skipped {
+            step: 2,
+            running: 1
+        }
+    ));
+    drop(open);
+    m.wait().unwrap();
+    assert_eq!(
+        m.steps()
+            .unwrap()
+            .iter()
+            .map(|s| s.step)
+            .collect::<Vec<_>>(),
+        vec![1]
+    );
+}
+
+/// Complaint 2: a crashed save's directory (files, no index) is never the latest, and is
+/// reclaimed only once its writer is provably gone; a live writer's files are left alone.
+#[test]
+fn a_crashed_save_is_never_the_latest_and_is_reclaimed_once_its_writer_is_gone() {
+    let root = tempfile::tempdir().unwrap();
+    let m = CheckpointManager::open(root.path(), policy(1, 5)).unwrap();
+    let t = EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap();
+    write(&t, 1, (1.0, 1));
+    m.save(10, SaveInput::new().table(&t), &opts()).unwrap();
+    // A save of step 20 that wrote its files and never committed: the index removed after the
+    // fact stands for a process killed before its commit (its writer, this process, lives).
+    m.save(20, SaveInput::new().table(&t), &opts()).unwrap();
+    let s20 = root.path().join(saver::io::manage::root::step_dir_name(20));
+    std::fs::remove_file(s20.join("model.safetensors.index.json")).unwrap();
+    assert_eq!(m.latest().unwrap().unwrap().step, 10);
+    let listing = m.root().list().unwrap();
+    assert_eq!(listing.uncommitted, vec![20]);
+    // Its writer (this process) is alive: left alone.
+    let c = m.clean(false).unwrap();
+    assert!(c.reclaimed.is_empty(), "{c:?}");
+    assert_eq!(c.left_alone.len(), 1);
+    assert!(s20.exists());
+
+    // A save by a child process that is killed mid-save: reclaimed once the child is gone.
+    let dir = root.path().join(saver::io::manage::root::step_dir_name(30));
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "manager::a_save_that_hangs_after_claiming_its_shard",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("SAVER_HANG_DIR", &dir)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The child prints once it claimed its shard and wrote a file, then hangs.
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("claimed") {
+        line.clear();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "the child ended before it claimed its shard"
+        );
+    }
+    let c = m.clean(true).unwrap();
+    assert!(!c.reclaimed.contains(&30), "a live writer's files: {c:?}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let c = m.clean(false).unwrap();
+    assert!(c.reclaimed.contains(&30), "{c:?}");
+    assert!(!dir.exists());
+    assert_eq!(m.latest().unwrap().unwrap().step, 10);
+}
+
+/// Child mode: a save into SAVER_HANG_DIR that hangs in its first write, after its claim.
+#[test]
+fn a_save_that_hangs_after_claiming_its_shard() {
+    let Ok(dir) = std::env::var("SAVER_HANG_DIR") else {
+        return;
+    };
+    let t = EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap();
+    for id in 0..1000 {
+        write(&t, id, (id as f32, 30));
+    }
+    let mut o = opts();
+    o.progress = Some(Arc::new(|_| {
+        println!("claimed");
+        std::thread::sleep(Duration::from_secs(3600));
+    }));
+    let _ = saver::save(&dir, SaveInput::new().table(&t), &o);
+}
+
+/// Complaint 3: a best-by-metric rule keeps the best steps beyond the newest, never instead of
+/// them; keep-every keeps milestones; pinned steps stay.
+#[test]
+fn retention_rules_add_to_the_newest_never_evict_them() {
+    let root = tempfile::tempdir().unwrap();
+    let mut p = policy(1, 2);
+    p.retention.keep_every = Some(40);
+    p.retention.keep_steps.insert(30);
+    p.retention.keep_best = Some(KeepBest {
+        metric: "loss".into(),
+        count: 1,
+        higher_is_better: false,
+    });
+    let m = CheckpointManager::open(root.path(), p).unwrap();
+    let t = EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap();
+    // The loss is best (lowest) at step 20 and worst at the newest steps.
+    let loss = [
+        (10u64, 5.0),
+        (20, 1.0),
+        (30, 4.0),
+        (40, 6.0),
+        (50, 7.0),
+        (60, 9.0),
+        (70, 8.0),
+    ];
+    for (step, l) in loss {
+        write(&t, step, (l as f32, step));
+        let mut o = opts();
+        o.user_metadata.insert("loss".into(), l.to_string());
+        m.save(step, SaveInput::new().table(&t), &o).unwrap();
+    }
+    let kept: Vec<u64> = m.steps().unwrap().iter().map(|s| s.step).collect();
+    assert_eq!(kept, vec![20, 30, 40, 60, 70]);
+}
+
+/// A delta that holds more than the policy's fraction of its base makes the next save full.
+#[test]
+fn a_delta_as_large_as_its_base_makes_the_next_save_full() {
+    let root = tempfile::tempdir().unwrap();
+    let mut p = policy(8, 8);
+    p.max_delta_fraction = 0.5;
+    let m = CheckpointManager::open(root.path(), p).unwrap();
+    let t = EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap();
+    for id in 0..1000 {
+        write(&t, id, (0.0, 1));
+    }
+    m.save(1, SaveInput::new().table(&t), &opts()).unwrap();
+    write(&t, 5, (1.0, 2));
+    let small = m.save(2, SaveInput::new().table(&t), &opts()).unwrap();
+    assert!(
+        !small.save.delta_tables.is_empty(),
+        "a small change: a delta"
+    );
+    for id in 0..800 {
+        write(&t, id, (3.0, 3));
+    }
+    let large = m.save(3, SaveInput::new().table(&t), &opts()).unwrap();
+    assert!(
+        !large.save.delta_tables.is_empty(),
+        "a delta of step 2, which was small"
+    );
+    let next = m.save(4, SaveInput::new().table(&t), &opts()).unwrap();
+    assert!(
+        next.save.delta_tables.is_empty(),
+        "step 3's delta held 80 % of its base"
+    );
+    assert_eq!(m.latest().unwrap().unwrap().links, 1);
+}
+
+/// Retention racing saves: a second process prunes the root with `keep 1` as fast as it can
+/// while the job saves deltas. Every step any listing shows restores whole, and the newest
+/// committed step is never lost.
+#[test]
+fn pruning_racing_saves_never_loses_the_newest_or_breaks_a_chain() {
+    let root = tempfile::tempdir().unwrap();
+    let m = CheckpointManager::open(root.path(), policy(4, 1)).unwrap();
+    let table = EmbeddingTable::new("emb", KeyDtype::U64, slots())
+        .unwrap()
+        .with_change_tracking()
+        .unwrap();
+    let mut state = State::new();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let saved: Mutex<BTreeMap<u64, State>> = Mutex::new(BTreeMap::new());
+    std::thread::scope(|s| {
+        let pruner = s.spawn(|| {
+            let other = CheckpointManager::open_kept(root.path()).unwrap();
+            let mut checks = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                other.prune(None, false).unwrap();
+                if let Some(latest) = other.latest().unwrap() {
+                    let want = saved.lock().unwrap().get(&latest.step).cloned();
+                    // The newest step, read while the other prunes: whole, or replaced by a
+                    // newer one between the listing and the read.
+                    match saver::Checkpoint::open(&latest.path) {
+                        Ok(ck) => {
+                            if let Ok(r) = ck.restore(&LoadOptions::default()) {
+                                if let Some(want) = want {
+                                    assert_eq!(r.table("emb").unwrap().len(), want.len());
+                                }
+                                checks += 1;
+                            }
+                        }
+                        Err(_) => assert!(
+                            other.latest().unwrap().unwrap().step > latest.step,
+                            "the newest step {} was lost",
+                            latest.step
+                        ),
+                    }
+                }
+            }
+            checks
+        });
+        for step in 1..=24u64 {
+            train(&table, &mut state, step);
+            saved.lock().unwrap().insert(step, state.clone());
+            m.save(step, SaveInput::new().table(&table), &opts())
+                .unwrap();
+            assert_eq!(m.latest().unwrap().unwrap().step, step);
+            std::thread::sleep(Duration::from_millis(step % 5));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(pruner.join().unwrap() > 0);
+    });
+    let latest = m.latest().unwrap().unwrap();
+    assert_eq!(latest.step, 24);
+    assert_eq!(restored_state(&latest.path, 2), state);
+    for s in m.steps().unwrap() {
+        saver::Checkpoint::open(&s.path)
+            .unwrap()
+            .restore(&LoadOptions::default())
+            .unwrap();
+    }
+}
