@@ -42,16 +42,16 @@ fn opts(id: &str) -> SaveOptions {
 
 /// Kills its own process with SIGKILL at the n-th mutating storage operation.
 #[derive(Debug)]
-struct KillAt {
-    inner: LocalFs,
-    counter: Arc<KillCounter>,
+pub(crate) struct KillAt {
+    pub(crate) inner: LocalFs,
+    pub(crate) counter: Arc<KillCounter>,
 }
 
 /// The operation counter, shared by the storage and every file it opens.
 #[derive(Debug)]
-struct KillCounter {
-    at: u64,
-    ops: AtomicU64,
+pub(crate) struct KillCounter {
+    pub(crate) at: u64,
+    pub(crate) ops: AtomicU64,
 }
 
 impl KillCounter {

@@ -566,3 +566,149 @@ fn pruning_racing_saves_never_loses_the_newest_or_breaks_a_chain() {
             .unwrap();
     }
 }
+
+/// Child mode: prunes SAVER_PRUNE_ROOT to its newest two steps, killing itself (SIGKILL) at
+/// storage operation SAVER_PRUNE_AT of the removal; prints how many operations it made.
+#[test]
+fn prune_child() {
+    let (Ok(dir), Ok(at)) = (
+        std::env::var("SAVER_PRUNE_ROOT"),
+        std::env::var("SAVER_PRUNE_AT"),
+    ) else {
+        return;
+    };
+    let counter = Arc::new(crate::crash::KillCounter {
+        at: at.parse().unwrap(),
+        ops: std::sync::atomic::AtomicU64::new(0),
+    });
+    let c = counter.clone();
+    let root = saver::io::manage::Root::open(Path::new(&dir))
+        .unwrap()
+        .with_step_opener(move |p| {
+            Ok(Arc::new(crate::crash::KillAt {
+                inner: saver::io::storage::LocalFs::create_dir(p)?,
+                counter: c.clone(),
+            }) as Arc<dyn saver::io::storage::Storage>)
+        });
+    let rules = Retention {
+        keep_latest: 2,
+        ..Retention::default()
+    };
+    saver::io::manage::prune::prune(&root, &rules, false).unwrap();
+    println!(
+        "ops={}",
+        counter.ops.load(std::sync::atomic::Ordering::SeqCst)
+    );
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap();
+        }
+    }
+}
+
+fn prune_in_child(root: &Path, at: u64) -> std::process::Output {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "manager::prune_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("SAVER_PRUNE_ROOT", root)
+        .env("SAVER_PRUNE_AT", at.to_string())
+        .output()
+        .unwrap()
+}
+
+/// A prune killed at every storage operation of its removals: after each kill, every step a
+/// listing shows restores to the state it saved, the newest step is never lost, and the next
+/// prune and clean finish the job, leaving exactly the kept steps and nothing else.
+#[test]
+fn a_prune_killed_at_every_operation_leaves_every_listed_step_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let template = tmp.path().join("template");
+    let m = CheckpointManager::open(&template, policy(3, 100)).unwrap();
+    let table = EmbeddingTable::new("emb", KeyDtype::U64, slots())
+        .unwrap()
+        .with_change_tracking()
+        .unwrap();
+    let mut state = State::new();
+    let mut saved: BTreeMap<u64, State> = BTreeMap::new();
+    for step in 1..=7u64 {
+        train(&table, &mut state, step);
+        m.save(step, SaveInput::new().table(&table), &opts())
+            .unwrap();
+        saved.insert(step, state.clone());
+    }
+    drop(m);
+    // The newest two are 6 (a delta of 4's chain) and 7: 4, 5, 6, 7 stay; 1, 2, 3 go.
+    let probe = tmp.path().join("probe");
+    copy_dir(&template, &probe);
+    let out = prune_in_child(&probe, u64::MAX);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let ops: u64 = text
+        .split("ops=")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the probe did not report: {text}"));
+    assert!(
+        ops >= 9,
+        "three removals of three operations at least: {ops}"
+    );
+    let kept = vec![4, 5, 6, 7];
+    for at in 0..ops {
+        let root = tmp.path().join(format!("kill-{at}"));
+        copy_dir(&template, &root);
+        let out = prune_in_child(&root, at);
+        assert!(!out.status.success(), "kill {at}: the child was not killed");
+        let again = CheckpointManager::open_kept(&root).unwrap();
+        let steps = again.steps().unwrap();
+        assert_eq!(again.latest().unwrap().unwrap().step, 7, "kill {at}");
+        for s in &steps {
+            assert_eq!(
+                restored_state(&s.path, 1),
+                saved[&s.step],
+                "kill {at}: step {}",
+                s.step
+            );
+        }
+        for k in &kept {
+            assert!(
+                steps.iter().any(|s| s.step == *k),
+                "kill {at}: step {k} lost"
+            );
+        }
+        // The next prune and clean finish: the kept steps, nothing else.
+        again
+            .prune(
+                Some(&Retention {
+                    keep_latest: 2,
+                    ..Retention::default()
+                }),
+                false,
+            )
+            .unwrap();
+        again.clean(false).unwrap();
+        let listing = again.root().list().unwrap();
+        assert_eq!(
+            listing.steps.iter().map(|s| s.step).collect::<Vec<_>>(),
+            kept,
+            "kill {at}"
+        );
+        assert!(
+            listing.uncommitted.is_empty() && listing.broken.is_empty(),
+            "kill {at}: {listing:?}"
+        );
+        assert_eq!(step_dirs(&root).len(), kept.len(), "kill {at}");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

@@ -34,7 +34,7 @@ pub enum Command {
   # one process per shard (e.g. under a launcher), all with the same arguments but --shard-index,
   # and a save id that is new for every save and every retry:
   saver save --out /shared/ckpt --synthetic criteo-kaggle,scale=0.1 --shards 4 --shard-index 2 --save-id run7-step1200-a1")]
-    Save(SaveArgs),
+    Save(Box<SaveArgs>),
     /// Show what a checkpoint holds: tables, slots, rows, dense tensors, shards, files, sizes.
     #[command(after_help = "Example:\n  saver inspect /ckpt/step100 --json")]
     Inspect(InspectArgs),
@@ -73,6 +73,25 @@ pub enum Command {
         after_help = "Example:\n  test \"$(saver digest /ckpt/a)\" = \"$(saver digest /ckpt/a-resharded)\""
     )]
     Digest(DigestArgs),
+    /// List the committed steps of a managed root: step, full or delta, chain length, size,
+    /// when it was started, writers; and what else the root holds (saves under way or crashed).
+    #[command(after_help = "Example:\n  saver list /ckpt/run7 --json")]
+    List(ListArgs),
+    /// Print the newest committed step of a managed root and its path. Exit status 3 when the
+    /// root holds no committed step.
+    #[command(after_help = "Example:\n  saver load \"$(saver latest /ckpt/run7 | cut -f2)\"")]
+    Latest(LatestArgs),
+    /// Apply retention to a managed root: keep the newest K steps (and every link their chains
+    /// need), every Nth, pinned ones; remove the rest, newest first, so that every step left is
+    /// whole if it is interrupted. Without flags, the root's policy.
+    #[command(
+        after_help = "Example:\n  saver prune /ckpt/run7 --keep-latest 3 --keep-every 10000 --dry-run"
+    )]
+    Prune(PruneArgs),
+    /// Reclaim what crashed saves and interrupted removals left in a managed root: a save's files
+    /// only once every writer of it has provably ended.
+    #[command(after_help = "Example:\n  saver clean /ckpt/run7 --dry-run")]
+    Clean(CleanArgs),
 }
 
 /// Flags of `saver inspect`.
@@ -187,11 +206,79 @@ pub struct DigestArgs {
     pub out: Output,
 }
 
+/// A managed root's policy, as `saver save --root` and `saver prune` take it: flags given
+/// override the policy the root keeps (and are kept by `save`).
+#[derive(Args, Debug, Default, Clone)]
+pub struct PolicyArgs {
+    /// With --root: a full checkpoint every N saves, deltas between (1: every save full).
+    #[arg(long)]
+    pub full_every: Option<u32>,
+    /// With --root: most links of a chain, its full checkpoint included.
+    #[arg(long)]
+    pub max_chain_links: Option<usize>,
+    /// Keep the newest K committed steps (and every link their chains need).
+    #[arg(long)]
+    pub keep_latest: Option<usize>,
+    /// Also keep every step that is a multiple of N.
+    #[arg(long)]
+    pub keep_every: Option<u64>,
+    /// Also keep this step (repeatable).
+    #[arg(long)]
+    pub keep_step: Vec<u64>,
+}
+
+/// Flags of `saver list`.
+#[derive(Args, Debug)]
+pub struct ListArgs {
+    /// The managed root.
+    pub root: PathBuf,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+/// Flags of `saver latest`.
+#[derive(Args, Debug)]
+pub struct LatestArgs {
+    /// The managed root.
+    pub root: PathBuf,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+/// Flags of `saver prune`.
+#[derive(Args, Debug)]
+pub struct PruneArgs {
+    /// The managed root.
+    pub root: PathBuf,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+    /// Say what would be removed, remove nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+/// Flags of `saver clean`.
+#[derive(Args, Debug)]
+pub struct CleanArgs {
+    /// The managed root.
+    pub root: PathBuf,
+    /// Say what would be reclaimed, remove nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    #[command(flatten)]
+    pub out: Output,
+}
+
 /// Flags of `saver load`.
 #[derive(Args, Debug)]
 pub struct LoadArgs {
-    /// Checkpoint directory.
+    /// Checkpoint directory, or a managed root with --step.
     pub dir: PathBuf,
+    /// DIR is a managed root: load this step, or `latest` (the newest committed one).
+    #[arg(long)]
+    pub step: Option<String>,
     /// Number of target shards M.
     #[arg(long, default_value_t = 1)]
     pub shards: u32,
@@ -222,8 +309,14 @@ pub struct LoadArgs {
 #[derive(Args, Debug)]
 pub struct SaveArgs {
     /// Checkpoint directory to write.
-    #[arg(long)]
-    pub out: PathBuf,
+    #[arg(long, required_unless_present = "root", conflicts_with = "root")]
+    pub out: Option<PathBuf>,
+    /// Save into a managed root (a directory or s3://…) as step --step: full or delta by the
+    /// root's policy, retention applied after the commit (see `saver list`).
+    #[arg(long, requires = "step", conflicts_with = "parent")]
+    pub root: Option<PathBuf>,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Generate the model: a preset (tiny, small, criteo-kaggle) and/or key=value pairs.
     #[arg(long, conflicts_with = "from", required_unless_present = "from")]
     pub synthetic: Option<String>,
@@ -291,6 +384,7 @@ pub struct SaveArgs {
     #[arg(long)]
     pub save_id: Option<String>,
     /// The trainer step, stored in the manifest; every process of a save must give the same.
+    /// With --root, the step to save.
     #[arg(long)]
     pub step: Option<u64>,
     /// With --shard-index: wait up to this many seconds (0 to 604800) for the other shards and

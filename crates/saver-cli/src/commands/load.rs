@@ -28,6 +28,7 @@ struct Report<'a> {
 pub fn run(args: LoadArgs) -> CmdResult {
     let LoadArgs {
         dir,
+        step,
         shards,
         shard_index,
         parallel,
@@ -36,6 +37,11 @@ pub fn run(args: LoadArgs) -> CmdResult {
         no_digest,
         out,
     } = args;
+    // A managed root's step: the newest committed one, or the one named.
+    let dir = match &step {
+        Some(step) => super::manage::step_path(&dir, step)?,
+        None => dir,
+    };
     let opts = LoadOptions {
         shard_num: shards,
         shard_index,

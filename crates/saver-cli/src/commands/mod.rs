@@ -4,6 +4,7 @@ mod digest;
 mod export;
 mod inspect;
 mod load;
+mod manage;
 mod reshard;
 mod save;
 mod verify;
@@ -18,7 +19,7 @@ pub type CmdResult = Result<ExitCode, Box<dyn std::error::Error>>;
 /// Runs a command.
 pub fn run(cmd: Command) -> CmdResult {
     match cmd {
-        Command::Save(args) => save::run(args),
+        Command::Save(args) => save::run(*args),
         Command::Inspect(args) => inspect::run(args),
         Command::Verify(args) => verify::run(args),
         Command::Load(args) => load::run(args),
@@ -26,5 +27,9 @@ pub fn run(cmd: Command) -> CmdResult {
         Command::Compact(args) => reshard::compact(args),
         Command::Export(args) => export::run(args),
         Command::Digest(args) => digest::run(args),
+        Command::List(args) => manage::list(args),
+        Command::Latest(args) => manage::latest(args),
+        Command::Prune(args) => manage::prune(args),
+        Command::Clean(args) => manage::clean(args),
     }
 }

@@ -1,5 +1,6 @@
 //! `saver save`.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -8,7 +9,7 @@ use serde::Serialize;
 use saver_core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver_core::{Filters, ForeignRows, ScalarCondition};
 use saver_io::source::{save_input, Source, SourceTables};
-use saver_io::{save, DirectIo, SaveOptions, SaveReport};
+use saver_io::{save, CheckpointManager, DirectIo, SaveOptions, SaveReport};
 
 use super::CmdResult;
 use crate::cli::{DirectIoWhen, SaveArgs};
@@ -17,6 +18,9 @@ use crate::output;
 #[derive(Serialize)]
 struct Report<'a> {
     out: String,
+    /// With --root: what retention did after the commit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pruned: Option<&'a saver_io::manage::PruneReport>,
     #[serde(flatten)]
     save: &'a SaveReport,
     input_seconds: f64,
@@ -75,6 +79,22 @@ pub fn run(args: SaveArgs) -> CmdResult {
     opts.plan.foreign_rows = ForeignRows::Skip;
     opts.plan.validate()?;
 
+    // A managed root: the step's directory under it, and the manager that decides full or delta
+    // and applies retention after the commit.
+    let manager = match &args.root {
+        Some(root) => {
+            let (policy, _) = super::manage::policy_of(root, &args.policy)?;
+            Some(CheckpointManager::open(root, policy)?)
+        }
+        None => None,
+    };
+    let out: PathBuf = match (&manager, &args.out) {
+        (Some(m), _) => m
+            .root()
+            .step_path(args.step.expect("--root requires --step")),
+        (None, Some(out)) => out.clone(),
+        (None, None) => return Err("one of --out or --root is required".into()),
+    };
     let t0 = Instant::now();
     let synthetic;
     let (source, dense, tables): (Source, _, SourceTables<'_>);
@@ -101,10 +121,10 @@ pub fn run(args: SaveArgs) -> CmdResult {
             // A plain input's rows are sorted out by bucket in temporary files beside the
             // checkpoint (on its filesystem, and gone with the process), or in the system's
             // temporary directory when the checkpoint goes to an object store.
-            let scratch = saver_io::storage::scratch_dir(&args.out);
-            if saver_io::storage::location_url(&args.out).is_none() {
-                std::fs::create_dir_all(&args.out)
-                    .map_err(|e| format!("create {}: {e}", args.out.display()))?;
+            let scratch = saver_io::storage::scratch_dir(&out);
+            if saver_io::storage::location_url(&out).is_none() {
+                std::fs::create_dir_all(&out)
+                    .map_err(|e| format!("create {}: {e}", out.display()))?;
             }
             let rounds = args.import_rounds.map(|r| r as usize);
             tables = source.tables_in_rounds(&scratch, args.parallel, rounds)?;
@@ -130,16 +150,25 @@ pub fn run(args: SaveArgs) -> CmdResult {
     opts.progress = progress.as_ref().map(|(_, f)| f.clone());
     // Full or delta (with --parent) is the library's choice, from the options; a table read
     // from files is compared with the parent as it is read, in bounded memory.
-    let report = save(&args.out, input, &opts)?;
+    let (report, pruned) = match &manager {
+        Some(m) => {
+            opts.step = None;
+            let step = args.step.expect("--root requires --step");
+            let done = m.save(step, input, &opts)?;
+            (done.save, done.pruned)
+        }
+        None => (save(&out, input, &opts)?, None),
+    };
     if let Some((bar, _)) = progress {
         bar.finish_and_clear();
     }
-    note_left_alone(&args.out, &report);
+    note_left_alone(&out, &report);
     let throughput = report.bytes_written as f64 / report.write_seconds.max(1e-9);
     if args.out_fmt.json {
         output::json(&Report {
-            out: args.out.display().to_string(),
+            out: out.display().to_string(),
             save: &report,
+            pruned: pruned.as_ref(),
             input_seconds,
             throughput_bytes_per_second: throughput,
         });
@@ -149,7 +178,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
             report.rows,
             report.files,
             output::size(report.bytes_written),
-            args.out.display(),
+            out.display(),
             report.write_seconds,
             output::rate(report.bytes_written, report.write_seconds),
             report.save_id
@@ -163,7 +192,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
             } else {
                 String::new()
             },
-            write_path(&args.out, report.direct_io_files, report.files),
+            write_path(&out, report.direct_io_files, report.files),
             report.commit_seconds,
             match (report.committed, report.committed_here) {
                 (true, true) => "committed".to_string(),
@@ -174,6 +203,16 @@ pub fn run(args: SaveArgs) -> CmdResult {
                 ),
             }
         );
+    }
+    if let (Some(p), false) = (&pruned, args.out_fmt.json) {
+        if !p.removed.is_empty() {
+            println!(
+                "  retention removed step(s) {:?} ({}); kept {:?}",
+                p.removed,
+                output::size(p.bytes_removed),
+                p.kept
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -49,7 +49,12 @@ pub fn kept_steps(steps: &[StepInfo], rules: &Retention) -> BTreeSet<u64> {
             .map(|s| s.step),
     );
     if let Some(n) = rules.keep_every {
-        kept.extend(steps.iter().filter(|s| s.step.is_multiple_of(n)).map(|s| s.step));
+        kept.extend(
+            steps
+                .iter()
+                .filter(|s| s.step.is_multiple_of(n))
+                .map(|s| s.step),
+        );
     }
     kept.extend(
         steps
@@ -118,11 +123,24 @@ pub fn prune(root: &Root, rules: &Retention, dry_run: bool) -> Result<PruneRepor
 /// its index committed (`None`: the step is no longer committed, and every save file in it
 /// goes). Returns the number of files removed.
 pub(crate) fn remove_step(root: &Root, step: u64, save_id: Option<&str>) -> Result<usize> {
-    match remove_step_files(root, step, save_id) {
-        // Another prune of the root removed it meanwhile.
-        Err(_) if is_gone(root, step) => Ok(0),
-        r => r,
+    // Another prune of the root may remove the same files meanwhile (each removal tolerates
+    // the other's, but a file can vanish between a listing and its removal, or a temporary
+    // before its rename): try again, until the step is gone or the error is not of that kind.
+    let mut attempt = 0;
+    loop {
+        match remove_step_files(root, step, save_id) {
+            Err(_) if is_gone(root, step) => return Ok(0),
+            Err(e) if attempt < 4 && is_not_found(&e) => {
+                attempt += 1;
+                std::thread::sleep(std::time::Duration::from_millis(10 << attempt));
+            }
+            r => return r,
+        }
     }
+}
+
+fn is_not_found(e: &crate::Error) -> bool {
+    matches!(e, crate::Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
 }
 
 /// Whether step `step`'s directory is gone (an object store's: holds nothing).
@@ -150,7 +168,8 @@ fn remove_step_files(root: &Root, step: u64, save_id: Option<&str>) -> Result<us
     for name in storage.list()? {
         let ours = match SaverFile::parse(&name) {
             Some(f) => save_id.is_none_or(|id| f.save_id() == id),
-            None => false,
+            // A temporary of the marker, left by a removal killed while it wrote the marker.
+            None => name.starts_with(PRUNE_MARKER) && name != PRUNE_MARKER,
         };
         if ours {
             storage.remove(&name)?;

@@ -84,11 +84,23 @@ pub struct Listing {
     pub broken: Vec<(u64, String)>,
 }
 
+/// Opens the storage of a step directory.
+pub type StepOpener = dyn Fn(&Path) -> Result<Arc<dyn Storage>> + Send + Sync;
+
 /// A root: where its step directories are.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Root {
     location: PathBuf,
     storage: Arc<dyn Storage>,
+    open_step: Arc<StepOpener>,
+}
+
+impl std::fmt::Debug for Root {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Root")
+            .field("location", &self.location)
+            .finish()
+    }
 }
 
 /// A committed step's manifest, before its chain is checked.
@@ -102,10 +114,31 @@ impl Root {
     /// The root at `location` (a directory, created if missing, or an object-store URL).
     pub fn open(location: &Path) -> Result<Self> {
         let storage = crate::storage::create_location(location)?;
-        Ok(Self {
+        Ok(Self::with(location, storage))
+    }
+
+    fn with(location: &Path, storage: Arc<dyn Storage>) -> Self {
+        Self {
             location: location.to_path_buf(),
             storage,
-        })
+            open_step: Arc::new(|p: &Path| crate::storage::open_location(p)),
+        }
+    }
+
+    /// This root with its step directories' storage opened by `open` (a storage that counts,
+    /// delays or fails operations: how the removal's crash safety is tested).
+    pub fn with_step_opener(
+        mut self,
+        open: impl Fn(&Path) -> Result<Arc<dyn Storage>> + Send + Sync + 'static,
+    ) -> Self {
+        self.open_step = Arc::new(open);
+        self
+    }
+
+    /// The root at `location`, which must exist (for commands that only read or prune it).
+    pub fn open_existing(location: &Path) -> Result<Self> {
+        let storage = crate::storage::open_location(location)?;
+        Ok(Self::with(location, storage))
     }
 
     /// Where the root is.
@@ -137,7 +170,7 @@ impl Root {
 
     /// The storage of step `step`'s directory.
     pub(crate) fn step_storage(&self, step: u64) -> Result<Arc<dyn Storage>> {
-        crate::storage::open_location(&self.step_path(step))
+        (self.open_step)(&self.step_path(step))
     }
 
     /// Reads step `step`'s committed manifest; `None` if the step holds no committed checkpoint.
@@ -233,10 +266,7 @@ impl Root {
 
     /// An error naming the root.
     pub(crate) fn error(&self, why: String) -> Error {
-        Error::InvalidOption {
-            option: "step",
-            why: format!("{}: {why}", self.location.display()),
-        }
+        Error::Mismatch(format!("{}: {why}", self.location.display()))
     }
 }
 

@@ -1,0 +1,155 @@
+//! `saver list`, `saver latest`, `saver prune` and `saver clean`: a managed root's steps.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use saver_io::manage::{CheckpointManager, Policy, Root};
+
+use super::CmdResult;
+use crate::cli::{CleanArgs, LatestArgs, ListArgs, PolicyArgs, PruneArgs};
+use crate::output;
+
+/// The root's policy with the flags given applied; whether any flag was given.
+pub fn policy_of(root: &Path, flags: &PolicyArgs) -> Result<(Policy, bool), saver_io::Error> {
+    let kept = Policy::kept_in(Root::open(root)?.storage())?.unwrap_or_default();
+    let mut p = kept.clone();
+    if let Some(n) = flags.full_every {
+        p.full_every = n;
+    }
+    if let Some(n) = flags.max_chain_links {
+        p.max_chain_links = n;
+    }
+    if let Some(k) = flags.keep_latest {
+        p.retention.keep_latest = k;
+    }
+    if let Some(n) = flags.keep_every {
+        p.retention.keep_every = Some(n);
+    }
+    p.retention
+        .keep_steps
+        .extend(flags.keep_step.iter().copied());
+    p.check()?;
+    let changed = p != kept;
+    Ok((p, changed))
+}
+
+/// The path of step `step` (`latest` or a number) of `root`: an error when the root holds no
+/// such committed step.
+pub fn step_path(root: &Path, step: &str) -> Result<PathBuf, Box<dyn std::error::Error>> {
+    Root::open_existing(root)?;
+    let m = CheckpointManager::open_kept(root)?;
+    if step == "latest" {
+        return match m.latest()? {
+            Some(s) => Ok(s.path),
+            None => Err(format!("{} holds no committed step", root.display()).into()),
+        };
+    }
+    let n: u64 = step
+        .parse()
+        .map_err(|_| format!("--step {step:?}: expected a step number or `latest`"))?;
+    m.open_step(n)?;
+    Ok(m.root().step_path(n))
+}
+
+pub fn list(args: ListArgs) -> CmdResult {
+    let listing = Root::open_existing(&args.root)?.list()?;
+    if args.out.json {
+        output::json(&listing);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("step\tkind\tlinks\tsize\tstarted\twriters");
+    for s in &listing.steps {
+        println!(
+            "{}\t{}\t{}\t{}\t{}\t{}",
+            s.step,
+            if s.is_delta() { "delta" } else { "full" },
+            s.links,
+            output::size(s.bytes),
+            s.started_unix_ms,
+            s.writers.join(",")
+        );
+    }
+    for s in &listing.uncommitted {
+        println!("{s}\tnot committed (a save under way, or a crashed one's: see saver clean)");
+    }
+    for (s, why) in &listing.broken {
+        println!("{s}\tunreadable: {why}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn latest(args: LatestArgs) -> CmdResult {
+    // A root that does not exist yet holds no committed step either: a job's first start.
+    let latest = match Root::open_existing(&args.root) {
+        Ok(root) => root.latest()?,
+        Err(_) if saver_io::storage::location_url(&args.root).is_none() && !args.root.exists() => {
+            None
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if args.out.json {
+        output::json(&latest);
+    }
+    match latest {
+        Some(s) => {
+            if !args.out.json {
+                println!("{}\t{}", s.step, s.path.display());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        None => {
+            if !args.out.json {
+                eprintln!("{} holds no committed step", args.root.display());
+            }
+            Ok(ExitCode::from(3))
+        }
+    }
+}
+
+pub fn prune(args: PruneArgs) -> CmdResult {
+    Root::open_existing(&args.root)?;
+    let (policy, _) = policy_of(&args.root, &args.policy)?;
+    let m = CheckpointManager::open_kept(&args.root)?;
+    let r = m.prune(Some(&policy.retention), args.dry_run)?;
+    if args.out.json {
+        output::json(&r);
+    } else {
+        println!(
+            "{} {} step(s) ({}): {:?}; kept {:?}",
+            if args.dry_run {
+                "would remove"
+            } else {
+                "removed"
+            },
+            r.removed.len(),
+            output::size(r.bytes_removed),
+            r.removed,
+            r.kept
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn clean(args: CleanArgs) -> CmdResult {
+    Root::open_existing(&args.root)?;
+    let m = CheckpointManager::open_kept(&args.root)?;
+    let r = m.clean(args.dry_run)?;
+    if args.out.json {
+        output::json(&r);
+    } else {
+        println!(
+            "{} the leftovers of {} step(s): {:?}",
+            if args.dry_run {
+                "would reclaim"
+            } else {
+                "reclaimed"
+            },
+            r.reclaimed.len(),
+            r.reclaimed
+        );
+        for (step, why) in &r.left_alone {
+            println!("left step {step} alone: {why}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
