@@ -1,0 +1,212 @@
+//! A managed root through the binary: `save --root --step`, `list`, `latest`, `load --step`,
+//! `prune` and `clean`, locally and on the S3 test server.
+
+use std::process::{Command, Output};
+
+use crate::garage::Garage;
+
+fn saver(env: &[(&'static str, String)], args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_saver"))
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn ok(env: &[(&'static str, String)], args: &[&str]) -> String {
+    let out = saver(env, args);
+    assert!(
+        out.status.success(),
+        "saver {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn json(env: &[(&'static str, String)], args: &[&str]) -> serde_json::Value {
+    serde_json::from_str(&ok(env, args)).unwrap()
+}
+
+/// The digest a load prints.
+fn digest(env: &[(&'static str, String)], args: &[&str]) -> String {
+    json(env, args)["digest"].as_str().unwrap().to_string()
+}
+
+/// A job of six saves into `root` (a directory or a URL): deltas between full saves, the
+/// newest two kept; then what every command says of it.
+fn a_job_through_the_binary(root: &str, env: &[(&'static str, String)]) {
+    let out = saver(env, &["latest", root]);
+    assert_eq!(out.status.code(), Some(3), "an empty root has no latest");
+    let model = |s: u64| format!("tiny,seed={}", s % 2);
+    for step in [100u64, 200, 300, 400, 500, 600] {
+        let spec = model(step);
+        let r = json(
+            env,
+            &[
+                "save",
+                "--root",
+                root,
+                "--step",
+                &step.to_string(),
+                "--synthetic",
+                &spec,
+                "--full-every",
+                "3",
+                "--keep-latest",
+                "2",
+                "--no-fsync",
+                "--json",
+            ],
+        );
+        let delta = r["delta_tables"].as_object().is_some_and(|d| !d.is_empty());
+        assert_eq!(delta, step % 300 != 100, "step {step}: {r}");
+    }
+    let listed = json(env, &["list", root, "--json"]);
+    let steps: Vec<u64> = listed["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["step"].as_u64().unwrap())
+        .collect();
+    // The newest two (500, a delta of 400, and 600) and 400, the base 500 needs.
+    assert_eq!(steps, vec![400, 500, 600], "{listed}");
+    let latest = ok(env, &["latest", root]);
+    assert!(latest.starts_with("600\t"), "{latest}");
+    let path = latest.trim().split('\t').nth(1).unwrap().to_string();
+    // load --step latest is the newest step's checkpoint, with any shard count.
+    let by_step = digest(
+        env,
+        &["load", root, "--step", "latest", "--shards", "3", "--json"],
+    );
+    assert_eq!(by_step, digest(env, &["load", &path, "--json"]));
+    assert_eq!(
+        digest(env, &["load", root, "--step", "500", "--json"]),
+        digest(
+            env,
+            &[
+                "load",
+                &format!("{root}/step-00000000000000000500"),
+                "--json"
+            ]
+        )
+    );
+    // A step the root does not hold is an error naming it.
+    let out = saver(env, &["load", root, "--step", "200"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("step 200") && err.contains("600"), "{err}");
+    // prune keep 1: 600 is a delta of 500 of 400, so its chain keeps all three.
+    let dry = json(
+        env,
+        &["prune", root, "--keep-latest", "1", "--dry-run", "--json"],
+    );
+    assert_eq!(dry["removed"], serde_json::json!([]), "{dry}");
+    assert_eq!(dry["kept"], serde_json::json!([400, 500, 600]), "{dry}");
+    // The next save is full (the chain is at its 3 links): its commit frees the chain.
+    let r = json(
+        env,
+        &[
+            "save",
+            "--root",
+            root,
+            "--step",
+            "700",
+            "--synthetic",
+            &model(700),
+            "--keep-latest",
+            "1",
+            "--no-fsync",
+            "--json",
+        ],
+    );
+    assert!(
+        r["delta_tables"].as_object().is_none_or(|d| d.is_empty()),
+        "{r}"
+    );
+    assert_eq!(
+        r["pruned"]["removed"],
+        serde_json::json!([600, 500, 400]),
+        "{r}"
+    );
+    let listed = json(env, &["list", root, "--json"]);
+    assert_eq!(listed["steps"].as_array().unwrap().len(), 1);
+    assert!(listed["uncommitted"].as_array().unwrap().is_empty());
+    let clean = json(env, &["clean", root, "--json"]);
+    assert!(clean["reclaimed"].as_array().unwrap().is_empty(), "{clean}");
+    let latest = ok(env, &["latest", root]);
+    assert!(latest.starts_with("700\t"), "{latest}");
+    // A prune dry run of the policy the root keeps (keep 1, as the last save's flags said).
+    let dry = json(env, &["prune", root, "--dry-run", "--json"]);
+    assert_eq!(dry["kept"], serde_json::json!([700]));
+    // 700 saved the model 600 held (seed 0), as one full checkpoint: the same content.
+    assert_eq!(
+        digest(env, &["load", root, "--step", "latest", "--json"]),
+        by_step
+    );
+}
+
+#[test]
+fn a_managed_root_through_the_binary() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path().join("run7");
+    a_job_through_the_binary(root.to_str().unwrap(), &[]);
+    // The policy the flags gave is kept in the root.
+    let policy: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(root.join("saver-policy.json")).unwrap()).unwrap();
+    assert_eq!(policy["full_every"], 3);
+    // Only step directories and the policy: nothing left behind by the removals.
+    let mut names: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        vec!["saver-policy.json", "step-00000000000000000700"]
+    );
+    // --root and --out together are refused.
+    let out = saver(
+        &[],
+        &[
+            "save",
+            "--root",
+            root.to_str().unwrap(),
+            "--out",
+            "/tmp/x",
+            "--step",
+            "1",
+            "--synthetic",
+            "tiny",
+        ],
+    );
+    assert!(!out.status.success());
+    // A step that is not after the newest is refused, naming both.
+    let out = saver(
+        &[],
+        &[
+            "save",
+            "--root",
+            root.to_str().unwrap(),
+            "--step",
+            "50",
+            "--synthetic",
+            "tiny",
+            "--no-fsync",
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("step 50") && err.contains("700"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_managed_root_on_the_object_store() {
+    let Some(g) = Garage::start() else {
+        return;
+    };
+    let root = g.url("managed/run7");
+    a_job_through_the_binary(&root, &g.env());
+}
