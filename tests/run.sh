@@ -7,7 +7,7 @@ cargo test --workspace
 # The peak-RSS bound of every streaming command, on a model five times larger than it: needs an
 # optimised build (a debug build skips it).
 cargo test --release -p saver-cli --test cli memory::
-for example in trainer_loop serving_export multi_process background_save incremental; do
+for example in trainer_loop serving_export multi_process background_save incremental managed_training; do
   echo "example $example"
   cargo run --quiet --example "$example" > /dev/null
 done
