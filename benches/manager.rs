@@ -5,13 +5,18 @@
 //!   leaves (a full checkpoint and three deltas of 1 % changed rows each), against restoring a
 //!   full checkpoint of the same state; runs alternated, page cache warm for both;
 //! * listing a root of `--checkpoints` steps (`steps()`, every manifest read; `latest()`, the
-//!   newest chain only) and pruning it to its newest 10, on the local disk: time per step.
+//!   newest chain only) and pruning it to its newest 10, on the local disk: time per step;
+//! * a trainer's steps/s while the manager saves in the background every second (durable, deltas
+//!   between full saves, retention after each commit) against the same trainer with no saves,
+//!   `--train-seconds` each, alternated.
 //!
 //! `cargo bench --bench manager -- [--spec criteo-kaggle,scale=0.25] [--runs 3]
-//! [--checkpoints 1000] [--dir PATH]`
+//! [--checkpoints 1000] [--train-seconds 10] [--train-rows 1048576] [--dir PATH]`
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use saver::core::partition::fmix64;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
@@ -86,6 +91,80 @@ fn opts() -> SaveOptions {
     o
 }
 
+mod common;
+#[path = "../tests/integration/common/garage.rs"]
+mod garage;
+
+/// A root of `n` tiny checkpoints at `root`, saved with `opts`; then the times of `steps()`,
+/// `latest()` and a prune to the newest 10, printed as a table row each.
+fn list_and_prune(label: &str, root: &std::path::Path, n: u64, opts: &SaveOptions) {
+    let keep_all = Policy {
+        full_every: 1,
+        retention: Retention {
+            keep_latest: usize::MAX,
+            ..Retention::default()
+        },
+        ..Policy::default()
+    };
+    let mm = CheckpointManager::open(root, keep_all).unwrap();
+    let t = EmbeddingTable::new(
+        "t",
+        KeyDtype::U64,
+        vec![SlotSpec::new("e", saver::Dtype::F32, vec![4])],
+    )
+    .unwrap();
+    t.insert(1, &[&[0u8; 16]]).unwrap();
+    for step in 1..=n {
+        mm.save(step, SaveInput::new().table(&t), opts).unwrap();
+    }
+    let t0 = Instant::now();
+    assert_eq!(mm.steps().unwrap().len() as u64, n);
+    let list_s = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    assert_eq!(mm.latest().unwrap().unwrap().step, n);
+    let latest_s = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    let keep = Retention {
+        keep_latest: 10,
+        ..Retention::default()
+    };
+    let pruned = mm.prune(Some(&keep), false).unwrap();
+    let prune_s = t0.elapsed().as_secs_f64();
+    assert_eq!(pruned.removed.len() as u64, n.saturating_sub(10));
+    let per = |s: f64, k: u64| format!("{:.2} ms", s * 1e3 / k.max(1) as f64);
+    println!(
+        "| {label}, {n} checkpoints | {} | {:.1} ms | {} |",
+        per(list_s, n),
+        latest_s * 1e3,
+        per(prune_s, pruned.removed.len() as u64)
+    );
+}
+
+/// Steps of 10,000 upserts a trainer makes on `t` while `during` runs (or for `secs` seconds when
+/// it returns at once), per second.
+fn steps_per_second(t: &EmbeddingTable, secs: f64, during: impl FnOnce(&AtomicBool)) -> f64 {
+    let stop = AtomicBool::new(false);
+    let hot = t.len() as u64 / 10;
+    let start = Instant::now();
+    let steps = std::thread::scope(|s| {
+        let trainer = s.spawn(|| {
+            let (mut n, mut r) = (0u64, 1u64);
+            while !stop.load(Ordering::Relaxed) {
+                common::train_step(t, hot, 10_000, &mut r);
+                n += 1;
+            }
+            n
+        });
+        during(&stop);
+        while start.elapsed().as_secs_f64() < secs {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        stop.store(true, Ordering::Relaxed);
+        trainer.join().unwrap()
+    });
+    steps as f64 / start.elapsed().as_secs_f64()
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let arg = |k: &str| {
@@ -143,63 +222,52 @@ fn main() {
     );
     drop(manager);
 
-    // A root of many small checkpoints: listing and pruning.
-    let many = dir.join("many");
-    let keep_all = Policy {
-        full_every: 1,
-        retention: Retention {
-            keep_latest: usize::MAX,
-            ..Retention::default()
-        },
-        ..Policy::default()
-    };
-    let mm = CheckpointManager::open(&many, keep_all).unwrap();
-    let t = EmbeddingTable::new(
-        "t",
-        KeyDtype::U64,
-        vec![SlotSpec::new("e", saver::Dtype::F32, vec![4])],
-    )
-    .unwrap();
-    t.insert(1, &[&[0u8; 16]]).unwrap();
+    // Roots of many small checkpoints: listing and pruning, on the local disk and on Garage.
+    println!();
+    println!("| root | steps(), a step | latest() | prune to the newest 10, a removed step |");
+    println!("| --- | --- | --- | --- |");
     let quick = SaveOptions {
         durable: false,
         ..SaveOptions::default()
     };
-    for step in 1..=checkpoints {
-        mm.save(step, SaveInput::new().table(&t), &quick).unwrap();
+    list_and_prune("local disk", &dir.join("many"), checkpoints, &quick);
+    if let Some(g) = garage::shared() {
+        // Each tiny save takes tens of requests of 5-30 ms here: a smaller root.
+        let n = checkpoints.min(200);
+        let url = g.url("bench-manager/many");
+        list_and_prune("Garage on loopback", std::path::Path::new(&url), n, &quick);
     }
-    let t0 = Instant::now();
-    let n = mm.steps().unwrap().len();
-    let list_s = t0.elapsed().as_secs_f64();
-    assert_eq!(n as u64, checkpoints);
-    let t0 = Instant::now();
-    assert_eq!(mm.latest().unwrap().unwrap().step, checkpoints);
-    let latest_s = t0.elapsed().as_secs_f64();
-    let t0 = Instant::now();
-    let pruned = mm
-        .prune(
-            Some(&Retention {
-                keep_latest: 10,
-                ..Retention::default()
-            }),
-            false,
-        )
-        .unwrap();
-    let prune_s = t0.elapsed().as_secs_f64();
-    assert_eq!(pruned.removed.len() as u64, checkpoints.saturating_sub(10));
+
+    // A trainer's pace with the manager saving in the background, against none.
+    let secs: f64 = arg("--train-seconds").map_or(10.0, |r| r.parse().unwrap());
+    let rows: u64 = arg("--train-rows").map_or(1 << 20, |r| r.parse().unwrap());
+    let table = Arc::new(common::trainer_table_with(rows, true));
+    let (mut idle, mut saving) = (Vec::new(), Vec::new());
+    let mut saves = 0;
+    for round in 0..runs.max(1) {
+        idle.push(steps_per_second(&table, secs, |_| {}));
+        let troot = dir.join(format!("train-{round}"));
+        let tm = CheckpointManager::open(&troot, Policy::default()).unwrap();
+        saving.push(steps_per_second(&table, secs, |stop| {
+            let start = Instant::now();
+            let mut step = 0;
+            while start.elapsed().as_secs_f64() < secs && !stop.load(Ordering::Relaxed) {
+                step += 1;
+                tm.save_in_background(step, SaveInput::new().table(Arc::clone(&table)), &opts())
+                    .unwrap();
+                saves += 1;
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }));
+        tm.wait().unwrap();
+    }
+    let (i, w) = (median(idle), median(saving));
     println!();
-    println!("| root of {checkpoints} checkpoints (local disk) | time | per checkpoint |");
-    println!("| --- | --- | --- |");
-    let per = |s: f64, k: u64| format!("{:.3} ms", s * 1e3 / k.max(1) as f64);
+    println!("| trainer, {rows} rows, steps of 10,000 upserts | no saves | manager saving every second | ratio |");
+    println!("| --- | --- | --- | --- |");
     println!(
-        "| steps() (every manifest) | {list_s:.3} s | {} |",
-        per(list_s, checkpoints)
-    );
-    println!("| latest() (newest chain only) | {:.4} s | - |", latest_s);
-    println!(
-        "| prune to the newest 10 ({} removed) | {prune_s:.3} s | {} |",
-        pruned.removed.len(),
-        per(prune_s, pruned.removed.len() as u64)
+        "| steps/s ({saves} background saves, {secs} s a run) | {i:.1} | {w:.1} | {:.2} |",
+        w / i
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -545,7 +545,12 @@ fn pruning_racing_saves_never_loses_the_newest_or_breaks_a_chain() {
             }
             checks
         });
-        for step in 1..=24u64 {
+        // SAVER_MANAGER_RACE_STEPS for a longer race (CI runs the default).
+        let steps: u64 = std::env::var("SAVER_MANAGER_RACE_STEPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(100);
+        for step in 1..=steps {
             train(&table, &mut state, step);
             saved.lock().unwrap().insert(step, state.clone());
             m.save(step, SaveInput::new().table(&table), &opts())
@@ -557,7 +562,8 @@ fn pruning_racing_saves_never_loses_the_newest_or_breaks_a_chain() {
         assert!(pruner.join().unwrap() > 0);
     });
     let latest = m.latest().unwrap().unwrap();
-    assert_eq!(latest.step, 24);
+    let last = saved.lock().unwrap().keys().max().copied().unwrap();
+    assert_eq!(latest.step, last);
     assert_eq!(restored_state(&latest.path, 2), state);
     for s in m.steps().unwrap() {
         saver::Checkpoint::open(&s.path)
@@ -710,5 +716,64 @@ fn a_prune_killed_at_every_operation_leaves_every_listed_step_whole() {
         );
         assert_eq!(step_dirs(&root).len(), kept.len(), "kill {at}");
         std::fs::remove_dir_all(&root).unwrap();
+    }
+}
+
+/// Several processes of one save (here threads, each with its own manager and its own copy of
+/// the model) call the same `save(step, …)` with their shard index and one save id per step:
+/// each waits for the commit, all decide full or delta alike, and only shard 0's runs retention.
+#[test]
+fn the_processes_of_one_save_decide_alike_and_one_prunes() {
+    let root = tempfile::tempdir().unwrap();
+    let copies: Vec<EmbeddingTable> = (0..2)
+        .map(|_| EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap())
+        .collect();
+    // Each process's copy of the model, trained alike.
+    let mut states = vec![State::new(); 2];
+    let barrier = std::sync::Barrier::new(2);
+    for step in 1..=7u64 {
+        for (t, s) in copies.iter().zip(states.iter_mut()) {
+            train(t, s, step);
+        }
+        assert_eq!(states[0], states[1]);
+        let state = states[0].clone();
+        let results: Vec<saver::io::manage::ManagedSave> = std::thread::scope(|s| {
+            let handles: Vec<_> = copies
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    let root = root.path();
+                    let barrier = &barrier;
+                    s.spawn(move || {
+                        let m = CheckpointManager::open(root, policy(3, 2)).unwrap();
+                        barrier.wait();
+                        let mut o = opts();
+                        o.save_id = Some(format!("run1-step{step}"));
+                        o.plan.shard_num = 2;
+                        o.plan.shard_index = Some(i as u32);
+                        o.plan.foreign_rows = saver::ForeignRows::Skip;
+                        m.save(step, SaveInput::new().table(t), &o).unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(results.iter().all(|r| r.save.committed), "step {step}");
+        assert_eq!(
+            results[0].save.delta_tables.is_empty(),
+            results[1].save.delta_tables.is_empty(),
+            "step {step}: both processes decide alike"
+        );
+        assert_eq!(
+            results[0].save.delta_tables.is_empty(),
+            (step - 1) % 3 == 0,
+            "step {step}"
+        );
+        assert!(results[0].pruned.is_some() && results[1].pruned.is_none());
+        let m = CheckpointManager::open_kept(root.path()).unwrap();
+        let latest = m.latest().unwrap().unwrap();
+        assert_eq!(latest.step, step);
+        assert_eq!(latest.shards, 2);
+        assert_eq!(restored_state(&latest.path, 3), state, "step {step}");
     }
 }

@@ -321,17 +321,22 @@ impl CheckpointManager {
             // save (full or delta, and of which parent) from the same committed steps.
             opts.wait = Some(MULTI_PROCESS_WAIT);
         }
-        let steps = self.steps()?;
-        if let Some(last) = steps.last() {
-            if last.step >= step && !opts.overwrite {
+        // The newest step's chain only (newest first): what the decision needs, without
+        // reading every step of the root on the trainer's thread.
+        let mut chain = self.root.latest_chain()?;
+        if let Some(last) = chain.first() {
+            // Only the newest step may be replaced: an older one may be a link of a newer
+            // step's chain, which its replacement would break.
+            if last.step > step || (last.step == step && !opts.overwrite) {
                 return Err(self.root.error(format!(
                     "step {step} is not after the newest committed step {}: steps only grow \
-                     (SaveOptions::overwrite replaces a step)",
+                     (SaveOptions::overwrite replaces the newest step)",
                     last.step
                 )));
             }
         }
-        opts.parent = delta_parent(&steps, step, &self.policy).map(|p| p.path.clone());
+        chain.reverse();
+        opts.parent = delta_parent(&chain, step, &self.policy).map(|p| p.path.clone());
         Ok(opts)
     }
 

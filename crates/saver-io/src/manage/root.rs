@@ -187,12 +187,34 @@ impl Root {
         }))
     }
 
+    /// [`Self::read`] of each of `steps`, several at a time: an object store answers each in
+    /// milliseconds, and a root may hold thousands.
+    fn read_all(&self, steps: &[u64]) -> Vec<Result<Option<Read>>> {
+        const AT_ONCE: usize = 16;
+        let chunk = steps.len().div_ceil(AT_ONCE).max(1);
+        std::thread::scope(|s| {
+            let running: Vec<_> = steps
+                .chunks(chunk)
+                .map(|part| s.spawn(move || part.iter().map(|&st| self.read(st)).collect()))
+                .collect();
+            running
+                .into_iter()
+                .flat_map(|h| -> Vec<Result<Option<Read>>> {
+                    h.join().unwrap_or_else(|_| {
+                        vec![Err(Error::Mismatch("a listing thread panicked".into()))]
+                    })
+                })
+                .collect()
+        })
+    }
+
     /// Every step: committed and whole, uncommitted, or broken.
     pub fn list(&self) -> Result<Listing> {
         let mut listing = Listing::default();
         let mut read: BTreeMap<u64, Read> = BTreeMap::new();
-        for step in self.step_dirs()? {
-            match self.read(step) {
+        let steps = self.step_dirs()?;
+        for (step, r) in steps.iter().copied().zip(self.read_all(&steps)) {
+            match r {
                 Ok(Some(r)) => {
                     read.insert(step, r);
                 }
@@ -216,6 +238,13 @@ impl Root {
     /// The newest committed step whose chain is whole, reading only the manifests of the newest
     /// steps and their chains (not the whole root).
     pub fn latest(&self) -> Result<Option<StepInfo>> {
+        Ok(self.latest_chain()?.into_iter().next())
+    }
+
+    /// The newest committed step whose chain is whole and every link of its chain, newest
+    /// first (empty: the root holds none), reading only those steps' manifests and those of
+    /// newer steps that are not whole.
+    pub fn latest_chain(&self) -> Result<Vec<StepInfo>> {
         let mut read: BTreeMap<u64, Read> = BTreeMap::new();
         let mut links = BTreeMap::new();
         for step in self.step_dirs()?.into_iter().rev() {
@@ -237,11 +266,21 @@ impl Root {
                     _ => break,
                 }
             }
-            if let Ok((parent, n)) = chain_of(step, &read, &mut links) {
-                return Ok(Some(self.info(&read[&step], parent, n)));
+            if chain_of(step, &read, &mut links).is_err() {
+                continue;
             }
+            let mut chain = Vec::new();
+            let mut at = Some(step);
+            while let Some(s) = at {
+                let Ok((parent, n)) = chain_of(s, &read, &mut links) else {
+                    break;
+                };
+                chain.push(self.info(&read[&s], parent, n));
+                at = parent;
+            }
+            return Ok(chain);
         }
-        Ok(None)
+        Ok(Vec::new())
     }
 
     fn info(&self, r: &Read, parent: Option<u64>, links: usize) -> StepInfo {
