@@ -793,17 +793,11 @@ fn tracked_deltas_saved_while_training_are_each_one_moment() {
 }
 
 /// A table that claims a name of the companion tables of deltas.
-struct Named<'a>(&'a EmbeddingTable, &'static str);
+struct Named<'a>(&'a EmbeddingTable, saver::core::TableSchema);
 
 impl saver::SparseTable for Named<'_> {
-    fn name(&self) -> &str {
-        self.1
-    }
-    fn key_dtype(&self) -> KeyDtype {
-        saver::SparseTable::key_dtype(self.0)
-    }
-    fn slots(&self) -> &[SlotSpec] {
-        saver::SparseTable::slots(self.0)
+    fn schema(&self) -> &saver::core::TableSchema {
+        &self.1
     }
     fn len(&self) -> usize {
         self.0.len()
@@ -817,7 +811,10 @@ impl saver::SparseTable for Named<'_> {
 fn a_full_save_refuses_a_table_named_like_removed_ids() {
     let tmp = tempfile::tempdir().unwrap();
     let t = EmbeddingTable::new("t0", KeyDtype::I64, slots()).unwrap();
-    let fake = Named(&t, "t0:removed");
+    let fake = Named(
+        &t,
+        saver::core::TableSchema::new("t0:removed", saver::SparseTable::key_dtype(&t), slots()),
+    );
     let err = save(
         tmp.path().join("x"),
         SaveInput::new().table(&t).table(&fake),

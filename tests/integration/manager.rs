@@ -208,14 +208,8 @@ struct TroubledSnapshot<'a> {
 }
 
 impl SparseTable for Troubled {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn key_dtype(&self) -> KeyDtype {
-        self.inner.key_dtype()
-    }
-    fn slots(&self) -> &[SlotSpec] {
-        SparseTable::slots(&self.inner)
+    fn schema(&self) -> &saver::core::TableSchema {
+        self.inner.schema()
     }
     fn len(&self) -> usize {
         self.inner.len()

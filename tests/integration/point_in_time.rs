@@ -396,19 +396,13 @@ fn bytemuck_f32(v: &[f32]) -> Vec<u8> {
 /// lock into a `ColumnTable` that the snapshot owns: point-in-time, and rows removed during the
 /// save cannot fail it.
 struct MyTable {
-    slots: Vec<SlotSpec>,
+    schema: saver::core::TableSchema,
     rows: std::sync::RwLock<HashMap<u64, [u64; 2]>>,
 }
 
 impl SparseTable for MyTable {
-    fn name(&self) -> &str {
-        "mine"
-    }
-    fn key_dtype(&self) -> KeyDtype {
-        KeyDtype::U64
-    }
-    fn slots(&self) -> &[SlotSpec] {
-        &self.slots
+    fn schema(&self) -> &saver::core::TableSchema {
+        &self.schema
     }
     fn len(&self) -> usize {
         self.rows.read().unwrap().len()
@@ -426,7 +420,7 @@ impl SparseTable for MyTable {
         let copy = saver::ColumnTable::new(
             "mine",
             KeyDtype::U64,
-            self.slots.clone(),
+            self.schema.slots.clone(),
             ids,
             vec![version, check],
         )?;
@@ -440,10 +434,14 @@ impl SparseTable for MyTable {
 #[test]
 fn a_custom_table_that_copies_its_rows_is_point_in_time_and_survives_removals() {
     let t = MyTable {
-        slots: vec![
-            SlotSpec::new("version", Dtype::U64, vec![]),
-            SlotSpec::new("check", Dtype::U64, vec![]),
-        ],
+        schema: saver::core::TableSchema::new(
+            "mine",
+            KeyDtype::U64,
+            vec![
+                SlotSpec::new("version", Dtype::U64, vec![]),
+                SlotSpec::new("check", Dtype::U64, vec![]),
+            ],
+        ),
         rows: std::sync::RwLock::new((0..IDS).map(|id| (id, [0, check_word(id, 0)])).collect()),
     };
     let root = tempfile::tempdir().unwrap();

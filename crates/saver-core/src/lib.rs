@@ -85,6 +85,7 @@ pub use manifest::{
 pub use partition::PartitionRule;
 pub use plan::{plan, ForeignRows, PlanOptions, SaveInput, SavePlan, TableRef, TensorCrc};
 pub use table::{
-    ChangeTracking, ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSnapshot,
+    ChangeTracking, ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSchema,
+    TableSnapshot,
 };
 pub use tensor::DenseTensor;

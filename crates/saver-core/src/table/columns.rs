@@ -13,7 +13,7 @@ use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
 use crate::naming::check_table_name;
 
-use super::{validate_slots, RowChunk, SlotSpec, SparseTable, TableSnapshot};
+use super::{validate_slots, RowChunk, SlotSpec, SparseTable, TableSchema, TableSnapshot};
 
 /// Rows per scan part: parts are scanned on separate threads.
 const PART_ROWS: usize = if cfg!(test) { 64 } else { 1 << 20 };
@@ -21,9 +21,7 @@ const PART_ROWS: usize = if cfg!(test) { 64 } else { 1 << 20 };
 /// A read-only table whose rows are in arrays: `ids[r]` is row `r`'s id and `data[s]` holds every
 /// row of slot `s` back to back (little-endian, row-major), as [`SparseTable`] for saving.
 pub struct ColumnTable {
-    name: String,
-    key_dtype: KeyDtype,
-    slots: Vec<SlotSpec>,
+    schema: TableSchema,
     slot_bytes: Vec<usize>,
     ids: Vec<u64>,
     data: Vec<Vec<u8>>,
@@ -68,9 +66,11 @@ impl ColumnTable {
             }
         }
         Ok(Self {
-            name,
-            key_dtype,
-            slots,
+            schema: TableSchema {
+                name,
+                key_dtype,
+                slots,
+            },
             slot_bytes,
             ids,
             data,
@@ -111,23 +111,15 @@ impl ColumnTable {
 
     fn gone(&self, what: String) -> Error {
         Error::Table {
-            table: self.name.clone(),
+            table: self.schema.name.clone(),
             message: what,
         }
     }
 }
 
 impl SparseTable for ColumnTable {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn key_dtype(&self) -> KeyDtype {
-        self.key_dtype
-    }
-
-    fn slots(&self) -> &[SlotSpec] {
-        &self.slots
+    fn schema(&self) -> &TableSchema {
+        &self.schema
     }
 
     fn len(&self) -> usize {
@@ -183,7 +175,7 @@ impl<T: std::ops::Deref<Target = ColumnTable> + Send + Sync> TableSnapshot for C
             handles.extend(r as u64..(r + n) as u64);
             // Values are handed out in place: the rows are already back to back.
             let slots: Vec<&[u8]> = if with_values {
-                (0..t.slots.len())
+                (0..t.schema.slots.len())
                     .map(|s| &t.data[s][r * t.slot_bytes[s]..(r + n) * t.slot_bytes[s]])
                     .collect()
             } else {
@@ -205,9 +197,12 @@ impl<T: std::ops::Deref<Target = ColumnTable> + Send + Sync> TableSnapshot for C
             .by_id
             .get_or_init(|| t.ids.iter().enumerate().map(|(r, &id)| (id, r)).collect());
         for (r, id) in ids.iter().enumerate() {
-            let &from = by_id
-                .get(id)
-                .ok_or_else(|| t.gone(format!("no row has id {}", t.key_dtype.format_id(*id))))?;
+            let &from = by_id.get(id).ok_or_else(|| {
+                t.gone(format!(
+                    "no row has id {}",
+                    t.schema.key_dtype.format_id(*id)
+                ))
+            })?;
             t.copy_rows(from, r, 1, out);
         }
         Ok(())
@@ -232,7 +227,7 @@ impl<T: std::ops::Deref<Target = ColumnTable> + Send + Sync> TableSnapshot for C
                 return Err(t.gone(format!(
                     "handle {} does not hold id {}",
                     handles[r],
-                    t.key_dtype.format_id(ids[r])
+                    t.schema.key_dtype.format_id(ids[r])
                 )));
             }
             // Rows adjacent here and in the arrays are copied as one run.

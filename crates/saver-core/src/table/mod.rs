@@ -38,11 +38,13 @@ pub mod bucket_order;
 mod columns;
 mod embedding;
 pub mod moment;
+mod schema;
 pub mod workers;
 
 pub use bucket_order::{BucketRows, VisitRows};
 pub use columns::ColumnTable;
 pub use embedding::{EmbeddingTable, IdHashBuilder, IdHasher, RowMut};
+pub use schema::TableSchema;
 pub use workers::WorkerTable;
 
 use serde::{Deserialize, Serialize};
@@ -221,12 +223,20 @@ pub fn scalar_as_f64(dtype: Dtype, b: &[u8]) -> Option<f64> {
 
 /// A sparse embedding table, as saver sees it. Implement this for your trainer's hashtable.
 pub trait SparseTable: Send + Sync {
+    /// The table's name, key dtype and slots.
+    fn schema(&self) -> &TableSchema;
     /// The table's name; unique within a model. No `/`, `:` or control characters.
-    fn name(&self) -> &str;
+    fn name(&self) -> &str {
+        &self.schema().name
+    }
     /// Whether ids are signed or unsigned.
-    fn key_dtype(&self) -> KeyDtype;
+    fn key_dtype(&self) -> KeyDtype {
+        self.schema().key_dtype
+    }
     /// The slots every row has, in a fixed order.
-    fn slots(&self) -> &[SlotSpec];
+    fn slots(&self) -> &[SlotSpec] {
+        &self.schema().slots
+    }
     /// Current number of rows (a hint: it may change while training runs).
     fn len(&self) -> usize;
     /// Whether the table has no rows (a hint, like [`Self::len`]).

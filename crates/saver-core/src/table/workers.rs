@@ -12,7 +12,7 @@ use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
 use crate::partition::PartitionRule;
 use crate::plan::ForeignRows;
-use crate::table::{moment, ChangeTracking, RowChunk, SlotSpec, SparseTable, TableSnapshot};
+use crate::table::{moment, ChangeTracking, RowChunk, SparseTable, TableSchema, TableSnapshot};
 
 /// One table of a worker set: worker `s`'s table (`members[s]`) holds the rows of shard `s` of
 /// `members.len()`. Made by [`crate::SaveInput::worker_tables`].
@@ -72,14 +72,8 @@ impl<'a> WorkerTable<'a> {
 }
 
 impl SparseTable for WorkerTable<'_> {
-    fn name(&self) -> &str {
-        self.members[0].name()
-    }
-    fn key_dtype(&self) -> KeyDtype {
-        self.members[0].key_dtype()
-    }
-    fn slots(&self) -> &[SlotSpec] {
-        self.members[0].slots()
+    fn schema(&self) -> &TableSchema {
+        self.members[0].schema()
     }
     fn len(&self) -> usize {
         self.members.iter().map(|m| m.len()).sum()

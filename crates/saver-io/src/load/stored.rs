@@ -15,7 +15,8 @@ use rayon::prelude::*;
 
 use saver_core::manifest::{SegmentManifest, TableManifest, TensorRef};
 use saver_core::table::{RowChunk, TableSnapshot};
-use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
+use saver_core::TableSchema;
+use saver_core::{PartitionRule, SlotSpec, SparseTable};
 
 use crate::error::{Error, Result};
 use crate::load::link::Link;
@@ -47,7 +48,7 @@ type Pieces = Vec<Piece>;
 pub struct StoredTable<'c> {
     ckpt: &'c Link,
     table: &'c TableManifest,
-    slots: Vec<SlotSpec>,
+    schema: TableSchema,
     row_bytes: Vec<u64>,
     segments: Vec<Segment<'c>>,
     rows: u64,
@@ -93,7 +94,7 @@ impl<'c> StoredTable<'c> {
         Ok(Self {
             ckpt,
             table,
-            slots,
+            schema: TableSchema::new(table.name.clone(), table.key_dtype, slots),
             row_bytes,
             rows: segments.iter().map(|s| s.seg.rows).sum(),
             segments,
@@ -458,14 +459,8 @@ impl StoredTable<'_> {
 }
 
 impl SparseTable for StoredTable<'_> {
-    fn name(&self) -> &str {
-        &self.table.name
-    }
-    fn key_dtype(&self) -> KeyDtype {
-        self.table.key_dtype
-    }
-    fn slots(&self) -> &[SlotSpec] {
-        &self.slots
+    fn schema(&self) -> &TableSchema {
+        &self.schema
     }
     fn len(&self) -> usize {
         usize::try_from(self.rows).unwrap_or(usize::MAX)
@@ -522,7 +517,7 @@ impl TableSnapshot for Snapshot<'_, '_> {
         let mut raw = Vec::new();
         let mut ids = Vec::new();
         let mut handles = Vec::new();
-        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.slots.len()];
+        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.schema.slots.len()];
         let mut at = 0;
         while at < segment.seg.rows {
             let rows = at..(at + step).min(segment.seg.rows);

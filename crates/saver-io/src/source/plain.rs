@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use saver_core::naming::{check_slot_name, check_table_name, INDEX_FILE};
 use saver_core::table::{validate_slots, RowChunk, TableSnapshot};
+use saver_core::TableSchema;
 use saver_core::{Dtype, KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
 use crate::error::{Error, Result};
@@ -399,7 +400,7 @@ pub struct PlainTable<'p> {
     spec: &'p PlainTableSpec,
     /// The table's columns in the input.
     columns: TableInput,
-    slots: Vec<SlotSpec>,
+    schema: TableSchema,
     row_bytes: Vec<usize>,
     /// `row_bytes` as [`crate::load::rows::BucketRows`] gives them.
     row_bytes_u64: Vec<u64>,
@@ -451,7 +452,7 @@ impl<'p> PlainTable<'p> {
         let mut table = Self {
             columns: input.table_input(spec, &row_bytes),
             spec,
-            slots,
+            schema: TableSchema::new(spec.name.clone(), spec.key_dtype, slots),
             row_bytes_u64: row_bytes.iter().map(|&b| b as u64).collect(),
             row_bytes,
             groups: Groups::Direct,
@@ -883,14 +884,8 @@ impl crate::load::rows::BucketRows for PlainTable<'_> {
 }
 
 impl SparseTable for PlainTable<'_> {
-    fn name(&self) -> &str {
-        &self.spec.name
-    }
-    fn key_dtype(&self) -> KeyDtype {
-        self.spec.key_dtype
-    }
-    fn slots(&self) -> &[SlotSpec] {
-        &self.slots
+    fn schema(&self) -> &TableSchema {
+        &self.schema
     }
     fn len(&self) -> usize {
         usize::try_from(self.spec.rows).unwrap_or(usize::MAX)

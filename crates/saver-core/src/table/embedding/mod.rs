@@ -16,7 +16,7 @@ pub use hasher::{IdHashBuilder, IdHasher};
 use slab::{Row, Slabs};
 use snapshot::{EmbeddingSnapshot, Retired};
 
-use super::{validate_slots, ChangeTracking, SlotSpec, SparseTable, TableSnapshot};
+use super::{validate_slots, ChangeTracking, SlotSpec, SparseTable, TableSchema, TableSnapshot};
 use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
 use crate::naming::check_table_name;
@@ -73,9 +73,7 @@ fn prefetch_bytes(addr: u64, bytes: usize) {
 /// large slabs (see `slab`). Ids are raw 64-bit patterns; `i64` ids are stored as their
 /// two's-complement bits.
 pub struct EmbeddingTable {
-    name: String,
-    key_dtype: KeyDtype,
-    slots: Vec<SlotSpec>,
+    schema: TableSchema,
     slot_bytes: Vec<usize>,
     slot_offsets: Vec<usize>,
     row_words: usize,
@@ -194,9 +192,11 @@ impl EmbeddingTable {
         );
         let pre = PreImages::new(map.shards().len());
         Ok(Self {
-            name,
-            key_dtype,
-            slots,
+            schema: TableSchema {
+                name,
+                key_dtype,
+                slots,
+            },
             slot_bytes,
             slot_offsets,
             row_words: off / 8,
@@ -216,7 +216,7 @@ impl EmbeddingTable {
     pub fn with_change_tracking(mut self) -> Result<Self> {
         if !self.is_empty() {
             return Err(Error::Table {
-                table: self.name.clone(),
+                table: self.schema.name.clone(),
                 message: "change tracking must be turned on before the first row".into(),
             });
         }
@@ -244,7 +244,7 @@ impl EmbeddingTable {
     pub fn set_baseline(&self, save_id: &str) -> Result<()> {
         let Some(t) = &self.tracking else {
             return Err(Error::Table {
-                table: self.name.clone(),
+                table: self.schema.name.clone(),
                 message: "a baseline needs change tracking (with_change_tracking)".into(),
             });
         };
@@ -327,30 +327,30 @@ impl EmbeddingTable {
     /// The table's name. (Also [`SparseTable::name`]; inherent, so that `t.name()` compiles
     /// with both `SparseTable` and `TableSink` in scope.)
     pub fn name(&self) -> &str {
-        &self.name
+        &self.schema.name
     }
 
     /// Whether ids are signed or unsigned (also [`SparseTable::key_dtype`]).
     pub fn key_dtype(&self) -> KeyDtype {
-        self.key_dtype
+        self.schema.key_dtype
     }
 
     /// The slots every row has (also [`SparseTable::slots`]).
     pub fn slots(&self) -> &[SlotSpec] {
-        &self.slots
+        &self.schema.slots
     }
 
     /// Index of a slot by name.
     pub fn slot_index(&self, name: &str) -> Option<usize> {
-        self.slots.iter().position(|s| s.name == name)
+        self.schema.slots.iter().position(|s| s.name == name)
     }
 
     fn check_row(&self, values: &[&[u8]]) -> Result<()> {
-        if values.len() != self.slots.len() {
+        if values.len() != self.schema.slots.len() {
             return Err(Error::LengthMismatch {
                 what: "row slot count of table",
-                name: self.name.clone(),
-                expected: self.slots.len() as u64,
+                name: self.schema.name.clone(),
+                expected: self.schema.slots.len() as u64,
                 actual: values.len() as u64,
             });
         }
@@ -358,7 +358,7 @@ impl EmbeddingTable {
             if v.len() != self.slot_bytes[s] {
                 return Err(Error::LengthMismatch {
                     what: "slot row",
-                    name: format!("{}/{}", self.name, self.slots[s].name),
+                    name: format!("{}/{}", self.schema.name, self.schema.slots[s].name),
                     expected: self.slot_bytes[s] as u64,
                     actual: v.len() as u64,
                 });
@@ -418,11 +418,11 @@ impl EmbeddingTable {
     /// Inserts many rows: `slots[s]` holds `ids.len()` rows of slot `s` back to back. Used by
     /// loads; fastest when the ids come in bucket order, as a checkpoint holds them.
     pub fn insert_chunk(&self, ids: &[u64], slots: &[&[u8]]) -> Result<()> {
-        if slots.len() != self.slots.len() {
+        if slots.len() != self.schema.slots.len() {
             return Err(Error::LengthMismatch {
                 what: "slot count of chunk for table",
-                name: self.name.clone(),
-                expected: self.slots.len() as u64,
+                name: self.schema.name.clone(),
+                expected: self.schema.slots.len() as u64,
                 actual: slots.len() as u64,
             });
         }
@@ -431,7 +431,7 @@ impl EmbeddingTable {
             if v.len() as u64 != expected {
                 return Err(Error::LengthMismatch {
                     what: "slot chunk",
-                    name: format!("{}/{}", self.name, self.slots[s].name),
+                    name: format!("{}/{}", self.schema.name, self.schema.slots[s].name),
                     expected,
                     actual: v.len() as u64,
                 });
@@ -679,16 +679,8 @@ impl EmbeddingTable {
 }
 
 impl SparseTable for EmbeddingTable {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn key_dtype(&self) -> KeyDtype {
-        self.key_dtype
-    }
-
-    fn slots(&self) -> &[SlotSpec] {
-        &self.slots
+    fn schema(&self) -> &TableSchema {
+        &self.schema
     }
 
     fn len(&self) -> usize {

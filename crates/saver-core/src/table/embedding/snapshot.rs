@@ -125,7 +125,7 @@ impl<'t> EmbeddingSnapshot<'t> {
     ) -> Result<Self> {
         if !table.pre.open(registered) {
             return Err(Error::Table {
-                table: table.name.clone(),
+                table: table.schema.name.clone(),
                 message: "another save of this table is under way, and its moment has passed: \
                           a save started now would show the rows as they were then, under this \
                           save's step; wait for that save to finish (SaveHandle::wait) first"
@@ -140,8 +140,8 @@ impl<'t> EmbeddingSnapshot<'t> {
     fn row_error(&self, id: u64, what: &str) -> Error {
         let t = self.table;
         Error::Table {
-            table: t.name.clone(),
-            message: format!("id {} {what}", t.key_dtype.format_id(id)),
+            table: t.schema.name.clone(),
+            message: format!("id {} {what}", t.schema.key_dtype.format_id(id)),
         }
     }
 
@@ -231,7 +231,7 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         };
         let mut ids = Vec::with_capacity(capacity);
         let mut handles = Vec::with_capacity(capacity);
-        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.slots.len()];
+        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.schema.slots.len()];
         let slot_bytes = &t.slot_bytes;
         let mut emit = |ids: &[u64], handles: &[u64], values: &[Vec<u8>]| -> Result<()> {
             let mut r = 0;

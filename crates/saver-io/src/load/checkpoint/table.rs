@@ -9,7 +9,8 @@ use rayon::prelude::*;
 use saver_core::naming::removed_table_name;
 use saver_core::partition::BUCKETS;
 use saver_core::table::{RowChunk, TableSnapshot};
-use saver_core::{KeyDtype, SlotSpec, SparseTable};
+use saver_core::TableSchema;
+use saver_core::{SlotSpec, SparseTable};
 
 use super::Checkpoint;
 use crate::error::{Error, Result};
@@ -42,9 +43,7 @@ struct Link<'c> {
 
 /// A table of a [`Checkpoint`], resolved: the rows a full save of the newest state would hold.
 pub struct ChainTable<'c> {
-    name: String,
-    key_dtype: KeyDtype,
-    slots: Vec<SlotSpec>,
+    schema: TableSchema,
     row_bytes: Vec<u64>,
     /// Newest first: the consecutive links that hold the table.
     links: Vec<Link<'c>>,
@@ -126,9 +125,7 @@ impl<'c> ChainTable<'c> {
             .map(|s| s.row_bytes())
             .collect::<saver_core::Result<_>>()?;
         Ok(Self {
-            name: name.to_string(),
-            key_dtype: t.key_dtype,
-            slots,
+            schema: TableSchema::new(name, t.key_dtype, slots),
             row_bytes,
             links,
             parts,
@@ -345,7 +342,7 @@ impl<'c> ChainTable<'c> {
         batch: usize,
         visit: &mut VisitRows<'_>,
     ) -> Result<()> {
-        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); self.slots.len()];
+        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); self.schema.slots.len()];
         let mut reader = RunReader::default();
         self.resolve_batches(buckets, batch, &mut |ids, runs| {
             for (b, &w) in bufs.iter_mut().zip(&self.row_bytes) {
@@ -517,14 +514,8 @@ impl<'t, 'c> Cursor<'t, 'c> {
 }
 
 impl SparseTable for ChainTable<'_> {
-    fn name(&self) -> &str {
-        &self.name
-    }
-    fn key_dtype(&self) -> KeyDtype {
-        self.key_dtype
-    }
-    fn slots(&self) -> &[SlotSpec] {
-        &self.slots
+    fn schema(&self) -> &TableSchema {
+        &self.schema
     }
     /// A hint, as the trait allows: the rows of every link, at least the live rows (counting
     /// them exactly takes a pass over every link's ids; [`BucketRows::rows`] does).
@@ -534,7 +525,7 @@ impl SparseTable for ChainTable<'_> {
     }
     fn snapshot(&self) -> saver_core::Result<Box<dyn TableSnapshot + '_>> {
         Ok(Box::new(
-            ChainSnapshot::new(self).map_err(|e| core(&self.name, e))?,
+            ChainSnapshot::new(self).map_err(|e| core(&self.schema.name, e))?,
         ))
     }
     /// Committed checkpoints do not change: the rows are the chain's, whole.
@@ -588,7 +579,7 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
     fn finish(&self) -> saver_core::Result<()> {
         self.table
             .finish_checks()
-            .map_err(|e| crate::load::rows::core_error(&self.table.name, e))
+            .map_err(|e| crate::load::rows::core_error(&self.table.schema.name, e))
     }
 
     fn scan(
@@ -618,7 +609,7 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
         let max_rows = max_rows.max(1);
         let mut ids = Vec::new();
         let mut handles = Vec::new();
-        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); t.slots.len()];
+        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); t.schema.slots.len()];
         let mut flush = |ids: &mut Vec<u64>, handles: &mut Vec<u64>| -> Result<()> {
             if ids.is_empty() {
                 return Ok(());
@@ -653,7 +644,7 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
             Ok(())
         })
         .and_then(|()| flush(&mut ids, &mut handles))
-        .map_err(|e| core(&t.name, e))
+        .map_err(|e| core(&t.schema.name, e))
     }
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> saver_core::Result<()> {
@@ -663,19 +654,19 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
             .map(|&id| {
                 t.locate(id)?.ok_or_else(|| {
                     saver_core::Error::Table {
-                        table: t.name.clone(),
+                        table: t.schema.name.clone(),
                         message: format!(
                             "id {} is not in the checkpoint",
-                            t.key_dtype.format_id(id)
+                            t.schema.key_dtype.format_id(id)
                         ),
                     }
                     .into()
                 })
             })
             .collect::<Result<Vec<u64>>>()
-            .map_err(|e| core(&t.name, e))?;
+            .map_err(|e| core(&t.schema.name, e))?;
         self.read_handles(&handles, out)
-            .map_err(|e| core(&t.name, e))
+            .map_err(|e| core(&t.schema.name, e))
     }
 
     unsafe fn read_rows_by_handle(
@@ -688,6 +679,6 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
             return self.read_rows(ids, out);
         }
         self.read_handles(handles, out)
-            .map_err(|e| core(&self.table.name, e))
+            .map_err(|e| core(&self.table.schema.name, e))
     }
 }

@@ -31,9 +31,8 @@ use saver_core::naming::{removed_table_name, removed_table_of};
 use saver_core::partition::BUCKETS;
 use saver_core::plan::{ForeignRows, TableRef};
 use saver_core::table::{RowView, TableSnapshot};
-use saver_core::{
-    ChangeTracking, DenseTensor, KeyDtype, PartitionRule, SaveInput, SlotSpec, SparseTable,
-};
+use saver_core::TableSchema;
+use saver_core::{ChangeTracking, DenseTensor, PartitionRule, SaveInput, SlotSpec, SparseTable};
 
 use crate::error::{Error, Result};
 use crate::load::checkpoint::{ChainTable, Checkpoint};
@@ -442,14 +441,8 @@ struct TrackedChanges<'t> {
 }
 
 impl SparseTable for TrackedChanges<'_> {
-    fn name(&self) -> &str {
-        self.table.name()
-    }
-    fn key_dtype(&self) -> KeyDtype {
-        self.table.key_dtype()
-    }
-    fn slots(&self) -> &[SlotSpec] {
-        self.table.slots()
+    fn schema(&self) -> &TableSchema {
+        self.table.schema()
     }
     fn len(&self) -> usize {
         self.rows_hint

@@ -3,7 +3,8 @@
 use rayon::slice::ParallelSliceMut;
 
 use saver_core::table::TableSnapshot;
-use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
+use saver_core::TableSchema;
+use saver_core::{PartitionRule, SparseTable};
 
 use super::BATCH_ROWS;
 use crate::error::Result;
@@ -60,14 +61,8 @@ impl<'t> InMemoryOrder<'t> {
 }
 
 impl SparseTable for InMemoryOrder<'_> {
-    fn name(&self) -> &str {
-        self.table.name()
-    }
-    fn key_dtype(&self) -> KeyDtype {
-        self.table.key_dtype()
-    }
-    fn slots(&self) -> &[SlotSpec] {
-        self.table.slots()
+    fn schema(&self) -> &TableSchema {
+        self.table.schema()
     }
     fn len(&self) -> usize {
         self.order.len()

@@ -11,6 +11,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use saver_core::table::{RowChunk, TableSnapshot};
+use saver_core::TableSchema;
 use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
 use crate::error::{io_err, Result};
@@ -104,9 +105,7 @@ impl Spool {
         };
         let width = 8 + self.widths.iter().sum::<usize>();
         Ok(SpoolTable {
-            name: name.to_string(),
-            key_dtype,
-            slots: slots.to_vec(),
+            schema: TableSchema::new(name, key_dtype, slots.to_vec()),
             widths: self.widths,
             width,
             stored,
@@ -119,9 +118,7 @@ impl Spool {
 
 /// Spooled rows as a [`SparseTable`]; row handles are row numbers.
 pub struct SpoolTable {
-    name: String,
-    key_dtype: KeyDtype,
-    slots: Vec<SlotSpec>,
+    schema: TableSchema,
     widths: Vec<usize>,
     width: usize,
     stored: Stored,
@@ -143,7 +140,7 @@ impl SpoolTable {
                 let rows = usize::try_from(at)
                     .ok()
                     .and_then(|at| m.get(at..at.checked_add(n)?))
-                    .ok_or_else(|| past_the_end(&self.name))?;
+                    .ok_or_else(|| past_the_end(&self.schema.name))?;
                 buf.copy_from_slice(rows);
                 Ok(())
             }
@@ -174,7 +171,7 @@ impl SpoolTable {
                 usize::try_from(at)
                     .ok()
                     .and_then(|at| m.get(at..at.checked_add(8)?))
-                    .ok_or_else(|| past_the_end(&self.name))?,
+                    .ok_or_else(|| past_the_end(&self.schema.name))?,
             ),
         }
         Ok(u64::from_le_bytes(b))
@@ -203,14 +200,8 @@ fn past_the_end(table: &str) -> crate::error::Error {
 }
 
 impl SparseTable for SpoolTable {
-    fn name(&self) -> &str {
-        &self.name
-    }
-    fn key_dtype(&self) -> KeyDtype {
-        self.key_dtype
-    }
-    fn slots(&self) -> &[SlotSpec] {
-        &self.slots
+    fn schema(&self) -> &TableSchema {
+        &self.schema
     }
     fn len(&self) -> usize {
         usize::try_from(self.rows).unwrap_or(usize::MAX)
@@ -258,7 +249,8 @@ impl TableSnapshot for SpoolSnapshot<'_> {
         let mut at = start;
         while at < end {
             let stop = (at + max_rows.max(1) as u64).min(end);
-            t.read(at..stop, &mut buf).map_err(|e| core(&t.name, e))?;
+            t.read(at..stop, &mut buf)
+                .map_err(|e| core(&t.schema.name, e))?;
             ids.clear();
             ids.extend(
                 buf.chunks_exact(t.width)
@@ -293,14 +285,17 @@ impl TableSnapshot for SpoolSnapshot<'_> {
             .map(|&id| {
                 t.find(id)?.ok_or_else(|| {
                     saver_core::Error::Table {
-                        table: t.name.clone(),
-                        message: format!("id {} is not in the delta", t.key_dtype.format_id(id)),
+                        table: t.schema.name.clone(),
+                        message: format!(
+                            "id {} is not in the delta",
+                            t.schema.key_dtype.format_id(id)
+                        ),
                     }
                     .into()
                 })
             })
             .collect::<Result<Vec<u64>>>()
-            .map_err(|e| core(&t.name, e))?;
+            .map_err(|e| core(&t.schema.name, e))?;
         // SAFETY: the handles are this table's row numbers of these ids.
         unsafe { self.read_rows_by_handle(ids, &handles, out) }
     }
@@ -324,12 +319,12 @@ impl TableSnapshot for SpoolSnapshot<'_> {
             }
             if handles[i] + n as u64 > t.rows {
                 return Err(saver_core::Error::Table {
-                    table: t.name.clone(),
+                    table: t.schema.name.clone(),
                     message: format!("row handle {} is not this table's", handles[i]),
                 });
             }
             t.read(handles[i]..handles[i] + n as u64, &mut buf)
-                .map_err(|e| core(&t.name, e))?;
+                .map_err(|e| core(&t.schema.name, e))?;
             t.scatter(&buf, out, i);
             i += n;
         }

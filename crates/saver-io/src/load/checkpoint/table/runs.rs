@@ -222,7 +222,7 @@ impl RunReader {
                 _ => {
                     return Err(Error::Mismatch(format!(
                         "rows {first}..{end} of segment {seg} of link {link} are not table {:?}'s",
-                        t.name
+                        t.schema.name
                     )))
                 }
             }
