@@ -12,10 +12,10 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
+use saver_core::naming::INDEX_FILE;
 use saver_core::Manifest;
 
 use crate::error::{Error, Result};
-use crate::load::documents::committed;
 use crate::storage::Storage;
 
 /// Prefix of a step directory's name.
@@ -176,13 +176,15 @@ impl Root {
     /// Reads step `step`'s committed manifest; `None` if the step holds no committed checkpoint.
     fn read(&self, step: u64) -> Result<Option<Read>> {
         let storage = self.step_storage(step)?;
-        let Some(held) = committed(&*storage)? else {
+        // Three requests a step on an object store: the index's HEAD, then the index and the
+        // manifest, which are read and checked against each other as one.
+        if !storage.exists(INDEX_FILE)? {
             return Ok(None);
-        };
-        let (_, manifest) = crate::load::link::load_manifest(&*storage)?;
+        }
+        let (index, manifest) = crate::load::link::load_manifest(&*storage)?;
         Ok(Some(Read {
             step,
-            manifest_crc32: held.manifest_crc32,
+            manifest_crc32: index.metadata.saver_manifest_crc32,
             manifest,
         }))
     }
