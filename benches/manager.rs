@@ -22,51 +22,9 @@ use saver::core::partition::fmix64;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver::io::manage::Retention;
 use saver::{
-    save, Checkpoint, CheckpointManager, DenseTensor, EmbeddingTable, KeyDtype, LoadOptions,
-    Policy, SaveInput, SaveOptions, SlotSpec, SparseTable,
+    save, Checkpoint, CheckpointManager, EmbeddingTable, KeyDtype, LoadOptions, Policy, SaveInput,
+    SaveOptions, SlotSpec,
 };
-
-/// Copies of `m`'s tables with change tracking on.
-fn tracked_copy(m: &SyntheticModel) -> Vec<EmbeddingTable> {
-    m.tables
-        .iter()
-        .map(|t| {
-            let c = EmbeddingTable::new(t.name(), SparseTable::key_dtype(t), t.slots().to_vec())
-                .unwrap()
-                .with_change_tracking()
-                .unwrap();
-            let widths = t.slot_row_bytes().to_vec();
-            let mut row = Vec::new();
-            for id in t.ids() {
-                row.clear();
-                t.append_row(id, &mut row);
-                let mut at = 0;
-                let values: Vec<&[u8]> = widths
-                    .iter()
-                    .map(|&w| {
-                        at += w;
-                        &row[at - w..at]
-                    })
-                    .collect();
-                c.insert(id, &values).unwrap();
-            }
-            c
-        })
-        .collect()
-}
-
-fn input_of<'a>(tables: &'a [EmbeddingTable], m: &'a SyntheticModel) -> SaveInput<'a> {
-    let mut input = SaveInput::new();
-    for t in tables {
-        input = input.table(t);
-    }
-    for (name, shape, data) in &m.dense {
-        input = input.dense(
-            DenseTensor::new(name.clone(), saver::Dtype::F32, shape.clone(), &data[..]).unwrap(),
-        );
-    }
-    input
-}
 
 /// 1 % of each table's rows changed.
 fn train(tables: &[EmbeddingTable], round: u64) {
@@ -92,6 +50,7 @@ fn opts() -> SaveOptions {
 }
 
 mod common;
+use common::{input_of, tracked_copy};
 #[path = "../tests/integration/common/garage.rs"]
 mod garage;
 

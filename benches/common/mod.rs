@@ -199,3 +199,54 @@ pub fn size_and_runs() -> (u64, usize) {
     let runs = arg("--runs").and_then(|s| s.parse().ok()).unwrap_or(3);
     (size, runs)
 }
+
+/// Copies of `m`'s tables with change tracking on.
+pub fn tracked_copy(m: &saver::core::synthetic::SyntheticModel) -> Vec<saver::EmbeddingTable> {
+    m.tables
+        .iter()
+        .map(|t| {
+            let c = saver::EmbeddingTable::new(
+                t.name(),
+                saver::SparseTable::key_dtype(t),
+                t.slots().to_vec(),
+            )
+            .unwrap()
+            .with_change_tracking()
+            .unwrap();
+            let widths = t.slot_row_bytes().to_vec();
+            let mut row = Vec::new();
+            for id in t.ids() {
+                row.clear();
+                t.append_row(id, &mut row);
+                let mut at = 0;
+                let values: Vec<&[u8]> = widths
+                    .iter()
+                    .map(|&w| {
+                        at += w;
+                        &row[at - w..at]
+                    })
+                    .collect();
+                c.insert(id, &values).unwrap();
+            }
+            c
+        })
+        .collect()
+}
+
+/// `tables` and `m`'s dense tensors as a save's input.
+pub fn input_of<'a>(
+    tables: &'a [saver::EmbeddingTable],
+    m: &'a saver::core::synthetic::SyntheticModel,
+) -> saver::SaveInput<'a> {
+    let mut input = saver::SaveInput::new();
+    for t in tables {
+        input = input.table(t);
+    }
+    for (name, shape, data) in &m.dense {
+        input = input.dense(
+            saver::DenseTensor::new(name.clone(), saver::Dtype::F32, shape.clone(), &data[..])
+                .unwrap(),
+        );
+    }
+    input
+}

@@ -26,6 +26,14 @@ fn slots() -> Vec<SlotSpec> {
     ]
 }
 
+/// A table of the job's rows that tracks its changes (its deltas are tracked).
+fn tracked_table() -> EmbeddingTable {
+    EmbeddingTable::new("emb", KeyDtype::U64, slots())
+        .unwrap()
+        .with_change_tracking()
+        .unwrap()
+}
+
 fn write(table: &EmbeddingTable, id: u64, row: (f32, u64)) {
     table
         .insert(id, &[&row.0.to_le_bytes()[..], &row.1.to_le_bytes()[..]])
@@ -116,10 +124,7 @@ fn step_dirs(root: &Path) -> Vec<String> {
 fn a_job_saves_deltas_keeps_the_latest_and_restarts_from_the_newest() {
     let root = tempfile::tempdir().unwrap();
     let m = CheckpointManager::open(root.path(), policy(3, 2)).unwrap();
-    let table = EmbeddingTable::new("emb", KeyDtype::U64, slots())
-        .unwrap()
-        .with_change_tracking()
-        .unwrap();
+    let table = tracked_table();
     let mut state = State::new();
     let mut saved: BTreeMap<u64, State> = BTreeMap::new();
     for step in 1..=10u64 {
@@ -503,10 +508,7 @@ fn a_delta_as_large_as_its_base_makes_the_next_save_full() {
 fn pruning_racing_saves_never_loses_the_newest_or_breaks_a_chain() {
     let root = tempfile::tempdir().unwrap();
     let m = CheckpointManager::open(root.path(), policy(4, 1)).unwrap();
-    let table = EmbeddingTable::new("emb", KeyDtype::U64, slots())
-        .unwrap()
-        .with_change_tracking()
-        .unwrap();
+    let table = tracked_table();
     let mut state = State::new();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let saved: Mutex<BTreeMap<u64, State>> = Mutex::new(BTreeMap::new());
@@ -636,10 +638,7 @@ fn a_prune_killed_at_every_operation_leaves_every_listed_step_whole() {
     let tmp = tempfile::tempdir().unwrap();
     let template = tmp.path().join("template");
     let m = CheckpointManager::open(&template, policy(3, 100)).unwrap();
-    let table = EmbeddingTable::new("emb", KeyDtype::U64, slots())
-        .unwrap()
-        .with_change_tracking()
-        .unwrap();
+    let table = tracked_table();
     let mut state = State::new();
     let mut saved: BTreeMap<u64, State> = BTreeMap::new();
     for step in 1..=7u64 {

@@ -9,9 +9,8 @@ use super::CmdResult;
 use crate::cli::{CleanArgs, LatestArgs, ListArgs, PolicyArgs, PruneArgs};
 use crate::output;
 
-/// The root's policy with the flags given applied; whether any flag was given.
-pub fn policy_of(root: &Path, flags: &PolicyArgs) -> Result<(Policy, bool), saver_io::Error> {
-    let kept = Policy::kept_in(Root::open(root)?.storage())?.unwrap_or_default();
+/// `kept` (a root's policy) with the flags given applied.
+pub fn policy_with(kept: &Policy, flags: &PolicyArgs) -> Result<Policy, saver_io::Error> {
     let mut p = kept.clone();
     if let Some(n) = flags.full_every {
         p.full_every = n;
@@ -29,8 +28,7 @@ pub fn policy_of(root: &Path, flags: &PolicyArgs) -> Result<(Policy, bool), save
         .keep_steps
         .extend(flags.keep_step.iter().copied());
     p.check()?;
-    let changed = p != kept;
-    Ok((p, changed))
+    Ok(p)
 }
 
 /// The path of step `step` (`latest` or a number) of `root`: an error when the root holds no
@@ -108,8 +106,8 @@ pub fn latest(args: LatestArgs) -> CmdResult {
 
 pub fn prune(args: PruneArgs) -> CmdResult {
     Root::open_existing(&args.root)?;
-    let (policy, _) = policy_of(&args.root, &args.policy)?;
     let m = CheckpointManager::open_kept(&args.root)?;
+    let policy = policy_with(m.policy(), &args.policy)?;
     let r = m.prune(Some(&policy.retention), args.dry_run)?;
     if args.out.json {
         output::json(&r);

@@ -83,7 +83,9 @@ pub fn run(args: SaveArgs) -> CmdResult {
     // and applies retention after the commit.
     let manager = match &args.root {
         Some(root) => {
-            let (policy, _) = super::manage::policy_of(root, &args.policy)?;
+            // The policy the root keeps, with the flags given (kept in the root from now on).
+            let kept = CheckpointManager::open_kept(root)?;
+            let policy = super::manage::policy_with(kept.policy(), &args.policy)?;
             Some(CheckpointManager::open(root, policy)?)
         }
         None => None,

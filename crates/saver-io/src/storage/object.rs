@@ -340,6 +340,17 @@ fn is_loopback_http(endpoint: &str) -> bool {
 }
 
 impl ObjectStorage {
+    /// The objects and the common prefixes ("directories") directly under the prefix.
+    fn list_level(&self) -> Result<object_store::ListResult> {
+        let (c, p) = (self.client.clone(), self.prefix.clone());
+        let prefix = (!self.prefix.as_ref().is_empty()).then_some(p);
+        self.client
+            .block(&self.prefix, async move {
+                c.store.list_with_delimiter(prefix.as_ref()).await
+            })
+            .map_err(|e| self.client.err("list", &self.prefix, e))
+    }
+
     /// Opens `s3://bucket/prefix`, configured from the standard AWS environment
     /// (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`,
     /// `AWS_ENDPOINT_URL`, …). Plain `http://` endpoints are allowed on loopback and where
@@ -646,15 +657,8 @@ impl Storage for ObjectStorage {
     }
 
     fn list(&self) -> Result<Vec<String>> {
-        let (c, p) = (self.client.clone(), self.prefix.clone());
-        let prefix = (!self.prefix.as_ref().is_empty()).then_some(p);
-        let listed = self
-            .client
-            .block(&self.prefix, async move {
-                c.store.list_with_delimiter(prefix.as_ref()).await
-            })
-            .map_err(|e| self.client.err("list", &self.prefix, e))?;
-        Ok(listed
+        Ok(self
+            .list_level()?
             .objects
             .into_iter()
             .filter_map(|o| o.location.filename().map(str::to_string))
@@ -662,15 +666,8 @@ impl Storage for ObjectStorage {
     }
 
     fn list_dirs(&self) -> Result<Vec<String>> {
-        let (c, p) = (self.client.clone(), self.prefix.clone());
-        let prefix = (!self.prefix.as_ref().is_empty()).then_some(p);
-        let listed = self
-            .client
-            .block(&self.prefix, async move {
-                c.store.list_with_delimiter(prefix.as_ref()).await
-            })
-            .map_err(|e| self.client.err("list", &self.prefix, e))?;
-        Ok(listed
+        Ok(self
+            .list_level()?
             .common_prefixes
             .into_iter()
             .filter_map(|p| p.filename().map(str::to_string))
