@@ -222,6 +222,9 @@ pub struct PolicyArgs {
     /// Also keep every step that is a multiple of N.
     #[arg(long)]
     pub keep_every: Option<u64>,
+    /// Also keep the newest step of every period of this many seconds (86400: one a day).
+    #[arg(long)]
+    pub keep_one_per_seconds: Option<u64>,
     /// Also keep this step (repeatable).
     #[arg(long)]
     pub keep_step: Vec<u64>,

@@ -24,6 +24,9 @@ pub fn policy_with(kept: &Policy, flags: &PolicyArgs) -> Result<Policy, saver_io
     if let Some(n) = flags.keep_every {
         p.retention.keep_every = Some(n);
     }
+    if let Some(n) = flags.keep_one_per_seconds {
+        p.retention.keep_one_per_seconds = Some(n);
+    }
     p.retention
         .keep_steps
         .extend(flags.keep_step.iter().copied());

@@ -57,6 +57,9 @@ pub struct Retention {
     /// Every step that is a multiple of this (e.g. 10000: one checkpoint per 10k steps for
     /// good).
     pub keep_every: Option<u64>,
+    /// The newest step of every period of this many seconds (e.g. 86400: one a day), by when
+    /// each save started ([`crate::manage::StepInfo::started_unix_ms`]).
+    pub keep_one_per_seconds: Option<u64>,
     /// Steps kept whatever the other rules say.
     pub keep_steps: BTreeSet<u64>,
     /// The best steps by a metric of their user metadata, beyond the newest ones.
@@ -68,6 +71,7 @@ impl Default for Retention {
         Self {
             keep_latest: 2,
             keep_every: None,
+            keep_one_per_seconds: None,
             keep_steps: BTreeSet::new(),
             keep_best: None,
         }
@@ -159,6 +163,12 @@ impl Retention {
         if self.keep_every == Some(0) {
             return Err(Error::InvalidOption {
                 option: "keep_every",
+                why: "must be at least 1".into(),
+            });
+        }
+        if self.keep_one_per_seconds == Some(0) {
+            return Err(Error::InvalidOption {
+                option: "keep_one_per_seconds",
                 why: "must be at least 1".into(),
             });
         }

@@ -56,6 +56,14 @@ pub fn kept_steps(steps: &[StepInfo], rules: &Retention) -> BTreeSet<u64> {
                 .map(|s| s.step),
         );
     }
+    if let Some(secs) = rules.keep_one_per_seconds {
+        // The newest step of each period: steps ascend, so the last one seen in a period wins.
+        let mut newest: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
+        for s in steps.iter().filter(|s| s.started_unix_ms > 0) {
+            newest.insert(s.started_unix_ms / 1000 / secs, s.step);
+        }
+        kept.extend(newest.values());
+    }
     kept.extend(
         steps
             .iter()
@@ -196,5 +204,49 @@ fn remove_empty_dir(path: &PathBuf) {
         // Also the commit lock file a save leaves; anything else keeps the directory.
         let _ = std::fs::remove_file(path.join(saver_core::naming::COMMIT_LOCK));
         let _ = std::fs::remove_dir(path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Step `step`, started at `secs`, a delta of `parent` if given.
+    fn step(step: u64, secs: u64, parent: Option<u64>) -> StepInfo {
+        StepInfo {
+            step,
+            path: PathBuf::from(format!("step-{step}")),
+            save_id: format!("s{step}"),
+            parent,
+            links: 1,
+            bytes: 1,
+            shards: 1,
+            started_unix_ms: secs * 1000,
+            writers: Vec::new(),
+            user_metadata: Default::default(),
+        }
+    }
+
+    #[test]
+    fn one_per_period_keeps_the_newest_of_each_period_with_its_chain() {
+        // Periods of 100 s: [0, 100) holds 1, 2; [100, 200) holds 3 (a delta of 2) and 4; then 5.
+        let steps = vec![
+            step(1, 10, None),
+            step(2, 90, None),
+            step(3, 110, Some(2)),
+            step(4, 150, None),
+            step(5, 250, None),
+        ];
+        let rules = Retention {
+            keep_latest: 1,
+            keep_one_per_seconds: Some(100),
+            ..Retention::default()
+        };
+        let kept: Vec<u64> = kept_steps(&steps, &rules).into_iter().collect();
+        assert_eq!(kept, vec![2, 4, 5]);
+        // A delta that is the newest of its period keeps its parent.
+        let steps = vec![step(1, 10, None), step(2, 90, None), step(3, 110, Some(2))];
+        let kept: Vec<u64> = kept_steps(&steps, &rules).into_iter().collect();
+        assert_eq!(kept, vec![2, 3]);
     }
 }
