@@ -135,7 +135,9 @@ impl CheckpointManager {
         }
     }
 
-    /// Calls `f` instead of printing a line on stderr when a background save fails.
+    /// Calls `f` instead of printing a line on stderr when a background save fails. It runs on
+    /// the save's own thread, while the trainer's thread may be waiting for that thread: it must
+    /// not call this manager (report, set a flag, or send on a channel instead).
     pub fn on_failure(mut self, f: impl Fn(u64, &Error) + Send + Sync + 'static) -> Self {
         self.on_failure = Arc::new(f);
         self
