@@ -383,6 +383,35 @@ fn a_crashed_save_is_never_the_latest_and_is_reclaimed_once_its_writer_is_gone()
 
     // A save by a child process that is killed mid-save: reclaimed once the child is gone.
     let dir = root.path().join(saver::io::manage::root::step_dir_name(30));
+    let mut child = hanging_save(&dir);
+    let c = m.clean(true).unwrap();
+    assert!(!c.reclaimed.contains(&30), "a live writer's files: {c:?}");
+    child.kill();
+    let c = m.clean(false).unwrap();
+    assert!(c.reclaimed.contains(&30), "{c:?}");
+    assert!(!dir.exists());
+    assert_eq!(m.latest().unwrap().unwrap().step, 10);
+}
+
+/// A child process that is killed when dropped: a test that fails never leaves it behind (it
+/// would hold the test's output open for the hour it sleeps).
+struct Hanging(std::process::Child);
+
+impl Hanging {
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Hanging {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A child process saving into `dir` that hangs in its first write, once it claimed its shard.
+fn hanging_save(dir: &Path) -> Hanging {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -390,11 +419,10 @@ fn a_crashed_save_is_never_the_latest_and_is_reclaimed_once_its_writer_is_gone()
             "--nocapture",
             "--test-threads=1",
         ])
-        .env("SAVER_HANG_DIR", &dir)
+        .env("SAVER_HANG_DIR", dir)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    // The child prints once it claimed its shard and wrote a file, then hangs.
     let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     while !line.contains("claimed") {
@@ -404,14 +432,64 @@ fn a_crashed_save_is_never_the_latest_and_is_reclaimed_once_its_writer_is_gone()
             "the child ended before it claimed its shard"
         );
     }
-    let c = m.clean(true).unwrap();
-    assert!(!c.reclaimed.contains(&30), "a live writer's files: {c:?}");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    Hanging(child)
+}
+
+/// A removal cut short in a step directory where another save has started meanwhile: `clean`
+/// finishes the removal of the save its marker names and never touches the live save's files;
+/// once that writer is gone, its files go too.
+#[test]
+fn finishing_a_removal_never_touches_another_saves_files() {
+    let root = tempfile::tempdir().unwrap();
+    let m = CheckpointManager::open(root.path(), policy(1, 5)).unwrap();
+    let t = EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap();
+    write(&t, 1, (1.0, 1));
+    let old = m.save(10, SaveInput::new().table(&t), &opts()).unwrap();
+    m.save(20, SaveInput::new().table(&t), &opts()).unwrap();
+    // The removal of step 10 cut short after its marker and its index.
+    let dir = root.path().join(saver::io::manage::root::step_dir_name(10));
+    let marker = serde_json::json!({ "step": 10, "save_ids": [old.save.save_id] });
+    std::fs::write(
+        dir.join(saver::io::manage::root::PRUNE_MARKER),
+        marker.to_string(),
+    )
+    .unwrap();
+    std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
+    // Another save starts in that directory (its writer lives).
+    let mut child = hanging_save(&dir);
+    let names = |d: &Path| -> Vec<String> {
+        std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect()
+    };
+    let theirs: Vec<String> = names(&dir)
+        .into_iter()
+        .filter(|n| n.contains("saver-") || n.contains("model-"))
+        .filter(|n| !n.contains(&old.save.save_id) && n != saver::io::manage::root::PRUNE_MARKER)
+        .collect();
+    assert!(!theirs.is_empty(), "the child wrote its claim");
     let c = m.clean(false).unwrap();
-    assert!(c.reclaimed.contains(&30), "{c:?}");
+    assert_eq!(c.reclaimed, vec![10], "{c:?}");
+    let left = names(&dir);
+    for n in &theirs {
+        assert!(
+            left.contains(n),
+            "the live save's {n} was removed: {left:?}"
+        );
+    }
+    assert!(
+        !left.iter().any(|n| n.contains(&old.save.save_id)),
+        "{left:?}"
+    );
+    assert!(!left
+        .iter()
+        .any(|n| n == saver::io::manage::root::PRUNE_MARKER));
+    child.kill();
+    let c = m.clean(false).unwrap();
+    assert_eq!(c.reclaimed, vec![10], "{c:?}");
     assert!(!dir.exists());
-    assert_eq!(m.latest().unwrap().unwrap().step, 10);
+    assert_eq!(m.latest().unwrap().unwrap().step, 20);
 }
 
 /// Child mode: a save into SAVER_HANG_DIR that hangs in its first write, after its claim.

@@ -15,7 +15,7 @@ use saver_core::naming::{writer_claim_name, SaverFile};
 
 use crate::error::Result;
 use crate::load::documents::committed;
-use crate::manage::prune::remove_step;
+use crate::manage::prune::{remove_step, PruneMarker};
 use crate::manage::root::{Root, PRUNE_MARKER};
 use crate::save::commit::ClaimRecord;
 
@@ -44,29 +44,34 @@ pub fn clean(root: &Root, dry_run: bool) -> Result<CleanReport> {
             continue;
         }
         let names = storage.list()?;
-        if names.iter().any(|n| n == PRUNE_MARKER) {
-            report.reclaimed.push(step);
-            if !dry_run {
-                report.files_removed += remove_step(root, step, None)?;
-            }
-            continue;
-        }
-        match why_alive(&*storage, &names)? {
-            None => {
+        let over = if names.iter().any(|n| n == PRUNE_MARKER) {
+            // A removal cut short: the saves its marker names.
+            let bytes = storage.get(PRUNE_MARKER, 1 << 20)?;
+            serde_json::from_slice::<PruneMarker>(&bytes)
+                .map(|m| m.save_ids)
+                .map_err(|e| format!("its removal marker is unreadable: {e}"))
+        } else {
+            ended_saves(&*storage, &names)?
+        };
+        match over {
+            Ok(save_ids) => {
                 report.reclaimed.push(step);
                 if !dry_run {
-                    report.files_removed += remove_step(root, step, None)?;
+                    report.files_removed += remove_step(root, step, &save_ids)?;
                 }
             }
-            Some(why) => report.left_alone.push((step, why)),
+            Err(why) => report.left_alone.push((step, why)),
         }
     }
     Ok(report)
 }
 
-/// Why the saves whose files are in `names` may still be running, or `None` when every one of
-/// them is provably over.
-fn why_alive(storage: &dyn crate::storage::Storage, names: &[String]) -> Result<Option<String>> {
+/// The saves whose files are in `names` when every one of them is provably over, or why one may
+/// still be running.
+fn ended_saves(
+    storage: &dyn crate::storage::Storage,
+    names: &[String],
+) -> Result<std::result::Result<Vec<String>, String>> {
     let mut shards: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
     for n in names {
         match SaverFile::parse(n) {
@@ -79,6 +84,7 @@ fn why_alive(storage: &dyn crate::storage::Storage, names: &[String]) -> Result<
             None => {}
         }
     }
+    let mut ended = Vec::new();
     for (save_id, mut ss) in shards {
         ss.sort_unstable();
         ss.dedup();
@@ -93,20 +99,21 @@ fn why_alive(storage: &dyn crate::storage::Storage, names: &[String]) -> Result<
             match claim {
                 Some(c) if c.writer_has_ended() => claims += 1,
                 Some(c) => {
-                    return Ok(Some(format!(
+                    return Ok(Err(format!(
                         "save {save_id}: its writer {} may still be running (it is not a \
                          process of this host that has ended)",
                         c.writer
                     )))
                 }
-                None => return Ok(Some(format!("save {save_id}: claim {name} is unreadable"))),
+                None => return Ok(Err(format!("save {save_id}: claim {name} is unreadable"))),
             }
         }
         if claims == 0 {
-            return Ok(Some(format!(
+            return Ok(Err(format!(
                 "save {save_id}: no writer claim tells who writes it"
             )));
         }
+        ended.push(save_id.to_string());
     }
-    Ok(None)
+    Ok(Ok(ended))
 }

@@ -22,6 +22,13 @@ use crate::error::Result;
 use crate::manage::policy::Retention;
 use crate::manage::root::{Root, StepInfo, PRUNE_MARKER};
 
+/// What [`PRUNE_MARKER`] holds: the step and the saves whose files are being removed.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub(crate) struct PruneMarker {
+    pub step: u64,
+    pub save_ids: Vec<String>,
+}
+
 /// What a prune kept and removed.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PruneReport {
@@ -121,22 +128,23 @@ pub fn prune(root: &Root, rules: &Retention, dry_run: bool) -> Result<PruneRepor
         report.removed.push(s.step);
         report.bytes_removed += s.bytes;
         if !dry_run {
-            report.files_removed += remove_step(root, s.step, Some(&s.save_id))?;
+            report.files_removed += remove_step(root, s.step, std::slice::from_ref(&s.save_id))?;
         }
     }
     Ok(report)
 }
 
-/// Removes step `step`'s checkpoint in the order the module docs give; `save_id` is the save
-/// its index committed (`None`: the step is no longer committed, and every save file in it
-/// goes). Returns the number of files removed.
-pub(crate) fn remove_step(root: &Root, step: u64, save_id: Option<&str>) -> Result<usize> {
+/// Removes the files of the saves `save_ids` from step `step`'s directory in the order the module
+/// docs give (the index first, if it commits one of them), and the directory if nothing else is
+/// left in it: the files of any other save (one that started meanwhile) stay. Returns the number
+/// of files removed.
+pub(crate) fn remove_step(root: &Root, step: u64, save_ids: &[String]) -> Result<usize> {
     // Another prune of the root may remove the same files meanwhile (each removal tolerates
     // the other's, but a file can vanish between a listing and its removal, or a temporary
     // before its rename): try again, until the step is gone or the error is not of that kind.
     let mut attempt = 0;
     loop {
-        match remove_step_files(root, step, save_id) {
+        match remove_step_files(root, step, save_ids) {
             Err(_) if is_gone(root, step) => return Ok(0),
             Err(e) if attempt < 4 && is_not_found(&e) => {
                 attempt += 1;
@@ -163,19 +171,24 @@ fn is_gone(root: &Root, step: u64) -> bool {
     }
 }
 
-fn remove_step_files(root: &Root, step: u64, save_id: Option<&str>) -> Result<usize> {
+fn remove_step_files(root: &Root, step: u64, save_ids: &[String]) -> Result<usize> {
     let storage = root.step_storage(step)?;
-    let marker = serde_json::json!({ "step": step, "save_id": save_id });
-    storage.put(PRUNE_MARKER, marker.to_string().as_bytes(), true)?;
+    let marker = PruneMarker {
+        step,
+        save_ids: save_ids.to_vec(),
+    };
+    let json = serde_json::to_vec(&marker).expect("a marker serializes");
+    storage.put(PRUNE_MARKER, &json, true)?;
     let mut removed = 0;
-    if storage.exists(INDEX_FILE)? {
+    let committed = crate::load::documents::committed(&*storage)?;
+    if committed.is_some_and(|c| save_ids.contains(&c.save_id)) {
         storage.remove(INDEX_FILE)?;
         storage.sync_dir()?;
         removed += 1;
     }
     for name in storage.list()? {
         let ours = match SaverFile::parse(&name) {
-            Some(f) => save_id.is_none_or(|id| f.save_id() == id),
+            Some(f) => save_ids.iter().any(|id| id == f.save_id()),
             // A temporary of the marker, left by a removal killed while it wrote the marker.
             None => name.starts_with(PRUNE_MARKER) && name != PRUNE_MARKER,
         };
@@ -185,14 +198,14 @@ fn remove_step_files(root: &Root, step: u64, save_id: Option<&str>) -> Result<us
         }
     }
     storage.sync_dir()?;
-    // The marker goes last; the directory, if nothing else is in it (another save's files are
-    // left alone).
+    // The marker goes last; the directory too, if nothing else is in it (another save's files
+    // are left alone, and keep it).
+    storage.remove(PRUNE_MARKER)?;
     let others = storage
         .list()?
         .into_iter()
-        .any(|n| n != PRUNE_MARKER && n != saver_core::naming::COMMIT_LOCK);
+        .any(|n| n != saver_core::naming::COMMIT_LOCK);
     if !others {
-        storage.remove(PRUNE_MARKER)?;
         remove_empty_dir(&root.step_path(step));
     }
     Ok(removed)
