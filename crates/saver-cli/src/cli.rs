@@ -115,17 +115,9 @@ pub struct VerifyArgs {
     pub out: Output,
 }
 
-/// Flags of `saver reshard`.
+/// How `saver reshard` and `saver compact` write the checkpoint they rewrite.
 #[derive(Args, Debug)]
-pub struct ReshardArgs {
-    /// Source checkpoint directory.
-    pub src: PathBuf,
-    /// Destination directory.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Number of shards of the new checkpoint.
-    #[arg(long)]
-    pub shards: u32,
+pub struct RewriteFlags {
     /// Writer threads.
     #[arg(long, default_value_t = default_parallel())]
     pub parallel: usize,
@@ -139,6 +131,21 @@ pub struct ReshardArgs {
     pub out_fmt: Output,
 }
 
+/// Flags of `saver reshard`.
+#[derive(Args, Debug)]
+pub struct ReshardArgs {
+    /// Source checkpoint directory.
+    pub src: PathBuf,
+    /// Destination directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Number of shards of the new checkpoint.
+    #[arg(long)]
+    pub shards: u32,
+    #[command(flatten)]
+    pub write: RewriteFlags,
+}
+
 /// Flags of `saver compact`.
 #[derive(Args, Debug)]
 pub struct CompactArgs {
@@ -150,17 +157,8 @@ pub struct CompactArgs {
     /// Shards of the full checkpoint (default: the delta's).
     #[arg(long)]
     pub shards: Option<u32>,
-    /// Writer threads.
-    #[arg(long, default_value_t = default_parallel())]
-    pub parallel: usize,
-    /// Replace a committed checkpoint in the destination.
-    #[arg(long)]
-    pub overwrite: bool,
-    /// Skip fsync (faster, not crash-safe).
-    #[arg(long)]
-    pub no_fsync: bool,
     #[command(flatten)]
-    pub out_fmt: Output,
+    pub write: RewriteFlags,
 }
 
 /// Flags of `saver export`.

@@ -9,69 +9,28 @@ use saver_io::tools::reshard::reshard as rewrite;
 use saver_io::{Checkpoint, SaveOptions};
 
 use super::CmdResult;
-use crate::cli::{CompactArgs, Output, ReshardArgs};
+use crate::cli::{CompactArgs, ReshardArgs, RewriteFlags};
 use crate::output;
 
 /// `saver reshard`: a new shard count.
 pub fn reshard(args: ReshardArgs) -> CmdResult {
-    let ReshardArgs {
-        src,
-        out,
-        shards,
-        parallel,
-        overwrite,
-        no_fsync,
-        out_fmt,
-    } = args;
-    let to = Rewrite {
-        shards: Some(shards),
-        parallel,
-        overwrite,
-        durable: !no_fsync,
-        fmt: out_fmt,
-    };
-    run(&src, &out, to)
+    run(&args.src, &args.out, Some(args.shards), &args.write)
 }
 
 /// `saver compact`: the chain's shard count unless told otherwise.
 pub fn compact(args: CompactArgs) -> CmdResult {
-    let CompactArgs {
-        src,
-        out,
-        shards,
+    run(&args.src, &args.out, args.shards, &args.write)
+}
+
+/// Rewrites `src` into `out` with `shards` shards (`None`: the source's).
+fn run(src: &Path, out: &Path, shards: Option<u32>, write: &RewriteFlags) -> CmdResult {
+    let RewriteFlags {
         parallel,
         overwrite,
         no_fsync,
-        out_fmt,
-    } = args;
-    let to = Rewrite {
-        shards,
-        parallel,
-        overwrite,
-        durable: !no_fsync,
-        fmt: out_fmt,
-    };
-    run(&src, &out, to)
-}
-
-/// How a checkpoint is rewritten.
-struct Rewrite {
-    /// `None`: the source's shard count.
-    shards: Option<u32>,
-    parallel: usize,
-    overwrite: bool,
-    durable: bool,
-    fmt: Output,
-}
-
-fn run(src: &Path, out: &Path, to: Rewrite) -> CmdResult {
-    let Rewrite {
-        shards,
-        parallel,
-        overwrite,
-        durable,
-        fmt,
-    } = to;
+        out_fmt: fmt,
+    } = *write;
+    let durable = !no_fsync;
     // Read again if the source is replaced meanwhile (see `read_latest`).
     let (chain, shards, r) = read_latest(src, || {
         let chain = Checkpoint::open(src)?;

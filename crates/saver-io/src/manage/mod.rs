@@ -204,7 +204,7 @@ impl CheckpointManager {
         let opts = self.options_for(step, opts)?;
         let path = self.root.step_path(step);
         let report = save(&path, input, &opts)?;
-        let pruned = self.retention_after(&opts)?;
+        let pruned = retention_after(&self.root, &self.policy.retention, &opts)?;
         Ok(ManagedSave {
             step,
             path,
@@ -250,9 +250,7 @@ impl CheckpointManager {
             .name(format!("saver-manager-{step}"))
             .spawn(move || {
                 let done = handle.wait().and_then(|report| {
-                    let pruned = runs_retention(&opts)
-                        .then(|| prune::prune(&root, &rules, false))
-                        .transpose()?;
+                    let pruned = retention_after(&root, &rules, &opts)?;
                     Ok(ManagedSave {
                         step,
                         path,
@@ -341,13 +339,6 @@ impl CheckpointManager {
         opts.parent = delta_parent(&chain, step, &self.policy).map(|p| p.path.clone());
         Ok(opts)
     }
-
-    /// Retention after a save committed, by the process that runs it.
-    fn retention_after(&self, opts: &SaveOptions) -> Result<Option<PruneReport>> {
-        runs_retention(opts)
-            .then(|| prune::prune(&self.root, &self.policy.retention, false))
-            .transpose()
-    }
 }
 
 impl Drop for CheckpointManager {
@@ -358,10 +349,18 @@ impl Drop for CheckpointManager {
     }
 }
 
-/// Whether this process runs the retention of a save with `opts`: the only process of a
-/// single-process save, shard 0's of a multi-process one.
-fn runs_retention(opts: &SaveOptions) -> bool {
-    opts.plan.shard_index.is_none_or(|i| i == 0)
+/// Retention with `rules` after a save with `opts` committed, by the process that runs it: the
+/// only process of a single-process save, shard 0's of a multi-process one (`None` elsewhere).
+fn retention_after(
+    root: &Root,
+    rules: &Retention,
+    opts: &SaveOptions,
+) -> Result<Option<PruneReport>> {
+    opts.plan
+        .shard_index
+        .is_none_or(|i| i == 0)
+        .then(|| prune::prune(root, rules, false))
+        .transpose()
 }
 
 /// The step the save of `step` is a delta of, or `None` for a full save: by `policy`, given the
