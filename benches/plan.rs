@@ -12,7 +12,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use rayon::prelude::*;
 use saver::core::plan::Spill;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::io::storage::spill::FileSpill;
+use saver::io::storage::FileSpill;
 use saver::{PlanOptions, SaveInput};
 
 mod common;

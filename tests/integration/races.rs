@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use saver::core::partition::fmix64;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::io::save::commit::{try_commit, CommitState};
+use saver::io::save::{try_commit, CommitState};
 use saver::io::storage::{Fault, FaultyStorage, LocalFs};
 use saver::io::tools::digest::restored_digest;
 use saver::io::{save_to, Error, SaveReport};

@@ -160,6 +160,36 @@ pub enum Error {
         /// The codec's message.
         message: String,
     },
+    /// A checkpoint document (index, manifest, shard manifest) is malformed or inconsistent.
+    #[error("corrupt checkpoint file {file}: {what}")]
+    Corrupt {
+        /// The document, relative to the checkpoint directory.
+        file: String,
+        /// What is wrong with it.
+        what: String,
+    },
+    /// A file name a document gives would lead outside the checkpoint directory.
+    #[error("refusing file name {name:?} (named in {named_in}): {why}")]
+    UnsafePath {
+        /// The name.
+        name: String,
+        /// The document that gave it.
+        named_in: String,
+        /// Why it is refused.
+        why: &'static str,
+    },
+    /// A document declares a format version this build does not read.
+    #[error(
+        "{file}: format version {found} is not supported (this build reads versions 1 to {supported})"
+    )]
+    UnsupportedVersion {
+        /// The document declaring it.
+        file: String,
+        /// The version found.
+        found: String,
+        /// The newest version this build reads.
+        supported: u32,
+    },
     /// An error of the layer that implements a table (reading its files, say), carried through
     /// saver-core's traits unchanged: that layer takes it back as it was.
     #[error(transparent)]

@@ -79,8 +79,7 @@ pub use dtype::{Dtype, KeyDtype};
 pub use error::{Error, Result};
 pub use filter::{BlockInfo, BlockKind, Filters, ScalarCondition};
 pub use manifest::{
-    BlockCrcs, Manifest, ParentRef, ShardManifest, TableManifestExt, DELTA_FORMAT_VERSION,
-    FORMAT_VERSION,
+    BlockCrcs, Index, Manifest, ParentRef, ShardManifest, DELTA_FORMAT_VERSION, FORMAT_VERSION,
 };
 pub use partition::PartitionRule;
 pub use plan::{plan, ForeignRows, PlanOptions, SaveInput, SavePlan, TableRef, TensorCrc};

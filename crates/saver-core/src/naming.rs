@@ -124,6 +124,29 @@ pub fn check_save_id(id: &str) -> Result<()> {
     }
 }
 
+/// Checks a file name a document gives (or a storage call takes): one plain name inside the
+/// checkpoint directory, never a path out of it. `named_in` says where the name came from.
+pub fn check_file_name(name: &str, named_in: &str) -> Result<()> {
+    let why = if name.is_empty() {
+        "empty"
+    } else if name.contains('/') || name.contains('\\') {
+        "contains a path separator"
+    } else if name == "." || name == ".." {
+        "names a directory"
+    } else if name.contains('\0') {
+        "contains NUL"
+    } else if name.len() > 255 {
+        "longer than 255 bytes"
+    } else {
+        return Ok(());
+    };
+    Err(Error::UnsafePath {
+        name: name.to_string(),
+        named_in: named_in.to_string(),
+        why,
+    })
+}
+
 /// Data file name of file `file` of shard `shard` of the save `save_id`.
 ///
 /// Deterministic, so processes of a multi-process save never need to agree on names at run time,

@@ -163,6 +163,27 @@ impl From<saver_core::Error> for Error {
                 Ok(e) => *e,
                 Err(inner) => Error::Core(saver_core::Error::External(inner)),
             },
+            // The documents are parsed in saver-core; their faults are the checkpoint's, reported
+            // as every other corrupt file is.
+            saver_core::Error::Corrupt { file, what } => Error::Corrupt { file, what },
+            saver_core::Error::UnsafePath {
+                name,
+                named_in,
+                why,
+            } => Error::UnsafePath {
+                name,
+                named_in,
+                why,
+            },
+            saver_core::Error::UnsupportedVersion {
+                file,
+                found,
+                supported,
+            } => Error::UnsupportedVersion {
+                file,
+                found,
+                supported,
+            },
             e => Error::Core(e),
         }
     }

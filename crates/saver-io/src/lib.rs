@@ -16,7 +16,7 @@
 //!    checkpoints and chains.
 //! 4. [`save`](mod@save): [`save()`](fn@save) / [`save_to`]: plan, write every planned shard with `parallel`
 //!    threads, CRC32 every tensor, make files durable, write the shard manifests, and commit once
-//!    ([`save::commit`]); deltas ([`save::delta`]); [`save_async`], which returns once the save's
+//!    ([`save::try_commit`]); a delta when [`SaveOptions::parent`] is set; [`save_async`], which returns once the save's
 //!    moment is fixed.
 //! 5. [`tools`]: [`verify()`], digests, export, reshard and compact.
 //! 6. [`manage`]: a training job's checkpoints in one root: [`CheckpointManager`] saves step

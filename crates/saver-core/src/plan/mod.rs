@@ -657,6 +657,7 @@ impl<'a> SavePlan<'a> {
             dense_given: Vec::new(),
             parent: None,
             dense_in_parent: Vec::new(),
+            sealed: crate::manifest::Sealed,
         }
     }
 }

@@ -1,31 +1,36 @@
-//! Reading the documents of a checkpoint that say what it is: which save is committed, and a
-//! shard's manifest.
+//! Reading the documents of a checkpoint from storage: which save is committed, the manifest it
+//! commits, a shard's manifest. They are parsed and checked by saver-core
+//! ([`saver_core::manifest`]), the one place that can build them; this module only fetches their
+//! bytes, within [`MAX_JSON_BYTES`].
 
-use std::path::Path;
-
-use saver_core::manifest::CheckpointRef;
+use saver_core::manifest::{CheckpointRef, Index, MAX_DOCUMENT_BYTES};
 use saver_core::naming::{shard_manifest_name, INDEX_FILE};
 use saver_core::ShardManifest;
 
 use crate::error::{Error, Result};
-use crate::load::index::Index;
 use crate::storage::Storage;
 
-/// Largest manifest or index read whole.
-pub(crate) const MAX_JSON_BYTES: u64 = 1 << 30;
+/// Largest manifest, index or marker read whole.
+pub(crate) const MAX_JSON_BYTES: u64 = MAX_DOCUMENT_BYTES;
 
 /// The committed checkpoint in `storage`, if any.
 pub fn committed(storage: &dyn Storage) -> Result<Option<CheckpointRef>> {
     if !storage.exists(INDEX_FILE)? {
         return Ok(None);
     }
-    let index = Index::parse(&storage.get(INDEX_FILE, MAX_JSON_BYTES)?, INDEX_FILE)?;
-    Ok(Some(CheckpointRef {
-        save_id: index.metadata.saver_save_id,
-        manifest_crc32: index.metadata.saver_manifest_crc32,
-    }))
+    Ok(Some(read_index(storage)?.committed()))
 }
 
+/// Reads and checks the index of `storage`.
+pub(crate) fn read_index(storage: &dyn Storage) -> Result<Index> {
+    Ok(Index::parse(
+        &storage.get(INDEX_FILE, MAX_JSON_BYTES)?,
+        INDEX_FILE,
+    )?)
+}
+
+/// Parses one of saver's small JSON files that are not checkpoint documents (a policy, a claim,
+/// a marker), naming `file` and `what` it should have been when it is not.
 pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
     bytes: &[u8],
     file: &str,
@@ -37,32 +42,22 @@ pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
     })
 }
 
-/// Reads and parses shard `shard`'s manifest of `save_id`.
+/// Reads and checks shard `shard`'s manifest of `save_id`.
 pub(crate) fn read_shard_manifest(
     storage: &dyn Storage,
     save_id: &str,
     shard: u32,
 ) -> Result<ShardManifest> {
     let name = shard_manifest_name(save_id, shard);
-    parse_json(
-        &storage.get(&name, MAX_JSON_BYTES)?,
-        &name,
-        "a shard manifest",
-    )
-}
-
-/// Checks a parent path as a manifest gives it: relative, non-empty, no control characters.
-pub fn check_parent_path(path: &str) -> std::result::Result<(), String> {
-    if path.is_empty() {
-        return Err("path is empty".into());
+    let m = ShardManifest::parse(&storage.get(&name, MAX_JSON_BYTES)?, &name)?;
+    if m.save_id != save_id || m.shard != shard {
+        return Err(Error::Corrupt {
+            file: name,
+            what: format!(
+                "holds shard {} of save {}, not shard {shard} of save {save_id}",
+                m.shard, m.save_id
+            ),
+        });
     }
-    if path.chars().any(char::is_control) {
-        return Err(format!("path {path:?} contains a control character"));
-    }
-    if Path::new(path).is_absolute() || path.starts_with('\\') {
-        return Err(format!(
-            "path {path:?} is absolute: a parent is named relative to its child"
-        ));
-    }
-    Ok(())
+    Ok(m)
 }

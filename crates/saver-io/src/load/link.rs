@@ -8,17 +8,15 @@ use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 
-use saver_core::manifest::format_version_of;
-use saver_core::manifest::{FileManifest, FORMAT_NAME};
+use saver_core::manifest::FileManifest;
 use saver_core::naming::{shard_manifest_name, SaverFile, INDEX_FILE};
-use saver_core::{Manifest, TableManifestExt as _, DELTA_FORMAT_VERSION, FORMAT_VERSION};
+use saver_core::{Index, Manifest};
 
 use crate::error::{Error, Result};
-use crate::load::documents::MAX_JSON_BYTES;
+use crate::load::documents::{read_index, MAX_JSON_BYTES};
 use crate::load::header::{parse_header, MAX_HEADER_BYTES};
-use crate::load::index::Index;
 use crate::load::open_files::DataFile;
-use crate::storage::{check_file_name, ReadHandle, Storage};
+use crate::storage::{ReadHandle, Storage};
 
 /// A data file, opened and checked.
 pub(crate) struct OpenFile {
@@ -140,7 +138,7 @@ pub(crate) fn load_manifest(storage: &dyn Storage) -> Result<(Index, Manifest)> 
             what: describe_incomplete(storage)?,
         });
     }
-    let index = Index::parse(&storage.get(INDEX_FILE, MAX_JSON_BYTES)?, INDEX_FILE)?;
+    let index = read_index(storage)?;
     let name = &index.metadata.saver_manifest;
     let bytes = storage.get(name, MAX_JSON_BYTES).map_err(|e| match e {
         // Permission denied, an I/O error: the reader's trouble, not the checkpoint's.
@@ -150,151 +148,8 @@ pub(crate) fn load_manifest(storage: &dyn Storage) -> Result<(Index, Manifest)> 
             what: format!("names manifest {name:?}, which cannot be read: {e}"),
         },
     })?;
-    let crc = crc32fast::hash(&bytes);
-    if crc != index.metadata.saver_manifest_crc32 {
-        return Err(Error::Corrupt {
-            file: name.clone(),
-            what: format!(
-                "checksum {crc:08x} differs from {:08x} recorded in {INDEX_FILE} (one of the two is corrupt)",
-                index.metadata.saver_manifest_crc32
-            ),
-        });
-    }
-    // The version first, from a probe that skips everything else without building it: a
-    // manifest is parsed once, straight into its types, so memory stays near the file's size.
-    #[derive(serde::Deserialize)]
-    struct Probe {
-        #[serde(default)]
-        format_version: Option<serde_json::Value>,
-    }
-    let probe: Probe = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
-        file: name.clone(),
-        what: format!("not valid JSON: {e}"),
-    })?;
-    let version = probe.format_version.as_ref().and_then(|v| v.as_u64());
-    if !version
-        .is_some_and(|v| (u64::from(FORMAT_VERSION)..=u64::from(DELTA_FORMAT_VERSION)).contains(&v))
-    {
-        return Err(Error::UnsupportedVersion {
-            file: name.clone(),
-            found: probe
-                .format_version
-                .map_or("none".into(), |v| v.to_string()),
-            supported: DELTA_FORMAT_VERSION,
-        });
-    }
-    let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
-        file: name.clone(),
-        what: format!("not a saver manifest: {e}"),
-    })?;
-    drop(bytes);
-    check_manifest(&manifest, &index, name)?;
+    let manifest = Manifest::parse_committed(&bytes, &index)?;
     Ok((index, manifest))
-}
-
-/// Internal consistency of a manifest, and agreement with its index.
-fn check_manifest(m: &Manifest, index: &Index, file: &str) -> Result<()> {
-    let bad = |what: String| Error::Corrupt {
-        file: file.to_string(),
-        what,
-    };
-    if m.format != FORMAT_NAME {
-        return Err(bad(format!(
-            "format is {:?}, not {FORMAT_NAME:?}",
-            m.format
-        )));
-    }
-    if m.save_id != index.metadata.saver_save_id {
-        return Err(bad(format!(
-            "save id {} differs from {INDEX_FILE}'s {}",
-            m.save_id, index.metadata.saver_save_id
-        )));
-    }
-    if m.format_version != format_version_of(m.parent.as_ref()) {
-        return Err(bad(format!(
-            "format version {} does not fit a {} checkpoint",
-            m.format_version,
-            if m.parent.is_some() { "delta" } else { "full" }
-        )));
-    }
-    if let Some(p) = &m.parent {
-        crate::load::documents::check_parent_path(&p.path)
-            .map_err(|why| bad(format!("parent {why}")))?;
-    }
-    for name in &m.dense_in_parent {
-        if m.parent.is_none() || m.dense.iter().any(|d| &d.tensor.name == name) {
-            return Err(bad(format!(
-                "dense tensor {name:?} is said to be in the parent, but the checkpoint {}",
-                if m.parent.is_none() {
-                    "has no parent"
-                } else {
-                    "holds it too"
-                }
-            )));
-        }
-    }
-    for t in &m.tables {
-        if let Some(base) = saver_core::naming::removed_table_of(&t.name) {
-            if m.parent.is_none() || m.table(base).is_none() || !t.slots.is_empty() {
-                return Err(bad(format!(
-                    "table {:?} is not the removed ids of a table of a delta",
-                    t.name
-                )));
-            }
-        }
-    }
-    m.partition.validate()?;
-    if m.shard_num == 0 {
-        return Err(bad("zero shards".into()));
-    }
-    for f in &m.files {
-        check_file_name(&f.name, file)?;
-    }
-    let mut refs: HashMap<&str, &str> = HashMap::new();
-    for t in m.tensor_refs() {
-        check_file_name(&t.file, file)?;
-        if refs.insert(&t.name, &t.file).is_some() {
-            return Err(bad(format!("tensor {:?} is listed twice", t.name)));
-        }
-        if !m.files.iter().any(|f| f.name == t.file) {
-            return Err(bad(format!(
-                "tensor {:?} is in file {:?}, which is not listed",
-                t.name, t.file
-            )));
-        }
-    }
-    for t in &m.tables {
-        t.check_consistency().map_err(|e| bad(e.to_string()))?;
-    }
-    if refs.len() != index.weight_map.len() {
-        return Err(Error::Corrupt {
-            file: INDEX_FILE.into(),
-            what: format!(
-                "lists {} tensors, the manifest {}",
-                index.weight_map.len(),
-                refs.len()
-            ),
-        });
-    }
-    for (name, f) in &index.weight_map {
-        if refs.get(name.as_str()) != Some(&f.as_str()) {
-            return Err(Error::Corrupt {
-                file: INDEX_FILE.into(),
-                what: format!("tensor {name:?} maps to {f:?}, which the manifest does not say"),
-            });
-        }
-    }
-    let total: u64 = m.total_tensor_bytes();
-    if index.metadata.total_size != total {
-        return Err(Error::Corrupt {
-            file: INDEX_FILE.into(),
-            what: format!(
-                "total_size {} but the tensors hold {total} bytes",
-                index.metadata.total_size
-            ),
-        });
-    }
-    Ok(())
 }
 
 /// Opens a data file and checks its size and header against the manifest.

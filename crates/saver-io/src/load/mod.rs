@@ -5,12 +5,13 @@
 pub mod arrays;
 pub mod checkpoint;
 pub(crate) mod documents;
-pub mod header;
-pub mod index;
-pub mod link;
+pub(crate) mod header;
+pub(crate) mod link;
 mod open_files;
 mod pages;
 mod pieces;
 pub mod restore;
-pub mod rows;
-pub mod stored;
+pub(crate) mod rows;
+pub(crate) mod stored;
+
+pub use stored::StoredTable;

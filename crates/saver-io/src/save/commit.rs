@@ -27,11 +27,10 @@ use saver_core::naming::{
     legacy_commit_claim_name, manifest_name, rejected_name, shard_manifest_name, writer_claim_name,
     SaverFile, INDEX_FILE,
 };
-use saver_core::Manifest;
+use saver_core::{Index, Manifest};
 
 use crate::error::{Error, Result};
 use crate::load::documents::{committed, parse_json, read_shard_manifest, MAX_JSON_BYTES};
-use crate::load::index::Index;
 use crate::storage::Storage;
 
 /// Largest writer claim or rejection marker read.
@@ -270,7 +269,7 @@ fn remove_replaced(storage: &dyn Storage, old: &CheckpointRef) {
     if crc32fast::hash(&bytes) != old.manifest_crc32 {
         return;
     }
-    let Ok(m) = serde_json::from_slice::<Manifest>(&bytes) else {
+    let Ok(m) = Manifest::parse(&bytes, &name) else {
         return;
     };
     for f in &m.files {

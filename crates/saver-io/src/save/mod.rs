@@ -2,11 +2,11 @@
 //! background save.
 //!
 //! [`save`] and [`save_to`] decide what a save is from its options: a delta when
-//! [`SaveOptions::parent`] is set ([`delta`]), a full checkpoint otherwise (`pipeline`).
+//! [`SaveOptions::parent`] is set (`delta`), a full checkpoint otherwise (`pipeline`).
 
 pub(crate) mod background;
-pub mod commit;
-pub mod delta;
+pub(crate) mod commit;
+pub(crate) mod delta;
 mod options;
 pub(crate) mod pipeline;
 mod report;
@@ -20,6 +20,7 @@ use saver_core::SaveInput;
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 
+pub use commit::{try_commit, CommitState};
 pub use options::{DirectIo, Progress, ProgressFn, SaveOptions};
 pub use pipeline::{write_plan, PlanWritten};
 pub use report::{DeltaMethod, SaveReport};

@@ -59,7 +59,7 @@ pub struct SaveOptions {
     pub direct_io: DirectIo,
     /// Save a delta of the checkpoint in this directory (which may itself be a delta): only the
     /// rows inserted or changed since it, whole, and the ids removed since it, found by comparing
-    /// each table's rows with the parent's (see [`crate::save::delta`]). `None` (default): a full
+    /// each table's rows with the parent's (see [`crate::save`](mod@crate::save)). `None` (default): a full
     /// checkpoint. The manifest names the parent by its path relative to the new checkpoint, its
     /// save id and its manifest's checksum; loading the delta resolves the chain.
     pub parent: Option<PathBuf>,

@@ -136,3 +136,6 @@ fn read_plain_input(input: PlainInput) -> Result<Model> {
         warnings: input.warnings,
     })
 }
+
+#[cfg(test)]
+mod tests;

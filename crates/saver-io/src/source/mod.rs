@@ -1,4 +1,4 @@
-//! Models read in bounded memory: a saver checkpoint's tables ([`StoredTable`]) or a plain
+//! Models read in bounded memory: a saver checkpoint's tables ([`crate::load::StoredTable`]) or a plain
 //! safetensors input's ([`PlainTable`]), each a [`SparseTable`] whose rows are read from the files
 //! when a save, a digest or an export asks for them. What `save --from`, `reshard`, `digest` and
 //! `export` are built on, so that none of them holds the model.

@@ -18,7 +18,7 @@ mod local;
 #[cfg(feature = "s3")]
 mod object;
 mod preallocate;
-pub mod spill;
+pub(crate) mod spill;
 pub(crate) mod write_behind;
 
 use std::fmt;
@@ -27,39 +27,22 @@ use std::sync::Arc;
 
 use saver_core::plan::Spill;
 
-use crate::storage::spill::FileSpill;
-
 pub use faulty::{Fault, FaultyStorage};
 pub use local::LocalFs;
 pub use local::LocalLock;
 #[cfg(feature = "s3")]
 pub use object::{on_slow_request, ObjectStorage, LEASE, MIN_PART_SIZE};
 pub(crate) use preallocate::allocate;
+pub use spill::FileSpill;
 
 use crate::error::{Error, Result};
 
 /// Refuses names that are empty, contain a path separator, are `.`/`..`, or contain NUL: a
 /// manifest or index from an untrusted source must not make us read or write outside the directory.
-/// `named_in` says where the name was found, for the message.
+/// `named_in` says where the name was found, for the message. The rule is saver-core's
+/// ([`saver_core::naming::check_file_name`]), which the documents are checked with as they are parsed.
 pub fn check_file_name(name: &str, named_in: &str) -> Result<()> {
-    let why = if name.is_empty() {
-        "empty"
-    } else if name.contains('/') || name.contains('\\') {
-        "contains a path separator"
-    } else if name == "." || name == ".." {
-        "names a directory"
-    } else if name.contains('\0') {
-        "contains NUL"
-    } else if name.len() > 255 {
-        "longer than 255 bytes"
-    } else {
-        return Ok(());
-    };
-    Err(Error::UnsafePath {
-        name: name.to_string(),
-        named_in: named_in.to_string(),
-        why,
-    })
+    Ok(saver_core::naming::check_file_name(name, named_in)?)
 }
 
 /// Schemes of object stores and remote filesystems: `s3:bucket/x` or `s3:/bucket/x` is a

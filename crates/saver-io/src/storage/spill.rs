@@ -15,7 +15,7 @@ use crate::storage::preallocate::reserve;
 /// supports it, else created and unlinked at once), so they disappear with the process, even
 /// after a crash, and never show up in the checkpoint directory.
 ///
-/// One file per scanning thread (up to [`STRIPES`]): a filesystem serialises buffered writes to
+/// One file per scanning thread (up to `STRIPES`, 16): a filesystem serialises buffered writes to
 /// one file on its inode lock, and with a single file the scan's threads spent much of the spill
 /// waiting for each other there.
 #[derive(Debug)]

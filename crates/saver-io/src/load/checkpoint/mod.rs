@@ -131,7 +131,7 @@ impl Checkpoint {
                      checkpoint (saver compact)"
                 )));
             }
-            crate::load::documents::check_parent_path(&p.path)
+            saver_core::manifest::check_parent_path(&p.path)
                 .map_err(|why| err(format!("parent {why}")))?;
             if seen.contains(&(p.save_id.clone(), p.manifest_crc32)) {
                 return Err(err(format!(
@@ -184,7 +184,7 @@ impl Checkpoint {
     }
 
     /// The global index of the newest link.
-    pub fn index(&self) -> &crate::load::index::Index {
+    pub fn index(&self) -> &saver_core::Index {
         self.newest().index()
     }
 

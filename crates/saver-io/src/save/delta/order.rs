@@ -21,11 +21,6 @@ pub struct InMemoryOrder<'t> {
 }
 
 impl<'t> InMemoryOrder<'t> {
-    /// Takes `table`'s snapshot and sorts its ids.
-    pub fn new(table: &'t dyn SparseTable) -> Result<Self> {
-        Self::of_snapshot(table, table.snapshot()?)
-    }
-
     /// Sorts the ids of `snapshot`, taken of `table` (with the other tables' of a save, at one
     /// moment).
     pub fn of_snapshot(

@@ -15,6 +15,54 @@ use crate::error::{Error, Result};
 use crate::partition::PartitionRule;
 use crate::table::SlotSpec;
 
+/// Marks a document built by this crate: by its parser, which checks it, or by the writer. A
+/// document type holds one, so no other crate can build one unchecked.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Sealed;
+
+/// Declares a document type that can only be parsed (by [`parse`], which checks it) or built by
+/// this crate: the public struct, with a [`Sealed`] field and no `Deserialize`, and the private
+/// `$raw` twin that serde fills, with the same fields and attributes.
+macro_rules! sealed_document {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident parsed as $raw:ident $(, serde($($serde:tt)*))? {
+            $( $(#[$fmeta:meta])* pub $field:ident : $ty:ty, )*
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Serialize)]
+        $(#[serde($($serde)*)])?
+        pub struct $name {
+            $( $(#[$fmeta])* pub $field: $ty, )*
+            #[serde(skip)]
+            pub(crate) sealed: $crate::manifest::Sealed,
+        }
+
+        #[derive(Deserialize)]
+        $(#[serde($($serde)*)])?
+        pub(in crate::manifest) struct $raw {
+            $( $(#[$fmeta])* $field: $ty, )*
+        }
+
+        impl $raw {
+            /// The document as parsed, before its checks.
+            pub(in crate::manifest) fn unchecked(self) -> $name {
+                $name {
+                    $( $field: self.$field, )*
+                    sealed: $crate::manifest::Sealed,
+                }
+            }
+        }
+    };
+}
+
+mod index;
+mod parse;
+
+pub use index::{Index, IndexMetadata};
+pub use parse::{check_parent_path, MAX_DOCUMENT_BYTES};
+
 /// Value of the `format` field of every manifest.
 pub const FORMAT_NAME: &str = "saver";
 /// The on-disk format version of a full checkpoint: what this build writes for one, and the
@@ -348,9 +396,11 @@ pub struct TableGiven {
     pub slots: Vec<SlotSpec>,
 }
 
-/// What one shard wrote; produced when its data are durable.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ShardManifest {
+sealed_document! {
+/// What one shard wrote; produced when its data are durable. Read only through
+/// [`ShardManifest::parse`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardManifest parsed as RawShardManifest {
     /// Always [`FORMAT_NAME`].
     pub format: String,
     /// [`FORMAT_VERSION`] of the writer.
@@ -401,6 +451,7 @@ pub struct ShardManifest {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dense_in_parent: Vec<String>,
 }
+}
 
 /// Per-shard facts kept in the global manifest.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -414,9 +465,11 @@ pub struct ShardInfo {
     pub writer: Option<WriterInfo>,
 }
 
-/// The global manifest of a committed checkpoint.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
+sealed_document! {
+/// The global manifest of a committed checkpoint. Read only through [`Manifest::parse`] or
+/// [`Manifest::parse_committed`], built only by [`Manifest::merge`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Manifest parsed as RawManifest {
     /// Always [`FORMAT_NAME`].
     pub format: String,
     /// [`FORMAT_VERSION`] of the writer.
@@ -454,16 +507,13 @@ pub struct Manifest {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dense_in_parent: Vec<String>,
 }
-
-/// Structural checks of a table entry, so readers can size buffers from it safely.
-pub trait TableManifestExt {
-    /// Checks that every segment's tensors agree with the table's dtypes, shapes and row counts,
-    /// and that bucket ranges nest.
-    fn check_consistency(&self) -> Result<()>;
 }
 
-impl TableManifestExt for TableManifest {
-    fn check_consistency(&self) -> Result<()> {
+impl TableManifest {
+    /// Structural checks of a table entry, so readers can size buffers from it safely: every
+    /// segment's tensors agree with the table's dtypes, shapes and row counts, and bucket ranges
+    /// nest.
+    pub(crate) fn check_consistency(&self) -> Result<()> {
         let bad = |what: String| Error::Encoding {
             what: format!("table {:?}", self.name),
             message: what,
@@ -788,6 +838,7 @@ impl Manifest {
             dense_in_parent: shards[0].dense_in_parent.clone(),
             replaces: None,
             step: shards[0].step,
+            sealed: Sealed,
         })
     }
 
