@@ -21,7 +21,7 @@ use saver_core::{PartitionRule, SlotSpec, SparseTable};
 use crate::error::{Error, Result};
 use crate::load::link::Link;
 use crate::load::pieces::{self, Piece};
-use crate::load::rows::core_error as core;
+use crate::load::rows::{core_error as core, handles_of, SlotBuffers};
 
 /// Bits of a row handle that hold the row's number within its segment; the segment is above.
 pub(crate) const ROW_BITS: u32 = 40;
@@ -256,20 +256,6 @@ impl<'c> StoredTable<'c> {
         };
         // Pieces that tile the tensor leave no bytes to read.
         self.check_pieces(t, whole).map(|_| ())
-    }
-
-    /// Finds the row of `id`: its segment and row number there.
-    fn find(&self, id: u64) -> Result<(usize, u64)> {
-        self.locate(id)?.ok_or_else(|| {
-            saver_core::Error::Table {
-                table: self.table.name.clone(),
-                message: format!(
-                    "id {} is not in the checkpoint",
-                    self.table.key_dtype.format_id(id)
-                ),
-            }
-            .into()
-        })
     }
 
     /// The segment holding `bucket`, if any.
@@ -517,19 +503,18 @@ impl TableSnapshot for Snapshot<'_, '_> {
         let mut raw = Vec::new();
         let mut ids = Vec::new();
         let mut handles = Vec::new();
-        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.schema.slots.len()];
+        let mut values = SlotBuffers::new(t.row_bytes.iter().map(|&b| b as usize));
         let mut at = 0;
         while at < segment.seg.rows {
             let rows = at..(at + step).min(segment.seg.rows);
             let n = (rows.end - rows.start) as usize;
             raw.resize(n * 8, 0);
-            if with_values {
-                for (v, &b) in values.iter_mut().zip(&t.row_bytes) {
-                    v.resize(n * b as usize, 0);
-                }
-            }
-            let mut outs: Vec<&mut [u8]> = values.iter_mut().map(Vec::as_mut_slice).collect();
-            t.read_segment(part, rows.clone(), &mut raw, &mut outs)
+            t.read_segment(part, rows.clone(), &mut raw, &mut [])
+                .map_err(|e| core(name, e))?;
+            let slices = values
+                .fill(n, with_values, |outs| {
+                    t.read_segment(part, rows.clone(), &mut [], outs)
+                })
                 .map_err(|e| core(name, e))?;
             ids.clear();
             ids.extend(
@@ -538,11 +523,6 @@ impl TableSnapshot for Snapshot<'_, '_> {
             );
             handles.clear();
             handles.extend(rows.clone().map(|r| ((part as u64) << ROW_BITS) | r));
-            let slices: Vec<&[u8]> = if with_values {
-                values.iter().map(Vec::as_slice).collect()
-            } else {
-                Vec::new()
-            };
             visit(RowChunk {
                 ids: &ids,
                 handles: &handles,
@@ -555,14 +535,9 @@ impl TableSnapshot for Snapshot<'_, '_> {
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> saver_core::Result<()> {
         let t = self.0;
-        let handles = ids
-            .iter()
-            .map(|&id| {
-                let (s, r) = t.find(id)?;
-                Ok(((s as u64) << ROW_BITS) | r)
-            })
-            .collect::<Result<Vec<u64>>>()
-            .map_err(|e| core(&t.table.name, e))?;
+        let handles = handles_of(&t.schema, "the checkpoint", ids, |id| {
+            Ok(t.locate(id)?.map(|(s, r)| ((s as u64) << ROW_BITS) | r))
+        })?;
         // SAFETY: the handles were just made by this table, for these ids.
         unsafe { self.read_rows_by_handle(ids, &handles, out) }
     }

@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::load::documents::MAX_JSON_BYTES;
 use crate::load::header::{read_header, HeaderEntry};
 use crate::load::restore::LoadedDense;
-use crate::load::rows::core_error as core;
+use crate::load::rows::{core_error as core, handles_of};
 use crate::storage::{check_file_name, FileVersion, LocalFs, ReadHandle, Storage};
 
 use super::distribute::{Content, InputColumn, Output, Pass, Runs, TableInput, TemporaryFiles};
@@ -1001,11 +1001,10 @@ impl TableSnapshot for PlainSnapshot<'_, '_> {
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> saver_core::Result<()> {
         let t = self.0;
         let mut positions: HashMap<usize, HashMap<u64, u64>> = HashMap::new();
-        let mut handles = Vec::with_capacity(ids.len());
-        for &id in ids {
+        let handles = handles_of(&t.schema, "the input", ids, |id| {
             let g = t.group_of(id);
             if let std::collections::hash_map::Entry::Vacant(v) = positions.entry(g) {
-                let group = t.group_ids(g).map_err(|e| core(&t.spec.name, e))?;
+                let group = t.group_ids(g)?;
                 v.insert(
                     group
                         .iter()
@@ -1014,14 +1013,8 @@ impl TableSnapshot for PlainSnapshot<'_, '_> {
                         .collect(),
                 );
             }
-            let r = positions[&g]
-                .get(&id)
-                .ok_or_else(|| saver_core::Error::Table {
-                    table: t.spec.name.clone(),
-                    message: format!("id {} is not in the input", t.spec.key_dtype.format_id(id)),
-                })?;
-            handles.push(((g as u64) << ROW_BITS) | r);
-        }
+            Ok(positions[&g].get(&id).map(|r| ((g as u64) << ROW_BITS) | r))
+        })?;
         // SAFETY: the handles were just made by this table, for these ids.
         unsafe { self.read_rows_by_handle(ids, &handles, out) }
     }

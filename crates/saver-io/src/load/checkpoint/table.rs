@@ -14,7 +14,7 @@ use saver_core::{SlotSpec, SparseTable};
 
 use super::Checkpoint;
 use crate::error::{Error, Result};
-use crate::load::rows::{core_error as core, BucketRows, VisitRows};
+use crate::load::rows::{core_error as core, handles_of, BucketRows, SlotBuffers, VisitRows};
 use crate::load::stored::StoredTable;
 use crate::load::stored::ROW_BITS;
 
@@ -609,21 +609,14 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
         let max_rows = max_rows.max(1);
         let mut ids = Vec::new();
         let mut handles = Vec::new();
-        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); t.schema.slots.len()];
+        let mut bufs = SlotBuffers::new(t.row_bytes.iter().map(|&b| b as usize));
         let mut flush = |ids: &mut Vec<u64>, handles: &mut Vec<u64>| -> Result<()> {
             if ids.is_empty() {
                 return Ok(());
             }
-            let slices: Vec<&[u8]> = if with_values {
-                for (b, &w) in bufs.iter_mut().zip(&t.row_bytes) {
-                    b.resize(ids.len() * w as usize, 0);
-                }
-                let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
-                self.read_handles(handles, &mut outs)?;
-                bufs.iter().map(Vec::as_slice).collect()
-            } else {
-                Vec::new()
-            };
+            let slices = bufs.fill(ids.len(), with_values, |outs| {
+                self.read_handles(handles, outs)
+            })?;
             visit(RowChunk {
                 ids,
                 handles,
@@ -649,22 +642,7 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> saver_core::Result<()> {
         let t = self.table;
-        let handles = ids
-            .iter()
-            .map(|&id| {
-                t.locate(id)?.ok_or_else(|| {
-                    saver_core::Error::Table {
-                        table: t.schema.name.clone(),
-                        message: format!(
-                            "id {} is not in the checkpoint",
-                            t.schema.key_dtype.format_id(id)
-                        ),
-                    }
-                    .into()
-                })
-            })
-            .collect::<Result<Vec<u64>>>()
-            .map_err(|e| core(&t.schema.name, e))?;
+        let handles = handles_of(&t.schema, "the checkpoint", ids, |id| t.locate(id))?;
         self.read_handles(&handles, out)
             .map_err(|e| core(&t.schema.name, e))
     }

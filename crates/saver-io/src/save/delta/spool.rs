@@ -15,7 +15,7 @@ use saver_core::TableSchema;
 use saver_core::{KeyDtype, PartitionRule, SlotSpec, SparseTable};
 
 use crate::error::{io_err, Result};
-use crate::load::rows::core_error as core;
+use crate::load::rows::{core_error as core, handles_of, SlotBuffers};
 
 /// Bytes gathered before they are written.
 const WRITE_BUFFER: usize = 4 << 20;
@@ -245,7 +245,7 @@ impl TableSnapshot for SpoolSnapshot<'_> {
         let mut buf = Vec::new();
         let mut ids = Vec::new();
         let mut handles = Vec::new();
-        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.widths.len()];
+        let mut values = SlotBuffers::new(t.widths.iter().copied());
         let mut at = start;
         while at < end {
             let stop = (at + max_rows.max(1) as u64).min(end);
@@ -258,16 +258,10 @@ impl TableSnapshot for SpoolSnapshot<'_> {
             );
             handles.clear();
             handles.extend(at..stop);
-            let slices: Vec<&[u8]> = if with_values {
-                for (v, &w) in values.iter_mut().zip(&t.widths) {
-                    v.resize(ids.len() * w, 0);
-                }
-                let mut outs: Vec<&mut [u8]> = values.iter_mut().map(Vec::as_mut_slice).collect();
-                t.scatter(&buf, &mut outs, 0);
-                values.iter().map(Vec::as_slice).collect()
-            } else {
-                Vec::new()
-            };
+            let slices = values.fill(ids.len(), with_values, |outs| {
+                t.scatter(&buf, outs, 0);
+                Ok::<_, saver_core::Error>(())
+            })?;
             visit(RowChunk {
                 ids: &ids,
                 handles: &handles,
@@ -280,22 +274,7 @@ impl TableSnapshot for SpoolSnapshot<'_> {
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> saver_core::Result<()> {
         let t = self.0;
-        let handles = ids
-            .iter()
-            .map(|&id| {
-                t.find(id)?.ok_or_else(|| {
-                    saver_core::Error::Table {
-                        table: t.schema.name.clone(),
-                        message: format!(
-                            "id {} is not in the delta",
-                            t.schema.key_dtype.format_id(id)
-                        ),
-                    }
-                    .into()
-                })
-            })
-            .collect::<Result<Vec<u64>>>()
-            .map_err(|e| core(&t.schema.name, e))?;
+        let handles = handles_of(&t.schema, "the delta", ids, |id| t.find(id))?;
         // SAFETY: the handles are this table's row numbers of these ids.
         unsafe { self.read_rows_by_handle(ids, &handles, out) }
     }
