@@ -1,12 +1,18 @@
-//! Training while saving: what a background point-in-time save costs the trainer on this machine.
+//! Training while saving: what a background point-in-time save costs the trainers on this machine.
 //!
-//! A trainer thread applies steps of 10,000 upserts (dim-32 embedding + Adagrad) to rows of a 1 M
-//! row table (256 MiB), to a hot set of 1 % or 10 % of them, as fast as it can. Reported, in one
-//! run: the time the trainer is blocked in `save_async`; its steps/s and p99 step time outside a
-//! save and during durable saves with 1 and 2 writer threads; the copy-on-write memory at its
-//! peak; and the save's time with the trainer running against idle.
+//! Trainer threads apply steps of 10,000 upserts (dim-32 embedding + Adagrad) to rows of a 1 M
+//! row table (256 MiB), to a hot set of 1 % or 10 % of them or to all (uniform), as fast as they
+//! can. For each case (1 and 2 trainer threads × hot set), in one run: steps/s and p50/p99 step
+//! time outside a save and during durable `save_async`s with 1 and 2 writer threads; the time
+//! the trainer was blocked in `save_async`; the training lost per save (steps not taken, in
+//! seconds of training at the pace outside) against the stall of a blocking save of the same
+//! table (the same save with the trainers stopped); the copy-on-write memory at its peak; and the
+//! save's time with the trainers running against idle.
 //!
-//! `cargo bench --bench train_while_saving` (SAVER_BENCH_DIR for the output directory).
+//! `cargo bench --bench train_while_saving -- [--rows N] [--trainers 1,2] [--hot 1,10,100]
+//! [--json]` (SAVER_BENCH_DIR for the output directory). `--json` prints one JSON object per
+//! save, for `benches/train_while_saving_ab.sh`, which runs this file built against two commits
+//! alternately.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -16,7 +22,6 @@ use saver::{save_async, EmbeddingTable, SaveInput, SaveOptions};
 
 mod common;
 
-const ROWS: u64 = 1 << 20;
 const ROW_BYTES: u64 = 256;
 const BATCH: u64 = 10_000;
 
@@ -24,11 +29,12 @@ const BATCH: u64 = 10_000;
 fn trainer(
     t: &EmbeddingTable,
     hot: u64,
+    seed: u64,
     stop: &AtomicBool,
     begin: Instant,
 ) -> Vec<(Duration, Duration)> {
     let mut steps = Vec::new();
-    let mut r = 1u64;
+    let mut r = seed;
     while !stop.load(Ordering::Relaxed) {
         let s = Instant::now();
         common::train_step(t, hot, BATCH, &mut r);
@@ -37,95 +43,178 @@ fn trainer(
     steps
 }
 
-/// Steps/s and p99 step time of the steps that ended within `[from, to)`.
-fn rate(steps: &[(Duration, Duration)], from: Duration, to: Duration) -> (f64, Duration) {
+/// Steps/s, p50 and p99 step time of the steps (of every trainer) that ended within
+/// `[from, to)`.
+fn rate(steps: &[(Duration, Duration)], from: Duration, to: Duration) -> (f64, Duration, Duration) {
     let mut within: Vec<Duration> = steps
         .iter()
         .filter(|(end, _)| *end >= from && *end < to)
         .map(|s| s.1)
         .collect();
     within.sort();
-    let p99 = within
-        .get(within.len() * 99 / 100)
-        .copied()
-        .unwrap_or_default();
-    (within.len() as f64 / (to - from).as_secs_f64(), p99)
+    let at = |q: usize| {
+        within
+            .get(within.len() * q / 100)
+            .copied()
+            .unwrap_or_default()
+    };
+    (
+        within.len() as f64 / (to - from).as_secs_f64(),
+        at(50),
+        at(99),
+    )
 }
 
+struct Args {
+    rows: u64,
+    trainers: Vec<usize>,
+    hot: Vec<u64>,
+    json: bool,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        rows: 1 << 20,
+        trainers: vec![1, 2],
+        hot: vec![1, 10, 100],
+        json: false,
+    };
+    let list = |v: &str| -> Vec<u64> { v.split(',').map(|x| x.parse().unwrap()).collect() };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        match k.as_str() {
+            "--rows" => a.rows = it.next().unwrap().parse().unwrap(),
+            "--trainers" => {
+                a.trainers = list(&it.next().unwrap())
+                    .into_iter()
+                    .map(|x| x as usize)
+                    .collect()
+            }
+            "--hot" => a.hot = list(&it.next().unwrap()),
+            "--json" => a.json = true,
+            "--bench" => {}
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    a
+}
+
+/// One background save of `t` while the trainers run: (writer threads, start, end, blocked,
+/// copy-on-write peak).
+type Save = (usize, Duration, Duration, Duration, usize);
+
 fn main() {
+    let a = args();
     let scratch = common::scratch().join("train-while-saving");
     let _ = std::fs::remove_dir_all(&scratch);
-    println!(
-        "table: {ROWS} rows, {} MiB; steps of {BATCH} upserts",
-        (ROWS * ROW_BYTES) >> 20
-    );
-    for hot_percent in [1u64, 10] {
-        let hot = ROWS * hot_percent / 100;
-        let t = Arc::new(common::trainer_table(ROWS));
-        let stop = AtomicBool::new(false);
-        let begin = Instant::now();
-        let saves = Mutex::new(Vec::new());
-        let steps = std::thread::scope(|s| {
-            let trainer = s.spawn(|| trainer(&t, hot, &stop, begin));
-            std::thread::sleep(Duration::from_secs(2));
-            for (k, parallel) in [1usize, 2, 1, 2].into_iter().enumerate() {
-                let mut opts = SaveOptions {
-                    save_id: Some(format!("h{hot_percent}k{k}")),
-                    ..SaveOptions::default()
-                };
-                opts.plan.parallel = parallel;
-                let dir = scratch.join(format!("h{hot_percent}k{k}"));
-                let from = begin.elapsed();
-                let h = save_async(&dir, SaveInput::new().table(t.clone()), opts).unwrap();
-                let blocked = begin.elapsed() - from;
-                h.wait().unwrap();
-                let to = begin.elapsed();
-                saves.lock().unwrap().push((
-                    parallel,
-                    from,
-                    to,
-                    blocked,
-                    t.point_in_time_bytes().1,
-                ));
-                std::fs::remove_dir_all(&dir).unwrap();
-                std::thread::sleep(Duration::from_secs(1));
-            }
-            stop.store(true, Ordering::Relaxed);
-            trainer.join().unwrap()
-        });
-        let (outside, p99_outside) =
-            rate(&steps, Duration::from_millis(500), Duration::from_secs(2));
+    if !a.json {
         println!(
-            "\nhot set {hot_percent} %: outside a save {outside:.1} steps/s, p99 {p99_outside:.1?}"
+            "table: {} rows, {} MiB; steps of {BATCH} upserts",
+            a.rows,
+            (a.rows * ROW_BYTES) >> 20
         );
-        for (parallel, from, to, blocked, peak) in saves.into_inner().unwrap() {
-            let (during, p99) = rate(&steps, from, to);
-            println!(
-                "  save, parallel {parallel}: {:.2} s, blocked {blocked:.2?}; during it {during:.1} steps/s ({:.2} x outside), p99 {p99:.1?}; copy-on-write peak so far {:.1} MiB ({:.1} % of the table)",
-                (to - from).as_secs_f64(),
-                during / outside,
-                peak as f64 / (1 << 20) as f64,
-                peak as f64 * 100.0 / (ROWS * ROW_BYTES) as f64,
-            );
+    }
+    for &trainers in &a.trainers {
+        for &hot_percent in &a.hot {
+            case(&a, &scratch, trainers, hot_percent);
         }
-        // The same save with the trainer idle.
-        for parallel in [1usize, 2] {
+    }
+}
+
+fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) {
+    let hot = (a.rows * hot_percent / 100).max(1);
+    let t = Arc::new(common::trainer_table(a.rows));
+    let tag = format!("t{trainers}h{hot_percent}");
+    // The stall of a blocking save: stop, save, resume; the table as the trainers left it.
+    let idle = |k: &str, parallel: usize| {
+        let mut opts = SaveOptions {
+            save_id: Some(format!("{tag}idle{k}")),
+            ..SaveOptions::default()
+        };
+        opts.plan.parallel = parallel;
+        let dir = scratch.join(format!("{tag}idle{k}"));
+        let start = Instant::now();
+        save_async(&dir, SaveInput::new().table(t.clone()), opts)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let took = start.elapsed();
+        std::fs::remove_dir_all(&dir).unwrap();
+        took
+    };
+    let stop = AtomicBool::new(false);
+    let begin = Instant::now();
+    let saves: Mutex<Vec<Save>> = Mutex::new(Vec::new());
+    let steps: Vec<(Duration, Duration)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..trainers)
+            .map(|k| {
+                let (t, stop) = (&t, &stop);
+                s.spawn(move || trainer(t, hot, 1 + k as u64, stop, begin))
+            })
+            .collect();
+        std::thread::sleep(Duration::from_secs(2));
+        for (k, parallel) in [1usize, 2, 1, 2].into_iter().enumerate() {
             let mut opts = SaveOptions {
-                save_id: Some(format!("idle{hot_percent}p{parallel}")),
+                save_id: Some(format!("{tag}k{k}")),
                 ..SaveOptions::default()
             };
             opts.plan.parallel = parallel;
-            let dir = scratch.join(format!("idle{hot_percent}p{parallel}"));
-            let start = Instant::now();
-            save_async(&dir, SaveInput::new().table(t.clone()), opts)
+            let dir = scratch.join(format!("{tag}k{k}"));
+            let from = begin.elapsed();
+            let h = save_async(&dir, SaveInput::new().table(t.clone()), opts).unwrap();
+            let blocked = begin.elapsed() - from;
+            h.wait().unwrap();
+            let to = begin.elapsed();
+            saves
+                .lock()
                 .unwrap()
-                .wait()
-                .unwrap();
-            println!(
-                "  save, parallel {parallel}, trainer idle: {:.2} s",
-                start.elapsed().as_secs_f64()
-            );
+                .push((parallel, from, to, blocked, t.point_in_time_bytes().1));
             std::fs::remove_dir_all(&dir).unwrap();
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        stop.store(true, Ordering::Relaxed);
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect()
+    });
+    let (outside, p50_out, p99_out) =
+        rate(&steps, Duration::from_millis(500), Duration::from_secs(2));
+    let idle_secs = [idle("1", 1), idle("2", 2)];
+    if !a.json {
+        println!(
+            "\n{trainers} trainer(s), hot set {hot_percent} %: outside a save {outside:.1} steps/s, p50 {p50_out:.2?}, p99 {p99_out:.2?}; blocking save (trainers stopped) {:.2} s / {:.2} s with 1 / 2 writers",
+            idle_secs[0].as_secs_f64(),
+            idle_secs[1].as_secs_f64()
+        );
+    }
+    for (parallel, from, to, blocked, peak) in saves.into_inner().unwrap() {
+        let (during, p50, p99) = rate(&steps, from, to);
+        let took = (to - from).as_secs_f64();
+        // Steps not taken during the save, in seconds of training at the pace outside.
+        let lost = took * (1.0 - during / outside);
+        let stall = idle_secs[parallel - 1].as_secs_f64();
+        if a.json {
+            println!(
+                "{{\"trainers\":{trainers},\"hot\":{hot_percent},\"writers\":{parallel},\"steps_ratio\":{:.4},\"p50_out_ms\":{:.4},\"p99_out_ms\":{:.4},\"p50_during_ms\":{:.4},\"p99_during_ms\":{:.4},\"p99_ratio\":{:.4},\"blocked_ms\":{:.4},\"lost_s\":{lost:.4},\"stall_s\":{stall:.4},\"save_s\":{took:.4},\"save_idle_s\":{stall:.4},\"cow_peak_mib\":{:.2}}}",
+                during / outside,
+                p50_out.as_secs_f64() * 1e3,
+                p99_out.as_secs_f64() * 1e3,
+                p50.as_secs_f64() * 1e3,
+                p99.as_secs_f64() * 1e3,
+                p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
+                blocked.as_secs_f64() * 1e3,
+                peak as f64 / (1 << 20) as f64,
+            );
+        } else {
+            println!(
+                "  save, {parallel} writer(s): {took:.2} s ({:.2} x idle), blocked {blocked:.2?}; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside); training lost {lost:.3} s against a blocking save's {stall:.3} s; copy-on-write peak so far {:.1} MiB ({:.1} % of the table)",
+                took / stall,
+                during / outside,
+                p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
+                peak as f64 / (1 << 20) as f64,
+                peak as f64 * 100.0 / (a.rows * ROW_BYTES) as f64,
+            );
         }
     }
 }
