@@ -68,7 +68,13 @@ fn prefetch_bytes(addr: u64, bytes: usize) {
 /// thread saves it.
 ///
 /// All slots of a row live side by side behind one map entry, so readers and the saver see a row
-/// either wholly before or wholly after an update, never torn. Rows are `u64` words, so that
+/// either wholly before or wholly after an update, never torn.
+///
+/// While a save runs, a trainer's write waits for the save only while the save's scan copies the
+/// ids and row addresses of the write's map shard out, and while the save copies one kept row:
+/// the save then reads rows by address without any lock a writer takes, and takes the row's
+/// copy-on-write pre-image instead wherever a write since the save's moment got there first (the
+/// argument, and its model check, are in the `snapshot` module's source). Rows are `u64` words, so that
 /// every slot can be viewed as `f32`/`i64`/… in place (each slot starts 8-byte aligned), kept in
 /// large slabs (see `slab`). Ids are raw 64-bit patterns; `i64` ids are stored as their
 /// two's-complement bits.

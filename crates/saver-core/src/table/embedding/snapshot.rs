@@ -12,8 +12,26 @@
 //! - A row taken out of the map (removed, or replaced by `insert`) while any snapshot is alive is
 //!   *retired* instead of freed, and goes back to the table's slabs for reuse only when the last
 //!   snapshot ends.
-//! - A read holds the read lock of the dashmap shard the row's id belongs to, as `get` would, so
-//!   it never overlaps an in-place update (which holds that shard's write lock).
+//! - A read by handle takes no lock of the row's shard. It copies the row, then looks for the
+//!   row's pre-image (under the pre-images' lock of the shard) and takes that instead if there
+//!   is one.
+//!
+//! Why a read by handle is never torn nor late, with trainers writing the row meanwhile:
+//! - Every write in place after the snapshot's moment keeps the row's pre-image, under the
+//!   pre-images' lock, before its first word. If the copy saw any word of such a write, the
+//!   read's lock of the pre-images comes after the writer's (had it come before, the copy would
+//!   have happened before the write: a read cannot see a write that happens after it), so the
+//!   read finds the pre-image, and the copy is dropped.
+//! - A write that began before the moment, and so kept nothing, holds its shard's write lock
+//!   until it ends; the scan holds that shard's read lock after the moment before it hands out
+//!   any of the shard's addresses, so every such write has ended before a read can start.
+//! - A row that left the map is retired, never written again, and its memory stays until the
+//!   last snapshot ends.
+//!
+//! So a copy that overlapped a write is never kept, and one that did not is the row at the
+//! moment. The copy reads words a writer may be storing at that instant, with volatile loads,
+//! as sequence locks do (`crossbeam`'s `AtomicCell` reads the same way), and is dropped in that
+//! case. `model` below checks the argument over every interleaving of a writer and a reader.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -24,16 +42,27 @@ use super::{EmbeddingTable, Row};
 use crate::error::{Error, Result};
 use crate::table::{RowChunk, TableSnapshot};
 
-/// Rows per read-lock hold: long enough to make locking free, short enough that a training thread
-/// updating a row of the same shard waits microseconds, not a whole chunk.
-const LOCK_RUN: usize = 256;
-
 /// Most bytes of ids, handles and values a scan copies out of a shard to hand them on after
 /// releasing its lock (see `scan_part`).
 const COLLECT_BYTES: usize = 32 << 20;
 
 /// Rows ahead of the one being copied whose memory is prefetched.
 const PREFETCH_AHEAD: usize = 16;
+
+/// Copies the words at `addr` into `out`, which a writer may be storing to meanwhile (see the
+/// module docs: such a copy is dropped for the row's pre-image).
+///
+/// # Safety
+/// `addr` is a row of the table's slabs that stays allocated while this runs, at least
+/// `out.len()` words long.
+unsafe fn copy_words(addr: u64, out: &mut [u64]) {
+    let src = addr as *const u64;
+    for (k, w) in out.iter_mut().enumerate() {
+        // SAFETY: within the row (the caller's guarantee). Volatile, so that the compiler
+        // neither assumes the words stand still nor merges the loads with the check after them.
+        *w = unsafe { std::ptr::read_volatile(src.add(k)) };
+    }
+}
 
 /// Rows taken out of the map while a snapshot was alive.
 #[derive(Default)]
@@ -374,39 +403,142 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         for &h in handles.iter().take(PREFETCH_AHEAD) {
             super::prefetch_bytes(h, row_bytes);
         }
-        let shards = t.rows.shards();
-        let mut r = 0;
-        while r < ids.len() {
-            let shard = t.rows.determine_map(&ids[r]);
-            let _guard = shards[shard].read();
-            let mut pre = t.pre.shard(shard);
-            let run_end = (r + LOCK_RUN).min(ids.len());
-            loop {
-                if let Some(&ahead) = handles.get(r + PREFETCH_AHEAD) {
-                    super::prefetch_bytes(ahead, row_bytes);
-                }
-                // Written since the moment (or removed: handle 0): read as it was then.
-                if !pre.is_empty() && self.copy_pre_image(&mut pre, ids[r], r, out)? {
-                    r += 1;
-                    if r == run_end || t.rows.determine_map(&ids[r]) != shard {
-                        break;
-                    }
-                    continue;
-                }
-                // SAFETY: the caller guarantees `handles[r]` is the address this snapshot's scan
-                // found for `ids[r]`. That row is in the map or retired (see `Retired::retire`),
-                // so its memory lives until this snapshot ends and holds `row_words` words; the
-                // shard read lock held here excludes in-place updates, which hold the write lock
-                // of the id's shard; retired rows are never written.
-                let row =
-                    unsafe { std::slice::from_raw_parts(handles[r] as *const u64, t.row_words) };
-                t.copy_row_into(row, r, out);
-                r += 1;
-                if r == run_end || t.rows.determine_map(&ids[r]) != shard {
-                    break;
-                }
+        let mut copy = vec![0u64; t.row_words];
+        for (r, (&id, &h)) in ids.iter().zip(handles).enumerate() {
+            if let Some(&ahead) = handles.get(r + PREFETCH_AHEAD) {
+                super::prefetch_bytes(ahead, row_bytes);
             }
+            let shard = t.rows.determine_map(&id);
+            // No lock of the row's shard, so a trainer's write of it never waits for this read:
+            // the row is copied, and then its pre-image looked for, which a writer keeps before
+            // it writes (see the module docs).
+            if h != 0 {
+                // SAFETY: the caller guarantees `h` is the address this snapshot's scan found
+                // for `id` (0 for a row removed since the moment, which is not read). That row
+                // is in the map or retired (see `Retired::retire`), so its memory lives until
+                // this snapshot ends and holds `row_words` words.
+                unsafe { copy_words(h, &mut copy) };
+            }
+            if self.copy_pre_image(&mut t.pre.shard(shard), id, r, out)? {
+                continue;
+            }
+            if h == 0 {
+                return Err(self.row_error(id, "was in the snapshot but can no longer be read"));
+            }
+            t.copy_row_into(&copy, r, out);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod model {
+    //! The argument of the module docs, checked over every interleaving: one row of two words,
+    //! a trainer that writes it twice after the moment (`before_write`, then the words), and a
+    //! save that reads it by handle. Each step is one load, store or lock operation; the search
+    //! runs every order of the two threads' steps that the lock allows and checks what the read
+    //! returns. It also runs the read with its two halves swapped (the pre-image looked for
+    //! before the copy), to show that the search finds the torn or late reads such an order
+    //! allows.
+
+    #[derive(Clone, Copy)]
+    enum Step {
+        Lock,
+        Unlock,
+        /// The writer keeps the pre-image, if none is kept yet.
+        Keep,
+        /// The writer stores word `k`.
+        Store(usize, u64),
+        /// The reader copies word `k`.
+        Copy(usize),
+        /// The reader looks for the pre-image.
+        Look,
+    }
+
+    #[derive(Clone, Default)]
+    struct State {
+        words: [u64; 2],
+        kept: Option<[u64; 2]>,
+        /// Which thread holds the lock.
+        holder: Option<usize>,
+        copy: [u64; 2],
+        seen: Option<[u64; 2]>,
+        at: [usize; 2],
+    }
+
+    fn trainer() -> Vec<Step> {
+        [2, 3]
+            .into_iter()
+            .flat_map(|v| {
+                [
+                    Step::Lock,
+                    Step::Keep,
+                    Step::Unlock,
+                    Step::Store(0, v),
+                    Step::Store(1, v),
+                ]
+            })
+            .collect()
+    }
+
+    /// Every value the read can return, over all interleavings.
+    fn outcomes(reader: &[Step]) -> Vec<[u64; 2]> {
+        let programs = [trainer(), reader.to_vec()];
+        let mut out = Vec::new();
+        let mut stack = vec![State {
+            words: [1, 1],
+            ..State::default()
+        }];
+        while let Some(s) = stack.pop() {
+            if s.at[1] == programs[1].len() {
+                out.push(s.seen.unwrap_or(s.copy));
+                continue;
+            }
+            for (t, program) in programs.iter().enumerate() {
+                let Some(&step) = program.get(s.at[t]) else {
+                    continue;
+                };
+                let mut n = s.clone();
+                match step {
+                    Step::Lock if s.holder.is_some() => continue,
+                    Step::Lock => n.holder = Some(t),
+                    Step::Unlock => n.holder = None,
+                    Step::Keep => {
+                        n.kept.get_or_insert(s.words);
+                    }
+                    Step::Store(k, v) => n.words[k] = v,
+                    Step::Copy(k) => n.copy[k] = s.words[k],
+                    Step::Look => n.seen = s.kept,
+                }
+                n.at[t] += 1;
+                stack.push(n);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_read_sees_the_row_as_it_was_at_the_moment_in_every_interleaving() {
+        // `read_rows_by_handle`: the copy, then the pre-image under the lock.
+        let read = [
+            Step::Copy(0),
+            Step::Copy(1),
+            Step::Lock,
+            Step::Look,
+            Step::Unlock,
+        ];
+        let seen = outcomes(&read);
+        assert!(seen.len() > 100, "{} interleavings", seen.len());
+        assert!(seen.iter().all(|&v| v == [1, 1]), "{seen:?}");
+        // The halves swapped: reads that are torn or late exist, and the search finds them.
+        let swapped = [
+            Step::Lock,
+            Step::Look,
+            Step::Unlock,
+            Step::Copy(0),
+            Step::Copy(1),
+        ];
+        let seen = outcomes(&swapped);
+        assert!(seen.contains(&[2, 1]) && seen.contains(&[3, 3]), "{seen:?}");
     }
 }
