@@ -25,11 +25,13 @@ use serde::Deserialize;
 
 use super::index::{Index, RawIndex};
 use super::{
-    format_version_of, Manifest, ParentRef, RawManifest, RawShardManifest, ShardManifest,
-    TableManifest, TensorRef, DELTA_FORMAT_VERSION, FORMAT_NAME, FORMAT_VERSION,
+    format_version_of, DenseManifest, FileManifest, Manifest, ParentRef, RawManifest,
+    RawShardManifest, ShardManifest, TableManifest, TensorRef, DELTA_FORMAT_VERSION, FORMAT_NAME,
+    FORMAT_VERSION,
 };
 use crate::error::{Error, Result};
 use crate::naming::{check_file_name, check_save_id, removed_table_of, INDEX_FILE};
+use crate::partition::PartitionRule;
 
 /// Largest document (index, manifest, shard manifest) read whole: a manifest of about a million
 /// segments, far past any checkpoint's.
@@ -61,8 +63,9 @@ fn check_version(file: &str, found: Option<serde_json::Value>) -> Result<()> {
     })
 }
 
-/// The `format_version` of a manifest or shard manifest, probed.
-fn probe_document_version(bytes: &[u8], file: &str) -> Result<()> {
+/// A manifest or shard manifest as serde reads it, unchecked: its `format_version` probed first,
+/// then the whole parsed once, straight into its types, so memory stays near the file's size.
+fn parse_raw<R: serde::de::DeserializeOwned>(bytes: &[u8], file: &str, what: &str) -> Result<R> {
     #[derive(Deserialize)]
     struct Probe {
         #[serde(default)]
@@ -70,7 +73,8 @@ fn probe_document_version(bytes: &[u8], file: &str) -> Result<()> {
     }
     let probe: Probe =
         serde_json::from_slice(bytes).map_err(|e| corrupt(file, format!("not valid JSON: {e}")))?;
-    check_version(file, probe.format_version)
+    check_version(file, probe.format_version)?;
+    serde_json::from_slice(bytes).map_err(|e| corrupt(file, format!("not {what}: {e}")))
 }
 
 impl Index {
@@ -117,11 +121,7 @@ impl Manifest {
     /// Parses a manifest and checks it on its own: format and version, parent, tables, files and
     /// the tensors they hold. Use [`Manifest::parse_committed`] to read the one an index commits.
     pub fn parse(bytes: &[u8], file: &str) -> Result<Manifest> {
-        probe_document_version(bytes, file)?;
-        // Parsed once, straight into its types, so memory stays near the file's size.
-        let m = serde_json::from_slice::<RawManifest>(bytes)
-            .map_err(|e| corrupt(file, format!("not a saver manifest: {e}")))?
-            .unchecked();
+        let m = parse_raw::<RawManifest>(bytes, file, "a saver manifest")?.unchecked();
         check_manifest(&m, file)?;
         Ok(m)
     }
@@ -151,24 +151,26 @@ impl ShardManifest {
     /// Parses and checks a shard manifest: format and version, save id, shard number, parent,
     /// tables and safe file names. Whether the shards of a save agree is [`Manifest::merge`]'s.
     pub fn parse(bytes: &[u8], file: &str) -> Result<ShardManifest> {
-        probe_document_version(bytes, file)?;
-        let m = serde_json::from_slice::<RawShardManifest>(bytes)
-            .map_err(|e| corrupt(file, format!("not a shard manifest: {e}")))?
-            .unchecked();
-        let bad = |what: String| corrupt(file, what);
-        check_format(&m.format, m.format_version, m.parent.as_ref(), file)?;
-        check_save_id(&m.save_id).map_err(|e| bad(e.to_string()))?;
+        let m = parse_raw::<RawShardManifest>(bytes, file, "a shard manifest")?.unchecked();
         if m.shard >= m.shard_num {
-            return Err(bad(format!("shard {} of {} shards", m.shard, m.shard_num)));
+            return Err(corrupt(
+                file,
+                format!("shard {} of {} shards", m.shard, m.shard_num),
+            ));
         }
-        m.partition.validate()?;
-        check_files_and_tables(
-            &m.files.iter().map(|f| f.name.as_str()).collect::<Vec<_>>(),
-            &m.tables,
-            m.dense.iter().map(|d| &d.tensor),
+        check_body(
+            &Body {
+                format: &m.format,
+                version: m.format_version,
+                parent: m.parent.as_ref(),
+                save_id: &m.save_id,
+                partition: &m.partition,
+                files: &m.files,
+                tables: &m.tables,
+                dense: &m.dense,
+            },
             file,
         )?;
-        check_removed_tables(&m.tables, m.parent.is_some(), file)?;
         Ok(m)
     }
 }
@@ -276,10 +278,52 @@ fn check_files_and_tables<'a>(
     Ok(refs)
 }
 
+/// What a manifest and a shard manifest both hold, and are checked for alike.
+struct Body<'a> {
+    format: &'a str,
+    version: u32,
+    parent: Option<&'a ParentRef>,
+    save_id: &'a str,
+    partition: &'a PartitionRule,
+    files: &'a [FileManifest],
+    tables: &'a [TableManifest],
+    dense: &'a [DenseManifest],
+}
+
+/// Format and version, save id, partition rule, removed-ids tables, safe file names, tensors
+/// listed once in listed files, consistent tables.
+fn check_body(b: &Body<'_>, file: &str) -> Result<()> {
+    check_format(b.format, b.version, b.parent, file)?;
+    check_save_id(b.save_id).map_err(|e| corrupt(file, e.to_string()))?;
+    check_removed_tables(b.tables, b.parent.is_some(), file)?;
+    b.partition.validate()?;
+    check_files_and_tables(
+        &b.files.iter().map(|f| f.name.as_str()).collect::<Vec<_>>(),
+        b.tables,
+        b.dense.iter().map(|d| &d.tensor),
+        file,
+    )?;
+    Ok(())
+}
+
 /// Internal consistency of a manifest.
 fn check_manifest(m: &Manifest, file: &str) -> Result<()> {
-    check_format(&m.format, m.format_version, m.parent.as_ref(), file)?;
-    check_save_id(&m.save_id).map_err(|e| corrupt(file, e.to_string()))?;
+    check_body(
+        &Body {
+            format: &m.format,
+            version: m.format_version,
+            parent: m.parent.as_ref(),
+            save_id: &m.save_id,
+            partition: &m.partition,
+            files: &m.files,
+            tables: &m.tables,
+            dense: &m.dense,
+        },
+        file,
+    )?;
+    if m.shard_num == 0 {
+        return Err(corrupt(file, "zero shards"));
+    }
     for name in &m.dense_in_parent {
         if m.parent.is_none() || m.dense.iter().any(|d| &d.tensor.name == name) {
             return Err(corrupt(
@@ -295,17 +339,6 @@ fn check_manifest(m: &Manifest, file: &str) -> Result<()> {
             ));
         }
     }
-    check_removed_tables(&m.tables, m.parent.is_some(), file)?;
-    m.partition.validate()?;
-    if m.shard_num == 0 {
-        return Err(corrupt(file, "zero shards"));
-    }
-    check_files_and_tables(
-        &m.files.iter().map(|f| f.name.as_str()).collect::<Vec<_>>(),
-        &m.tables,
-        m.dense.iter().map(|d| &d.tensor),
-        file,
-    )?;
     Ok(())
 }
 
