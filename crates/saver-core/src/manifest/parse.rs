@@ -77,6 +77,34 @@ fn parse_raw<R: serde::de::DeserializeOwned>(bytes: &[u8], file: &str, what: &st
     serde_json::from_slice(bytes).map_err(|e| corrupt(file, format!("not {what}: {e}")))
 }
 
+/// What a manifest and a shard manifest both hold, and are checked for alike.
+struct Body<'a> {
+    format: &'a str,
+    version: u32,
+    parent: Option<&'a ParentRef>,
+    save_id: &'a str,
+    partition: &'a PartitionRule,
+    files: &'a [FileManifest],
+    tables: &'a [TableManifest],
+    dense: &'a [DenseManifest],
+}
+
+/// The [`Body`] of a manifest or a shard manifest: the fields have the same names in both.
+macro_rules! body_of {
+    ($m:expr) => {
+        Body {
+            format: &$m.format,
+            version: $m.format_version,
+            parent: $m.parent.as_ref(),
+            save_id: &$m.save_id,
+            partition: &$m.partition,
+            files: &$m.files,
+            tables: &$m.tables,
+            dense: &$m.dense,
+        }
+    };
+}
+
 impl Index {
     /// Parses and checks an index: known version, saver format, a valid save id, safe names.
     pub fn parse(bytes: &[u8], file: &str) -> Result<Index> {
@@ -158,19 +186,7 @@ impl ShardManifest {
                 format!("shard {} of {} shards", m.shard, m.shard_num),
             ));
         }
-        check_body(
-            &Body {
-                format: &m.format,
-                version: m.format_version,
-                parent: m.parent.as_ref(),
-                save_id: &m.save_id,
-                partition: &m.partition,
-                files: &m.files,
-                tables: &m.tables,
-                dense: &m.dense,
-            },
-            file,
-        )?;
+        check_body(&body_of!(m), file)?;
         Ok(m)
     }
 }
@@ -278,18 +294,6 @@ fn check_files_and_tables<'a>(
     Ok(refs)
 }
 
-/// What a manifest and a shard manifest both hold, and are checked for alike.
-struct Body<'a> {
-    format: &'a str,
-    version: u32,
-    parent: Option<&'a ParentRef>,
-    save_id: &'a str,
-    partition: &'a PartitionRule,
-    files: &'a [FileManifest],
-    tables: &'a [TableManifest],
-    dense: &'a [DenseManifest],
-}
-
 /// Format and version, save id, partition rule, removed-ids tables, safe file names, tensors
 /// listed once in listed files, consistent tables.
 fn check_body(b: &Body<'_>, file: &str) -> Result<()> {
@@ -308,19 +312,7 @@ fn check_body(b: &Body<'_>, file: &str) -> Result<()> {
 
 /// Internal consistency of a manifest.
 fn check_manifest(m: &Manifest, file: &str) -> Result<()> {
-    check_body(
-        &Body {
-            format: &m.format,
-            version: m.format_version,
-            parent: m.parent.as_ref(),
-            save_id: &m.save_id,
-            partition: &m.partition,
-            files: &m.files,
-            tables: &m.tables,
-            dense: &m.dense,
-        },
-        file,
-    )?;
+    check_body(&body_of!(m), file)?;
     if m.shard_num == 0 {
         return Err(corrupt(file, "zero shards"));
     }
