@@ -130,6 +130,10 @@ pub fn save_async(
         }
         let _ = moment_tx.try_send(());
     })));
+    // As many threads as the save has writers, and no more: a trainer shares the machine with
+    // them, and each thread the save runs beyond the cores the trainer leaves free takes its
+    // turns on a trainer's core.
+    let threads = opts.plan.parallel.max(1);
     let thread = std::thread::Builder::new()
         .name("saver-background".into())
         .spawn(move || {
@@ -140,6 +144,7 @@ pub fn save_async(
             // the pool's other jobs meanwhile, and another save's job that waits for this one's
             // commit would then block underneath it.
             let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
                 .thread_name(|i| format!("saver-background-{i}"))
                 .build();
             let save = || {
