@@ -103,6 +103,24 @@ fn args() -> Args {
 /// copy-on-write peak).
 type Save = (usize, Duration, Duration, Duration, usize);
 
+/// Writes `bytes` to a new file at `path` in 8 MiB writes and syncs it, at the background save's
+/// priority (nice +10), then removes it.
+fn plain_write(path: &std::path::Path, bytes: &[u8]) {
+    use std::io::Write;
+    // SAFETY: setpriority of the calling thread has no memory effects.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+    }
+    let mut f = std::fs::File::create(path).unwrap();
+    for c in bytes.chunks(8 << 20) {
+        f.write_all(c).unwrap();
+    }
+    f.sync_data().unwrap();
+    drop(f);
+    std::fs::remove_file(path).unwrap();
+}
+
 fn main() {
     let a = args();
     let scratch = common::scratch().join("train-while-saving");
@@ -145,6 +163,10 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
     let stop = AtomicBool::new(false);
     let begin = Instant::now();
     let saves: Mutex<Vec<Save>> = Mutex::new(Vec::new());
+    let plain: Mutex<Vec<(Duration, Duration)>> = Mutex::new(Vec::new());
+    // A buffer of the table's size for the plain writes, filled (so mapped) before the trainers
+    // start.
+    let source: Vec<u8> = (0..a.rows * ROW_BYTES).map(|i| i as u8).collect();
     let steps: Vec<(Duration, Duration)> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..trainers)
             .map(|k| {
@@ -172,6 +194,18 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             std::fs::remove_dir_all(&dir).unwrap();
             std::thread::sleep(Duration::from_secs(1));
         }
+        // The floor: the same bytes written from memory to a file and synced, by one thread at
+        // the save's priority, with no table, lock or copy-on-write in the way.
+        for _ in 0..2 {
+            let from = begin.elapsed();
+            std::thread::scope(|p| {
+                p.spawn(|| plain_write(&scratch.join(format!("{tag}plain")), &source))
+                    .join()
+                    .unwrap()
+            });
+            plain.lock().unwrap().push((from, begin.elapsed()));
+            std::thread::sleep(Duration::from_secs(1));
+        }
         stop.store(true, Ordering::Relaxed);
         workers
             .into_iter()
@@ -187,6 +221,28 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             idle_secs[0].as_secs_f64(),
             idle_secs[1].as_secs_f64()
         );
+    }
+    for (from, to) in plain.into_inner().unwrap() {
+        let (during, p50, p99) = rate(&steps, from, to);
+        let took = (to - from).as_secs_f64();
+        if a.json {
+            println!(
+                "{{\"trainers\":{trainers},\"hot\":{hot_percent},\"writers\":0,\"steps_ratio\":{:.4},\"p50_out_ms\":{:.4},\"p99_out_ms\":{:.4},\"p50_during_ms\":{:.4},\"p99_during_ms\":{:.4},\"p99_ratio\":{:.4},\"blocked_ms\":0,\"lost_s\":{:.4},\"stall_s\":0,\"save_s\":{took:.4},\"save_idle_s\":0,\"cow_peak_mib\":0}}",
+                during / outside,
+                p50_out.as_secs_f64() * 1e3,
+                p99_out.as_secs_f64() * 1e3,
+                p50.as_secs_f64() * 1e3,
+                p99.as_secs_f64() * 1e3,
+                p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
+                took * (1.0 - during / outside),
+            );
+        } else {
+            println!(
+                "  floor, a plain write of the same bytes: {took:.2} s; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside)",
+                during / outside,
+                p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
+            );
+        }
     }
     for (parallel, from, to, blocked, peak) in saves.into_inner().unwrap() {
         let (during, p50, p99) = rate(&steps, from, to);
