@@ -6,15 +6,25 @@
 //! adds the rows that were removed since. Kept rows are freed as the save reads them, and all at
 //! once when the snapshot ends, so memory is bounded by the rows written during the save.
 //!
-//! Everything here for an id is read and written under the lock of the id's dashmap shard: a
-//! write holds its write lock, the snapshot its read lock. So for any id the snapshot sees either
-//! the row before the trainer's write and no pre-image, or the pre-image.
+//! A write keeps a pre-image under the write lock of the id's dashmap shard and the lock of the
+//! shard's pre-images; a save's reads look for it under the latter (the `snapshot` module says
+//! why that is enough).
+//!
+//! Each moment has a tag, and a row whose pre-image is kept carries the moment's tag (see
+//! `slab::Row`): the trainer's next writes of the row in that moment, which are most of its
+//! writes when it trains on a hot set, see the tag and skip the lock and the lookup. Tags cycle
+//! through `1..=u16::MAX`; before one comes round again, every row's tag is cleared.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
+use super::hasher::IdHashBuilder;
 use crate::table::moment;
+
+/// The pre-images of one map shard: keyed by ids, which `IdHashBuilder` hashes in a few cycles
+/// (a first write during a save looks its id up here).
+pub(super) type ShardPreImages = HashMap<u64, PreImage, IdHashBuilder>;
 
 /// What a point-in-time snapshot kept of one row.
 pub(super) struct PreImage {
@@ -42,8 +52,10 @@ struct Sharing {
 pub(super) struct PreImages {
     /// Generation of the open moment (0: none).
     generation: AtomicU64,
+    /// The tag of the open moment, or of the next one (see the module docs).
+    tag: AtomicU16,
     sharing: Mutex<Sharing>,
-    shards: Box<[Mutex<HashMap<u64, PreImage>>]>,
+    shards: Box<[Mutex<ShardPreImages>]>,
     /// Bytes of row words kept now, and the most kept at once since the table was made.
     kept_bytes: AtomicUsize,
     peak_bytes: AtomicUsize,
@@ -59,6 +71,7 @@ impl PreImages {
     pub(super) fn new(shards: usize) -> Self {
         Self {
             generation: AtomicU64::new(0),
+            tag: AtomicU16::new(1),
             sharing: Mutex::default(),
             shards: (0..shards).map(|_| Mutex::default()).collect(),
             kept_bytes: AtomicUsize::new(0),
@@ -107,8 +120,9 @@ impl PreImages {
         true
     }
 
-    /// Closes a snapshot; the last one closes the moment and frees every pre-image.
-    pub(super) fn close(&self) {
+    /// Closes a snapshot; the last one closes the moment, frees every pre-image and moves on to
+    /// the next tag. Before a tag comes round again, `clear_tags` takes every row's tag off.
+    pub(super) fn close(&self, clear_tags: impl FnOnce()) {
         let mut sharing = lock(&self.sharing);
         sharing.open -= 1;
         if sharing.open > 0 {
@@ -120,21 +134,45 @@ impl PreImages {
             let bytes: usize = freed.values().map(PreImage::bytes).sum();
             self.kept_bytes.fetch_sub(bytes, Ordering::SeqCst);
         }
+        // After the generation is zeroed, so that a write that sees the next moment's generation
+        // also sees its tag; under `sharing`, so that no moment opens while tags are cleared.
+        let tag = self.tag.load(Ordering::SeqCst);
+        if tag == u16::MAX {
+            clear_tags();
+        }
+        self.tag.store(tag % u16::MAX + 1, Ordering::SeqCst);
+    }
+
+    /// The tag that a row whose pre-image the open moment keeps carries. Read after
+    /// [`Self::active`]: a moment's tag is set before its generation.
+    #[inline]
+    pub(super) fn tag(&self) -> u16 {
+        self.tag.load(Ordering::SeqCst)
     }
 
     /// Called under the write lock of `id`'s shard `shard`, before a write while [`Self::active`]:
     /// keeps `row` (the row's words now, `None` if the id has none) unless a pre-image of `id` is
-    /// kept already, and records whether the id will be in the map after the write.
-    pub(super) fn before_write(&self, shard: usize, id: u64, row: Option<&[u64]>, in_map: bool) {
+    /// kept already, and records whether the id will be in the map after the write. Returns the
+    /// moment's tag, for the row written, if the moment is still open (so a pre-image of `id` is
+    /// kept for it).
+    pub(super) fn before_write(
+        &self,
+        shard: usize,
+        id: u64,
+        row: Option<&[u64]>,
+        in_map: bool,
+    ) -> Option<u16> {
         let mut pre = lock(&self.shards[shard]);
         // Checked again under the lock: `close` clears each map after it zeroes the generation,
-        // so a write that saw the snapshot open just before it closed keeps nothing stale.
+        // so a write that saw the snapshot open just before it closed keeps nothing stale; and
+        // it moves on to the next tag only after it has cleared this map.
         if !self.active() {
-            return;
+            return None;
         }
+        let tag = self.tag();
         if let Some(p) = pre.get_mut(&id) {
             p.in_map = in_map;
-            return;
+            return Some(tag);
         }
         let words: Option<Box<[u64]>> = row.map(Into::into);
         let bytes = words.as_ref().map_or(0, |w| w.len() * 8);
@@ -153,10 +191,11 @@ impl PreImages {
         drop(pre);
         self.peak_bytes.fetch_max(now, Ordering::SeqCst);
         self.moment_peak.fetch_max(now, Ordering::SeqCst);
+        Some(tag)
     }
 
     /// The pre-images of shard `shard`, locked; call with the shard's map lock held.
-    pub(super) fn shard(&self, shard: usize) -> MutexGuard<'_, HashMap<u64, PreImage>> {
+    pub(super) fn shard(&self, shard: usize) -> MutexGuard<'_, ShardPreImages> {
         lock(&self.shards[shard])
     }
 
@@ -187,6 +226,12 @@ impl PreImages {
     /// The most bytes of pre-images kept at once since the open moment (or the last one) began.
     pub(super) fn moment_peak(&self) -> usize {
         self.moment_peak.load(Ordering::SeqCst)
+    }
+
+    /// Sets the next moment's tag.
+    #[cfg(test)]
+    pub(super) fn set_tag_for_test(&self, tag: u16) {
+        self.tag.store(tag, Ordering::SeqCst);
     }
 
     /// Pre-image entries (kept or already read) of the open snapshot.

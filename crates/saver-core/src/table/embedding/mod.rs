@@ -7,7 +7,9 @@ mod snapshot;
 
 use std::ops::Range;
 
-use dashmap::{DashMap, Entry, SharedValue};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use dashmap::{DashMap, SharedValue};
 use rayon::prelude::*;
 
 use cow::PreImages;
@@ -70,11 +72,14 @@ fn prefetch_bytes(addr: u64, bytes: usize) {
 /// All slots of a row live side by side behind one map entry, so readers and the saver see a row
 /// either wholly before or wholly after an update, never torn.
 ///
-/// While a save runs, a trainer's write waits for the save only while the save's scan copies the
-/// ids and row addresses of the write's map shard out, and while the save copies one kept row:
-/// the save then reads rows by address without any lock a writer takes, and takes the row's
-/// copy-on-write pre-image instead wherever a write since the save's moment got there first (the
-/// argument, and its model check, are in the `snapshot` module's source). Rows are `u64` words, so that
+/// While a save runs, a trainer's write waits for the save at most while the save's scan copies
+/// a few thousand ids and row addresses of the write's map shard out (one short hold of the
+/// shard's read lock), or looks for the pre-images of a run of rows it read: the save reads rows
+/// by address without any lock a writer takes, and takes the row's copy-on-write pre-image
+/// instead wherever a write since the save's moment got there first (the argument, and its model
+/// check, are in the `snapshot` module's source). The first write of a row after the moment
+/// keeps its pre-image; the row then carries the moment's tag, and the next writes of it cost
+/// what they cost with no save open, but for one compare. Rows are `u64` words, so that
 /// every slot can be viewed as `f32`/`i64`/… in place (each slot starts 8-byte aligned), kept in
 /// large slabs (see `slab`). Ids are raw 64-bit patterns; `i64` ids are stored as their
 /// two's-complement bits.
@@ -96,6 +101,9 @@ pub struct EmbeddingTable {
     pre: PreImages,
     /// Change tracking, when turned on ([`EmbeddingTable::with_change_tracking`]).
     tracking: Option<Box<Tracking>>,
+    /// Per map shard: how many times a write may have grown or rehashed it, moving its rows
+    /// (see `find_or_slot`). Changed and read only under the shard's lock.
+    reshaped: Box<[AtomicU64]>,
 }
 
 /// What a tracking table keeps beside its rows: each row also holds, in one word after its slots,
@@ -196,7 +204,8 @@ impl EmbeddingTable {
             OrderedIdHashBuilder::for_rows(rows, MAP_SHARDS, buckets.clone()),
             MAP_SHARDS,
         );
-        let pre = PreImages::new(map.shards().len());
+        let map_shards = map.shards().len();
+        let pre = PreImages::new(map_shards);
         Ok(Self {
             schema: TableSchema {
                 name,
@@ -210,6 +219,7 @@ impl EmbeddingTable {
             slabs: Slabs::new(off / 8, arenas as usize, rows),
             buckets,
             retired: Retired::default(),
+            reshaped: (0..map_shards).map(|_| AtomicU64::new(0)).collect(),
             pre,
             tracking: None,
         })
@@ -328,6 +338,31 @@ impl EmbeddingTable {
                 })
             })
             .collect()
+    }
+
+    /// The rows `map` (one of the table's shards, locked by the caller) holds of the listed
+    /// `ids`, with their ids. Listed ids are scattered over the map and the slabs, far larger
+    /// than the caches: after their probes, their rows' stamps (or whole rows, if `whole`) are
+    /// prefetched ahead of their reads, so that the misses overlap.
+    fn listed_rows<'m>(
+        &'m self,
+        map: &'m RowMap,
+        ids: &[u64],
+        whole: bool,
+    ) -> impl Iterator<Item = (u64, &'m Row)> + 'm {
+        let found: Vec<(u64, &Row)> = ids
+            .iter()
+            .zip(self.rows_of(map, ids))
+            .filter_map(|(&id, row)| Some((id, row?)))
+            .collect();
+        let wanted = if whole { self.row_words * 8 } else { 8 };
+        let skip = (self.row_words * 8).saturating_sub(wanted) as u64;
+        (0..found.len()).map(move |k| {
+            if let Some(&(_, ahead)) = found.get(k + PREFETCH_AHEAD) {
+                prefetch_bytes(self.slabs.words(ahead).as_ptr() as u64 + skip, wanted);
+            }
+            found[k]
+        })
     }
 
     /// The table's name. (Also [`SparseTable::name`]; inherent, so that `t.name()` compiles
@@ -506,22 +541,69 @@ impl EmbeddingTable {
 
     /// Keeps the pre-image of `id`'s row (`row`: its words now, `None` if it has none) for an
     /// open point-in-time snapshot whose moment has passed, before a write; `in_map`: whether the
-    /// id will have a row after the write. Called with the id's map entry locked. The only cost
-    /// to a trainer's write while no save is open is the check of `pre.active()`.
+    /// id will have a row after the write. Called with the id's map entry locked. Returns the
+    /// moment's tag for the row that holds the id after the write (see `cow`), if a pre-image is
+    /// kept for it. The only cost to a trainer's write while no save is open is the check of
+    /// `pre.active()`.
     #[inline]
-    fn before_write(&self, id: u64, row: Option<&Row>, in_map: bool) {
-        if self.pre.active() {
-            let shard = self.rows.determine_map(&id);
-            let words = row.map(|r| self.slabs.words(r));
-            self.pre.before_write(shard, id, words, in_map);
+    fn before_write(&self, id: u64, row: Option<&Row>, in_map: bool) -> Option<u16> {
+        if !self.pre.active() {
+            return None;
+        }
+        let tag = self.pre.tag();
+        // A row that carries the moment's tag has its pre-image kept (only a write that kept it
+        // tags the row, and only with the tag of the moment it kept it for): most writes of a
+        // row during a save end here, without a lock or a lookup. Not for a removal, which
+        // records that the id leaves the map.
+        if in_map && row.is_some_and(|r| r.tag() == tag) {
+            return Some(tag);
+        }
+        let shard = self.rows.determine_map(&id);
+        let words = row.map(|r| self.slabs.words(r));
+        self.pre.before_write(shard, id, words, in_map)
+    }
+
+    /// The bucket of `id` (hash `hash`) in map shard `shard`, write-locked as `map`, or the slot
+    /// to insert it in. Finding the slot may first grow or rehash the map, which moves its rows:
+    /// that is counted in `reshaped` first, for scans that walk the shard a part at a time.
+    #[allow(clippy::type_complexity)]
+    fn find_or_slot(
+        &self,
+        map: &mut RowMap,
+        shard: usize,
+        hash: u64,
+        id: u64,
+    ) -> std::result::Result<
+        hashbrown::raw::Bucket<(u64, SharedValue<Row>)>,
+        hashbrown::raw::InsertSlot,
+    > {
+        // hashbrown reshapes before it looks when no slot is left to grow into (`capacity` is
+        // the rows plus the slots left).
+        if map.len() == map.capacity() {
+            self.reshaped[shard].fetch_add(1, Ordering::Relaxed);
+        }
+        let rehash = |(k, _): &(u64, SharedValue<Row>)| self.rows.hash_usize(k) as u64;
+        map.find_or_find_insert_slot(hash, |(k, _)| *k == id, rehash)
+    }
+
+    /// Takes every row's tag off (see `cow`), each map shard write-locked in turn.
+    fn clear_tags(&self) {
+        for shard in self.rows.shards() {
+            let map = shard.write();
+            // SAFETY: the write guard keeps the table unmodified by others while its buckets are
+            // walked, and the references do not outlive the loop.
+            for bucket in unsafe { map.iter() } {
+                // SAFETY: as above; the bucket was just yielded by the iterator.
+                unsafe { bucket.as_mut() }.1.get_mut().set_tag(0);
+            }
+            drop(map);
         }
     }
 
     /// Inserts or replaces the row of `id` (hash `hash`, in map shard `shard`, whose write lock
     /// `map` is) with a filled row; a replaced row may still be read by a snapshot.
     fn put_locked(&self, map: &mut RowMap, shard: usize, hash: u64, id: u64, mut row: Row) {
-        let rehash = |(k, _): &(u64, SharedValue<Row>)| self.rows.hash_usize(k) as u64;
-        match map.find_or_find_insert_slot(hash, |(k, _)| *k == id, rehash) {
+        match self.find_or_slot(map, shard, hash, id) {
             // Retired while the shard is still locked: a reader by id finds the old row in the map
             // or in `retired`, never in neither.
             Ok(bucket) => {
@@ -529,14 +611,18 @@ impl EmbeddingTable {
                 // writing, and nothing changed the table since.
                 let (_, value) = unsafe { bucket.as_mut() };
                 let old = value.get_mut();
-                self.before_write(id, Some(&*old), true);
+                if let Some(tag) = self.before_write(id, Some(&*old), true) {
+                    row.set_tag(tag);
+                }
                 let stamp = self.stamp_of(self.slabs.words(old));
                 self.stamp(id, self.slabs.words_mut(&mut row), Some(stamp));
                 self.retire(id, std::mem::replace(old, row));
             }
             Err(slot) => {
                 debug_assert_eq!(self.rows.determine_shard(hash as usize), shard);
-                self.before_write(id, None, true);
+                if let Some(tag) = self.before_write(id, None, true) {
+                    row.set_tag(tag);
+                }
                 self.stamp(id, self.slabs.words_mut(&mut row), None);
                 // SAFETY: the slot was just found by `find_or_find_insert_slot` of `map`, which
                 // this thread holds locked for writing, and nothing changed the table since.
@@ -547,18 +633,33 @@ impl EmbeddingTable {
 
     /// Updates the row of `id` in place under its lock; inserts a zeroed row first if absent.
     pub fn upsert<R>(&self, id: u64, update: impl FnOnce(&mut RowMut<'_>) -> R) -> R {
-        let (mut entry, old) = match self.rows.entry(id) {
-            Entry::Occupied(o) => {
-                self.before_write(id, Some(o.get()), true);
-                let old = self.stamp_of(self.slabs.words(o.get()));
-                (o.into_ref(), Some(old))
+        let hash = self.rows.hash_usize(&id) as u64;
+        let shard = self.rows.determine_shard(hash as usize);
+        let mut map = self.rows.shards()[shard].write();
+        let (entry, old) = match self.find_or_slot(&mut map, shard, hash, id) {
+            Ok(bucket) => {
+                // SAFETY: the bucket was just found in `map`, which this thread holds locked for
+                // writing until it returns, after the last use of the reference.
+                let row = unsafe { bucket.as_mut() }.1.get_mut();
+                if let Some(tag) = self.before_write(id, Some(row), true) {
+                    row.set_tag(tag);
+                }
+                let old = self.stamp_of(self.slabs.words(row));
+                (row, Some(old))
             }
-            Entry::Vacant(v) => {
-                self.before_write(id, None, true);
-                (v.insert(self.zeroed_row(id)), None)
+            Err(slot) => {
+                let mut row = self.zeroed_row(id);
+                if let Some(tag) = self.before_write(id, None, true) {
+                    row.set_tag(tag);
+                }
+                // SAFETY: the slot was just found by `find_or_slot` of `map`, which this thread
+                // holds locked for writing, and nothing changed the map since; the reference
+                // ends before the lock does.
+                let bucket = unsafe { map.insert_in_slot(hash, slot, (id, SharedValue::new(row))) };
+                (unsafe { bucket.as_mut() }.1.get_mut(), None)
             }
         };
-        let words = self.slabs.words_mut(&mut entry);
+        let words = self.slabs.words_mut(entry);
         self.stamp(id, words, old);
         let mut row = RowMut { table: self, words };
         update(&mut row)
@@ -568,7 +669,9 @@ impl EmbeddingTable {
     pub fn update(&self, id: u64, update: impl FnOnce(&mut RowMut<'_>)) -> bool {
         match self.rows.get_mut(&id) {
             Some(mut entry) => {
-                self.before_write(id, Some(&entry), true);
+                if let Some(tag) = self.before_write(id, Some(&entry), true) {
+                    entry.set_tag(tag);
+                }
                 let old = self.stamp_of(self.slabs.words(&entry));
                 let words = self.slabs.words_mut(&mut entry);
                 self.stamp(id, words, Some(old));
@@ -622,21 +725,25 @@ impl EmbeddingTable {
     /// The row's memory is reused by the table's next inserts; the table gives memory back to
     /// the system only when it is dropped (its rows live in large slabs, not a heap block each).
     pub fn remove(&self, id: u64) -> bool {
-        match self.rows.entry(id) {
-            Entry::Occupied(mut o) => {
-                self.before_write(id, Some(o.get()), false);
-                if let Some(t) = &self.tracking {
-                    let shard = self.rows.determine_map(&id);
-                    lock(&t.removed[shard]).push((id, crate::table::moment::now()));
-                }
-                // Retired before the entry goes, under its lock (see `put`); the placeholder left
-                // behind for that moment has no memory and nobody else can see it.
-                self.retire(id, std::mem::replace(o.get_mut(), Row::placeholder()));
-                o.remove();
-                true
-            }
-            Entry::Vacant(_) => false,
+        let hash = self.rows.hash_usize(&id) as u64;
+        let shard = self.rows.determine_shard(hash as usize);
+        let mut map = self.rows.shards()[shard].write();
+        let Some(bucket) = map.find(hash, |(k, _)| *k == id) else {
+            return false;
+        };
+        // SAFETY: the bucket was just found in `map`, which this thread holds locked for writing;
+        // the reference ends before the bucket is removed.
+        let row = unsafe { bucket.as_mut() }.1.get_mut();
+        self.before_write(id, Some(row), false);
+        if let Some(t) = &self.tracking {
+            lock(&t.removed[shard]).push((id, crate::table::moment::now()));
         }
+        // Retired before the entry goes, under its lock (see `put`); the placeholder left
+        // behind for that moment has no memory and nobody else can see it.
+        self.retire(id, std::mem::replace(row, Row::placeholder()));
+        // SAFETY: as above; removing never moves other buckets.
+        unsafe { map.erase(bucket) };
+        true
     }
 
     /// Removes every row for which `keep` returns false (e.g. eviction of cold rows). Their memory
@@ -1410,6 +1517,135 @@ mod tests {
         drop((held, a, b));
         assert_eq!(t.point_in_time_bytes().0, 0);
         assert_eq!(t.pre.entries(), 0);
+    }
+
+    #[test]
+    fn a_scan_in_short_holds_sees_the_moment_while_writers_grow_and_rehash_the_map() {
+        // Writers insert new ids (growing every map shard), remove ids and put them back (in
+        // other buckets, leaving tombstones that make the map rehash in place), and update
+        // others, while snapshots walk the shards a few buckets a hold. Each snapshot must show
+        // exactly the rows of its moment, each once, with its value then.
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        for round in 0..6u64 {
+            let t = table();
+            for id in 0..3000u64 {
+                t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
+            }
+            stop.store(false, std::sync::atomic::Ordering::Relaxed);
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    let mut next = 1_000_000u64;
+                    let mut k = round;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        k = crate::partition::fmix64(k + 1);
+                        match k % 4 {
+                            0 => {
+                                for _ in 0..50 {
+                                    t.upsert(next, |r| r.slot_mut::<i64>(1)[0] = -1);
+                                    next += 1;
+                                }
+                            }
+                            1 => {
+                                let id = k % 3000;
+                                if t.remove(id) {
+                                    t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = -2);
+                                }
+                            }
+                            2 => {
+                                let gone = 1_000_000 + k % (next - 999_999);
+                                t.remove(gone);
+                            }
+                            _ => {
+                                t.update(k % 3000, |r| r.slot_mut::<i64>(1)[0] -= 7);
+                            }
+                        }
+                        if round % 3 == 0 {
+                            std::thread::yield_now();
+                        }
+                    }
+                });
+                let _stop = Stop(&stop);
+                // Each snapshot's moment: the ids 0..3000 hold their ids, or what the writer
+                // put since; new ids come and go.
+                for _ in 0..4 {
+                    let moment: HashMap<u64, i64> = {
+                        let hold = t.snapshot().unwrap();
+                        let (ids, handles) = scan_all(hold.as_ref());
+                        let freq = freqs(hold.as_ref(), &ids, &handles).unwrap();
+                        ids.into_iter().zip(freq).collect()
+                    };
+                    assert!(moment.len() >= 2900, "{}", moment.len());
+                    // Scanned with values this time, parts in turn.
+                    let snap = t.snapshot().unwrap();
+                    let mut seen = HashMap::new();
+                    for part in 0..snap.scan_parts() {
+                        snap.scan_part(part, 64, true, &mut |c| {
+                            for (r, &id) in c.ids.iter().enumerate() {
+                                let f = i64::from_le_bytes(
+                                    c.slots[1][r * 8..r * 8 + 8].try_into().unwrap(),
+                                );
+                                assert!(seen.insert(id, f).is_none(), "id {id} twice");
+                            }
+                            Ok(())
+                        })
+                        .unwrap();
+                    }
+                    let ids: Vec<u64> = seen.keys().copied().collect();
+                    for id in 0..3000u64 {
+                        assert!(
+                            seen.contains_key(&id),
+                            "id {id} was in the table throughout"
+                        );
+                    }
+                    // Values by id agree with the values the scan handed out.
+                    let by_id = freqs(snap.as_ref(), &ids, &[]).unwrap();
+                    for (id, f) in ids.iter().zip(by_id) {
+                        assert_eq!(seen[id], f, "id {id}");
+                    }
+                }
+            });
+        }
+    }
+
+    #[test]
+    fn tags_are_cleared_before_they_come_round_again() {
+        let t = table();
+        for id in 0..500u64 {
+            t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
+        }
+        t.pre.set_tag_for_test(u16::MAX - 1);
+        for round in 0..4i64 {
+            let snap = t.snapshot().unwrap();
+            // Written twice after the moment: the second write finds the row tagged.
+            for _ in 0..2 {
+                for id in 0..500u64 {
+                    t.update(id, |r| r.slot_mut::<i64>(1)[0] += 1000);
+                }
+            }
+            let (ids, handles) = scan_all(snap.as_ref());
+            let freq = freqs(snap.as_ref(), &ids, &handles).unwrap();
+            for (id, f) in ids.iter().zip(freq) {
+                assert_eq!(f, *id as i64 + 2000 * round, "round {round}, id {id}");
+            }
+            drop(snap);
+            if round == 1 {
+                // The tag came round: no row keeps one.
+                assert_eq!(t.pre.tag(), 1);
+                for shard in t.rows.shards() {
+                    // SAFETY: read-locked while its buckets are read.
+                    let map = shard.read();
+                    for b in unsafe { map.iter() } {
+                        assert_eq!(unsafe { b.as_ref() }.1.get().tag(), 0);
+                    }
+                }
+            }
+        }
     }
 
     #[test]

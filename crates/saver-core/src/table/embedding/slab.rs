@@ -50,7 +50,19 @@ const MAX_SLAB_BYTES: usize = 64 << 20;
 ///
 /// Not `Clone`, and freed only by handing it back to [`Slabs::free`]: whoever holds a `Row` owns
 /// its memory. Dropping one without freeing it leaks its words until the table is dropped.
+///
+/// The pointer's top [`TAG_BITS`] bits, which no user address on a 64-bit platform uses (every
+/// slab is checked), hold a tag: the point-in-time moment whose pre-image of the row is kept
+/// (see `cow`), so that a trainer's write during a save finds that out in the map entry it has
+/// in hand, without a lock or a lookup, and the row costs no memory more.
 pub(super) struct Row(NonNull<u64>);
+
+/// Bits of a row's pointer that hold its tag.
+const TAG_BITS: u32 = 16;
+
+/// Where the tag starts: above every address a slab may have.
+#[cfg(target_pointer_width = "64")]
+const TAG_SHIFT: u32 = usize::BITS - TAG_BITS;
 
 // SAFETY: a `Row` is an exclusive claim on words that only its holder reads or writes (through
 // `&Row` / `&mut Row`), like the `Box<[u64]>` it replaces.
@@ -66,7 +78,37 @@ impl Row {
 
     /// The row's address: what snapshots hand out as its handle.
     pub(super) fn addr(&self) -> u64 {
-        self.0.as_ptr() as u64
+        self.ptr() as u64
+    }
+
+    /// The row's words, its tag taken off.
+    fn ptr(&self) -> *mut u64 {
+        #[cfg(target_pointer_width = "64")]
+        return self.0.as_ptr().map_addr(|a| a & ((1 << TAG_SHIFT) - 1));
+        #[cfg(not(target_pointer_width = "64"))]
+        return self.0.as_ptr();
+    }
+
+    /// The row's tag: 0 for a row never tagged (see [`Row`]).
+    pub(super) fn tag(&self) -> u16 {
+        #[cfg(target_pointer_width = "64")]
+        return (self.0.as_ptr().addr() >> TAG_SHIFT) as u16;
+        // No bits to spare: no row is ever tagged.
+        #[cfg(not(target_pointer_width = "64"))]
+        return 0;
+    }
+
+    /// Sets the row's tag.
+    pub(super) fn set_tag(&mut self, tag: u16) {
+        #[cfg(target_pointer_width = "64")]
+        {
+            let tagged = self.ptr().map_addr(|a| a | (tag as usize) << TAG_SHIFT);
+            // SAFETY: the address without its tag is not null (it is a `NonNull`'s), and a tag
+            // only adds bits.
+            self.0 = unsafe { NonNull::new_unchecked(tagged) };
+        }
+        #[cfg(not(target_pointer_width = "64"))]
+        let _ = tag;
     }
 }
 
@@ -93,6 +135,18 @@ impl Slab {
         // is not zero.
         let ptr = unsafe { alloc_zeroed(layout) }.cast::<u64>();
         let ptr = NonNull::new(ptr).unwrap_or_else(|| handle_alloc_error(layout));
+        // Rows keep a tag in their pointers' top bits. Linux hands out user memory below 2^47 on
+        // x86_64 and below 2^48 (or 2^52 when a program asks for it with an address hint, which
+        // allocators do not) on aarch64; a slab above would have its rows' addresses cut, so
+        // it is refused outright rather than risked.
+        #[cfg(target_pointer_width = "64")]
+        assert!(
+            (ptr.as_ptr() as usize + words * 8) >> TAG_SHIFT == 0,
+            "saver: the allocator returned table memory at {:#x}, above the {}-bit addresses \
+             whose top bits EmbeddingTable rows use as tags",
+            ptr.as_ptr() as usize,
+            TAG_SHIFT
+        );
         Slab { ptr, words }
     }
 
@@ -280,8 +334,10 @@ impl Slabs {
 
     /// Gives `row`, taken from arena `arena`, back for reuse. The caller must be sure that no one
     /// still reads it: no snapshot that saw it is alive.
-    pub(super) fn free(&self, arena: usize, row: Row) {
+    pub(super) fn free(&self, arena: usize, mut row: Row) {
         if self.row_words > 0 {
+            // The next holder of the row starts with no tag (see `Row`).
+            row.set_tag(0);
             lock(&self.arenas[arena % self.arenas.len()]).free.push(row);
         }
     }
@@ -297,13 +353,13 @@ impl Slabs {
         // `Row::placeholder`) was made by `alloc` of these slabs and points at `row_words` words
         // of a slab that lives as long as `self`. Rows never overlap, and `&Row` excludes a
         // `&mut Row` to the same row.
-        unsafe { std::slice::from_raw_parts(row.0.as_ptr(), self.row_words) }
+        unsafe { std::slice::from_raw_parts(row.ptr(), self.row_words) }
     }
 
     /// The words of `row`, to write.
     pub(super) fn words_mut<'a>(&'a self, row: &'a mut Row) -> &'a mut [u64] {
         // SAFETY: as in `words`; `&mut Row` is the only access to these words.
-        unsafe { std::slice::from_raw_parts_mut(row.0.as_ptr(), self.row_words) }
+        unsafe { std::slice::from_raw_parts_mut(row.ptr(), self.row_words) }
     }
 
     /// Slabs, over all arenas and pools.

@@ -18,13 +18,16 @@
 //!
 //! Why a read by handle is never torn nor late, with trainers writing the row meanwhile:
 //! - Every write in place after the snapshot's moment keeps the row's pre-image, under the
-//!   pre-images' lock, before its first word. If the copy saw any word of such a write, the
-//!   read's lock of the pre-images comes after the writer's (had it come before, the copy would
-//!   have happened before the write: a read cannot see a write that happens after it), so the
-//!   read finds the pre-image, and the copy is dropped.
+//!   pre-images' lock, before its first word; or finds the row tagged with the moment (see
+//!   `cow`), which only a write that kept the pre-image does, and that write happened before
+//!   this one (both hold the shard's write lock). If the copy saw any word of such a write, the
+//!   read's lock of the pre-images comes after the keeping write's (had it come before, the copy
+//!   would have happened before the write: a read cannot see a write that happens after it), so
+//!   the read finds the pre-image, and the copy is dropped. A save reads a run of rows of one
+//!   shard this way, copies first, then one lock for their pre-images.
 //! - A write that began before the moment, and so kept nothing, holds its shard's write lock
-//!   until it ends; the scan holds that shard's read lock after the moment before it hands out
-//!   any of the shard's addresses, so every such write has ended before a read can start.
+//!   until it ends; the scan takes that shard's read lock after the moment before it finds any
+//!   of the shard's addresses, so every such write has ended before a read can start.
 //! - A row that left the map is retired, never written again, and its memory stays until the
 //!   last snapshot ends.
 //!
@@ -45,6 +48,21 @@ use crate::table::{RowChunk, TableSnapshot};
 /// Most bytes of ids, handles and values a scan copies out of a shard to hand them on after
 /// releasing its lock (see `scan_part`).
 const COLLECT_BYTES: usize = 32 << 20;
+
+/// Buckets of a map shard a scan walks in one hold of the shard's read lock (about 7/8 as many
+/// rows, some tens of microseconds): the longest a trainer's write to the shard waits for it.
+const HOLD_BUCKETS: usize = if cfg!(test) { 16 } else { 4096 };
+
+/// Listed ids a scan of a tracking table's changes looks up in one hold of the shard's lock.
+const HOLD_ROWS: usize = if cfg!(test) { 16 } else { 2048 };
+
+/// Walks of a map shard in short holds a scan tries before it walks the shard in one hold: a
+/// walk starts again when a write grows or rehashes the shard meanwhile.
+const WALK_TRIES: usize = 3;
+
+/// Most rows a read by handle copies before it looks for their pre-images under one lock: the
+/// longest a trainer's write to their shard may wait for the read.
+const READ_RUN: usize = 64;
 
 /// Rows ahead of the one being copied whose memory is prefetched.
 const PREFETCH_AHEAD: usize = 16;
@@ -179,7 +197,7 @@ impl<'t> EmbeddingSnapshot<'t> {
     /// row). Call with the id's shard read-locked and its pre-images locked (`pre`).
     fn copy_pre_image(
         &self,
-        pre: &mut std::collections::HashMap<u64, super::cow::PreImage>,
+        pre: &mut super::cow::ShardPreImages,
         id: u64,
         r: usize,
         out: &mut [&mut [u8]],
@@ -196,12 +214,207 @@ impl<'t> EmbeddingSnapshot<'t> {
             _ => Err(self.row_error(id, "had no row at the snapshot's moment, or was read twice")),
         }
     }
+
+    /// The rows of map shard `part` as they were at the moment (only those of `listed`, if
+    /// given, and written since the snapshot's token): ids, handles, and values if asked.
+    ///
+    /// A position in a hash table does not survive a writer that grows or rehashes it, so the
+    /// shard is walked a part at a time (`HOLD_BUCKETS` buckets, or `HOLD_ROWS` listed ids, a
+    /// hold of its read lock), and the walk starts again if the shard was reshaped meanwhile
+    /// (`reshaped`; after `WALK_TRIES`, under one hold). A row stays in its bucket until it is
+    /// removed, and every write since the moment keeps the row's pre-image before it changes
+    /// the row or the map. So when the walk ends, every row it copied whose id has no pre-image
+    /// is the row at the moment, in the place it had then; and the ids with a pre-image, looked
+    /// at once after the walk, are taken from it instead (those that had a row), wherever the
+    /// walk met them, if it did.
+    fn collect_part(
+        &self,
+        part: usize,
+        listed: Option<Vec<u64>>,
+        with_values: bool,
+    ) -> Result<ScannedRows<'t>> {
+        let t = self.table;
+        let shard = &t.rows.shards()[part];
+        let since = self.since;
+        let stale = |words: &[u64]| since.is_some_and(|g| t.stamp_of(words) < g);
+        let mut rows = ScannedRows::new(t, with_values, listed.as_ref().map_or(0, Vec::len));
+        match listed {
+            Some(listed) => {
+                for ids in listed.chunks(HOLD_ROWS) {
+                    let guard = shard.read();
+                    for (id, row) in t.listed_rows(&guard, ids, with_values) {
+                        let words = t.slabs.words(row);
+                        if !stale(words) {
+                            rows.push(id, row.addr(), words);
+                        }
+                    }
+                }
+            }
+            None => {
+                let mut tries = 0;
+                'walk: loop {
+                    rows.clear();
+                    tries += 1;
+                    let mut start: Option<(u64, usize)> = None;
+                    let mut at = 0;
+                    loop {
+                        let guard = shard.read();
+                        let now = (t.reshaped[part].load(Ordering::Relaxed), guard.buckets());
+                        if *start.get_or_insert(now) != now {
+                            continue 'walk;
+                        }
+                        let end = if tries >= WALK_TRIES {
+                            now.1
+                        } else {
+                            (at + HOLD_BUCKETS).min(now.1)
+                        };
+                        for i in at..end {
+                            // SAFETY: `i` is below the map's bucket count, and the guard keeps
+                            // the map unmodified while the bucket and the row are read.
+                            if unsafe { guard.is_bucket_full(i) } {
+                                let (id, row) = unsafe { guard.bucket(i).as_ref() };
+                                let (row, words) = (row.get(), t.slabs.words(row.get()));
+                                if !stale(words) {
+                                    rows.push(*id, row.addr(), words);
+                                }
+                            }
+                        }
+                        at = end;
+                        if at == now.1 {
+                            break 'walk;
+                        }
+                    }
+                }
+            }
+        }
+        // The ids written since the moment: as they were then, or not at all if they had no row
+        // (inserted since); those removed since are among them.
+        let pre = t.pre.shard(part);
+        if pre.is_empty() {
+            return Ok(rows);
+        }
+        let written: std::collections::HashSet<u64, super::IdHashBuilder> =
+            pre.keys().copied().collect();
+        let mut then = ScannedRows::new(t, with_values, 0);
+        for (&id, p) in pre.iter() {
+            match (&p.words, p.read) {
+                (Some(words), false) if !stale(words) => then.push(id, 0, words),
+                (Some(_), false) | (None, _) => {}
+                (Some(_), true) => return Err(self.row_error(id, "was read before it was scanned")),
+            }
+        }
+        drop(pre);
+        rows.retain(|id| !written.contains(&id));
+        rows.append(then);
+        Ok(rows)
+    }
+}
+
+/// Rows a scan copied out of a map shard: ids, handles and, if asked, each slot's values.
+struct ScannedRows<'t> {
+    table: &'t EmbeddingTable,
+    with_values: bool,
+    ids: Vec<u64>,
+    handles: Vec<u64>,
+    values: Vec<Vec<u8>>,
+}
+
+impl<'t> ScannedRows<'t> {
+    fn new(table: &'t EmbeddingTable, with_values: bool, capacity: usize) -> Self {
+        Self {
+            table,
+            with_values,
+            ids: Vec::with_capacity(capacity),
+            handles: Vec::with_capacity(capacity),
+            values: vec![Vec::new(); table.schema.slots.len()],
+        }
+    }
+
+    fn push(&mut self, id: u64, handle: u64, words: &[u64]) {
+        self.ids.push(id);
+        self.handles.push(handle);
+        if self.with_values {
+            let t = self.table;
+            let bytes: &[u8] = bytemuck::cast_slice(words);
+            for (s, v) in self.values.iter_mut().enumerate() {
+                let off = t.slot_offsets[s];
+                v.extend_from_slice(&bytes[off..off + t.slot_bytes[s]]);
+            }
+        }
+    }
+
+    fn clear(&mut self) {
+        self.ids.clear();
+        self.handles.clear();
+        self.values.iter_mut().for_each(Vec::clear);
+    }
+
+    /// Keeps the rows whose id `keep` accepts, in their order.
+    fn retain(&mut self, keep: impl Fn(u64) -> bool) {
+        let slot_bytes = &self.table.slot_bytes;
+        let mut to = 0;
+        for from in 0..self.ids.len() {
+            if !keep(self.ids[from]) {
+                continue;
+            }
+            self.ids[to] = self.ids[from];
+            self.handles[to] = self.handles[from];
+            for (v, &b) in self.values.iter_mut().zip(slot_bytes) {
+                if !v.is_empty() {
+                    v.copy_within(from * b..(from + 1) * b, to * b);
+                }
+            }
+            to += 1;
+        }
+        self.ids.truncate(to);
+        self.handles.truncate(to);
+        for (v, &b) in self.values.iter_mut().zip(slot_bytes) {
+            v.truncate(to * b);
+        }
+    }
+
+    fn append(&mut self, mut other: Self) {
+        self.ids.append(&mut other.ids);
+        self.handles.append(&mut other.handles);
+        for (v, o) in self.values.iter_mut().zip(&mut other.values) {
+            v.append(o);
+        }
+    }
+
+    /// Hands the rows to `visit`, `max_rows` at a time.
+    fn emit(
+        &self,
+        max_rows: usize,
+        slot_bytes: &[usize],
+        visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let mut r = 0;
+        while r < self.ids.len() {
+            let n = max_rows.min(self.ids.len() - r);
+            let slices: Vec<&[u8]> = if self.with_values {
+                self.values
+                    .iter()
+                    .zip(slot_bytes)
+                    .map(|(v, &b)| &v[r * b..(r + n) * b])
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            visit(RowChunk {
+                ids: &self.ids[r..r + n],
+                handles: &self.handles[r..r + n],
+                slots: &slices,
+            })?;
+            r += n;
+        }
+        Ok(())
+    }
 }
 
 impl Drop for EmbeddingSnapshot<'_> {
     fn drop(&mut self) {
         let t = self.table;
-        t.pre.close();
+        t.pre.close(|| t.clear_tags());
         for (id, row) in t.retired.end() {
             t.slabs.free(t.arena(id), row);
         }
@@ -239,51 +452,22 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
             return Ok(());
         };
         let max_rows = max_rows.max(1);
-        let guard = shard.read();
-        // A position in a hash table does not survive a writer, so the shard stays read-locked
-        // while it is walked, and a trainer writing to it waits. To make that wait short, the
-        // walk only copies ids and handles (and values, if asked) when they fit in
-        // `COLLECT_BYTES`, and hands them to `visit` after the lock is released: the snapshot's
-        // reads need no lock held from the scan on (pre-images and retired rows keep them
-        // right). A larger shard is handed out while it is walked, `visit` under the lock: then
-        // a row filter may read the table but must not write to it.
         // A tracking table's changes: only the rows listed as written since the token.
         let listed = self.since.and_then(|g| t.written_since(part, g));
-        let rows_here = listed.as_ref().map_or(guard.len(), Vec::len);
+        let rows_here = listed.as_ref().map_or_else(|| shard.read().len(), Vec::len);
         let row_bytes = 16 + if with_values { t.row_words * 8 } else { 0 };
-        let collect = rows_here.saturating_mul(row_bytes) <= COLLECT_BYTES;
-        let hold_rows = if collect { usize::MAX } else { max_rows };
-        let capacity = if collect {
-            rows_here
-        } else {
-            max_rows.min(1 << 16)
-        };
-        let mut ids = Vec::with_capacity(capacity);
-        let mut handles = Vec::with_capacity(capacity);
-        let mut values: Vec<Vec<u8>> = vec![Vec::new(); t.schema.slots.len()];
-        let slot_bytes = &t.slot_bytes;
-        let mut emit = |ids: &[u64], handles: &[u64], values: &[Vec<u8>]| -> Result<()> {
-            let mut r = 0;
-            while r < ids.len() {
-                let n = max_rows.min(ids.len() - r);
-                let slices: Vec<&[u8]> = if with_values {
-                    values
-                        .iter()
-                        .zip(slot_bytes)
-                        .map(|(v, &b)| &v[r * b..(r + n) * b])
-                        .collect()
-                } else {
-                    Vec::new()
-                };
-                visit(RowChunk {
-                    ids: &ids[r..r + n],
-                    handles: &handles[r..r + n],
-                    slots: &slices,
-                })?;
-                r += n;
-            }
-            Ok(())
-        };
+        // A trainer writing to the shard waits while the scan holds its read lock. A shard whose
+        // ids and handles (and values, if asked) fit in `COLLECT_BYTES` is copied out in short
+        // holds (`collect_part`) and handed to `visit` with no lock held: the snapshot's reads
+        // need none from the scan on (pre-images and retired rows keep them right). A larger
+        // shard is walked under one hold and handed out meanwhile, `visit` under the lock: then
+        // a row filter may read the table but must not write to it.
+        if rows_here.saturating_mul(row_bytes) <= COLLECT_BYTES {
+            let rows = self.collect_part(part, listed, with_values)?;
+            return rows.emit(max_rows, &t.slot_bytes, visit);
+        }
+        let guard = shard.read();
+        let mut rows = ScannedRows::new(t, with_values, max_rows.min(1 << 16));
         // The rows written since the moment, as they were then. Trainers change them only under
         // this shard's write lock, so they stand still while it is read-locked here.
         let pre = t.pre.shard(part);
@@ -292,20 +476,10 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
             if since.is_some_and(|g| t.stamp_of(words) < g) {
                 return Ok(());
             }
-            ids.push(id);
-            handles.push(handle);
-            if with_values {
-                let bytes: &[u8] = bytemuck::cast_slice(words);
-                for (s, v) in values.iter_mut().enumerate() {
-                    let off = t.slot_offsets[s];
-                    v.extend_from_slice(&bytes[off..off + t.slot_bytes[s]]);
-                }
-            }
-            if ids.len() == hold_rows {
-                emit(&ids, &handles, &values)?;
-                ids.clear();
-                handles.clear();
-                values.iter_mut().for_each(Vec::clear);
+            rows.push(id, handle, words);
+            if rows.ids.len() == max_rows {
+                rows.emit(max_rows, &t.slot_bytes, visit)?;
+                rows.clear();
             }
             Ok(())
         };
@@ -320,21 +494,8 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
             }
         };
         match listed {
-            // Listed ids are scattered over the map and the slabs, far larger than the caches:
-            // their probes, then their rows' stamps (or whole rows, when their values are
-            // wanted), are prefetched ahead of their reads, so that the misses overlap.
             Some(listed) => {
-                let found: Vec<(u64, &Row)> = listed
-                    .iter()
-                    .zip(t.rows_of(&guard, &listed))
-                    .filter_map(|(&id, row)| Some((id, row?)))
-                    .collect();
-                let wanted = if with_values { t.row_words * 8 } else { 8 };
-                let skip = (t.row_words * 8).saturating_sub(wanted) as u64;
-                for (k, &(id, row)) in found.iter().enumerate() {
-                    if let Some(&(_, ahead)) = found.get(k + PREFETCH_AHEAD) {
-                        super::prefetch_bytes(t.slabs.words(ahead).as_ptr() as u64 + skip, wanted);
-                    }
+                for (id, row) in t.listed_rows(&guard, &listed, with_values) {
                     visit_row(id, row)?;
                 }
             }
@@ -356,7 +517,7 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         }
         drop(pre);
         drop(guard);
-        emit(&ids, &handles, &values)
+        rows.emit(max_rows, &t.slot_bytes, visit)
     }
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
@@ -403,29 +564,54 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         for &h in handles.iter().take(PREFETCH_AHEAD) {
             super::prefetch_bytes(h, row_bytes);
         }
-        let mut copy = vec![0u64; t.row_words];
-        for (r, (&id, &h)) in ids.iter().zip(handles).enumerate() {
-            if let Some(&ahead) = handles.get(r + PREFETCH_AHEAD) {
-                super::prefetch_bytes(ahead, row_bytes);
+        let words = t.row_words;
+        let mut copies = vec![0u64; READ_RUN * words];
+        let mut kept = [false; READ_RUN];
+        let mut r = 0;
+        while r < ids.len() {
+            // A run of rows of one map shard (a save reads in bucket order, and every row of a
+            // bucket lives in one shard): their pre-images are looked for under one lock.
+            let shard = t.rows.determine_map(&ids[r]);
+            let mut end = r + 1;
+            while end < ids.len() && end - r < READ_RUN && t.rows.determine_map(&ids[end]) == shard
+            {
+                end += 1;
             }
-            let shard = t.rows.determine_map(&id);
-            // No lock of the row's shard, so a trainer's write of it never waits for this read:
-            // the row is copied, and then its pre-image looked for, which a writer keeps before
+            // No lock of the rows' shard, so a trainer's write never waits for this read: the
+            // rows are copied, and then their pre-images looked for, which a writer keeps before
             // it writes (see the module docs).
-            if h != 0 {
-                // SAFETY: the caller guarantees `h` is the address this snapshot's scan found
-                // for `id` (0 for a row removed since the moment, which is not read). That row
-                // is in the map or retired (see `Retired::retire`), so its memory lives until
-                // this snapshot ends and holds `row_words` words.
-                unsafe { copy_words(h, &mut copy) };
+            for k in r..end {
+                if let Some(&ahead) = handles.get(k + PREFETCH_AHEAD) {
+                    super::prefetch_bytes(ahead, row_bytes);
+                }
+                let h = handles[k];
+                if h != 0 {
+                    let at = (k - r) * words;
+                    // SAFETY: the caller guarantees `h` is the address this snapshot's scan
+                    // found for `ids[k]` (0 for a row removed since the moment, which is not
+                    // read). That row is in the map or retired (see `Retired::retire`), so its
+                    // memory lives until this snapshot ends and holds `row_words` words.
+                    unsafe { copy_words(h, &mut copies[at..at + words]) };
+                }
             }
-            if self.copy_pre_image(&mut t.pre.shard(shard), id, r, out)? {
-                continue;
+            let mut pre = t.pre.shard(shard);
+            for k in r..end {
+                kept[k - r] = self.copy_pre_image(&mut pre, ids[k], k, out)?;
             }
-            if h == 0 {
-                return Err(self.row_error(id, "was in the snapshot but can no longer be read"));
+            drop(pre);
+            for k in r..end {
+                if kept[k - r] {
+                    continue;
+                }
+                if handles[k] == 0 {
+                    return Err(
+                        self.row_error(ids[k], "was in the snapshot but can no longer be read")
+                    );
+                }
+                let at = (k - r) * words;
+                t.copy_row_into(&copies[at..at + words], k, out);
             }
-            t.copy_row_into(&copy, r, out);
+            r = end;
         }
         Ok(())
     }
@@ -434,8 +620,8 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
 #[cfg(test)]
 mod model {
     //! The argument of the module docs, checked over every interleaving: one row of two words,
-    //! a trainer that writes it twice after the moment (`before_write`, then the words), and a
-    //! save that reads it by handle. Each step is one load, store or lock operation; the search
+    //! a trainer that writes it twice after the moment (the first write keeps the pre-image,
+    //! the second finds the row tagged and skips it), and a save that reads it by handle. Each step is one load, store or lock operation; the search
     //! runs every order of the two threads' steps that the lock allows and checks what the read
     //! returns. It also runs the read with its two halves swapped (the pre-image looked for
     //! before the copy), to show that the search finds the torn or late reads such an order
@@ -466,19 +652,18 @@ mod model {
         at: [usize; 2],
     }
 
+    /// The first write keeps the pre-image under the lock; the second finds the row tagged
+    /// (see `cow`) and writes without the lock.
     fn trainer() -> Vec<Step> {
-        [2, 3]
-            .into_iter()
-            .flat_map(|v| {
-                [
-                    Step::Lock,
-                    Step::Keep,
-                    Step::Unlock,
-                    Step::Store(0, v),
-                    Step::Store(1, v),
-                ]
-            })
-            .collect()
+        vec![
+            Step::Lock,
+            Step::Keep,
+            Step::Unlock,
+            Step::Store(0, 2),
+            Step::Store(1, 2),
+            Step::Store(0, 3),
+            Step::Store(1, 3),
+        ]
     }
 
     /// Every value the read can return, over all interleavings.
