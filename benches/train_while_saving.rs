@@ -6,8 +6,9 @@
 //! time outside a save and during durable `save_async`s with 1 and 2 writer threads; the time
 //! the trainer was blocked in `save_async`; the training lost per save (steps not taken, in
 //! seconds of training at the pace outside) against the stall of a blocking save of the same
-//! table (the same save with the trainers stopped); the copy-on-write memory at its peak; and the
-//! save's time with the trainers running against idle.
+//! table (the same save with the trainers stopped); the copy-on-write memory at its peak; the
+//! save's time with the trainers running against idle; and the floor, the same figures while one
+//! thread writes the table's bytes from memory to a file and syncs it ("0 writers").
 //!
 //! `cargo bench --bench train_while_saving -- [--rows N] [--trainers 1,2] [--hot 1,10,100]
 //! [--json]` (SAVER_BENCH_DIR for the output directory). `--json` prints one JSON object per
@@ -222,34 +223,17 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             idle_secs[1].as_secs_f64()
         );
     }
-    for (from, to) in plain.into_inner().unwrap() {
-        let (during, p50, p99) = rate(&steps, from, to);
-        let took = (to - from).as_secs_f64();
-        if a.json {
-            println!(
-                "{{\"trainers\":{trainers},\"hot\":{hot_percent},\"writers\":0,\"steps_ratio\":{:.4},\"p50_out_ms\":{:.4},\"p99_out_ms\":{:.4},\"p50_during_ms\":{:.4},\"p99_during_ms\":{:.4},\"p99_ratio\":{:.4},\"blocked_ms\":0,\"lost_s\":{:.4},\"stall_s\":0,\"save_s\":{took:.4},\"save_idle_s\":0,\"cow_peak_mib\":0}}",
-                during / outside,
-                p50_out.as_secs_f64() * 1e3,
-                p99_out.as_secs_f64() * 1e3,
-                p50.as_secs_f64() * 1e3,
-                p99.as_secs_f64() * 1e3,
-                p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
-                took * (1.0 - during / outside),
-            );
-        } else {
-            println!(
-                "  floor, a plain write of the same bytes: {took:.2} s; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside)",
-                during / outside,
-                p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
-            );
-        }
-    }
-    for (parallel, from, to, blocked, peak) in saves.into_inner().unwrap() {
+    // The floor's writes come first, as "0 writers".
+    let floor = plain.into_inner().unwrap().into_iter();
+    let floor = floor.map(|(from, to)| (0, from, to, Duration::ZERO, 0));
+    for (parallel, from, to, blocked, peak) in floor.chain(saves.into_inner().unwrap()) {
         let (during, p50, p99) = rate(&steps, from, to);
         let took = (to - from).as_secs_f64();
         // Steps not taken during the save, in seconds of training at the pace outside.
         let lost = took * (1.0 - during / outside);
-        let stall = idle_secs[parallel - 1].as_secs_f64();
+        let stall = parallel
+            .checked_sub(1)
+            .map_or(0.0, |k| idle_secs[k].as_secs_f64());
         if a.json {
             println!(
                 "{{\"trainers\":{trainers},\"hot\":{hot_percent},\"writers\":{parallel},\"steps_ratio\":{:.4},\"p50_out_ms\":{:.4},\"p99_out_ms\":{:.4},\"p50_during_ms\":{:.4},\"p99_during_ms\":{:.4},\"p99_ratio\":{:.4},\"blocked_ms\":{:.4},\"lost_s\":{lost:.4},\"stall_s\":{stall:.4},\"save_s\":{took:.4},\"save_idle_s\":{stall:.4},\"cow_peak_mib\":{:.2}}}",
@@ -261,6 +245,12 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                 p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
                 blocked.as_secs_f64() * 1e3,
                 peak as f64 / (1 << 20) as f64,
+            );
+        } else if parallel == 0 {
+            println!(
+                "  floor, a plain write of the same bytes: {took:.2} s; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside)",
+                during / outside,
+                p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
             );
         } else {
             println!(
