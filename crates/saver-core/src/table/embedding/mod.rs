@@ -1521,35 +1521,55 @@ mod tests {
 
     #[test]
     fn a_scan_in_short_holds_sees_the_moment_while_writers_grow_and_rehash_the_map() {
-        // Writers insert new ids (growing every map shard), remove ids and put them back (in
-        // other buckets, leaving tombstones that make the map rehash in place), and update
-        // others, while snapshots walk the shards a few buckets a hold. Each snapshot must show
-        // exactly the rows of its moment, each once, with its value then.
-        let stop = std::sync::atomic::AtomicBool::new(false);
-        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        // A writer inserts new ids (growing every map shard), removes ids and puts them back (in
+        // other buckets, leaving tombstones that make the map rehash in place), and updates
+        // others, while snapshots walk the shards a few buckets a hold. The writer pauses at
+        // each snapshot's moment, so that the table can be read whole then: the snapshot must
+        // show exactly those rows, each once, with their values then.
+        use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::SeqCst};
+        const RUN: u8 = 0;
+        const PAUSE: u8 = 1;
+        const PAUSED: u8 = 2;
+        let (stop, state, next) = (
+            AtomicBool::new(false),
+            AtomicU8::new(RUN),
+            AtomicU64::new(0),
+        );
+        struct Stop<'a>(&'a AtomicBool);
         impl Drop for Stop<'_> {
             fn drop(&mut self) {
-                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+                self.0.store(true, SeqCst);
             }
         }
-        for round in 0..6u64 {
+        let freq = |t: &EmbeddingTable, id: u64| {
+            t.get_slot(id, 1)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        };
+        for round in 0..16u64 {
             let t = table();
             for id in 0..3000u64 {
                 t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
             }
-            stop.store(false, std::sync::atomic::Ordering::Relaxed);
+            stop.store(false, SeqCst);
+            next.store(1_000_000, SeqCst);
             std::thread::scope(|s| {
                 s.spawn(|| {
-                    let mut next = 1_000_000u64;
                     let mut k = round;
-                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    while !stop.load(SeqCst) {
+                        if state.load(SeqCst) == PAUSE {
+                            state.store(PAUSED, SeqCst);
+                            while state.load(SeqCst) == PAUSED && !stop.load(SeqCst) {
+                                std::thread::yield_now();
+                            }
+                        }
                         k = crate::partition::fmix64(k + 1);
+                        let n = next.load(SeqCst);
                         match k % 4 {
                             0 => {
-                                for _ in 0..50 {
-                                    t.upsert(next, |r| r.slot_mut::<i64>(1)[0] = -1);
-                                    next += 1;
+                                for id in n..n + 50 {
+                                    t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = -(id as i64));
                                 }
+                                next.store(n + 50, SeqCst);
                             }
                             1 => {
                                 let id = k % 3000;
@@ -1558,8 +1578,7 @@ mod tests {
                                 }
                             }
                             2 => {
-                                let gone = 1_000_000 + k % (next - 999_999);
-                                t.remove(gone);
+                                t.remove(1_000_000 + k % (n - 999_999));
                             }
                             _ => {
                                 t.update(k % 3000, |r| r.slot_mut::<i64>(1)[0] -= 7);
@@ -1571,19 +1590,22 @@ mod tests {
                     }
                 });
                 let _stop = Stop(&stop);
-                // Each snapshot's moment: the ids 0..3000 hold their ids, or what the writer
-                // put since; new ids come and go.
-                for _ in 0..4 {
-                    let moment: HashMap<u64, i64> = {
-                        let hold = t.snapshot().unwrap();
-                        let (ids, handles) = scan_all(hold.as_ref());
-                        let freq = freqs(hold.as_ref(), &ids, &handles).unwrap();
-                        ids.into_iter().zip(freq).collect()
-                    };
-                    assert!(moment.len() >= 2900, "{}", moment.len());
-                    // Scanned with values this time, parts in turn.
+                for _ in 0..6 {
+                    // The moment, with the writer paused: every row of the table then.
+                    state.store(PAUSE, SeqCst);
+                    while state.load(SeqCst) != PAUSED {
+                        std::thread::yield_now();
+                    }
                     let snap = t.snapshot().unwrap();
+                    let then: HashMap<u64, i64> = (0..3000)
+                        .chain(1_000_000..next.load(SeqCst))
+                        .filter_map(|id| Some((id, freq(&t, id)?)))
+                        .collect();
+                    assert_eq!(then.len(), t.len());
+                    state.store(RUN, SeqCst);
+                    // Scanned with values, parts in turn, while the writer runs.
                     let mut seen = HashMap::new();
+                    let (mut ids, mut handles) = (Vec::new(), Vec::new());
                     for part in 0..snap.scan_parts() {
                         snap.scan_part(part, 64, true, &mut |c| {
                             for (r, &id) in c.ids.iter().enumerate() {
@@ -1592,21 +1614,20 @@ mod tests {
                                 );
                                 assert!(seen.insert(id, f).is_none(), "id {id} twice");
                             }
+                            ids.extend_from_slice(c.ids);
+                            handles.extend_from_slice(c.handles);
                             Ok(())
                         })
                         .unwrap();
                     }
-                    let ids: Vec<u64> = seen.keys().copied().collect();
-                    for id in 0..3000u64 {
-                        assert!(
-                            seen.contains_key(&id),
-                            "id {id} was in the table throughout"
-                        );
-                    }
-                    // Values by id agree with the values the scan handed out.
-                    let by_id = freqs(snap.as_ref(), &ids, &[]).unwrap();
-                    for (id, f) in ids.iter().zip(by_id) {
-                        assert_eq!(seen[id], f, "id {id}");
+                    assert_eq!(
+                        seen, then,
+                        "the scan's rows and values against the moment's"
+                    );
+                    // Reads by handle agree with the values the scan handed out.
+                    let by_handle = freqs(snap.as_ref(), &ids, &handles).unwrap();
+                    for (id, f) in ids.iter().zip(by_handle) {
+                        assert_eq!(then[id], f, "id {id}");
                     }
                 }
             });

@@ -216,7 +216,8 @@ impl<'t> EmbeddingSnapshot<'t> {
     }
 
     /// The rows of map shard `part` as they were at the moment (only those of `listed`, if
-    /// given, and written since the snapshot's token): ids, handles, and values if asked.
+    /// given, and written since the snapshot's token): ids, handles, and values if asked; about
+    /// `rows_here` of them.
     ///
     /// A position in a hash table does not survive a writer that grows or rehashes it, so the
     /// shard is walked a part at a time (`HOLD_BUCKETS` buckets, or `HOLD_ROWS` listed ids, a
@@ -231,13 +232,14 @@ impl<'t> EmbeddingSnapshot<'t> {
         &self,
         part: usize,
         listed: Option<Vec<u64>>,
+        rows_here: usize,
         with_values: bool,
     ) -> Result<ScannedRows<'t>> {
         let t = self.table;
         let shard = &t.rows.shards()[part];
         let since = self.since;
         let stale = |words: &[u64]| since.is_some_and(|g| t.stamp_of(words) < g);
-        let mut rows = ScannedRows::new(t, with_values, listed.as_ref().map_or(0, Vec::len));
+        let mut rows = ScannedRows::new(t, with_values, rows_here);
         match listed {
             Some(listed) => {
                 for ids in listed.chunks(HOLD_ROWS) {
@@ -385,9 +387,9 @@ impl<'t> ScannedRows<'t> {
     fn emit(
         &self,
         max_rows: usize,
-        slot_bytes: &[usize],
         visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
     ) -> Result<()> {
+        let slot_bytes = &self.table.slot_bytes;
         let mut r = 0;
         while r < self.ids.len() {
             let n = max_rows.min(self.ids.len() - r);
@@ -463,8 +465,8 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         // shard is walked under one hold and handed out meanwhile, `visit` under the lock: then
         // a row filter may read the table but must not write to it.
         if rows_here.saturating_mul(row_bytes) <= COLLECT_BYTES {
-            let rows = self.collect_part(part, listed, with_values)?;
-            return rows.emit(max_rows, &t.slot_bytes, visit);
+            let rows = self.collect_part(part, listed, rows_here, with_values)?;
+            return rows.emit(max_rows, visit);
         }
         let guard = shard.read();
         let mut rows = ScannedRows::new(t, with_values, max_rows.min(1 << 16));
@@ -478,7 +480,7 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
             }
             rows.push(id, handle, words);
             if rows.ids.len() == max_rows {
-                rows.emit(max_rows, &t.slot_bytes, visit)?;
+                rows.emit(max_rows, visit)?;
                 rows.clear();
             }
             Ok(())
@@ -517,7 +519,7 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         }
         drop(pre);
         drop(guard);
-        rows.emit(max_rows, &t.slot_bytes, visit)
+        rows.emit(max_rows, visit)
     }
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
