@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: Rust unit, property, integration and doc tests, the examples, and the
-# Python interoperability test (which installs safetensors and numpy into its own venv).
+# The whole test suite: Rust unit, property, integration and doc tests, the examples, the
+# Python interoperability test (which installs safetensors and numpy into its own venv), and the
+# Python package's tests (built by maturin into a venv of their own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace
@@ -12,3 +13,4 @@ for example in trainer_loop serving_export multi_process background_save increme
   cargo run --quiet --example "$example" > /dev/null
 done
 bash tests/interop/run.sh
+bash python/tests/run.sh

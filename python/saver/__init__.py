@@ -1,0 +1,455 @@
+"""saver: checkpoints of large recommendation models, from Python.
+
+Sparse tables (ids and slot arrays) and dense tensors are saved as sharded safetensors files
+with a manifest, committed crash-safely, and loaded back by any number of workers. The Rust core
+does all the work, with the GIL released; this module checks arguments and converts numpy
+arrays (and anything ``numpy.asarray`` accepts, such as CPU torch tensors) to and from it.
+
+>>> import numpy as np, saver
+>>> ids = np.arange(1000, dtype=np.int64)
+>>> emb = np.random.rand(1000, 16).astype(np.float32)
+>>> report = saver.save("/tmp/ckpt", tables={"user": {"ids": ids, "embedding": emb}})
+>>> loaded = saver.load("/tmp/ckpt", shards=4, shard_index=1)  # a quarter of the rows
+
+Errors are :class:`SaverError` (the core's one-line messages, as the ``saver`` binary prints
+them) or :class:`InputError` (bad arguments, found before anything is written; also a
+``ValueError``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _saver
+from ._saver import SaverError
+
+__all__ = [
+    "Checkpoint",
+    "InputError",
+    "Loaded",
+    "Manager",
+    "SaveHandle",
+    "SaveReport",
+    "SaverError",
+    "digest",
+    "load",
+    "open",
+    "save",
+    "save_async",
+    "verify",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+ArrayLike = Any
+
+
+class InputError(SaverError, ValueError):
+    """An argument saver cannot take: an unsupported dtype, slots of another length than their
+    ids, ids that are not integers, a missing ``ids`` array. Raised before anything is written."""
+
+
+# numpy dtypes and the safetensors dtype names the core uses.
+_TO_SAVER = {
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(np.uint8): "U8",
+    np.dtype(np.int8): "I8",
+    np.dtype(np.uint16): "U16",
+    np.dtype(np.int16): "I16",
+    np.dtype(np.uint32): "U32",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.uint64): "U64",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.float16): "F16",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float64): "F64",
+}
+_TO_NUMPY = {name: dt for dt, name in _TO_SAVER.items()}
+# bfloat16 has no numpy dtype: its rows come back as their 16-bit patterns (`torch.from_numpy(a)
+# .view(torch.bfloat16)` reads them as bfloat16).
+_TO_NUMPY["BF16"] = np.dtype(np.uint16)
+
+
+def _array(value: ArrayLike, what: str) -> np.ndarray:
+    """``value`` as a C-contiguous numpy array: no copy for a contiguous array or a CPU torch
+    tensor, one copy for a strided view."""
+    if hasattr(value, "detach") and hasattr(value, "numpy"):
+        # A torch tensor: `.numpy()` shares a CPU tensor's memory.
+        value = value.detach().cpu().numpy()
+    try:
+        a = np.asarray(value)
+    except Exception as e:  # numpy's own errors name nothing of ours
+        raise InputError(f"{what}: not an array ({e})") from None
+    if a.dtype.byteorder == ">":
+        raise InputError(f"{what}: big-endian arrays are not supported; use a.astype(a.dtype.newbyteorder('<'))")
+    # `ascontiguousarray` would make a 0-d array 1-d; a 0-d array is contiguous.
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _dtype_name(a: np.ndarray, what: str) -> str:
+    name = _TO_SAVER.get(a.dtype.newbyteorder("="))
+    if name is None:
+        supported = ", ".join(sorted(str(d) for d in _TO_SAVER))
+        raise InputError(f"{what}: dtype {a.dtype} is not supported (supported: {supported})")
+    return name
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array, as a flat uint8 view (no copy)."""
+    return a.reshape(-1).view(np.uint8)
+
+
+@dataclass
+class SaveReport:
+    """What a save did."""
+
+    save_id: str
+    shards: list
+    files: int
+    rows: int
+    bytes_written: int
+    plan_seconds: float
+    write_seconds: float
+    commit_seconds: float
+    committed: bool
+
+
+def _save_arguments(tables, dense, options):
+    """The arguments of the native save: tables and dense tensors as flat bytes with their dtype
+    names and shapes, and the options as a dict."""
+    if options["foreign_rows"] not in ("error", "skip"):
+        raise InputError(f"foreign_rows: must be 'error' or 'skip', got {options['foreign_rows']!r}")
+    tables_in = []
+    for name, columns in (tables or {}).items():
+        if "ids" not in columns:
+            raise InputError(f"table {name!r}: no 'ids' array among its columns {sorted(columns)}")
+        ids = _array(columns["ids"], f"table {name!r} ids")
+        if ids.ndim != 1:
+            raise InputError(f"table {name!r} ids: must be 1-D, got shape {ids.shape}")
+        if ids.dtype == np.int64:
+            key = "I64"
+        elif ids.dtype == np.uint64:
+            key = "U64"
+        else:
+            raise InputError(f"table {name!r} ids: must be int64 or uint64, got {ids.dtype}")
+        slots = []
+        for slot, value in columns.items():
+            if slot == "ids":
+                continue
+            what = f"table {name!r} slot {slot!r}"
+            a = _array(value, what)
+            if a.ndim == 0 or a.shape[0] != ids.shape[0]:
+                rows = "a scalar" if a.ndim == 0 else f"{a.shape[0]} rows"
+                raise InputError(f"{what}: {rows} for {ids.shape[0]} ids")
+            slots.append((slot, _dtype_name(a, what), [int(d) for d in a.shape[1:]], _bytes(a)))
+        tables_in.append((name, key, ids.view(np.uint64), slots))
+    dense_in = []
+    for name, value in (dense or {}).items():
+        what = f"dense tensor {name!r}"
+        a = _array(value, what)
+        dense_in.append((name, _dtype_name(a, what), [int(d) for d in a.shape], _bytes(a)))
+    args = dict(options)
+    args["metadata"] = {str(k): str(v) for k, v in (args["metadata"] or {}).items()}
+    args["skip_foreign_rows"] = args.pop("foreign_rows") == "skip"
+    return tables_in, dense_in, args
+
+
+def save(
+    path: PathLike,
+    tables: Optional[Mapping[str, Mapping[str, ArrayLike]]] = None,
+    dense: Optional[Mapping[str, ArrayLike]] = None,
+    *,
+    shards: int = 1,
+    shard_index: Optional[int] = None,
+    save_id: Optional[str] = None,
+    parallel: Optional[int] = None,
+    step: Optional[int] = None,
+    metadata: Optional[Mapping[str, str]] = None,
+    overwrite: bool = False,
+    durable: bool = True,
+    foreign_rows: str = "error",
+) -> SaveReport:
+    """Saves sparse tables and dense tensors as a checkpoint at ``path`` (a directory or an
+    ``s3://bucket/prefix`` location), committed when this returns.
+
+    ``tables`` maps a table name to its columns: ``"ids"``, a 1-D int64 or uint64 array of
+    distinct ids, and one array per slot whose first dimension is the number of ids (row ``i`` of
+    every slot belongs to ``ids[i]``). ``dense`` maps a tensor name to an array. Arrays may be
+    numpy arrays, CPU torch tensors or anything ``numpy.asarray`` takes; a strided view is copied
+    once, a contiguous array is not.
+
+    ``shards``: the number of shards of the checkpoint; with ``shard_index``, this process writes
+    only that shard (every process of a multi-process save passes the same ``save_id`` and every
+    dense tensor; the last one to finish commits). ``parallel``: writer threads (default: the
+    cores). ``step`` and ``metadata`` are stored in the manifest. An existing checkpoint at
+    ``path`` is replaced only with ``overwrite=True``. ``durable=False`` leaves the data in the
+    page cache (no fsync). ``foreign_rows``: what a process writing one shard does with rows of
+    other shards: ``"error"`` (the default: they would be lost) or ``"skip"`` (right when every
+    process holds the whole table).
+
+    The rows are copied once into the core's table before the save starts; dense tensors are
+    read in place, so they must not change until this returns.
+    """
+    options = dict(
+        shards=shards,
+        shard_index=shard_index,
+        save_id=save_id,
+        parallel=parallel,
+        step=step,
+        metadata=metadata,
+        overwrite=overwrite,
+        durable=durable,
+        foreign_rows=foreign_rows,
+    )
+    report = _saver.save(os.fspath(path), *_save_arguments(tables, dense, options))
+    return SaveReport(**report)
+
+
+class SaveHandle:
+    """A save running in the background (:func:`save_async`)."""
+
+    def __init__(self, native):
+        self._native = native
+
+    def done(self) -> bool:
+        """Whether the save has ended, committed or failed (``wait`` then returns at once)."""
+        return self._native.done()
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes written so far."""
+        return self._native.bytes_written()
+
+    def wait(self) -> SaveReport:
+        """Waits for the save (other Python threads run meanwhile) and returns its report, or
+        raises its error. Only once."""
+        return SaveReport(**self._native.wait())
+
+
+def save_async(
+    path: PathLike,
+    tables: Optional[Mapping[str, Mapping[str, ArrayLike]]] = None,
+    dense: Optional[Mapping[str, ArrayLike]] = None,
+    **options: Any,
+) -> SaveHandle:
+    """:func:`save` in the background: returns once the save's moment is fixed, that is once
+    every table's rows and every dense tensor are copied (one copy, taken with the GIL released
+    for the save's own part), so that training may change its arrays from then on; the
+    checkpoint shows them as they were at the call. The save runs on threads of its own at a
+    lower CPU priority. Options as :func:`save`. Errors found before the moment (bad arguments)
+    are raised here; later ones by :meth:`SaveHandle.wait`."""
+    return SaveHandle(_saver.save_async(os.fspath(path), *_save_arguments(tables, dense, _options(options))))
+
+
+@dataclass
+class Loaded:
+    """What :func:`load` returns: per table its columns (``"ids"`` and one array per slot, row
+    ``i`` of each belonging to ``ids[i]``, in checkpoint order), the dense tensors, and figures.
+    Every array owns memory the core filled directly: ``torch.from_numpy`` takes it without a
+    copy."""
+
+    tables: dict = field(default_factory=dict)
+    dense: dict = field(default_factory=dict)
+    report: dict = field(default_factory=dict)
+
+
+def _rows(data: np.ndarray, dtype: str, shape: Sequence[int], rows: int) -> np.ndarray:
+    numpy_dtype = _TO_NUMPY.get(dtype)
+    if numpy_dtype is None:
+        # A dtype numpy has no type for (8-bit floats, micro-scaling formats): its raw bytes.
+        return data.reshape((rows, -1)) if rows else data.reshape((0, 0))
+    return data.view(numpy_dtype).reshape((rows, *shape))
+
+
+def load(
+    path: PathLike,
+    *,
+    shards: int = 1,
+    shard_index: Optional[int] = None,
+    tables: Optional[Sequence[str]] = None,
+    dense: bool = True,
+    parallel: Optional[int] = None,
+) -> Loaded:
+    """Loads a checkpoint (or the newest link of a delta chain) at ``path`` into numpy arrays.
+
+    With ``shard_index=j``, only the rows of shard ``j`` of ``shards`` (the partition rule's
+    shards, whatever shard count the checkpoint was saved with); otherwise every row.
+    ``tables``: the tables to load (default all; a named table that is missing is an error).
+    ``dense=False`` leaves the dense tensors out.
+    """
+    tables_out, dense_out, report = _saver.load(
+        os.fspath(path),
+        shards,
+        shard_index,
+        None if tables is None else [str(t) for t in tables],
+        dense,
+        parallel,
+    )
+    out = Loaded(report=report)
+    for name, key, ids, slots in tables_out:
+        columns = {"ids": ids.view(np.int64) if key == "I64" else ids}
+        for slot, dtype, shape, data in slots:
+            columns[slot] = _rows(data, dtype, shape, ids.shape[0])
+        out.tables[name] = columns
+    for name, dtype, shape, data in dense_out:
+        numpy_dtype = _TO_NUMPY.get(dtype)
+        out.dense[name] = data if numpy_dtype is None else data.view(numpy_dtype).reshape(shape)
+    return out
+
+
+def verify(path: PathLike, *, parallel: Optional[int] = None) -> dict:
+    """Reads every byte of the checkpoint at ``path`` and checks it against its CRCs. Returns
+    ``{"status": "ok", "problems": []}`` or the problems found, each naming its file."""
+    return _saver.verify(os.fspath(path), parallel or os.cpu_count() or 1)
+
+
+def digest(path: PathLike, *, parallel: Optional[int] = None) -> str:
+    """The content digest of a checkpoint or plain safetensors model, as ``saver digest`` prints
+    it: equal for equal content, whatever the shard count, file layout or writer."""
+    return _saver.digest(os.fspath(path), parallel or os.cpu_count() or 1)
+
+
+class Checkpoint:
+    """A committed checkpoint, opened: what it holds (from its manifest) and its operations."""
+
+    def __init__(self, path: PathLike):
+        self.path = os.fspath(path)
+        self._info = _saver.inspect(self.path)
+
+    @property
+    def save_id(self) -> str:
+        return self._info["save_id"]
+
+    @property
+    def shards(self) -> int:
+        return self._info["shards"]
+
+    @property
+    def step(self) -> Optional[int]:
+        return self._info["step"]
+
+    @property
+    def is_delta(self) -> bool:
+        return self._info["delta"]
+
+    @property
+    def metadata(self) -> dict:
+        return dict(self._info["metadata"])
+
+    @property
+    def tables(self) -> dict:
+        """Per table: ``key_dtype``, ``rows`` and ``slots`` (name -> (dtype, row shape))."""
+        return self._info["tables"]
+
+    @property
+    def dense(self) -> dict:
+        """Per dense tensor: (dtype, shape)."""
+        return self._info["dense"]
+
+    def load(self, **kwargs: Any) -> Loaded:
+        """:func:`load` of this checkpoint."""
+        return load(self.path, **kwargs)
+
+    def verify(self, **kwargs: Any) -> dict:
+        """:func:`verify` of this checkpoint."""
+        return verify(self.path, **kwargs)
+
+    def digest(self, **kwargs: Any) -> str:
+        """:func:`digest` of this checkpoint."""
+        return digest(self.path, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"saver.Checkpoint({self.path!r}, save_id={self.save_id!r}, tables={sorted(self.tables)})"
+
+
+class Manager:
+    """The checkpoints of a training job under one root: ``<root>/step-<N>`` per saved step,
+    full checkpoints every ``full_every`` saves and deltas in between (at most
+    ``max_chain_links`` links a chain), and retention after every commit (the newest
+    ``keep_latest`` steps, and every step that is a multiple of ``keep_every``), never breaking a
+    chain a kept step needs. The policy is kept in the root, so every process of the job (and
+    the ``saver`` binary) applies the same one.
+
+    >>> m = saver.Manager("/ckpt/run7", full_every=4, keep_latest=3)
+    >>> m.save_async(step, tables=..., dense=...)   # every K steps, in the background
+    >>> latest = m.load_latest()                    # on restart: (step, Loaded) or None
+    """
+
+    def __init__(
+        self,
+        root: PathLike,
+        *,
+        every_steps: int = 1,
+        full_every: int = 4,
+        max_chain_links: int = 4,
+        keep_latest: int = 3,
+        keep_every: Optional[int] = None,
+    ):
+        self.root = os.fspath(root)
+        self._native = _saver.Manager(self.root, every_steps, full_every, max_chain_links, keep_latest, keep_every)
+
+    def is_due(self, step: int) -> bool:
+        """Whether ``step`` is one the policy saves (a multiple of ``every_steps``)."""
+        return self._native.is_due(step)
+
+    def save(self, step: int, tables=None, dense=None, **options: Any) -> SaveReport:
+        """Saves ``step`` (after any background save ends), full or a delta by the policy, then
+        applies retention. Options as :func:`save` (``save_id`` and ``step`` are the manager's)."""
+        return SaveReport(**self._native.save(step, *_save_arguments(tables, dense, _options(options))))
+
+    def save_async(self, step: int, tables=None, dense=None, **options: Any) -> None:
+        """:meth:`save` in the background, as :func:`save_async`: returns once the arrays are
+        copied. The next save (or :meth:`wait`) waits for it first."""
+        self._native.save_in_background(step, *_save_arguments(tables, dense, _options(options)))
+
+    def wait(self) -> Optional[SaveReport]:
+        """Waits for the background save, if one runs; its report, or raises its error."""
+        report = self._native.wait()
+        return None if report is None else SaveReport(**report)
+
+    def steps(self) -> list:
+        """The committed steps whose chains are whole, oldest first: dicts with ``step``,
+        ``path``, ``save_id``, ``parent`` (the step a delta builds on), ``links``, ``bytes``,
+        ``shards`` and ``metadata``."""
+        return self._native.steps()
+
+    def latest(self) -> Optional[dict]:
+        """The newest committed step whose chain is whole (as :meth:`steps` lists it), or None."""
+        return self._native.latest()
+
+    def load_latest(self, **kwargs: Any):
+        """``(step, Loaded)`` of the newest committed step (options as :func:`load`), or None
+        when the root has none: where a restarted job resumes."""
+        latest = self.latest()
+        if latest is None:
+            return None
+        return latest["step"], load(latest["path"], **kwargs)
+
+
+def _options(given: Mapping[str, Any]) -> dict:
+    """:func:`save`'s options, defaults filled in; an unknown one is a ``TypeError``."""
+    options = dict(
+        shards=1,
+        shard_index=None,
+        save_id=None,
+        parallel=None,
+        step=None,
+        metadata=None,
+        overwrite=False,
+        durable=True,
+        foreign_rows="error",
+    )
+    unknown = set(given) - set(options)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+    options.update(given)
+    return options
+
+
+def open(path: PathLike) -> Checkpoint:  # noqa: A001 - the package's verb, as in `saver.open`
+    """Opens the committed checkpoint at ``path`` (refused, naming the file, if there is none or
+    it is damaged)."""
+    return Checkpoint(path)

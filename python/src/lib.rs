@@ -1,0 +1,516 @@
+//! `saver._saver`: the native half of the `saver` Python package.
+//!
+//! The Python half (`python/saver/__init__.py`) checks and converts its arguments with numpy and
+//! hands this module flat byte arrays with their dtype names and shapes; this module builds the
+//! same `SaveInput` and `LoadOptions` the `saver` binary builds and runs saver-io with the GIL
+//! released. Nothing of the core's logic is repeated here: a checkpoint saved from Python is the
+//! checkpoint the library would save from the same arrays.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use saver_core::{ColumnTable, DenseTensor, Dtype, KeyDtype, SaveInput, SlotSpec, SparseTable};
+use saver_io::load::checkpoint::read_latest;
+use saver_io::source::Source;
+use saver_io::tools::digest::source_digest;
+use saver_io::{Checkpoint, LoadOptions, SaveOptions};
+
+create_exception!(
+    _saver,
+    SaverError,
+    PyException,
+    "An error of saving, loading or verifying a checkpoint: its message is the library's (and \
+     the `saver` binary's) one-line message, naming the file, table, tensor or argument."
+);
+
+/// saver-io's error as a [`SaverError`].
+fn err(e: impl std::fmt::Display) -> PyErr {
+    SaverError::new_err(e.to_string())
+}
+
+fn dtype(name: &str) -> PyResult<Dtype> {
+    name.parse::<Dtype>().map_err(err)
+}
+
+fn key_dtype(name: &str) -> PyResult<KeyDtype> {
+    match name {
+        "I64" => Ok(KeyDtype::I64),
+        "U64" => Ok(KeyDtype::U64),
+        other => Err(err(format!(
+            "id dtype {other:?}: ids must be int64 or uint64"
+        ))),
+    }
+}
+
+fn key_dtype_name(k: KeyDtype) -> &'static str {
+    match k {
+        KeyDtype::I64 => "I64",
+        KeyDtype::U64 => "U64",
+    }
+}
+
+/// One slot of a table from Python: name, dtype name, the shape of one row, and the rows' bytes.
+type SlotIn<'py> = (String, String, Vec<u64>, PyReadonlyArray1<'py, u8>);
+
+/// One table from Python: name, id dtype name, the ids' 64 bits, and its slots.
+type TableIn<'py> = (String, String, PyReadonlyArray1<'py, u64>, Vec<SlotIn<'py>>);
+
+/// One dense tensor from Python: name, dtype name, shape, bytes.
+type DenseIn<'py> = (String, String, Vec<u64>, PyReadonlyArray1<'py, u8>);
+
+/// How to save: the keyword arguments of `saver.save` (see its docstring), as a dict.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct SaveArgs {
+    shards: u32,
+    shard_index: Option<u32>,
+    save_id: Option<String>,
+    parallel: Option<usize>,
+    step: Option<u64>,
+    metadata: BTreeMap<String, String>,
+    overwrite: bool,
+    durable: bool,
+    skip_foreign_rows: bool,
+}
+
+impl SaveArgs {
+    fn options(self) -> SaveOptions {
+        let mut opts = SaveOptions {
+            save_id: self.save_id,
+            step: self.step,
+            overwrite: self.overwrite,
+            durable: self.durable,
+            user_metadata: self.metadata,
+            ..SaveOptions::default()
+        };
+        opts.plan.shard_num = self.shards;
+        opts.plan.shard_index = self.shard_index;
+        if self.skip_foreign_rows {
+            opts.plan.foreign_rows = saver_core::ForeignRows::Skip;
+        }
+        if let Some(p) = self.parallel {
+            opts.plan.parallel = p;
+        }
+        opts
+    }
+}
+
+/// The tables of a save: each one's rows copied once into a table the core saves, so that the
+/// save may run while the caller's arrays change (and a background save shows them as they were
+/// at the call).
+fn column_tables(tables: &[TableIn<'_>]) -> PyResult<Vec<Arc<dyn SparseTable>>> {
+    let mut columns: Vec<Arc<dyn SparseTable>> = Vec::with_capacity(tables.len());
+    for (name, key, ids, slots) in tables {
+        let mut specs = Vec::with_capacity(slots.len());
+        let mut data = Vec::with_capacity(slots.len());
+        for (slot, dt, shape, bytes) in slots {
+            specs.push(SlotSpec::new(slot.clone(), dtype(dt)?, shape.clone()));
+            data.push(bytes.as_slice()?.to_vec());
+        }
+        let ids = ids.as_slice()?.to_vec();
+        let table = ColumnTable::new(name.clone(), key_dtype(key)?, specs, ids, data);
+        columns.push(Arc::new(table.map_err(err)?));
+    }
+    Ok(columns)
+}
+
+/// The dense tensors of a save, over the caller's arrays.
+fn dense_tensors<'a>(dense: &'a [DenseIn<'_>]) -> PyResult<Vec<DenseTensor<'a>>> {
+    let mut tensors = Vec::with_capacity(dense.len());
+    for (name, dt, shape, bytes) in dense {
+        let data = Cow::Borrowed(bytes.as_slice()?);
+        tensors.push(DenseTensor::new(name.clone(), dtype(dt)?, shape.clone(), data).map_err(err)?);
+    }
+    Ok(tensors)
+}
+
+fn input<'a>(tables: &[Arc<dyn SparseTable>], dense: Vec<DenseTensor<'a>>) -> SaveInput<'a> {
+    let mut input = SaveInput::new();
+    for t in tables {
+        input = input.table(Arc::clone(t));
+    }
+    for t in dense {
+        input = input.dense(t);
+    }
+    input
+}
+
+fn report_dict<'py>(
+    py: Python<'py>,
+    report: &saver_io::SaveReport,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("save_id", &report.save_id)?;
+    d.set_item("shards", &report.shards)?;
+    d.set_item("files", report.files)?;
+    d.set_item("rows", report.rows)?;
+    d.set_item("bytes_written", report.bytes_written)?;
+    d.set_item("plan_seconds", report.plan_seconds)?;
+    d.set_item("write_seconds", report.write_seconds)?;
+    d.set_item("commit_seconds", report.commit_seconds)?;
+    d.set_item("committed", report.committed)?;
+    Ok(d)
+}
+
+/// Saves tables and dense tensors into `path` (a directory or an `s3://` location); returns the
+/// save's report as a dict. Dense tensors are read in place.
+#[pyfunction]
+fn save<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    tables: Vec<TableIn<'py>>,
+    dense: Vec<DenseIn<'py>>,
+    args: SaveArgs,
+) -> PyResult<Bound<'py, PyDict>> {
+    let tables = column_tables(&tables)?;
+    let dense = dense_tensors(&dense)?;
+    let opts = args.options();
+    let report = py
+        .detach(|| saver_io::save(&path, input(&tables, dense), &opts))
+        .map_err(err)?;
+    report_dict(py, &report)
+}
+
+/// A background save under way (see `saver.save_async`).
+#[pyclass(module = "saver._saver")]
+struct SaveHandle {
+    handle: Mutex<Option<saver_io::SaveHandle>>,
+}
+
+#[pymethods]
+impl SaveHandle {
+    /// Whether the save has ended (committed or failed): `wait` then returns at once.
+    fn done(&self) -> bool {
+        let handle = self.handle.lock().unwrap_or_else(|e| e.into_inner());
+        handle
+            .as_ref()
+            .is_none_or(saver_io::SaveHandle::is_finished)
+    }
+
+    /// Bytes written so far.
+    fn bytes_written(&self) -> u64 {
+        let handle = self.handle.lock().unwrap_or_else(|e| e.into_inner());
+        handle
+            .as_ref()
+            .map_or(0, saver_io::SaveHandle::bytes_written)
+    }
+
+    /// Waits for the save to end, with the GIL released; returns its report, or raises its
+    /// error. Only once.
+    fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let handle = self.handle.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let handle = handle.ok_or_else(|| err("this save was already waited for"))?;
+        let report = py.detach(|| handle.wait()).map_err(err)?;
+        report_dict(py, &report)
+    }
+}
+
+/// Starts a save in the background and returns once its moment is fixed: the tables' rows and
+/// the dense tensors copied, so the caller may change its arrays from then on.
+#[pyfunction]
+fn save_async<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    tables: Vec<TableIn<'py>>,
+    dense: Vec<DenseIn<'py>>,
+    args: SaveArgs,
+) -> PyResult<SaveHandle> {
+    let tables = column_tables(&tables)?;
+    let dense: Vec<DenseTensor<'static>> = dense_tensors(&dense)?
+        .into_iter()
+        .map(DenseTensor::into_owned)
+        .collect();
+    let opts = args.options();
+    let handle = py
+        .detach(|| saver_io::save_async(&path, input(&tables, dense), opts))
+        .map_err(err)?;
+    Ok(SaveHandle {
+        handle: Mutex::new(Some(handle)),
+    })
+}
+
+/// A step's entry of a managed root, as a dict.
+fn step_dict<'py>(py: Python<'py>, s: &saver_io::manage::StepInfo) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("step", s.step)?;
+    d.set_item("path", s.path.to_string_lossy())?;
+    d.set_item("save_id", &s.save_id)?;
+    d.set_item("parent", s.parent)?;
+    d.set_item("links", s.links)?;
+    d.set_item("bytes", s.bytes)?;
+    d.set_item("shards", s.shards)?;
+    d.set_item("metadata", &s.user_metadata)?;
+    Ok(d)
+}
+
+/// The checkpoints of a training job under one root (see `saver.Manager`).
+#[pyclass(module = "saver._saver")]
+struct Manager {
+    inner: saver_io::CheckpointManager,
+}
+
+#[pymethods]
+impl Manager {
+    #[new]
+    #[pyo3(signature = (root, every_steps, full_every, max_chain_links, keep_latest, keep_every))]
+    fn new(
+        py: Python<'_>,
+        root: PathBuf,
+        every_steps: u64,
+        full_every: u32,
+        max_chain_links: usize,
+        keep_latest: usize,
+        keep_every: Option<u64>,
+    ) -> PyResult<Self> {
+        let mut policy = saver_io::Policy {
+            every_steps,
+            full_every,
+            max_chain_links,
+            ..saver_io::Policy::default()
+        };
+        policy.retention.keep_latest = keep_latest;
+        policy.retention.keep_every = keep_every;
+        let inner = py
+            .detach(|| saver_io::CheckpointManager::open(&root, policy))
+            .map_err(err)?;
+        Ok(Self { inner })
+    }
+
+    fn is_due(&self, step: u64) -> bool {
+        self.inner.is_due(step)
+    }
+
+    /// Saves step `step` (full or a delta, by the policy), then applies retention.
+    fn save<'py>(
+        &self,
+        py: Python<'py>,
+        step: u64,
+        tables: Vec<TableIn<'py>>,
+        dense: Vec<DenseIn<'py>>,
+        args: SaveArgs,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let tables = column_tables(&tables)?;
+        let dense = dense_tensors(&dense)?;
+        let opts = args.options();
+        let saved = py
+            .detach(|| self.inner.save(step, input(&tables, dense), &opts))
+            .map_err(err)?;
+        report_dict(py, &saved.save)
+    }
+
+    /// Starts saving step `step` in the background (after waiting for the previous one);
+    /// returns once its moment is fixed.
+    fn save_in_background<'py>(
+        &self,
+        py: Python<'py>,
+        step: u64,
+        tables: Vec<TableIn<'py>>,
+        dense: Vec<DenseIn<'py>>,
+        args: SaveArgs,
+    ) -> PyResult<()> {
+        let tables = column_tables(&tables)?;
+        let dense: Vec<DenseTensor<'static>> = dense_tensors(&dense)?
+            .into_iter()
+            .map(DenseTensor::into_owned)
+            .collect();
+        let opts = args.options();
+        py.detach(|| {
+            self.inner
+                .save_in_background(step, input(&tables, dense), &opts)
+        })
+        .map_err(err)?;
+        Ok(())
+    }
+
+    /// Waits for the background save, if one runs: its report, or `None`.
+    fn wait<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let saved = py.detach(|| self.inner.wait()).map_err(err)?;
+        saved.map(|s| report_dict(py, &s.save)).transpose()
+    }
+
+    /// The committed steps whose chains are whole, oldest first.
+    fn steps<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let steps = py.detach(|| self.inner.steps()).map_err(err)?;
+        steps.iter().map(|s| step_dict(py, s)).collect()
+    }
+
+    /// The newest committed step whose chain is whole.
+    fn latest<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let latest = py.detach(|| self.inner.latest()).map_err(err)?;
+        latest.map(|s| step_dict(py, &s)).transpose()
+    }
+}
+
+/// One loaded slot: name, dtype name, row shape, the rows' bytes (owned by the array).
+type SlotOut<'py> = (String, &'static str, Vec<u64>, Bound<'py, PyArray1<u8>>);
+
+/// One loaded table: name, id dtype name, ids, slots.
+type TableOut<'py> = (
+    String,
+    &'static str,
+    Bound<'py, PyArray1<u64>>,
+    Vec<SlotOut<'py>>,
+);
+
+/// One loaded dense tensor: name, dtype name, shape, bytes.
+type DenseOut<'py> = (String, &'static str, Vec<u64>, Bound<'py, PyArray1<u8>>);
+
+/// Loads a checkpoint's tables (all rows, or shard `shard_index` of `shards`) and dense tensors
+/// into arrays that own the memory the core filled: handed to numpy without a copy.
+#[pyfunction]
+#[pyo3(signature = (path, shards, shard_index, tables, load_dense, parallel))]
+#[allow(clippy::type_complexity)]
+fn load<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    shards: u32,
+    shard_index: Option<u32>,
+    tables: Option<Vec<String>>,
+    load_dense: bool,
+    parallel: Option<usize>,
+) -> PyResult<(Vec<TableOut<'py>>, Vec<DenseOut<'py>>, Bound<'py, PyDict>)> {
+    let mut opts = LoadOptions {
+        shard_num: shards,
+        shard_index,
+        load_dense,
+        ..LoadOptions::default()
+    };
+    if let Some(t) = tables {
+        opts.required_tables = t.clone();
+        opts.tables = t;
+    }
+    if let Some(p) = parallel {
+        opts.parallel = p;
+    }
+    let columns = py
+        .detach(|| read_latest(&path, || Checkpoint::open(&path)?.load_columns(&opts)))
+        .map_err(err)?;
+    let mut out = Vec::with_capacity(columns.tables.len());
+    for t in columns.tables {
+        let slots = t
+            .slots
+            .iter()
+            .zip(t.data)
+            .map(|(s, data)| {
+                let array = PyArray1::from_vec(py, data);
+                (s.name.clone(), s.dtype.name(), s.shape.clone(), array)
+            })
+            .collect();
+        let ids = PyArray1::from_vec(py, t.ids);
+        out.push((t.name, key_dtype_name(t.key_dtype), ids, slots));
+    }
+    let dense = columns
+        .dense
+        .into_iter()
+        .map(|d| {
+            let name = d.name;
+            (
+                name,
+                d.dtype.name(),
+                d.shape,
+                PyArray1::from_vec(py, d.data),
+            )
+        })
+        .collect();
+    let r = &columns.report;
+    let report = PyDict::new(py);
+    report.set_item("rows", r.rows)?;
+    report.set_item("bytes_read", r.bytes_read)?;
+    report.set_item("read_amplification", r.read_amplification)?;
+    report.set_item("load_seconds", r.load_seconds)?;
+    Ok((out, dense, report))
+}
+
+/// What a committed checkpoint holds, from its manifest: a dict.
+#[pyfunction]
+fn inspect<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    let ckpt = py.detach(|| Checkpoint::open(&path)).map_err(err)?;
+    let m = ckpt.manifest();
+    let d = PyDict::new(py);
+    d.set_item("save_id", &m.save_id)?;
+    d.set_item("shards", m.shard_num)?;
+    d.set_item("step", m.step)?;
+    d.set_item("delta", ckpt.is_delta())?;
+    d.set_item("metadata", &m.user_metadata)?;
+    let tables = PyDict::new(py);
+    for t in ckpt.table_manifests() {
+        let info = PyDict::new(py);
+        info.set_item("key_dtype", key_dtype_name(t.key_dtype))?;
+        info.set_item("rows", t.rows)?;
+        let slots = PyDict::new(py);
+        for s in &t.slots {
+            slots.set_item(&s.name, (s.dtype.name(), s.shape.clone()))?;
+        }
+        info.set_item("slots", slots)?;
+        tables.set_item(&t.name, info)?;
+    }
+    d.set_item("tables", tables)?;
+    let dense = PyDict::new(py);
+    for (_, t) in ckpt.dense_refs().map_err(err)? {
+        dense.set_item(
+            &t.tensor.name,
+            (t.tensor.dtype.name(), t.tensor.shape.clone()),
+        )?;
+    }
+    d.set_item("dense", dense)?;
+    Ok(d)
+}
+
+/// Reads every byte of a checkpoint (or chain) and checks it against its CRCs: the report as a
+/// dict (`status` "ok", or the problems found).
+#[pyfunction]
+#[pyo3(signature = (path, parallel))]
+fn verify<'py>(py: Python<'py>, path: PathBuf, parallel: usize) -> PyResult<Bound<'py, PyDict>> {
+    let report = py
+        .detach(|| saver_io::verify(&path, parallel.max(1)))
+        .map_err(err)?;
+    let d = PyDict::new(py);
+    d.set_item("status", format!("{:?}", report.status).to_lowercase())?;
+    let problems: Vec<String> = report
+        .problems
+        .iter()
+        .map(|p| match &p.tensor {
+            Some(t) => format!("{}: tensor {t}: {}", p.file, p.detail),
+            None => format!("{}: {}", p.file, p.detail),
+        })
+        .collect();
+    d.set_item("problems", problems)?;
+    Ok(d)
+}
+
+/// The content digest of a checkpoint or a plain safetensors model, as `saver digest` prints it.
+#[pyfunction]
+#[pyo3(signature = (path, parallel))]
+fn digest(py: Python<'_>, path: PathBuf, parallel: usize) -> PyResult<String> {
+    py.detach(|| {
+        let path: &Path = &path;
+        read_latest(path, || {
+            let source = Source::open(path)?;
+            let tables = source.tables(&std::env::temp_dir(), parallel.max(1))?;
+            source_digest(&tables, &source.dense()?)
+        })
+    })
+    .map_err(err)
+}
+
+#[pymodule]
+fn _saver(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("SaverError", m.py().get_type::<SaverError>())?;
+    m.add_class::<SaveHandle>()?;
+    m.add_class::<Manager>()?;
+    m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(save_async, m)?)?;
+    m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(verify, m)?)?;
+    m.add_function(wrap_pyfunction!(digest, m)?)?;
+    Ok(())
+}

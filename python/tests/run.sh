@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The Python package's tests: builds it with maturin into a venv of its own (target/python-venv,
+# made here) and runs pytest. The digest test compares with the `saver` binary built here.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+venv="${SAVER_PYTHON_VENV:-$root/target/python-venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+  "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "safetensors>=0.4"
+cargo build --quiet -p saver-cli
+# A debug build into the venv, sharing the workspace's build directory (and so its compiled
+# crates) with `cargo test`.
+(cd "$root/python" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop --quiet)
+SAVER_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/saver" \
+  "$venv/bin/python" -m pytest -q "$root/python/tests"
+# The package's example: a training loop that saves in the background and resumes.
+"$venv/bin/python" "$root/python/examples/train_loop.py"

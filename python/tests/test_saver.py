@@ -1,0 +1,339 @@
+"""The saver Python package, through its public API and against the `saver` binary."""
+
+import glob
+import os
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import saver
+
+NUMPY_DTYPES = [
+    np.bool_,
+    np.uint8,
+    np.int8,
+    np.uint16,
+    np.int16,
+    np.uint32,
+    np.int32,
+    np.uint64,
+    np.int64,
+    np.float16,
+    np.float32,
+    np.float64,
+]
+
+
+def saver_bin():
+    path = os.environ.get("SAVER_BIN")
+    # The test script builds the binary: without it the digest checks cannot run, and must fail.
+    assert path and os.path.exists(path), "SAVER_BIN must name the saver binary (python/tests/run.sh sets it)"
+    return path
+
+
+def values(rng, dtype, shape):
+    if dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    return rng.standard_normal(size=shape).astype(dtype)
+
+
+def by_id(columns):
+    """A table's columns sorted by id (loads return rows in checkpoint order)."""
+    order = np.argsort(columns["ids"], kind="stable")
+    return {k: v[order] for k, v in columns.items()}
+
+
+def test_every_dtype_and_shape_round_trips(tmp_path):
+    rng = np.random.default_rng(1)
+    n = 5000
+    ids = rng.permutation(np.arange(-n // 2, n - n // 2, dtype=np.int64) * 7919)
+    columns = {"ids": ids}
+    dense = {}
+    for k, dt in enumerate(NUMPY_DTYPES):
+        columns[f"s{k}"] = values(rng, dt, (n, 3))
+        dense[f"d{k}"] = values(rng, dt, (2, 3, 4))
+    columns["scalar"] = values(rng, np.float32, (n,))
+    columns["matrix"] = values(rng, np.float32, (n, 2, 5))
+    dense["zero_d"] = np.float64(3.5)
+    dense["empty"] = np.zeros((0, 4), dtype=np.float32)
+    report = saver.save(tmp_path / "ckpt", tables={"t": columns}, dense=dense, shards=3)
+    assert report.committed and report.rows == n and sorted(report.shards) == [0, 1, 2]
+
+    loaded = saver.load(tmp_path / "ckpt")
+    got, want = by_id(loaded.tables["t"]), by_id(columns)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        assert got[k].shape == want[k].shape, k
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    for k, v in dense.items():
+        a = np.asarray(v)
+        assert loaded.dense[k].dtype == a.dtype and loaded.dense[k].shape == a.shape, k
+        np.testing.assert_array_equal(loaded.dense[k], a, err_msg=k)
+
+
+def test_uint64_ids_keep_all_64_bits(tmp_path):
+    ids = np.array([0, 1, 2**63, 2**64 - 1, 12345678901234567890], dtype=np.uint64)
+    emb = np.arange(10, dtype=np.float32).reshape(5, 2)
+    saver.save(tmp_path / "c", tables={"t": {"ids": ids, "emb": emb}})
+    got = by_id(saver.load(tmp_path / "c").tables["t"])
+    assert got["ids"].dtype == np.uint64
+    np.testing.assert_array_equal(got["ids"], np.sort(ids))
+    np.testing.assert_array_equal(got["emb"], emb[np.argsort(ids)])
+
+
+def test_a_resharding_load_gives_every_row_to_exactly_one_shard(tmp_path):
+    rng = np.random.default_rng(2)
+    ids = rng.choice(2**40, size=20000, replace=False).astype(np.int64)
+    emb = rng.standard_normal((20000, 8)).astype(np.float32)
+    saver.save(tmp_path / "c", tables={"t": {"ids": ids, "emb": emb}}, shards=4)
+    parts = [saver.load(tmp_path / "c", shards=3, shard_index=j).tables["t"] for j in range(3)]
+    assert all(0 < len(p["ids"]) < 20000 for p in parts)
+    whole = by_id({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    want = by_id({"ids": ids, "emb": emb})
+    np.testing.assert_array_equal(whole["ids"], want["ids"])
+    np.testing.assert_array_equal(whole["emb"], want["emb"])
+
+
+def test_a_multi_process_save_commits_when_its_last_shard_is_written(tmp_path):
+    with pytest.raises(saver.SaverError, match="belong to other shards"):
+        saver.save(tmp_path / "x", tables={"t": {"ids": np.arange(100, dtype=np.int64)}}, shards=3, shard_index=0, save_id="r")
+    with pytest.raises(saver.SaverError, match="needs an explicit save id"):
+        saver.save(tmp_path / "x", tables={"t": {"ids": np.arange(100, dtype=np.int64)}}, shards=3, shard_index=0, foreign_rows="skip")
+    ids = np.arange(3000, dtype=np.int64)
+    emb = np.repeat(ids[:, None], 4, axis=1).astype(np.float32)
+    for j in range(3):
+        # Every process holds the whole table here, and writes its shard's rows.
+        saver.save(
+            tmp_path / "c",
+            tables={"t": {"ids": ids, "emb": emb}},
+            shards=3,
+            shard_index=j,
+            save_id="run1",
+            foreign_rows="skip",
+        )
+        if j < 2:
+            with pytest.raises(saver.SaverError):
+                saver.open(tmp_path / "c")  # not committed before its last shard
+    got = by_id(saver.load(tmp_path / "c").tables["t"])
+    np.testing.assert_array_equal(got["emb"], emb)
+
+
+def test_digests_equal_the_binarys_save_of_the_same_arrays(tmp_path):
+    rng = np.random.default_rng(3)
+    ids = rng.choice(2**50, size=4000, replace=False).astype(np.int64)
+    emb = rng.standard_normal((4000, 16)).astype(np.float32)
+    freq = rng.integers(0, 100, size=4000).astype(np.int64)
+    w = rng.standard_normal((32, 8)).astype(np.float32)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    safetensors.numpy.save_file(
+        {"user/ids": ids, "user/embedding": emb, "user/freq": freq, "mlp.w": w}, str(plain / "model.safetensors")
+    )
+    subprocess.run([saver_bin(), "save", "--out", str(tmp_path / "cli"), "--from", str(plain), "--shards", "2"], check=True, capture_output=True)
+    saver.save(tmp_path / "py", tables={"user": {"ids": ids, "embedding": emb, "freq": freq}}, dense={"mlp.w": w}, shards=3)
+    cli = subprocess.run([saver_bin(), "digest", str(tmp_path / "cli")], check=True, capture_output=True, text=True).stdout.strip()
+    py_by_cli = subprocess.run([saver_bin(), "digest", str(tmp_path / "py")], check=True, capture_output=True, text=True).stdout.strip()
+    assert len(cli) == 64
+    assert saver.digest(tmp_path / "py") == py_by_cli == cli == saver.digest(plain)
+
+
+def test_data_files_open_in_safetensors_own_reader(tmp_path):
+    ids = np.arange(100, dtype=np.int64)
+    emb = np.ones((100, 4), dtype=np.float32)
+    saver.save(tmp_path / "c", tables={"t": {"ids": ids, "emb": emb}}, dense={"w": np.eye(3, dtype=np.float64)}, shards=2)
+    files = glob.glob(str(tmp_path / "c" / "**" / "*.safetensors"), recursive=True)
+    assert files
+    seen = {}
+    for f in files:
+        seen.update(safetensors.numpy.load_file(f))
+    assert any(np.array_equal(v, np.eye(3)) for v in seen.values())
+    rows = sum(len(v) for k, v in seen.items() if k.startswith("t/ids"))
+    assert rows == 100
+
+
+def test_inspect_verify_step_and_metadata(tmp_path):
+    ids = np.arange(10, dtype=np.int64)
+    saver.save(tmp_path / "c", tables={"t": {"ids": ids, "emb": np.zeros((10, 2), np.float16)}}, step=42, metadata={"lr": "0.1"})
+    c = saver.open(tmp_path / "c")
+    assert c.step == 42 and c.metadata == {"lr": "0.1"} and not c.is_delta
+    assert c.tables["t"]["rows"] == 10 and c.tables["t"]["key_dtype"] == "I64"
+    assert c.tables["t"]["slots"]["emb"] == ("F16", [2])
+    assert c.verify() == {"status": "ok", "problems": []}
+    # A flipped byte in a data file is found and named.
+    f = sorted(glob.glob(str(tmp_path / "c" / "**" / "*.safetensors"), recursive=True))[0]
+    data = bytearray(open(f, "rb").read())
+    data[-1] ^= 0xFF
+    open(f, "wb").write(bytes(data))
+    report = saver.verify(tmp_path / "c")
+    assert report["status"] != "ok" and any(os.path.basename(f) in p for p in report["problems"])
+
+
+def test_strided_arrays_and_array_likes_are_taken(tmp_path):
+    base = np.arange(400, dtype=np.float32).reshape(100, 4)
+
+    class TensorLike:
+        """An object numpy converts through `__array__`, as torch tensors are."""
+
+        def __array__(self, dtype=None, copy=None):
+            return base[:, 1]
+
+    ids = np.arange(100, dtype=np.int64)[::-1]  # a view with a negative stride
+    saver.save(tmp_path / "c", tables={"t": {"ids": ids, "every_other": base[:, ::2], "col": TensorLike()}})
+    got = by_id(saver.load(tmp_path / "c").tables["t"])
+    # Row i belongs to id 99 - i: sorted by id, the rows come in reverse.
+    np.testing.assert_array_equal(got["every_other"], base[::-1, ::2])
+    np.testing.assert_array_equal(got["col"], base[::-1, 1])
+
+
+@pytest.mark.parametrize(
+    "tables, message",
+    [
+        ({"t": {"emb": np.zeros((3, 2))}}, "no 'ids' array"),
+        ({"t": {"ids": np.zeros(3, dtype=np.float32)}}, "must be int64 or uint64"),
+        ({"t": {"ids": np.arange(3, dtype=np.int32)}}, "must be int64 or uint64"),
+        ({"t": {"ids": np.zeros((3, 2), dtype=np.int64)}}, "must be 1-D"),
+        ({"t": {"ids": np.arange(3, dtype=np.int64), "emb": np.zeros((4, 2))}}, "4 rows for 3 ids"),
+        ({"t": {"ids": np.arange(3, dtype=np.int64), "emb": np.zeros(3, dtype=np.complex64)}}, "complex64 is not supported"),
+        ({"t": {"ids": np.arange(3, dtype=np.int64), "emb": np.float32(1)}}, "a scalar for 3 ids"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, tables, message):
+    with pytest.raises(saver.InputError, match=message) as e:
+        saver.save(tmp_path / "c", tables=tables)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, saver.SaverError)
+    assert not (tmp_path / "c").exists()
+
+
+def test_the_cores_errors_name_what_is_wrong(tmp_path):
+    ids = np.array([1, 2, 2], dtype=np.int64)
+    with pytest.raises(saver.SaverError, match="appears more than once"):
+        saver.save(tmp_path / "c", tables={"user": {"ids": ids, "emb": np.zeros((3, 2), np.float32)}})
+    with pytest.raises(saver.SaverError, match="table"):
+        saver.save(tmp_path / "d", tables={"bad/name": {"ids": np.arange(2, dtype=np.int64)}})
+    with pytest.raises(saver.SaverError):
+        saver.load(tmp_path / "nothing-here")
+    good = {"t": {"ids": np.arange(2, dtype=np.int64), "emb": np.zeros((2, 2), np.float32)}}
+    saver.save(tmp_path / "e", tables=good)
+    with pytest.raises(saver.SaverError, match="missing"):
+        saver.load(tmp_path / "e", tables=["missing"])
+    # An existing checkpoint is replaced only when asked.
+    with pytest.raises(saver.SaverError):
+        saver.save(tmp_path / "e", tables=good)
+    saver.save(tmp_path / "e", tables=good, overwrite=True)
+
+
+def test_other_threads_run_while_a_save_and_a_load_run(tmp_path):
+    # The GIL is released: a Python thread counting meanwhile keeps most of its pace during the
+    # calls (holding the GIL, it would count only in the calls' few Python steps).
+    import time
+
+    ids = np.arange(2_000_000, dtype=np.int64)
+    emb = np.ones((2_000_000, 32), dtype=np.float32)
+    counted, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            counted[0] += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    pace = {}
+    try:
+        start, before = time.perf_counter(), counted[0]
+        time.sleep(0.3)
+        alone = (counted[0] - before) / (time.perf_counter() - start)
+        for op, call in [
+            ("save", lambda: saver.save(tmp_path / "c", tables={"t": {"ids": ids, "emb": emb}}, durable=False)),
+            ("load", lambda: saver.load(tmp_path / "c")),
+            ("verify", lambda: saver.verify(tmp_path / "c")),
+        ]:
+            start, before = time.perf_counter(), counted[0]
+            call()
+            pace[op] = (counted[0] - before) / (time.perf_counter() - start) / alone
+    finally:
+        stop.set()
+        t.join()
+    assert all(p > 0.3 for p in pace.values()), pace
+
+
+def test_loaded_arrays_own_their_memory(tmp_path):
+    ids = np.arange(1000, dtype=np.int64)
+    emb = np.ones((1000, 8), dtype=np.float32)
+    saver.save(tmp_path / "c", tables={"t": {"ids": ids, "emb": emb}})
+    got = saver.load(tmp_path / "c").tables["t"]
+    # A view of the core's buffer, not a copy: writable, and its base owns the memory.
+    assert got["emb"].flags.writeable and got["emb"].base is not None
+    got["emb"][0, 0] = 5.0
+    assert got["emb"][0, 0] == 5.0
+
+
+def test_a_background_save_shows_the_arrays_as_they_were_at_the_call(tmp_path):
+    rng = np.random.default_rng(5)
+    ids = np.arange(200_000, dtype=np.int64)
+    emb = rng.standard_normal((200_000, 16)).astype(np.float32)
+    w = np.ones((64, 64), dtype=np.float32)
+    then_emb, then_w = emb.copy(), w.copy()
+    stop = threading.Event()
+
+    def train():
+        # A training thread keeps changing the arrays while the save runs.
+        k = 0
+        while not stop.is_set():
+            emb[k % len(emb)] += 1.0
+            w[k % 64] -= 1.0
+            k += 1
+
+    h = saver.save_async(tmp_path / "c", tables={"t": {"ids": ids, "emb": emb}}, dense={"w": w}, step=3)
+    t = threading.Thread(target=train)
+    t.start()
+    try:
+        report = h.wait()
+    finally:
+        stop.set()
+        t.join()
+    assert report.committed and h.done()
+    assert not np.array_equal(emb, then_emb), "the trainer ran during the save"
+    loaded = saver.load(tmp_path / "c")
+    got = by_id(loaded.tables["t"])
+    np.testing.assert_array_equal(got["emb"], then_emb)
+    np.testing.assert_array_equal(loaded.dense["w"], then_w)
+    with pytest.raises(saver.SaverError, match="already waited"):
+        h.wait()
+    with pytest.raises(TypeError):
+        saver.save_async(tmp_path / "d", shardz=2)
+
+
+def test_a_manager_keeps_the_latest_steps_and_chains_whole_and_restarts_from_the_newest(tmp_path):
+    root = tmp_path / "run"
+    m = saver.Manager(root, full_every=3, keep_latest=2)
+    assert m.latest() is None and m.load_latest() is None
+    ids = np.arange(5000, dtype=np.int64)
+    emb = np.zeros((5000, 8), dtype=np.float32)
+    w = np.zeros(16, dtype=np.float32)
+    for step in range(1, 8):
+        emb[step * 100 : step * 100 + 50] += step  # a few rows change each step
+        w += 1
+        if step % 2:
+            m.save_async(step, tables={"t": {"ids": ids, "emb": emb}}, dense={"w": w})
+        else:
+            m.save(step, tables={"t": {"ids": ids, "emb": emb}}, dense={"w": w})
+    m.wait()
+    steps = m.steps()
+    assert [s["step"] for s in steps][-2:] == [6, 7]
+    # Deltas were written, and every kept step's chain is whole.
+    assert any(s["parent"] is not None for s in steps)
+    kept = {s["step"] for s in steps}
+    assert all(s["parent"] is None or s["parent"] in kept for s in steps)
+    step, loaded = saver.Manager(root).load_latest()
+    assert step == 7
+    np.testing.assert_array_equal(by_id(loaded.tables["t"])["emb"], emb)
+    np.testing.assert_array_equal(loaded.dense["w"], w)
+    with pytest.raises(TypeError):
+        m.save(8, tables={}, stepz=1)
