@@ -6,6 +6,7 @@
 //! the arrays usually stay adjacent in the save (a checkpoint's rows are already in bucket order),
 //! so runs of them are copied at once.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
@@ -19,17 +20,18 @@ use super::{validate_slots, RowChunk, SlotSpec, SparseTable, TableSchema, TableS
 const PART_ROWS: usize = if cfg!(test) { 64 } else { 1 << 20 };
 
 /// A read-only table whose rows are in arrays: `ids[r]` is row `r`'s id and `data[s]` holds every
-/// row of slot `s` back to back (little-endian, row-major), as [`SparseTable`] for saving.
-pub struct ColumnTable {
+/// row of slot `s` back to back (little-endian, row-major), as [`SparseTable`] for saving. The
+/// arrays are its own ([`Self::new`]) or borrowed for `'a` ([`Self::borrowed`]: saved in place).
+pub struct ColumnTable<'a> {
     schema: TableSchema,
     slot_bytes: Vec<usize>,
-    ids: Vec<u64>,
-    data: Vec<Vec<u8>>,
+    ids: Cow<'a, [u64]>,
+    data: Vec<Cow<'a, [u8]>>,
     /// Row of each id, built only if a read by id (no handles) ever asks.
     by_id: OnceLock<HashMap<u64, usize>>,
 }
 
-impl ColumnTable {
+impl ColumnTable<'static> {
     /// A table over `ids` and `data` (one buffer per slot of `slots`, `ids.len()` rows each),
     /// taken without a copy. Duplicate ids are refused when the table is saved.
     pub fn new(
@@ -39,7 +41,42 @@ impl ColumnTable {
         ids: Vec<u64>,
         data: Vec<Vec<u8>>,
     ) -> Result<Self> {
-        let name = name.into();
+        let data = data.into_iter().map(Cow::Owned).collect();
+        Self::with(name.into(), key_dtype, slots, Cow::Owned(ids), data)
+    }
+
+    /// This table as a snapshot that owns it: what a custom [`SparseTable`] whose rows cannot be
+    /// read at a moment otherwise returns from [`SparseTable::snapshot`], after copying its rows
+    /// under its own lock. The copy is the moment: point-in-time, at the cost of one copy of the
+    /// table's rows (for small tables; large ones want copy-on-write, see `table::moment`).
+    pub fn into_snapshot(self) -> Box<dyn TableSnapshot> {
+        Box::new(ColumnSnapshot {
+            table: Box::new(self),
+        })
+    }
+}
+
+impl<'a> ColumnTable<'a> {
+    /// [`Self::new`] over arrays borrowed for `'a`: a save reads the rows where they are, so
+    /// they must not change until it ends.
+    pub fn borrowed(
+        name: impl Into<String>,
+        key_dtype: KeyDtype,
+        slots: Vec<SlotSpec>,
+        ids: &'a [u64],
+        data: Vec<&'a [u8]>,
+    ) -> Result<Self> {
+        let data = data.into_iter().map(Cow::Borrowed).collect();
+        Self::with(name.into(), key_dtype, slots, Cow::Borrowed(ids), data)
+    }
+
+    fn with(
+        name: String,
+        key_dtype: KeyDtype,
+        slots: Vec<SlotSpec>,
+        ids: Cow<'a, [u64]>,
+        data: Vec<Cow<'a, [u8]>>,
+    ) -> Result<Self> {
         check_table_name(&name)?;
         let slot_bytes = validate_slots(&name, &slots)?;
         let bad = |message: String| Error::Table {
@@ -78,16 +115,6 @@ impl ColumnTable {
         })
     }
 
-    /// This table as a snapshot that owns it: what a custom [`SparseTable`] whose rows cannot be
-    /// read at a moment otherwise returns from [`SparseTable::snapshot`], after copying its rows
-    /// under its own lock. The copy is the moment: point-in-time, at the cost of one copy of the
-    /// table's rows (for small tables; large ones want copy-on-write, see `table::moment`).
-    pub fn into_snapshot(self) -> Box<dyn TableSnapshot> {
-        Box::new(ColumnSnapshot {
-            table: Box::new(self),
-        })
-    }
-
     /// The ids, one per row.
     pub fn ids(&self) -> &[u64] {
         &self.ids
@@ -95,7 +122,7 @@ impl ColumnTable {
 
     /// Slot `s`'s rows, back to back.
     pub fn slot_data(&self, s: usize) -> Option<&[u8]> {
-        self.data.get(s).map(Vec::as_slice)
+        self.data.get(s).map(|d| &**d)
     }
 
     /// Copies rows `from..from + n` of every wanted slot into rows `to..to + n` of `out`.
@@ -117,7 +144,7 @@ impl ColumnTable {
     }
 }
 
-impl SparseTable for ColumnTable {
+impl SparseTable for ColumnTable<'_> {
     fn schema(&self) -> &TableSchema {
         &self.schema
     }
@@ -142,7 +169,9 @@ struct ColumnSnapshot<T> {
     table: T,
 }
 
-impl<T: std::ops::Deref<Target = ColumnTable> + Send + Sync> TableSnapshot for ColumnSnapshot<T> {
+impl<'c, T: std::ops::Deref<Target = ColumnTable<'c>> + Send + Sync> TableSnapshot
+    for ColumnSnapshot<T>
+{
     fn scan(
         &self,
         max_rows: usize,
@@ -163,7 +192,7 @@ impl<T: std::ops::Deref<Target = ColumnTable> + Send + Sync> TableSnapshot for C
         with_values: bool,
         visit: &mut dyn FnMut(RowChunk<'_>) -> Result<()>,
     ) -> Result<()> {
-        let t: &ColumnTable = &self.table;
+        let t: &ColumnTable<'c> = &self.table;
         let start = part.saturating_mul(PART_ROWS).min(t.ids.len());
         let end = start.saturating_add(PART_ROWS).min(t.ids.len());
         let max_rows = max_rows.max(1);
@@ -192,7 +221,7 @@ impl<T: std::ops::Deref<Target = ColumnTable> + Send + Sync> TableSnapshot for C
     }
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
-        let t: &ColumnTable = &self.table;
+        let t: &ColumnTable<'c> = &self.table;
         let by_id = t
             .by_id
             .get_or_init(|| t.ids.iter().enumerate().map(|(r, &id)| (id, r)).collect());
@@ -214,7 +243,7 @@ impl<T: std::ops::Deref<Target = ColumnTable> + Send + Sync> TableSnapshot for C
         handles: &[u64],
         out: &mut [&mut [u8]],
     ) -> Result<()> {
-        let t: &ColumnTable = &self.table;
+        let t: &ColumnTable<'c> = &self.table;
         if handles.len() != ids.len() {
             return self.read_rows(ids, out);
         }
@@ -261,7 +290,7 @@ mod tests {
     }
 
     /// Row `r` holds id `ids[r]`, embedding bytes all equal to the id's low byte, freq = id.
-    fn table_of(ids: &[u64]) -> ColumnTable {
+    fn table_of(ids: &[u64]) -> ColumnTable<'static> {
         let emb = ids.iter().flat_map(|&i| [i as u8; 8]).collect();
         let freq = ids.iter().flat_map(|&i| i.to_le_bytes()).collect();
         ColumnTable::new("t", KeyDtype::U64, slots(), ids.to_vec(), vec![emb, freq]).unwrap()
@@ -295,6 +324,33 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(err.contains("1 slot buffers for 2 slots"), "{err}");
+    }
+
+    #[test]
+    fn a_borrowed_table_reads_as_the_owned_one_and_checks_the_same() {
+        let ids: Vec<u64> = (0..300).map(|i| i * 7 + 1).collect();
+        let owned = table_of(&ids);
+        let data: Vec<&[u8]> = (0..2).map(|s| owned.slot_data(s).unwrap()).collect();
+        let borrowed = ColumnTable::borrowed("t", KeyDtype::U64, slots(), &ids, data).unwrap();
+        let snap = borrowed.snapshot().unwrap();
+        let (mut seen, mut handles) = (Vec::new(), Vec::new());
+        snap.scan(64, false, &mut |c| {
+            seen.extend_from_slice(c.ids);
+            handles.extend_from_slice(c.handles);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, ids);
+        let (mut emb, mut freq) = (vec![0u8; 8 * ids.len()], vec![0u8; 8 * ids.len()]);
+        // SAFETY: the handles came from this snapshot's scan, with these ids.
+        unsafe { snap.read_rows_by_handle(&seen, &handles, &mut [&mut emb, &mut freq]) }.unwrap();
+        assert_rows(&seen, &emb, &freq);
+        let short = vec![0u8; 7];
+        let err = ColumnTable::borrowed("t", KeyDtype::U64, slots(), &ids, vec![&short, &short])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("\"embedding\" has 7 bytes"), "{err}");
     }
 
     #[test]
