@@ -17,7 +17,9 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use saver_core::{ColumnTable, DenseTensor, Dtype, KeyDtype, SaveInput, SlotSpec, SparseTable};
+use saver_core::{
+    ColumnTable, DenseTensor, Dtype, KeyDtype, SaveInput, SlotSpec, SparseTable, TableRef,
+};
 use saver_io::load::checkpoint::read_latest;
 use saver_io::source::Source;
 use saver_io::tools::digest::source_digest;
@@ -103,23 +105,43 @@ impl SaveArgs {
     }
 }
 
-/// The tables of a save: each one's rows copied once into a table the core saves, so that the
-/// save may run while the caller's arrays change (and a background save shows them as they were
-/// at the call).
-fn column_tables(tables: &[TableIn<'_>]) -> PyResult<Vec<Arc<dyn SparseTable>>> {
-    let mut columns: Vec<Arc<dyn SparseTable>> = Vec::with_capacity(tables.len());
+/// The tables of a save, over the caller's arrays (read in place, so they must not change until
+/// the save ends).
+fn borrowed_tables<'a>(tables: &'a [TableIn<'_>]) -> PyResult<Vec<ColumnTable<'a>>> {
+    let mut columns = Vec::with_capacity(tables.len());
     for (name, key, ids, slots) in tables {
         let mut specs = Vec::with_capacity(slots.len());
         let mut data = Vec::with_capacity(slots.len());
         for (slot, dt, shape, bytes) in slots {
             specs.push(SlotSpec::new(slot.clone(), dtype(dt)?, shape.clone()));
-            data.push(bytes.as_slice()?.to_vec());
+            data.push(bytes.as_slice()?);
         }
-        let ids = ids.as_slice()?.to_vec();
-        let table = ColumnTable::new(name.clone(), key_dtype(key)?, specs, ids, data);
-        columns.push(Arc::new(table.map_err(err)?));
+        let table =
+            ColumnTable::borrowed(name.clone(), key_dtype(key)?, specs, ids.as_slice()?, data);
+        columns.push(table.map_err(err)?);
     }
     Ok(columns)
+}
+
+/// The tables of a background save: each one's rows copied once, so that the caller may change
+/// its arrays once the save's moment is fixed.
+fn owned_tables(tables: &[TableIn<'_>]) -> PyResult<Vec<Arc<dyn SparseTable>>> {
+    let mut owned: Vec<Arc<dyn SparseTable>> = Vec::with_capacity(tables.len());
+    for t in borrowed_tables(tables)? {
+        let data = (0..t.schema().slots.len())
+            .map(|s| t.slot_data(s).unwrap_or_default().to_vec())
+            .collect();
+        let schema = t.schema().clone();
+        let table = ColumnTable::new(
+            schema.name,
+            schema.key_dtype,
+            schema.slots,
+            t.ids().to_vec(),
+            data,
+        );
+        owned.push(Arc::new(table.map_err(err)?));
+    }
+    Ok(owned)
 }
 
 /// The dense tensors of a save, over the caller's arrays.
@@ -132,15 +154,26 @@ fn dense_tensors<'a>(dense: &'a [DenseIn<'_>]) -> PyResult<Vec<DenseTensor<'a>>>
     Ok(tensors)
 }
 
-fn input<'a>(tables: &[Arc<dyn SparseTable>], dense: Vec<DenseTensor<'a>>) -> SaveInput<'a> {
+fn input<'a>(tables: Vec<TableRef<'a>>, dense: Vec<DenseTensor<'a>>) -> SaveInput<'a> {
     let mut input = SaveInput::new();
     for t in tables {
-        input = input.table(Arc::clone(t));
+        input = input.table(t);
     }
     for t in dense {
         input = input.dense(t);
     }
     input
+}
+
+fn shared(tables: &[Arc<dyn SparseTable>]) -> Vec<TableRef<'static>> {
+    tables.iter().map(TableRef::from).collect()
+}
+
+fn borrowed<'a>(tables: &'a [ColumnTable<'_>]) -> Vec<TableRef<'a>> {
+    tables
+        .iter()
+        .map(|t| TableRef::from(t as &dyn SparseTable))
+        .collect()
 }
 
 fn report_dict<'py>(
@@ -170,11 +203,11 @@ fn save<'py>(
     dense: Vec<DenseIn<'py>>,
     args: SaveArgs,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let tables = column_tables(&tables)?;
+    let tables = borrowed_tables(&tables)?;
     let dense = dense_tensors(&dense)?;
     let opts = args.options();
     let report = py
-        .detach(|| saver_io::save(&path, input(&tables, dense), &opts))
+        .detach(|| saver_io::save(&path, input(borrowed(&tables), dense), &opts))
         .map_err(err)?;
     report_dict(py, &report)
 }
@@ -223,14 +256,14 @@ fn save_async<'py>(
     dense: Vec<DenseIn<'py>>,
     args: SaveArgs,
 ) -> PyResult<SaveHandle> {
-    let tables = column_tables(&tables)?;
+    let tables = owned_tables(&tables)?;
     let dense: Vec<DenseTensor<'static>> = dense_tensors(&dense)?
         .into_iter()
         .map(DenseTensor::into_owned)
         .collect();
     let opts = args.options();
     let handle = py
-        .detach(|| saver_io::save_async(&path, input(&tables, dense), opts))
+        .detach(|| saver_io::save_async(&path, input(shared(&tables), dense), opts))
         .map_err(err)?;
     Ok(SaveHandle {
         handle: Mutex::new(Some(handle)),
@@ -297,11 +330,14 @@ impl Manager {
         dense: Vec<DenseIn<'py>>,
         args: SaveArgs,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let tables = column_tables(&tables)?;
+        let tables = borrowed_tables(&tables)?;
         let dense = dense_tensors(&dense)?;
         let opts = args.options();
         let saved = py
-            .detach(|| self.inner.save(step, input(&tables, dense), &opts))
+            .detach(|| {
+                self.inner
+                    .save(step, input(borrowed(&tables), dense), &opts)
+            })
             .map_err(err)?;
         report_dict(py, &saved.save)
     }
@@ -316,7 +352,7 @@ impl Manager {
         dense: Vec<DenseIn<'py>>,
         args: SaveArgs,
     ) -> PyResult<()> {
-        let tables = column_tables(&tables)?;
+        let tables = owned_tables(&tables)?;
         let dense: Vec<DenseTensor<'static>> = dense_tensors(&dense)?
             .into_iter()
             .map(DenseTensor::into_owned)
@@ -324,7 +360,7 @@ impl Manager {
         let opts = args.options();
         py.detach(|| {
             self.inner
-                .save_in_background(step, input(&tables, dense), &opts)
+                .save_in_background(step, input(shared(&tables), dense), &opts)
         })
         .map_err(err)?;
         Ok(())
