@@ -153,6 +153,10 @@ def _save_arguments(tables, dense, options):
         dense_in.append((name, _dtype_name(a, what), [int(d) for d in a.shape], _bytes(a)))
     args = dict(options)
     args["metadata"] = {str(k): str(v) for k, v in (args["metadata"] or {}).items()}
+    for key in ("exclude_slots", "keep_rows"):
+        given = args[key]
+        args[key] = [given] if isinstance(given, str) else [str(g) for g in given]
+    args["parent"] = None if args["parent"] is None else os.fspath(args["parent"])
     args["skip_foreign_rows"] = args.pop("foreign_rows") == "skip"
     return tables_in, dense_in, args
 
@@ -171,6 +175,9 @@ def save(
     overwrite: bool = False,
     durable: bool = True,
     foreign_rows: str = "error",
+    parent: Optional[PathLike] = None,
+    exclude_slots: Union[str, Sequence[str]] = (),
+    keep_rows: Union[str, Sequence[str]] = (),
 ) -> SaveReport:
     """Saves sparse tables and dense tensors as a checkpoint at ``path`` (a directory or an
     ``s3://bucket/prefix`` location), committed when this returns.
@@ -188,10 +195,14 @@ def save(
     ``path`` is replaced only with ``overwrite=True``. ``durable=False`` leaves the data in the
     page cache (no fsync). ``foreign_rows``: what a process writing one shard does with rows of
     other shards: ``"error"`` (the default: they would be lost) or ``"skip"`` (right when every
-    process holds the whole table).
+    process holds the whole table). ``parent``: a committed checkpoint (or delta) this save is a
+    delta of: only the rows changed or inserted since it, and the ids removed since it, are
+    written. ``exclude_slots``: glob patterns of slots not to save (e.g. ``"adagrad*"`` for a
+    serving copy). ``keep_rows``: conditions on a scalar slot, as the binary's ``--keep-rows``
+    (``"freq>=3"``): only rows that meet all of them are saved.
 
-    The rows are copied once into the core's table before the save starts; dense tensors are
-    read in place, so they must not change until this returns.
+    Every array is read in place (no copy), so none may change until this returns; other Python
+    threads run meanwhile. :func:`save_async` copies them instead, and returns.
     """
     options = dict(
         shards=shards,
@@ -203,6 +214,9 @@ def save(
         overwrite=overwrite,
         durable=durable,
         foreign_rows=foreign_rows,
+        parent=parent,
+        exclude_slots=exclude_slots,
+        keep_rows=keep_rows,
     )
     report = _saver.save(os.fspath(path), *_save_arguments(tables, dense, options))
     return SaveReport(**report)
@@ -441,6 +455,9 @@ def _options(given: Mapping[str, Any]) -> dict:
         overwrite=False,
         durable=True,
         foreign_rows="error",
+        parent=None,
+        exclude_slots=(),
+        keep_rows=(),
     )
     unknown = set(given) - set(options)
     if unknown:

@@ -81,10 +81,13 @@ struct SaveArgs {
     overwrite: bool,
     durable: bool,
     skip_foreign_rows: bool,
+    parent: Option<PathBuf>,
+    exclude_slots: Vec<String>,
+    keep_rows: Vec<String>,
 }
 
 impl SaveArgs {
-    fn options(self) -> SaveOptions {
+    fn options(self) -> PyResult<SaveOptions> {
         let mut opts = SaveOptions {
             save_id: self.save_id,
             step: self.step,
@@ -101,7 +104,19 @@ impl SaveArgs {
         if let Some(p) = self.parallel {
             opts.plan.parallel = p;
         }
-        opts
+        opts.parent = self.parent;
+        let mut filters = saver_core::Filters::new();
+        for g in &self.exclude_slots {
+            filters = filters.exclude_slots(g).map_err(err)?;
+        }
+        for c in &self.keep_rows {
+            let cond: saver_core::ScalarCondition = c
+                .parse()
+                .map_err(|e| err(format!("keep_rows {c:?}: {e}")))?;
+            filters = filters.keep_rows_where(cond);
+        }
+        opts.plan.filters = filters;
+        Ok(opts)
     }
 }
 
@@ -205,7 +220,7 @@ fn save<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let tables = borrowed_tables(&tables)?;
     let dense = dense_tensors(&dense)?;
-    let opts = args.options();
+    let opts = args.options()?;
     let report = py
         .detach(|| saver_io::save(&path, input(borrowed(&tables), dense), &opts))
         .map_err(err)?;
@@ -261,7 +276,7 @@ fn save_async<'py>(
         .into_iter()
         .map(DenseTensor::into_owned)
         .collect();
-    let opts = args.options();
+    let opts = args.options()?;
     let handle = py
         .detach(|| saver_io::save_async(&path, input(shared(&tables), dense), opts))
         .map_err(err)?;
@@ -332,7 +347,7 @@ impl Manager {
     ) -> PyResult<Bound<'py, PyDict>> {
         let tables = borrowed_tables(&tables)?;
         let dense = dense_tensors(&dense)?;
-        let opts = args.options();
+        let opts = args.options()?;
         let saved = py
             .detach(|| {
                 self.inner
@@ -357,7 +372,7 @@ impl Manager {
             .into_iter()
             .map(DenseTensor::into_owned)
             .collect();
-        let opts = args.options();
+        let opts = args.options()?;
         py.detach(|| {
             self.inner
                 .save_in_background(step, input(shared(&tables), dense), &opts)

@@ -358,3 +358,23 @@ def test_a_loads_memory_is_the_arrays_it_returns(tmp_path):
     arrays, grew = map(int, out.stdout.split())
     assert arrays == ids.nbytes + emb.nbytes + 4 * (1 << 20)
     assert grew <= 1.15 * arrays + (32 << 20), f"peak RSS grew {grew >> 20} MiB for {arrays >> 20} MiB of arrays"
+
+
+def test_deltas_filters_and_excluded_slots(tmp_path):
+    ids = np.arange(1000, dtype=np.int64)
+    emb = np.zeros((1000, 4), dtype=np.float32)
+    freq = (ids % 10).astype(np.int64)
+    saver.save(tmp_path / "full", tables={"t": {"ids": ids, "emb": emb, "freq": freq}})
+    emb2 = emb.copy()
+    emb2[:7] = 1.0
+    r = saver.save(tmp_path / "delta", tables={"t": {"ids": ids, "emb": emb2, "freq": freq}}, parent=tmp_path / "full")
+    assert r.rows == 7 and saver.open(tmp_path / "delta").is_delta
+    got = by_id(saver.load(tmp_path / "delta").tables["t"])
+    np.testing.assert_array_equal(got["emb"], emb2)
+    # Only rows with freq >= 3, without the embedding slot.
+    saver.save(tmp_path / "f", tables={"t": {"ids": ids, "emb": emb, "freq": freq}}, keep_rows="freq>=3", exclude_slots=["emb"])
+    got = by_id(saver.load(tmp_path / "f").tables["t"])
+    assert set(got) == {"ids", "freq"}
+    np.testing.assert_array_equal(got["ids"], ids[freq >= 3])
+    with pytest.raises(saver.SaverError, match="keep_rows"):
+        saver.save(tmp_path / "g", tables={"t": {"ids": ids, "freq": freq}}, keep_rows="freq=>3")
