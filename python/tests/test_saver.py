@@ -378,3 +378,27 @@ def test_deltas_filters_and_excluded_slots(tmp_path):
     np.testing.assert_array_equal(got["ids"], ids[freq >= 3])
     with pytest.raises(saver.SaverError, match="keep_rows"):
         saver.save(tmp_path / "g", tables={"t": {"ids": ids, "freq": freq}}, keep_rows="freq=>3")
+
+
+def test_s3_locations_work_as_directories_do(garage, tmp_path):
+    rng = np.random.default_rng(9)
+    ids = rng.choice(2**40, size=20000, replace=False).astype(np.int64)
+    emb = rng.standard_normal((20000, 8)).astype(np.float32)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    url = f"{garage}/py/a"
+    report = saver.save(url, tables={"t": {"ids": ids, "emb": emb}}, dense={"w": w}, shards=4, step=5)
+    assert report.committed
+    c = saver.open(url)
+    assert c.step == 5 and c.tables["t"]["rows"] == 20000
+    assert c.verify()["status"] == "ok"
+    parts = [saver.load(url, shards=3, shard_index=j).tables["t"] for j in range(3)]
+    whole = by_id({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    np.testing.assert_array_equal(whole["emb"], by_id({"ids": ids, "emb": emb})["emb"])
+    np.testing.assert_array_equal(saver.load(url).dense["w"], w)
+    # The same arrays saved locally have the same digest.
+    saver.save(tmp_path / "local", tables={"t": {"ids": ids, "emb": emb}}, dense={"w": w})
+    assert saver.digest(url) == saver.digest(tmp_path / "local")
+    h = saver.save_async(f"{garage}/py/b", tables={"t": {"ids": ids, "emb": emb}})
+    assert h.wait().committed
+    with pytest.raises(saver.SaverError):
+        saver.load(f"{garage}/py/nothing")
