@@ -117,9 +117,36 @@ class SaveReport:
     committed: bool
 
 
+# Rows a row filter sees at a time.
+_FILTER_ROWS = 1 << 20
+
+
+def _filtered(name, columns, keep):
+    """The rows of a table that ``keep`` keeps: called with a dict of column arrays (``"ids"``
+    and every slot) for up to ``_FILTER_ROWS`` rows at a time, it returns a boolean array with one
+    entry per row. The kept rows are copied out once."""
+    arrays = {k: _array(v, f"table {name!r} column {k!r}") for k, v in columns.items()}
+    n = len(arrays["ids"]) if "ids" in arrays else 0
+    masks = []
+    for start in range(0, n, _FILTER_ROWS):
+        batch = {k: v[start : start + _FILTER_ROWS] for k, v in arrays.items()}
+        mask = np.asarray(keep(batch))
+        if mask.dtype != np.bool_ or mask.shape != (len(batch["ids"]),):
+            raise InputError(
+                f"table {name!r}: row_filter must return a bool array of {len(batch['ids'])} rows, "
+                f"got {mask.dtype} of shape {mask.shape}"
+            )
+        masks.append(mask)
+    mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.bool_)
+    return {k: v[mask] if v.ndim and len(v) == n else v for k, v in arrays.items()}
+
+
 def _save_arguments(tables, dense, options):
     """The arguments of the native save: tables and dense tensors as flat bytes with their dtype
     names and shapes, and the options as a dict."""
+    row_filter = options.get("row_filter")
+    if row_filter is not None:
+        tables = {name: _filtered(name, columns, row_filter) for name, columns in (tables or {}).items()}
     if options["foreign_rows"] not in ("error", "skip"):
         raise InputError(f"foreign_rows: must be 'error' or 'skip', got {options['foreign_rows']!r}")
     tables_in = []
@@ -152,6 +179,7 @@ def _save_arguments(tables, dense, options):
         a = _array(value, what)
         dense_in.append((name, _dtype_name(a, what), [int(d) for d in a.shape], _bytes(a)))
     args = dict(options)
+    args.pop("row_filter", None)
     args["metadata"] = {str(k): str(v) for k, v in (args["metadata"] or {}).items()}
     for key in ("exclude_slots", "keep_rows"):
         given = args[key]
@@ -178,6 +206,7 @@ def save(
     parent: Optional[PathLike] = None,
     exclude_slots: Union[str, Sequence[str]] = (),
     keep_rows: Union[str, Sequence[str]] = (),
+    row_filter: Optional[Any] = None,
 ) -> SaveReport:
     """Saves sparse tables and dense tensors as a checkpoint at ``path`` (a directory or an
     ``s3://bucket/prefix`` location), committed when this returns.
@@ -199,7 +228,10 @@ def save(
     delta of: only the rows changed or inserted since it, and the ids removed since it, are
     written. ``exclude_slots``: glob patterns of slots not to save (e.g. ``"adagrad*"`` for a
     serving copy). ``keep_rows``: conditions on a scalar slot, as the binary's ``--keep-rows``
-    (``"freq>=3"``): only rows that meet all of them are saved.
+    (``"freq>=3"``): only rows that meet all of them are saved. ``row_filter``: a vectorised
+    predicate, called with each table's columns (``"ids"`` and every slot, a dict of arrays) a
+    million rows at a time, returning a bool array: the rows it keeps are saved (copied out
+    once), e.g. ``lambda c: (c["freq"] >= 3) & (np.abs(c["embedding"]).sum(axis=1) > 0)``.
 
     Every array is read in place (no copy), so none may change until this returns; other Python
     threads run meanwhile. :func:`save_async` copies them instead, and returns.
@@ -217,6 +249,7 @@ def save(
         parent=parent,
         exclude_slots=exclude_slots,
         keep_rows=keep_rows,
+        row_filter=row_filter,
     )
     report = _saver.save(os.fspath(path), *_save_arguments(tables, dense, options))
     return SaveReport(**report)
@@ -458,6 +491,7 @@ def _options(given: Mapping[str, Any]) -> dict:
         parent=None,
         exclude_slots=(),
         keep_rows=(),
+        row_filter=None,
     )
     unknown = set(given) - set(options)
     if unknown:

@@ -402,3 +402,24 @@ def test_s3_locations_work_as_directories_do(garage, tmp_path):
     assert h.wait().committed
     with pytest.raises(saver.SaverError):
         saver.load(f"{garage}/py/nothing")
+
+
+def test_a_vectorised_row_filter_is_called_in_batches(tmp_path, monkeypatch):
+    monkeypatch.setattr(saver, "_FILTER_ROWS", 1000)
+    ids = np.arange(5000, dtype=np.int64)
+    freq = ids % 7
+    emb = np.repeat(ids[:, None], 3, axis=1).astype(np.float32)
+    calls = []
+
+    def keep(c):
+        calls.append(len(c["ids"]))
+        return (c["freq"] >= 3) & (c["emb"][:, 0] < 4000)
+
+    saver.save(tmp_path / "c", tables={"t": {"ids": ids, "emb": emb, "freq": freq}}, row_filter=keep)
+    assert calls == [1000] * 5
+    got = by_id(saver.load(tmp_path / "c").tables["t"])
+    want = (freq >= 3) & (ids < 4000)
+    np.testing.assert_array_equal(got["ids"], ids[want])
+    np.testing.assert_array_equal(got["emb"], emb[want])
+    with pytest.raises(saver.InputError, match="bool array"):
+        saver.save(tmp_path / "d", tables={"t": {"ids": ids}}, row_filter=lambda c: c["ids"])
