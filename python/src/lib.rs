@@ -43,20 +43,8 @@ fn dtype(name: &str) -> PyResult<Dtype> {
 }
 
 fn key_dtype(name: &str) -> PyResult<KeyDtype> {
-    match name {
-        "I64" => Ok(KeyDtype::I64),
-        "U64" => Ok(KeyDtype::U64),
-        other => Err(err(format!(
-            "id dtype {other:?}: ids must be int64 or uint64"
-        ))),
-    }
-}
-
-fn key_dtype_name(k: KeyDtype) -> &'static str {
-    match k {
-        KeyDtype::I64 => "I64",
-        KeyDtype::U64 => "U64",
-    }
+    KeyDtype::from_dtype(dtype(name)?)
+        .ok_or_else(|| err(format!("id dtype {name:?}: ids must be int64 or uint64")))
 }
 
 /// One slot of a table from Python: name, dtype name, the shape of one row, and the rows' bytes.
@@ -209,7 +197,7 @@ fn report_dict<'py>(
 }
 
 /// Saves tables and dense tensors into `path` (a directory or an `s3://` location); returns the
-/// save's report as a dict. Dense tensors are read in place.
+/// save's report as a dict. Every array is read in place.
 #[pyfunction]
 fn save<'py>(
     py: Python<'py>,
@@ -456,7 +444,7 @@ fn load<'py>(
             })
             .collect();
         let ids = PyArray1::from_vec(py, t.ids);
-        out.push((t.name, key_dtype_name(t.key_dtype), ids, slots));
+        out.push((t.name, t.key_dtype.dtype().name(), ids, slots));
     }
     let dense = columns
         .dense
@@ -494,7 +482,7 @@ fn inspect<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> 
     let tables = PyDict::new(py);
     for t in ckpt.table_manifests() {
         let info = PyDict::new(py);
-        info.set_item("key_dtype", key_dtype_name(t.key_dtype))?;
+        info.set_item("key_dtype", t.key_dtype.dtype().name())?;
         info.set_item("rows", t.rows)?;
         let slots = PyDict::new(py);
         for s in &t.slots {
