@@ -317,6 +317,7 @@ def load(
     shards: int = 1,
     shard_index: Optional[int] = None,
     tables: Optional[Sequence[str]] = None,
+    exclude_slots: Union[str, Sequence[str]] = (),
     dense: bool = True,
     parallel: Optional[int] = None,
 ) -> Loaded:
@@ -325,6 +326,7 @@ def load(
     With ``shard_index=j``, only the rows of shard ``j`` of ``shards`` (the partition rule's
     shards, whatever shard count the checkpoint was saved with); otherwise every row.
     ``tables``: the tables to load (default all; a named table that is missing is an error).
+    ``exclude_slots``: glob patterns of slots not to load (``"adagrad*"`` for serving).
     ``dense=False`` leaves the dense tensors out.
     """
     tables_out, dense_out, report = _saver.load(
@@ -332,6 +334,7 @@ def load(
         shards,
         shard_index,
         None if tables is None else [str(t) for t in tables],
+        [exclude_slots] if isinstance(exclude_slots, str) else [str(g) for g in exclude_slots],
         dense,
         parallel,
     )

@@ -37,6 +37,7 @@ def load(
     shards: int,
     shard_index: Optional[int],
     tables: Optional[list[str]],
+    exclude_slots: list[str],
     load_dense: bool,
     parallel: Optional[int],
 ) -> tuple[

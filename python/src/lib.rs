@@ -405,14 +405,15 @@ type DenseOut<'py> = (String, &'static str, Vec<u64>, Bound<'py, PyArray1<u8>>);
 /// Loads a checkpoint's tables (all rows, or shard `shard_index` of `shards`) and dense tensors
 /// into arrays that own the memory the core filled: handed to numpy without a copy.
 #[pyfunction]
-#[pyo3(signature = (path, shards, shard_index, tables, load_dense, parallel))]
-#[allow(clippy::type_complexity)]
+#[pyo3(signature = (path, shards, shard_index, tables, exclude_slots, load_dense, parallel))]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn load<'py>(
     py: Python<'py>,
     path: PathBuf,
     shards: u32,
     shard_index: Option<u32>,
     tables: Option<Vec<String>>,
+    exclude_slots: Vec<String>,
     load_dense: bool,
     parallel: Option<usize>,
 ) -> PyResult<(Vec<TableOut<'py>>, Vec<DenseOut<'py>>, Bound<'py, PyDict>)> {
@@ -420,6 +421,7 @@ fn load<'py>(
         shard_num: shards,
         shard_index,
         load_dense,
+        exclude_slots,
         ..LoadOptions::default()
     };
     if let Some(t) = tables {

@@ -376,6 +376,9 @@ def test_deltas_filters_and_excluded_slots(tmp_path):
     got = by_id(saver.load(tmp_path / "f").tables["t"])
     assert set(got) == {"ids", "freq"}
     np.testing.assert_array_equal(got["ids"], ids[freq >= 3])
+    # Loaded without a slot, and without the dense tensors.
+    got = saver.load(tmp_path / "full", exclude_slots="em*", dense=False)
+    assert set(got.tables["t"]) == {"ids", "freq"} and got.dense == {}
     with pytest.raises(saver.SaverError, match="keep_rows"):
         saver.save(tmp_path / "g", tables={"t": {"ids": ids, "freq": freq}}, keep_rows="freq=>3")
 
