@@ -157,6 +157,38 @@ fn dense_tensors<'a>(dense: &'a [DenseIn<'_>]) -> PyResult<Vec<DenseTensor<'a>>>
     Ok(tensors)
 }
 
+/// Runs `save` with the GIL released, on the tables and dense tensors given, read in place.
+fn in_place<R: Send>(
+    py: Python<'_>,
+    tables: &[TableIn<'_>],
+    dense: &[DenseIn<'_>],
+    save: impl FnOnce(SaveInput<'_>) -> saver_io::Result<R> + Send,
+) -> PyResult<R> {
+    let tables = borrowed_tables(tables)?;
+    let dense = dense_tensors(dense)?;
+    let refs = tables.iter().map(|t| TableRef::from(t as &dyn SparseTable));
+    py.detach(|| save(input(refs.collect(), dense)))
+        .map_err(err)
+}
+
+/// Runs `start` with the GIL released, on copies of the tables and dense tensors given: what a
+/// background save takes, so that the caller may change its arrays once it returns.
+fn copied<R: Send>(
+    py: Python<'_>,
+    tables: &[TableIn<'_>],
+    dense: &[DenseIn<'_>],
+    start: impl FnOnce(SaveInput<'static>) -> saver_io::Result<R> + Send,
+) -> PyResult<R> {
+    let tables = owned_tables(tables)?;
+    let dense = dense_tensors(dense)?
+        .into_iter()
+        .map(DenseTensor::into_owned)
+        .collect();
+    let refs = tables.iter().map(TableRef::from);
+    py.detach(|| start(input(refs.collect(), dense)))
+        .map_err(err)
+}
+
 fn input<'a>(tables: Vec<TableRef<'a>>, dense: Vec<DenseTensor<'a>>) -> SaveInput<'a> {
     let mut input = SaveInput::new();
     for t in tables {
@@ -166,17 +198,6 @@ fn input<'a>(tables: Vec<TableRef<'a>>, dense: Vec<DenseTensor<'a>>) -> SaveInpu
         input = input.dense(t);
     }
     input
-}
-
-fn shared(tables: &[Arc<dyn SparseTable>]) -> Vec<TableRef<'static>> {
-    tables.iter().map(TableRef::from).collect()
-}
-
-fn borrowed<'a>(tables: &'a [ColumnTable<'_>]) -> Vec<TableRef<'a>> {
-    tables
-        .iter()
-        .map(|t| TableRef::from(t as &dyn SparseTable))
-        .collect()
 }
 
 fn report_dict<'py>(
@@ -206,12 +227,10 @@ fn save<'py>(
     dense: Vec<DenseIn<'py>>,
     args: SaveArgs,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let tables = borrowed_tables(&tables)?;
-    let dense = dense_tensors(&dense)?;
     let opts = args.options()?;
-    let report = py
-        .detach(|| saver_io::save(&path, input(borrowed(&tables), dense), &opts))
-        .map_err(err)?;
+    let report = in_place(py, &tables, &dense, |input| {
+        saver_io::save(&path, input, &opts)
+    })?;
     report_dict(py, &report)
 }
 
@@ -259,15 +278,10 @@ fn save_async<'py>(
     dense: Vec<DenseIn<'py>>,
     args: SaveArgs,
 ) -> PyResult<SaveHandle> {
-    let tables = owned_tables(&tables)?;
-    let dense: Vec<DenseTensor<'static>> = dense_tensors(&dense)?
-        .into_iter()
-        .map(DenseTensor::into_owned)
-        .collect();
     let opts = args.options()?;
-    let handle = py
-        .detach(|| saver_io::save_async(&path, input(shared(&tables), dense), opts))
-        .map_err(err)?;
+    let handle = copied(py, &tables, &dense, |input| {
+        saver_io::save_async(&path, input, opts)
+    })?;
     Ok(SaveHandle {
         handle: Mutex::new(Some(handle)),
     })
@@ -333,15 +347,10 @@ impl Manager {
         dense: Vec<DenseIn<'py>>,
         args: SaveArgs,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let tables = borrowed_tables(&tables)?;
-        let dense = dense_tensors(&dense)?;
         let opts = args.options()?;
-        let saved = py
-            .detach(|| {
-                self.inner
-                    .save(step, input(borrowed(&tables), dense), &opts)
-            })
-            .map_err(err)?;
+        let saved = in_place(py, &tables, &dense, |input| {
+            self.inner.save(step, input, &opts)
+        })?;
         report_dict(py, &saved.save)
     }
 
@@ -355,17 +364,10 @@ impl Manager {
         dense: Vec<DenseIn<'py>>,
         args: SaveArgs,
     ) -> PyResult<()> {
-        let tables = owned_tables(&tables)?;
-        let dense: Vec<DenseTensor<'static>> = dense_tensors(&dense)?
-            .into_iter()
-            .map(DenseTensor::into_owned)
-            .collect();
         let opts = args.options()?;
-        py.detach(|| {
-            self.inner
-                .save_in_background(step, input(shared(&tables), dense), &opts)
-        })
-        .map_err(err)?;
+        copied(py, &tables, &dense, |input| {
+            self.inner.save_in_background(step, input, &opts)
+        })?;
         Ok(())
     }
 
