@@ -283,9 +283,9 @@ def save_async(
     **options: Any,
 ) -> SaveHandle:
     """:func:`save` in the background: returns once the save's moment is fixed, that is once
-    every table's rows and every dense tensor are copied (one copy, taken with the GIL released
-    for the save's own part), so that training may change its arrays from then on; the
-    checkpoint shows them as they were at the call. The save runs on threads of its own at a
+    every table's rows and every dense tensor are copied (one copy, taken holding the GIL, so that
+    no Python code changes them meanwhile), so that training may change its arrays from then on;
+    the checkpoint shows them as they were at the call. The save runs on threads of its own at a
     lower CPU priority. Options as :func:`save`. Errors found before the moment (bad arguments)
     are raised here; later ones by :meth:`SaveHandle.wait`."""
     return SaveHandle(_saver.save_async(os.fspath(path), *_save_arguments(tables, dense, _options(options))))

@@ -172,7 +172,8 @@ fn in_place<R: Send>(
 }
 
 /// Runs `start` with the GIL released, on copies of the tables and dense tensors given: what a
-/// background save takes, so that the caller may change its arrays once it returns.
+/// background save takes, so that the caller may change its arrays once it returns. The copies
+/// are taken holding the GIL, so that no Python code changes the arrays while they are copied.
 fn copied<R: Send>(
     py: Python<'_>,
     tables: &[TableIn<'_>],
