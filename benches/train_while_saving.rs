@@ -8,7 +8,8 @@
 //! seconds of training at the pace outside) against the stall of a blocking save of the same
 //! table (the same save with the trainers stopped); the copy-on-write memory at its peak; the
 //! save's time with the trainers running against idle; and the floor, the same figures while one
-//! thread writes the table's bytes from memory to a file and syncs it ("0 writers").
+//! thread, or two threads each writing half, write the table's bytes from memory to files and
+//! sync them ("floor×1" and "floor×2" writers, what the saves with 1 and 2 writers compare to).
 //!
 //! `cargo bench --bench train_while_saving -- [--rows N] [--trainers 1,2] [--hot 1,10,100]
 //! [--json]` (SAVER_BENCH_DIR for the output directory). `--json` prints one JSON object per
@@ -164,7 +165,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
     let stop = AtomicBool::new(false);
     let begin = Instant::now();
     let saves: Mutex<Vec<Save>> = Mutex::new(Vec::new());
-    let plain: Mutex<Vec<(Duration, Duration)>> = Mutex::new(Vec::new());
+    let plain: Mutex<Vec<(usize, Duration, Duration)>> = Mutex::new(Vec::new());
     // A buffer of the table's size for the plain writes, filled (so mapped) before the trainers
     // start.
     let source: Vec<u8> = (0..a.rows * ROW_BYTES).map(|i| i as u8).collect();
@@ -195,16 +196,18 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             std::fs::remove_dir_all(&dir).unwrap();
             std::thread::sleep(Duration::from_secs(1));
         }
-        // The floor: the same bytes written from memory to a file and synced, by one thread at
-        // the save's priority, with no table, lock or copy-on-write in the way.
-        for _ in 0..2 {
+        // The floor: the same bytes written from memory to files and synced, by one or two
+        // threads at the save's priority, with no table, lock or copy-on-write in the way.
+        for threads in [1usize, 2, 1, 2] {
             let from = begin.elapsed();
+            let part = source.len().div_ceil(threads);
             std::thread::scope(|p| {
-                p.spawn(|| plain_write(&scratch.join(format!("{tag}plain")), &source))
-                    .join()
-                    .unwrap()
+                for (k, bytes) in source.chunks(part).enumerate() {
+                    let path = scratch.join(format!("{tag}plain{k}"));
+                    p.spawn(move || plain_write(&path, bytes));
+                }
             });
-            plain.lock().unwrap().push((from, begin.elapsed()));
+            plain.lock().unwrap().push((threads, from, begin.elapsed()));
             std::thread::sleep(Duration::from_secs(1));
         }
         stop.store(true, Ordering::Relaxed);
@@ -223,10 +226,13 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             idle_secs[1].as_secs_f64()
         );
     }
-    // The floor's writes come first, as "0 writers".
+    // The floor's writes come first; `floor` is their thread count (0 for a save).
     let floor = plain.into_inner().unwrap().into_iter();
-    let floor = floor.map(|(from, to)| (0, from, to, Duration::ZERO, 0));
-    for (parallel, from, to, blocked, peak) in floor.chain(saves.into_inner().unwrap()) {
+    let floor = floor.map(|(threads, from, to)| (0, threads, from, to, Duration::ZERO, 0));
+    let saves = saves.into_inner().unwrap().into_iter();
+    let saves =
+        saves.map(|(parallel, from, to, blocked, peak)| (parallel, 0, from, to, blocked, peak));
+    for (parallel, floor, from, to, blocked, peak) in floor.chain(saves) {
         let (during, p50, p99) = rate(&steps, from, to);
         let took = (to - from).as_secs_f64();
         // Steps not taken during the save, in seconds of training at the pace outside.
@@ -236,7 +242,8 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             .map_or(0.0, |k| idle_secs[k].as_secs_f64());
         if a.json {
             println!(
-                "{{\"trainers\":{trainers},\"hot\":{hot_percent},\"writers\":{parallel},\"steps_ratio\":{:.4},\"p50_out_ms\":{:.4},\"p99_out_ms\":{:.4},\"p50_during_ms\":{:.4},\"p99_during_ms\":{:.4},\"p99_ratio\":{:.4},\"blocked_ms\":{:.4},\"lost_s\":{lost:.4},\"stall_s\":{stall:.4},\"save_s\":{took:.4},\"save_idle_s\":{stall:.4},\"cow_peak_mib\":{:.2}}}",
+                "{{\"trainers\":{trainers},\"hot\":{hot_percent},\"writers\":\"{}\",\"steps_ratio\":{:.4},\"p50_out_ms\":{:.4},\"p99_out_ms\":{:.4},\"p50_during_ms\":{:.4},\"p99_during_ms\":{:.4},\"p99_ratio\":{:.4},\"blocked_ms\":{:.4},\"lost_s\":{lost:.4},\"stall_s\":{stall:.4},\"save_s\":{took:.4},\"save_idle_s\":{stall:.4},\"cow_peak_mib\":{:.2}}}",
+                if floor > 0 { format!("floor×{floor}") } else { parallel.to_string() },
                 during / outside,
                 p50_out.as_secs_f64() * 1e3,
                 p99_out.as_secs_f64() * 1e3,
@@ -246,9 +253,9 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                 blocked.as_secs_f64() * 1e3,
                 peak as f64 / (1 << 20) as f64,
             );
-        } else if parallel == 0 {
+        } else if floor > 0 {
             println!(
-                "  floor, a plain write of the same bytes: {took:.2} s; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside)",
+                "  floor, a plain write of the same bytes by {floor} thread(s): {took:.2} s; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside)",
                 during / outside,
                 p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
             );

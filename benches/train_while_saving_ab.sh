@@ -50,7 +50,7 @@ keys = ["steps_ratio", "p50_out_ms", "p99_out_ms", "p99_during_ms", "p99_ratio",
 print(f"medians; baseline {base_rev} / this tree {head}")
 print("| trainers | hot % | writers | " + " | ".join(keys) + " |")
 print("|" + " --- |" * (3 + len(keys)))
-for k in sorted(b):
+for k in sorted(b, key=lambda k: tuple(map(str, k))):
     med = lambda rows, f: statistics.median(r[f] for r in rows)
     cells = [f"{med(b[k], f):.3g} / {med(n.get(k, b[k]), f):.3g}" for f in keys]
     print(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + " |")
