@@ -69,6 +69,14 @@ pub enum Error {
         /// The dtype as given.
         dtype: String,
     },
+    /// Rows that cannot be quantized (a value that is not finite, rows of no values).
+    #[error("tensor {tensor:?}: cannot quantize: {why}")]
+    Unquantizable {
+        /// The tensor ("table/slot").
+        tensor: String,
+        /// Why.
+        why: String,
+    },
     /// `shard_num` was zero.
     #[error("the number of shards must be at least 1")]
     ZeroShards,

@@ -71,6 +71,7 @@ pub mod naming;
 pub mod partition;
 pub mod plan;
 pub mod prefetch;
+pub mod quantize;
 pub mod synthetic;
 pub mod table;
 pub mod tensor;
