@@ -5,6 +5,9 @@
 2. A plain input written by `safetensors.numpy.save_file` goes through `saver save --from`,
    `reshard` and `export`, and comes back exactly equal.
 3. The content digest, recomputed here from its definition in docs/FORMAT.md, equals `saver digest`.
+4. `saver export --quantize` writes, byte for byte, what an independent numpy implementation of
+   FBGEMM's row-wise conversions computes, for every bit rate and layout and for odd dims; the
+   rows dequantize to within half a step of the originals.
 
 Usage: python interop.py SAVER_BINARY WORK_DIR
 """
@@ -208,6 +211,121 @@ def plain_input_round_trips():
         )
 
 
+def fbgemm_nbit_reference(rows, bits):
+    """FBGEMM's FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf, in float32 numpy: packed values
+    (element i of a byte in its low bits first), f16 scales and f16 biases."""
+    n, d = rows.shape
+    bias = rows.min(axis=1).astype(np.float16)
+    low = bias.astype(np.float32)
+    span = rows.max(axis=1) - low
+    levels = (1 << bits) - 1
+    scale = np.where(span == 0, np.float32(1), span / np.float32(levels)).astype(np.float32)
+    scale = scale.astype(np.float16).astype(np.float32)
+    scale[scale == 0] = 1
+    with np.errstate(divide="ignore"):
+        inverse = np.float32(1) / scale
+    scale[np.isinf(inverse)], inverse[np.isinf(inverse)] = 1, 1
+    q = np.clip(np.rint((rows - low[:, None]) * inverse[:, None]), 0, levels).astype(np.uint8)
+    per = 8 // bits
+    packed = np.zeros((n, -(-d // per)), dtype=np.uint8)
+    for c in range(d):
+        packed[:, c // per] |= (q[:, c] << ((c % per) * bits)).astype(np.uint8)
+    return packed, scale.astype(np.float16), bias
+
+
+def fbgemm_8bit_reference(rows):
+    """FBGEMM's FloatOrHalfToFused8BitRowwiseQuantizedSBFloat: D bytes, f32 scale, f32 bias."""
+    n = rows.shape[0]
+    low, high = rows.min(axis=1), rows.max(axis=1)
+    span = high - low
+    inverse = np.float32(255) / (span + np.float32(1e-8))
+    q = np.rint((rows - low[:, None]) * inverse[:, None]).astype(np.uint8)
+    scale = (span / np.float32(255)).astype(np.float32)
+    return np.concatenate([q, scale.view(np.uint8).reshape(n, 4), low.view(np.uint8).reshape(n, 4)], axis=1)
+
+
+def dequantized_within_half_a_step(rows, values, scale, bias, bits, what):
+    levels = (1 << bits) - 1
+    back = values.astype(np.float32) * scale[:, None] + bias[:, None]
+    low, high = rows.min(axis=1), rows.max(axis=1)
+    # What rounding the bias and the scale to f16 moves a value by, and the share of a tiny range
+    # that the f32 form's 1e-8 in its divisor takes off.
+    span = high - low
+    slack = np.abs(bias - low) + levels * np.abs(scale - (high - bias) / levels) + span * 1e-8 / (span + 1e-8)
+    check(np.all(np.abs(back - rows) <= scale[:, None] * 0.5001 + slack[:, None] + 1e-6), f"{what}: within half a step")
+
+
+def unpack(packed, bits, d):
+    per = 8 // bits
+    cols = [(packed[:, c // per] >> ((c % per) * bits)) & ((1 << bits) - 1) for c in range(d)]
+    return np.stack(cols, axis=1)
+
+
+def quantized_exports_match_fbgemm():
+    rng = np.random.default_rng(11)
+    n = 2000
+    user = rng.standard_normal((n, 13)).astype(np.float32) * rng.choice([1e-3, 0.05, 1.0, 20.0], size=(n, 1)).astype(np.float32)
+    user[:5] = 0.25  # constant rows
+    user[5] = np.linspace(-1, 1, 13, dtype=np.float32)  # ties at the half steps
+    item = (rng.standard_normal((700, 6)) * 0.1).astype(np.float16)
+    plain = {
+        "user/ids": rng.permutation(np.arange(10 * n, dtype=np.int64))[:n],
+        "user/embedding": user,
+        "user/adagrad": np.abs(rng.standard_normal((n, 13))).astype(np.float32),
+        "item/ids": rng.permutation(np.arange(700, dtype=np.uint64) * 977),
+        "item/embedding": item,
+        "tower.w": rng.standard_normal((4, 4)).astype(np.float32),
+    }
+    src, ckpt = os.path.join(WORK, "quant-plain"), os.path.join(WORK, "quant-ckpt")
+    os.makedirs(src, exist_ok=True)
+    save_file(plain, os.path.join(src, "model.safetensors"))
+    saver("save", "--out", ckpt, "--from", src, "--shards", "3", "--no-fsync")
+    for bits in (8, 4, 2):
+        for layout in ("fused", "fused-half", "split"):
+            out = os.path.join(WORK, f"quant-{bits}-{layout}")
+            saver("export", ckpt, "--out", out, "--quantize", f"int{bits}", "--quantize-layout", layout, "--max-file-size", "16KiB")
+            back = read_export(out)
+            sbfloat = bits == 8 and layout == "fused"
+            form = "Fused8BitRowwiseQuantizedSBFloat" if sbfloat else "FusedNBitRowwiseQuantizedSBHalf"
+            with open(os.path.join(out, "model.safetensors.index.json")) as f:
+                meta = json.load(f)["metadata"]
+            check(meta["quantization"] == form and meta["quantization_bits"] == str(bits), f"{out}: index metadata")
+            check(meta["quantization_layout"] == ("split" if layout == "split" else "fused"), f"{out}: index layout")
+            for file in sorted(os.listdir(out)):
+                if file.endswith(".safetensors"):
+                    with safe_open(os.path.join(out, file), framework="numpy") as f:
+                        m, names = f.metadata() or {}, list(f.keys())
+                    quantized = [x for x in names if x.endswith(("/embedding", "_qscale", "_qbias"))]
+                    if quantized:
+                        check(m.get("quantization") == form and m.get("quantization_bits") == str(bits), f"{file}: metadata")
+                        check(sorted(m["quantized_tensors"].split(",")) == sorted(quantized), f"{file}: quantized_tensors")
+            for table in ("user", "item"):
+                order = np.argsort(plain[f"{table}/ids"], kind="stable")
+                check(np.array_equal(back[f"{table}/ids"], plain[f"{table}/ids"][order]), f"{out}: {table} ids")
+                rows = plain[f"{table}/embedding"][order].astype(np.float32)
+                name, d = f"{table}/embedding", rows.shape[1]
+                if sbfloat:
+                    want = fbgemm_8bit_reference(rows)
+                    check(back[name].dtype == np.uint8 and np.array_equal(back[name], want), f"{out}: {name} bytes equal FBGEMM's")
+                    scale, bias = want[:, d:d + 4].copy().view(np.float32)[:, 0], want[:, d + 4:].copy().view(np.float32)[:, 0]
+                    dequantized_within_half_a_step(rows, want[:, :d], scale, bias, 8, f"{out}: {name}")
+                    continue
+                packed, scale, bias = fbgemm_nbit_reference(rows, bits)
+                if layout == "split":
+                    check(np.array_equal(back[name], packed), f"{out}: {name} values equal FBGEMM's")
+                    check(back[f"{name}_qscale"].shape == (len(rows), 1), f"{out}: {name}_qscale shape")
+                    check(np.array_equal(back[f"{name}_qscale"][:, 0].view(np.uint16), scale.view(np.uint16)), f"{out}: {name} scales")
+                    check(np.array_equal(back[f"{name}_qbias"][:, 0].view(np.uint16), bias.view(np.uint16)), f"{out}: {name} biases")
+                else:
+                    fused = np.concatenate([packed, scale.view(np.uint8).reshape(-1, 2), bias.view(np.uint8).reshape(-1, 2)], axis=1)
+                    check(np.array_equal(back[name], fused), f"{out}: {name} bytes equal FBGEMM's")
+                values = unpack(packed, bits, d)
+                dequantized_within_half_a_step(rows, values, scale.astype(np.float32), bias.astype(np.float32), bits, f"{out}: {name}")
+            order = np.argsort(plain["user/ids"], kind="stable")
+            check(np.array_equal(back["user/adagrad"], plain["user/adagrad"][order]), f"{out}: other slots unchanged")
+            check(np.array_equal(back["tower.w"], plain["tower.w"]), f"{out}: dense unchanged")
+
+
 def hugging_face_loaders_read_checkpoint_files():
     """Opt-in (SAVER_INTEROP_HF=1, which installs huggingface_hub and torch into the venv):
     huggingface_hub's loader reads every checkpoint data file, with the bytes the manifest says."""
@@ -225,6 +343,7 @@ def hugging_face_loaders_read_checkpoint_files():
 
 saver_files_hold_the_manifest_bytes()
 plain_input_round_trips()
+quantized_exports_match_fbgemm()
 if os.environ.get("SAVER_INTEROP_HF"):
     hugging_face_loaders_read_checkpoint_files()
 print(f"interop: {CHECKS} passed, 0 failed")

@@ -62,7 +62,7 @@ pub enum Command {
     /// Write a consolidated plain safetensors copy for serving or other tools: `<table>/ids`
     /// (ascending), `<table>/<slot>` rows in the same order, dense tensors by name.
     #[command(
-        after_help = "Example:\n  saver export /ckpt/step100 --out /serving/v7 --exclude-slots 'adagrad*' --dtype f16"
+        after_help = "Examples:\n  saver export /ckpt/step100 --out /serving/v7 --exclude-slots 'adagrad*' --dtype f16\n  saver export /ckpt/step100 --out /serving/v7-int4 --exclude-slots 'adagrad*' --quantize int4"
     )]
     Export(ExportArgs),
     /// Print a digest of a model's content (table names, ids, slot rows, dense tensors),
@@ -181,6 +181,22 @@ pub struct ExportArgs {
     /// Cast floating slots and dense tensors.
     #[arg(long, value_enum)]
     pub dtype: Option<CastDtype>,
+    /// Quantize the embedding slots row-wise for serving (FBGEMM's layouts), e.g. int4.
+    #[arg(long, value_enum)]
+    pub quantize: Option<QuantizeBits>,
+    /// Layout of quantized rows: fused (int8: D bytes, f32 scale, f32 bias; int4/int2: packed
+    /// values, f16 scale, f16 bias), fused-half (f16 scale and bias at every bit rate), or split
+    /// (TorchRec: `<slot>` values, `<slot>_qscale` and `<slot>_qbias` in f16).
+    #[arg(long, value_enum, default_value = "fused", requires = "quantize")]
+    pub quantize_layout: QuantizeLayout,
+    /// Slots to quantize (globs, comma-separated or repeated).
+    #[arg(
+        long,
+        default_value = "embedding",
+        value_delimiter = ',',
+        requires = "quantize"
+    )]
+    pub quantize_slots: Vec<String>,
     /// Replace an existing export in the destination.
     #[arg(long)]
     pub overwrite: bool,
@@ -425,6 +441,29 @@ pub enum CastDtype {
     F16,
     /// bfloat16.
     Bf16,
+}
+
+/// Bit rates of `export --quantize`.
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum QuantizeBits {
+    /// 8 bits a value.
+    Int8,
+    /// 4 bits a value, two a byte.
+    Int4,
+    /// 2 bits a value, four a byte.
+    Int2,
+}
+
+/// Layouts of `export --quantize-layout`.
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum QuantizeLayout {
+    /// FBGEMM's fused rows: Fused8BitRowwiseQuantizedSBFloat at int8,
+    /// FusedNBitRowwiseQuantizedSBHalf at int4 and int2.
+    Fused,
+    /// FusedNBitRowwiseQuantizedSBHalf at every bit rate.
+    FusedHalf,
+    /// TorchRec's split form: values, scales and biases as three tensors.
+    Split,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {

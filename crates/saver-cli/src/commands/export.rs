@@ -2,13 +2,14 @@
 
 use std::process::ExitCode;
 
+use saver_core::quantize::{QuantBits, QuantLayout, Quantization};
 use saver_core::Dtype;
 use saver_io::load::checkpoint::read_latest;
 use saver_io::tools::export::{export, ExportOptions};
 use saver_io::Checkpoint;
 
 use super::CmdResult;
-use crate::cli::{CastDtype, ExportArgs};
+use crate::cli::{CastDtype, ExportArgs, QuantizeBits, QuantizeLayout};
 use crate::output;
 
 #[allow(clippy::too_many_arguments)]
@@ -20,9 +21,24 @@ pub fn run(args: ExportArgs) -> CmdResult {
         exclude_slots,
         tables,
         dtype,
+        quantize,
+        quantize_layout,
+        quantize_slots,
         overwrite,
         out_fmt: fmt,
     } = args;
+    let quantize = quantize.map(|bits| Quantization {
+        bits: match bits {
+            QuantizeBits::Int8 => QuantBits::Int8,
+            QuantizeBits::Int4 => QuantBits::Int4,
+            QuantizeBits::Int2 => QuantBits::Int2,
+        },
+        layout: match quantize_layout {
+            QuantizeLayout::Fused => QuantLayout::Fused,
+            QuantizeLayout::FusedHalf => QuantLayout::FusedHalf,
+            QuantizeLayout::Split => QuantLayout::Split,
+        },
+    });
     let (src, out) = (src.as_path(), out.as_path());
     let opts = ExportOptions {
         max_file_size,
@@ -33,6 +49,8 @@ pub fn run(args: ExportArgs) -> CmdResult {
             CastDtype::F16 => Dtype::F16,
             CastDtype::Bf16 => Dtype::BF16,
         }),
+        quantize,
+        quantize_slots,
         overwrite,
         ..ExportOptions::default()
     };

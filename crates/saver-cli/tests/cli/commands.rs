@@ -1228,3 +1228,208 @@ fn a_silent_store_fails_a_command_within_one_retry_window_saying_what_it_waits_f
     // One window: a first attempt of 2 s and its retry, about 4 s; three windows took 12 s.
     assert!(took < std::time::Duration::from_secs(9), "{took:?}: {err}");
 }
+
+/// Every tensor of a plain export directory (all its files), as (dtype, shape, bytes), and the
+/// `__metadata__` of each file.
+type Exported = (
+    HashMap<String, (St, Vec<usize>, Vec<u8>)>,
+    Vec<HashMap<String, String>>,
+);
+
+fn read_export(dir: &Path) -> Exported {
+    let (mut tensors, mut metas) = (HashMap::new(), Vec::new());
+    for e in std::fs::read_dir(dir).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().and_then(|x| x.to_str()) != Some("safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        metas.push(meta.metadata().clone().unwrap_or_default());
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, t) in st.tensors() {
+            tensors.insert(name, (t.dtype(), t.shape().to_vec(), t.data().to_vec()));
+        }
+    }
+    (tensors, metas)
+}
+
+#[test]
+fn quantized_exports_dequantize_to_within_half_a_step_from_any_shard_count_into_any_file_size() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    // dim 13: odd, so 4- and 2-bit rows end in a part-filled byte.
+    let spec = "tables=2,rows=3000,dim=13,slots=embedding+adagrad,dense=4KiB,seed=3";
+    ok(&[
+        "save",
+        "--out",
+        p(&ck),
+        "--synthetic",
+        spec,
+        "--shards",
+        "5",
+    ]);
+    let plain = d.path().join("plain");
+    ok(&["export", p(&ck), "--out", p(&plain)]);
+    let (plain, _) = read_export(&plain);
+    let f32s = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let f16s = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32())
+            .collect()
+    };
+    for (bits, layout) in [
+        (8u32, "fused"),
+        (8, "fused-half"),
+        (8, "split"),
+        (4, "fused"),
+        (4, "split"),
+        (2, "fused"),
+        (2, "fused-half"),
+    ] {
+        let out = d.path().join(format!("q{bits}{layout}"));
+        let r = json(&[
+            "export",
+            p(&ck),
+            "--out",
+            p(&out),
+            "--quantize",
+            &format!("int{bits}"),
+            "--quantize-layout",
+            layout,
+            "--max-file-size",
+            "32KiB",
+        ]);
+        assert!(r["files"].as_u64().unwrap() > 3, "small files: {r}");
+        let (back, metas) = read_export(&out);
+        let sbfloat = bits == 8 && layout == "fused";
+        for table in ["t0", "t1"] {
+            let name = format!("{table}/embedding");
+            assert_eq!(
+                back[&format!("{table}/ids")],
+                plain[&format!("{table}/ids")]
+            );
+            assert_eq!(
+                back[&format!("{table}/adagrad")],
+                plain[&format!("{table}/adagrad")],
+                "slots not quantized are exported as they are"
+            );
+            let rows = f32s(&plain[&name].2);
+            let per = (8 / bits) as usize;
+            let packed = 13usize.div_ceil(per);
+            let (dtype, shape, bytes) = &back[&name];
+            assert_eq!(*dtype, St::U8);
+            let (values, scales, biases): (Vec<&[u8]>, Vec<f32>, Vec<f32>) = if layout == "split" {
+                assert_eq!(shape, &vec![3000, packed]);
+                let (s, b) = (
+                    &back[&format!("{name}_qscale")],
+                    &back[&format!("{name}_qbias")],
+                );
+                assert_eq!((s.0, &s.1), (St::F16, &vec![3000, 1]));
+                (bytes.chunks(packed).collect(), f16s(&s.2), f16s(&b.2))
+            } else {
+                let width = packed + if sbfloat { 8 } else { 4 };
+                assert_eq!(shape, &vec![3000, width]);
+                let rows: Vec<&[u8]> = bytes.chunks(width).collect();
+                let tail = |r: &[u8], k: usize| -> f32 {
+                    if sbfloat {
+                        f32s(&r[packed + 4 * k..packed + 4 * k + 4])[0]
+                    } else {
+                        f16s(&r[packed + 2 * k..packed + 2 * k + 2])[0]
+                    }
+                };
+                let s = rows.iter().map(|r| tail(r, 0)).collect();
+                let b = rows.iter().map(|r| tail(r, 1)).collect();
+                (rows.iter().map(|r| &r[..packed]).collect(), s, b)
+            };
+            let levels = ((1u32 << bits) - 1) as f32;
+            for (k, row) in rows.chunks(13).enumerate() {
+                let (scale, bias) = (scales[k], biases[k]);
+                let (lo, hi) = row
+                    .iter()
+                    .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+                // What rounding bias and scale to f16 moves a value by, and the share of a
+                // tiny range that the f32 form's 1e-8 in its divisor takes off.
+                let slack = (bias - lo).abs()
+                    + levels * (scale - (hi - bias) / levels).abs()
+                    + (hi - lo) * 1e-8 / (hi - lo + 1e-8);
+                for (c, &x) in row.iter().enumerate() {
+                    let q = (values[k][c / per] >> ((c % per) as u32 * bits)) & levels as u8;
+                    let y = scale * q as f32 + bias;
+                    assert!(
+                        (x - y).abs() <= scale * 0.5001 + slack + 1e-6,
+                        "int{bits} {layout} {name} row {k}: {x} came back as {y}"
+                    );
+                }
+            }
+        }
+        let quantized: Vec<&HashMap<String, String>> = metas
+            .iter()
+            .filter(|m| m.contains_key("quantized_tensors"))
+            .collect();
+        assert!(!quantized.is_empty());
+        for m in quantized {
+            assert_eq!(m["quantization_bits"], bits.to_string());
+            let form = if sbfloat {
+                "Fused8BitRowwiseQuantizedSBFloat"
+            } else {
+                "FusedNBitRowwiseQuantizedSBHalf"
+            };
+            assert_eq!(m["quantization"], form);
+        }
+    }
+
+    // Refused, naming what is wrong: no slot to quantize, a slot that is not floating rows.
+    let (_, err) = fails(&[
+        "export",
+        p(&ck),
+        "--out",
+        p(&d.path().join("none")),
+        "--quantize",
+        "int4",
+        "--quantize-slots",
+        "nothing*",
+    ]);
+    assert!(
+        err.contains("quantize_slots") && err.contains("nothing*"),
+        "{err}"
+    );
+    let (_, err) = fails(&[
+        "export",
+        p(&ck),
+        "--out",
+        p(&d.path().join("x")),
+        "--quantize-layout",
+        "split",
+    ]);
+    assert!(err.contains("--quantize"), "{err}");
+    // A row with a value that is not finite cannot be quantized: the export fails, naming the
+    // tensor, and commits nothing.
+    let nan = d.path().join("nan.safetensors");
+    let emb: Vec<f32> = vec![0.5, f32::NAN, 1.0, 2.0];
+    write_plain(
+        &nan,
+        vec![
+            ("t/ids", St::I64, vec![2], le(&[3i64, 9], i64::to_le_bytes)),
+            (
+                "t/embedding",
+                St::F32,
+                vec![2, 2],
+                le(&emb, f32::to_le_bytes),
+            ),
+        ],
+    );
+    let nck = d.path().join("nck");
+    ok(&["save", "--out", p(&nck), "--from", p(&nan)]);
+    let nex = d.path().join("nex");
+    let (_, err) = fails(&["export", p(&nck), "--out", p(&nex), "--quantize", "int8"]);
+    assert!(
+        err.contains("t/embedding") && err.contains("not finite"),
+        "{err}"
+    );
+    assert!(!nex.join("model.safetensors.index.json").exists());
+}

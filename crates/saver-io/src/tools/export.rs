@@ -2,6 +2,12 @@
 //! `<table>/ids` (ascending) plus `<table>/<slot>` rows in the same order, dense tensors under
 //! their own names, split into files of at most `max_file_size` with a Hugging Face index.
 //! Written in bounded memory (see [`export`]).
+//!
+//! For serving, the embedding slots can be exported row-wise quantized
+//! ([`ExportOptions::quantize`]) in FBGEMM's fused layouts or TorchRec's split form
+//! (`saver_core::quantize`); each file's `__metadata__` then names FBGEMM's conversion
+//! (`quantization`), the layout (`quantization_layout`: `fused` or `split`), the bit rate
+//! (`quantization_bits`) and the quantized tensors it holds (`quantized_tensors`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -12,6 +18,7 @@ use serde::Serialize;
 use saver_core::cast::cast;
 use saver_core::naming::INDEX_FILE;
 use saver_core::plan::header::{render_header_with, HeaderTensor};
+use saver_core::quantize::{QuantLayout, Quantization, QuantizedRows};
 use saver_core::Dtype;
 
 use crate::error::{Error, Result};
@@ -32,8 +39,14 @@ pub struct ExportOptions {
     pub tables: Vec<String>,
     /// Globs of slots to leave out.
     pub exclude_slots: Vec<String>,
-    /// Cast floating slots and dense tensors to this dtype (F32, F16 or BF16).
+    /// Cast floating slots and dense tensors to this dtype (F32, F16 or BF16). Quantized slots
+    /// are quantized from their stored values, not from the cast ones.
     pub dtype: Option<Dtype>,
+    /// Quantize the slots matching `quantize_slots` row-wise (their rows must be one dimension of
+    /// f32, f16 or bf16). Ids, other slots and dense tensors are written as without it.
+    pub quantize: Option<Quantization>,
+    /// Globs of the slots to quantize. Default: `embedding`.
+    pub quantize_slots: Vec<String>,
     /// Replace an existing export in the directory.
     pub overwrite: bool,
     /// fsync files before renaming them.
@@ -52,6 +65,8 @@ impl Default for ExportOptions {
             tables: Vec::new(),
             exclude_slots: Vec::new(),
             dtype: None,
+            quantize: None,
+            quantize_slots: vec!["embedding".into()],
             overwrite: false,
             durable: true,
             parallel: std::thread::available_parallelism().map_or(2, usize::from),
@@ -119,6 +134,23 @@ struct OutTensor {
     /// Index of its file, and its absolute offset there.
     file: usize,
     offset: u64,
+    /// The table (in export order) and the column of it (0 the ids, `k` slot `k - 1`) whose rows
+    /// it holds; `None` for a dense tensor.
+    source: Option<(usize, usize)>,
+    /// Set on the tensors of a quantized slot.
+    quantized: Option<QuantPart>,
+}
+
+/// Which tensor of a quantized slot.
+#[derive(Clone, Copy)]
+enum QuantPart {
+    /// The quantized rows (fused with their scales and biases, or the packed values of the split
+    /// layout): how they are quantized, and the values a row.
+    Rows(Quantization, usize),
+    /// The split layout's scales.
+    Scales,
+    /// The split layout's biases.
+    Biases,
 }
 
 /// Bytes of a tensor's rows gathered before they are cast and written.
@@ -164,7 +196,7 @@ fn export_tables(
     let dense = read_dense()?;
     let mut tensors = out_tensors(&tables, &dense, opts)?;
     let files = into_files(&tensors, opts.max_file_size);
-    let (names, handles, written) = create_files(&*storage, &files, &mut tensors)?;
+    let (names, handles, written) = create_files(&*storage, &files, &mut tensors, opts.quantize)?;
     let filled = crate::load::restore::reader_pool(opts.parallel)
         .and_then(|pool| {
             pool.install(|| fill(&tables, &dense, &tensors, &handles, out, opts.sort_memory))
@@ -187,8 +219,13 @@ fn export_tables(
         .map(|t| (t.name.as_str(), names[t.file].as_str()))
         .collect();
     let total: u64 = tensors.iter().map(|t| t.len).sum();
-    let index =
-        serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+    let mut metadata = serde_json::json!({ "total_size": total });
+    if let Some(q) = opts.quantize {
+        metadata["quantization"] = q.format_name().into();
+        metadata["quantization_layout"] = q.layout_name().into();
+        metadata["quantization_bits"] = q.bits.bits().to_string().into();
+    }
+    let index = serde_json::json!({ "metadata": metadata, "weight_map": weight_map });
     storage.put(
         INDEX_FILE,
         &serde_json::to_vec_pretty(&index).expect("json"),
@@ -229,7 +266,8 @@ fn check_options(opts: &ExportOptions) -> Result<()> {
 }
 
 /// The tensors of the export, in order: each table's ids and slots (tables by name), then the
-/// dense tensors; floats cast to `opts.dtype` if given.
+/// dense tensors; floats cast to `opts.dtype` if given; quantized slots as one fused tensor, or
+/// in the split layout as `<slot>`, `<slot>_qscale` and `<slot>_qbias`.
 fn out_tensors(
     tables: &[&dyn BucketRows],
     dense: &[LoadedDense],
@@ -239,9 +277,18 @@ fn out_tensors(
         Some(to) if dtype.is_float() => to,
         _ => dtype,
     };
+    let quantized = match opts.quantize {
+        Some(_) => crate::load::restore::globs("quantize_slots", &opts.quantize_slots)?,
+        None => None,
+    };
     let mut tensors = Vec::new();
-    let mut add = |name: String, from: Dtype, shape: Vec<u64>| -> Result<()> {
-        let dtype = out_dtype(from);
+    let mut add = |name: String,
+                   from: Dtype,
+                   dtype: Dtype,
+                   shape: Vec<u64>,
+                   source: Option<(usize, usize)>,
+                   quantized: Option<QuantPart>|
+     -> Result<()> {
         let len = saver_core::tensor::byte_len(&name, dtype, &shape)?;
         tensors.push(OutTensor {
             name,
@@ -251,21 +298,111 @@ fn out_tensors(
             len,
             file: 0,
             offset: 0,
+            source,
+            quantized,
         });
         Ok(())
     };
-    for t in tables {
+    let mut any_quantized = false;
+    for (ti, t) in tables.iter().enumerate() {
         let name = t.name();
         let rows = t.rows();
-        add(format!("{name}/ids"), t.key_dtype().dtype(), vec![rows])?;
-        for spec in t.slots() {
-            let mut shape = vec![rows];
-            shape.extend_from_slice(&spec.shape);
-            add(format!("{name}/{}", spec.name), spec.dtype, shape)?;
+        let ids = t.key_dtype().dtype();
+        add(
+            format!("{name}/ids"),
+            ids,
+            ids,
+            vec![rows],
+            Some((ti, 0)),
+            None,
+        )?;
+        for (k, spec) in t.slots().iter().enumerate() {
+            let tensor = format!("{name}/{}", spec.name);
+            let source = Some((ti, k + 1));
+            let q = match (opts.quantize, &quantized) {
+                (Some(q), Some(globs)) if globs.is_match(&spec.name) => q,
+                _ => {
+                    let mut shape = vec![rows];
+                    shape.extend_from_slice(&spec.shape);
+                    add(
+                        tensor,
+                        spec.dtype,
+                        out_dtype(spec.dtype),
+                        shape,
+                        source,
+                        None,
+                    )?;
+                    continue;
+                }
+            };
+            let dim = match spec.shape[..] {
+                [dim] if spec.dtype.is_float() && dim > 0 => dim as usize,
+                _ => {
+                    return Err(Error::InvalidOption {
+                        option: "quantize_slots",
+                        why: format!(
+                            "{tensor} has rows of {} {:?}; only rows of one dimension of f32, \
+                             f16 or bf16 can be quantized",
+                            spec.dtype, spec.shape
+                        ),
+                    })
+                }
+            };
+            any_quantized = true;
+            let how = Some(QuantPart::Rows(q, dim));
+            if q.layout == QuantLayout::Split {
+                let packed = q.bits.packed_bytes(dim) as u64;
+                add(
+                    tensor.clone(),
+                    spec.dtype,
+                    Dtype::U8,
+                    vec![rows, packed],
+                    source,
+                    how,
+                )?;
+                for (part, which) in [("qscale", QuantPart::Scales), ("qbias", QuantPart::Biases)] {
+                    let name = format!("{tensor}_{part}");
+                    add(
+                        name,
+                        spec.dtype,
+                        Dtype::F16,
+                        vec![rows, 1],
+                        source,
+                        Some(which),
+                    )?;
+                }
+            } else {
+                let width = q.fused_row_bytes(dim) as u64;
+                add(
+                    tensor,
+                    spec.dtype,
+                    Dtype::U8,
+                    vec![rows, width],
+                    source,
+                    how,
+                )?;
+            }
         }
     }
+    if opts.quantize.is_some() && !any_quantized {
+        return Err(Error::InvalidOption {
+            option: "quantize_slots",
+            why: format!(
+                "no slot of the exported tables matches {:?}",
+                opts.quantize_slots
+            ),
+        });
+    }
     for d in dense {
-        add(d.name.clone(), d.dtype, d.shape.clone())?;
+        let shape = d.shape.clone();
+        add(
+            d.name.clone(),
+            d.dtype,
+            out_dtype(d.dtype),
+            shape,
+            None,
+            None,
+        )?;
     }
     Ok(tensors)
 }
@@ -296,6 +433,7 @@ fn create_files(
     storage: &dyn Storage,
     files: &[Vec<usize>],
     tensors: &mut [OutTensor],
+    quantize: Option<Quantization>,
 ) -> Result<CreatedFiles> {
     let n = files.len();
     let names: Vec<String> = (0..n)
@@ -320,7 +458,21 @@ fn create_files(
                 h
             })
             .collect();
-        let header = render_header_with(&[("format", "pt".to_string())], &headers, 64);
+        let mut metadata = vec![("format", "pt".to_string())];
+        // The quantized tensors of this file: a quantized slot's tensor, and in the split
+        // layout its scales and biases.
+        let quantized: Vec<&str> = members
+            .iter()
+            .filter(|&&i| tensors[i].quantized.is_some())
+            .map(|&i| tensors[i].name.as_str())
+            .collect();
+        if let (Some(q), false) = (quantize, quantized.is_empty()) {
+            metadata.push(("quantization", q.format_name().to_string()));
+            metadata.push(("quantization_layout", q.layout_name().to_string()));
+            metadata.push(("quantization_bits", q.bits.bits().to_string()));
+            metadata.push(("quantized_tensors", quantized.join(",")));
+        }
+        let header = render_header_with(&metadata, &headers, 64);
         let hlen = header.len() as u64;
         for (&i, h) in members.iter().zip(&headers) {
             tensors[i].file = f;
@@ -348,36 +500,75 @@ fn create_files(
     Ok((names, handles, written))
 }
 
-/// Rows of one output tensor on their way to its file: gathered, then cast and written at the
-/// tensor's next offset by the write-behind thread.
-struct Column<'a, 'b> {
+/// One output tensor of a column, and how many of its bytes are written.
+struct Out<'a> {
     tensor: &'a OutTensor,
     handle: &'a dyn WriteHandle,
-    behind: &'b WriteBehind<'a>,
-    buf: Vec<u8>,
     at: u64,
 }
 
+/// Rows of one column of a table (its ids or one slot) on their way to the file: gathered, then
+/// cast or quantized, and written at each output tensor's next offset by the write-behind
+/// thread. A column has one output tensor, or three for a slot quantized in the split layout.
+struct Column<'a, 'b> {
+    outs: Vec<Out<'a>>,
+    behind: &'b WriteBehind<'a>,
+    buf: Vec<u8>,
+    /// Rows quantized so far, for messages.
+    rows: u64,
+}
+
 impl Column<'_, '_> {
+    /// The bytes of each output tensor for the rows in `buf`.
+    fn convert(&mut self) -> Result<Vec<Vec<u8>>> {
+        let t = self.outs[0].tensor;
+        let Some(QuantPart::Rows(q, dim)) = t.quantized else {
+            return Ok(vec![if t.dtype != t.from {
+                cast(&self.buf, t.from, t.dtype)?
+            } else {
+                std::mem::replace(&mut self.buf, Vec::with_capacity(COLUMN_BUFFER_BYTES))
+            }]);
+        };
+        let floats = if t.from == Dtype::F32 {
+            std::borrow::Cow::Borrowed(&self.buf[..])
+        } else {
+            std::borrow::Cow::Owned(cast(&self.buf, t.from, Dtype::F32)?)
+        };
+        let values: Vec<f32> = floats
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        let rows = (values.len() / dim) as u64;
+        let mut into = QuantizedRows {
+            values: Vec::with_capacity(rows as usize * q.fused_row_bytes(dim)),
+            ..QuantizedRows::default()
+        };
+        q.quantize(&values, dim, &t.name, self.rows, &mut into)?;
+        self.rows += rows;
+        Ok(if q.layout == QuantLayout::Split {
+            vec![into.values, into.scales, into.biases]
+        } else {
+            vec![into.values]
+        })
+    }
+
     fn flush(&mut self) -> Result<()> {
         if self.buf.is_empty() {
             return Ok(());
         }
-        let t = self.tensor;
-        let bytes = if t.dtype != t.from {
-            cast(&self.buf, t.from, t.dtype)?
-        } else {
-            std::mem::replace(&mut self.buf, Vec::with_capacity(COLUMN_BUFFER_BYTES))
-        };
+        let pieces = self.convert()?;
         self.buf.clear();
-        let (handle, offset) = (self.handle, t.offset + self.at);
-        self.at += bytes.len() as u64;
-        self.behind.push(Box::new(move || {
-            handle.write_at(offset, &bytes)?;
-            // Final bytes: their writeback starts now, not at the commit's fsync.
-            handle.start_writeback(offset, bytes.len() as u64);
-            Ok(())
-        }))
+        for (out, bytes) in self.outs.iter_mut().zip(pieces) {
+            let (handle, offset) = (out.handle, out.tensor.offset + out.at);
+            out.at += bytes.len() as u64;
+            self.behind.push(Box::new(move || {
+                handle.write_at(offset, &bytes)?;
+                // Final bytes: their writeback starts now, not at the commit's fsync.
+                handle.start_writeback(offset, bytes.len() as u64);
+                Ok(())
+            }))?;
+        }
+        Ok(())
     }
 
     fn push(&mut self, bytes: &[u8]) -> Result<()> {
@@ -398,21 +589,23 @@ fn fill(
     scratch: &Path,
     sort_memory: usize,
 ) -> Result<()> {
-    let mut next = 0;
-    for t in tables {
-        let count = 1 + t.slots().len();
-        let mine = &tensors[next..next + count];
-        next += count;
+    for (ti, t) in tables.iter().enumerate() {
         std::thread::scope(|scope| {
             let behind = WriteBehind::new(scope);
-            let mut columns: Vec<Column<'_, '_>> = mine
-                .iter()
-                .map(|tensor| Column {
-                    tensor,
-                    handle: handles[tensor.file].as_ref(),
+            let mut columns: Vec<Column<'_, '_>> = (0..=t.slots().len())
+                .map(|c| Column {
+                    outs: tensors
+                        .iter()
+                        .filter(|x| x.source == Some((ti, c)))
+                        .map(|tensor| Out {
+                            tensor,
+                            handle: handles[tensor.file].as_ref(),
+                            at: 0,
+                        })
+                        .collect(),
                     behind: &behind,
                     buf: Vec::new(),
-                    at: 0,
+                    rows: 0,
                 })
                 .collect();
             let produced = visit_by_id(*t, scratch, sort_memory, &mut |ids, slots| {
@@ -428,11 +621,13 @@ fn fill(
             .and_then(|()| {
                 for c in &mut columns {
                     c.flush()?;
-                    if c.at != c.tensor.len {
-                        return Err(Error::Mismatch(format!(
-                            "export of {:?} wrote {} bytes, {} expected",
-                            c.tensor.name, c.at, c.tensor.len
-                        )));
+                    for out in &c.outs {
+                        if out.at != out.tensor.len {
+                            return Err(Error::Mismatch(format!(
+                                "export of {:?} wrote {} bytes, {} expected",
+                                out.tensor.name, out.at, out.tensor.len
+                            )));
+                        }
                     }
                 }
                 Ok(())
@@ -441,7 +636,8 @@ fn fill(
             behind.finish_after(produced)
         })?;
     }
-    for (d, tensor) in dense.iter().zip(&tensors[next..]) {
+    let dense_tensors = tensors.iter().filter(|t| t.source.is_none());
+    for (d, tensor) in dense.iter().zip(dense_tensors) {
         let bytes = if tensor.dtype != tensor.from {
             cast(&d.data, tensor.from, tensor.dtype)?
         } else {
