@@ -7,8 +7,9 @@
 //! Baselines: a multipart upload of the checkpoint's bytes in 8 MiB parts, 8 in flight (the limit
 //! of a save), and ranged GETs of 8 MiB, 8 in flight, of the bytes a load reads (the limit of a
 //! load). Every configuration runs once per round, interleaved, after a warm-up round; medians are
-//! reported with each figure as a ratio to its baseline of the same run. Then peak memory of a save
-//! and a load, against the same operation on a local directory.
+//! reported with each figure as a ratio to its baseline of the same run, with the CPU time the
+//! client (this process: saver, or the baseline's requests) and the server spent in the timed part.
+//! Then peak memory of a save and a load, against the same operation on a local directory.
 
 #[path = "../tests/integration/common/garage.rs"]
 mod garage;
@@ -37,18 +38,62 @@ type Run<'a> = Box<dyn FnMut() -> f64 + 'a>;
 const PIECE: u64 = 8 << 20;
 const IN_FLIGHT: usize = 8;
 
-fn interleaved(runs: usize, configs: &mut [(String, Run<'_>)]) -> Vec<f64> {
+/// CPU seconds of this process (every thread) and of process `pid`, from `/proc`.
+fn cpu_seconds(pid: Option<u32>) -> (f64, f64) {
+    let of = |path: String| -> f64 {
+        let stat = std::fs::read_to_string(path).unwrap_or_default();
+        // utime and stime are fields 14 and 15; the command name (field 2) may hold spaces, so
+        // count from the closing parenthesis.
+        let rest = stat.rsplit_once(')').map_or("", |r| r.1);
+        let f: Vec<f64> = rest
+            .split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        // SAFETY: sysconf has no memory effects.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        f.get(11).zip(f.get(12)).map_or(0.0, |(u, s)| (u + s) / hz)
+    };
+    let server = pid.map_or(0.0, |p| of(format!("/proc/{p}/stat")));
+    (of("/proc/self/stat".into()), server)
+}
+
+/// The server whose CPU time [`clock`] counts.
+static SERVER: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+/// CPU seconds of client and server in the last [`clock`]ed region.
+static LAST_CPU: std::sync::Mutex<(f64, f64)> = std::sync::Mutex::new((0.0, 0.0));
+
+/// Runs `f`, returns its wall time, and records the CPU time client and server spent in it.
+fn clock(f: impl FnOnce()) -> f64 {
+    let server = SERVER.get().copied().flatten();
+    let (c0, s0) = cpu_seconds(server);
+    let t = Instant::now();
+    f();
+    let secs = t.elapsed().as_secs_f64();
+    let (c1, s1) = cpu_seconds(server);
+    *LAST_CPU.lock().unwrap() = (c1 - c0, s1 - s0);
+    secs
+}
+
+/// Medians per configuration: (wall seconds, client CPU seconds, server CPU seconds).
+fn interleaved(runs: usize, configs: &mut [(String, Run<'_>)]) -> Vec<(f64, f64, f64)> {
     let mut times = vec![Vec::new(); configs.len()];
     for round in 0..=runs {
         for (i, (name, f)) in configs.iter_mut().enumerate() {
             let secs = f();
-            eprintln!("round {round}: {name}: {secs:.2} s");
+            let (client, server) = *LAST_CPU.lock().unwrap();
+            eprintln!("round {round}: {name}: {secs:.2} s (CPU: client {client:.2} s, server {server:.2} s)");
             if round > 0 {
-                times[i].push(secs);
+                times[i].push((secs, client, server));
             }
         }
     }
-    times.into_iter().map(median).collect()
+    times
+        .into_iter()
+        .map(|t| {
+            let m = |k: fn(&(f64, f64, f64)) -> f64| median(t.iter().map(k).collect());
+            (m(|x| x.0), m(|x| x.1), m(|x| x.2))
+        })
+        .collect()
 }
 
 /// Peak resident memory that `f` adds to this process (`None` where it cannot be measured).
@@ -150,6 +195,7 @@ fn main() {
         return;
     };
     g.set_env();
+    SERVER.set(g.pid()).unwrap();
     let s3 = g.s3_client();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -188,9 +234,7 @@ fn main() {
         "plain multipart upload (limit)".into(),
         Box::new(|| {
             let key = Key::from("plain/upload");
-            let t = Instant::now();
-            plain_upload(&rt, &s3, &key, bytes);
-            let secs = t.elapsed().as_secs_f64();
+            let secs = clock(|| plain_upload(&rt, &s3, &key, bytes));
             rt.block_on(s3.delete(&key)).unwrap();
             secs
         }),
@@ -202,26 +246,26 @@ fn main() {
             Box::new(move || {
                 n.set(n.get() + 1);
                 let url = g.url(&format!("save/{}", n.get()));
-                let t = Instant::now();
-                save(Path::new(&url), model.input(), &opts(parallel, shards)).unwrap();
-                let secs = t.elapsed().as_secs_f64();
+                let secs = clock(|| {
+                    save(Path::new(&url), model.input(), &opts(parallel, shards)).unwrap();
+                });
                 remove_all(&url);
                 secs
             }),
         ));
     }
     let times = interleaved(runs, &mut saves);
-    println!("| save | time | throughput | ratio to limit |\n| --- | --- | --- | --- |");
-    for (i, t) in times.iter().enumerate() {
+    println!("| save | time | throughput | ratio to limit | CPU: client / server |\n| --- | --- | --- | --- | --- |");
+    for (i, &(t, client, server)) in times.iter().enumerate() {
         let ratio = if i == 0 {
             "1.00".to_string()
         } else {
-            format!("**{:.2}**", times[0] / t)
+            format!("**{:.2}**", times[0].0 / t)
         };
         println!(
-            "| {} | {t:.2} s | {} | {ratio} |",
+            "| {} | {t:.2} s | {} | {ratio} | {client:.2} s / {server:.2} s |",
             saves[i].0,
-            gib_s(bytes, *t)
+            gib_s(bytes, t)
         );
     }
     drop(saves);
@@ -251,11 +295,7 @@ fn main() {
         parallel: 2,
         ..LoadOptions::default()
     };
-    let timed = |f: &mut dyn FnMut()| {
-        let t = Instant::now();
-        f();
-        t.elapsed().as_secs_f64()
-    };
+    let timed = |f: &mut dyn FnMut()| clock(f);
     let mut loads: Vec<(String, Run<'_>)> = vec![
         (
             "plain ranged GETs of the checkpoint (limit)".into(),
@@ -281,19 +321,19 @@ fn main() {
         ),
     ];
     let times = interleaved(runs, &mut loads);
-    println!("\n| load | time | throughput | ratio to limit |\n| --- | --- | --- | --- |");
+    println!("\n| load | time | throughput | ratio to limit | CPU: client / server |\n| --- | --- | --- | --- | --- |");
     let read = [bytes, bytes, bytes, reshard_read, reshard_read];
-    for (i, t) in times.iter().enumerate() {
-        let base = if i < 3 { times[0] } else { times[3] };
+    for (i, &(t, client, server)) in times.iter().enumerate() {
+        let base = if i < 3 { times[0].0 } else { times[3].0 };
         let ratio = if i == 0 || i == 3 {
             "1.00".to_string()
         } else {
             format!("**{:.2}**", base / t)
         };
         println!(
-            "| {} | {t:.2} s | {} | {ratio} |",
+            "| {} | {t:.2} s | {} | {ratio} | {client:.2} s / {server:.2} s |",
             loads[i].0,
-            gib_s(read[i], *t)
+            gib_s(read[i], t)
         );
     }
     drop(loads);

@@ -187,6 +187,11 @@ admin_token = "saver-test-admin"
         self.child = Some(child);
     }
 
+    /// The server's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Runs a garage CLI command against the server; its stdout.
     pub fn cli(&self, args: &[&str]) -> String {
         let out = Command::new(&self.bin)
