@@ -39,6 +39,10 @@ struct Faulty {
     seen: Mutex<Vec<Op>>,
     /// Accept `If-None-Match: *` and overwrite anyway, as Garage 2.5 does.
     ignores_conditions: bool,
+    /// How long every part upload takes, so that uploads overlap.
+    slow_parts: Option<std::time::Duration>,
+    /// Part uploads running now, and the most that ever ran at once.
+    parts_in_flight: Mutex<(usize, usize)>,
 }
 
 impl fmt::Display for Faulty {
@@ -162,7 +166,17 @@ impl MultipartStore for Faulty {
         if self.hit(Op::PutPart) {
             return Err(Self::injected(Op::PutPart));
         }
-        self.inner.put_part(path, id, part_idx, data).await
+        {
+            let mut f = self.parts_in_flight.lock().unwrap();
+            f.0 += 1;
+            f.1 = f.1.max(f.0);
+        }
+        if let Some(d) = self.slow_parts {
+            tokio::time::sleep(d).await;
+        }
+        let out = self.inner.put_part(path, id, part_idx, data).await;
+        self.parts_in_flight.lock().unwrap().0 -= 1;
+        out
     }
 
     async fn complete_multipart(
@@ -232,6 +246,57 @@ fn failed_part_uploads_and_completions_fail_the_save_cleanly_and_a_retry_commits
         assert!(report.committed);
         assert_eq!(verify_storage(&storage, 2).unwrap().status, Status::Ok);
     }
+}
+
+/// One writer thread keeps several parts on their way up (it does not wait for each), and never
+/// more than the storage's bound.
+#[test]
+fn parts_go_up_in_the_background_within_the_bound() {
+    let store = Arc::new(Faulty {
+        slow_parts: Some(std::time::Duration::from_millis(150)),
+        ..Faulty::default()
+    });
+    let storage = ObjectStorage::with_store(store.clone(), "memory://slow", "ck");
+    // One data file of about 41 MiB: six parts of 8 MiB.
+    let spec = "tables=2,rows=40000,dim=64,slots=embedding+adagrad,dense=1MiB,seed=5";
+    let model = SyntheticModel::generate(&spec.parse().unwrap()).unwrap();
+    let mut o = opts();
+    o.plan.parallel = 1;
+    let report = save_to(&storage, model.input(), &o).unwrap();
+    assert!(report.committed);
+    assert_eq!(verify_storage(&storage, 2).unwrap().status, Status::Ok);
+    let (running, most) = *store.parts_in_flight.lock().unwrap();
+    assert_eq!(running, 0, "the commit waited for every part");
+    let bound = std::env::var("SAVER_S3_UPLOADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(saver::io::storage::UPLOADS_IN_FLIGHT);
+    assert!(
+        most >= 2.min(bound) && most <= bound,
+        "{most} parts in flight at most, with one writer thread and a bound of {bound}"
+    );
+
+    // A part that fails while later ones are in flight fails the save, naming the object, and
+    // leaves nothing behind.
+    let store = Arc::new(Faulty {
+        slow_parts: Some(std::time::Duration::from_millis(150)),
+        ..Faulty::default()
+    });
+    let storage = ObjectStorage::with_store(store.clone(), "memory://slow", "ck");
+    store.inject(Op::PutPart, 2, 1);
+    let err = save_to(&storage, model.input(), &o)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("memory://slow/ck/") && err.contains("injected failure"),
+        "{err}"
+    );
+    assert_eq!(
+        store.parts_in_flight.lock().unwrap().0,
+        0,
+        "no part left running"
+    );
+    nothing_left(&storage);
 }
 
 #[test]

@@ -4,9 +4,10 @@
 //! How the [`Storage`] operations map onto an object store:
 //!
 //! * **Data files** go up as multipart uploads whose parts are fixed byte ranges of the file
-//!   (`part_size`, 8 MiB or more): a part is uploaded by the writer thread that writes its last
-//!   byte, so parts go up in parallel from the writer threads and memory stays bounded by the parts
-//!   being filled. The first part holds the header, which the save writes last, so it is the last
+//!   (`part_size`, 8 MiB or more): a part goes up in the background as soon as its last byte is
+//!   written, while the writer threads fill the next ones, at most [`UPLOADS_IN_FLIGHT`] parts of a
+//!   storage at once (`SAVER_S3_UPLOADS`), so memory stays bounded by the parts being filled and
+//!   those in flight ([`upload`]). The first part holds the header, which the save writes last, so it is the last
 //!   to go up. Nothing is visible under the file's name until the upload is completed
 //!   ([`WriteHandle::commit`]); an aborted or killed upload leaves no object. Files smaller than one
 //!   part are put whole.
@@ -33,16 +34,20 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use object_store::aws::AmazonS3Builder;
-use object_store::multipart::{MultipartStore, PartId};
+use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    ClientOptions, MultipartId, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
-    RetryConfig, UpdateVersion,
+    ClientOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, RetryConfig, UpdateVersion,
 };
 use saver_core::naming::{COMMIT_LOCK, TMP_MARK};
 
 use super::{check_file_name, CommitLock, ReadHandle, Storage, WriteHandle};
 use crate::error::{Error, Result};
+
+mod upload;
+
+pub use upload::UPLOADS_IN_FLIGHT;
+use upload::{ObjectWrite, UploadSlots};
 
 /// The smallest part of a multipart upload (S3 refuses smaller parts but the last).
 pub const MIN_PART_SIZE: u64 = 8 << 20;
@@ -286,6 +291,8 @@ pub struct ObjectStorage {
     part_size: u64,
     /// Whether the store honours conditional creation, probed at first need.
     conditional: Arc<OnceLock<bool>>,
+    /// The parts in flight of every file this storage writes.
+    uploads: Arc<UploadSlots>,
 }
 
 /// A URL split into bucket and prefix, with `.` and `..` segments resolved (a chain names its
@@ -406,12 +413,14 @@ impl ObjectStorage {
             url,
             part_size: MIN_PART_SIZE,
             conditional: Arc::default(),
+            uploads: Arc::new(UploadSlots::from_env()),
         }
     }
 
     /// Uploads data files in parts of `bytes` (at least [`MIN_PART_SIZE`]; larger for files
-    /// that would need more than 10 000 parts). Memory of a save is about `parallel` parts plus
-    /// the first part of every file being written.
+    /// that would need more than 10 000 parts). Memory of a save is about `parallel` parts being
+    /// filled, [`UPLOADS_IN_FLIGHT`] parts on their way up, and the first part of every file
+    /// being written.
     pub fn with_part_size(mut self, bytes: u64) -> Self {
         self.part_size = bytes.max(MIN_PART_SIZE);
         self
@@ -552,12 +561,7 @@ impl Storage for ObjectStorage {
         let key = self.key(name)?;
         let part_size = self.part_size.max(len.div_ceil(MAX_PARTS));
         if len <= part_size {
-            return Ok(Box::new(ObjectWrite {
-                client: self.client.clone(),
-                key,
-                len,
-                body: Body::Whole(Mutex::new(vec![0; len as usize])),
-            }));
+            return Ok(Box::new(ObjectWrite::whole(self.client.clone(), key, len)));
         }
         let (c, k) = (self.client.clone(), key.clone());
         let upload = self
@@ -581,20 +585,15 @@ impl Storage for ObjectStorage {
             );
             return Err(e);
         }
-        let parts = (0..len.div_ceil(part_size))
-            .map(|_| Mutex::new(Part::default()))
-            .collect();
-        Ok(Box::new(ObjectWrite {
-            client: self.client.clone(),
+        Ok(Box::new(ObjectWrite::in_parts(
+            self.client.clone(),
             key,
             len,
-            body: Body::Parts {
-                upload,
-                marker,
-                part_size,
-                parts,
-            },
-        }))
+            upload,
+            marker,
+            part_size,
+            self.uploads.clone(),
+        )))
     }
 
     fn put(&self, name: &str, bytes: &[u8], _durable: bool) -> Result<()> {
@@ -859,189 +858,6 @@ impl UploadRecord {
 
     fn parse(bytes: &[u8]) -> Option<Self> {
         serde_json::from_slice(bytes).ok()
-    }
-}
-
-/// One fixed byte range of a multipart upload.
-#[derive(Default)]
-struct Part {
-    /// The bytes written so far; allocated at the part's first write, given up at its upload.
-    buf: Vec<u8>,
-    /// How many of its bytes were written.
-    filled: u64,
-    /// Set once uploaded.
-    id: Option<PartId>,
-}
-
-enum Body {
-    /// A file smaller than a part, put whole at commit.
-    Whole(Mutex<Vec<u8>>),
-    /// A multipart upload in fixed-size parts.
-    Parts {
-        upload: MultipartId,
-        /// The object that records the upload until it is completed or aborted.
-        marker: ObjectPath,
-        part_size: u64,
-        parts: Vec<Mutex<Part>>,
-    },
-}
-
-struct ObjectWrite {
-    client: Arc<Client>,
-    key: ObjectPath,
-    len: u64,
-    body: Body,
-}
-
-impl ObjectWrite {
-    fn part_range(&self, part_size: u64, i: usize) -> Range<u64> {
-        let start = i as u64 * part_size;
-        start..(start + part_size).min(self.len)
-    }
-
-    fn upload_part(&self, upload: &MultipartId, i: usize, buf: Vec<u8>) -> Result<PartId> {
-        let (c, k, id) = (self.client.clone(), self.key.clone(), upload.clone());
-        let payload = PutPayload::from(buf);
-        self.client
-            .block(&self.key, async move {
-                c.multipart.put_part(&k, &id, i, payload).await
-            })
-            .map_err(|e| self.client.err("upload a part of", &self.key, e))
-    }
-}
-
-impl WriteHandle for ObjectWrite {
-    fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
-        let end = offset + buf.len() as u64;
-        if end > self.len {
-            return Err(Error::Mismatch(format!(
-                "internal: a write of bytes {offset}..{end} past the end ({}) of {}",
-                self.len,
-                self.client.url(&self.key)
-            )));
-        }
-        match &self.body {
-            Body::Whole(whole) => {
-                whole.lock().expect("no panic while held")[offset as usize..end as usize]
-                    .copy_from_slice(buf);
-                Ok(())
-            }
-            Body::Parts {
-                upload,
-                part_size,
-                parts,
-                ..
-            } => {
-                let mut at = offset;
-                while at < end {
-                    let i = (at / part_size) as usize;
-                    let range = self.part_range(*part_size, i);
-                    let n = range.end.min(end) - at;
-                    let src = &buf[(at - offset) as usize..(at - offset + n) as usize];
-                    let full = {
-                        let mut p = parts[i].lock().expect("no panic while held");
-                        let plen = range.end - range.start;
-                        if p.id.is_some() || p.filled + n > plen {
-                            return Err(Error::Mismatch(format!(
-                                "internal: bytes {at}..{} of {} written twice",
-                                at + n,
-                                self.client.url(&self.key)
-                            )));
-                        }
-                        if p.buf.is_empty() {
-                            p.buf = vec![0; plen as usize];
-                        }
-                        let from = (at - range.start) as usize;
-                        p.buf[from..from + n as usize].copy_from_slice(src);
-                        p.filled += n;
-                        (p.filled == plen).then(|| std::mem::take(&mut p.buf))
-                    };
-                    if let Some(bytes) = full {
-                        let id = self.upload_part(upload, i, bytes)?;
-                        parts[i].lock().expect("no panic while held").id = Some(id);
-                    }
-                    at += n;
-                }
-                Ok(())
-            }
-        }
-    }
-
-    fn commit(self: Box<Self>, _durable: bool) -> Result<()> {
-        match &self.body {
-            Body::Whole(whole) => {
-                let bytes = std::mem::take(&mut *whole.lock().expect("no panic while held"));
-                let (c, k) = (self.client.clone(), self.key.clone());
-                self.client
-                    .block(
-                        &self.key,
-                        async move { c.store.put(&k, bytes.into()).await },
-                    )
-                    .map(|_| ())
-                    .map_err(|e| self.client.err("put", &self.key, e))
-            }
-            Body::Parts {
-                upload,
-                marker,
-                part_size,
-                parts,
-            } => {
-                let mut ids = Vec::with_capacity(parts.len());
-                for (i, p) in parts.iter().enumerate() {
-                    let p = p.lock().expect("no panic while held");
-                    match &p.id {
-                        Some(id) => ids.push(id.clone()),
-                        None => {
-                            let range = self.part_range(*part_size, i);
-                            let e = Error::Mismatch(format!(
-                                "internal: only {} of bytes {range:?} of {} were written",
-                                p.filled,
-                                self.client.url(&self.key)
-                            ));
-                            drop(p);
-                            self.abort();
-                            return Err(e);
-                        }
-                    }
-                }
-                let (c, k, id) = (self.client.clone(), self.key.clone(), upload.clone());
-                let done = self.client.block(&self.key, async move {
-                    c.multipart.complete_multipart(&k, &id, ids).await
-                });
-                match done {
-                    Ok(_) => {
-                        // A marker left by a failure here names a completed upload, which a
-                        // cleanup's abort leaves alone.
-                        let (c, m) = (self.client.clone(), marker.clone());
-                        let _ = self
-                            .client
-                            .block(marker, async move { c.store.delete(&m).await });
-                        Ok(())
-                    }
-                    Err(e) => {
-                        let e = self.client.err("complete the upload of", &self.key, e);
-                        self.abort();
-                        Err(e)
-                    }
-                }
-            }
-        }
-    }
-
-    fn abort(self: Box<Self>) {
-        if let Body::Parts { upload, marker, .. } = &self.body {
-            let (c, k, id, m) = (
-                self.client.clone(),
-                self.key.clone(),
-                upload.clone(),
-                marker.clone(),
-            );
-            block(async move {
-                if c.multipart.abort_multipart(&k, &id).await.is_ok() {
-                    let _ = c.store.delete(&m).await;
-                }
-            });
-        }
     }
 }
 

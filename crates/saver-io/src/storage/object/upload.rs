@@ -1,0 +1,435 @@
+//! Writing one object: a file smaller than a part is put whole at commit; a larger one is a
+//! multipart upload whose parts are fixed byte ranges, each sent in the background as soon as its
+//! last byte is written.
+//!
+//! A writer thread that fills a part hands it to an upload thread and goes on producing: parts go
+//! up while the next ones are filled, not one after the other. The uploads of one storage (one
+//! save) share [`UploadSlots`], a fixed number of parts in flight; a writer that fills a part when
+//! all are taken waits for one, so memory stays bounded by the parts being filled plus the slots.
+//! The first failed part fails the next write and the commit, which waits for every part in
+//! flight before it completes or aborts the upload, so no part lands after the upload's end.
+
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+
+use object_store::multipart::PartId;
+use object_store::path::Path as ObjectPath;
+use object_store::{MultipartId, ObjectStoreExt, PutPayload};
+
+use super::{block, Client};
+use crate::error::{Error, Result};
+use crate::storage::WriteHandle;
+
+/// Parts of one storage's uploads in flight at once, unless `SAVER_S3_UPLOADS` says otherwise.
+/// With four (32 MiB), a save's parts went up to Garage on loopback at about 0.94 of the rate of a
+/// plain upload keeping eight in flight (one traced run; docs/BENCHMARKS.md has the saves' figures);
+/// more would mostly hold more memory.
+pub const UPLOADS_IN_FLIGHT: usize = 4;
+
+/// How many parts may be on their way up at once, shared by every file a storage writes.
+#[derive(Debug)]
+pub(super) struct UploadSlots {
+    limit: usize,
+    taken: Mutex<usize>,
+    freed: Condvar,
+}
+
+impl UploadSlots {
+    /// [`UPLOADS_IN_FLIGHT`] slots, or `SAVER_S3_UPLOADS` (1 to 64) where set.
+    pub(super) fn from_env() -> Self {
+        let limit = std::env::var("SAVER_S3_UPLOADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|n| (1..=64).contains(n))
+            .unwrap_or(UPLOADS_IN_FLIGHT);
+        Self {
+            limit,
+            taken: Mutex::new(0),
+            freed: Condvar::new(),
+        }
+    }
+
+    fn take(&self) {
+        let mut taken = self.taken.lock().unwrap_or_else(PoisonError::into_inner);
+        while *taken >= self.limit {
+            taken = self
+                .freed
+                .wait(taken)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        *taken += 1;
+    }
+
+    fn give_back(&self) {
+        *self.taken.lock().unwrap_or_else(PoisonError::into_inner) -= 1;
+        self.freed.notify_one();
+    }
+}
+
+/// One fixed byte range of a multipart upload.
+#[derive(Default)]
+struct Part {
+    /// The bytes written so far; allocated at the part's first write, given up at its upload.
+    buf: Vec<u8>,
+    /// How many of its bytes were written.
+    filled: u64,
+    /// Set when it is handed to an upload, so that a second write of its bytes is refused.
+    sent: bool,
+    /// Set once uploaded.
+    id: Option<PartId>,
+}
+
+/// The parts of one upload in flight, and the first error one of them met.
+#[derive(Default)]
+struct Flights {
+    state: Mutex<FlightState>,
+    landed: Condvar,
+}
+
+#[derive(Default)]
+struct FlightState {
+    running: usize,
+    /// The first failure, kept as its parts so that every writer thread and the commit can
+    /// report the same error (the save reports whichever of them fails first).
+    failed: Option<Failure>,
+}
+
+/// A part upload's error, as its parts.
+struct Failure {
+    op: &'static str,
+    path: std::path::PathBuf,
+    kind: std::io::ErrorKind,
+    message: String,
+}
+
+impl Failure {
+    fn of(e: Error) -> Self {
+        match e {
+            Error::Io { op, path, source } => Self {
+                op,
+                path,
+                kind: source.kind(),
+                message: source.to_string(),
+            },
+            other => Self {
+                op: "upload a part of",
+                path: Default::default(),
+                kind: std::io::ErrorKind::Other,
+                message: other.to_string(),
+            },
+        }
+    }
+
+    fn error(&self) -> Error {
+        Error::Io {
+            op: self.op,
+            path: self.path.clone(),
+            source: std::io::Error::new(self.kind, self.message.clone()),
+        }
+    }
+}
+
+impl Flights {
+    fn lock(&self) -> std::sync::MutexGuard<'_, FlightState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Waits until no part is in flight.
+    fn wait_all(&self) {
+        let mut s = self.lock();
+        while s.running > 0 {
+            s = self.landed.wait(s).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// The first failure of a part's upload, if any.
+    fn failure(&self) -> Result<()> {
+        self.lock()
+            .failed
+            .as_ref()
+            .map_or(Ok(()), |f| Err(f.error()))
+    }
+}
+
+enum Body {
+    /// A file smaller than a part, put whole at commit.
+    Whole(Mutex<Vec<u8>>),
+    /// A multipart upload in fixed-size parts.
+    Parts {
+        upload: MultipartId,
+        /// The object that records the upload until it is completed or aborted.
+        marker: ObjectPath,
+        part_size: u64,
+        parts: Arc<Vec<Mutex<Part>>>,
+        flights: Arc<Flights>,
+        slots: Arc<UploadSlots>,
+    },
+}
+
+/// An object being written ([`WriteHandle`]).
+pub(super) struct ObjectWrite {
+    client: Arc<Client>,
+    key: ObjectPath,
+    len: u64,
+    body: Body,
+}
+
+/// Sends part `i` of `upload` and waits for the store's answer.
+fn upload_part(
+    client: &Arc<Client>,
+    key: &ObjectPath,
+    upload: &MultipartId,
+    i: usize,
+    buf: Vec<u8>,
+) -> Result<PartId> {
+    let (c, k, id) = (client.clone(), key.clone(), upload.clone());
+    let payload = PutPayload::from(buf);
+    client
+        .block(key, async move {
+            c.multipart.put_part(&k, &id, i, payload).await
+        })
+        .map_err(|e| client.err("upload a part of", key, e))
+}
+
+impl ObjectWrite {
+    /// A file of `len` bytes, put whole at commit.
+    pub(super) fn whole(client: Arc<Client>, key: ObjectPath, len: u64) -> Self {
+        Self {
+            client,
+            key,
+            len,
+            body: Body::Whole(Mutex::new(vec![0; len as usize])),
+        }
+    }
+
+    /// A file of `len` bytes, going up as the started multipart `upload` in parts of
+    /// `part_size`, at most `slots` of them in flight.
+    pub(super) fn in_parts(
+        client: Arc<Client>,
+        key: ObjectPath,
+        len: u64,
+        upload: MultipartId,
+        marker: ObjectPath,
+        part_size: u64,
+        slots: Arc<UploadSlots>,
+    ) -> Self {
+        let parts = (0..len.div_ceil(part_size))
+            .map(|_| Mutex::new(Part::default()))
+            .collect();
+        Self {
+            client,
+            key,
+            len,
+            body: Body::Parts {
+                upload,
+                marker,
+                part_size,
+                parts: Arc::new(parts),
+                flights: Arc::default(),
+                slots,
+            },
+        }
+    }
+
+    fn part_range(&self, part_size: u64, i: usize) -> Range<u64> {
+        let start = i as u64 * part_size;
+        start..(start + part_size).min(self.len)
+    }
+
+    /// Hands the full part `i` to an upload thread once a slot is free.
+    fn send(
+        &self,
+        upload: &MultipartId,
+        i: usize,
+        buf: Vec<u8>,
+        parts: &Arc<Vec<Mutex<Part>>>,
+        flights: &Arc<Flights>,
+        slots: &Arc<UploadSlots>,
+    ) -> Result<()> {
+        slots.take();
+        flights.lock().running += 1;
+        let (client, key, upload) = (self.client.clone(), self.key.clone(), upload.clone());
+        let (parts, flights2, slots2) = (parts.clone(), flights.clone(), slots.clone());
+        let spawned = std::thread::Builder::new()
+            .name("saver-upload".into())
+            .spawn(move || {
+                let sent = upload_part(&client, &key, &upload, i, buf);
+                let mut s = flights2.lock();
+                match sent {
+                    Ok(id) => parts[i].lock().unwrap_or_else(PoisonError::into_inner).id = Some(id),
+                    Err(e) => {
+                        s.failed.get_or_insert_with(|| Failure::of(e));
+                    }
+                }
+                s.running -= 1;
+                drop(s);
+                flights2.landed.notify_all();
+                slots2.give_back();
+            });
+        if let Err(e) = spawned {
+            flights.lock().running -= 1;
+            slots.give_back();
+            return Err(Error::Io {
+                op: "start an upload thread for",
+                path: self.client.url(&self.key).into(),
+                source: e,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl WriteHandle for ObjectWrite {
+    fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        let end = offset + buf.len() as u64;
+        if end > self.len {
+            return Err(Error::Mismatch(format!(
+                "internal: a write of bytes {offset}..{end} past the end ({}) of {}",
+                self.len,
+                self.client.url(&self.key)
+            )));
+        }
+        match &self.body {
+            Body::Whole(whole) => {
+                whole.lock().expect("no panic while held")[offset as usize..end as usize]
+                    .copy_from_slice(buf);
+                Ok(())
+            }
+            Body::Parts {
+                upload,
+                part_size,
+                parts,
+                flights,
+                slots,
+                ..
+            } => {
+                // A failed part fails the save at its next write, not only at the commit.
+                flights.failure()?;
+                let mut at = offset;
+                while at < end {
+                    let i = (at / part_size) as usize;
+                    let range = self.part_range(*part_size, i);
+                    let n = range.end.min(end) - at;
+                    let src = &buf[(at - offset) as usize..(at - offset + n) as usize];
+                    let full = {
+                        let mut p = parts[i].lock().expect("no panic while held");
+                        let plen = range.end - range.start;
+                        if p.sent || p.filled + n > plen {
+                            return Err(Error::Mismatch(format!(
+                                "internal: bytes {at}..{} of {} written twice",
+                                at + n,
+                                self.client.url(&self.key)
+                            )));
+                        }
+                        if p.buf.is_empty() {
+                            p.buf = vec![0; plen as usize];
+                        }
+                        let from = (at - range.start) as usize;
+                        p.buf[from..from + n as usize].copy_from_slice(src);
+                        p.filled += n;
+                        p.sent = p.filled == plen;
+                        p.sent.then(|| std::mem::take(&mut p.buf))
+                    };
+                    if let Some(bytes) = full {
+                        self.send(upload, i, bytes, parts, flights, slots)?;
+                    }
+                    at += n;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn commit(self: Box<Self>, _durable: bool) -> Result<()> {
+        match &self.body {
+            Body::Whole(whole) => {
+                let bytes = std::mem::take(&mut *whole.lock().expect("no panic while held"));
+                let (c, k) = (self.client.clone(), self.key.clone());
+                self.client
+                    .block(
+                        &self.key,
+                        async move { c.store.put(&k, bytes.into()).await },
+                    )
+                    .map(|_| ())
+                    .map_err(|e| self.client.err("put", &self.key, e))
+            }
+            Body::Parts {
+                upload,
+                marker,
+                part_size,
+                parts,
+                flights,
+                ..
+            } => {
+                flights.wait_all();
+                if let Err(e) = flights.failure() {
+                    self.abort();
+                    return Err(e);
+                }
+                let mut ids = Vec::with_capacity(parts.len());
+                for (i, p) in parts.iter().enumerate() {
+                    let p = p.lock().expect("no panic while held");
+                    match &p.id {
+                        Some(id) => ids.push(id.clone()),
+                        None => {
+                            let range = self.part_range(*part_size, i);
+                            let e = Error::Mismatch(format!(
+                                "internal: only {} of bytes {range:?} of {} were written",
+                                p.filled,
+                                self.client.url(&self.key)
+                            ));
+                            drop(p);
+                            self.abort();
+                            return Err(e);
+                        }
+                    }
+                }
+                let (c, k, id) = (self.client.clone(), self.key.clone(), upload.clone());
+                let done = self.client.block(&self.key, async move {
+                    c.multipart.complete_multipart(&k, &id, ids).await
+                });
+                match done {
+                    Ok(_) => {
+                        // A marker left by a failure here names a completed upload, which a
+                        // cleanup's abort leaves alone.
+                        let (c, m) = (self.client.clone(), marker.clone());
+                        let _ = self
+                            .client
+                            .block(marker, async move { c.store.delete(&m).await });
+                        Ok(())
+                    }
+                    Err(e) => {
+                        let e = self.client.err("complete the upload of", &self.key, e);
+                        self.abort();
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    fn abort(self: Box<Self>) {
+        if let Body::Parts {
+            upload,
+            marker,
+            flights,
+            ..
+        } = &self.body
+        {
+            // A part still in flight could otherwise land after the abort and, on stores that
+            // keep parts of aborted uploads until they expire, be stored for nothing.
+            flights.wait_all();
+            let (c, k, id, m) = (
+                self.client.clone(),
+                self.key.clone(),
+                upload.clone(),
+                marker.clone(),
+            );
+            block(async move {
+                if c.multipart.abort_multipart(&k, &id).await.is_ok() {
+                    let _ = c.store.delete(&m).await;
+                }
+            });
+        }
+    }
+}
