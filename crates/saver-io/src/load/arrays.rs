@@ -106,7 +106,14 @@ impl Link {
             })
             .collect::<Result<_>>()?;
 
-        // Cut every destination into the disjoint pieces the chunks fill.
+        // Cut every destination into the disjoint pieces the chunks fill. From a remote store,
+        // larger chunks make larger requests, which it serves faster.
+        let chunk_bytes = if self.is_remote() {
+            opts.chunk_bytes
+                .max(crate::load::restore::REMOTE_CHUNK_BYTES)
+        } else {
+            opts.chunk_bytes
+        };
         let mut jobs: Vec<Job<'_, '_>> = Vec::new();
         for ((_, slots, reads), table) in plans.iter().zip(tables.iter_mut()) {
             let row_bytes: Vec<usize> = slots
@@ -117,7 +124,7 @@ impl Link {
             let mut data_rest: Vec<&mut [u8]> =
                 table.data.iter_mut().map(Vec::as_mut_slice).collect();
             for read in reads {
-                for rows in read.chunks(opts.chunk_bytes) {
+                for rows in read.chunks(chunk_bytes) {
                     let n = (rows.end - rows.start) as usize;
                     let (ids, rest) = std::mem::take(&mut ids_rest).split_at_mut(n);
                     ids_rest = rest;
@@ -136,28 +143,58 @@ impl Link {
                 }
             }
         }
+        let remote = self.is_remote();
+        if remote {
+            jobs = large_and_small_alternating(jobs);
+        }
         let pool = reader_pool(crate::load::restore::reader_threads(self, opts.parallel))?;
-        let results: Result<Vec<(u64, u64, Vec<PieceCrc>)>> = pool.install(|| {
-            jobs.par_iter_mut()
-                .map(|job| {
-                    let mut pieces = Vec::new();
-                    prefault(bytemuck::cast_slice_mut(job.ids));
-                    for s in job.slots.iter_mut() {
-                        prefault(s);
-                    }
-                    let bytes = self.read_rows_into(
-                        job.read,
-                        job.rows.clone(),
-                        bytemuck::cast_slice_mut(job.ids),
-                        &mut job.slots,
-                        &mut pieces,
-                    )?;
-                    // Ids were read as little-endian bytes; a no-op on little-endian machines.
-                    job.ids.iter_mut().for_each(|x| *x = u64::from_le(*x));
-                    Ok((job.ids.len() as u64, bytes, pieces))
-                })
-                .collect()
-        });
+        let read_tables = |jobs: &mut Vec<Job<'_, '_>>| -> Result<Vec<(u64, u64, Vec<PieceCrc>)>> {
+            pool.install(|| {
+                jobs.par_iter_mut()
+                    .map(|job| {
+                        let mut pieces = Vec::new();
+                        prefault(bytemuck::cast_slice_mut(job.ids));
+                        for s in job.slots.iter_mut() {
+                            prefault(s);
+                        }
+                        let bytes = self.read_rows_into(
+                            job.read,
+                            job.rows.clone(),
+                            bytemuck::cast_slice_mut(job.ids),
+                            &mut job.slots,
+                            &mut pieces,
+                        )?;
+                        // Ids were read as little-endian bytes; a no-op on little-endian machines.
+                        job.ids.iter_mut().for_each(|x| *x = u64::from_le(*x));
+                        Ok((job.ids.len() as u64, bytes, pieces))
+                    })
+                    .collect()
+            })
+        };
+        let read_dense = |report: &mut LoadReport| -> Result<Vec<LoadedDense>> {
+            if opts.load_dense {
+                self.load_dense(opts, report)
+            } else {
+                Ok(Vec::new())
+            }
+        };
+        let (results, dense) = if remote {
+            // On a remote store the dense tensors' round trips overlap the tables' reads.
+            std::thread::scope(|s| {
+                let aside = s.spawn(|| {
+                    let mut r = LoadReport::default();
+                    read_dense(&mut r).map(|d| (d, r))
+                });
+                let results = read_tables(&mut jobs);
+                let dense = aside
+                    .join()
+                    .unwrap_or_else(|p| std::panic::resume_unwind(p));
+                (results, dense)
+            })
+        } else {
+            let results = read_tables(&mut jobs);
+            (results, Ok((Vec::new(), LoadReport::default())))
+        };
         drop(jobs);
         let mut pieces = Vec::new();
         for (rows, bytes, p) in results? {
@@ -165,12 +202,13 @@ impl Link {
             report.bytes_kept += bytes;
             pieces.extend(p);
         }
+        let (mut dense, dense_report) = dense?;
+        report.bytes_kept += dense_report.bytes_kept;
+        report.tensors_checked += dense_report.tensors_checked;
         pool.install(|| self.check_pieces(pieces, &mut report))?;
-        let dense = if opts.load_dense {
-            self.load_dense(opts, &mut report)?
-        } else {
-            Vec::new()
-        };
+        if !remote {
+            dense = read_dense(&mut report)?;
+        }
         report.load_seconds = start.elapsed().as_secs_f64();
         report.bytes_read = self.bytes_fetched() - fetched;
         finish_report(&mut report);
@@ -180,4 +218,21 @@ impl Link {
             report,
         })
     }
+}
+
+/// `jobs` reordered largest, smallest, second largest, second smallest, …: on a remote store a
+/// small job is mostly a round trip, and among large ones it waits while they keep the store busy
+/// instead of all waiting together at the end.
+fn large_and_small_alternating<'a, 'm>(mut jobs: Vec<Job<'a, 'm>>) -> Vec<Job<'a, 'm>> {
+    let size = |j: &Job<'_, '_>| (j.rows.end - j.rows.start) * j.read.row_bytes();
+    jobs.sort_by_key(|j| std::cmp::Reverse(size(j)));
+    let mut sorted: std::collections::VecDeque<Job<'a, 'm>> = jobs.into();
+    let mut out = Vec::with_capacity(sorted.len());
+    while let Some(large) = sorted.pop_front() {
+        out.push(large);
+        if let Some(small) = sorted.pop_back() {
+            out.push(small);
+        }
+    }
+    out
 }
