@@ -304,7 +304,7 @@ impl SegmentRead<'_> {
 /// mostly wait on round trips, and a store serves many requests at once faster than few.
 pub(crate) const REMOTE_CHUNKS_IN_FLIGHT: usize = 8;
 
-/// The smallest chunk a load into arrays reads from a remote store: its ids and slots go as
+/// The smallest chunk a load reads from a remote store: its ids and slots go as
 /// requests of a few MiB each, which Garage served at 0.78 of plain 8 MiB GETs' rate where 8 MiB
 /// chunks (requests of about 2.7 MiB) got 0.71. Memory: this much per reader thread.
 pub(crate) const REMOTE_CHUNK_BYTES: u64 = 16 << 20;
@@ -755,13 +755,18 @@ impl Link {
         }
         let mut reads = Vec::new();
         let mut work = Vec::new();
+        let chunk_bytes = if self.is_remote() {
+            opts.chunk_bytes.max(REMOTE_CHUNK_BYTES)
+        } else {
+            opts.chunk_bytes
+        };
         for (i, of_sink) in self
             .segment_reads(&requests, &mut report)?
             .into_iter()
             .enumerate()
         {
             for r in of_sink {
-                for rows in r.chunks(opts.chunk_bytes) {
+                for rows in r.chunks(chunk_bytes) {
                     work.push((i, reads.len(), rows));
                 }
                 reads.push(r);
