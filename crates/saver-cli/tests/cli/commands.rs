@@ -1425,6 +1425,43 @@ fn quantized_exports_dequantize_to_within_half_a_step_from_any_shard_count_into_
     );
     let nck = d.path().join("nck");
     ok(&["save", "--out", p(&nck), "--from", p(&nan)]);
+    // A split layout whose scales would take the name of a slot the model has is refused.
+    let clash = d.path().join("clash.safetensors");
+    let emb: Vec<f32> = vec![0.5, 1.0, 1.5, 2.0];
+    write_plain(
+        &clash,
+        vec![
+            ("t/ids", St::I64, vec![2], le(&[3i64, 9], i64::to_le_bytes)),
+            (
+                "t/embedding",
+                St::F32,
+                vec![2, 2],
+                le(&emb, f32::to_le_bytes),
+            ),
+            (
+                "t/embedding_qscale",
+                St::F32,
+                vec![2],
+                le(&[1.0f32, 2.0], f32::to_le_bytes),
+            ),
+        ],
+    );
+    let cck = d.path().join("cck");
+    ok(&["save", "--out", p(&cck), "--from", p(&clash)]);
+    let (_, err) = fails(&[
+        "export",
+        p(&cck),
+        "--out",
+        p(&d.path().join("cex")),
+        "--quantize",
+        "int4",
+        "--quantize-layout",
+        "split",
+    ]);
+    assert!(
+        err.contains("t/embedding_qscale") && err.contains("split"),
+        "{err}"
+    );
     let nex = d.path().join("nex");
     let (_, err) = fails(&["export", p(&nck), "--out", p(&nex), "--quantize", "int8"]);
     assert!(

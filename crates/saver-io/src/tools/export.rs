@@ -404,6 +404,18 @@ fn out_tensors(
             None,
         )?;
     }
+    // The split layout adds `<slot>_qscale` and `<slot>_qbias`, which a model may already have.
+    let mut names = std::collections::HashSet::new();
+    if let Some(t) = tensors.iter().find(|t| !names.insert(t.name.as_str())) {
+        return Err(Error::InvalidOption {
+            option: "quantize_layout",
+            why: format!(
+                "the split layout would write tensor {:?}, which the model already has; \
+                 use the fused layout or leave that slot out",
+                t.name
+            ),
+        });
+    }
     Ok(tensors)
 }
 
