@@ -1407,47 +1407,36 @@ fn quantized_exports_dequantize_to_within_half_a_step_from_any_shard_count_into_
         "split",
     ]);
     assert!(err.contains("--quantize"), "{err}");
+    // A plain model of one table `t`, ids [3, 9] and these tensors, saved as checkpoint `name`.
+    let checkpoint_of = |name: &str, tensors: Vec<(&str, St, Vec<usize>, Vec<u8>)>| {
+        let plain = d.path().join(format!("{name}.safetensors"));
+        let mut all = vec![("t/ids", St::I64, vec![2], le(&[3i64, 9], i64::to_le_bytes))];
+        all.extend(tensors);
+        write_plain(&plain, all);
+        let ck = d.path().join(name);
+        ok(&["save", "--out", p(&ck), "--from", p(&plain)]);
+        ck
+    };
+    let embedding = |v: [f32; 4]| ("t/embedding", St::F32, vec![2, 2], le(&v, f32::to_le_bytes));
     // A row with a value that is not finite cannot be quantized: the export fails, naming the
     // tensor, and commits nothing.
-    let nan = d.path().join("nan.safetensors");
-    let emb: Vec<f32> = vec![0.5, f32::NAN, 1.0, 2.0];
-    write_plain(
-        &nan,
-        vec![
-            ("t/ids", St::I64, vec![2], le(&[3i64, 9], i64::to_le_bytes)),
-            (
-                "t/embedding",
-                St::F32,
-                vec![2, 2],
-                le(&emb, f32::to_le_bytes),
-            ),
-        ],
+    let nck = checkpoint_of("nan", vec![embedding([0.5, f32::NAN, 1.0, 2.0])]);
+    let nex = d.path().join("nex");
+    let (_, err) = fails(&["export", p(&nck), "--out", p(&nex), "--quantize", "int8"]);
+    assert!(
+        err.contains("t/embedding") && err.contains("not finite"),
+        "{err}"
     );
-    let nck = d.path().join("nck");
-    ok(&["save", "--out", p(&nck), "--from", p(&nan)]);
+    assert!(!nex.join("model.safetensors.index.json").exists());
     // A split layout whose scales would take the name of a slot the model has is refused.
-    let clash = d.path().join("clash.safetensors");
-    let emb: Vec<f32> = vec![0.5, 1.0, 1.5, 2.0];
-    write_plain(
-        &clash,
+    let scales = le(&[1.0f32, 2.0], f32::to_le_bytes);
+    let cck = checkpoint_of(
+        "clash",
         vec![
-            ("t/ids", St::I64, vec![2], le(&[3i64, 9], i64::to_le_bytes)),
-            (
-                "t/embedding",
-                St::F32,
-                vec![2, 2],
-                le(&emb, f32::to_le_bytes),
-            ),
-            (
-                "t/embedding_qscale",
-                St::F32,
-                vec![2],
-                le(&[1.0f32, 2.0], f32::to_le_bytes),
-            ),
+            embedding([0.5, 1.0, 1.5, 2.0]),
+            ("t/embedding_qscale", St::F32, vec![2], scales),
         ],
     );
-    let cck = d.path().join("cck");
-    ok(&["save", "--out", p(&cck), "--from", p(&clash)]);
     let (_, err) = fails(&[
         "export",
         p(&cck),
@@ -1462,11 +1451,4 @@ fn quantized_exports_dequantize_to_within_half_a_step_from_any_shard_count_into_
         err.contains("t/embedding_qscale") && err.contains("split"),
         "{err}"
     );
-    let nex = d.path().join("nex");
-    let (_, err) = fails(&["export", p(&nck), "--out", p(&nex), "--quantize", "int8"]);
-    assert!(
-        err.contains("t/embedding") && err.contains("not finite"),
-        "{err}"
-    );
-    assert!(!nex.join("model.safetensors.index.json").exists());
 }
