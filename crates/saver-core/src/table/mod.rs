@@ -397,7 +397,9 @@ pub trait TableSnapshot: Send + Sync {
 
     /// Copies the rows of `ids` (all ids this snapshot's scan produced) into `out`: `out[s]` has
     /// room for exactly `ids.len()` rows of slot `s`, or is empty when slot `s` is not wanted. All slots of one row must come from the same
-    /// moment. An id the snapshot cannot produce is an error, never a silently zeroed row.
+    /// moment. An id the snapshot cannot produce is an error, never a silently zeroed row. A save
+    /// asks for each row once, and a snapshot may refuse to give a row a second time (an error,
+    /// never a later value): [`EmbeddingTable`]'s frees what it kept of a row once read.
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()>;
 
     /// [`Self::read_rows`], given also the handle [`Self::scan`] produced with each id (or no

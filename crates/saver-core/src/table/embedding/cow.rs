@@ -14,12 +14,21 @@
 //! `slab::Row`): the trainer's next writes of the row in that moment, which are most of its
 //! writes when it trains on a hot set, see the tag and skip the lock and the lookup. Tags cycle
 //! through `1..=u16::MAX`; before one comes round again, every row's tag is cleared.
+//!
+//! A save reads the rows bucket by bucket, and once it has read every row of a bucket, a
+//! pre-image of a row there serves nothing: the moment's only snapshot marks such buckets *read*
+//! ([`PreImages::mark_read_buckets`]), and a write to a row of a read bucket keeps nothing. With
+//! trainers that write rows all over the table, that is about half of the pre-images a save
+//! would otherwise keep (and copy, and free). A snapshot that shares its moment marks nothing
+//! (each may read the same rows), and one that has marked a bucket refuses to read a row of it
+//! again: that row may have been written since without a pre-image.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use super::hasher::IdHashBuilder;
+use crate::partition::BUCKETS;
 use crate::table::moment;
 
 /// The pre-images of one map shard: keyed by ids, which `IdHashBuilder` hashes in a few cycles
@@ -61,6 +70,9 @@ pub(super) struct PreImages {
     peak_bytes: AtomicUsize,
     /// The most bytes kept at once since the open moment began: what this moment's saves cost.
     moment_peak: AtomicUsize,
+    /// One bit per bucket: whether the open moment's snapshot has read every row of it (see the
+    /// module docs). Cleared when a moment opens, before its generation is published.
+    read_buckets: Box<[AtomicU64]>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -77,6 +89,7 @@ impl PreImages {
             kept_bytes: AtomicUsize::new(0),
             peak_bytes: AtomicUsize::new(0),
             moment_peak: AtomicUsize::new(0),
+            read_buckets: (0..BUCKETS / 64).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
@@ -102,6 +115,11 @@ impl PreImages {
             // Nothing is kept with no moment open: this moment's peak starts at the bytes kept now.
             self.moment_peak
                 .store(self.kept_bytes.load(Ordering::SeqCst), Ordering::SeqCst);
+            // Before the generation is stored: a write that sees this moment's generation sees
+            // no bucket of an earlier moment marked read.
+            for w in self.read_buckets.iter() {
+                w.store(0, Ordering::SeqCst);
+            }
             moment::register(|g| {
                 registered(g);
                 self.generation.store(g, Ordering::SeqCst)
@@ -192,6 +210,36 @@ impl PreImages {
         self.peak_bytes.fetch_max(now, Ordering::SeqCst);
         self.moment_peak.fetch_max(now, Ordering::SeqCst);
         Some(tag)
+    }
+
+    /// Whether the open moment's snapshot has read every row of bucket `b`, so that a write of a
+    /// row there keeps no pre-image. A write asks under its row's map entry lock, after
+    /// [`Self::active`]: the snapshot marked the bucket only after its copies of the bucket's rows
+    /// and its looks for their pre-images, so a write that sees the mark cannot change what they
+    /// found.
+    #[inline]
+    pub(super) fn bucket_read(&self, b: u32) -> bool {
+        let b = b as usize;
+        self.read_buckets[b / 64].load(Ordering::SeqCst) & (1 << (b % 64)) != 0
+    }
+
+    /// Marks `buckets` read: every row of them the snapshot will ever read has been read and
+    /// checked against its pre-image. Only while one snapshot is open on the moment, and from
+    /// then on no other may join it (it could read those rows).
+    pub(super) fn mark_read_buckets(&self, buckets: std::ops::Range<u32>) {
+        if buckets.is_empty() {
+            return;
+        }
+        let mut sharing = lock(&self.sharing);
+        if sharing.open != 1 {
+            return;
+        }
+        sharing.freed_any = true;
+        drop(sharing);
+        for b in buckets {
+            let b = b as usize;
+            self.read_buckets[b / 64].fetch_or(1 << (b % 64), Ordering::SeqCst);
+        }
     }
 
     /// The pre-images of shard `shard`, locked; call with the shard's map lock held.

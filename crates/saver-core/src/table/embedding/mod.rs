@@ -78,8 +78,10 @@ fn prefetch_bytes(addr: u64, bytes: usize) {
 /// by address without any lock a writer takes, and takes the row's copy-on-write pre-image
 /// instead wherever a write since the save's moment got there first (the argument, and its model
 /// check, are in the `snapshot` module's source). The first write of a row after the moment
-/// keeps its pre-image; the row then carries the moment's tag, and the next writes of it cost
-/// what they cost with no save open, but for one compare. Rows are `u64` words, so that
+/// keeps its pre-image, unless the save has already read the row's whole bucket; the row then
+/// carries the moment's tag, and the next writes of it cost what they cost with no save open,
+/// but for one compare. A save reads each row once: asked for a row of a bucket it has read
+/// whole, the snapshot returns an error rather than a value written after its moment. Rows are `u64` words, so that
 /// every slot can be viewed as `f32`/`i64`/… in place (each slot starts 8-byte aligned), kept in
 /// large slabs (see `slab`). Ids are raw 64-bit patterns; `i64` ids are stored as their
 /// two's-complement bits.
@@ -557,6 +559,10 @@ impl EmbeddingTable {
         // records that the id leaves the map.
         if in_map && row.is_some_and(|r| r.tag() == tag) {
             return Some(tag);
+        }
+        // The save has read the row already (and will not again): nothing to keep.
+        if self.pre.bucket_read(PartitionRule::bucket_of(id)) {
+            return None;
         }
         let shard = self.rows.determine_map(&id);
         let words = row.map(|r| self.slabs.words(r));
@@ -1464,6 +1470,76 @@ mod tests {
             let (ids, _) = scan_all(snap.as_ref());
             assert!(ids.contains(&1001) && ids.contains(&5000) && !ids.contains(&0));
         }
+    }
+
+    /// A snapshot's ids and handles in (bucket, id) order, as a save reads them.
+    fn in_bucket_order(snap: &dyn TableSnapshot) -> Vec<(u64, u64)> {
+        let (ids, handles) = scan_all(snap);
+        let mut rows: Vec<(u64, u64)> = ids.into_iter().zip(handles).collect();
+        rows.sort_unstable_by_key(|&(id, _)| (PartitionRule::bucket_of(id), id));
+        rows
+    }
+
+    #[test]
+    fn writes_to_buckets_the_save_has_read_whole_keep_no_pre_image() {
+        const ROWS: u64 = 20_000;
+        for by_handle in [true, false] {
+            let t = table();
+            for id in 0..ROWS {
+                t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
+            }
+            let snap = t.snapshot().unwrap();
+            let rows = in_bucket_order(snap.as_ref());
+            // The first half read, in chunks of consecutive rows as a save's writer takes them.
+            let half = rows.len() / 2;
+            for chunk in rows[..half].chunks(700) {
+                let (ids, handles): (Vec<u64>, Vec<u64>) = chunk.iter().copied().unzip();
+                let handles = if by_handle { handles } else { Vec::new() };
+                let got = freqs(snap.as_ref(), &ids, &handles).unwrap();
+                assert_eq!(got, ids.iter().map(|&id| id as i64).collect::<Vec<_>>());
+            }
+            // Then every row written: only rows the save has not read yet, or that share a
+            // bucket with them (at the edges of the chunks), keep their pre-image.
+            for id in 0..ROWS {
+                t.update(id, |r| r.slot_mut::<i64>(1)[0] = -1);
+            }
+            let kept = t.pre.entries();
+            let unread = rows.len() - half;
+            assert!(
+                kept >= unread && kept < unread + 29 * 10,
+                "{kept} pre-images for {unread} unread rows"
+            );
+            // The rest still shows the moment.
+            let (ids, handles): (Vec<u64>, Vec<u64>) = rows[half..].iter().copied().unzip();
+            let handles = if by_handle { handles } else { Vec::new() };
+            let got = freqs(snap.as_ref(), &ids, &handles).unwrap();
+            assert_eq!(got, ids.iter().map(|&id| id as i64).collect::<Vec<_>>());
+            // A row of a bucket read whole cannot be read again: it may have changed since
+            // without a pre-image, and a later value is never given for the moment's.
+            let again = rows[half / 2].0;
+            let err = freqs(snap.as_ref(), &[again], &[]).unwrap_err().to_string();
+            assert!(err.contains("asked for again"), "{err}");
+            drop(snap);
+            assert_eq!(t.pre.entries(), 0);
+        }
+        // Two snapshots sharing a moment may each read every row: writes keep every pre-image.
+        let t = table();
+        for id in 0..ROWS {
+            t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
+        }
+        let (a, b) = crate::table::moment::at_one_moment(|| (t.snapshot(), t.snapshot()));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        for snap in [&a, &b] {
+            let rows = in_bucket_order(snap.as_ref());
+            for chunk in rows.chunks(700) {
+                let (ids, handles): (Vec<u64>, Vec<u64>) = chunk.iter().copied().unzip();
+                freqs(snap.as_ref(), &ids, &handles).unwrap();
+            }
+        }
+        for id in 0..ROWS {
+            t.update(id, |r| r.slot_mut::<i64>(1)[0] = -1);
+        }
+        assert_eq!(t.pre.entries(), ROWS as usize);
     }
 
     #[test]

@@ -30,6 +30,10 @@
 //!   of the shard's addresses, so every such write has ended before a read can start.
 //! - A row that left the map is retired, never written again, and its memory stays until the
 //!   last snapshot ends.
+//! - A bucket whose every row a read has copied and checked is marked read (see `cow`) only
+//!   then, and a write that finds its row's bucket marked keeps no pre-image: what it writes
+//!   could only reach a later read of the row, and the snapshot refuses to read a row of a
+//!   marked bucket again.
 //!
 //! So a copy that overlapped a write is never kept, and one that did not is the row at the
 //! moment. The copy reads words a writer may be storing at that instant, with volatile loads,
@@ -43,6 +47,7 @@ use std::sync::Mutex;
 
 use super::{EmbeddingTable, Row};
 use crate::error::{Error, Result};
+use crate::partition::PartitionRule;
 use crate::table::{RowChunk, TableSnapshot};
 
 /// Most bytes of ids, handles and values a scan copies out of a shard to hand them on after
@@ -523,6 +528,59 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
     }
 
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
+        let read = self.buckets_read_whole(ids)?;
+        self.copy_rows(ids, out)?;
+        self.table.pre.mark_read_buckets(read);
+        Ok(())
+    }
+
+    unsafe fn read_rows_by_handle(
+        &self,
+        ids: &[u64],
+        handles: &[u64],
+        out: &mut [&mut [u8]],
+    ) -> Result<()> {
+        if handles.len() != ids.len() {
+            return self.read_rows(ids, out);
+        }
+        let read = self.buckets_read_whole(ids)?;
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.copy_rows_by_handle(ids, handles, out) }?;
+        self.table.pre.mark_read_buckets(read);
+        Ok(())
+    }
+}
+
+impl EmbeddingSnapshot<'_> {
+    /// Checks that no row of `ids` lies in a bucket already read whole (see `cow`: a write may
+    /// have changed it since without keeping its pre-image), and returns the buckets that these
+    /// ids read whole, to be marked once they are read: when `ids` come in bucket order (a
+    /// save's chunk of a segment), every bucket after the first one's and before the last one's.
+    /// The first and last buckets may have rows in the chunks before and after.
+    fn buckets_read_whole(&self, ids: &[u64]) -> Result<std::ops::Range<u32>> {
+        let pre = &self.table.pre;
+        let mut in_order = true;
+        let (mut first, mut last) = (None, 0);
+        for &id in ids {
+            let b = PartitionRule::bucket_of(id);
+            if pre.bucket_read(b) {
+                return Err(self.row_error(
+                    id,
+                    "was asked for again after the save read every row of its bucket",
+                ));
+            }
+            in_order &= first.is_none() || b >= last;
+            first.get_or_insert(b);
+            last = b;
+        }
+        Ok(match first {
+            Some(first) if in_order && last > first + 1 => first + 1..last,
+            _ => 0..0,
+        })
+    }
+
+    /// [`TableSnapshot::read_rows`] without the marking of read buckets.
+    fn copy_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
         let t = self.table;
         let shards = t.rows.shards();
         for (r, id) in ids.iter().enumerate() {
@@ -552,16 +610,18 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         Ok(())
     }
 
-    unsafe fn read_rows_by_handle(
+    /// [`TableSnapshot::read_rows_by_handle`] with a handle for every id, without the marking
+    /// of read buckets.
+    ///
+    /// # Safety
+    /// As [`TableSnapshot::read_rows_by_handle`]'s.
+    unsafe fn copy_rows_by_handle(
         &self,
         ids: &[u64],
         handles: &[u64],
         out: &mut [&mut [u8]],
     ) -> Result<()> {
         let t = self.table;
-        if handles.len() != ids.len() {
-            return self.read_rows(ids, out);
-        }
         let row_bytes = t.row_words * 8;
         for &h in handles.iter().take(PREFETCH_AHEAD) {
             super::prefetch_bytes(h, row_bytes);
@@ -641,6 +701,10 @@ mod model {
         Copy(usize),
         /// The reader looks for the pre-image.
         Look,
+        /// The reader marks the row's bucket read (see `cow`), its read of it done.
+        Mark,
+        /// The writer looks whether the row's bucket is marked read: if so, it keeps nothing.
+        CheckMark,
     }
 
     #[derive(Clone, Default)]
@@ -652,12 +716,16 @@ mod model {
         copy: [u64; 2],
         seen: Option<[u64; 2]>,
         at: [usize; 2],
+        marked: bool,
+        /// The writer found the bucket marked read.
+        skip: bool,
     }
 
-    /// The first write keeps the pre-image under the lock; the second finds the row tagged
-    /// (see `cow`) and writes without the lock.
+    /// The first write keeps the pre-image under the lock, unless the row's bucket is marked
+    /// read; the second finds the row tagged (see `cow`) and writes without the lock.
     fn trainer() -> Vec<Step> {
         vec![
+            Step::CheckMark,
             Step::Lock,
             Step::Keep,
             Step::Unlock,
@@ -690,9 +758,12 @@ mod model {
                     Step::Lock if s.holder.is_some() => continue,
                     Step::Lock => n.holder = Some(t),
                     Step::Unlock => n.holder = None,
+                    Step::Keep if s.skip => {}
                     Step::Keep => {
                         n.kept.get_or_insert(s.words);
                     }
+                    Step::Mark => n.marked = true,
+                    Step::CheckMark => n.skip = s.marked,
                     Step::Store(k, v) => n.words[k] = v,
                     Step::Copy(k) => n.copy[k] = s.words[k],
                     Step::Look => n.seen = s.kept,
@@ -717,6 +788,27 @@ mod model {
         let seen = outcomes(&read);
         assert!(seen.len() > 100, "{} interleavings", seen.len());
         assert!(seen.iter().all(|&v| v == [1, 1]), "{seen:?}");
+        // The read marks the row's bucket read once it is done: a writer that then keeps no
+        // pre-image changes nothing the read returns.
+        let marked: Vec<Step> = read.iter().copied().chain([Step::Mark]).collect();
+        let seen = outcomes(&marked);
+        assert!(seen.iter().all(|&v| v == [1, 1]), "{seen:?}");
+        // But a second read after the mark may return a later value: why a snapshot refuses to
+        // read a row of a bucket it marked.
+        let twice: Vec<Step> = marked.iter().chain(&read).copied().collect();
+        let seen = outcomes(&twice);
+        assert!(seen.contains(&[3, 3]), "{seen:?}");
+        // Marked before the copy, the read can be torn or late.
+        let early = [
+            Step::Mark,
+            Step::Copy(0),
+            Step::Copy(1),
+            Step::Lock,
+            Step::Look,
+            Step::Unlock,
+        ];
+        let seen = outcomes(&early);
+        assert!(seen.contains(&[2, 1]) && seen.contains(&[3, 3]), "{seen:?}");
         // The halves swapped: reads that are torn or late exist, and the search finds them.
         let swapped = [
             Step::Lock,
