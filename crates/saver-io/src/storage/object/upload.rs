@@ -6,10 +6,14 @@
 //! up while the next ones are filled, not one after the other. The uploads of one storage (one
 //! save) share [`UploadSlots`], a fixed number of parts in flight; a writer that fills a part when
 //! all are taken waits for one, so memory stays bounded by the parts being filled plus the slots.
+//! A data file's first part waits for its header, which the save writes last: it waits in a
+//! nameless temporary file (in the page cache, not the process's memory) rather than in memory,
+//! where every file being written would hold one.
 //! The first failed part fails the next write and the commit, which waits for every part in
 //! flight before it completes or aborts the upload, so no part lands after the upload's end.
 
 use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
 use object_store::multipart::PartId;
@@ -71,6 +75,10 @@ impl UploadSlots {
 struct Part {
     /// The bytes written so far; allocated at the part's first write, given up at its upload.
     buf: Vec<u8>,
+    /// Where the first part's bytes wait instead, if a temporary file could be made: a data
+    /// file's header, at its start, is written last, so its first part waits for the whole file;
+    /// in memory, each file being written would hold a part for all that time.
+    waiting: Option<std::fs::File>,
     /// How many of its bytes were written.
     filled: u64,
     /// Set when it is handed to an upload, so that a second write of its bytes is refused.
@@ -231,6 +239,15 @@ impl ObjectWrite {
         }
     }
 
+    /// An error of the temporary file a first part waits in.
+    fn waiting_error(&self, source: std::io::Error) -> Error {
+        Error::Io {
+            op: "keep, in a temporary file, the first part of",
+            path: self.client.url(&self.key).into(),
+            source,
+        }
+    }
+
     fn part_range(&self, part_size: u64, i: usize) -> Range<u64> {
         let start = i as u64 * part_size;
         start..(start + part_size).min(self.len)
@@ -321,14 +338,35 @@ impl WriteHandle for ObjectWrite {
                                 self.client.url(&self.key)
                             )));
                         }
-                        if p.buf.is_empty() {
-                            p.buf = vec![0; plen as usize];
+                        if p.buf.is_empty() && p.waiting.is_none() {
+                            // Only a saving of memory: without a temporary file, it waits there.
+                            p.waiting = (i == 0).then(tempfile::tempfile).and_then(|f| f.ok());
+                            if p.waiting.is_none() {
+                                p.buf = vec![0; plen as usize];
+                            }
                         }
-                        let from = (at - range.start) as usize;
-                        p.buf[from..from + n as usize].copy_from_slice(src);
+                        let from = at - range.start;
+                        match &p.waiting {
+                            Some(f) => f
+                                .write_all_at(src, from)
+                                .map_err(|e| self.waiting_error(e))?,
+                            None => p.buf[from as usize..(from + n) as usize].copy_from_slice(src),
+                        }
                         p.filled += n;
                         p.sent = p.filled == plen;
-                        p.sent.then(|| std::mem::take(&mut p.buf))
+                        match (p.sent, p.waiting.take()) {
+                            (false, waiting) => {
+                                p.waiting = waiting;
+                                None
+                            }
+                            (true, None) => Some(std::mem::take(&mut p.buf)),
+                            (true, Some(f)) => {
+                                let mut bytes = vec![0; plen as usize];
+                                f.read_exact_at(&mut bytes, 0)
+                                    .map_err(|e| self.waiting_error(e))?;
+                                Some(bytes)
+                            }
+                        }
                     };
                     if let Some(bytes) = full {
                         self.send(upload, i, bytes, parts, flights, slots)?;
