@@ -418,25 +418,39 @@ pub fn write_plan(
     durable: bool,
     progress: Option<&ProgressFn>,
 ) -> Result<PlanWritten> {
-    let mut handles: Vec<Vec<Box<dyn WriteHandle>>> = Vec::new();
     let abort_all = |handles: Vec<Vec<Box<dyn WriteHandle>>>| {
         handles.into_iter().flatten().for_each(|h| h.abort())
     };
-    for shard in plan.shards() {
-        let mut files = Vec::new();
-        for f in &shard.files {
-            match storage.create(&f.name, f.file_len()) {
-                Ok(h) => files.push(h),
-                Err(e) => {
-                    files
-                        .into_iter()
-                        .for_each(|h: Box<dyn WriteHandle>| h.abort());
-                    abort_all(handles);
-                    return Err(e);
-                }
+    // On an object store each creation is two round trips (the upload and its marker): the
+    // files are created several at once.
+    let at_once = if storage.is_remote() {
+        STORE_CALLS_AT_ONCE
+    } else {
+        1
+    };
+    let wanted: Vec<(usize, &saver_core::plan::FilePlan)> = plan
+        .shards()
+        .iter()
+        .enumerate()
+        .flat_map(|(pos, shard)| shard.files.iter().map(move |f| (pos, f)))
+        .collect();
+    let created = each_at_once(wanted, at_once, |(pos, f)| {
+        (pos, storage.create(&f.name, f.file_len()))
+    });
+    let mut handles: Vec<Vec<Box<dyn WriteHandle>>> =
+        plan.shards().iter().map(|_| Vec::new()).collect();
+    let mut failed_create = None;
+    for (pos, h) in created {
+        match h {
+            Ok(h) => handles[pos].push(h),
+            Err(e) => {
+                failed_create.get_or_insert(e);
             }
         }
-        handles.push(files);
+    }
+    if let Some(e) = failed_create {
+        abort_all(handles);
+        return Err(e);
     }
     let direct_io_files = handles.iter().flatten().filter(|h| h.is_direct()).count();
     let pool = rayon::ThreadPoolBuilder::new()
@@ -524,14 +538,21 @@ pub fn write_plan(
             return Err(e);
         }
     };
-    // fsync and rename every file, several at once: fsync is where durable saves spend their time.
-    let commits: Vec<Result<()>> = pool.install(|| {
-        handles
-            .into_par_iter()
-            .flatten()
-            .map(|h| h.commit(durable))
-            .collect()
-    });
+    // fsync and rename every file, several at once: fsync is where durable saves spend their
+    // time. On an object store, a commit waits for the file's last parts and then completes the
+    // upload, round trips that go together whatever the writer threads.
+    let commits: Vec<Result<()>> = if storage.is_remote() {
+        let files: Vec<Box<dyn WriteHandle>> = handles.into_iter().flatten().collect();
+        each_at_once(files, STORE_CALLS_AT_ONCE, |h| h.commit(durable))
+    } else {
+        pool.install(|| {
+            handles
+                .into_par_iter()
+                .flatten()
+                .map(|h| h.commit(durable))
+                .collect()
+        })
+    };
     if let Some(e) = commits.into_iter().find_map(Result::err) {
         // Files already renamed carry this save's id and no manifest names them: they are never
         // part of a checkpoint, and the next save of this shard or the next commit removes them.
@@ -544,6 +565,35 @@ pub fn write_plan(
         crcs,
         direct_io_files,
     })
+}
+
+/// Creations and commits of data files on a remote store that run at once.
+const STORE_CALLS_AT_ONCE: usize = 8;
+
+/// `f` of every item, in order, run `at_once` at a time on threads of their own: for calls that
+/// wait on a store's round trips, not on the CPU.
+fn each_at_once<T: Send, R: Send>(
+    items: Vec<T>,
+    at_once: usize,
+    f: impl Fn(T) -> R + Sync,
+) -> Vec<R> {
+    if at_once <= 1 || items.len() <= 1 {
+        return items.into_iter().map(f).collect();
+    }
+    let mut out = Vec::with_capacity(items.len());
+    let mut items = items.into_iter().peekable();
+    while items.peek().is_some() {
+        let batch: Vec<T> = items.by_ref().take(at_once).collect();
+        std::thread::scope(|s| {
+            let running: Vec<_> = batch.into_iter().map(|x| s.spawn(|| f(x))).collect();
+            out.extend(
+                running
+                    .into_iter()
+                    .map(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p))),
+            );
+        });
+    }
+    out
 }
 
 /// Combines per-piece CRCs into per-tensor and per-block CRCs, in offset order, checking every

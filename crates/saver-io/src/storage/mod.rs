@@ -257,6 +257,11 @@ pub trait CommitLock: Send {}
 pub trait Storage: Send + Sync + fmt::Debug {
     /// A description for messages (the directory path, a bucket URL, …).
     fn location(&self) -> String;
+    /// Whether creating, committing or reading a file waits on network round trips, so that
+    /// several are better sent at once. Default: false.
+    fn is_remote(&self) -> bool {
+        false
+    }
     /// Starts writing `name` (of final size `len`) under a temporary name.
     fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>>;
     /// Writes a small file whole and atomically (temporary name, fsync if durable, rename).

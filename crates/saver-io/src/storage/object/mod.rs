@@ -557,6 +557,10 @@ impl Storage for ObjectStorage {
         self.url.clone()
     }
 
+    fn is_remote(&self) -> bool {
+        true
+    }
+
     fn create(&self, name: &str, len: u64) -> Result<Box<dyn WriteHandle>> {
         let key = self.key(name)?;
         let part_size = self.part_size.max(len.div_ceil(MAX_PARTS));
