@@ -63,6 +63,7 @@
 #![warn(missing_docs)]
 
 pub mod cast;
+pub mod compress;
 pub mod dtype;
 pub mod error;
 pub mod filter;
