@@ -19,7 +19,8 @@
 //! pre-image of a row there serves nothing: the moment's only snapshot marks such buckets *read*
 //! ([`PreImages::mark_read_buckets`]), and a write to a row of a read bucket keeps nothing. With
 //! trainers that write rows all over the table, that is about half of the pre-images a save
-//! would otherwise keep (and copy, and free). A snapshot that shares its moment marks nothing
+//! would otherwise keep (and copy, and free); and a row replaced or removed there is freed at
+//! once instead of kept until the save ends. A snapshot that shares its moment marks nothing
 //! (each may read the same rows), and one that has marked a bucket refuses to read a row of it
 //! again: that row may have been written since without a pre-image.
 

@@ -11,7 +11,8 @@
 //! Two rules keep the addresses valid and the reads untorn:
 //! - A row taken out of the map (removed, or replaced by `insert`) while any snapshot is alive is
 //!   *retired* instead of freed, and goes back to the table's slabs for reuse only when the last
-//!   snapshot ends.
+//!   snapshot ends; unless the snapshot has read the row's bucket whole (see `cow`) and so will
+//!   not read the row again: then it is freed at once.
 //! - A read by handle takes no lock of the row's shard. It copies the row, then looks for the
 //!   row's pre-image (under the pre-images' lock of the shard) and takes that instead if there
 //!   is one.
