@@ -225,17 +225,19 @@ impl PreImages {
     }
 
     /// Marks `buckets` read: every row of them the snapshot will ever read has been read and
-    /// checked against its pre-image. Only while one snapshot is open on the moment, and from
-    /// then on no other may join it (it could read those rows).
+    /// checked against its pre-image. Only while one snapshot is open on the moment. A snapshot
+    /// may still join the moment later: another shard of the same save, which reads other
+    /// buckets (one that asks for a row of a marked bucket gets an error, as a second read
+    /// does); joining is not refused here as it is once a pre-image is freed, because a scan,
+    /// which walks every bucket of a map shard, needs every pre-image but no mark.
     pub(super) fn mark_read_buckets(&self, buckets: std::ops::Range<u32>) {
         if buckets.is_empty() {
             return;
         }
-        let mut sharing = lock(&self.sharing);
+        let sharing = lock(&self.sharing);
         if sharing.open != 1 {
             return;
         }
-        sharing.freed_any = true;
         drop(sharing);
         for b in buckets {
             let b = b as usize;

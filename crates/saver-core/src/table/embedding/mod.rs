@@ -1538,6 +1538,36 @@ mod tests {
             drop(snap);
             assert_eq!(t.pre.entries(), 0);
         }
+        // Another shard of the same save, in another thread, may still join the moment once
+        // the first has marked buckets read: it reads other buckets, and gets an error for a
+        // row of a marked one.
+        let t = table();
+        for id in 0..ROWS {
+            t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
+        }
+        let first = crate::table::moment::for_save("s", || t.snapshot()).unwrap();
+        let rows = in_bucket_order(first.as_ref());
+        let half = rows.len() / 2;
+        for chunk in rows[..half].chunks(700) {
+            let (ids, handles): (Vec<u64>, Vec<u64>) = chunk.iter().copied().unzip();
+            freqs(first.as_ref(), &ids, &handles).unwrap();
+        }
+        for id in 0..ROWS {
+            t.update(id, |r| r.slot_mut::<i64>(1)[0] = -1);
+        }
+        let second = std::thread::scope(|s| {
+            s.spawn(|| crate::table::moment::for_save("s", || t.snapshot()))
+                .join()
+                .unwrap()
+        })
+        .expect("the same save joins its moment");
+        // Its scan walks the marked buckets too (a plan keeps only its own shard's rows).
+        assert_eq!(scan_all(second.as_ref()).0.len(), ROWS as usize);
+        let (ids, handles): (Vec<u64>, Vec<u64>) = rows[half + 700..].iter().copied().unzip();
+        let got = freqs(second.as_ref(), &ids, &handles).unwrap();
+        assert_eq!(got, ids.iter().map(|&id| id as i64).collect::<Vec<_>>());
+        let err = freqs(second.as_ref(), &[rows[half / 2].0], &[]).unwrap_err();
+        assert!(err.to_string().contains("asked for again"), "{err}");
         // Two snapshots sharing a moment may each read every row: writes keep every pre-image.
         let t = table();
         for id in 0..ROWS {
