@@ -234,15 +234,19 @@ impl PreImages {
         if buckets.is_empty() {
             return;
         }
+        // Held while the bits are set, so that no snapshot joins in between.
         let sharing = lock(&self.sharing);
         if sharing.open != 1 {
             return;
         }
-        drop(sharing);
-        for b in buckets {
-            let b = b as usize;
-            self.read_buckets[b / 64].fetch_or(1 << (b % 64), Ordering::SeqCst);
+        let (start, end) = (buckets.start as usize, buckets.end as usize);
+        for w in start / 64..end.div_ceil(64) {
+            let from = start.max(w * 64) - w * 64;
+            let to = end.min(w * 64 + 64) - w * 64;
+            let mask = (u64::MAX >> (64 - (to - from))) << from;
+            self.read_buckets[w].fetch_or(mask, Ordering::SeqCst);
         }
+        drop(sharing);
     }
 
     /// The pre-images of shard `shard`, locked; call with the shard's map lock held.
@@ -295,5 +299,32 @@ impl PreImages {
 impl PreImage {
     fn bytes(&self) -> usize {
         self.words.as_ref().map_or(0, |w| w.len() * 8)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exactly_the_buckets_marked_read_are_read_and_only_with_one_snapshot_open() {
+        let pre = PreImages::new(1);
+        assert!(pre.open(&|_| {}));
+        for range in [3..130, 64..128, 200..201, 1000..1000, 65_000..65_536] {
+            pre.mark_read_buckets(range);
+        }
+        let marked = |b: u32| (3..130).contains(&b) || b == 200 || (65_000..65_536).contains(&b);
+        for b in 0..crate::partition::BUCKETS {
+            assert_eq!(pre.bucket_read(b), marked(b), "bucket {b}");
+        }
+        pre.close(|| {});
+        // A new moment starts with nothing read; with two snapshots on it, nothing is marked.
+        let both = moment::at_one_moment(|| pre.open(&|_| {}) && pre.open(&|_| {}));
+        assert!(both);
+        assert!((0..crate::partition::BUCKETS).all(|b| !pre.bucket_read(b)));
+        pre.mark_read_buckets(300..400);
+        assert!(!pre.bucket_read(350));
+        pre.close(|| {});
+        pre.close(|| {});
     }
 }
