@@ -434,9 +434,13 @@ pub fn write_plan(
         .enumerate()
         .flat_map(|(pos, shard)| shard.files.iter().map(move |f| (pos, f)))
         .collect();
-    let created = each_at_once(wanted, at_once, |(pos, f)| {
-        (pos, storage.create(&f.name, f.file_len()))
-    });
+    // The first failure stops further creations (the batch it is in still completes).
+    let created = each_at_once(
+        wanted,
+        at_once,
+        |(pos, f)| (pos, storage.create(&f.name, f.file_len())),
+        |(_, h)| h.is_ok(),
+    );
     let mut handles: Vec<Vec<Box<dyn WriteHandle>>> =
         plan.shards().iter().map(|_| Vec::new()).collect();
     let mut failed_create = None;
@@ -543,7 +547,7 @@ pub fn write_plan(
     // upload, round trips that go together whatever the writer threads.
     let commits: Vec<Result<()>> = if storage.is_remote() {
         let files: Vec<Box<dyn WriteHandle>> = handles.into_iter().flatten().collect();
-        each_at_once(files, STORE_CALLS_AT_ONCE, |h| h.commit(durable))
+        each_at_once(files, STORE_CALLS_AT_ONCE, |h| h.commit(durable), |_| true)
     } else {
         pool.install(|| {
             handles
@@ -570,28 +574,35 @@ pub fn write_plan(
 /// Creations and commits of data files on a remote store that run at once.
 const STORE_CALLS_AT_ONCE: usize = 8;
 
-/// `f` of every item, in order, run `at_once` at a time on threads of their own: for calls that
-/// wait on a store's round trips, not on the CPU.
+/// `f` of the items, in order, run `at_once` at a time (on threads of their own when more than
+/// one: for calls that wait on a store's round trips, not on the CPU). Stops after the first
+/// batch with a result that `go_on` refuses, so the results may be fewer than the items.
 fn each_at_once<T: Send, R: Send>(
     items: Vec<T>,
     at_once: usize,
     f: impl Fn(T) -> R + Sync,
+    go_on: impl Fn(&R) -> bool,
 ) -> Vec<R> {
-    if at_once <= 1 || items.len() <= 1 {
-        return items.into_iter().map(f).collect();
-    }
     let mut out = Vec::with_capacity(items.len());
     let mut items = items.into_iter().peekable();
     while items.peek().is_some() {
-        let batch: Vec<T> = items.by_ref().take(at_once).collect();
-        std::thread::scope(|s| {
-            let running: Vec<_> = batch.into_iter().map(|x| s.spawn(|| f(x))).collect();
-            out.extend(
-                running
-                    .into_iter()
-                    .map(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p))),
-            );
-        });
+        let batch: Vec<T> = items.by_ref().take(at_once.max(1)).collect();
+        let done = out.len();
+        if batch.len() == 1 {
+            out.extend(batch.into_iter().map(&f));
+        } else {
+            std::thread::scope(|s| {
+                let running: Vec<_> = batch.into_iter().map(|x| s.spawn(|| f(x))).collect();
+                out.extend(
+                    running
+                        .into_iter()
+                        .map(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p))),
+                );
+            });
+        }
+        if !out[done..].iter().all(&go_on) {
+            break;
+        }
     }
     out
 }
