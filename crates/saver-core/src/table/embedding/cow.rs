@@ -19,8 +19,9 @@
 //! pre-image of a row there serves nothing: the moment's only snapshot marks such buckets *read*
 //! ([`PreImages::mark_read_buckets`]), and a write to a row of a read bucket keeps nothing. With
 //! trainers that write rows all over the table, that is about half of the pre-images a save
-//! would otherwise keep (and copy, and free); and a row replaced or removed there is freed at
-//! once instead of kept until the save ends. A snapshot that shares its moment marks nothing
+//! would otherwise keep (and copy, and free); and a row replaced or removed during the save is
+//! freed once its bucket is read (at once if it already was) instead of kept until the save
+//! ends. A snapshot that shares its moment marks nothing
 //! (each may read the same rows), and one that has marked a bucket refuses to read a row of it
 //! again: that row may have been written since without a pre-image.
 
@@ -230,14 +231,15 @@ impl PreImages {
     /// buckets (one that asks for a row of a marked bucket gets an error, as a second read
     /// does); joining is not refused here as it is once a pre-image is freed, because a scan,
     /// which walks every bucket of a map shard, needs every pre-image but no mark.
-    pub(super) fn mark_read_buckets(&self, buckets: std::ops::Range<u32>) {
+    /// Returns whether it marked them.
+    pub(super) fn mark_read_buckets(&self, buckets: std::ops::Range<u32>) -> bool {
         if buckets.is_empty() {
-            return;
+            return false;
         }
         // Held while the bits are set, so that no snapshot joins in between.
         let sharing = lock(&self.sharing);
         if sharing.open != 1 {
-            return;
+            return false;
         }
         let (start, end) = (buckets.start as usize, buckets.end as usize);
         for w in start / 64..end.div_ceil(64) {
@@ -247,6 +249,7 @@ impl PreImages {
             self.read_buckets[w].fetch_or(mask, Ordering::SeqCst);
         }
         drop(sharing);
+        true
     }
 
     /// The pre-images of shard `shard`, locked; call with the shard's map lock held.

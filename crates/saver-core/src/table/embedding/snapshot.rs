@@ -11,8 +11,8 @@
 //! Two rules keep the addresses valid and the reads untorn:
 //! - A row taken out of the map (removed, or replaced by `insert`) while any snapshot is alive is
 //!   *retired* instead of freed, and goes back to the table's slabs for reuse only when the last
-//!   snapshot ends; unless the snapshot has read the row's bucket whole (see `cow`) and so will
-//!   not read the row again: then it is freed at once.
+//!   snapshot ends, or until the snapshot has read the row's bucket whole (see `cow`) and so
+//!   will not read the row again: then it is freed, at once if that has already happened.
 //! - A read by handle takes no lock of the row's shard. It copies the row, then looks for the
 //!   row's pre-image (under the pre-images' lock of the shard) and takes that instead if there
 //!   is one.
@@ -134,6 +134,30 @@ impl Retired {
     fn with_row<R>(&self, id: u64, copy: impl FnOnce(&Row) -> R) -> Option<R> {
         let rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
         rows.by_id.get(&id).map(copy)
+    }
+
+    /// Takes out the rows whose id `gone` says no snapshot can read any more, for the caller to
+    /// free.
+    fn take_unreadable(&self, gone: impl Fn(u64) -> bool) -> Vec<(u64, Row)> {
+        let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
+        let rows = &mut *rows;
+        let mut out = Vec::new();
+        if rows.by_id.is_empty() {
+            return out;
+        }
+        let ids: Vec<u64> = rows.by_id.keys().copied().filter(|&id| gone(id)).collect();
+        for id in ids {
+            out.extend(rows.by_id.remove(&id).map(|row| (id, row)));
+        }
+        let later = std::mem::take(&mut rows.later);
+        for (id, row) in later {
+            if gone(id) {
+                out.push((id, row));
+            } else {
+                rows.later.push((id, row));
+            }
+        }
+        out
     }
 
     fn begin(&self) {
@@ -531,7 +555,7 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
     fn read_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
         let read = self.buckets_read_whole(ids)?;
         self.copy_rows(ids, out)?;
-        self.table.pre.mark_read_buckets(read);
+        self.mark_read(read);
         Ok(())
     }
 
@@ -547,12 +571,27 @@ impl TableSnapshot for EmbeddingSnapshot<'_> {
         let read = self.buckets_read_whole(ids)?;
         // SAFETY: the caller's guarantee, passed on.
         unsafe { self.copy_rows_by_handle(ids, handles, out) }?;
-        self.table.pre.mark_read_buckets(read);
+        self.mark_read(read);
         Ok(())
     }
 }
 
 impl EmbeddingSnapshot<'_> {
+    /// Marks `buckets` read (see `cow`), and frees the rows of them that left the map since the
+    /// moment: the snapshot, which alone could read them, will not.
+    fn mark_read(&self, buckets: std::ops::Range<u32>) {
+        let t = self.table;
+        if !t.pre.mark_read_buckets(buckets.clone()) {
+            return;
+        }
+        for (id, row) in t
+            .retired
+            .take_unreadable(|id| buckets.contains(&PartitionRule::bucket_of(id)))
+        {
+            t.slabs.free(t.arena(id), row);
+        }
+    }
+
     /// Checks that no row of `ids` lies in a bucket already read whole (see `cow`: a write may
     /// have changed it since without keeping its pre-image), and returns the buckets that these
     /// ids read whole, to be marked once they are read: when `ids` come in bucket order (a
