@@ -195,12 +195,15 @@ impl Compressed {
         decompress_frame(self.filter, stored, out)
     }
 
-    /// The whole raw column.
+    /// The whole raw column: the frames in order, each found where the one before ended (not
+    /// by summing the lengths before it, as [`Self::frame_into`] must).
     pub fn decompress(&self) -> Result<Vec<u8>, CodecError> {
         let mut out = vec![0u8; self.raw_len];
-        for k in 0..self.frame_lens.len() {
-            let range = self.frame_raw_range(k);
-            self.frame_into(k, &mut out[range])?;
+        let mut start = 0;
+        for (k, &len) in self.frame_lens.iter().enumerate() {
+            let stored = &self.bytes[start..start + len as usize];
+            decompress_frame(self.filter, stored, &mut out[self.frame_raw_range(k)])?;
+            start += len as usize;
         }
         Ok(out)
     }

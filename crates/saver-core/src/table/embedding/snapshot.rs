@@ -141,22 +141,8 @@ impl Retired {
     fn take_unreadable(&self, gone: impl Fn(u64) -> bool) -> Vec<(u64, Row)> {
         let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
         let rows = &mut *rows;
-        let mut out = Vec::new();
-        if rows.by_id.is_empty() {
-            return out;
-        }
-        let ids: Vec<u64> = rows.by_id.keys().copied().filter(|&id| gone(id)).collect();
-        for id in ids {
-            out.extend(rows.by_id.remove(&id).map(|row| (id, row)));
-        }
-        let later = std::mem::take(&mut rows.later);
-        for (id, row) in later {
-            if gone(id) {
-                out.push((id, row));
-            } else {
-                rows.later.push((id, row));
-            }
-        }
+        let mut out: Vec<(u64, Row)> = rows.by_id.extract_if(|&id, _| gone(id)).collect();
+        out.extend(rows.later.extract_if(.., |(id, _)| gone(*id)));
         out
     }
 
