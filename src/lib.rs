@@ -19,9 +19,9 @@ pub mod prelude {
     pub use saver_core::table::moment;
     pub use saver_core::table::{RowChunk, RowMut, TableSemantics};
     pub use saver_core::{
-        BlockKind, ColumnTable, DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype,
-        PartitionRule, PlanOptions, RowView, SaveInput, SlotSpec, SparseTable, TableRef,
-        TableSnapshot,
+        BlockKind, ColumnTable, Compression, DenseTensor, Dtype, EmbeddingTable, Filters,
+        ForeignRows, KeyDtype, PartitionRule, PlanOptions, RowView, SaveInput, SlotSpec,
+        SparseTable, TableRef, TableSnapshot,
     };
     pub use saver_io::tools::export::{export, ExportOptions, ExportReport};
     pub use saver_io::{

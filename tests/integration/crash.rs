@@ -75,6 +75,10 @@ impl WriteHandle for KillWrite {
         self.counter.tick();
         self.inner.write_at(offset, buf)
     }
+    fn truncate(&self, len: u64) -> Result<()> {
+        self.counter.tick();
+        self.inner.truncate(len)
+    }
     fn commit(self: Box<Self>, durable: bool) -> Result<()> {
         self.counter.tick();
         self.inner.commit(durable)?;

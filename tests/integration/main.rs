@@ -4,6 +4,7 @@
 
 mod common;
 
+mod compressed;
 mod crash;
 mod delta;
 mod hostile;

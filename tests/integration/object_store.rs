@@ -58,6 +58,31 @@ fn conformance(storage: &dyn Storage, exclusive: bool) {
     r.read_at(MIN_PART_SIZE - 7, &mut mid).unwrap();
     let at = MIN_PART_SIZE as usize - 7;
     assert!(mid == want[at..at + 3 * piece], "a range across parts");
+    // A file cut short of its created length before its commit (a compressed save's), its
+    // first bytes written last: into the second part, and within the first.
+    for cut in [MIN_PART_SIZE as usize + 777, 3000] {
+        let h = storage.create("cut.safetensors", len as u64).unwrap();
+        let head = cut.min(1000);
+        h.write_at(head as u64, &want[head..cut]).unwrap();
+        h.truncate(cut as u64).unwrap();
+        h.write_at(0, &want[..head]).unwrap();
+        h.commit(true).unwrap();
+        let r = storage.open("cut.safetensors").unwrap();
+        assert_eq!(r.len(), cut as u64);
+        let mut got = vec![0u8; cut];
+        r.read_at(0, &mut got).unwrap();
+        assert!(
+            got == want[..cut],
+            "a file cut to {cut} bytes reads back as written"
+        );
+        storage.remove("cut.safetensors").unwrap();
+    }
+    // A cut past the end is refused.
+    let h = storage.create("cut.safetensors", len as u64).unwrap();
+    h.write_at(5000, &want[5000..6000]).unwrap();
+    assert!(h.truncate(len as u64 + 1).is_err());
+    h.abort();
+
     // Many ranges at once: overlapping, touching, a small gap apart, far apart, empty.
     let ranges: [(usize, usize); 7] = [
         (5, 100),
@@ -307,6 +332,65 @@ fn checkpoints_round_trip_through_the_object_store() {
     assert!(after.iter().all(|n| !n.contains("rt-1")), "{after:?}");
     assert!(before.iter().any(|n| n.contains("rt-1")));
     assert_eq!(digest_of(remote, 1, 0), digest_of(local.path(), 1, 0));
+}
+
+#[test]
+fn compressed_checkpoints_and_deltas_round_trip_through_the_object_store() {
+    let Some(g) = garage::shared() else { return };
+    let model = common::Model::new(40_000);
+    let compressed = |shards| {
+        let mut o = options(shards);
+        o.plan.compression = Some(saver::Compression::default());
+        o
+    };
+    let url = g.url("compressed/base");
+    let remote = Path::new(&url);
+    let rep = save(remote, model.input(), &compressed(3)).unwrap();
+    let local = tempfile::tempdir().unwrap();
+    save(local.path(), model.input(), &options(3)).unwrap();
+    let raw: u64 = Checkpoint::open(local.path())
+        .unwrap()
+        .newest()
+        .manifest()
+        .files
+        .iter()
+        .map(|f| f.bytes)
+        .sum();
+    assert!(
+        rep.bytes_written < raw,
+        "{} against {raw}",
+        rep.bytes_written
+    );
+    assert_eq!(verify(remote, 2).unwrap().status, Status::Ok);
+    for m in [1, 4] {
+        for j in 0..m {
+            assert_eq!(
+                digest_of(remote, m, j),
+                digest_of(local.path(), m, j),
+                "shard {j} of {m}"
+            );
+        }
+    }
+    // A compressed delta of the compressed base, in the bucket.
+    for id in 0..300u64 {
+        model
+            .user
+            .insert(id, &[&[9u8; 32][..], &[0u8; 32][..], &[3u8; 8][..]])
+            .unwrap();
+    }
+    let delta_url = g.url("compressed/step2");
+    let mut o = compressed(2);
+    o.parent = Some(url.clone().into());
+    save(Path::new(&delta_url), model.input(), &o).unwrap();
+    let chain = Checkpoint::open(Path::new(&delta_url)).unwrap();
+    assert_eq!(
+        chain.newest().manifest().format_version,
+        saver::core::COMPRESSED_DELTA_FORMAT_VERSION
+    );
+    let fresh = tempfile::tempdir().unwrap();
+    save(fresh.path(), model.input(), &options(1)).unwrap();
+    let got = restored_digest(&chain.restore(&LoadOptions::default()).unwrap()).unwrap();
+    assert_eq!(got, digest_of(fresh.path(), 1, 0));
 }
 
 #[test]

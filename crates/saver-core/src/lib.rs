@@ -81,10 +81,13 @@ pub use dtype::{Dtype, KeyDtype};
 pub use error::{Error, Result};
 pub use filter::{BlockInfo, BlockKind, Filters, ScalarCondition};
 pub use manifest::{
-    BlockCrcs, Index, Manifest, ParentRef, ShardManifest, DELTA_FORMAT_VERSION, FORMAT_VERSION,
+    BlockCrcs, Codec, Index, Manifest, ParentRef, ShardManifest, COMPRESSED_DELTA_FORMAT_VERSION,
+    COMPRESSED_FORMAT_VERSION, DELTA_FORMAT_VERSION, FORMAT_VERSION, NEWEST_FORMAT_VERSION,
 };
 pub use partition::PartitionRule;
-pub use plan::{plan, ForeignRows, PlanOptions, SaveInput, SavePlan, TableRef, TensorCrc};
+pub use plan::{
+    plan, Compression, ForeignRows, PlanOptions, SaveInput, SavePlan, Stored, TableRef, TensorCrc,
+};
 pub use table::{
     ChangeTracking, ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSchema,
     TableSnapshot,

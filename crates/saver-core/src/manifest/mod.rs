@@ -72,13 +72,25 @@ pub const FORMAT_VERSION: u32 = 1;
 /// version 1 refuses it instead of taking its changed rows for the whole model.
 pub const DELTA_FORMAT_VERSION: u32 = 2;
 
-/// The format version a checkpoint's manifest and index carry: [`DELTA_FORMAT_VERSION`] for a
-/// delta, [`FORMAT_VERSION`] otherwise.
-pub fn format_version_of(parent: Option<&ParentRef>) -> u32 {
-    if parent.is_some() {
-        DELTA_FORMAT_VERSION
-    } else {
-        FORMAT_VERSION
+/// The format version of a full checkpoint some of whose tensors are compressed
+/// ([`TensorRef::codec`]): a build that knows only versions 1 and 2 refuses it instead of reading
+/// compressed bytes as values.
+pub const COMPRESSED_FORMAT_VERSION: u32 = 3;
+/// The format version of a delta some of whose tensors are compressed.
+pub const COMPRESSED_DELTA_FORMAT_VERSION: u32 = 4;
+/// The newest format version this build reads.
+pub const NEWEST_FORMAT_VERSION: u32 = COMPRESSED_DELTA_FORMAT_VERSION;
+
+/// The format version a checkpoint's manifest and index carry: [`FORMAT_VERSION`] for a full
+/// checkpoint, [`DELTA_FORMAT_VERSION`] for a delta, and [`COMPRESSED_FORMAT_VERSION`] or
+/// [`COMPRESSED_DELTA_FORMAT_VERSION`] when some tensor is compressed. A checkpoint that
+/// compresses nothing keeps the version older builds read.
+pub fn format_version_of(parent: Option<&ParentRef>, compressed: bool) -> u32 {
+    match (parent.is_some(), compressed) {
+        (false, false) => FORMAT_VERSION,
+        (true, false) => DELTA_FORMAT_VERSION,
+        (false, true) => COMPRESSED_FORMAT_VERSION,
+        (true, true) => COMPRESSED_DELTA_FORMAT_VERSION,
     }
 }
 
@@ -185,6 +197,107 @@ pub struct TensorRef {
     /// reader then checks the whole tensor.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blocks: Option<BlockCrcs>,
+    /// How the tensor's bytes are stored when compressed (format versions 3 and 4); absent when
+    /// they are stored as they are. `offset` is then where the stored bytes start, while
+    /// `dtype`, `shape`, `len`, `crc32` and `blocks` keep describing the raw tensor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub codec: Option<Codec>,
+}
+
+/// How a compressed tensor is stored: cut into frames of its CRC blocks' size (one frame when
+/// it has no blocks), each filtered and compressed on its own, back to back. A frame whose
+/// stored length equals its raw length holds its raw bytes (zstd did not shrink it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Codec {
+    /// The compressor: `"zstd"`.
+    pub name: String,
+    /// What the bytes of each frame go through before the compressor (`crate::compress::Filter`
+    /// names: `plain`, `shuffle2`, `shuffle4`, `shuffle8`, `delta8`).
+    pub filter: String,
+    /// Stored bytes of the whole tensor: the frames' lengths summed.
+    pub stored: u64,
+    /// Stored bytes of each frame, 8 hex digits each.
+    #[serde(with = "hex_crcs")]
+    pub frames: Vec<u32>,
+}
+
+/// Every tensor of `tables` and `dense`: sparse ones in table, partition and segment order.
+pub(crate) fn tensor_refs_of<'a>(
+    tables: &'a [TableManifest],
+    dense: &'a [DenseManifest],
+) -> impl Iterator<Item = &'a TensorRef> {
+    let sparse = tables.iter().flat_map(|t| {
+        t.partitions.iter().flat_map(|p| {
+            p.segments.iter().flat_map(|s| {
+                std::iter::once(&s.ids)
+                    .chain(std::iter::once(&s.bucket_index))
+                    .chain(s.slots.iter())
+            })
+        })
+    });
+    sparse.chain(dense.iter().map(|d| &d.tensor))
+}
+
+/// The compressor a [`Codec`] names.
+pub const ZSTD: &str = "zstd";
+
+impl TensorRef {
+    /// Bytes the tensor takes in its file: the stored bytes when compressed.
+    pub fn stored_len(&self) -> u64 {
+        self.codec.as_ref().map_or(self.len, |c| c.stored)
+    }
+
+    /// Raw bytes of each frame of a compressed tensor but the last: its CRC blocks' size, or
+    /// the whole tensor when it has none.
+    pub fn frame_bytes(&self) -> u64 {
+        self.blocks.as_ref().map_or(self.len, |b| b.bytes).max(1)
+    }
+
+    /// Checks that the codec, if any, describes this tensor: a known compressor and filter, a
+    /// frame per block, frames no longer than their raw bytes, summing to the stored length.
+    pub fn check_codec(&self) -> std::result::Result<(), String> {
+        let Some(c) = &self.codec else {
+            return Ok(());
+        };
+        if c.name != ZSTD {
+            return Err(format!("is compressed with unknown codec {:?}", c.name));
+        }
+        let filter = crate::compress::Filter::parse(&c.filter)
+            .ok_or_else(|| format!("is compressed with unknown filter {:?}", c.filter))?;
+        let frame = self.frame_bytes();
+        if !self.len.is_multiple_of(filter.element() as u64)
+            || !frame.is_multiple_of(filter.element() as u64)
+        {
+            return Err(format!(
+                "is compressed with filter {} but its frames do not hold whole elements",
+                c.filter
+            ));
+        }
+        let want = self.len.div_ceil(frame);
+        if c.frames.len() as u64 != want {
+            return Err(format!(
+                "has {} compressed frames for {want} frames of {frame} bytes",
+                c.frames.len()
+            ));
+        }
+        let mut sum = 0u64;
+        for (k, &f) in c.frames.iter().enumerate() {
+            let raw = (self.len - k as u64 * frame).min(frame);
+            if f == 0 || u64::from(f) > raw {
+                return Err(format!(
+                    "has compressed frame {k} of {f} bytes for {raw} raw bytes"
+                ));
+            }
+            sum += u64::from(f);
+        }
+        if sum != c.stored {
+            return Err(format!(
+                "has compressed frames of {sum} bytes in all, not the {} stored",
+                c.stored
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The bytes of a tensor cut into blocks of `bytes` (the last one holds the rest), with a CRC32
@@ -224,7 +337,7 @@ impl BlockCrcs {
     }
 }
 
-/// A list of CRC32s as one string of 8 hex digits each.
+/// A list of CRC32s (or frame lengths) as one string of 8 hex digits each.
 mod hex_crcs {
     use serde::de::Error as _;
     use serde::{Deserialize, Deserializer, Serializer};
@@ -451,6 +564,13 @@ pub struct ShardManifest parsed as RawShardManifest {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dense_in_parent: Vec<String>,
 }
+}
+
+impl ShardManifest {
+    /// Whether some tensor of this shard is compressed (format versions 3 and 4).
+    pub fn is_compressed(&self) -> bool {
+        tensor_refs_of(&self.tables, &self.dense).any(|t| t.codec.is_some())
+    }
 }
 
 /// Per-shard facts kept in the global manifest.
@@ -779,7 +899,9 @@ impl Manifest {
                     s.shard, s.save_id, s.shard_num, save_id, shard_num
                 )));
             }
-            if s.format != FORMAT_NAME || s.format_version != format_version_of(s.parent.as_ref()) {
+            if s.format != FORMAT_NAME
+                || s.format_version != format_version_of(s.parent.as_ref(), s.is_compressed())
+            {
                 return Err(mismatch(format!(
                     "shard {} has format {} version {}",
                     s.shard, s.format, s.format_version
@@ -825,7 +947,10 @@ impl Manifest {
         dense.sort_by(|a: &DenseManifest, b| a.tensor.name.cmp(&b.tensor.name));
         Ok(Manifest {
             format: FORMAT_NAME.into(),
-            format_version: format_version_of(first.parent.as_ref()),
+            format_version: format_version_of(
+                first.parent.as_ref(),
+                shards.iter().any(ShardManifest::is_compressed),
+            ),
             save_id,
             partition: rule,
             shard_num,
@@ -844,16 +969,12 @@ impl Manifest {
 
     /// Every tensor the manifest references, with what it is.
     pub fn tensor_refs(&self) -> impl Iterator<Item = &TensorRef> {
-        let sparse = self.tables.iter().flat_map(|t| {
-            t.partitions.iter().flat_map(|p| {
-                p.segments.iter().flat_map(|s| {
-                    std::iter::once(&s.ids)
-                        .chain(std::iter::once(&s.bucket_index))
-                        .chain(s.slots.iter())
-                })
-            })
-        });
-        sparse.chain(self.dense.iter().map(|d| &d.tensor))
+        tensor_refs_of(&self.tables, &self.dense)
+    }
+
+    /// Whether some tensor is compressed (format versions 3 and 4).
+    pub fn is_compressed(&self) -> bool {
+        self.tensor_refs().any(|t| t.codec.is_some())
     }
 
     /// Total bytes of tensor data.

@@ -26,8 +26,8 @@ use serde::Deserialize;
 use super::index::{Index, RawIndex};
 use super::{
     format_version_of, DenseManifest, FileManifest, Manifest, ParentRef, RawManifest,
-    RawShardManifest, ShardManifest, TableManifest, TensorRef, DELTA_FORMAT_VERSION, FORMAT_NAME,
-    FORMAT_VERSION,
+    RawShardManifest, ShardManifest, TableManifest, TensorRef, FORMAT_NAME, FORMAT_VERSION,
+    NEWEST_FORMAT_VERSION,
 };
 use crate::error::{Error, Result};
 use crate::naming::{check_file_name, check_save_id, removed_table_of, INDEX_FILE};
@@ -51,7 +51,7 @@ fn check_version(file: &str, found: Option<serde_json::Value>) -> Result<()> {
         .as_ref()
         .and_then(serde_json::Value::as_u64)
         .is_some_and(|v| {
-            (u64::from(FORMAT_VERSION)..=u64::from(DELTA_FORMAT_VERSION)).contains(&v)
+            (u64::from(FORMAT_VERSION)..=u64::from(NEWEST_FORMAT_VERSION)).contains(&v)
         });
     if ok {
         return Ok(());
@@ -59,7 +59,7 @@ fn check_version(file: &str, found: Option<serde_json::Value>) -> Result<()> {
     Err(Error::UnsupportedVersion {
         file: file.into(),
         found: found.map_or("none".into(), |v| v.to_string()),
-        supported: DELTA_FORMAT_VERSION,
+        supported: NEWEST_FORMAT_VERSION,
     })
 }
 
@@ -208,18 +208,25 @@ pub fn check_parent_path(path: &str) -> std::result::Result<(), String> {
 }
 
 /// Format name, and a version that fits a full checkpoint or a delta; a parent's path.
-fn check_format(format: &str, version: u32, parent: Option<&ParentRef>, file: &str) -> Result<()> {
+fn check_format(
+    format: &str,
+    version: u32,
+    parent: Option<&ParentRef>,
+    compressed: bool,
+    file: &str,
+) -> Result<()> {
     if format != FORMAT_NAME {
         return Err(corrupt(
             file,
             format!("format is {format:?}, not {FORMAT_NAME:?}"),
         ));
     }
-    if version != format_version_of(parent) {
+    if version != format_version_of(parent, compressed) {
         return Err(corrupt(
             file,
             format!(
-                "format version {version} does not fit a {} checkpoint",
+                "format version {version} does not fit a {}{} checkpoint",
+                if compressed { "compressed " } else { "" },
                 if parent.is_some() { "delta" } else { "full" }
             ),
         ));
@@ -271,6 +278,8 @@ fn check_files_and_tables<'a>(
     let mut refs: HashMap<&str, &str> = HashMap::new();
     for t in sparse.chain(dense) {
         check_file_name(&t.file, file)?;
+        t.check_codec()
+            .map_err(|why| corrupt(file, format!("tensor {:?} {why}", t.name)))?;
         if refs.insert(&t.name, &t.file).is_some() {
             return Err(corrupt(
                 file,
@@ -297,7 +306,8 @@ fn check_files_and_tables<'a>(
 /// Format and version, save id, partition rule, removed-ids tables, safe file names, tensors
 /// listed once in listed files, consistent tables.
 fn check_body(b: &Body<'_>, file: &str) -> Result<()> {
-    check_format(b.format, b.version, b.parent, file)?;
+    let compressed = crate::manifest::tensor_refs_of(b.tables, b.dense).any(|t| t.codec.is_some());
+    check_format(b.format, b.version, b.parent, compressed, file)?;
     check_save_id(b.save_id).map_err(|e| corrupt(file, e.to_string()))?;
     check_removed_tables(b.tables, b.parent.is_some(), file)?;
     b.partition.validate()?;
@@ -385,6 +395,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::manifest::COMPRESSED_FORMAT_VERSION;
     use crate::plan::{plan, PlanOptions, TensorCrc};
     use crate::synthetic::{SyntheticModel, SyntheticSpec};
 
@@ -414,11 +425,14 @@ mod tests {
                             .map(|_| TensorCrc {
                                 crc32: 7,
                                 blocks: None,
+                                stored: None,
                             })
                             .collect()
                     })
                     .collect();
-                let mut m = p.shard_manifest(pos, &crcs, &BTreeMap::new(), None);
+                let mut m = p
+                    .shard_manifest(pos, &crcs, &BTreeMap::new(), None)
+                    .unwrap();
                 m.dense_given = p.dense_given();
                 m
             })
@@ -503,5 +517,77 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, Error::UnsafePath { .. }), "{e}");
+    }
+
+    /// A compressed tensor's codec must describe it, and only a compressed version may hold one:
+    /// a reader of versions 1 and 2 never meets stored bytes it would take for values.
+    #[test]
+    fn codecs_are_checked_against_their_tensor_and_the_version() {
+        let (_, mj, _) = documents();
+        let manifest = |b: &[u8]| Manifest::parse(b, "saver-s1.manifest.json");
+        // The first dense tensor, with blocks of 1 KiB when it has them.
+        let m: serde_json::Value = serde_json::from_slice(&mj).unwrap();
+        let t = &m["dense"][0]["tensor"];
+        let len = t["len"].as_u64().unwrap();
+        let frame = t["blocks"]["bytes"].as_u64().unwrap_or(len);
+        let frames = len.div_ceil(frame);
+        let lens =
+            |n: u64, each: u64| -> String { (0..n).map(|_| format!("{each:08x}")).collect() };
+        let with = |version: u32, codec: serde_json::Value| {
+            edit(&mj, |v| {
+                v["format_version"] = version.into();
+                v["dense"][0]["tensor"]["codec"] = codec;
+            })
+        };
+        let good = serde_json::json!({
+            "name": "zstd", "filter": "shuffle4", "stored": frames, "frames": lens(frames, 1)
+        });
+        let ok = manifest(&with(COMPRESSED_FORMAT_VERSION, good.clone())).unwrap();
+        assert!(ok.is_compressed());
+        // The same codec under version 1: refused.
+        let e = manifest(&with(FORMAT_VERSION, good.clone())).unwrap_err();
+        assert!(e.to_string().contains("compressed full"), "{e}");
+        // Version 3 with nothing compressed: refused too.
+        let e = manifest(&edit(&mj, |v| {
+            v["format_version"] = COMPRESSED_FORMAT_VERSION.into()
+        }))
+        .unwrap_err();
+        assert!(e.to_string().contains("does not fit a full"), "{e}");
+        for (codec, says) in [
+            (
+                serde_json::json!({"name": "lz4", "filter": "plain", "stored": frames,
+                                   "frames": lens(frames, 1)}),
+                "unknown codec",
+            ),
+            (
+                serde_json::json!({"name": "zstd", "filter": "shuffle3", "stored": frames,
+                                   "frames": lens(frames, 1)}),
+                "unknown filter",
+            ),
+            (
+                serde_json::json!({"name": "zstd", "filter": "plain", "stored": frames + 1,
+                                   "frames": lens(frames + 1, 1)}),
+                "compressed frames for",
+            ),
+            (
+                serde_json::json!({"name": "zstd", "filter": "plain", "stored": frames + 5,
+                                   "frames": lens(frames, 1)}),
+                "not the",
+            ),
+            (
+                serde_json::json!({"name": "zstd", "filter": "plain", "stored": 0,
+                                   "frames": lens(frames, 0)}),
+                "of 0 bytes",
+            ),
+            (
+                serde_json::json!({"name": "zstd", "filter": "plain",
+                                   "stored": frames * (frame + 1),
+                                   "frames": lens(frames, frame + 1)}),
+                "raw bytes",
+            ),
+        ] {
+            let e = manifest(&with(COMPRESSED_FORMAT_VERSION, codec)).unwrap_err();
+            assert!(e.to_string().contains(says), "{says}: {e}");
+        }
     }
 }

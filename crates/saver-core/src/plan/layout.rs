@@ -11,7 +11,9 @@ use crate::naming::{data_file_name, sparse_tensor_name, BUCKET_INDEX, IDS};
 use crate::partition::PartitionRule;
 use crate::tensor::DenseTensor;
 
-use super::header::{render_header, FileFacts, HeaderTensor, MAX_HEADER_BYTES};
+use super::header::{
+    planned_compressed_header_len, render_header, FileFacts, HeaderTensor, MAX_HEADER_BYTES,
+};
 use super::scan::ScannedTable;
 use super::{
     DensePlan, FilePlan, Loc, PartitionPlan, PlanOptions, SegmentPlan, ShardPlan, SPLIT_FILE_BYTES,
@@ -513,20 +515,26 @@ fn place_files(
             shard_num: opts.shard_num,
             file: fi as u32,
         };
-        let header = render_header(&facts, &tensors, &vec![0; tensors.len()], opts.alignment);
+        // A compressed file's header is written for what each tensor turned out to be stored
+        // as: its length is planned for the longest that can be.
+        let header_len = match opts.compression {
+            None => render_header(&facts, &tensors, &vec![0; tensors.len()], opts.alignment).len()
+                as u64,
+            Some(_) => planned_compressed_header_len(&facts, &tensors, opts.alignment),
+        };
         let name = data_file_name(&opts.save_id, shard, fi as u32);
-        if header.len() as u64 - 8 > MAX_HEADER_BYTES {
+        if header_len - 8 > MAX_HEADER_BYTES {
             return Err(Error::HeaderTooLarge {
                 file: name,
                 tensors: tensors.len(),
-                bytes: header.len() as u64 - 8,
+                bytes: header_len - 8,
                 limit: MAX_HEADER_BYTES,
             });
         }
         files.push(FilePlan {
             name,
             index: fi as u32,
-            data_start: header.len() as u64,
+            data_start: header_len,
             data_len: off,
             tensors,
         });

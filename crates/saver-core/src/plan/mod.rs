@@ -32,7 +32,7 @@ use rayon::prelude::*;
 
 use bucket_starts::BucketStarts;
 pub use chunks::{Chunk, ChunkBuffer, Piece};
-use header::{render_header, FileFacts, HeaderTensor};
+use header::{render_header, FileFacts, HeaderTensor, StoredTensor};
 pub use input::{SaveInput, TableRef};
 pub use rows::Spill;
 use scan::ScannedTable;
@@ -40,8 +40,8 @@ use scan::ScannedTable;
 use crate::error::{Error, Result};
 use crate::filter::{BlockInfo, BlockKind, Filters};
 use crate::manifest::{
-    BlockCrcs, DenseGiven, DenseManifest, FileManifest, PartitionManifest, SegmentManifest,
-    ShardManifest, TableManifest, TensorRef, FORMAT_NAME, FORMAT_VERSION,
+    format_version_of, BlockCrcs, Codec, DenseGiven, DenseManifest, FileManifest,
+    PartitionManifest, SegmentManifest, ShardManifest, TableManifest, TensorRef, FORMAT_NAME,
 };
 use crate::naming::{check_dense_name, check_plan_table_name, check_save_id};
 use crate::partition::PartitionRule;
@@ -80,7 +80,38 @@ pub struct TensorCrc {
     pub crc32: u32,
     /// CRC32 of each block, for a tensor with blocks ([`crc_block_bytes`]).
     pub blocks: Option<BlockCrcs>,
+    /// Where a compressed save stored the tensor; `None` where it lies as planned.
+    pub stored: Option<Stored>,
 }
+
+/// Where a tensor of a compressed save lies in its file, and how.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stored {
+    /// Offset of its stored bytes within the data section.
+    pub start: u64,
+    /// End of its stored bytes within the data section.
+    pub end: u64,
+    /// How it is compressed; `None` when stored as it is.
+    pub codec: Option<Codec>,
+}
+
+/// How a save compresses its tensors (format versions 3 and 4; see docs/FORMAT.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Compression {
+    /// zstd's level, 1 (fastest) to 19.
+    pub level: i32,
+}
+
+impl Default for Compression {
+    fn default() -> Self {
+        Self { level: 1 }
+    }
+}
+
+/// The largest slot tensor a compressed save cuts a partition into. A writer keeps a segment's
+/// later tensors in memory until the tensors before them in the file are stored, since their
+/// offsets are known only then: small segments bound that memory.
+pub const COMPRESSED_SEGMENT_BYTES: u64 = 4 << 20;
 
 /// What to do with rows a process holds that the partition rule assigns to a shard it does not plan.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -138,6 +169,9 @@ pub struct PlanOptions {
     /// Called once the save's moment is fixed (every table's snapshot taken), before any row is
     /// read. Default none.
     pub on_moment: Option<MomentHook>,
+    /// Compress the tensors where it pays (`None`, the default: store every tensor as it is).
+    /// Segments are then cut at most [`COMPRESSED_SEGMENT_BYTES`] a slot tensor.
+    pub compression: Option<Compression>,
 }
 
 impl Default for PlanOptions {
@@ -156,6 +190,7 @@ impl Default for PlanOptions {
             foreign_rows: ForeignRows::Error,
             save_id: "checkpoint".into(),
             on_moment: None,
+            compression: None,
         }
     }
 }
@@ -187,6 +222,11 @@ impl PlanOptions {
         }
         if !self.alignment.is_power_of_two() || !(8..=1 << 20).contains(&self.alignment) {
             return bad("alignment", "must be a power of two between 8 and 1 MiB");
+        }
+        if let Some(c) = self.compression {
+            if !(1..=19).contains(&c.level) {
+                return bad("compression", "the zstd level must be between 1 and 19");
+            }
         }
         check_save_id(&self.save_id)
     }
@@ -366,6 +406,16 @@ pub fn plan_with_spill<'a>(
     spill: Option<Arc<dyn Spill>>,
 ) -> Result<SavePlan<'a>> {
     opts.validate()?;
+    let capped;
+    let opts = if opts.compression.is_some() && opts.max_block_bytes > COMPRESSED_SEGMENT_BYTES {
+        capped = PlanOptions {
+            max_block_bytes: COMPRESSED_SEGMENT_BYTES,
+            ..opts.clone()
+        };
+        &capped
+    } else {
+        opts
+    };
     if !input.shard_tables.is_empty() {
         return Err(Error::InvalidOption {
             option: "shard_table",
@@ -545,8 +595,9 @@ impl<'a> SavePlan<'a> {
             .sum()
     }
 
-    /// The final header of file `file` of planned shard `pos`, with the tensors' checksums.
-    pub fn header(&self, pos: usize, file: usize, crcs: &[u32]) -> Vec<u8> {
+    /// The final header of file `file` of planned shard `pos`, with the tensors' checksums and,
+    /// in a compressed save, where each is stored.
+    pub fn header(&self, pos: usize, file: usize, crcs: &[TensorCrc]) -> Result<Vec<u8>> {
         let shard = &self.shards[pos];
         let f = &shard.files[file];
         let facts = FileFacts {
@@ -555,9 +606,45 @@ impl<'a> SavePlan<'a> {
             shard_num: self.opts.shard_num,
             file: f.index,
         };
-        let h = render_header(&facts, &f.tensors, crcs, self.opts.alignment);
-        debug_assert_eq!(h.len() as u64, f.data_start);
-        h
+        let whole: Vec<u32> = crcs.iter().map(|c| c.crc32).collect();
+        if self.opts.compression.is_none() {
+            let h = render_header(&facts, &f.tensors, &whole, self.opts.alignment);
+            debug_assert_eq!(h.len() as u64, f.data_start);
+            return Ok(h);
+        }
+        let stored = crcs
+            .iter()
+            .zip(&f.tensors)
+            .map(|(c, t)| {
+                let s = c.stored.as_ref().ok_or_else(|| Error::InvalidOption {
+                    option: "compression",
+                    why: format!("internal: tensor {:?} was not stored", t.name),
+                })?;
+                Ok(StoredTensor {
+                    start: s.start,
+                    end: s.end,
+                    filter: s.codec.as_ref().map(|c| c.filter.clone()),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        header::render_compressed_header(&facts, &f.tensors, &stored, &whole, f.data_start)
+            .ok_or_else(|| Error::HeaderTooLarge {
+                file: f.name.clone(),
+                tensors: f.tensors.len(),
+                bytes: f.data_start,
+                limit: f.data_start,
+            })
+    }
+
+    /// The data bytes of file `file` of planned shard `pos` as written: its stored tensors'
+    /// in a compressed save.
+    fn data_len_written(&self, pos: usize, file: usize, crcs: &[TensorCrc]) -> u64 {
+        let f = &self.shards[pos].files[file];
+        crcs.iter()
+            .map(|c| c.stored.as_ref().map_or(0, |s| s.end))
+            .max()
+            .filter(|_| self.opts.compression.is_some())
+            .unwrap_or(f.data_len)
     }
 
     /// The manifest of planned shard `pos` once written: `crcs[file][tensor]` are the checksums.
@@ -567,20 +654,22 @@ impl<'a> SavePlan<'a> {
         crcs: &[Vec<TensorCrc>],
         user_metadata: &BTreeMap<String, String>,
         trainer_state: Option<String>,
-    ) -> ShardManifest {
+    ) -> Result<ShardManifest> {
         let shard = &self.shards[pos];
         let tref = |loc: Loc| {
             let f = &shard.files[loc.file];
             let t = &f.tensors[loc.tensor];
+            let c = &crcs[loc.file][loc.tensor];
             TensorRef {
                 file: f.name.clone(),
                 name: t.name.clone(),
                 dtype: t.dtype,
                 shape: t.shape.clone(),
-                offset: f.data_start + t.start,
+                offset: f.data_start + c.stored.as_ref().map_or(t.start, |s| s.start),
                 len: t.end - t.start,
-                crc32: crcs[loc.file][loc.tensor].crc32,
-                blocks: crcs[loc.file][loc.tensor].blocks.clone(),
+                crc32: c.crc32,
+                blocks: c.blocks.clone(),
+                codec: c.stored.as_ref().and_then(|s| s.codec.clone()),
             }
         };
         let tables = shard
@@ -615,9 +704,9 @@ impl<'a> SavePlan<'a> {
                 }
             })
             .collect();
-        ShardManifest {
+        let mut m = ShardManifest {
             format: FORMAT_NAME.into(),
-            format_version: FORMAT_VERSION,
+            format_version: 0,
             save_id: self.opts.save_id.clone(),
             partition: PartitionRule::default(),
             shard_num: self.opts.shard_num,
@@ -635,19 +724,17 @@ impl<'a> SavePlan<'a> {
                 .files
                 .iter()
                 .enumerate()
-                .map(|(i, f)| FileManifest {
-                    name: f.name.clone(),
-                    shard: shard.shard,
-                    bytes: f.file_len(),
-                    data_start: f.data_start,
-                    tensors: f.tensors.len() as u32,
-                    header_crc32: crc32fast::hash(&self.header(
-                        pos,
-                        i,
-                        &crcs[i].iter().map(|c| c.crc32).collect::<Vec<_>>(),
-                    )),
+                .map(|(i, f)| {
+                    Ok(FileManifest {
+                        name: f.name.clone(),
+                        shard: shard.shard,
+                        bytes: f.data_start + self.data_len_written(pos, i, &crcs[i]),
+                        data_start: f.data_start,
+                        tensors: f.tensors.len() as u32,
+                        header_crc32: crc32fast::hash(&self.header(pos, i, &crcs[i])?),
+                    })
                 })
-                .collect(),
+                .collect::<Result<_>>()?,
             user_metadata: user_metadata.clone(),
             trainer_state,
             writer: None,
@@ -658,6 +745,8 @@ impl<'a> SavePlan<'a> {
             parent: None,
             dense_in_parent: Vec::new(),
             sealed: crate::manifest::Sealed,
-        }
+        };
+        m.format_version = format_version_of(None, m.is_compressed());
+        Ok(m)
     }
 }

@@ -14,6 +14,7 @@ use saver_core::{Index, Manifest};
 
 use crate::error::{Error, Result};
 use crate::load::documents::{read_index, MAX_JSON_BYTES};
+use crate::load::frames::FrameRead;
 use crate::load::header::{parse_header, MAX_HEADER_BYTES};
 use crate::load::open_files::DataFile;
 use crate::storage::{ReadHandle, Storage};
@@ -212,7 +213,12 @@ pub(crate) fn open_file(
         let r = expected
             .get(t.name.as_str())
             .ok_or_else(|| corrupt(format!("tensor {:?} is not in the manifest", t.name)))?;
-        if r.dtype != t.dtype || r.shape != t.shape || r.offset != t.offset || r.len != t.len {
+        // A compressed tensor is a U8 tensor of its stored bytes in the file's header.
+        let (dtype, shape) = match &r.codec {
+            Some(c) => (saver_core::Dtype::U8, vec![c.stored]),
+            None => (r.dtype, r.shape.clone()),
+        };
+        if dtype != t.dtype || shape != t.shape || r.offset != t.offset || r.stored_len() != t.len {
             return Err(corrupt(format!(
                 "tensor {:?} differs between header and manifest",
                 t.name
@@ -307,13 +313,14 @@ impl Link {
 
     /// Reads several tensor ranges, `(tensor, offset within it, buffer)`, at once: the ranges of
     /// one file go to its handle together, so an object store merges neighbours and fetches them
-    /// concurrently.
+    /// concurrently. A compressed tensor's range is read as the stored frames that hold it,
+    /// then decompressed into the buffer.
     pub fn read_tensor_ranges(
         &self,
         reads: &mut [(&saver_core::manifest::TensorRef, u64, &mut [u8])],
     ) -> Result<()> {
-        let mut by_file: Vec<(&str, FileReads<'_>)> = Vec::new();
-        for (t, offset, buf) in reads.iter_mut() {
+        let mut frames: Vec<Option<FrameRead>> = Vec::with_capacity(reads.len());
+        for (t, offset, buf) in reads.iter() {
             let end = offset.checked_add(buf.len() as u64);
             if end.is_none_or(|e| e > t.len) {
                 return Err(Error::Mismatch(format!(
@@ -323,12 +330,34 @@ impl Link {
                     t.len
                 )));
             }
-            let at = t.offset + *offset;
+            frames.push(
+                t.codec
+                    .is_some()
+                    .then(|| FrameRead::plan(t, *offset, buf.len() as u64)),
+            );
+        }
+        let mut by_file: Vec<(&str, FileReads<'_>)> = Vec::new();
+        for ((t, offset, buf), fr) in reads.iter_mut().zip(frames.iter_mut()) {
+            let (at, dst) = match fr {
+                Some(fr) => (fr.file_offset, fr.stored.as_mut_slice()),
+                None => (t.offset + *offset, &mut **buf),
+            };
             match by_file.iter_mut().find(|(f, _)| *f == t.file) {
-                Some((_, list)) => list.push((at, &mut **buf)),
-                None => by_file.push((&t.file, vec![(at, &mut **buf)])),
+                Some((_, list)) => list.push((at, dst)),
+                None => by_file.push((&t.file, vec![(at, dst)])),
             }
         }
+        self.fetch(by_file)?;
+        for ((t, offset, buf), fr) in reads.iter_mut().zip(&frames) {
+            if let Some(fr) = fr {
+                fr.decode(t, *offset, buf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads byte ranges of the files, file by file.
+    fn fetch(&self, by_file: Vec<(&str, FileReads<'_>)>) -> Result<()> {
         let mut groups = Vec::with_capacity(by_file.len());
         for (file, list) in by_file {
             let f = self.files.get(file).ok_or_else(|| Error::Corrupt {

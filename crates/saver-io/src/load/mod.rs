@@ -5,6 +5,7 @@
 pub mod arrays;
 pub mod checkpoint;
 pub(crate) mod documents;
+pub(crate) mod frames;
 pub(crate) mod header;
 pub(crate) mod link;
 mod open_files;

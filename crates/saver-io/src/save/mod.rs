@@ -6,6 +6,7 @@
 
 pub(crate) mod background;
 pub(crate) mod commit;
+mod compressing;
 pub(crate) mod delta;
 mod options;
 pub(crate) mod pipeline;

@@ -27,6 +27,7 @@ use crate::save::commit::{
     check_not_rejected, claim_shard, files_left_alone, remove_own, try_commit, wait_for_commit,
     CommitState, Leftovers,
 };
+use crate::save::compressing::CompressedFile;
 use crate::save::schedule::{Claimer, FileQueues};
 use crate::storage::{LocalFs, Storage, WriteHandle};
 
@@ -40,8 +41,19 @@ pub(crate) fn storage_for_save(dir: &Path, opts: &SaveOptions) -> Result<Arc<dyn
         return crate::storage::create_location(dir);
     }
     let storage = LocalFs::create_dir(dir)?;
+    // A compressed save's files end where their data turn out to end: it writes through the
+    // page cache, whose files can be cut there.
+    let compressed = opts.plan.compression.is_some();
     let direct = match opts.direct_io {
-        DirectIo::Auto => opts.durable && storage.suits_direct_io(),
+        DirectIo::Auto => opts.durable && !compressed && storage.suits_direct_io(),
+        DirectIo::On if compressed => {
+            return Err(Error::InvalidOption {
+                option: "direct_io",
+                why: "a compressed save writes through the page cache; leave direct I/O on auto \
+                      or off"
+                    .into(),
+            })
+        }
         DirectIo::On => true,
         DirectIo::Off => false,
     };
@@ -308,7 +320,7 @@ fn write_and_commit(
             shard_crcs,
             &opts.user_metadata,
             opts.trainer_state.clone(),
-        );
+        )?;
         m.writer = Some(shared.writer.clone());
         m.replaces = shared.replaces.clone();
         m.step = opts.step;
@@ -318,7 +330,7 @@ fn write_and_commit(
             m.parent = Some(d.parent.clone());
             m.dense_in_parent = d.dense_in_parent.clone();
         }
-        m.format_version = format_version_of(m.parent.as_ref());
+        m.format_version = format_version_of(m.parent.as_ref(), m.is_compressed());
         let json = serde_json::to_vec_pretty(&m).expect("manifests serialize");
         // Set before the write, not after: once a shard manifest may exist, another process may
         // commit the set at any moment, so a failure from here on must not remove the shard.
@@ -373,7 +385,7 @@ fn write_and_commit(
         files: plan.shards().iter().map(|s| s.files.len()).sum(),
         direct_io_files: written.direct_io_files,
         rows,
-        bytes_written: plan.file_bytes(),
+        bytes_written: written.file_bytes,
         spilled_rows: plan.spilled_rows(),
         plan_seconds,
         write_seconds,
@@ -408,6 +420,8 @@ pub struct PlanWritten {
     pub crcs: Vec<Vec<Vec<TensorCrc>>>,
     /// Data files written with direct I/O (see [`WriteHandle::is_direct`]).
     pub direct_io_files: usize,
+    /// Bytes of the data files: as planned, or as stored by a compressed save.
+    pub file_bytes: u64,
 }
 
 /// Writes every file of the plan. On error, every file this call created is removed.
@@ -457,6 +471,19 @@ pub fn write_plan(
         return Err(e);
     }
     let direct_io_files = handles.iter().flatten().filter(|h| h.is_direct()).count();
+    // A compressed save stores each file front to back as its frames are compressed.
+    let compressed: Option<Vec<Vec<CompressedFile<'_>>>> = plan.options().compression.map(|c| {
+        plan.shards()
+            .iter()
+            .zip(&handles)
+            .map(|(shard, hs)| {
+                hs.iter()
+                    .enumerate()
+                    .map(|(f, h)| CompressedFile::new(shard, f, &**h, c.level, durable))
+                    .collect()
+            })
+            .collect()
+    });
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(parallel)
         .thread_name(|i| format!("saver-write-{i}"))
@@ -481,11 +508,20 @@ pub fn write_plan(
             let produced = plan.produce::<Error>(chunk, &mut buf, &mut |piece| {
                 let f = &plan.shards()[piece.shard].files[piece.loc.file];
                 let t = &f.tensors[piece.loc.tensor];
-                let h = &handles[piece.shard][piece.loc.file];
-                let at = f.data_start + t.start + piece.offset;
-                h.write_at(at, piece.bytes)?;
-                if durable {
-                    h.start_writeback(at, piece.bytes.len() as u64);
+                match &compressed {
+                    Some(files) => files[piece.shard][piece.loc.file].put(
+                        piece.loc.tensor,
+                        piece.offset,
+                        piece.bytes,
+                    )?,
+                    None => {
+                        let h = &handles[piece.shard][piece.loc.file];
+                        let at = f.data_start + t.start + piece.offset;
+                        h.write_at(at, piece.bytes)?;
+                        if durable {
+                            h.start_writeback(at, piece.bytes.len() as u64);
+                        }
+                    }
                 }
                 // One CRC per part of the piece within a checksummed block, so that
                 // `combine_crcs` can make the block CRCs as well as the tensor's.
@@ -525,12 +561,34 @@ pub fn write_plan(
         Ok(crcs)
     });
     let written: Result<Vec<Vec<PieceCrc>>> = written.into_iter().collect();
+    let mut file_bytes = plan.file_bytes();
     let finished = written.and_then(|pieces| {
-        let crcs = combine_crcs(plan, pieces.into_iter().flatten())?;
+        let mut crcs = combine_crcs(plan, pieces.into_iter().flatten())?;
+        if let Some(files) = compressed {
+            file_bytes = 0;
+            for ((shard_files, shard_crcs), (shard, hs)) in files
+                .into_iter()
+                .zip(crcs.iter_mut())
+                .zip(plan.shards().iter().zip(&handles))
+            {
+                for (((file, file_crcs), fp), h) in shard_files
+                    .into_iter()
+                    .zip(shard_crcs.iter_mut())
+                    .zip(&shard.files)
+                    .zip(hs)
+                {
+                    let (stored, data_len) = file.finish()?;
+                    for (c, s) in file_crcs.iter_mut().zip(stored) {
+                        c.stored = Some(s);
+                    }
+                    h.truncate(fp.data_start + data_len)?;
+                    file_bytes += fp.data_start + data_len;
+                }
+            }
+        }
         for (pos, shard) in plan.shards().iter().enumerate() {
             for (f, _) in shard.files.iter().enumerate() {
-                let whole: Vec<u32> = crcs[pos][f].iter().map(|c| c.crc32).collect();
-                handles[pos][f].write_at(0, &plan.header(pos, f, &whole))?;
+                handles[pos][f].write_at(0, &plan.header(pos, f, &crcs[pos][f])?)?;
             }
         }
         Ok(crcs)
@@ -568,6 +626,7 @@ pub fn write_plan(
     Ok(PlanWritten {
         crcs,
         direct_io_files,
+        file_bytes,
     })
 }
 
@@ -655,6 +714,7 @@ fn combine_crcs(
                     )));
                 }
                 crcs.push(TensorCrc {
+                    stored: None,
                     crc32: whole.finalize(),
                     blocks: block_bytes.map(|bytes| BlockCrcs {
                         bytes,

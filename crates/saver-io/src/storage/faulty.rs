@@ -89,6 +89,10 @@ impl WriteHandle for FaultyWrite {
         self.inner.is_direct()
     }
 
+    fn truncate(&self, len: u64) -> Result<()> {
+        self.inner.truncate(len)
+    }
+
     fn commit(self: Box<Self>, durable: bool) -> Result<()> {
         let n = self.state.commits.fetch_add(1, Ordering::SeqCst);
         if self.fault == Fault::CommitNumber(n)

@@ -133,6 +133,32 @@ impl WriteHandle for LocalWrite {
         self.direct.is_some()
     }
 
+    fn truncate(&self, len: u64) -> Result<()> {
+        if self.direct.is_some() {
+            // Its windows are cut for the planned length; compressed saves write through the
+            // page cache.
+            return Err(Error::Mismatch(format!(
+                "internal: {} is written with direct I/O and cannot be cut",
+                self.tmp.display()
+            )));
+        }
+        // The file was allocated at its planned length when created.
+        let planned = self
+            .file
+            .metadata()
+            .map_err(io_err("truncate", &self.tmp))?
+            .len();
+        if len > planned {
+            return Err(Error::Mismatch(format!(
+                "internal: {} cannot grow from {planned} to {len} bytes by a truncate",
+                self.tmp.display()
+            )));
+        }
+        self.file
+            .set_len(len)
+            .map_err(io_err("truncate", &self.tmp))
+    }
+
     fn start_writeback(&self, offset: u64, len: u64) {
         if self.direct.is_some() {
             return; // nothing waits in the page cache

@@ -193,6 +193,14 @@ pub trait WriteHandle: Send + Sync {
     fn is_direct(&self) -> bool {
         false
     }
+    /// Ends the file at `len`, short of the length it was created with: a compressed save
+    /// knows its files' lengths only once their data are written. Bytes past `len` must never
+    /// have been written. Default: refused, for handles that cannot.
+    fn truncate(&self, len: u64) -> Result<()> {
+        Err(Error::Mismatch(format!(
+            "internal: this file cannot be cut to {len} bytes"
+        )))
+    }
     /// Makes the data durable (if asked), then atomically gives the file its final name.
     fn commit(self: Box<Self>, durable: bool) -> Result<()>;
     /// Discards the file.

@@ -14,6 +14,7 @@
 
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
 use object_store::multipart::PartId;
@@ -205,7 +206,8 @@ enum Body {
 pub(super) struct ObjectWrite {
     client: Arc<Client>,
     key: ObjectPath,
-    len: u64,
+    /// The file's length: as created, or as [`WriteHandle::truncate`] cut it.
+    len: AtomicU64,
     body: Body,
 }
 
@@ -251,7 +253,7 @@ impl ObjectWrite {
         Self {
             client,
             key,
-            len,
+            len: AtomicU64::new(len),
             body: Body::Whole(Mutex::new(vec![0; len as usize])),
         }
     }
@@ -273,7 +275,7 @@ impl ObjectWrite {
         Self {
             client,
             key,
-            len,
+            len: AtomicU64::new(len),
             body: Body::Parts {
                 upload,
                 marker,
@@ -294,9 +296,37 @@ impl ObjectWrite {
         }
     }
 
+    fn len(&self) -> u64 {
+        self.len.load(Ordering::Acquire)
+    }
+
     fn part_range(&self, part_size: u64, i: usize) -> Range<u64> {
         let start = i as u64 * part_size;
-        start..(start + part_size).min(self.len)
+        start..(start + part_size).min(self.len())
+    }
+
+    /// The bytes of part `p`, of `plen` bytes, once all are written: from its buffer or the
+    /// temporary file it waited in. Marks it sent.
+    fn take_full(&self, p: &mut Part, plen: u64, slots: &UploadSlots) -> Result<Option<Vec<u8>>> {
+        p.sent = p.filled == plen;
+        match (p.sent, p.waiting.take()) {
+            (false, waiting) => {
+                p.waiting = waiting;
+                Ok(None)
+            }
+            (true, None) => {
+                let mut bytes = std::mem::take(&mut p.buf);
+                // A last part cut short by a truncate was allocated at its planned length.
+                bytes.truncate(plen as usize);
+                Ok(Some(bytes))
+            }
+            (true, Some(f)) => {
+                let mut bytes = slots.buffer(plen as usize);
+                f.read_exact_at(&mut bytes, 0)
+                    .map_err(|e| self.waiting_error(e))?;
+                Ok(Some(bytes))
+            }
+        }
     }
 
     /// Hands the full part `i` to an upload thread once a slot is free.
@@ -349,10 +379,10 @@ impl ObjectWrite {
 impl WriteHandle for ObjectWrite {
     fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
         let end = offset + buf.len() as u64;
-        if end > self.len {
+        if end > self.len() {
             return Err(Error::Mismatch(format!(
                 "internal: a write of bytes {offset}..{end} past the end ({}) of {}",
-                self.len,
+                self.len(),
                 self.client.url(&self.key)
             )));
         }
@@ -403,25 +433,74 @@ impl WriteHandle for ObjectWrite {
                             None => p.buf[from as usize..(from + n) as usize].copy_from_slice(src),
                         }
                         p.filled += n;
-                        p.sent = p.filled == plen;
-                        match (p.sent, p.waiting.take()) {
-                            (false, waiting) => {
-                                p.waiting = waiting;
-                                None
-                            }
-                            (true, None) => Some(std::mem::take(&mut p.buf)),
-                            (true, Some(f)) => {
-                                let mut bytes = slots.buffer(plen as usize);
-                                f.read_exact_at(&mut bytes, 0)
-                                    .map_err(|e| self.waiting_error(e))?;
-                                Some(bytes)
-                            }
-                        }
+                        self.take_full(&mut p, plen, slots)?
                     };
                     if let Some(bytes) = full {
                         self.send(upload, i, bytes, parts, flights, slots)?;
                     }
                     at += n;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn truncate(&self, len: u64) -> Result<()> {
+        let url = || self.client.url(&self.key);
+        if len > self.len() {
+            return Err(Error::Mismatch(format!(
+                "internal: {} cannot grow to {len} bytes by a truncate",
+                url()
+            )));
+        }
+        match &self.body {
+            Body::Whole(whole) => {
+                whole
+                    .lock()
+                    .expect("no panic while held")
+                    .truncate(len as usize);
+                self.len.store(len, Ordering::Release);
+                Ok(())
+            }
+            Body::Parts {
+                upload,
+                part_size,
+                parts,
+                flights,
+                slots,
+                ..
+            } => {
+                let kept = len.div_ceil(*part_size) as usize;
+                for p in &parts[kept.min(parts.len())..] {
+                    if p.lock().expect("no panic while held").filled > 0 {
+                        return Err(Error::Mismatch(format!(
+                            "internal: {} was written past {len}, where it is cut",
+                            url()
+                        )));
+                    }
+                }
+                self.len.store(len, Ordering::Release);
+                // The new last part may now be whole.
+                let Some(i) = kept.checked_sub(1) else {
+                    return Ok(());
+                };
+                let range = self.part_range(*part_size, i);
+                let full = {
+                    let mut p = parts[i].lock().expect("no panic while held");
+                    if p.filled > range.end - range.start {
+                        return Err(Error::Mismatch(format!(
+                            "internal: {} was written past {len}, where it is cut",
+                            url()
+                        )));
+                    }
+                    if p.sent {
+                        None
+                    } else {
+                        self.take_full(&mut p, range.end - range.start, slots)?
+                    }
+                };
+                if let Some(bytes) = full {
+                    self.send(upload, i, bytes, parts, flights, slots)?;
                 }
                 Ok(())
             }
@@ -454,8 +533,9 @@ impl WriteHandle for ObjectWrite {
                     self.abort();
                     return Err(e);
                 }
-                let mut ids = Vec::with_capacity(parts.len());
-                for (i, p) in parts.iter().enumerate() {
+                let kept = self.len().div_ceil(*part_size) as usize;
+                let mut ids = Vec::with_capacity(kept);
+                for (i, p) in parts.iter().enumerate().take(kept) {
                     let p = p.lock().expect("no panic while held");
                     match &p.id {
                         Some(id) => ids.push(id.clone()),
