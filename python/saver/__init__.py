@@ -147,6 +147,8 @@ def _save_arguments(tables, dense, options):
     row_filter = options.get("row_filter")
     if row_filter is not None:
         tables = {name: _filtered(name, columns, row_filter) for name, columns in (tables or {}).items()}
+    if options.get("compress") not in (None, "zstd"):
+        raise InputError(f"compress: must be None or 'zstd', got {options['compress']!r}")
     if options["foreign_rows"] not in ("error", "skip"):
         raise InputError(f"foreign_rows: must be 'error' or 'skip', got {options['foreign_rows']!r}")
     tables_in = []
@@ -207,6 +209,7 @@ def save(
     exclude_slots: Union[str, Sequence[str]] = (),
     keep_rows: Union[str, Sequence[str]] = (),
     row_filter: Optional[Any] = None,
+    compress: Optional[str] = None,
 ) -> SaveReport:
     """Saves sparse tables and dense tensors as a checkpoint at ``path`` (a directory or an
     ``s3://bucket/prefix`` location), committed when this returns.
@@ -232,6 +235,9 @@ def save(
     predicate, called with each table's columns (``"ids"`` and every slot, a dict of arrays) a
     million rows at a time, returning a bool array: the rows it keeps are saved (copied out
     once), e.g. ``lambda c: (c["freq"] >= 3) & (np.abs(c["embedding"]).sum(axis=1) > 0)``.
+    ``compress="zstd"`` compresses each tensor where it pays (ids, mostly-zero rows and
+    low-precision values shrink; fp32 embeddings hardly do): the files stay safetensors, and
+    every reader of this package reads them.
 
     Every array is read in place (no copy), so none may change until this returns; other Python
     threads run meanwhile. :func:`save_async` copies them instead, and returns.
@@ -250,6 +256,7 @@ def save(
         exclude_slots=exclude_slots,
         keep_rows=keep_rows,
         row_filter=row_filter,
+        compress=compress,
     )
     report = _saver.save(os.fspath(path), *_save_arguments(tables, dense, options))
     return SaveReport(**report)
@@ -495,6 +502,7 @@ def _options(given: Mapping[str, Any]) -> dict:
         exclude_slots=(),
         keep_rows=(),
         row_filter=None,
+        compress=None,
     )
     unknown = set(given) - set(options)
     if unknown:

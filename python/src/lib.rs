@@ -72,6 +72,7 @@ struct SaveArgs {
     parent: Option<PathBuf>,
     exclude_slots: Vec<String>,
     keep_rows: Vec<String>,
+    compress: Option<String>,
 }
 
 impl SaveArgs {
@@ -93,6 +94,15 @@ impl SaveArgs {
             opts.plan.parallel = p;
         }
         opts.parent = self.parent;
+        opts.plan.compression = match self.compress.as_deref() {
+            None => None,
+            Some("zstd") => Some(saver_core::Compression::default()),
+            Some(other) => {
+                return Err(err(format!(
+                    "compress: must be None or 'zstd', got {other:?}"
+                )))
+            }
+        };
         let mut filters = saver_core::Filters::new();
         for g in &self.exclude_slots {
             filters = filters.exclude_slots(g).map_err(err)?;

@@ -115,6 +115,38 @@ pub struct VerifyArgs {
     pub out: Output,
 }
 
+/// Compression of the checkpoint a command writes.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct CompressFlags {
+    /// Compress each tensor where it pays: ids, mostly-zero rows and low-precision values
+    /// shrink, fp32 embeddings hardly do (see README). Files stay safetensors, compressed
+    /// tensors stored as U8; the format version becomes 3 (4 for a delta), which earlier saver
+    /// builds refuse rather than misread.
+    #[arg(long, value_enum)]
+    pub compress: Option<CompressWith>,
+    /// zstd level with --compress: 1 (fastest) to 19.
+    #[arg(long, default_value_t = 1, requires = "compress",
+          value_parser = clap::value_parser!(i32).range(1..=19))]
+    pub compress_level: i32,
+}
+
+impl CompressFlags {
+    /// The plan's compression option.
+    pub fn compression(&self) -> Option<saver_core::Compression> {
+        self.compress
+            .map(|CompressWith::Zstd| saver_core::Compression {
+                level: self.compress_level,
+            })
+    }
+}
+
+/// Values of `--compress`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompressWith {
+    /// zstd, per frame of each tensor, after a filter chosen per tensor.
+    Zstd,
+}
+
 /// How `saver reshard` and `saver compact` write the checkpoint they rewrite.
 #[derive(Args, Debug)]
 pub struct RewriteFlags {
@@ -127,6 +159,8 @@ pub struct RewriteFlags {
     /// Skip fsync (faster, not crash-safe).
     #[arg(long)]
     pub no_fsync: bool,
+    #[command(flatten)]
+    pub compress: CompressFlags,
     #[command(flatten)]
     pub out_fmt: Output,
 }
@@ -395,6 +429,8 @@ pub struct SaveArgs {
         require_equals = true
     )]
     pub direct_io: DirectIoWhen,
+    #[command(flatten)]
+    pub compress: CompressFlags,
     /// Save id: part of every file name. Default: random. Required with --shard-index: the same
     /// in every process of one save, and new for every save and every retry (e.g.
     /// run7-step1200-a1); a second writer of a shard under one id gets the save rejected.

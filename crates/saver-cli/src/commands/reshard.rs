@@ -28,6 +28,7 @@ fn run(src: &Path, out: &Path, shards: Option<u32>, write: &RewriteFlags) -> Cmd
         parallel,
         overwrite,
         no_fsync,
+        compress,
         out_fmt: fmt,
     } = *write;
     let durable = !no_fsync;
@@ -42,6 +43,7 @@ fn run(src: &Path, out: &Path, shards: Option<u32>, write: &RewriteFlags) -> Cmd
         };
         opts.plan.shard_num = shards;
         opts.plan.parallel = parallel;
+        opts.plan.compression = compress.compression();
         let r = rewrite(&chain, out, &opts)?;
         Ok((chain, shards, r))
     })?;

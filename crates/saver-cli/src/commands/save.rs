@@ -74,6 +74,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
     opts.plan.parallel = args.parallel;
     opts.plan.max_file_size = args.max_file_size;
     opts.plan.plan_memory = args.plan_memory;
+    opts.plan.compression = args.compress.compression();
     opts.plan.filters = filters(&args)?;
     // Every process builds or reads the whole model and saves its own shard of it.
     opts.plan.foreign_rows = ForeignRows::Skip;
