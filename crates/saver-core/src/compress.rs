@@ -333,25 +333,56 @@ pub fn decompress_frame(filter: Filter, stored: &[u8], out: &mut [u8]) -> Result
             filter.element()
         )));
     }
-    // One byte more than expected is room enough to notice a frame that holds too much.
-    let mut filtered = Vec::with_capacity(out.len() + 1);
-    let mut decoder = zstd::stream::read::Decoder::new(stored)
-        .map_err(|e| CodecError(format!("a stored frame is not zstd: {e}")))?
-        .single_frame();
-    let got = std::io::Read::read_to_end(
-        &mut std::io::Read::take(&mut decoder, out.len() as u64 + 1),
-        &mut filtered,
-    )
-    .map_err(|e| CodecError(format!("a stored frame does not decompress: {e}")))?;
-    if got != out.len() {
-        return Err(CodecError(format!(
-            "a stored frame decompresses to {}{got} bytes, not {}",
-            if got > out.len() { "more than " } else { "" },
-            out.len()
-        )));
+    let raw = out.len();
+    DECODER.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        if cell.is_none() {
+            let d = zstd::bulk::Decompressor::new()
+                .map_err(|e| CodecError(format!("zstd could not start: {e}")))?;
+            *cell = Some((d, Vec::new()));
+        }
+        let (decoder, filtered) = cell.as_mut().expect("just made");
+        // Decompressed straight into `out` when there is no filter to undo; otherwise into a
+        // buffer of this thread's, one byte longer than expected so that a frame that holds
+        // too much is noticed.
+        let got = if filter == Filter::Plain {
+            decoder
+                .decompress_to_buffer(stored, &mut *out)
+                .map_err(|e| frame_error(e, raw))?
+        } else {
+            filtered.resize(out.len() + 1, 0);
+            decoder
+                .decompress_to_buffer(stored, &mut filtered[..])
+                .map_err(|e| frame_error(e, raw))?
+        };
+        if got != out.len() {
+            return Err(CodecError(format!(
+                "a stored frame decompresses to {}{got} bytes, not {}",
+                if got > out.len() { "more than " } else { "" },
+                out.len()
+            )));
+        }
+        if filter != Filter::Plain {
+            filter.undo(&filtered[..got], out);
+        }
+        Ok(())
+    })
+}
+
+thread_local! {
+    /// Each thread's zstd decompression context and filter buffer, reused frame after frame.
+    static DECODER: std::cell::RefCell<Option<(zstd::bulk::Decompressor<'static>, Vec<u8>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// What a failed decompression of a frame of `raw` bytes means.
+fn frame_error(e: std::io::Error, raw: usize) -> CodecError {
+    if e.to_string().contains("Destination buffer is too small") {
+        return CodecError(format!(
+            "a stored frame decompresses to more than {raw} bytes"
+        ));
     }
-    filter.undo(&filtered, out);
-    Ok(())
+    CodecError(format!("a stored frame does not decompress as zstd: {e}"))
 }
 
 /// What a column holds, for [`choose`].
