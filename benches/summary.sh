@@ -37,10 +37,10 @@ run() { # name, command...
 
 if [ $quick = 1 ]; then
   size=64MiB runs=1 models='tiny' chain_size=1MiB spec='tiny' checkpoints=20 train='--train-seconds 1 --train-rows 4096'
-  tws='--rows 16384 --trainers 1 --hot 10' codec_mib=1
+  tws='--rows 16384 --trainers 1 --hot 10' codec_mib=1 compressed_size=16MiB
 else
   size=2GiB runs=3 models='small,scale=10;criteo-kaggle,scale=0.5' chain_size=6MiB spec='criteo-kaggle,scale=0.25' checkpoints=1000 train='--train-seconds 10'
-  tws='' codec_mib=32
+  tws='' codec_mib=32 compressed_size=1GiB
 fi
 
 {
@@ -60,6 +60,7 @@ run manager cargo bench -q --bench manager -- --spec "$spec" --runs "$runs" --ch
 # shellcheck disable=SC2086 # several arguments
 run train_while_saving cargo bench -q --bench train_while_saving -- $tws
 run column_codecs cargo bench -q --bench column_codecs -- --mib "$codec_mib"
+run compressed cargo bench -q --bench compressed -- --size "$compressed_size" --runs "$runs"
 
 if [ $quick = 1 ]; then
   echo "quick run: every benchmark ran; figures in $out/summary.md (not kept)" >&2
