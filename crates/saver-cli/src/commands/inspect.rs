@@ -35,8 +35,14 @@ pub fn run(args: InspectArgs) -> CmdResult {
             .iter()
             .map(|s| format!("{} {}{:?}", s.name, s.dtype, s.shape))
             .collect();
+        // A compressed table also says what it takes in the files.
+        let stored = if report.format_version >= saver_core::COMPRESSED_FORMAT_VERSION {
+            format!(" ({} stored)", output::size(t.stored_bytes))
+        } else {
+            String::new()
+        };
         println!(
-            "  {:<24} {:>12} rows  {:>10}  ids {}  slots: {}",
+            "  {:<24} {:>12} rows  {:>10}{stored}  ids {}  slots: {}",
             t.name,
             t.rows,
             output::size(t.bytes),

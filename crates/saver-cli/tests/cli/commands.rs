@@ -1479,7 +1479,14 @@ fn compressed_checkpoints_through_every_command() {
         packed["bytes_written"].as_u64().unwrap() * 2 < raw["bytes_written"].as_u64().unwrap(),
         "{packed} against {raw}"
     );
-    assert_eq!(json(&["inspect", p(&path("z0"))])["format_version"], 3);
+    let summary = json(&["inspect", p(&path("z0"))]);
+    assert_eq!(summary["format_version"], 3);
+    let table = &summary["tables"][0];
+    assert!(
+        table["stored_bytes"].as_u64().unwrap() * 2 < table["bytes"].as_u64().unwrap(),
+        "{table}"
+    );
+    assert!(ok(&["inspect", p(&path("z0"))]).contains("stored)"));
     ok(&["verify", p(&path("z0"))]);
     let digest = |x: &str| ok(&["digest", p(&path(x))]).trim().to_string();
     assert_eq!(digest("z0"), digest("raw0"));

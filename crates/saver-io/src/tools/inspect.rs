@@ -38,6 +38,9 @@ pub struct TableSummary {
     pub slots: Vec<SlotSummary>,
     /// Bytes of its ids and slots.
     pub bytes: u64,
+    /// Bytes its ids, bucket indexes and slots take in the files: fewer than `bytes` where they
+    /// are compressed (format versions 3 and 4).
+    pub stored_bytes: u64,
 }
 
 /// One dense tensor.
@@ -51,6 +54,8 @@ pub struct DenseSummary {
     pub shape: Vec<u64>,
     /// Its bytes.
     pub bytes: u64,
+    /// Bytes it takes in its file: fewer than `bytes` where it is compressed.
+    pub stored_bytes: u64,
     /// The shard that wrote it.
     pub shard: u32,
 }
@@ -148,11 +153,16 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
             .iter()
             .map(|t| {
                 let mut per = vec![0; m.shard_num as usize];
-                let mut bytes = 0;
+                let (mut bytes, mut stored_bytes) = (0, 0);
                 for p in &t.partitions {
                     per[p.shard as usize] += p.rows;
                     for s in &p.segments {
                         bytes += s.ids.len + s.slots.iter().map(|x| x.len).sum::<u64>();
+                        stored_bytes += std::iter::once(&s.ids)
+                            .chain(std::iter::once(&s.bucket_index))
+                            .chain(&s.slots)
+                            .map(|x| x.stored_len())
+                            .sum::<u64>();
                     }
                 }
                 TableSummary {
@@ -170,6 +180,7 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
                         })
                         .collect(),
                     bytes,
+                    stored_bytes,
                 }
             })
             .collect(),
@@ -181,6 +192,7 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
                 dtype: d.tensor.dtype,
                 shape: d.tensor.shape.clone(),
                 bytes: d.tensor.len,
+                stored_bytes: d.tensor.stored_len(),
                 shard: d.shard,
             })
             .collect(),
