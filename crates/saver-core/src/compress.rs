@@ -427,7 +427,29 @@ pub fn decompress_frame(filter: Filter, stored: &[u8], out: &mut [u8]) -> Result
             filter.element()
         )));
     }
-    let raw = out.len();
+    // Every frame records its raw length (the compressor is told it): a frame claiming another
+    // length is refused before anything is decompressed.
+    match zstd::zstd_safe::get_frame_content_size(stored) {
+        Ok(Some(n)) if n == out.len() as u64 => {}
+        Ok(Some(n)) => {
+            return Err(CodecError(format!(
+                "a stored frame decompresses to {}{} bytes, not {}",
+                if n > out.len() as u64 {
+                    "more than "
+                } else {
+                    ""
+                },
+                n.min(out.len() as u64),
+                out.len()
+            )))
+        }
+        Ok(None) => {
+            return Err(CodecError(
+                "a stored frame does not record its length".into(),
+            ))
+        }
+        Err(_) => return Err(CodecError("a stored frame is not zstd".into())),
+    }
     DECODER.with(|cell| {
         let mut cell = cell.borrow_mut();
         if cell.is_none() {
@@ -436,28 +458,25 @@ pub fn decompress_frame(filter: Filter, stored: &[u8], out: &mut [u8]) -> Result
             *cell = Some((d, Vec::new()));
         }
         let (decoder, filtered) = cell.as_mut().expect("just made");
-        // Decompressed straight into `out` when there is no filter to undo; otherwise into a
-        // buffer of this thread's, one byte longer than expected so that a frame that holds
-        // too much is noticed.
-        let got = if filter == Filter::Plain {
-            decoder
-                .decompress_to_buffer(stored, &mut *out)
-                .map_err(|e| frame_error(e, raw))?
+        // Straight into `out` when there is no filter to undo; otherwise into a buffer of this
+        // thread's.
+        let dst: &mut [u8] = if filter == Filter::Plain {
+            &mut *out
         } else {
-            filtered.resize(out.len() + 1, 0);
-            decoder
-                .decompress_to_buffer(stored, &mut filtered[..])
-                .map_err(|e| frame_error(e, raw))?
+            filtered.resize(out.len(), 0);
+            &mut filtered[..]
         };
-        if got != out.len() {
+        let got = decoder
+            .decompress_to_buffer(stored, &mut *dst)
+            .map_err(|e| CodecError(format!("a stored frame does not decompress: {e}")))?;
+        if got != dst.len() {
             return Err(CodecError(format!(
-                "a stored frame decompresses to {}{got} bytes, not {}",
-                if got > out.len() { "more than " } else { "" },
-                out.len()
+                "a stored frame decompresses to {got} bytes, not {}",
+                dst.len()
             )));
         }
         if filter != Filter::Plain {
-            filter.undo(&filtered[..got], out);
+            filter.undo(filtered, out);
         }
         Ok(())
     })
@@ -467,16 +486,6 @@ thread_local! {
     /// Each thread's zstd decompression context and filter buffer, reused frame after frame.
     static DECODER: std::cell::RefCell<Option<(zstd::bulk::Decompressor<'static>, Vec<u8>)>> =
         const { std::cell::RefCell::new(None) };
-}
-
-/// What a failed decompression of a frame of `raw` bytes means.
-fn frame_error(e: std::io::Error, raw: usize) -> CodecError {
-    if e.to_string().contains("Destination buffer is too small") {
-        return CodecError(format!(
-            "a stored frame decompresses to more than {raw} bytes"
-        ));
-    }
-    CodecError(format!("a stored frame does not decompress as zstd: {e}"))
 }
 
 /// What a column holds, for [`choose`].
