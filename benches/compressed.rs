@@ -172,8 +172,7 @@ fn main() {
     println!(
         "## Compressed checkpoints (`--compress zstd`, level 1) against raw ones\n\n\
          Medians of {runs} rounds after a warm-up round, raw and compressed alternated. Saves \
-         are durable (raw ones take direct I/O where the disk suits it, compressed ones the page \
-         cache); loads restore every table with 2 threads, the files evicted from the page cache \
+         are durable (with direct I/O where the disk suits it); loads restore every table with 2 threads, the files evicted from the page cache \
          first. Ratios: compressed over raw (below 1: compression wins).\n"
     );
     println!(

@@ -41,19 +41,8 @@ pub(crate) fn storage_for_save(dir: &Path, opts: &SaveOptions) -> Result<Arc<dyn
         return crate::storage::create_location(dir);
     }
     let storage = LocalFs::create_dir(dir)?;
-    // A compressed save's files end where their data turn out to end: it writes through the
-    // page cache, whose files can be cut there.
-    let compressed = opts.plan.compression.is_some();
     let direct = match opts.direct_io {
-        DirectIo::Auto => opts.durable && !compressed && storage.suits_direct_io(),
-        DirectIo::On if compressed => {
-            return Err(Error::InvalidOption {
-                option: "direct_io",
-                why: "a compressed save writes through the page cache; leave direct I/O on auto \
-                      or off"
-                    .into(),
-            })
-        }
+        DirectIo::Auto => opts.durable && storage.suits_direct_io(),
         DirectIo::On => true,
         DirectIo::Off => false,
     };

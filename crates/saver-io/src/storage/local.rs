@@ -134,13 +134,10 @@ impl WriteHandle for LocalWrite {
     }
 
     fn truncate(&self, len: u64) -> Result<()> {
-        if self.direct.is_some() {
-            // Its windows are cut for the planned length; compressed saves write through the
-            // page cache.
-            return Err(Error::Mismatch(format!(
-                "internal: {} is written with direct I/O and cannot be cut",
-                self.tmp.display()
-            )));
+        if let Some(d) = &self.direct {
+            // Its last window goes to the disk now if the cut completes it; the file itself is
+            // cut at commit.
+            return d.truncate(len).map_err(io_err("truncate", &self.tmp));
         }
         // The file was allocated at its planned length when created.
         let planned = self

@@ -24,6 +24,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use memmap2::MmapMut;
@@ -42,8 +43,8 @@ struct Window {
 /// The direct-I/O side of one file being written.
 pub(super) struct DirectWrites {
     file: Arc<DirectFile>,
-    /// The file's final length.
-    len: u64,
+    /// The file's final length: as planned, or as [`DirectWrites::truncate`] cut it.
+    len: AtomicU64,
     pool: Arc<WindowPool>,
     open: Mutex<HashMap<u64, Arc<Mutex<Window>>>>,
 }
@@ -69,27 +70,80 @@ impl DirectWrites {
     fn with_files(direct: File, buffered: File, len: u64, pool: Arc<WindowPool>) -> Self {
         Self {
             file: Arc::new(DirectFile::new(direct, buffered)),
-            len,
+            len: AtomicU64::new(len),
             pool,
             open: Mutex::new(HashMap::new()),
         }
     }
 
+    fn len(&self) -> u64 {
+        self.len.load(Ordering::Acquire)
+    }
+
     fn window_len(&self, w: u64) -> u64 {
-        WINDOW.min(self.len - w * WINDOW)
+        WINDOW.min(self.len() - w * WINDOW)
+    }
+
+    /// Ends the file at `len`, before any byte past it was written (a compressed save learns its
+    /// files' lengths only at their end): the window holding the new end, if now complete, goes
+    /// to the disk; windows past it must never have been opened.
+    pub fn truncate(&self, len: u64) -> io::Result<()> {
+        if len > self.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "cannot grow from {} to {len} bytes by a truncate",
+                    self.len()
+                ),
+            ));
+        }
+        let last = len.div_ceil(WINDOW);
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(&w) = open.keys().find(|&&w| w >= last) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("bytes past {len} were written (window at {})", w * WINDOW),
+            ));
+        }
+        self.len.store(len, Ordering::Release);
+        // The new last window (the first one goes through the page cache, and is never open).
+        let Some(w) = last.checked_sub(1) else {
+            return Ok(());
+        };
+        let window_len = self.window_len(w);
+        let full = match open.get(&w) {
+            Some(win) => {
+                let mut win = win.lock().unwrap_or_else(PoisonError::into_inner);
+                if win.filled > window_len {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("bytes past {len} were written"),
+                    ));
+                }
+                (win.filled == window_len).then(|| win.buf.take()).flatten()
+            }
+            None => None,
+        };
+        if let Some(buf) = full {
+            open.remove(&w);
+            drop(open);
+            self.pool
+                .write_behind(&self.file, w * WINDOW, buf, window_len as usize);
+        }
+        Ok(())
     }
 
     /// Copies `buf` into the windows it covers, handing each window it completes to the pool's
     /// background writers. `buffered` is the file without `O_DIRECT`, for the first window. Fails
     /// if an earlier window of the file failed to be written.
     pub fn write_at(&self, offset: u64, buf: &[u8], buffered: &File) -> io::Result<()> {
-        if offset + buf.len() as u64 > self.len {
+        if offset + buf.len() as u64 > self.len() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
                     "write of {} bytes at {offset} past the planned length {}",
                     buf.len(),
-                    self.len
+                    self.len()
                 ),
             ));
         }
@@ -167,8 +221,8 @@ impl DirectWrites {
                 ),
             ));
         }
-        if buffered.metadata()?.len() != self.len {
-            buffered.set_len(self.len)?;
+        if buffered.metadata()?.len() != self.len() {
+            buffered.set_len(self.len())?;
         }
         Ok(())
     }
@@ -244,6 +298,39 @@ mod tests {
         direct.finish(&buffered).unwrap();
         drop(direct);
         read_back(&dir)
+    }
+
+    /// A file written front to back and cut short of its planned length (as a compressed save
+    /// writes): at every kind of cut, it reads back as written; a cut below bytes written, or
+    /// past the planned length, is refused.
+    #[test]
+    fn a_file_cut_before_its_commit_reads_back_as_written() {
+        let pool = Arc::new(WindowPool::default());
+        let planned = 6 * WINDOW + 100;
+        for cut in [
+            100,
+            WINDOW,
+            WINDOW + 1,
+            2 * WINDOW,
+            3 * WINDOW + 4097,
+            6 * WINDOW + 99,
+        ] {
+            let data: Vec<u8> = (0..cut).map(|i| (i * 7 % 251) as u8).collect();
+            let (dir, buffered, direct) = open_file(planned, &pool);
+            for piece in data.chunks(100_003) {
+                let at = piece.as_ptr() as usize - data.as_ptr() as usize;
+                direct.write_at(at as u64, piece, &buffered).unwrap();
+            }
+            direct.truncate(cut).unwrap();
+            direct.finish(&buffered).unwrap();
+            drop(direct);
+            assert!(read_back(&dir) == data, "cut at {cut}");
+        }
+        let (_dir, buffered, direct) = open_file(planned, &pool);
+        direct.write_at(2 * WINDOW, &[1; 10], &buffered).unwrap();
+        assert!(direct.truncate(WINDOW + 5).is_err());
+        assert!(direct.truncate(2 * WINDOW + 5).is_err());
+        assert!(direct.truncate(planned + 1).is_err());
     }
 
     proptest! {
