@@ -586,15 +586,6 @@ impl<'a> SavePlan<'a> {
             .sum()
     }
 
-    /// Total bytes of all planned files, headers included.
-    pub fn file_bytes(&self) -> u64 {
-        self.shards
-            .iter()
-            .flat_map(|s| &s.files)
-            .map(FilePlan::file_len)
-            .sum()
-    }
-
     /// The final header of file `file` of planned shard `pos`, with the tensors' checksums and,
     /// in a compressed save, where each is stored.
     pub fn header(&self, pos: usize, file: usize, crcs: &[TensorCrc]) -> Result<Vec<u8>> {

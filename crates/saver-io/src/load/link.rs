@@ -214,11 +214,11 @@ pub(crate) fn open_file(
             .get(t.name.as_str())
             .ok_or_else(|| corrupt(format!("tensor {:?} is not in the manifest", t.name)))?;
         // A compressed tensor is a U8 tensor of its stored bytes in the file's header.
-        let (dtype, shape) = match &r.codec {
-            Some(c) => (saver_core::Dtype::U8, vec![c.stored]),
-            None => (r.dtype, r.shape.clone()),
+        let same_type = match &r.codec {
+            Some(c) => t.dtype == saver_core::Dtype::U8 && t.shape == [c.stored],
+            None => t.dtype == r.dtype && t.shape == r.shape,
         };
-        if dtype != t.dtype || shape != t.shape || r.offset != t.offset || r.stored_len() != t.len {
+        if !same_type || r.offset != t.offset || r.stored_len() != t.len {
             return Err(corrupt(format!(
                 "tensor {:?} differs between header and manifest",
                 t.name

@@ -303,6 +303,9 @@ fn write_and_commit(
     if let Some(d) = &shared.delta {
         d.check_parent()?;
     }
+    // What the files hold as written, as their manifests record it: stored bytes where
+    // compressed.
+    let mut bytes_written = 0;
     for (pos, shard_crcs) in written.crcs.iter().enumerate() {
         let mut m = plan.shard_manifest(
             pos,
@@ -320,6 +323,7 @@ fn write_and_commit(
             m.dense_in_parent = d.dense_in_parent.clone();
         }
         m.format_version = format_version_of(m.parent.as_ref(), m.is_compressed());
+        bytes_written += m.files.iter().map(|f| f.bytes).sum::<u64>();
         let json = serde_json::to_vec_pretty(&m).expect("manifests serialize");
         // Set before the write, not after: once a shard manifest may exist, another process may
         // commit the set at any moment, so a failure from here on must not remove the shard.
@@ -374,7 +378,7 @@ fn write_and_commit(
         files: plan.shards().iter().map(|s| s.files.len()).sum(),
         direct_io_files: written.direct_io_files,
         rows,
-        bytes_written: written.file_bytes,
+        bytes_written,
         spilled_rows: plan.spilled_rows(),
         plan_seconds,
         write_seconds,
@@ -409,8 +413,6 @@ pub struct PlanWritten {
     pub crcs: Vec<Vec<Vec<TensorCrc>>>,
     /// Data files written with direct I/O (see [`WriteHandle::is_direct`]).
     pub direct_io_files: usize,
-    /// Bytes of the data files: as planned, or as stored by a compressed save.
-    pub file_bytes: u64,
 }
 
 /// Writes every file of the plan. On error, every file this call created is removed.
@@ -550,11 +552,9 @@ pub fn write_plan(
         Ok(crcs)
     });
     let written: Result<Vec<Vec<PieceCrc>>> = written.into_iter().collect();
-    let mut file_bytes = plan.file_bytes();
     let finished = written.and_then(|pieces| {
         let mut crcs = combine_crcs(plan, pieces.into_iter().flatten())?;
         if let Some(files) = compressed {
-            file_bytes = 0;
             for ((shard_files, shard_crcs), (shard, hs)) in files
                 .into_iter()
                 .zip(crcs.iter_mut())
@@ -571,7 +571,6 @@ pub fn write_plan(
                         c.stored = Some(s);
                     }
                     h.truncate(fp.data_start + data_len)?;
-                    file_bytes += fp.data_start + data_len;
                 }
             }
         }
@@ -615,7 +614,6 @@ pub fn write_plan(
     Ok(PlanWritten {
         crcs,
         direct_io_files,
-        file_bytes,
     })
 }
 
