@@ -13,7 +13,10 @@ cargo build --quiet -p saver-cli
 # A debug build into the venv, sharing the workspace's build directory (and so its compiled
 # crates) with `cargo test`.
 (cd "$root/python" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop --quiet)
+# --basetemp: pytest empties it at each start, where its default keeps the last three runs' files
+# (a Garage server's data among them) in the system's temporary directory.
 SAVER_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/saver" \
-  "$venv/bin/python" -m pytest -q "$root/python/tests"
+  "$venv/bin/python" -m pytest -q --basetemp "${CARGO_TARGET_DIR:-$root/target}/pytest-tmp" \
+  "$root/python/tests"
 # The package's example: a training loop that saves in the background and resumes.
 "$venv/bin/python" "$root/python/examples/train_loop.py"
