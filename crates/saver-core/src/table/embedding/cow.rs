@@ -8,7 +8,10 @@
 //!
 //! A write keeps a pre-image under the write lock of the id's dashmap shard and the lock of the
 //! shard's pre-images; a save's reads look for it under the latter (the `snapshot` module says
-//! why that is enough).
+//! why that is enough). Both hold that lock as briefly as they can, since each waits for the
+//! other there: the write copies the row before it (the map shard's write lock keeps the row
+//! still), and a read takes the pre-images of a run of rows out of the map under it and copies
+//! and frees them after.
 //!
 //! Each moment has a tag, and a row whose pre-image is kept carries the moment's tag (see
 //! `slab::Row`): the trainer's next writes of the row in that moment, which are most of its
@@ -28,6 +31,8 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
+
+use crossbeam_utils::CachePadded;
 
 use super::hasher::IdHashBuilder;
 use crate::partition::BUCKETS;
@@ -60,21 +65,55 @@ struct Sharing {
 }
 
 /// The pre-images of the open point-in-time snapshots, one map per dashmap shard.
+///
+/// Each part that one side writes often lies on cache lines of its own: every write of a
+/// trainer reads `moment`, which changes only when a moment opens or closes, and would
+/// otherwise miss the cache each time the save's reads had just written the byte counts, the
+/// sharing lock or a neighbouring shard's lock on the same line.
 pub(super) struct PreImages {
+    moment: CachePadded<Moment>,
+    sharing: CachePadded<Mutex<Sharing>>,
+    shards: Box<[CachePadded<Mutex<ShardPreImages>>]>,
+    bytes: CachePadded<KeptBytes>,
+    /// One bit per bucket: whether the open moment's snapshot has read every row of it (see the
+    /// module docs). Cleared when a moment opens, before its generation is published.
+    read_buckets: Box<[AtomicU64]>,
+}
+
+/// What every write during a save reads: which moment is open.
+struct Moment {
     /// Generation of the open moment (0: none).
     generation: AtomicU64,
     /// The tag of the open moment, or of the next one (see the module docs).
     tag: AtomicU16,
-    sharing: Mutex<Sharing>,
-    shards: Box<[Mutex<ShardPreImages>]>,
-    /// Bytes of row words kept now, and the most kept at once since the table was made.
-    kept_bytes: AtomicUsize,
-    peak_bytes: AtomicUsize,
-    /// The most bytes kept at once since the open moment began: what this moment's saves cost.
+}
+
+/// Bytes of row words kept.
+struct KeptBytes {
+    /// Kept now, and the most kept at once since the table was made.
+    kept: AtomicUsize,
+    peak: AtomicUsize,
+    /// The most kept at once since the open moment began: what this moment's saves cost.
     moment_peak: AtomicUsize,
-    /// One bit per bucket: whether the open moment's snapshot has read every row of it (see the
-    /// module docs). Cleared when a moment opens, before its generation is published.
-    read_buckets: Box<[AtomicU64]>,
+}
+
+/// Pre-images a save's read took out of their shard's map ([`PreImages::take_run`]), to copy
+/// after it lets the shard's lock go; freed, and counted as no longer kept (once for the run),
+/// when dropped.
+pub(super) struct Taken<'a> {
+    /// Per row of the run: its kept words, if it had a pre-image.
+    pub(super) words: Vec<Option<Box<[u64]>>>,
+    /// Bytes of words taken out of the map.
+    bytes: usize,
+    kept: &'a AtomicUsize,
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.kept.fetch_sub(self.bytes, Ordering::SeqCst);
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -84,26 +123,30 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl PreImages {
     pub(super) fn new(shards: usize) -> Self {
         Self {
-            generation: AtomicU64::new(0),
-            tag: AtomicU16::new(1),
-            sharing: Mutex::default(),
-            shards: (0..shards).map(|_| Mutex::default()).collect(),
-            kept_bytes: AtomicUsize::new(0),
-            peak_bytes: AtomicUsize::new(0),
-            moment_peak: AtomicUsize::new(0),
+            moment: CachePadded::new(Moment {
+                generation: AtomicU64::new(0),
+                tag: AtomicU16::new(1),
+            }),
+            sharing: CachePadded::default(),
+            shards: (0..shards).map(|_| CachePadded::default()).collect(),
+            bytes: CachePadded::new(KeptBytes {
+                kept: AtomicUsize::new(0),
+                peak: AtomicUsize::new(0),
+                moment_peak: AtomicUsize::new(0),
+            }),
             read_buckets: (0..BUCKETS / 64).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
     /// The generation of the open moment (0: none).
     pub(super) fn generation(&self) -> u64 {
-        self.generation.load(Ordering::SeqCst)
+        self.moment.generation.load(Ordering::SeqCst)
     }
 
     /// Whether a write now must keep pre-images: one atomic load while no snapshot is open.
     #[inline]
     pub(super) fn active(&self) -> bool {
-        moment::has_passed(self.generation.load(Ordering::SeqCst))
+        moment::has_passed(self.moment.generation.load(Ordering::SeqCst))
     }
 
     /// Opens a snapshot. The first opens a moment (now, or at the end of the enclosing
@@ -115,8 +158,9 @@ impl PreImages {
         let mut sharing = lock(&self.sharing);
         if sharing.open == 0 {
             // Nothing is kept with no moment open: this moment's peak starts at the bytes kept now.
-            self.moment_peak
-                .store(self.kept_bytes.load(Ordering::SeqCst), Ordering::SeqCst);
+            self.bytes
+                .moment_peak
+                .store(self.bytes.kept.load(Ordering::SeqCst), Ordering::SeqCst);
             // Before the generation is stored: a write that sees this moment's generation sees
             // no bucket of an earlier moment marked read.
             for w in self.read_buckets.iter() {
@@ -124,7 +168,7 @@ impl PreImages {
             }
             moment::register(|g| {
                 registered(g);
-                self.generation.store(g, Ordering::SeqCst)
+                self.moment.generation.store(g, Ordering::SeqCst)
             });
             *sharing = Sharing {
                 open: 1,
@@ -148,26 +192,26 @@ impl PreImages {
         if sharing.open > 0 {
             return;
         }
-        self.generation.store(0, Ordering::SeqCst);
+        self.moment.generation.store(0, Ordering::SeqCst);
         for s in self.shards.iter() {
             let freed = std::mem::take(&mut *lock(s));
             let bytes: usize = freed.values().map(PreImage::bytes).sum();
-            self.kept_bytes.fetch_sub(bytes, Ordering::SeqCst);
+            self.bytes.kept.fetch_sub(bytes, Ordering::SeqCst);
         }
         // After the generation is zeroed, so that a write that sees the next moment's generation
         // also sees its tag; under `sharing`, so that no moment opens while tags are cleared.
-        let tag = self.tag.load(Ordering::SeqCst);
+        let tag = self.moment.tag.load(Ordering::SeqCst);
         if tag == u16::MAX {
             clear_tags();
         }
-        self.tag.store(tag % u16::MAX + 1, Ordering::SeqCst);
+        self.moment.tag.store(tag % u16::MAX + 1, Ordering::SeqCst);
     }
 
     /// The tag that a row whose pre-image the open moment keeps carries. Read after
     /// [`Self::active`]: a moment's tag is set before its generation.
     #[inline]
     pub(super) fn tag(&self) -> u16 {
-        self.tag.load(Ordering::SeqCst)
+        self.moment.tag.load(Ordering::SeqCst)
     }
 
     /// Called under the write lock of `id`'s shard `shard`, before a write while [`Self::active`]:
@@ -182,6 +226,12 @@ impl PreImages {
         row: Option<&[u64]>,
         in_map: bool,
     ) -> Option<u16> {
+        // Copied before the pre-images' lock, which a save's read of the shard's rows waits
+        // for: the row cannot change meanwhile (its map shard is write-locked), and the copy,
+        // into memory no cache holds, is most of what keeping a pre-image costs. Wasted only
+        // for an untagged row whose pre-image is kept already (one removed and inserted again
+        // during the save), which is rare.
+        let words: Option<Box<[u64]>> = row.map(Into::into);
         let mut pre = lock(&self.shards[shard]);
         // Checked again under the lock: `close` clears each map after it zeroes the generation,
         // so a write that saw the snapshot open just before it closed keeps nothing stale; and
@@ -194,7 +244,6 @@ impl PreImages {
             p.in_map = in_map;
             return Some(tag);
         }
-        let words: Option<Box<[u64]>> = row.map(Into::into);
         let bytes = words.as_ref().map_or(0, |w| w.len() * 8);
         pre.insert(
             id,
@@ -207,10 +256,10 @@ impl PreImages {
         // Counted before the shard's lock is let go: `close` and `mark_read` subtract a kept
         // row's bytes under that lock, and a count added after them wrapped below zero (a debug
         // build then panicked on the sum below).
-        let now = self.kept_bytes.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        let now = self.bytes.kept.fetch_add(bytes, Ordering::SeqCst) + bytes;
         drop(pre);
-        self.peak_bytes.fetch_max(now, Ordering::SeqCst);
-        self.moment_peak.fetch_max(now, Ordering::SeqCst);
+        self.bytes.peak.fetch_max(now, Ordering::SeqCst);
+        self.bytes.moment_peak.fetch_max(now, Ordering::SeqCst);
         Some(tag)
     }
 
@@ -260,36 +309,84 @@ impl PreImages {
     /// Frees a pre-image's words once the save has read them, if no other snapshot shares the
     /// moment (then a second read is an error); while others do, they stay.
     pub(super) fn mark_read(&self, p: &mut PreImage) {
-        let mut sharing = lock(&self.sharing);
-        if sharing.open > 1 {
+        if !self.may_free() {
             return;
         }
-        sharing.freed_any = true;
-        drop(sharing);
-        self.kept_bytes.fetch_sub(p.bytes(), Ordering::SeqCst);
+        self.bytes.kept.fetch_sub(p.bytes(), Ordering::SeqCst);
         p.words = Some(Box::default());
         p.read = true;
     }
 
+    /// Whether a read may free the pre-images it reads: only while no other snapshot shares
+    /// the moment; and from then on none may join it.
+    fn may_free(&self) -> bool {
+        let mut sharing = lock(&self.sharing);
+        if sharing.open > 1 {
+            return false;
+        }
+        sharing.freed_any = true;
+        true
+    }
+
+    /// A save's read of a run of rows of one shard (`pre`, its pre-images, locked by the
+    /// caller; `ids`, the run): takes the words of those that have a pre-image out of the map,
+    /// marked read, so that the caller copies and frees them after it lets the lock go, which
+    /// a trainer's first write to a row of the shard waits for. Where another snapshot shares
+    /// the moment, the words are copied and stay. An id whose pre-image says it had no row at
+    /// the moment, or was read already, is returned as the error (what the run took before it
+    /// is freed and counted as no longer kept all the same).
+    pub(super) fn take_run(
+        &self,
+        pre: &mut ShardPreImages,
+        ids: &[u64],
+        may_free: &mut Option<bool>,
+    ) -> std::result::Result<Taken<'_>, u64> {
+        let mut taken = Taken {
+            words: Vec::with_capacity(ids.len()),
+            bytes: 0,
+            kept: &self.bytes.kept,
+        };
+        for &id in ids {
+            let Some(p) = pre.get_mut(&id) else {
+                taken.words.push(None);
+                continue;
+            };
+            if p.read || p.words.is_none() {
+                return Err(id);
+            }
+            // Asked once a call, and only for a run that read a pre-image: a read that takes
+            // none must not keep other shards of the save from joining the moment.
+            if *may_free.get_or_insert_with(|| self.may_free()) {
+                let words = p.words.replace(Box::default());
+                taken.bytes += words.as_ref().map_or(0, |w| w.len() * 8);
+                p.read = true;
+                taken.words.push(words);
+            } else {
+                taken.words.push(p.words.clone());
+            }
+        }
+        Ok(taken)
+    }
+
     /// Bytes of pre-images kept now.
     pub(super) fn kept_bytes(&self) -> usize {
-        self.kept_bytes.load(Ordering::SeqCst)
+        self.bytes.kept.load(Ordering::SeqCst)
     }
 
     /// The most bytes of pre-images kept at once.
     pub(super) fn peak_bytes(&self) -> usize {
-        self.peak_bytes.load(Ordering::SeqCst)
+        self.bytes.peak.load(Ordering::SeqCst)
     }
 
     /// The most bytes of pre-images kept at once since the open moment (or the last one) began.
     pub(super) fn moment_peak(&self) -> usize {
-        self.moment_peak.load(Ordering::SeqCst)
+        self.bytes.moment_peak.load(Ordering::SeqCst)
     }
 
     /// Sets the next moment's tag.
     #[cfg(test)]
     pub(super) fn set_tag_for_test(&self, tag: u16) {
-        self.tag.store(tag, Ordering::SeqCst);
+        self.moment.tag.store(tag, Ordering::SeqCst);
     }
 
     /// Pre-image entries (kept or already read) of the open snapshot.

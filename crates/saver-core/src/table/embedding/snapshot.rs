@@ -654,7 +654,7 @@ impl EmbeddingSnapshot<'_> {
         }
         let words = t.row_words;
         let mut copies = vec![0u64; READ_RUN * words];
-        let mut kept = [false; READ_RUN];
+        let mut may_free = None;
         let mut r = 0;
         while r < ids.len() {
             // A run of rows of one map shard (a save reads in bucket order, and every row of a
@@ -682,13 +682,16 @@ impl EmbeddingSnapshot<'_> {
                     unsafe { copy_words(h, &mut copies[at..at + words]) };
                 }
             }
-            let mut pre = t.pre.shard(shard);
+            // Only taken out under the lock: they are copied, and freed, after it.
+            let taken = t
+                .pre
+                .take_run(&mut t.pre.shard(shard), &ids[r..end], &mut may_free)
+                .map_err(|id| {
+                    self.row_error(id, "had no row at the snapshot's moment, or was read twice")
+                })?;
             for k in r..end {
-                kept[k - r] = self.copy_pre_image(&mut pre, ids[k], k, out)?;
-            }
-            drop(pre);
-            for k in r..end {
-                if kept[k - r] {
+                if let Some(kept) = &taken.words[k - r] {
+                    t.copy_row_into(kept, k, out);
                     continue;
                 }
                 if handles[k] == 0 {
@@ -699,6 +702,7 @@ impl EmbeddingSnapshot<'_> {
                 let at = (k - r) * words;
                 t.copy_row_into(&copies[at..at + words], k, out);
             }
+            drop(taken);
             r = end;
         }
         Ok(())
