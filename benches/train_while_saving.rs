@@ -9,7 +9,9 @@
 //! table (the same save with the trainers stopped); the copy-on-write memory at its peak; the
 //! save's time with the trainers running against idle; and the floor, the same figures while one
 //! thread, or two threads each writing half, write the table's bytes from memory to files and
-//! sync them ("floor×1" and "floor×2" writers, what the saves with 1 and 2 writers compare to).
+//! sync them ("floor×1" and "floor×2" writers, what the saves with 1 and 2 writers compare to);
+//! and a save of another table of the same size that no trainer writes ("other×1"): what the
+//! save's own work costs the trainers, without the locks and copy-on-write of sharing a table.
 //!
 //! `cargo bench --bench train_while_saving -- [--rows N] [--trainers 1,2] [--hot 1,10,100]
 //! [--json]` (SAVER_BENCH_DIR for the output directory). `--json` prints one JSON object per
@@ -144,6 +146,10 @@ fn main() {
 fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) {
     let hot = (a.rows * hot_percent / 100).max(1);
     let t = Arc::new(common::trainer_table(a.rows));
+    // A second table of the same size that nobody trains: saving it costs the trainers what a
+    // save does to the machine (CPU, memory traffic, I/O), and nothing of sharing their table
+    // (locks, copy-on-write), which the difference from a save of their own table measures.
+    let other = Arc::new(common::trainer_table(a.rows));
     let tag = format!("t{trainers}h{hot_percent}");
     // The stall of a blocking save: stop, save, resume; the table as the trainers left it.
     let idle = |k: &str, parallel: usize| {
@@ -164,7 +170,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
     };
     let stop = AtomicBool::new(false);
     let begin = Instant::now();
-    let saves: Mutex<Vec<Save>> = Mutex::new(Vec::new());
+    let saves: Mutex<Vec<(&str, Save)>> = Mutex::new(Vec::new());
     let plain: Mutex<Vec<(usize, Duration, Duration)>> = Mutex::new(Vec::new());
     // A buffer of the table's size for the plain writes, filled (so mapped) before the trainers
     // start.
@@ -177,22 +183,32 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             })
             .collect();
         std::thread::sleep(Duration::from_secs(2));
-        for (k, parallel) in [1usize, 2, 1, 2].into_iter().enumerate() {
+        let runs = [
+            (1usize, false),
+            (2, false),
+            (1, true),
+            (1, false),
+            (2, false),
+            (1, true),
+        ];
+        for (k, (parallel, of_other)) in runs.into_iter().enumerate() {
             let mut opts = SaveOptions {
                 save_id: Some(format!("{tag}k{k}")),
                 ..SaveOptions::default()
             };
             opts.plan.parallel = parallel;
             let dir = scratch.join(format!("{tag}k{k}"));
+            let saved = if of_other { &other } else { &t };
             let from = begin.elapsed();
-            let h = save_async(&dir, SaveInput::new().table(t.clone()), opts).unwrap();
+            let h = save_async(&dir, SaveInput::new().table(saved.clone()), opts).unwrap();
             let blocked = begin.elapsed() - from;
             h.wait().unwrap();
             let to = begin.elapsed();
-            saves
-                .lock()
-                .unwrap()
-                .push((parallel, from, to, blocked, t.point_in_time_bytes().1));
+            let label = if of_other { "other" } else { "" };
+            saves.lock().unwrap().push((
+                label,
+                (parallel, from, to, blocked, saved.point_in_time_bytes().1),
+            ));
             std::fs::remove_dir_all(&dir).unwrap();
             std::thread::sleep(Duration::from_secs(1));
         }
@@ -228,22 +244,31 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
     }
     // The floor's writes come first; `floor` is their thread count (0 for a save).
     let floor = plain.into_inner().unwrap().into_iter();
-    let floor = floor.map(|(threads, from, to)| (0, threads, from, to, Duration::ZERO, 0));
+    let floor = floor.map(|(threads, from, to)| ("floor", 1, threads, from, to, Duration::ZERO, 0));
     let saves = saves.into_inner().unwrap().into_iter();
-    let saves =
-        saves.map(|(parallel, from, to, blocked, peak)| (parallel, 0, from, to, blocked, peak));
-    for (parallel, floor, from, to, blocked, peak) in floor.chain(saves) {
+    let saves = saves.map(|(label, (parallel, from, to, blocked, peak))| {
+        (label, parallel, parallel, from, to, blocked, peak)
+    });
+    for (label, parallel, threads, from, to, blocked, peak) in floor.chain(saves) {
+        let floor = if label == "floor" { threads } else { 0 };
         let (during, p50, p99) = rate(&steps, from, to);
         let took = (to - from).as_secs_f64();
         // Steps not taken during the save, in seconds of training at the pace outside.
         let lost = took * (1.0 - during / outside);
-        let stall = parallel
-            .checked_sub(1)
-            .map_or(0.0, |k| idle_secs[k].as_secs_f64());
+        let stall = if floor > 0 {
+            0.0
+        } else {
+            idle_secs[parallel - 1].as_secs_f64()
+        };
+        let writers = if label.is_empty() {
+            parallel.to_string()
+        } else {
+            format!("{label}×{threads}")
+        };
         if a.json {
             println!(
                 "{{\"trainers\":{trainers},\"hot\":{hot_percent},\"writers\":\"{}\",\"steps_ratio\":{:.4},\"p50_out_ms\":{:.4},\"p99_out_ms\":{:.4},\"p50_during_ms\":{:.4},\"p99_during_ms\":{:.4},\"p99_ratio\":{:.4},\"blocked_ms\":{:.4},\"lost_s\":{lost:.4},\"stall_s\":{stall:.4},\"save_s\":{took:.4},\"save_idle_s\":{stall:.4},\"cow_peak_mib\":{:.2}}}",
-                if floor > 0 { format!("floor×{floor}") } else { parallel.to_string() },
+                writers,
                 during / outside,
                 p50_out.as_secs_f64() * 1e3,
                 p99_out.as_secs_f64() * 1e3,
@@ -260,8 +285,13 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                 p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
             );
         } else {
+            let what = if label == "other" {
+                format!("save of another table, {parallel} writer(s)")
+            } else {
+                format!("save, {parallel} writer(s)")
+            };
             println!(
-                "  save, {parallel} writer(s): {took:.2} s ({:.2} x idle), blocked {blocked:.2?}; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside); training lost {lost:.3} s against a blocking save's {stall:.3} s; copy-on-write peak so far {:.1} MiB ({:.1} % of the table)",
+                "  {what}: {took:.2} s ({:.2} x idle), blocked {blocked:.2?}; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside); training lost {lost:.3} s against a blocking save's {stall:.3} s; copy-on-write peak so far {:.1} MiB ({:.1} % of the table)",
                 took / stall,
                 during / outside,
                 p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
