@@ -73,18 +73,47 @@ const READ_RUN: usize = 64;
 /// Rows ahead of the one being copied whose memory is prefetched.
 const PREFETCH_AHEAD: usize = 16;
 
-/// Copies the words at `addr` into `out`, which a writer may be storing to meanwhile (see the
-/// module docs: such a copy is dropped for the row's pre-image).
+/// Copies the `out.len()` bytes at `addr` into `out`, bytes a writer may be storing to
+/// meanwhile (see the module docs: such a copy is dropped for the row's pre-image).
+///
+/// Volatile loads (or their equal, inline assembly), so that the compiler neither assumes the
+/// bytes stand still nor moves the loads past the look for a pre-image after them; 16 bytes a
+/// load on x86_64 (SSE2, which every x86_64 has).
 ///
 /// # Safety
-/// `addr` is a row of the table's slabs that stays allocated while this runs, at least
-/// `out.len()` words long.
-unsafe fn copy_words(addr: u64, out: &mut [u64]) {
-    let src = addr as *const u64;
-    for (k, w) in out.iter_mut().enumerate() {
-        // SAFETY: within the row (the caller's guarantee). Volatile, so that the compiler
-        // neither assumes the words stand still nor merges the loads with the check after them.
-        *w = unsafe { std::ptr::read_volatile(src.add(k)) };
+/// `addr..addr + out.len()` lies in a row of the table's slabs that stays allocated while this
+/// runs; `addr` is 8-byte aligned.
+unsafe fn copy_racing(addr: u64, out: &mut [u8]) {
+    let src = addr as *const u8;
+    let mut at = 0;
+    #[cfg(target_arch = "x86_64")]
+    while at + 16 <= out.len() {
+        let v: std::arch::x86_64::__m128i;
+        // SAFETY: an unaligned 16-byte load within the bytes (the caller's guarantee). Inline
+        // assembly is opaque to the compiler, as a volatile load is: it is neither assumed to
+        // give what an earlier load gave nor moved past the lock taken after the copy.
+        unsafe {
+            std::arch::asm!(
+                "movdqu {v}, [{p}]",
+                p = in(reg) src.add(at),
+                v = out(xmm_reg) v,
+                options(nostack, readonly, preserves_flags)
+            );
+        }
+        // SAFETY: `at + 16 <= out.len()`; an unaligned store.
+        unsafe { std::arch::x86_64::_mm_storeu_si128(out.as_mut_ptr().add(at).cast(), v) };
+        at += 16;
+    }
+    while at + 8 <= out.len() {
+        // SAFETY: within the bytes, 8-byte aligned (`addr` is, and `at` is a multiple of 8).
+        let w: u64 = unsafe { std::ptr::read_volatile(src.add(at).cast()) };
+        out[at..at + 8].copy_from_slice(&w.to_ne_bytes());
+        at += 8;
+    }
+    while at < out.len() {
+        // SAFETY: within the bytes.
+        out[at] = unsafe { std::ptr::read_volatile(src.add(at)) };
+        at += 1;
     }
 }
 
@@ -652,8 +681,6 @@ impl EmbeddingSnapshot<'_> {
         for &h in handles.iter().take(PREFETCH_AHEAD) {
             super::prefetch_bytes(h, row_bytes);
         }
-        let words = t.row_words;
-        let mut copies = vec![0u64; READ_RUN * words];
         let mut may_free = None;
         let mut r = 0;
         while r < ids.len() {
@@ -666,20 +693,30 @@ impl EmbeddingSnapshot<'_> {
                 end += 1;
             }
             // No lock of the rows' shard, so a trainer's write never waits for this read: the
-            // rows are copied, and then their pre-images looked for, which a writer keeps before
-            // it writes (see the module docs).
+            // rows are copied, straight into their places in `out`, and then their pre-images
+            // looked for, which a writer keeps before it writes (see the module docs); a row
+            // with one is copied again over the first copy, which may be torn.
             for k in r..end {
                 if let Some(&ahead) = handles.get(k + PREFETCH_AHEAD) {
                     super::prefetch_bytes(ahead, row_bytes);
                 }
                 let h = handles[k];
-                if h != 0 {
-                    let at = (k - r) * words;
+                if h == 0 {
+                    continue;
+                }
+                for (s, dst) in out.iter_mut().enumerate() {
+                    if dst.is_empty() {
+                        continue;
+                    }
+                    let b = t.slot_bytes[s];
                     // SAFETY: the caller guarantees `h` is the address this snapshot's scan
                     // found for `ids[k]` (0 for a row removed since the moment, which is not
                     // read). That row is in the map or retired (see `Retired::retire`), so its
-                    // memory lives until this snapshot ends and holds `row_words` words.
-                    unsafe { copy_words(h, &mut copies[at..at + words]) };
+                    // memory lives until this snapshot ends and holds `row_words` words, slot
+                    // `s` at its 8-byte aligned offset.
+                    unsafe {
+                        copy_racing(h + t.slot_offsets[s] as u64, &mut dst[k * b..(k + 1) * b])
+                    };
                 }
             }
             // Only taken out under the lock: they are copied, and freed, after it.
@@ -699,8 +736,6 @@ impl EmbeddingSnapshot<'_> {
                         self.row_error(ids[k], "was in the snapshot but can no longer be read")
                     );
                 }
-                let at = (k - r) * words;
-                t.copy_row_into(&copies[at..at + words], k, out);
             }
             drop(taken);
             r = end;
