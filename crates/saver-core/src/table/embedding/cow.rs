@@ -306,17 +306,6 @@ impl PreImages {
         lock(&self.shards[shard])
     }
 
-    /// Frees a pre-image's words once the save has read them, if no other snapshot shares the
-    /// moment (then a second read is an error); while others do, they stay.
-    pub(super) fn mark_read(&self, p: &mut PreImage) {
-        if !self.may_free() {
-            return;
-        }
-        self.bytes.kept.fetch_sub(p.bytes(), Ordering::SeqCst);
-        p.words = Some(Box::default());
-        p.read = true;
-    }
-
     /// Whether a read may free the pre-images it reads: only while no other snapshot shares
     /// the moment; and from then on none may join it.
     fn may_free(&self) -> bool {

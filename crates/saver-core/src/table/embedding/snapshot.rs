@@ -237,29 +237,6 @@ impl<'t> EmbeddingSnapshot<'t> {
         }
     }
 
-    /// Copies `id`'s row as it was at the snapshot's moment into row `r` of `out`, if the table
-    /// kept a pre-image of it (and frees it); `Ok(false)` if it kept none (the live row is that
-    /// row). Call with the id's shard read-locked and its pre-images locked (`pre`).
-    fn copy_pre_image(
-        &self,
-        pre: &mut super::cow::ShardPreImages,
-        id: u64,
-        r: usize,
-        out: &mut [&mut [u8]],
-    ) -> Result<bool> {
-        let Some(p) = pre.get_mut(&id) else {
-            return Ok(false);
-        };
-        match (&p.words, p.read) {
-            (Some(words), false) => {
-                self.table.copy_row_into(words, r, out);
-                self.table.pre.mark_read(p);
-                Ok(true)
-            }
-            _ => Err(self.row_error(id, "had no row at the snapshot's moment, or was read twice")),
-        }
-    }
-
     /// The rows of map shard `part` as they were at the moment (only those of `listed`, if
     /// given, and written since the snapshot's token): ids, handles, and values if asked; about
     /// `rows_here` of them.
@@ -634,10 +611,27 @@ impl EmbeddingSnapshot<'_> {
         })
     }
 
+    /// The pre-images of `ids` (rows of map shard `shard`, copied already), taken out of the
+    /// shard's map under its lock (see [`PreImages::take_run`](super::cow::PreImages::take_run)),
+    /// to copy and free after it.
+    fn take_pre_images(
+        &self,
+        shard: usize,
+        ids: &[u64],
+        may_free: &mut Option<bool>,
+    ) -> Result<super::cow::Taken<'_>> {
+        let pre = &self.table.pre;
+        pre.take_run(&mut pre.shard(shard), ids, may_free)
+            .map_err(|id| {
+                self.row_error(id, "had no row at the snapshot's moment, or was read twice")
+            })
+    }
+
     /// [`TableSnapshot::read_rows`] without the marking of read buckets.
     fn copy_rows(&self, ids: &[u64], out: &mut [&mut [u8]]) -> Result<()> {
         let t = self.table;
         let shards = t.rows.shards();
+        let mut may_free = None;
         for (r, id) in ids.iter().enumerate() {
             // The live row first, then its pre-image over it if there is one: a write after the
             // moment keeps the pre-image before it changes the row, so a row with no pre-image
@@ -651,7 +645,12 @@ impl EmbeddingSnapshot<'_> {
             };
             let shard = t.rows.determine_map(id);
             let guard = shards[shard].read();
-            if self.copy_pre_image(&mut t.pre.shard(shard), *id, r, out)? || live {
+            let taken = self.take_pre_images(shard, std::slice::from_ref(id), &mut may_free)?;
+            if let Some(kept) = &taken.words[0] {
+                t.copy_row_into(kept, r, out);
+                continue;
+            }
+            if live {
                 continue;
             }
             drop(guard);
@@ -719,13 +718,7 @@ impl EmbeddingSnapshot<'_> {
                     };
                 }
             }
-            // Only taken out under the lock: they are copied, and freed, after it.
-            let taken = t
-                .pre
-                .take_run(&mut t.pre.shard(shard), &ids[r..end], &mut may_free)
-                .map_err(|id| {
-                    self.row_error(id, "had no row at the snapshot's moment, or was read twice")
-                })?;
+            let taken = self.take_pre_images(shard, &ids[r..end], &mut may_free)?;
             for k in r..end {
                 if let Some(kept) = &taken.words[k - r] {
                     t.copy_row_into(kept, k, out);
