@@ -107,6 +107,15 @@ fn args() -> Args {
 /// copy-on-write peak).
 type Save = (usize, Duration, Duration, Duration, usize);
 
+/// What ran beside the trainers: a plain write of the table's bytes (the floor), a save of
+/// their table, or a save of another one.
+#[derive(Clone, Copy, PartialEq)]
+enum Beside {
+    Floor,
+    Save,
+    OtherSave,
+}
+
 /// Writes `bytes` to a new file at `path` in 8 MiB writes and syncs it, at the background save's
 /// priority (nice +10), then removes it.
 fn plain_write(path: &std::path::Path, bytes: &[u8]) {
@@ -170,7 +179,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
     };
     let stop = AtomicBool::new(false);
     let begin = Instant::now();
-    let saves: Mutex<Vec<(&str, Save)>> = Mutex::new(Vec::new());
+    let saves: Mutex<Vec<(Beside, Save)>> = Mutex::new(Vec::new());
     let plain: Mutex<Vec<(usize, Duration, Duration)>> = Mutex::new(Vec::new());
     // A buffer of the table's size for the plain writes, filled (so mapped) before the trainers
     // start.
@@ -204,9 +213,13 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             let blocked = begin.elapsed() - from;
             h.wait().unwrap();
             let to = begin.elapsed();
-            let label = if of_other { "other" } else { "" };
+            let beside = if of_other {
+                Beside::OtherSave
+            } else {
+                Beside::Save
+            };
             saves.lock().unwrap().push((
-                label,
+                beside,
                 (parallel, from, to, blocked, saved.point_in_time_bytes().1),
             ));
             std::fs::remove_dir_all(&dir).unwrap();
@@ -242,28 +255,23 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             idle_secs[1].as_secs_f64()
         );
     }
-    // The floor's writes come first; `floor` is their thread count (0 for a save).
+    // The floor's writes come first; `threads`: the floor's, or the save's writers.
     let floor = plain.into_inner().unwrap().into_iter();
-    let floor = floor.map(|(threads, from, to)| ("floor", 1, threads, from, to, Duration::ZERO, 0));
-    let saves = saves.into_inner().unwrap().into_iter();
-    let saves = saves.map(|(label, (parallel, from, to, blocked, peak))| {
-        (label, parallel, parallel, from, to, blocked, peak)
-    });
-    for (label, parallel, threads, from, to, blocked, peak) in floor.chain(saves) {
-        let floor = if label == "floor" { threads } else { 0 };
+    let floor =
+        floor.map(|(threads, from, to)| (Beside::Floor, (threads, from, to, Duration::ZERO, 0)));
+    for (beside, (threads, from, to, blocked, peak)) in floor.chain(saves.into_inner().unwrap()) {
         let (during, p50, p99) = rate(&steps, from, to);
         let took = (to - from).as_secs_f64();
         // Steps not taken during the save, in seconds of training at the pace outside.
         let lost = took * (1.0 - during / outside);
-        let stall = if floor > 0 {
-            0.0
-        } else {
-            idle_secs[parallel - 1].as_secs_f64()
+        let stall = match beside {
+            Beside::Floor => 0.0,
+            Beside::Save | Beside::OtherSave => idle_secs[threads - 1].as_secs_f64(),
         };
-        let writers = if label.is_empty() {
-            parallel.to_string()
-        } else {
-            format!("{label}×{threads}")
+        let writers = match beside {
+            Beside::Floor => format!("floor×{threads}"),
+            Beside::Save => threads.to_string(),
+            Beside::OtherSave => format!("other×{threads}"),
         };
         if a.json {
             println!(
@@ -278,17 +286,17 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                 blocked.as_secs_f64() * 1e3,
                 peak as f64 / (1 << 20) as f64,
             );
-        } else if floor > 0 {
+        } else if beside == Beside::Floor {
             println!(
-                "  floor, a plain write of the same bytes by {floor} thread(s): {took:.2} s; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside)",
+                "  floor, a plain write of the same bytes by {threads} thread(s): {took:.2} s; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside)",
                 during / outside,
                 p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
             );
         } else {
-            let what = if label == "other" {
-                format!("save of another table, {parallel} writer(s)")
+            let what = if beside == Beside::OtherSave {
+                format!("save of another table, {threads} writer(s)")
             } else {
-                format!("save, {parallel} writer(s)")
+                format!("save, {threads} writer(s)")
             };
             println!(
                 "  {what}: {took:.2} s ({:.2} x idle), blocked {blocked:.2?}; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside); training lost {lost:.3} s against a blocking save's {stall:.3} s; copy-on-write peak so far {:.1} MiB ({:.1} % of the table)",
