@@ -31,7 +31,9 @@ pub use faulty::{Fault, FaultyStorage};
 pub use local::LocalFs;
 pub use local::LocalLock;
 #[cfg(feature = "s3")]
-pub use object::{on_slow_request, ObjectStorage, LEASE, MIN_PART_SIZE, UPLOADS_IN_FLIGHT};
+pub use object::{
+    on_slow_request, ObjectStorage, FILLING_IN_MEMORY, LEASE, MIN_PART_SIZE, UPLOADS_IN_FLIGHT,
+};
 pub(crate) use preallocate::allocate;
 pub use spill::FileSpill;
 

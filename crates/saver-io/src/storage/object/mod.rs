@@ -6,9 +6,10 @@
 //! * **Data files** go up as multipart uploads whose parts are fixed byte ranges of the file
 //!   (`part_size`, 8 MiB or more): a part goes up in the background as soon as its last byte is
 //!   written, while the writer threads fill the next ones, at most [`UPLOADS_IN_FLIGHT`] parts of a
-//!   storage at once (`SAVER_S3_UPLOADS`), so memory stays bounded by the parts being filled and
-//!   those in flight ([`upload`]). The first part holds the header, which the save writes last, so it is the last
-//!   to go up. Nothing is visible under the file's name until the upload is completed
+//!   storage at once (`SAVER_S3_UPLOADS`). At most [`FILLING_IN_MEMORY`] parts fill in memory
+//!   (`SAVER_S3_FILLING`); the others fill in nameless temporary files, so a save's part buffers
+//!   are bounded whatever its number of writer threads ([`upload`]). The first part holds the
+//!   header, which the save writes last, so it is the last to go up. Nothing is visible under the file's name until the upload is completed
 //!   ([`WriteHandle::commit`]); an aborted or killed upload leaves no object. Files smaller than one
 //!   part are put whole.
 //! * **Commit without rename:** every object appears atomically when its PUT or its completion
@@ -46,8 +47,8 @@ use crate::error::{Error, Result};
 
 mod upload;
 
-pub use upload::UPLOADS_IN_FLIGHT;
 use upload::{ObjectWrite, UploadSlots};
+pub use upload::{FILLING_IN_MEMORY, UPLOADS_IN_FLIGHT};
 
 /// The smallest part of a multipart upload (S3 refuses smaller parts but the last).
 pub const MIN_PART_SIZE: u64 = 8 << 20;
@@ -418,9 +419,10 @@ impl ObjectStorage {
     }
 
     /// Uploads data files in parts of `bytes` (at least [`MIN_PART_SIZE`]; larger for files
-    /// that would need more than 10 000 parts). Memory of a save is about `parallel` parts being
-    /// filled, [`UPLOADS_IN_FLIGHT`] parts on their way up, and the first part of every file
-    /// being written.
+    /// that would need more than 10 000 parts). Memory of a save's parts is at most
+    /// [`FILLING_IN_MEMORY`] parts being filled and [`UPLOADS_IN_FLIGHT`] on their way up; the
+    /// other parts being filled, the first part of every file among them, wait in temporary
+    /// files.
     pub fn with_part_size(mut self, bytes: u64) -> Self {
         self.part_size = bytes.max(MIN_PART_SIZE);
         self
@@ -1145,6 +1147,65 @@ mod tests {
             Some("a.safetensors")
         );
         assert_eq!(upload_marker_target("a.safetensors.tmp-1-2"), None);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(12))]
+        /// A file written in any order of pieces, whatever the limits on parts filling in memory
+        /// (the rest fill in temporary files) and in flight, and cut short or not, is stored
+        /// byte for byte, as is a file smaller than a part (put whole); the part buffers alive
+        /// never pass the limits, and every place among the parts filling in memory is given
+        /// back, after a commit and after an abort.
+        #[test]
+        fn parts_filling_in_memory_or_in_files_store_the_same_bytes(
+            filling in 0usize..3,
+            in_flight in 1usize..3,
+            pieces_per_part in 1u64..4,
+            order_seed in proptest::prelude::any::<u64>(),
+            abort in proptest::prelude::any::<bool>(),
+            whole in proptest::prelude::any::<bool>(),
+            cut in 0u64..12_345,
+        ) {
+            let store = Arc::new(object_store::memory::InMemory::new());
+            let mut storage = ObjectStorage::with_store(store, "memory://test", "ck");
+            storage.uploads = Arc::new(UploadSlots::new(in_flight, filling));
+            // Four parts and a short last one, or less than one part; written up to `cut`
+            // bytes before their end, where they are cut.
+            let planned = if whole { MIN_PART_SIZE / 2 + 12_345 } else { 4 * MIN_PART_SIZE + 12_345 };
+            let len = planned - cut;
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4099) as u8).collect();
+            let piece = MIN_PART_SIZE / pieces_per_part;
+            let mut pieces: Vec<u64> = (0..len.div_ceil(piece)).collect();
+            // A shuffle by the seed: pieces of different parts interleave.
+            let mut r = order_seed | 1;
+            for i in (1..pieces.len()).rev() {
+                r ^= r << 13;
+                r ^= r >> 7;
+                r ^= r << 17;
+                pieces.swap(i, (r % (i as u64 + 1)) as usize);
+            }
+            let file = storage.create("a.safetensors", planned).unwrap();
+            for &k in &pieces {
+                let at = k * piece;
+                let end = (at + piece).min(len);
+                file.write_at(at, &bytes[at as usize..end as usize]).unwrap();
+                let (f, t, s) = storage.uploads.buffers();
+                proptest::prop_assert!(f <= filling && t <= in_flight);
+                proptest::prop_assert!(f + t + s <= storage.uploads.most_buffers());
+            }
+            if cut > 0 {
+                file.truncate(len).unwrap();
+            }
+            if abort {
+                file.abort();
+                proptest::prop_assert!(!storage.exists("a.safetensors").unwrap());
+            } else {
+                file.commit(false).unwrap();
+                proptest::prop_assert!(storage.get("a.safetensors", len).unwrap() == bytes);
+            }
+            let (f, t, _) = storage.uploads.buffers();
+            proptest::prop_assert_eq!((f, t), (0, 0));
+        }
     }
 
     #[test]

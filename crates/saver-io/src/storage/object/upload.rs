@@ -9,6 +9,14 @@
 //! A data file's first part waits for its header, which the save writes last: it waits in a
 //! nameless temporary file (in the page cache, not the process's memory) rather than in memory,
 //! where every file being written would hold one.
+//!
+//! Parts being filled are bounded too. A writer thread writes a segment's tensors side by side,
+//! each at its own place in the file, and parts straddle the segments of different writers, so
+//! each writer keeps three or four parts partly filled at once. At most [`FILLING_IN_MEMORY`]
+//! of them (`SAVER_S3_FILLING`; none by default) fill in memory; the others fill in nameless
+//! temporary files like the first part, and are read back into a buffer by the thread that
+//! uploads them. So a save's part buffers are at most the parts filling in memory plus those in
+//! flight, whatever the number of writers.
 //! The first failed part fails the next write and the commit, which waits for every part in
 //! flight before it completes or aborts the upload, so no part lands after the upload's end.
 
@@ -31,6 +39,13 @@ use crate::storage::WriteHandle;
 /// more would mostly hold more memory.
 pub const UPLOADS_IN_FLIGHT: usize = 4;
 
+/// Parts of one storage's uploads that fill in memory at once, unless `SAVER_S3_FILLING` says
+/// otherwise (0 to 64); the others being filled wait in temporary files. None by default, so a
+/// save's part buffers are the parts in flight alone. Filling in memory saves a write and a read
+/// through the page cache a byte, for about 24 MiB a writer thread more (docs/BENCHMARKS.md,
+/// "Object storage at the limit", has both).
+pub const FILLING_IN_MEMORY: usize = 0;
+
 /// How many parts may be on their way up at once, shared by every file a storage writes; and the
 /// buffers of parts that have gone up, for the next parts to fill.
 #[derive(Debug)]
@@ -38,45 +53,102 @@ pub(super) struct UploadSlots {
     limit: usize,
     taken: Mutex<usize>,
     freed: Condvar,
+    /// How many parts may fill in memory at once, and how many do.
+    filling_limit: usize,
+    filling: Mutex<usize>,
     /// Buffers of parts sent, at most `limit` of them. Reused rather than freed: the allocator
     /// kept about 25 MiB of freed part buffers of a 1 GiB save beyond those in use (measured
     /// with `MALLOC_MMAP_THRESHOLD_` set), and a new buffer costs a page fault every 4 KiB.
-    spare: Mutex<Vec<Vec<u8>>>,
+    spare: Mutex<Vec<PartBuf>>,
 }
 
 impl UploadSlots {
-    /// [`UPLOADS_IN_FLIGHT`] slots, or `SAVER_S3_UPLOADS` (1 to 64) where set.
+    /// [`UPLOADS_IN_FLIGHT`] slots and [`FILLING_IN_MEMORY`] parts filling in memory, or
+    /// `SAVER_S3_UPLOADS` (1 to 64) and `SAVER_S3_FILLING` (0 to 64) where set.
     pub(super) fn from_env() -> Self {
-        let limit = std::env::var("SAVER_S3_UPLOADS")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|n| (1..=64).contains(n))
-            .unwrap_or(UPLOADS_IN_FLIGHT);
+        let var = |name: &str, range: std::ops::RangeInclusive<usize>, default: usize| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|n| range.contains(n))
+                .unwrap_or(default)
+        };
+        Self::new(
+            var("SAVER_S3_UPLOADS", 1..=64, UPLOADS_IN_FLIGHT),
+            var("SAVER_S3_FILLING", 0..=64, FILLING_IN_MEMORY),
+        )
+    }
+
+    /// `in_flight` parts on their way up at once (at least one) and `filling` parts filling in
+    /// memory.
+    pub(super) fn new(in_flight: usize, filling: usize) -> Self {
         Self {
-            limit,
+            limit: in_flight.max(1),
             taken: Mutex::new(0),
             freed: Condvar::new(),
+            filling_limit: filling,
+            filling: Mutex::new(0),
             spare: Mutex::default(),
         }
     }
 
+    /// Part buffers alive now: (filling in memory, in flight, spare).
+    #[cfg(test)]
+    pub(super) fn buffers(&self) -> (usize, usize, usize) {
+        let lock = |m: &Mutex<usize>| *m.lock().unwrap_or_else(PoisonError::into_inner);
+        let spare = self
+            .spare
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len();
+        (lock(&self.filling), lock(&self.taken), spare)
+    }
+
+    /// The most part buffers that may be alive at once.
+    #[cfg(test)]
+    pub(super) fn most_buffers(&self) -> usize {
+        self.limit + self.filling_limit
+    }
+
+    /// A place in memory for a part to fill, if fewer than the limit fill there.
+    fn reserve_filling(self: &Arc<Self>) -> Option<FillingSlot> {
+        let mut filling = self.filling.lock().unwrap_or_else(PoisonError::into_inner);
+        (*filling < self.filling_limit).then(|| {
+            *filling += 1;
+            FillingSlot(self.clone())
+        })
+    }
+
     /// A buffer of `len` bytes for a part, whose bytes are all to be written before it is sent
     /// (a reused one still holds an earlier part's).
-    fn buffer(&self, len: usize) -> Vec<u8> {
+    fn buffer(&self, len: usize) -> std::io::Result<PartBuf> {
         let reused = self
             .spare
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .pop();
-        let mut buf = reused.unwrap_or_default();
-        buf.resize(len, 0);
-        buf
+        match reused {
+            Some(PartBuf {
+                map: Some(map),
+                len: _,
+            }) if map.len() >= len => Ok(PartBuf {
+                map: Some(map),
+                len,
+            }),
+            _ => Ok(PartBuf {
+                map: Some(memmap2::MmapMut::map_anon(len.max(1))?),
+                len,
+            }),
+        }
     }
 
-    /// Takes back the buffer of a part that has gone up.
-    fn recycle(&self, buf: Vec<u8>) {
+    /// Takes back the buffer of a part that has gone up, to be reused while the buffers alive
+    /// (spare, filling and in flight, this one among them) stay within the two limits.
+    fn recycle(&self, buf: PartBuf) {
+        let filling = *self.filling.lock().unwrap_or_else(PoisonError::into_inner);
+        let in_flight = *self.taken.lock().unwrap_or_else(PoisonError::into_inner);
         let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
-        if spare.len() < self.limit {
+        if spare.len() + filling + in_flight <= self.limit + self.filling_limit {
             spare.push(buf);
         }
     }
@@ -98,14 +170,64 @@ impl UploadSlots {
     }
 }
 
+/// A part's place among those filling in memory ([`UploadSlots::reserve_filling`]), given back
+/// when the part goes up or is dropped.
+#[derive(Debug)]
+struct FillingSlot(Arc<UploadSlots>);
+
+impl Drop for FillingSlot {
+    fn drop(&mut self) {
+        *self
+            .0
+            .filling
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) -= 1;
+    }
+}
+
+/// A part's bytes in memory: an anonymous mapping of its own rather than the allocator's
+/// memory. Parts are freed by upload threads, a new one for each part: glibc's allocator kept
+/// about 25 MiB more of a save's 8 MiB buffers in its per-thread arenas (a `save --from` to
+/// Garage peaked at 157 MiB, 127–132 MiB with the arenas or the mapping threshold fixed).
+#[derive(Debug, Default)]
+struct PartBuf {
+    map: Option<memmap2::MmapMut>,
+    len: usize,
+}
+
+impl PartBuf {
+    fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}
+
+impl std::ops::Deref for PartBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.map.as_ref().map_or(&[], |m| &m[..self.len])
+    }
+}
+
+impl std::ops::DerefMut for PartBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match &mut self.map {
+            Some(m) => &mut m[..self.len],
+            None => &mut [],
+        }
+    }
+}
+
 /// One fixed byte range of a multipart upload.
 #[derive(Default)]
 struct Part {
     /// The bytes written so far; allocated at the part's first write, given up at its upload.
-    buf: Vec<u8>,
-    /// Where the first part's bytes wait instead, if a temporary file could be made: a data
-    /// file's header, at its start, is written last, so its first part waits for the whole file;
-    /// in memory, each file being written would hold a part for all that time.
+    buf: PartBuf,
+    /// Its place among the parts filling in memory, while `buf` is one of them.
+    in_memory: Option<FillingSlot>,
+    /// Where the part's bytes wait instead, if a temporary file could be made: a data file's
+    /// header, at its start, is written last, so its first part waits for the whole file (in
+    /// memory, each file being written would hold a part for all that time); other parts wait
+    /// there when [`FILLING_IN_MEMORY`] parts already fill in memory.
     waiting: Option<std::fs::File>,
     /// How many of its bytes were written.
     filled: u64,
@@ -187,9 +309,19 @@ impl Flights {
     }
 }
 
+/// Where the bytes of a file put whole wait for its commit.
+enum WholeBytes {
+    /// A nameless temporary file of the file's length: a save creates all its data files
+    /// before it writes any, and commits them after it has written all, so in memory a save of
+    /// many files smaller than a part would hold all of them, the whole checkpoint, at once.
+    File(std::fs::File),
+    /// Memory, where no temporary file could be made.
+    Memory(Vec<u8>),
+}
+
 enum Body {
     /// A file smaller than a part, put whole at commit.
-    Whole(Mutex<Vec<u8>>),
+    Whole(Mutex<WholeBytes>),
     /// A multipart upload in fixed-size parts.
     Parts {
         upload: MultipartId,
@@ -211,10 +343,18 @@ pub(super) struct ObjectWrite {
     body: Body,
 }
 
+/// A part whose bytes are all written, before it is sent.
+enum Full {
+    /// Filled in memory, with its place among the parts filling there.
+    Memory(PartBuf, Option<FillingSlot>),
+    /// Filled in a temporary file, of this many bytes.
+    Waiting(std::fs::File, u64),
+}
+
 /// A part's buffer on its way up: back to its storage's spare buffers once the store is done
 /// with it.
 struct Sending {
-    buf: Vec<u8>,
+    buf: PartBuf,
     slots: Arc<UploadSlots>,
 }
 
@@ -227,6 +367,15 @@ impl AsRef<[u8]> for Sending {
 impl Drop for Sending {
     fn drop(&mut self) {
         self.slots.recycle(std::mem::take(&mut self.buf));
+    }
+}
+
+/// An error of the temporary file a part of `key`, or all of it, waits in.
+fn waiting_error(client: &Client, key: &ObjectPath, source: std::io::Error) -> Error {
+    Error::Io {
+        op: "keep, in a temporary file until it goes up, a part of",
+        path: client.url(key).into(),
+        source,
     }
 }
 
@@ -254,7 +403,14 @@ impl ObjectWrite {
             client,
             key,
             len: AtomicU64::new(len),
-            body: Body::Whole(Mutex::new(vec![0; len as usize])),
+            body: Body::Whole(Mutex::new(
+                tempfile::tempfile()
+                    .and_then(|f| f.set_len(len).map(|()| f))
+                    .map_or_else(
+                        |_| WholeBytes::Memory(vec![0; len as usize]),
+                        WholeBytes::File,
+                    ),
+            )),
         }
     }
 
@@ -287,13 +443,8 @@ impl ObjectWrite {
         }
     }
 
-    /// An error of the temporary file a first part waits in.
     fn waiting_error(&self, source: std::io::Error) -> Error {
-        Error::Io {
-            op: "keep, in a temporary file, the first part of",
-            path: self.client.url(&self.key).into(),
-            source,
-        }
+        waiting_error(&self.client, &self.key, source)
     }
 
     fn len(&self) -> u64 {
@@ -305,36 +456,31 @@ impl ObjectWrite {
         start..(start + part_size).min(self.len())
     }
 
-    /// The bytes of part `p`, of `plen` bytes, once all are written: from its buffer or the
-    /// temporary file it waited in. Marks it sent.
-    fn take_full(&self, p: &mut Part, plen: u64, slots: &UploadSlots) -> Result<Option<Vec<u8>>> {
+    /// Part `p`, of `plen` bytes, once all are written, marked sent: its buffer or the
+    /// temporary file it waited in.
+    fn take_full(p: &mut Part, plen: u64) -> Option<Full> {
         p.sent = p.filled == plen;
-        match (p.sent, p.waiting.take()) {
-            (false, waiting) => {
-                p.waiting = waiting;
-                Ok(None)
-            }
-            (true, None) => {
+        if !p.sent {
+            return None;
+        }
+        Some(match p.waiting.take() {
+            None => {
                 let mut bytes = std::mem::take(&mut p.buf);
                 // A last part cut short by a truncate was allocated at its planned length.
                 bytes.truncate(plen as usize);
-                Ok(Some(bytes))
+                Full::Memory(bytes, p.in_memory.take())
             }
-            (true, Some(f)) => {
-                let mut bytes = slots.buffer(plen as usize);
-                f.read_exact_at(&mut bytes, 0)
-                    .map_err(|e| self.waiting_error(e))?;
-                Ok(Some(bytes))
-            }
-        }
+            Some(f) => Full::Waiting(f, plen),
+        })
     }
 
-    /// Hands the full part `i` to an upload thread once a slot is free.
+    /// Hands the full part `i` to an upload thread once a slot is free; a part that waited in
+    /// a temporary file is read into a buffer only then.
     fn send(
         &self,
         upload: &MultipartId,
         i: usize,
-        buf: Vec<u8>,
+        full: Full,
         parts: &Arc<Vec<Mutex<Part>>>,
         flights: &Arc<Flights>,
         slots: &Arc<UploadSlots>,
@@ -346,11 +492,23 @@ impl ObjectWrite {
         let spawned = std::thread::Builder::new()
             .name("saver-upload".into())
             .spawn(move || {
-                let buf = Sending {
-                    buf,
-                    slots: slots2.clone(),
+                // A part that waited in a file is read here, not by the writer thread, which
+                // goes on producing.
+                let bytes = match full {
+                    // Its buffer now counts among the parts in flight, not those filling.
+                    Full::Memory(buf, _filling) => Ok(buf),
+                    Full::Waiting(f, plen) => slots2
+                        .buffer(plen as usize)
+                        .and_then(|mut buf| f.read_exact_at(&mut buf, 0).map(|()| buf))
+                        .map_err(|e| waiting_error(&client, &key, e)),
                 };
-                let sent = upload_part(&client, &key, &upload, i, buf);
+                let sent = bytes.and_then(|buf| {
+                    let buf = Sending {
+                        buf,
+                        slots: slots2.clone(),
+                    };
+                    upload_part(&client, &key, &upload, i, buf)
+                });
                 let mut s = flights2.lock();
                 match sent {
                     Ok(id) => parts[i].lock().unwrap_or_else(PoisonError::into_inner).id = Some(id),
@@ -387,11 +545,15 @@ impl WriteHandle for ObjectWrite {
             )));
         }
         match &self.body {
-            Body::Whole(whole) => {
-                whole.lock().expect("no panic while held")[offset as usize..end as usize]
-                    .copy_from_slice(buf);
-                Ok(())
-            }
+            Body::Whole(whole) => match &mut *whole.lock().expect("no panic while held") {
+                WholeBytes::File(f) => f
+                    .write_all_at(buf, offset)
+                    .map_err(|e| self.waiting_error(e)),
+                WholeBytes::Memory(bytes) => {
+                    bytes[offset as usize..end as usize].copy_from_slice(buf);
+                    Ok(())
+                }
+            },
             Body::Parts {
                 upload,
                 part_size,
@@ -419,10 +581,23 @@ impl WriteHandle for ObjectWrite {
                             )));
                         }
                         if p.buf.is_empty() && p.waiting.is_none() {
-                            // Only a saving of memory: without a temporary file, it waits there.
-                            p.waiting = (i == 0).then(tempfile::tempfile).and_then(|f| f.ok());
+                            p.in_memory = if i == 0 {
+                                None
+                            } else {
+                                slots.reserve_filling()
+                            };
+                            if p.in_memory.is_none() {
+                                // Only a saving of memory: without a temporary file, the part
+                                // fills in memory after all.
+                                p.waiting = tempfile::tempfile().ok();
+                            }
                             if p.waiting.is_none() {
-                                p.buf = slots.buffer(plen as usize);
+                                p.buf =
+                                    slots.buffer(plen as usize).map_err(|source| Error::Io {
+                                        op: "map memory for a part of",
+                                        path: self.client.url(&self.key).into(),
+                                        source,
+                                    })?;
                             }
                         }
                         let from = at - range.start;
@@ -433,7 +608,7 @@ impl WriteHandle for ObjectWrite {
                             None => p.buf[from as usize..(from + n) as usize].copy_from_slice(src),
                         }
                         p.filled += n;
-                        self.take_full(&mut p, plen, slots)?
+                        Self::take_full(&mut p, plen)
                     };
                     if let Some(bytes) = full {
                         self.send(upload, i, bytes, parts, flights, slots)?;
@@ -455,10 +630,10 @@ impl WriteHandle for ObjectWrite {
         }
         match &self.body {
             Body::Whole(whole) => {
-                whole
-                    .lock()
-                    .expect("no panic while held")
-                    .truncate(len as usize);
+                match &mut *whole.lock().expect("no panic while held") {
+                    WholeBytes::File(f) => f.set_len(len).map_err(|e| self.waiting_error(e))?,
+                    WholeBytes::Memory(bytes) => bytes.truncate(len as usize),
+                }
                 self.len.store(len, Ordering::Release);
                 Ok(())
             }
@@ -496,7 +671,7 @@ impl WriteHandle for ObjectWrite {
                     if p.sent {
                         None
                     } else {
-                        self.take_full(&mut p, range.end - range.start, slots)?
+                        Self::take_full(&mut p, range.end - range.start)
                     }
                 };
                 if let Some(bytes) = full {
@@ -510,7 +685,15 @@ impl WriteHandle for ObjectWrite {
     fn commit(self: Box<Self>, _durable: bool) -> Result<()> {
         match &self.body {
             Body::Whole(whole) => {
-                let bytes = std::mem::take(&mut *whole.lock().expect("no panic while held"));
+                let bytes = match &mut *whole.lock().expect("no panic while held") {
+                    WholeBytes::File(f) => {
+                        let mut bytes = vec![0; self.len() as usize];
+                        f.read_exact_at(&mut bytes, 0)
+                            .map_err(|e| self.waiting_error(e))?;
+                        bytes
+                    }
+                    WholeBytes::Memory(bytes) => std::mem::take(bytes),
+                };
                 let (c, k) = (self.client.clone(), self.key.clone());
                 self.client
                     .block(
