@@ -1,6 +1,7 @@
 //! Every command that reads or rewrites a model (or a chain of deltas) runs in bounded memory: on a model several times
 //! larger than the bound, each `saver` process's peak RSS (as the kernel counts it, mapped file
-//! pages included) stays under it, and the results agree (one digest throughout).
+//! pages included) stays under it, and the results agree (one digest throughout). Saves to and
+//! reads from an S3-compatible store (Garage on loopback) are held to the same bound.
 //!
 //! Needs an optimised build to run in reasonable time, so a debug `cargo test` skips it;
 //! `tests/run.sh` runs it with `cargo test --release -p saver-cli --test memory`.
@@ -61,11 +62,12 @@ fn write_model(path: &Path) {
     f.flush().unwrap();
 }
 
-/// Runs `saver args` to completion; returns its stdout and its peak RSS in bytes.
-fn run(args: &[&str], tmp: &Path) -> (String, u64) {
+/// Runs `saver args` to completion with `env` set; returns its stdout and its peak RSS in bytes.
+fn run(args: &[&str], tmp: &Path, env: &[(&str, String)]) -> (String, u64) {
     let child = Command::new(env!("CARGO_BIN_EXE_saver"))
         .args(args)
         .env("TMPDIR", tmp)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -122,6 +124,10 @@ fn every_command_runs_in_bounded_memory_on_a_model_larger_than_the_bound() {
     let tmp = d.path().join("tmp");
     std::fs::create_dir(&tmp).unwrap();
     let par = ["--parallel", "2"];
+    // Saves to and reads from an S3-compatible store: its parts in flight and being filled are
+    // held within the same bound.
+    let g = crate::garage::Garage::start();
+    let s3 = |x: &str| g.as_ref().map(|g| g.url(&format!("memory/{x}")));
     let commands: Vec<(&str, Vec<String>)> = vec![
         (
             "save --from",
@@ -226,13 +232,47 @@ fn every_command_runs_in_bounded_memory_on_a_model_larger_than_the_bound() {
         ),
         ("digest of the compaction", vec!["digest".into(), p("ck4")]),
     ];
+    let mut commands = commands;
+    if let (Some(ck), Some(ck2)) = (s3("ck"), s3("ck2")) {
+        commands.extend([
+            (
+                "save --from to the store",
+                vec![
+                    "save".into(),
+                    "--from".into(),
+                    model.clone(),
+                    "--out".into(),
+                    ck.clone(),
+                    "--shards".into(),
+                    "3".into(),
+                ],
+            ),
+            (
+                "digest of the store's checkpoint",
+                vec!["digest".into(), ck.clone()],
+            ),
+            (
+                "reshard from the store to the store",
+                vec![
+                    "reshard".into(),
+                    ck,
+                    "--out".into(),
+                    ck2.clone(),
+                    "--shards".into(),
+                    "2".into(),
+                ],
+            ),
+            ("digest of that", vec!["digest".into(), ck2]),
+        ]);
+    }
+    let env = g.as_ref().map(|g| g.env()).unwrap_or_default();
     let mut digests = Vec::new();
     for (what, args) in &commands {
         let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
         if args[0] != "export" {
             args.extend(par);
         }
-        let (out, rss) = run(&args, &tmp);
+        let (out, rss) = run(&args, &tmp, &env);
         eprintln!("{what}: peak RSS {} MiB", rss >> 20);
         assert!(
             rss < LIMIT,
