@@ -212,6 +212,11 @@ fn main() {
     let (peak_local, probe) = peak_of(|| save(&local, model.input(), &opts(2, 1)).unwrap());
     let probe_url = g.url("probe");
     let (peak_s3, _) = peak_of(|| save(Path::new(&probe_url), model.input(), &opts(2, 1)).unwrap());
+    // With twice the writers: the documented bound grows by 8 MiB a writer thread.
+    let (peak_local4, _) = peak_of(|| save(&local, model.input(), &opts(4, 1)).unwrap());
+    let probe_url4 = g.url("probe4");
+    let (peak_s3_4, _) =
+        peak_of(|| save(Path::new(&probe_url4), model.input(), &opts(4, 1)).unwrap());
     let bytes = probe.bytes_written;
     println!(
         "## Object store (Garage on loopback), {} model ({} rows, {} data files)\n",
@@ -360,6 +365,11 @@ fn main() {
         "| save, 1 shard, parallel 2 | {} | {} |",
         show(peak_local),
         show(peak_s3)
+    );
+    println!(
+        "| save, 1 shard, parallel 4 | {} | {} |",
+        show(peak_local4),
+        show(peak_s3_4)
     );
     println!(
         "| load into arrays, parallel 2 (beyond the {} it returns) | {} | {} |",
