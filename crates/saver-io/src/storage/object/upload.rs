@@ -127,19 +127,15 @@ impl UploadSlots {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .pop();
-        match reused {
-            Some(PartBuf {
-                map: Some(map),
-                len: _,
-            }) if map.len() >= len => Ok(PartBuf {
-                map: Some(map),
-                len,
-            }),
-            _ => Ok(PartBuf {
-                map: Some(memmap2::MmapMut::map_anon(len.max(1))?),
-                len,
-            }),
-        }
+        // A file cut into more than 10 000 parts has larger ones than the spare buffers.
+        let map = match reused.and_then(|b| b.map) {
+            Some(map) if map.len() >= len => map,
+            _ => memmap2::MmapMut::map_anon(len.max(1))?,
+        };
+        Ok(PartBuf {
+            map: Some(map),
+            len,
+        })
     }
 
     /// Takes back the buffer of a part that has gone up, to be reused while the buffers alive
