@@ -1,6 +1,6 @@
 //! The save's row gather: reading every row of a Criteo-Kaggle-shaped model (criteo-kaggle ×0.5,
 //! 16.9 M rows of 136 bytes) by handle, in the order a save reads them.
-//! `cargo bench --bench gather`
+//! `cargo bench --bench gather` (`SAVER_BENCH_SCALE` for another scale of the model)
 //!
 //! The tables are filled by inserts in random id order, as training fills them, so bucket order
 //! (the save's) is random with respect to insertion order. Both rows run on two threads in
@@ -18,6 +18,8 @@ use saver::core::partition::PartitionRule;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver::core::table::TableSnapshot;
 use saver::SparseTable;
+
+mod common;
 
 /// Rows a writer thread reads at once.
 const CHUNK_ROWS: usize = 60_000;
@@ -118,7 +120,8 @@ fn plain_copy(tables: &[Order<'_>], source: &[u8], table_start: &[usize]) {
 }
 
 fn bench(c: &mut Criterion) {
-    let spec: SyntheticSpec = "criteo-kaggle,scale=0.5".parse().unwrap();
+    let scale = common::scale_or(0.5);
+    let spec: SyntheticSpec = format!("criteo-kaggle,scale={scale}").parse().unwrap();
     let rows: u64 = spec.table_rows().iter().sum();
     let model = SyntheticModel::generate(&spec).unwrap();
     let mut g = c.benchmark_group("gather");
@@ -128,7 +131,7 @@ fn bench(c: &mut Criterion) {
         |id: u64, _| (u128::from(PartitionRule::bucket_of(id)) << 64) | u128::from(id);
     // A snapshot reads each row once (a save asks for each row once; a second read is an
     // error), so every round takes snapshots of its own, scanned and sorted untimed.
-    g.bench_function("bucket order, criteo-kaggle x0.5", |b| {
+    g.bench_function(format!("bucket order, criteo-kaggle x{scale}"), |b| {
         b.iter_batched(
             || order(&model, bucket_order),
             |tables| {
@@ -151,7 +154,7 @@ fn bench(c: &mut Criterion) {
     let total: usize = by_bucket.iter().map(|o| o.ids.len() * row_bytes(o)).sum();
     let source = vec![0x5au8; total];
     g.bench_function(
-        "plain copy of the same bytes (baseline), criteo-kaggle x0.5",
+        format!("plain copy of the same bytes (baseline), criteo-kaggle x{scale}"),
         |b| b.iter(|| plain_copy(&by_bucket, &source, &table_start)),
     );
     g.finish();

@@ -1,5 +1,5 @@
 //! Planning a Criteo-Kaggle-shaped model: 26 tables, 30 million rows (dim 16, Adagrad).
-//! `cargo bench --bench plan`
+//! `cargo bench --bench plan` (`SAVER_BENCH_SCALE` for another scale of the model)
 //!
 //! `plan` alone counts and groups the rows; their sort by (bucket, id) happens when the writer
 //! takes them, so `plan + sorted ids` (every partition's ids, as the writer sees them) is the
@@ -19,7 +19,9 @@ mod common;
 
 fn plan(c: &mut Criterion) {
     // 33.76 M rows at scale 1; 0.8886 gives 30.0 M.
-    let spec: SyntheticSpec = "criteo-kaggle,scale=0.8886".parse().unwrap();
+    let spec: SyntheticSpec = format!("criteo-kaggle,scale={}", common::scale_or(0.8886))
+        .parse()
+        .unwrap();
     let rows: u64 = spec.table_rows().iter().sum();
     let model = SyntheticModel::generate(&spec).unwrap();
     let mut g = c.benchmark_group("plan");

@@ -4,9 +4,10 @@
 #
 #   bash benches/summary.sh [--quick]
 #
-# --quick runs every benchmark at a tiny size, once: what CI runs (bash .ci/run) to check that
-# each still runs and reports; its figures mean nothing. Needs garage on PATH or in ~/.cargo/bin
-# for the object-store benchmarks (as the tests do). Any benchmark that fails fails the script.
+# --quick runs every benchmark at a tiny size, once (the criterion benchmarks with `--test`): what
+# CI runs (bash .ci/run) to check that each still runs and reports; its figures mean nothing.
+# Needs garage on PATH or in ~/.cargo/bin for the object-store benchmarks (as the tests do). Any
+# benchmark that fails fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=0
@@ -63,6 +64,11 @@ run column_codecs cargo bench -q --bench column_codecs -- --mib "$codec_mib"
 run compressed cargo bench -q --bench compressed -- --size "$compressed_size" --runs "$runs"
 
 if [ $quick = 1 ]; then
+  # Benchmarks that give no summary figure (criterion's, for regression tracking, and
+  # write_paths): each runs once on a small model, so that none stops working unseen.
+  run criterion env SAVER_BENCH_SCALE=0.005 SAVER_BENCH_BYTES=$((16 << 20)) \
+    cargo bench -q --bench plan --bench gather --bench upsert --bench save_load -- --test
+  run write_paths cargo bench -q --bench write_paths -- 100000
   echo "quick run: every benchmark ran; figures in $out/summary.md (not kept)" >&2
 else
   mkdir -p docs/benchmarks

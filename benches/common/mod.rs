@@ -100,6 +100,16 @@ pub fn scratch() -> PathBuf {
     dir
 }
 
+/// The scale of a benchmark's Criteo-Kaggle-shaped model: `SAVER_BENCH_SCALE`, or `default`.
+/// `benches/summary.sh --quick` sets it small, so that CI runs every benchmark once.
+pub fn scale_or(default: f64) -> f64 {
+    std::env::var("SAVER_BENCH_SCALE")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|s: &f64| *s > 0.0)
+        .unwrap_or(default)
+}
+
 /// Bytes of a row-major model spec of about `bytes` bytes: 8 tables of dim-64 embedding + Adagrad.
 pub fn spec_of_size(bytes: u64) -> String {
     let dense = (bytes / 32).min(256 << 20);
