@@ -128,7 +128,7 @@ fn every_command_runs_in_bounded_memory_on_a_model_larger_than_the_bound() {
     // held within the same bound.
     let g = crate::garage::Garage::start();
     let s3 = |x: &str| g.as_ref().map(|g| g.url(&format!("memory/{x}")));
-    let commands: Vec<(&str, Vec<String>)> = vec![
+    let mut commands: Vec<(&str, Vec<String>)> = vec![
         (
             "save --from",
             vec![
@@ -232,7 +232,6 @@ fn every_command_runs_in_bounded_memory_on_a_model_larger_than_the_bound() {
         ),
         ("digest of the compaction", vec!["digest".into(), p("ck4")]),
     ];
-    let mut commands = commands;
     if let (Some(ck), Some(ck2)) = (s3("ck"), s3("ck2")) {
         commands.extend([
             (
