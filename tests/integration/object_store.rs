@@ -12,6 +12,7 @@ use crate::common;
 use crate::common::garage;
 
 use saver::core::plan::ForeignRows;
+use saver::core::PartitionRule;
 use saver::io::storage::{LocalFs, ObjectStorage, Storage, MIN_PART_SIZE};
 use saver::io::tools::digest::restored_digest;
 use saver::{save, verify, Checkpoint, LoadOptions, SaveOptions, Status};
@@ -427,6 +428,77 @@ fn a_delta_names_its_parent_in_the_bucket() {
     let other = tempfile::tempdir().unwrap();
     let err = save(other.path(), model.input(), &o).unwrap_err();
     assert!(err.to_string().contains("not in one bucket"), "{err}");
+}
+
+/// A load from the store that cuts a checksummed block at its first or last row reads the rest
+/// of the block beside its rows, to check it: a byte flipped there, outside the rows it returns,
+/// fails that load, as it fails the load of the target whose rows hold the byte. Both loads, into
+/// tables and into arrays.
+#[test]
+fn a_flipped_byte_beside_a_targets_rows_fails_its_load_from_the_store() {
+    let Some(g) = garage::shared() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::Model::new(60_000);
+    save(dir.path(), model.input(), &options(1)).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let n = 3u32;
+    // The first bucket of target 2: its rows start inside a segment, inside a block.
+    let edge = PartitionRule::bucket_range(2, n).start;
+    let seg = ck.manifest().table("user").unwrap().partitions[0]
+        .segments
+        .iter()
+        .find(|s| s.buckets[0] < edge && edge < s.buckets[1])
+        .expect("a segment straddles the edge")
+        .clone();
+    let t = seg.slots[0].clone();
+    let block = t.blocks.as_ref().expect("longer than a block").bytes;
+    let ids = std::fs::read(dir.path().join(&seg.ids.file)).unwrap();
+    let id_at = |r: u64| {
+        let at = (seg.ids.offset + r * 8) as usize;
+        u64::from_le_bytes(ids[at..at + 8].try_into().unwrap())
+    };
+    let first = (0..seg.rows)
+        .find(|&r| PartitionRule::bucket_of(id_at(r)) >= edge)
+        .unwrap();
+    let at = first * (t.len / seg.rows);
+    assert!(at % block != 0, "the edge falls on a block's start");
+    // The last byte of target 1's rows, then the first of target 2's: each lies in the block
+    // that the other target's load cuts.
+    for (k, byte) in [at - 1, at].into_iter().enumerate() {
+        let url = g.url(&format!("edge-flip/{k}"));
+        let store = ObjectStorage::from_url(&url).unwrap();
+        for f in std::fs::read_dir(dir.path()).unwrap() {
+            let f = f.unwrap().path();
+            let name = f.file_name().unwrap().to_str().unwrap().to_string();
+            let mut bytes = std::fs::read(&f).unwrap();
+            if name == t.file {
+                bytes[(t.offset + byte) as usize] ^= 0x10;
+            }
+            store.put(&name, &bytes, true).unwrap();
+        }
+        let remote = Checkpoint::open(Path::new(&url)).unwrap();
+        for j in [1, 2] {
+            let o = LoadOptions {
+                shard_num: n,
+                shard_index: Some(j),
+                parallel: 2,
+                ..LoadOptions::default()
+            };
+            let errs = [remote.restore(&o).err(), remote.load_columns(&o).err()];
+            for e in errs {
+                let e = e.unwrap_or_else(|| panic!("target {j} loaded, byte {byte} flipped"));
+                assert!(e.to_string().contains(&t.name), "{e}");
+                assert!(e.to_string().contains("CRC32"), "{e}");
+            }
+        }
+        // Target 0 reads none of that block: it loads.
+        let o = LoadOptions {
+            shard_num: n,
+            shard_index: Some(0),
+            ..LoadOptions::default()
+        };
+        remote.load_columns(&o).unwrap();
+    }
 }
 
 #[test]

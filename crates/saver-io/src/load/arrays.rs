@@ -57,6 +57,20 @@ impl Link {
     pub(crate) fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
         let start = Instant::now();
         let fetched = self.bytes_fetched();
+        let (tables, dense, mut report) =
+            self.with_dense(opts, || self.load_table_columns(opts))?;
+        report.load_seconds = start.elapsed().as_secs_f64();
+        report.bytes_read = self.bytes_fetched() - fetched;
+        finish_report(&mut report);
+        Ok(Columns {
+            tables,
+            dense,
+            report,
+        })
+    }
+
+    /// The tables of [`Self::load_columns`].
+    fn load_table_columns(&self, opts: &LoadOptions) -> Result<(Vec<TableColumns>, LoadReport)> {
         // Validates shard_num and shard_index exactly as the hashtable restore does.
         target_shards(opts)?;
         let target = match opts.shard_index {
@@ -171,30 +185,8 @@ impl Link {
                     .collect()
             })
         };
-        let read_dense = |report: &mut LoadReport| -> Result<Vec<LoadedDense>> {
-            if opts.load_dense {
-                self.load_dense(opts, report)
-            } else {
-                Ok(Vec::new())
-            }
-        };
-        let (results, dense) = if remote {
-            // On a remote store the dense tensors' round trips overlap the tables' reads.
-            std::thread::scope(|s| {
-                let aside = s.spawn(|| {
-                    let mut r = LoadReport::default();
-                    read_dense(&mut r).map(|d| (d, r))
-                });
-                let results = read_tables(&mut jobs);
-                let dense = aside
-                    .join()
-                    .unwrap_or_else(|p| std::panic::resume_unwind(p));
-                (results, dense)
-            })
-        } else {
-            let results = read_tables(&mut jobs);
-            (results, Ok((Vec::new(), LoadReport::default())))
-        };
+        let all_reads = plans.iter().flat_map(|(_, _, reads)| reads).collect();
+        let (results, known) = self.beside_edge_gaps(all_reads, || read_tables(&mut jobs));
         drop(jobs);
         let mut pieces = Vec::new();
         for (rows, bytes, p) in results? {
@@ -202,21 +194,8 @@ impl Link {
             report.bytes_kept += bytes;
             pieces.extend(p);
         }
-        let (mut dense, dense_report) = dense?;
-        report.bytes_kept += dense_report.bytes_kept;
-        report.tensors_checked += dense_report.tensors_checked;
-        pool.install(|| self.check_pieces(pieces, &mut report))?;
-        if !remote {
-            dense = read_dense(&mut report)?;
-        }
-        report.load_seconds = start.elapsed().as_secs_f64();
-        report.bytes_read = self.bytes_fetched() - fetched;
-        finish_report(&mut report);
-        Ok(Columns {
-            tables,
-            dense,
-            report,
-        })
+        pool.install(|| self.check_pieces(pieces, &known?, &mut report))?;
+        Ok((tables, report))
     }
 }
 

@@ -5,8 +5,11 @@
 //! kept, cut at the tensor's checksummed blocks ([`BlockCrcs`]), and every block a piece touched
 //! is checked: the pieces' CRC32s combined with the bytes of the block they leave out, read only
 //! to be hashed (where pieces overlap, the block is hashed whole). A tensor without blocks (short,
-//! or written before blocks existed) is one block with the tensor's CRC32.
+//! or written before blocks existed) is one block with the tensor's CRC32. A load that knows its
+//! rows before it reads them can read those left-out bytes ahead ([`planned_gaps`],
+//! [`KnownGaps`]), beside the rows, so that the checks at its end wait on nothing.
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use crc32fast::Hasher;
@@ -49,47 +52,62 @@ pub(crate) fn push(t: &TensorRef, offset: u64, bytes: &[u8], out: &mut Vec<Piece
     }
 }
 
-/// The CRC32 states of one block's bytes, in order.
-enum Part {
-    /// A piece the caller read.
-    Read(Hasher),
-    /// Gap `n` of the gaps read here.
-    Gap(usize),
+/// Byte ranges, each of a tensor.
+type TensorRanges<'t> = [(&'t TensorRef, Range<u64>)];
+
+/// A tensor's identity within one load: its address in the manifest.
+pub(crate) fn key(t: &TensorRef) -> usize {
+    t as *const TensorRef as usize
 }
 
-/// Checks every block of `t` that `pieces` touch against the manifest's CRC32s, reading from
-/// `ckpt` the bytes of those blocks the pieces leave out (all in a few batched requests, which a
-/// remote store fetches at once). Returns the count of bytes read, or `None` when a block fails
-/// its check.
-pub(crate) fn check(ckpt: &Link, t: &TensorRef, mut pieces: Vec<Piece>) -> Result<Option<u64>> {
+/// CRC32 states of byte ranges of tensors that a load read ahead of the checks that need them
+/// (the bytes of edge blocks that its rows leave out, see [`planned_gaps`]), keyed by tensor
+/// ([`key`]) and range. A check takes a gap's state from here instead of reading it then.
+#[derive(Default)]
+pub(crate) struct KnownGaps(HashMap<(usize, u64, u64), Hasher>);
+
+impl KnownGaps {
+    fn get(&self, t: &TensorRef, r: &Range<u64>) -> Option<&Hasher> {
+        self.0.get(&(key(t), r.start, r.end))
+    }
+}
+
+/// What one block's bytes are made of, in order.
+enum Part {
+    /// Span `n` of the spans laid out.
+    Read(usize),
+    /// Bytes no span holds.
+    Gap(Range<u64>),
+}
+
+/// The blocks of `t` that `spans` (`(offset, len)` within `t`, sorted by offset, none crossing a
+/// block's end) touch, each with its parts in order. Where spans of a block overlap, the block
+/// is one gap: it is hashed whole.
+fn layout(t: &TensorRef, spans: &[(u64, u64)]) -> Vec<(u64, Vec<Part>)> {
     let block = block_bytes(t);
-    pieces.sort_by_key(|p| p.offset);
-    let mut blocks: Vec<(u64, Vec<Part>)> = Vec::new();
-    let mut gaps: Vec<Range<u64>> = Vec::new();
-    let mut rest = pieces.into_iter().peekable();
-    while let Some(first) = rest.peek() {
-        let k = first.offset / block;
+    let mut blocks = Vec::new();
+    let mut i = 0;
+    while i < spans.len() {
+        let k = spans[i].0 / block;
         let range = k * block..((k + 1) * block).min(t.len);
-        let mut of_block = Vec::new();
-        while let Some(p) = rest.next_if(|p| p.offset / block == k) {
-            of_block.push(p);
+        let mut j = i;
+        while j < spans.len() && spans[j].0 / block == k {
+            j += 1;
         }
-        let tiles = of_block
-            .windows(2)
-            .all(|w| w[0].offset + w[0].len <= w[1].offset);
+        let of_block = &spans[i..j];
+        let tiles = of_block.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0);
         let mut parts = Vec::new();
-        let mut gap = |parts: &mut Vec<Part>, r: Range<u64>| {
+        let gap = |parts: &mut Vec<Part>, r: Range<u64>| {
             if !r.is_empty() {
-                parts.push(Part::Gap(gaps.len()));
-                gaps.push(r);
+                parts.push(Part::Gap(r));
             }
         };
         if tiles {
             let mut at = range.start;
-            for p in of_block {
-                gap(&mut parts, at..p.offset);
-                at = p.offset + p.len;
-                parts.push(Part::Read(p.crc));
+            for (n, &(offset, len)) in of_block.iter().enumerate() {
+                gap(&mut parts, at..offset);
+                at = offset + len;
+                parts.push(Part::Read(i + n));
             }
             gap(&mut parts, at..range.end);
         } else {
@@ -97,14 +115,94 @@ pub(crate) fn check(ckpt: &Link, t: &TensorRef, mut pieces: Vec<Piece>) -> Resul
             gap(&mut parts, range);
         }
         blocks.push((k, parts));
+        i = j;
     }
-    let gap_crcs = hash_ranges(ckpt, t, &gaps)?;
+    blocks
+}
+
+/// The byte ranges of `t` that a check of pieces reading exactly `ranges` of it (disjoint) will
+/// need besides them: the rest of each block they touch. A load that knows its rows before it
+/// reads them fetches these alongside, so that its checks at the end wait on no reads.
+pub(crate) fn planned_gaps(t: &TensorRef, ranges: &[Range<u64>]) -> Vec<Range<u64>> {
+    let block = block_bytes(t);
+    let mut spans = Vec::new();
+    for r in ranges {
+        let mut at = r.start;
+        while at < r.end {
+            let n = (block - at % block).min(r.end - at);
+            spans.push((at, n));
+            at += n;
+        }
+    }
+    spans.sort_unstable();
+    layout(t, &spans)
+        .into_iter()
+        .flat_map(|(_, parts)| parts)
+        .filter_map(|p| match p {
+            Part::Gap(r) => Some(r),
+            Part::Read(_) => None,
+        })
+        .collect()
+}
+
+/// Reads `gaps` (of tensors in many files: requests to a remote store go at once) and hashes
+/// each, for the checks that will need them.
+pub(crate) fn read_gaps(ckpt: &Link, gaps: &TensorRanges<'_>) -> Result<KnownGaps> {
+    let crcs = hash_ranges(ckpt, gaps)?;
+    Ok(KnownGaps(
+        gaps.iter()
+            .zip(crcs)
+            .map(|((t, r), h)| ((key(t), r.start, r.end), h))
+            .collect(),
+    ))
+}
+
+/// Checks every block of `t` that `pieces` touch against the manifest's CRC32s, reading from
+/// `ckpt` the bytes of those blocks the pieces leave out, unless `known` holds them (all in a
+/// few batched requests, which a remote store fetches at once). Returns the count of bytes read
+/// here, or `None` when a block fails its check.
+pub(crate) fn check(
+    ckpt: &Link,
+    t: &TensorRef,
+    pieces: Vec<Piece>,
+    known: &KnownGaps,
+) -> Result<Option<u64>> {
+    check_with(t, pieces, known, |ranges| hash_ranges(ckpt, ranges))
+}
+
+/// [`check`], with the gaps it must read hashed by `hash`.
+fn check_with(
+    t: &TensorRef,
+    mut pieces: Vec<Piece>,
+    known: &KnownGaps,
+    hash: impl FnOnce(&TensorRanges<'_>) -> Result<Vec<Hasher>>,
+) -> Result<Option<u64>> {
+    pieces.sort_by_key(|p| p.offset);
+    let spans: Vec<(u64, u64)> = pieces.iter().map(|p| (p.offset, p.len)).collect();
+    let blocks = layout(t, &spans);
+    let missing: Vec<(&TensorRef, Range<u64>)> = blocks
+        .iter()
+        .flat_map(|(_, parts)| parts)
+        .filter_map(|p| match p {
+            Part::Gap(r) if known.get(t, r).is_none() => Some((t, r.clone())),
+            _ => None,
+        })
+        .collect();
+    let read_now = if missing.is_empty() {
+        Vec::new()
+    } else {
+        hash(&missing)?
+    };
+    let mut read_now = read_now.iter();
     for (k, parts) in blocks {
         let mut combined = Hasher::new();
         for part in &parts {
             match part {
-                Part::Read(h) => combined.combine(h),
-                Part::Gap(n) => combined.combine(&gap_crcs[*n]),
+                Part::Read(n) => combined.combine(&pieces[*n].crc),
+                Part::Gap(r) => match known.get(t, r) {
+                    Some(h) => combined.combine(h),
+                    None => combined.combine(read_now.next().expect("one state a gap read")),
+                },
             }
         }
         let want = match &t.blocks {
@@ -118,37 +216,38 @@ pub(crate) fn check(ckpt: &Link, t: &TensorRef, mut pieces: Vec<Piece>) -> Resul
             return Ok(None);
         }
     }
-    Ok(Some(gaps.iter().map(|r| r.end - r.start).sum()))
+    Ok(Some(missing.iter().map(|(_, r)| r.end - r.start).sum()))
 }
 
-/// The CRC32 states of bytes `ranges` of `t`: ranges read together up to [`BATCH_BYTES`] at a
-/// time, a longer one (a whole tensor without blocks) a window at a time.
-fn hash_ranges(ckpt: &Link, t: &TensorRef, ranges: &[Range<u64>]) -> Result<Vec<Hasher>> {
+/// The CRC32 states of `ranges` (each of a tensor): ranges read together up to
+/// [`BATCH_BYTES`] at a time, a longer one (a whole tensor without blocks) a window at a time.
+fn hash_ranges(ckpt: &Link, ranges: &TensorRanges<'_>) -> Result<Vec<Hasher>> {
     const BATCH_BYTES: u64 = 8 << 20;
     let len = |r: &Range<u64>| r.end - r.start;
     let mut out = Vec::with_capacity(ranges.len());
     let mut i = 0;
     while i < ranges.len() {
-        if len(&ranges[i]) > BATCH_BYTES {
+        let (t, first) = &ranges[i];
+        if len(first) > BATCH_BYTES {
             let mut h = Hasher::new();
-            hash_range(ckpt, t, ranges[i].clone(), &mut h)?;
+            hash_range(ckpt, t, first.clone(), &mut h)?;
             out.push(h);
             i += 1;
             continue;
         }
         let (mut j, mut total) = (i, 0);
-        while j < ranges.len() && total + len(&ranges[j]) <= BATCH_BYTES {
-            total += len(&ranges[j]);
+        while j < ranges.len() && total + len(&ranges[j].1) <= BATCH_BYTES {
+            total += len(&ranges[j].1);
             j += 1;
         }
         let mut bufs: Vec<Vec<u8>> = ranges[i..j]
             .iter()
-            .map(|r| vec![0; len(r) as usize])
+            .map(|(_, r)| vec![0; len(r) as usize])
             .collect();
         let mut reads: Vec<(&TensorRef, u64, &mut [u8])> = ranges[i..j]
             .iter()
             .zip(bufs.iter_mut())
-            .map(|(r, b)| (t, r.start, b.as_mut_slice()))
+            .map(|((t, r), b)| (*t, r.start, b.as_mut_slice()))
             .collect();
         ckpt.read_tensor_ranges(&mut reads)?;
         out.extend(bufs.iter().map(|b| {
@@ -173,4 +272,107 @@ fn hash_range(ckpt: &Link, t: &TensorRef, range: Range<u64>, h: &mut Hasher) -> 
         at += n as u64;
     }
     Ok(range.end.saturating_sub(range.start))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use saver_core::manifest::BlockCrcs;
+    use saver_core::Dtype;
+
+    /// A tensor over `bytes`, with blocks of `block` bytes (or none: one CRC32 for all).
+    fn tensor(bytes: &[u8], block: Option<u64>) -> TensorRef {
+        TensorRef {
+            file: "f".into(),
+            name: "t".into(),
+            dtype: Dtype::U8,
+            shape: vec![bytes.len() as u64],
+            offset: 0,
+            len: bytes.len() as u64,
+            crc32: crc32fast::hash(bytes),
+            blocks: block.map(|b| BlockCrcs {
+                bytes: b,
+                crc32: bytes.chunks(b as usize).map(crc32fast::hash).collect(),
+            }),
+            codec: None,
+        }
+    }
+
+    /// Hashes ranges of `bytes`, counting the bytes asked for.
+    fn hash_of<'a>(
+        bytes: &'a [u8],
+        asked: &'a mut u64,
+    ) -> impl FnOnce(&TensorRanges<'_>) -> Result<Vec<Hasher>> + 'a {
+        move |ranges| {
+            Ok(ranges
+                .iter()
+                .map(|(_, r)| {
+                    *asked += r.end - r.start;
+                    let mut h = Hasher::new();
+                    h.update(&bytes[r.start as usize..r.end as usize]);
+                    h
+                })
+                .collect())
+        }
+    }
+
+    proptest! {
+        /// A load that read rows `ranges` (disjoint, each in chunks) of a tensor and read ahead
+        /// the gaps [`planned_gaps`] named checks it without reading anything more; without them
+        /// it reads exactly those gaps; and a flipped byte in a gap read ahead fails the check.
+        #[test]
+        fn gaps_read_ahead_are_all_a_check_needs(
+            len in 1usize..5000,
+            block in prop::option::of(1u64..700),
+            cuts in prop::collection::vec(0.0f64..1.0, 0..8),
+            chunk in 1u64..900,
+            flip in 0.0f64..1.0,
+        ) {
+            let bytes: Vec<u8> = (0..len).map(|i| saver_core::partition::fmix64(i as u64) as u8).collect();
+            let t = tensor(&bytes, block);
+            // Disjoint ranges: every other interval between sorted cut points.
+            let mut at: Vec<u64> = cuts.iter().map(|c| (c * len as f64) as u64).collect();
+            at.sort_unstable();
+            let ranges: Vec<Range<u64>> = at.chunks_exact(2).map(|w| w[0]..w[1]).filter(|r| !r.is_empty()).collect();
+            prop_assume!(!ranges.is_empty());
+            let read = |ranges: &[Range<u64>]| {
+                let mut pieces = Vec::new();
+                for r in ranges {
+                    let mut a = r.start;
+                    while a < r.end {
+                        let e = (a + chunk).min(r.end);
+                        push(&t, a, &bytes[a as usize..e as usize], &mut pieces);
+                        a = e;
+                    }
+                }
+                pieces
+            };
+            let gaps = planned_gaps(&t, &ranges);
+            let gap_bytes: u64 = gaps.iter().map(|g| g.end - g.start).sum();
+            let mut asked = 0;
+            let known_of = |bytes: &[u8]| KnownGaps(gaps.iter().map(|g| {
+                let mut h = Hasher::new();
+                h.update(&bytes[g.start as usize..g.end as usize]);
+                ((key(&t), g.start, g.end), h)
+            }).collect());
+            let known = known_of(&bytes);
+            let got = check_with(&t, read(&ranges), &known, hash_of(&bytes, &mut asked)).unwrap();
+            prop_assert_eq!(got, Some(0));
+            prop_assert_eq!(asked, 0);
+            let got = check_with(&t, read(&ranges), &KnownGaps::default(), hash_of(&bytes, &mut asked)).unwrap();
+            prop_assert_eq!(got, Some(gap_bytes));
+            prop_assert_eq!(asked, gap_bytes);
+            if gap_bytes > 0 {
+                // A byte of the gaps, changed on disk before they were read ahead.
+                let mut n = (flip * gap_bytes as f64) as u64;
+                let g = gaps.iter().find(|g| { let l = g.end - g.start; if n < l { true } else { n -= l; false } }).unwrap();
+                let mut bad = bytes.clone();
+                bad[(g.start + n) as usize] ^= 1;
+                let mut asked = 0;
+                let got = check_with(&t, read(&ranges), &known_of(&bad), hash_of(&bytes, &mut asked)).unwrap();
+                prop_assert_eq!(got, None);
+            }
+        }
+    }
 }

@@ -23,7 +23,7 @@ use saver_core::{Dtype, EmbeddingTable, KeyDtype, PartitionRule, SlotSpec, Spars
 
 use crate::error::{Error, Result};
 use crate::load::link::Link;
-use crate::load::pieces::{self, Piece};
+use crate::load::pieces::{self, KnownGaps, Piece};
 
 /// Where restored rows go. Implemented by [`EmbeddingTable`]; implement it for your own table.
 pub trait TableSink: Send + Sync {
@@ -429,13 +429,9 @@ impl Link {
                     .map(move |(sink, t)| (s.shard, *t, sink as &dyn TableSink))
             })
             .collect();
-        let mut report = self.load_sinks(&sinks, opts)?;
+        let ((), dense, mut report) =
+            self.with_dense(opts, || Ok(((), self.load_sinks(&sinks, opts)?)))?;
         set_baselines(&shards, opts, &self.manifest().save_id)?;
-        let dense = if opts.load_dense {
-            self.load_dense(opts, &mut report)?
-        } else {
-            Vec::new()
-        };
         report.bytes_read = self.bytes_fetched() - fetched;
         finish_report(&mut report);
         Ok(Restored {
@@ -472,6 +468,35 @@ impl Link {
         report.bytes_read = self.bytes_fetched() - fetched;
         finish_report(&mut report);
         Ok(report)
+    }
+
+    /// Runs `load`, a load of tables, and reads the dense tensors `opts` selects: on a remote
+    /// store beside it (both mostly wait on round trips, and the dense tensors' would otherwise
+    /// add to the end of the load), after it otherwise. Returns `load`'s value, the dense
+    /// tensors, and `load`'s report with the dense tensors' figures added.
+    pub(crate) fn with_dense<T>(
+        &self,
+        opts: &LoadOptions,
+        load: impl FnOnce() -> Result<(T, LoadReport)>,
+    ) -> Result<(T, Vec<LoadedDense>, LoadReport)> {
+        if !opts.load_dense {
+            let (t, report) = load()?;
+            return Ok((t, Vec::new(), report));
+        }
+        if !self.is_remote() {
+            let (t, mut report) = load()?;
+            let dense = self.load_dense(opts, &mut report)?;
+            return Ok((t, dense, report));
+        }
+        let (loaded, dense) = side_by_side(load, || {
+            let mut r = LoadReport::default();
+            self.load_dense(opts, &mut r).map(|d| (d, r))
+        });
+        let (t, mut report) = loaded?;
+        let (dense, of_dense) = dense?;
+        report.bytes_kept += of_dense.bytes_kept;
+        report.tensors_checked += of_dense.tensors_checked;
+        Ok((t, dense, report))
     }
 
     pub(crate) fn load_dense(
@@ -713,7 +738,7 @@ impl Link {
             let mut of_tensor = Vec::new();
             pieces::push(t, *offset, buf, &mut of_tensor);
             pieces.push(PieceCrc {
-                key: *t as *const TensorRef as usize,
+                key: pieces::key(t),
                 pieces: of_tensor,
             });
         }
@@ -738,6 +763,43 @@ impl Link {
             prev = Some((b, id));
         }
         Ok(ids.len() as u64 + slots.iter().map(|s| s.len() as u64).sum::<u64>())
+    }
+
+    /// Reads ahead the bytes that the checks of `reads` will need besides their rows: the rest
+    /// of each checksummed block cut by a read's first or last row ([`pieces::planned_gaps`]).
+    /// A remote load runs this beside its rows, so that its checks at the end wait on no round
+    /// trips; a gap it does not hold is read by the check itself.
+    pub(crate) fn read_edge_gaps(&self, reads: &[&SegmentRead<'_>]) -> Result<KnownGaps> {
+        let mut by: HashMap<usize, (&TensorRef, Vec<Range<u64>>)> = HashMap::new();
+        for r in reads.iter().filter(|r| !r.whole && !r.rows.is_empty()) {
+            let tensors =
+                std::iter::once(&r.seg.ids).chain(r.slot_map.iter().map(|&k| &r.seg.slots[k]));
+            for t in tensors {
+                let row = t.len / r.seg.rows.max(1);
+                by.entry(pieces::key(t))
+                    .or_insert_with(|| (t, Vec::new()))
+                    .1
+                    .push(r.rows.start * row..r.rows.end * row);
+            }
+        }
+        let mut gaps: Vec<(&TensorRef, Range<u64>)> = Vec::new();
+        for (t, ranges) in by.into_values() {
+            gaps.extend(pieces::planned_gaps(t, &ranges).into_iter().map(|g| (t, g)));
+        }
+        pieces::read_gaps(self, &gaps)
+    }
+
+    /// Runs `read_rows`, the reads of `reads`' rows, and on a remote store
+    /// [`Self::read_edge_gaps`] on a thread beside them.
+    pub(crate) fn beside_edge_gaps<T>(
+        &self,
+        reads: Vec<&SegmentRead<'_>>,
+        read_rows: impl FnOnce() -> T,
+    ) -> (T, Result<KnownGaps>) {
+        if !self.is_remote() {
+            return (read_rows(), Ok(KnownGaps::default()));
+        }
+        side_by_side(read_rows, || self.read_edge_gaps(&reads))
     }
 
     fn load_sinks(
@@ -773,44 +835,48 @@ impl Link {
             }
         }
         let pool = reader_pool(reader_threads(self, opts.parallel))?;
-        let results: Result<Vec<(u64, u64, Vec<PieceCrc>)>> = pool.install(|| {
-            work.par_iter()
-                .map_init(
-                    || (Vec::<u8>::new(), Vec::<Vec<u8>>::new(), Vec::<u64>::new()),
-                    |(idbuf, slotbufs, ids), &(sink, read, ref rows)| {
-                        let r: &SegmentRead<'_> = &reads[read];
-                        let n = (rows.end - rows.start) as usize;
-                        idbuf.resize(n * 8, 0);
-                        slotbufs.resize_with(r.slot_map.len(), Vec::new);
-                        for (k, &s) in r.slot_map.iter().enumerate() {
-                            slotbufs[k].resize(n * (r.seg.slots[s].len / r.seg.rows) as usize, 0);
-                        }
-                        let mut pieces = Vec::new();
-                        let bytes = {
-                            let mut outs: Vec<&mut [u8]> =
-                                slotbufs.iter_mut().map(Vec::as_mut_slice).collect();
-                            self.read_rows_into(r, rows.clone(), idbuf, &mut outs, &mut pieces)?
-                        };
-                        ids.clear();
-                        ids.extend(
-                            idbuf
-                                .chunks_exact(8)
-                                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
-                        );
-                        let slices: Vec<&[u8]> = slotbufs.iter().map(Vec::as_slice).collect();
-                        sinks[sink].2.insert_chunk(ids, &slices)?;
-                        Ok((n as u64, bytes, pieces))
-                    },
-                )
-                .collect()
-        });
+        let read_rows = || -> Result<Vec<(u64, u64, Vec<PieceCrc>)>> {
+            pool.install(|| {
+                work.par_iter()
+                    .map_init(
+                        || (Vec::<u8>::new(), Vec::<Vec<u8>>::new(), Vec::<u64>::new()),
+                        |(idbuf, slotbufs, ids), &(sink, read, ref rows)| {
+                            let r: &SegmentRead<'_> = &reads[read];
+                            let n = (rows.end - rows.start) as usize;
+                            idbuf.resize(n * 8, 0);
+                            slotbufs.resize_with(r.slot_map.len(), Vec::new);
+                            for (k, &s) in r.slot_map.iter().enumerate() {
+                                slotbufs[k]
+                                    .resize(n * (r.seg.slots[s].len / r.seg.rows) as usize, 0);
+                            }
+                            let mut pieces = Vec::new();
+                            let bytes = {
+                                let mut outs: Vec<&mut [u8]> =
+                                    slotbufs.iter_mut().map(Vec::as_mut_slice).collect();
+                                self.read_rows_into(r, rows.clone(), idbuf, &mut outs, &mut pieces)?
+                            };
+                            ids.clear();
+                            ids.extend(
+                                idbuf
+                                    .chunks_exact(8)
+                                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
+                            );
+                            let slices: Vec<&[u8]> = slotbufs.iter().map(Vec::as_slice).collect();
+                            sinks[sink].2.insert_chunk(ids, &slices)?;
+                            Ok((n as u64, bytes, pieces))
+                        },
+                    )
+                    .collect()
+            })
+        };
+        let (results, known) = self.beside_edge_gaps(reads.iter().collect(), read_rows);
         let mut pieces = Vec::new();
         for (rows, bytes, p) in results? {
             report.rows += rows;
             report.bytes_kept += bytes;
             pieces.extend(p);
         }
-        pool.install(|| self.check_pieces(pieces, &mut report))?;
+        pool.install(|| self.check_pieces(pieces, &known?, &mut report))?;
         report.load_seconds = start.elapsed().as_secs_f64();
         Ok(report)
     }
@@ -823,6 +889,7 @@ impl Link {
     pub(crate) fn check_pieces(
         &self,
         pieces: Vec<PieceCrc>,
+        known: &KnownGaps,
         report: &mut LoadReport,
     ) -> Result<()> {
         let mut by: HashMap<usize, Vec<Piece>> = HashMap::new();
@@ -831,7 +898,7 @@ impl Link {
         }
         let mut tensors = Vec::with_capacity(by.len());
         for t in self.manifest().tensor_refs() {
-            if let Some(ps) = by.remove(&(t as *const TensorRef as usize)) {
+            if let Some(ps) = by.remove(&pieces::key(t)) {
                 tensors.push((t, ps));
             }
         }
@@ -844,7 +911,7 @@ impl Link {
             tensors
                 .into_par_iter()
                 .map(|(t, ps)| {
-                    pieces::check(self, t, ps)?.ok_or_else(|| Error::Corrupt {
+                    pieces::check(self, t, ps, known)?.ok_or_else(|| Error::Corrupt {
                         file: t.file.clone(),
                         what: format!("tensor {:?} fails its CRC32 check", t.name),
                     })
@@ -859,6 +926,18 @@ impl Link {
         report.tensors_checked += checked.len() as u64;
         Ok(())
     }
+}
+
+/// Runs `main` here and `aside` on a thread of its own at the same time; returns both results.
+fn side_by_side<A, B: Send>(main: impl FnOnce() -> A, aside: impl FnOnce() -> B + Send) -> (A, B) {
+    std::thread::scope(|s| {
+        let aside = s.spawn(aside);
+        let main = main();
+        let aside = aside
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        (main, aside)
+    })
 }
 
 /// Which of partition `p`'s slot tensors holds each of the `wanted` slots of table `t`; an error
