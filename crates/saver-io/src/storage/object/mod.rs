@@ -38,7 +38,8 @@ use object_store::aws::AmazonS3Builder;
 use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    ClientOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, RetryConfig, UpdateVersion,
+    ClientOptions, GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, RetryConfig,
+    UpdateVersion,
 };
 use saver_core::naming::{COMMIT_LOCK, TMP_MARK};
 
@@ -887,8 +888,8 @@ impl ReadHandle for ObjectRead {
     }
 
     /// Merges neighbouring ranges ([`fetch_plan`]) and sends the ranged GETs concurrently, up to
-    /// [`READ_CONCURRENCY`] at a time; each piece is copied into place as it arrives, so memory
-    /// stays within the buffers plus the pieces in flight.
+    /// [`READ_CONCURRENCY`] at a time; each answer is copied into place as it streams in, so
+    /// memory stays within the buffers plus [`ARRIVING_PIECES`] pieces of answers.
     fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> Result<()> {
         self.read_many_counted(reads).map(|_| ())
     }
@@ -914,55 +915,84 @@ impl ReadHandle for ObjectRead {
             .check_answering()
             .map_err(|e| self.client.err("read", &self.key, e))?;
         let started = Instant::now();
-        let (tx, mut rx) = futures::channel::mpsc::channel(READ_CONCURRENCY);
+        // The answers stream back a few KiB at a time, each copied into place as it arrives: no
+        // request's answer is gathered whole first (a copy more, and up to 8 MiB a request).
+        let (tx, mut rx) = futures::channel::mpsc::channel(ARRIVING_PIECES);
         let (c, k, reqs) = (self.client.clone(), self.key.clone(), requests.clone());
         runtime().spawn(async move {
             use futures::{SinkExt, StreamExt};
-            let mut tx = tx;
-            let mut arriving = futures::stream::iter(reqs)
-                .map(|r| {
-                    let (c, k) = (c.clone(), k.clone());
+            futures::stream::iter(reqs)
+                .for_each_concurrent(READ_CONCURRENCY, |r| {
+                    let (c, k, mut tx) = (c.clone(), k.clone(), tx.clone());
                     async move {
-                        let got = c.store.get_range(&k, r.clone()).await;
-                        (r, got)
+                        let opts = GetOptions::new().with_range(Some(r.clone()));
+                        let mut body = match c.store.get_opts(&k, opts).await {
+                            Ok(got) => got.into_stream(),
+                            Err(e) => {
+                                let _ = tx.send(Arrived::Failed(e)).await;
+                                return;
+                            }
+                        };
+                        let mut at = r.start;
+                        while let Some(piece) = body.next().await {
+                            let arrived = match piece {
+                                Ok(bytes) => Arrived::Bytes(r.clone(), at, bytes),
+                                Err(e) => Arrived::Failed(e),
+                            };
+                            let failed = matches!(arrived, Arrived::Failed(_));
+                            if let Arrived::Bytes(_, _, b) = &arrived {
+                                at += b.len() as u64;
+                            }
+                            // A send fails once the reader gave up after an error.
+                            if tx.send(arrived).await.is_err() || failed {
+                                return;
+                            }
+                        }
+                        let _ = tx.send(Arrived::Ended(r.clone(), at - r.start)).await;
                     }
                 })
-                .buffer_unordered(READ_CONCURRENCY);
-            while let Some(piece) = arriving.next().await {
-                if tx.send(piece).await.is_err() {
-                    return; // the reader gave up after an error
-                }
-            }
+                .await;
         });
-        for _ in 0..requests.len() {
-            let Some((r, got)) = futures::executor::block_on(futures::StreamExt::next(&mut rx))
+        let mut ended = 0;
+        while ended < requests.len() {
+            let Some(arrived) = futures::executor::block_on(futures::StreamExt::next(&mut rx))
             else {
                 return Err(Error::Mismatch(format!(
                     "internal: the reads of {} ended early",
                     self.client.url(&self.key)
                 )));
             };
-            let got = got.map_err(|e| {
-                self.client.note_answer(started, Some(&e));
-                self.client.err("read", &self.key, e)
-            })?;
-            if got.len() as u64 != r.end - r.start {
-                return Err(Error::Corrupt {
-                    file: self.client.url(&self.key),
-                    what: format!(
-                        "bytes {}..{} came back as {} bytes (the object changed or ends early)",
-                        r.start,
-                        r.end,
-                        got.len()
-                    ),
-                });
-            }
-            for (offset, buf) in reads.iter_mut() {
-                let lo = r.start.max(*offset);
-                let hi = r.end.min(*offset + buf.len() as u64);
-                if lo < hi {
-                    buf[(lo - *offset) as usize..(hi - *offset) as usize]
-                        .copy_from_slice(&got[(lo - r.start) as usize..(hi - r.start) as usize]);
+            let came_back = |r: &Range<u64>, n: u64| Error::Corrupt {
+                file: self.client.url(&self.key),
+                what: format!(
+                    "bytes {}..{} came back as {n} bytes (the object changed or ends early)",
+                    r.start, r.end
+                ),
+            };
+            match arrived {
+                Arrived::Failed(e) => {
+                    self.client.note_answer(started, Some(&e));
+                    return Err(self.client.err("read", &self.key, e));
+                }
+                Arrived::Ended(r, n) => {
+                    if n != r.end - r.start {
+                        return Err(came_back(&r, n));
+                    }
+                    ended += 1;
+                }
+                Arrived::Bytes(r, at, got) => {
+                    let end = at + got.len() as u64;
+                    if end > r.end {
+                        return Err(came_back(&r, end - r.start));
+                    }
+                    for (offset, buf) in reads.iter_mut() {
+                        let lo = at.max(*offset);
+                        let hi = end.min(*offset + buf.len() as u64);
+                        if lo < hi {
+                            buf[(lo - *offset) as usize..(hi - *offset) as usize]
+                                .copy_from_slice(&got[(lo - at) as usize..(hi - at) as usize]);
+                        }
+                    }
                 }
             }
         }
@@ -978,6 +1008,20 @@ const READ_PIECE: u64 = 8 << 20;
 
 /// Most ranged GETs in flight for one [`ReadHandle::read_many`].
 const READ_CONCURRENCY: usize = 8;
+
+/// Pieces of answers that may wait for the reader of one [`ReadHandle::read_many`] to copy them
+/// into place (each as large as the HTTP client reads at once, a few KiB to a few hundred).
+const ARRIVING_PIECES: usize = 64;
+
+/// What the requests of one [`ReadHandle::read_many`] hand its reader.
+enum Arrived {
+    /// Bytes of the answer to request `.0`, starting at byte `.1` of the object.
+    Bytes(Range<u64>, u64, Bytes),
+    /// The answer to a request ended after this many bytes.
+    Ended(Range<u64>, u64),
+    /// A request failed.
+    Failed(object_store::Error),
+}
 
 /// The largest gap between two wanted ranges that is fetched rather than cut (a request costs a
 /// round trip; a small gap costs less).
