@@ -1,7 +1,8 @@
 //! saver against an S3-compatible store (Garage on loopback, started here), against the plain
 //! `object_store` requests that move the same bytes, in one run.
 //!
-//! `cargo bench --bench object_store -- [--size 2GiB] [--runs 3]`
+//! `cargo bench --bench object_store -- [--size 2GiB] [--runs 3] [--loads-only]` (`--loads-only`:
+//! skip the timed saves, for work on the loads).
 //!
 //! Needs a `garage` binary on `PATH` or in `~/.cargo/bin` (`cargo install --locked garage`).
 //! Baselines: a multipart upload of the checkpoint's bytes in 8 MiB parts, 8 in flight (the limit
@@ -259,8 +260,13 @@ fn main() {
             }),
         ));
     }
+    if std::env::args().any(|a| a == "--loads-only") {
+        saves.clear();
+    }
     let times = interleaved(runs, &mut saves);
-    println!("| save | time | throughput | ratio to limit | CPU: client / server |\n| --- | --- | --- | --- | --- |");
+    if !times.is_empty() {
+        println!("| save | time | throughput | ratio to limit | CPU: client / server |\n| --- | --- | --- | --- | --- |");
+    }
     for (i, &(t, client, server)) in times.iter().enumerate() {
         let ratio = if i == 0 {
             "1.00".to_string()
