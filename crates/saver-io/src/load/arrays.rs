@@ -161,6 +161,7 @@ impl Link {
         if remote {
             jobs = large_and_small_alternating(jobs);
         }
+        let gaps = Self::edge_gaps(plans.iter().flat_map(|(_, _, reads)| reads));
         let pool = reader_pool(crate::load::restore::reader_threads(self, opts.parallel))?;
         let read_tables = |jobs: &mut Vec<Job<'_, '_>>| -> Result<Vec<(u64, u64, Vec<PieceCrc>)>> {
             pool.install(|| {
@@ -177,6 +178,7 @@ impl Link {
                             bytemuck::cast_slice_mut(job.ids),
                             &mut job.slots,
                             &mut pieces,
+                            &gaps,
                         )?;
                         // Ids were read as little-endian bytes; a no-op on little-endian machines.
                         job.ids.iter_mut().for_each(|x| *x = u64::from_le(*x));
@@ -185,8 +187,7 @@ impl Link {
                     .collect()
             })
         };
-        let all_reads = plans.iter().flat_map(|(_, _, reads)| reads).collect();
-        let (results, known) = self.beside_edge_gaps(all_reads, || read_tables(&mut jobs));
+        let results = read_tables(&mut jobs);
         drop(jobs);
         let mut pieces = Vec::new();
         for (rows, bytes, p) in results? {
@@ -194,7 +195,7 @@ impl Link {
             report.bytes_kept += bytes;
             pieces.extend(p);
         }
-        pool.install(|| self.check_pieces(pieces, &known?, &mut report))?;
+        pool.install(|| self.check_pieces(pieces, &mut report))?;
         Ok((tables, report))
     }
 }

@@ -6,11 +6,12 @@
 //! is checked: the pieces' CRC32s combined with the bytes of the block they leave out, read only
 //! to be hashed (where pieces overlap, the block is hashed whole). A tensor without blocks (short,
 //! or written before blocks existed) is one block with the tensor's CRC32. A load that knows its
-//! rows before it reads them can read those left-out bytes ahead ([`planned_gaps`],
-//! [`KnownGaps`]), beside the rows, so that the checks at its end wait on nothing.
+//! rows before it reads them reads those left-out bytes with the rows beside them ([`EdgeGaps`]),
+//! in the same requests, so that the checks at its end read nothing.
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crc32fast::Hasher;
 
@@ -60,15 +61,34 @@ pub(crate) fn key(t: &TensorRef) -> usize {
     t as *const TensorRef as usize
 }
 
-/// CRC32 states of byte ranges of tensors that a load read ahead of the checks that need them
-/// (the bytes of edge blocks that its rows leave out, see [`planned_gaps`]), keyed by tensor
-/// ([`key`]) and range. A check takes a gap's state from here instead of reading it then.
+/// The gaps ([`planned_gaps`]) of the tensors a load reads in part, each to be read once, by
+/// the read of the rows beside it: the gap then travels in the same request as those rows (they
+/// touch, so the ranges merge), and the check at the end finds its blocks whole. A gap no read
+/// took is read by the check.
 #[derive(Default)]
-pub(crate) struct KnownGaps(HashMap<(usize, u64, u64), Hasher>);
+pub(crate) struct EdgeGaps(HashMap<usize, Vec<(Range<u64>, AtomicBool)>>);
 
-impl KnownGaps {
-    fn get(&self, t: &TensorRef, r: &Range<u64>) -> Option<&Hasher> {
-        self.0.get(&(key(t), r.start, r.end))
+impl EdgeGaps {
+    /// Adds the gaps that reads of exactly `ranges` of `t` (disjoint) leave in its blocks.
+    pub(crate) fn plan(&mut self, t: &TensorRef, ranges: &[Range<u64>]) {
+        let gaps = planned_gaps(t, ranges);
+        if !gaps.is_empty() {
+            let entry = self.0.entry(key(t)).or_default();
+            entry.extend(gaps.into_iter().map(|g| (g, AtomicBool::new(false))));
+        }
+    }
+
+    /// The gaps of `t` that touch bytes `range` and that no read took yet: the caller's now, to
+    /// read with `range`.
+    pub(crate) fn take_beside(&self, t: &TensorRef, range: &Range<u64>) -> Vec<Range<u64>> {
+        let Some(gaps) = self.0.get(&key(t)) else {
+            return Vec::new();
+        };
+        gaps.iter()
+            .filter(|(g, _)| g.end == range.start || g.start == range.end)
+            .filter(|(_, taken)| !taken.swap(true, Ordering::Relaxed))
+            .map(|(g, _)| g.clone())
+            .collect()
     }
 }
 
@@ -145,36 +165,18 @@ pub(crate) fn planned_gaps(t: &TensorRef, ranges: &[Range<u64>]) -> Vec<Range<u6
         .collect()
 }
 
-/// Reads `gaps` (of tensors in many files: requests to a remote store go at once) and hashes
-/// each, for the checks that will need them.
-pub(crate) fn read_gaps(ckpt: &Link, gaps: &TensorRanges<'_>) -> Result<KnownGaps> {
-    let crcs = hash_ranges(ckpt, gaps)?;
-    Ok(KnownGaps(
-        gaps.iter()
-            .zip(crcs)
-            .map(|((t, r), h)| ((key(t), r.start, r.end), h))
-            .collect(),
-    ))
-}
-
 /// Checks every block of `t` that `pieces` touch against the manifest's CRC32s, reading from
-/// `ckpt` the bytes of those blocks the pieces leave out, unless `known` holds them (all in a
-/// few batched requests, which a remote store fetches at once). Returns the count of bytes read
-/// here, or `None` when a block fails its check.
-pub(crate) fn check(
-    ckpt: &Link,
-    t: &TensorRef,
-    pieces: Vec<Piece>,
-    known: &KnownGaps,
-) -> Result<Option<u64>> {
-    check_with(t, pieces, known, |ranges| hash_ranges(ckpt, ranges))
+/// `ckpt` the bytes of those blocks the pieces leave out (all in a few batched requests, which a
+/// remote store fetches at once). Returns the count of bytes read here, or `None` when a block
+/// fails its check.
+pub(crate) fn check(ckpt: &Link, t: &TensorRef, pieces: Vec<Piece>) -> Result<Option<u64>> {
+    check_with(t, pieces, |ranges| hash_ranges(ckpt, ranges))
 }
 
 /// [`check`], with the gaps it must read hashed by `hash`.
 fn check_with(
     t: &TensorRef,
     mut pieces: Vec<Piece>,
-    known: &KnownGaps,
     hash: impl FnOnce(&TensorRanges<'_>) -> Result<Vec<Hasher>>,
 ) -> Result<Option<u64>> {
     pieces.sort_by_key(|p| p.offset);
@@ -184,7 +186,7 @@ fn check_with(
         .iter()
         .flat_map(|(_, parts)| parts)
         .filter_map(|p| match p {
-            Part::Gap(r) if known.get(t, r).is_none() => Some((t, r.clone())),
+            Part::Gap(r) => Some((t, r.clone())),
             _ => None,
         })
         .collect();
@@ -199,10 +201,7 @@ fn check_with(
         for part in &parts {
             match part {
                 Part::Read(n) => combined.combine(&pieces[*n].crc),
-                Part::Gap(r) => match known.get(t, r) {
-                    Some(h) => combined.combine(h),
-                    None => combined.combine(read_now.next().expect("one state a gap read")),
-                },
+                Part::Gap(_) => combined.combine(read_now.next().expect("one state a gap")),
             }
         }
         let want = match &t.blocks {
@@ -318,59 +317,85 @@ mod tests {
     }
 
     proptest! {
-        /// A load that read rows `ranges` (disjoint, each in chunks) of a tensor and read ahead
-        /// the gaps [`planned_gaps`] named checks it without reading anything more; without them
-        /// it reads exactly those gaps; and a flipped byte in a gap read ahead fails the check.
+        /// A load that reads rows `ranges` (disjoint) of a tensor in chunks, in any order, each
+        /// chunk taking the gaps beside it ([`EdgeGaps`]), takes every planned gap exactly once
+        /// and leaves its check nothing to read; without the gaps the check reads exactly them;
+        /// a flipped byte in a gap read with the rows fails the check.
         #[test]
-        fn gaps_read_ahead_are_all_a_check_needs(
+        fn gaps_read_beside_the_rows_are_all_a_check_needs(
             len in 1usize..5000,
             block in prop::option::of(1u64..700),
             cuts in prop::collection::vec(0.0f64..1.0, 0..8),
             chunk in 1u64..900,
+            seed in any::<u64>(),
             flip in 0.0f64..1.0,
         ) {
-            let bytes: Vec<u8> = (0..len).map(|i| saver_core::partition::fmix64(i as u64) as u8).collect();
+            let bytes: Vec<u8> = (0..len)
+                .map(|i| saver_core::partition::fmix64(i as u64) as u8)
+                .collect();
             let t = tensor(&bytes, block);
             // Disjoint ranges: every other interval between sorted cut points.
             let mut at: Vec<u64> = cuts.iter().map(|c| (c * len as f64) as u64).collect();
             at.sort_unstable();
-            let ranges: Vec<Range<u64>> = at.chunks_exact(2).map(|w| w[0]..w[1]).filter(|r| !r.is_empty()).collect();
+            let ranges: Vec<Range<u64>> = at
+                .chunks_exact(2)
+                .map(|w| w[0]..w[1])
+                .filter(|r| !r.is_empty())
+                .collect();
             prop_assume!(!ranges.is_empty());
-            let read = |ranges: &[Range<u64>]| {
-                let mut pieces = Vec::new();
-                for r in ranges {
-                    let mut a = r.start;
-                    while a < r.end {
-                        let e = (a + chunk).min(r.end);
-                        push(&t, a, &bytes[a as usize..e as usize], &mut pieces);
-                        a = e;
-                    }
+            let mut chunks = Vec::new();
+            for r in &ranges {
+                let mut a = r.start;
+                while a < r.end {
+                    chunks.push(a..(a + chunk).min(r.end));
+                    a = (a + chunk).min(r.end);
                 }
-                pieces
-            };
+            }
+            chunks.sort_by_key(|c| saver_core::partition::fmix64(c.start ^ seed));
             let gaps = planned_gaps(&t, &ranges);
             let gap_bytes: u64 = gaps.iter().map(|g| g.end - g.start).sum();
+            // The pieces of the chunks read from `src`, with the gaps beside them if `beside`.
+            let read = |src: &[u8], beside: bool| {
+                let mut planned = EdgeGaps::default();
+                planned.plan(&t, &ranges);
+                let (mut pieces, mut taken) = (Vec::new(), Vec::new());
+                for c in &chunks {
+                    let mut parts = vec![c.clone()];
+                    if beside {
+                        let g = planned.take_beside(&t, c);
+                        taken.extend(g.iter().cloned());
+                        parts.extend(g);
+                    }
+                    for p in parts {
+                        push(&t, p.start, &src[p.start as usize..p.end as usize], &mut pieces);
+                    }
+                }
+                taken.sort_by_key(|g| g.start);
+                (pieces, taken)
+            };
             let mut asked = 0;
-            let known_of = |bytes: &[u8]| KnownGaps(gaps.iter().map(|g| {
-                let mut h = Hasher::new();
-                h.update(&bytes[g.start as usize..g.end as usize]);
-                ((key(&t), g.start, g.end), h)
-            }).collect());
-            let known = known_of(&bytes);
-            let got = check_with(&t, read(&ranges), &known, hash_of(&bytes, &mut asked)).unwrap();
+            let (pieces, taken) = read(&bytes, true);
+            prop_assert_eq!(&taken, &gaps);
+            let got = check_with(&t, pieces, hash_of(&bytes, &mut asked)).unwrap();
             prop_assert_eq!(got, Some(0));
             prop_assert_eq!(asked, 0);
-            let got = check_with(&t, read(&ranges), &KnownGaps::default(), hash_of(&bytes, &mut asked)).unwrap();
+            let got = check_with(&t, read(&bytes, false).0, hash_of(&bytes, &mut asked)).unwrap();
             prop_assert_eq!(got, Some(gap_bytes));
             prop_assert_eq!(asked, gap_bytes);
             if gap_bytes > 0 {
-                // A byte of the gaps, changed on disk before they were read ahead.
+                // A byte of the gaps, changed in the file that the load reads.
                 let mut n = (flip * gap_bytes as f64) as u64;
-                let g = gaps.iter().find(|g| { let l = g.end - g.start; if n < l { true } else { n -= l; false } }).unwrap();
+                let mut at = None;
+                for g in &gaps {
+                    if n < g.end - g.start {
+                        at = Some(g.start + n);
+                        break;
+                    }
+                    n -= g.end - g.start;
+                }
                 let mut bad = bytes.clone();
-                bad[(g.start + n) as usize] ^= 1;
-                let mut asked = 0;
-                let got = check_with(&t, read(&ranges), &known_of(&bad), hash_of(&bytes, &mut asked)).unwrap();
+                bad[at.unwrap() as usize] ^= 1;
+                let got = check_with(&t, read(&bad, true).0, hash_of(&bad, &mut asked)).unwrap();
                 prop_assert_eq!(got, None);
             }
         }

@@ -23,7 +23,7 @@ use saver_core::{Dtype, EmbeddingTable, KeyDtype, PartitionRule, SlotSpec, Spars
 
 use crate::error::{Error, Result};
 use crate::load::link::Link;
-use crate::load::pieces::{self, KnownGaps, Piece};
+use crate::load::pieces::{self, EdgeGaps, Piece};
 
 /// Where restored rows go. Implemented by [`EmbeddingTable`]; implement it for your own table.
 pub trait TableSink: Send + Sync {
@@ -724,6 +724,7 @@ impl Link {
         ids: &mut [u8],
         slots: &mut [&mut [u8]],
         pieces: &mut Vec<PieceCrc>,
+        gaps: &EdgeGaps,
     ) -> Result<u64> {
         // The ids and wanted slots of these rows in one call: neighbours in one file (all of a
         // segment's tensors, when the rows are the whole segment) become one request.
@@ -732,6 +733,23 @@ impl Link {
         for (k, out) in slots.iter_mut().enumerate() {
             let t = &r.seg.slots[r.slot_map[k]];
             reads.push((t, rows.start * (t.len / r.seg.rows), &mut **out));
+        }
+        // The rest of the blocks these rows cut, which their checks need: it touches the rows'
+        // bytes, so it travels in their requests.
+        let beside: Vec<(&TensorRef, Range<u64>)> = reads
+            .iter()
+            .flat_map(|(t, at, buf)| {
+                gaps.take_beside(t, &(*at..*at + buf.len() as u64))
+                    .into_iter()
+                    .map(move |g| (*t, g))
+            })
+            .collect();
+        let mut gap_bufs: Vec<Vec<u8>> = beside
+            .iter()
+            .map(|(_, g)| vec![0; (g.end - g.start) as usize])
+            .collect();
+        for ((t, g), buf) in beside.iter().zip(gap_bufs.iter_mut()) {
+            reads.push((t, g.start, buf.as_mut_slice()));
         }
         self.read_tensor_ranges(&mut reads)?;
         for (t, offset, buf) in &reads {
@@ -765,13 +783,14 @@ impl Link {
         Ok(ids.len() as u64 + slots.iter().map(|s| s.len() as u64).sum::<u64>())
     }
 
-    /// Reads ahead the bytes that the checks of `reads` will need besides their rows: the rest
-    /// of each checksummed block cut by a read's first or last row ([`pieces::planned_gaps`]).
-    /// A remote load runs this beside its rows, so that its checks at the end wait on no round
-    /// trips; a gap it does not hold is read by the check itself.
-    pub(crate) fn read_edge_gaps(&self, reads: &[&SegmentRead<'_>]) -> Result<KnownGaps> {
+    /// The bytes that the checks of `reads` will need besides their rows: the rest of each
+    /// checksummed block cut by a read's first or last row ([`pieces::planned_gaps`]), for
+    /// [`Self::read_rows_into`] to read with the rows beside them.
+    pub(crate) fn edge_gaps<'r, 'm: 'r>(
+        reads: impl Iterator<Item = &'r SegmentRead<'m>>,
+    ) -> EdgeGaps {
         let mut by: HashMap<usize, (&TensorRef, Vec<Range<u64>>)> = HashMap::new();
-        for r in reads.iter().filter(|r| !r.whole && !r.rows.is_empty()) {
+        for r in reads.filter(|r| !r.whole && !r.rows.is_empty()) {
             let tensors =
                 std::iter::once(&r.seg.ids).chain(r.slot_map.iter().map(|&k| &r.seg.slots[k]));
             for t in tensors {
@@ -782,24 +801,11 @@ impl Link {
                     .push(r.rows.start * row..r.rows.end * row);
             }
         }
-        let mut gaps: Vec<(&TensorRef, Range<u64>)> = Vec::new();
+        let mut gaps = EdgeGaps::default();
         for (t, ranges) in by.into_values() {
-            gaps.extend(pieces::planned_gaps(t, &ranges).into_iter().map(|g| (t, g)));
+            gaps.plan(t, &ranges);
         }
-        pieces::read_gaps(self, &gaps)
-    }
-
-    /// Runs `read_rows`, the reads of `reads`' rows, and on a remote store
-    /// [`Self::read_edge_gaps`] on a thread beside them.
-    pub(crate) fn beside_edge_gaps<T>(
-        &self,
-        reads: Vec<&SegmentRead<'_>>,
-        read_rows: impl FnOnce() -> T,
-    ) -> (T, Result<KnownGaps>) {
-        if !self.is_remote() {
-            return (read_rows(), Ok(KnownGaps::default()));
-        }
-        side_by_side(read_rows, || self.read_edge_gaps(&reads))
+        gaps
     }
 
     fn load_sinks(
@@ -834,6 +840,7 @@ impl Link {
                 reads.push(r);
             }
         }
+        let gaps = Self::edge_gaps(reads.iter());
         let pool = reader_pool(reader_threads(self, opts.parallel))?;
         let read_rows = || -> Result<Vec<(u64, u64, Vec<PieceCrc>)>> {
             pool.install(|| {
@@ -853,7 +860,14 @@ impl Link {
                             let bytes = {
                                 let mut outs: Vec<&mut [u8]> =
                                     slotbufs.iter_mut().map(Vec::as_mut_slice).collect();
-                                self.read_rows_into(r, rows.clone(), idbuf, &mut outs, &mut pieces)?
+                                self.read_rows_into(
+                                    r,
+                                    rows.clone(),
+                                    idbuf,
+                                    &mut outs,
+                                    &mut pieces,
+                                    &gaps,
+                                )?
                             };
                             ids.clear();
                             ids.extend(
@@ -869,14 +883,14 @@ impl Link {
                     .collect()
             })
         };
-        let (results, known) = self.beside_edge_gaps(reads.iter().collect(), read_rows);
+        let results = read_rows();
         let mut pieces = Vec::new();
         for (rows, bytes, p) in results? {
             report.rows += rows;
             report.bytes_kept += bytes;
             pieces.extend(p);
         }
-        pool.install(|| self.check_pieces(pieces, &known?, &mut report))?;
+        pool.install(|| self.check_pieces(pieces, &mut report))?;
         report.load_seconds = start.elapsed().as_secs_f64();
         Ok(report)
     }
@@ -889,7 +903,6 @@ impl Link {
     pub(crate) fn check_pieces(
         &self,
         pieces: Vec<PieceCrc>,
-        known: &KnownGaps,
         report: &mut LoadReport,
     ) -> Result<()> {
         let mut by: HashMap<usize, Vec<Piece>> = HashMap::new();
@@ -911,7 +924,7 @@ impl Link {
             tensors
                 .into_par_iter()
                 .map(|(t, ps)| {
-                    pieces::check(self, t, ps, known)?.ok_or_else(|| Error::Corrupt {
+                    pieces::check(self, t, ps)?.ok_or_else(|| Error::Corrupt {
                         file: t.file.clone(),
                         what: format!("tensor {:?} fails its CRC32 check", t.name),
                     })

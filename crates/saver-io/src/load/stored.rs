@@ -375,7 +375,7 @@ impl<'c> StoredTable<'c> {
     /// Compares `t`'s CRC32 with the manifest's, from the CRC32s of the `pieces` read of it and
     /// the bytes they leave out, read now. Returns the bytes it read.
     fn check_pieces(&self, t: &TensorRef, pieces: Pieces) -> Result<u64> {
-        let Some(read) = pieces::check(self.ckpt, t, pieces, &pieces::KnownGaps::default())? else {
+        let Some(read) = pieces::check(self.ckpt, t, pieces)? else {
             return Err(self.corrupt(t, "fails its CRC32 check"));
         };
         self.checked.fetch_add(1, Ordering::Relaxed);
