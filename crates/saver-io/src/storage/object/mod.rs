@@ -1006,6 +1006,9 @@ impl ReadHandle for ObjectRead {
 /// (4 MiB requests were slower per byte).
 const READ_PIECE: u64 = 8 << 20;
 
+/// Where a read cuts a long range into requests: on multiples of this (see [`fetch_plan`]).
+const READ_ALIGN: u64 = 1 << 20;
+
 /// Most ranged GETs in flight for one [`ReadHandle::read_many`].
 const READ_CONCURRENCY: usize = 8;
 
@@ -1029,8 +1032,9 @@ const MERGE_GAP: u64 = 256 << 10;
 
 /// The ranged GETs that fetch byte ranges `wanted` of an object. Overlapping and touching ranges
 /// merge; ranges a small gap apart merge too, as long as the gaps of a merged run stay within 1/16
-/// of its wanted bytes (so at most 1/16 more is read than wanted); each run is cut into requests
-/// of at most `piece` bytes. Sorted, disjoint, none empty.
+/// of its wanted bytes (so at most 1/16 more is read than wanted); each run is cut into as few
+/// requests as pieces of `piece` bytes need, the cuts on multiples of [`READ_ALIGN`] (so a
+/// request may exceed `piece` by less than that). Sorted, disjoint, none empty.
 fn fetch_plan(wanted: &[Range<u64>], piece: u64) -> Vec<Range<u64>> {
     let mut sorted: Vec<Range<u64>> = wanted.iter().filter(|r| !r.is_empty()).cloned().collect();
     sorted.sort_by_key(|r| r.start);
@@ -1056,14 +1060,27 @@ fn fetch_plan(wanted: &[Range<u64>], piece: u64) -> Vec<Range<u64>> {
         runs.push((r, want, 0));
     }
     let piece = piece.max(1);
+    // Cuts inside a run fall on multiples of `align` where pieces are large enough: a store that
+    // keeps objects in blocks (Garage: 1 MiB) reads a block whole for each request that touches
+    // it, so a cut inside one makes it read that block twice.
+    let align = if piece >= 2 * READ_ALIGN {
+        READ_ALIGN
+    } else {
+        1
+    };
     let mut requests = Vec::new();
     for (run, _, _) in runs {
+        let len = run.end - run.start;
+        let n = len.div_ceil(piece);
         let mut at = run.start;
-        while at < run.end {
-            let end = (at + piece).min(run.end);
-            requests.push(at..end);
-            at = end;
+        for k in 1..n {
+            let ideal = run.start + len * k / n;
+            let cut = ideal / align * align;
+            let cut = if cut > at { cut } else { ideal };
+            requests.push(at..cut);
+            at = cut;
         }
+        requests.push(at..run.end);
     }
     requests
 }
@@ -1107,8 +1124,15 @@ mod tests {
             for w in plan.windows(2) {
                 proptest::prop_assert!(w[0].end <= w[1].start, "sorted and disjoint: {plan:?}");
             }
+            let align = if piece >= 2 * READ_ALIGN { READ_ALIGN } else { 1 };
             for r in &plan {
-                proptest::prop_assert!(!r.is_empty() && r.end - r.start <= piece);
+                proptest::prop_assert!(!r.is_empty() && r.end - r.start <= piece + align);
+            }
+            // Requests that abut were cut from one run: the cut is aligned.
+            for w in plan.windows(2) {
+                if w[0].end == w[1].start {
+                    proptest::prop_assert!(w[0].end % align == 0, "cut at {}: {plan:?}", w[0].end);
+                }
             }
             let mut union: Vec<Range<u64>> = Vec::new();
             let mut sorted: Vec<_> = wanted.iter().filter(|r| !r.is_empty()).cloned().collect();
