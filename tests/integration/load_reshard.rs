@@ -345,6 +345,50 @@ fn a_flipped_data_byte_is_caught_by_verify_and_refused_by_load() {
     assert!(err.to_string().contains(&t.name), "{err}");
 }
 
+/// A flipped byte in a segment's bucket index fails every load that reads the segment, whole or
+/// in part, into tables and into arrays, naming the index: a load read whole checks the index
+/// with the segment's first rows, a load cut by a target's edges before any rows.
+#[test]
+fn a_flipped_bucket_index_byte_fails_every_load_that_reads_its_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    saved_model(dir.path(), 1);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let segs = ck.manifest().table("user").unwrap().partitions[0]
+        .segments
+        .clone();
+    drop(ck);
+    let seg = &segs[segs.len() / 2];
+    let t = &seg.bucket_index;
+    assert!(t.len > 8, "{} holds one entry", t.name);
+    for at in [0, t.len - 1] {
+        let copy = tempfile::tempdir().unwrap();
+        for f in std::fs::read_dir(dir.path()).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, copy.path().join(f.file_name().unwrap())).unwrap();
+        }
+        flip(&copy.path().join(&t.file), t.offset + at);
+        let ck = Checkpoint::open(copy.path()).unwrap();
+        for m in [1u32, 3, 7] {
+            for j in 0..m {
+                let range = PartitionRule::bucket_range(j, m);
+                if range.end <= seg.buckets[0] || range.start >= seg.buckets[1] {
+                    continue;
+                }
+                let o = LoadOptions {
+                    shard_num: m,
+                    shard_index: Some(j),
+                    ..LoadOptions::default()
+                };
+                for err in [ck.restore(&o).err(), ck.load_columns(&o).err()] {
+                    let err = err.unwrap_or_else(|| panic!("target {j} of {m} loaded"));
+                    assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+                    assert!(err.to_string().contains(&t.name), "{err}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn truncated_and_missing_files_are_named() {
     let dir = tempfile::tempdir().unwrap();

@@ -606,9 +606,10 @@ impl Link {
 
     /// The reads that deliver each request `(table, wanted slots, target buckets)`: one per
     /// segment overlapping the target, with its row range found through the segment's bucket
-    /// index. The bucket indexes of all those segments (of every table) are read in one batch,
-    /// then the ids scanned at the targets' edges in a second: two rounds of requests to a
-    /// remote store, not two a segment.
+    /// index. The bucket indexes of the segments cut by a target's edges (of every table) are
+    /// read in one batch, then the ids scanned at those edges in a second: two rounds of
+    /// requests to a remote store, not two a segment. A segment read whole needs neither: its
+    /// index is read and checked with its first rows.
     pub(crate) fn segment_reads<'m>(
         &'m self,
         requests: &[(&'m TableManifest, &[SlotSpec], Range<u32>)],
@@ -640,14 +641,21 @@ impl Link {
         }
         // The bucket index is read (and CRC-checked) even when the whole segment is wanted: it
         // costs 8 bytes per non-empty bucket, and a load must refuse a corrupt checkpoint
-        // whatever tensor the corruption hit.
+        // whatever tensor the corruption hit. A whole segment's rows need nothing of it, so its
+        // index is read with its first rows, beside them in the file ([`Self::read_rows_into`]),
+        // instead of in this batch, which the rows of the segments cut by a target's edges wait on.
+        let first = |r: &SegmentRead<'_>| !index_with_rows(r);
         let mut raws: Vec<Vec<u8>> = reads
             .iter()
-            .map(|r| vec![0u8; r.seg.bucket_index.len as usize])
+            .map(|r| {
+                let len = if first(r) { r.seg.bucket_index.len } else { 0 };
+                vec![0u8; len as usize]
+            })
             .collect();
         let mut batch: Vec<(&TensorRef, u64, &mut [u8])> = reads
             .iter()
             .zip(raws.iter_mut())
+            .filter(|(r, _)| first(r))
             .map(|(r, raw)| (&r.seg.bucket_index, 0, raw.as_mut_slice()))
             .collect();
         self.read_tensor_ranges(&mut batch)?;
@@ -657,7 +665,12 @@ impl Link {
         let mut edges = vec![[0u64; 2]; reads.len()];
         let mut scans: Vec<EdgeScan> = Vec::new();
         for (i, (r, raw)) in reads.iter().zip(&raws).enumerate() {
+            // Counted here, checked here or with the segment's first rows.
             report.tensors_checked += 1;
+            if !first(r) {
+                edges[i] = [0, r.seg.rows];
+                continue;
+            }
             let entries = Self::bucket_entries(r.seg, raw)?;
             for (k, bucket) in [r.target.start, r.target.end].into_iter().enumerate() {
                 match Self::first_row_of(r.seg, &entries, bucket) {
@@ -751,8 +764,22 @@ impl Link {
         for ((t, g), buf) in beside.iter().zip(gap_bufs.iter_mut()) {
             reads.push((t, g.start, buf.as_mut_slice()));
         }
+        // A whole segment's bucket index, with its first rows ([`Self::segment_reads`]).
+        let index_here = index_with_rows(r) && rows.start == 0;
+        let mut index = vec![
+            0u8;
+            if index_here {
+                r.seg.bucket_index.len
+            } else {
+                0
+            } as usize
+        ];
+        let rows_and_gaps = reads.len();
+        if !index.is_empty() {
+            reads.push((&r.seg.bucket_index, 0, index.as_mut_slice()));
+        }
         self.read_tensor_ranges(&mut reads)?;
-        for (t, offset, buf) in &reads {
+        for (t, offset, buf) in &reads[..rows_and_gaps] {
             let mut of_tensor = Vec::new();
             pieces::push(t, *offset, buf, &mut of_tensor);
             pieces.push(PieceCrc {
@@ -761,6 +788,9 @@ impl Link {
             });
         }
         drop(reads);
+        if index_here {
+            Self::bucket_entries(r.seg, &index)?;
+        }
         // Ids must be in the target's buckets and sorted by (bucket, id): a corrupt id is named
         // as such, before the CRC32 checks at the end would call its tensor corrupt.
         let mut prev: Option<(u32, u64)> = None;
@@ -939,6 +969,12 @@ impl Link {
         report.tensors_checked += checked.len() as u64;
         Ok(())
     }
+}
+
+/// Whether the bucket index of `r`'s segment is read and checked with its first rows rather
+/// than before any: when the whole segment is read, whose rows need nothing of it.
+fn index_with_rows(r: &SegmentRead<'_>) -> bool {
+    r.whole && r.seg.rows > 0
 }
 
 /// Runs `main` here and `aside` on a thread of its own at the same time; returns both results.
