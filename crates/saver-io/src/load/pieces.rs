@@ -142,7 +142,7 @@ fn layout(t: &TensorRef, spans: &[(u64, u64)]) -> Vec<(u64, Vec<Part>)> {
 
 /// The byte ranges of `t` that a check of pieces reading exactly `ranges` of it (disjoint) will
 /// need besides them: the rest of each block they touch. A load that knows its rows before it
-/// reads them fetches these alongside, so that its checks at the end wait on no reads.
+/// reads them reads these with the rows beside them ([`EdgeGaps`]).
 pub(crate) fn planned_gaps(t: &TensorRef, ranges: &[Range<u64>]) -> Vec<Range<u64>> {
     let block = block_bytes(t);
     let mut spans = Vec::new();

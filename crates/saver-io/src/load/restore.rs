@@ -488,9 +488,16 @@ impl Link {
             let dense = self.load_dense(opts, &mut report)?;
             return Ok((t, dense, report));
         }
-        let (loaded, dense) = side_by_side(load, || {
-            let mut r = LoadReport::default();
-            self.load_dense(opts, &mut r).map(|d| (d, r))
+        let (loaded, dense) = std::thread::scope(|s| {
+            let aside = s.spawn(|| {
+                let mut r = LoadReport::default();
+                self.load_dense(opts, &mut r).map(|d| (d, r))
+            });
+            let loaded = load();
+            let dense = aside
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+            (loaded, dense)
         });
         let (t, mut report) = loaded?;
         let (dense, of_dense) = dense?;
@@ -766,14 +773,12 @@ impl Link {
         }
         // A whole segment's bucket index, with its first rows ([`Self::segment_reads`]).
         let index_here = index_with_rows(r) && rows.start == 0;
-        let mut index = vec![
-            0u8;
-            if index_here {
-                r.seg.bucket_index.len
-            } else {
-                0
-            } as usize
-        ];
+        let index_len = if index_here {
+            r.seg.bucket_index.len
+        } else {
+            0
+        };
+        let mut index = vec![0u8; index_len as usize];
         let rows_and_gaps = reads.len();
         if !index.is_empty() {
             reads.push((&r.seg.bucket_index, 0, index.as_mut_slice()));
@@ -872,48 +877,44 @@ impl Link {
         }
         let gaps = Self::edge_gaps(reads.iter());
         let pool = reader_pool(reader_threads(self, opts.parallel))?;
-        let read_rows = || -> Result<Vec<(u64, u64, Vec<PieceCrc>)>> {
-            pool.install(|| {
-                work.par_iter()
-                    .map_init(
-                        || (Vec::<u8>::new(), Vec::<Vec<u8>>::new(), Vec::<u64>::new()),
-                        |(idbuf, slotbufs, ids), &(sink, read, ref rows)| {
-                            let r: &SegmentRead<'_> = &reads[read];
-                            let n = (rows.end - rows.start) as usize;
-                            idbuf.resize(n * 8, 0);
-                            slotbufs.resize_with(r.slot_map.len(), Vec::new);
-                            for (k, &s) in r.slot_map.iter().enumerate() {
-                                slotbufs[k]
-                                    .resize(n * (r.seg.slots[s].len / r.seg.rows) as usize, 0);
-                            }
-                            let mut pieces = Vec::new();
-                            let bytes = {
-                                let mut outs: Vec<&mut [u8]> =
-                                    slotbufs.iter_mut().map(Vec::as_mut_slice).collect();
-                                self.read_rows_into(
-                                    r,
-                                    rows.clone(),
-                                    idbuf,
-                                    &mut outs,
-                                    &mut pieces,
-                                    &gaps,
-                                )?
-                            };
-                            ids.clear();
-                            ids.extend(
-                                idbuf
-                                    .chunks_exact(8)
-                                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
-                            );
-                            let slices: Vec<&[u8]> = slotbufs.iter().map(Vec::as_slice).collect();
-                            sinks[sink].2.insert_chunk(ids, &slices)?;
-                            Ok((n as u64, bytes, pieces))
-                        },
-                    )
-                    .collect()
-            })
-        };
-        let results = read_rows();
+        let results: Result<Vec<(u64, u64, Vec<PieceCrc>)>> = pool.install(|| {
+            work.par_iter()
+                .map_init(
+                    || (Vec::<u8>::new(), Vec::<Vec<u8>>::new(), Vec::<u64>::new()),
+                    |(idbuf, slotbufs, ids), &(sink, read, ref rows)| {
+                        let r: &SegmentRead<'_> = &reads[read];
+                        let n = (rows.end - rows.start) as usize;
+                        idbuf.resize(n * 8, 0);
+                        slotbufs.resize_with(r.slot_map.len(), Vec::new);
+                        for (k, &s) in r.slot_map.iter().enumerate() {
+                            slotbufs[k].resize(n * (r.seg.slots[s].len / r.seg.rows) as usize, 0);
+                        }
+                        let mut pieces = Vec::new();
+                        let bytes = {
+                            let mut outs: Vec<&mut [u8]> =
+                                slotbufs.iter_mut().map(Vec::as_mut_slice).collect();
+                            self.read_rows_into(
+                                r,
+                                rows.clone(),
+                                idbuf,
+                                &mut outs,
+                                &mut pieces,
+                                &gaps,
+                            )?
+                        };
+                        ids.clear();
+                        ids.extend(
+                            idbuf
+                                .chunks_exact(8)
+                                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
+                        );
+                        let slices: Vec<&[u8]> = slotbufs.iter().map(Vec::as_slice).collect();
+                        sinks[sink].2.insert_chunk(ids, &slices)?;
+                        Ok((n as u64, bytes, pieces))
+                    },
+                )
+                .collect()
+        });
         let mut pieces = Vec::new();
         for (rows, bytes, p) in results? {
             report.rows += rows;
@@ -975,18 +976,6 @@ impl Link {
 /// than before any: when the whole segment is read, whose rows need nothing of it.
 fn index_with_rows(r: &SegmentRead<'_>) -> bool {
     r.whole && r.seg.rows > 0
-}
-
-/// Runs `main` here and `aside` on a thread of its own at the same time; returns both results.
-fn side_by_side<A, B: Send>(main: impl FnOnce() -> A, aside: impl FnOnce() -> B + Send) -> (A, B) {
-    std::thread::scope(|s| {
-        let aside = s.spawn(aside);
-        let main = main();
-        let aside = aside
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p));
-        (main, aside)
-    })
 }
 
 /// Which of partition `p`'s slot tensors holds each of the `wanted` slots of table `t`; an error
