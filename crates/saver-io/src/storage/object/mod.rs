@@ -1074,7 +1074,7 @@ fn fetch_plan(wanted: &[Range<u64>], piece: u64) -> Vec<Range<u64>> {
         let n = len.div_ceil(piece);
         let mut at = run.start;
         for k in 1..n {
-            let ideal = run.start + len * k / n;
+            let ideal = run.start + (u128::from(len) * u128::from(k) / u128::from(n)) as u64;
             let cut = ideal / align * align;
             let cut = if cut > at { cut } else { ideal };
             requests.push(at..cut);
