@@ -35,26 +35,32 @@ fn block_bytes(t: &TensorRef) -> u64 {
     t.blocks.as_ref().map_or(t.len, |b| b.bytes).max(1)
 }
 
-/// Adds to `out` the pieces of `bytes`, read from `t` at `offset`: one per block they touch.
-pub(crate) fn push(t: &TensorRef, offset: u64, bytes: &[u8], out: &mut Vec<Piece>) {
+/// Bytes `range` of `t` cut at its blocks' ends: `(offset, len)` per block they touch, in order.
+fn block_spans(t: &TensorRef, range: Range<u64>) -> impl Iterator<Item = (u64, u64)> {
     let block = block_bytes(t);
-    let mut at = 0;
-    while at < bytes.len() {
-        let offset = offset + at as u64;
-        let n = ((block - offset % block) as usize).min(bytes.len() - at);
-        let mut crc = Hasher::new();
-        crc.update(&bytes[at..at + n]);
-        out.push(Piece {
-            offset,
-            len: n as u64,
-            crc,
-        });
-        at += n;
-    }
+    let mut at = range.start;
+    std::iter::from_fn(move || {
+        (at < range.end).then(|| {
+            let n = (block - at % block).min(range.end - at);
+            at += n;
+            (at - n, n)
+        })
+    })
 }
 
-/// Byte ranges, each of a tensor.
-type TensorRanges<'t> = [(&'t TensorRef, Range<u64>)];
+/// Adds to `out` the pieces of `bytes`, read from `t` at `offset`: one per block they touch.
+pub(crate) fn push(t: &TensorRef, offset: u64, bytes: &[u8], out: &mut Vec<Piece>) {
+    for (at, len) in block_spans(t, offset..offset + bytes.len() as u64) {
+        let within = (at - offset) as usize..(at - offset + len) as usize;
+        let mut crc = Hasher::new();
+        crc.update(&bytes[within]);
+        out.push(Piece {
+            offset: at,
+            len,
+            crc,
+        });
+    }
+}
 
 /// A tensor's identity within one load: its address in the manifest.
 pub(crate) fn key(t: &TensorRef) -> usize {
@@ -144,16 +150,10 @@ fn layout(t: &TensorRef, spans: &[(u64, u64)]) -> Vec<(u64, Vec<Part>)> {
 /// need besides them: the rest of each block they touch. A load that knows its rows before it
 /// reads them reads these with the rows beside them ([`EdgeGaps`]).
 pub(crate) fn planned_gaps(t: &TensorRef, ranges: &[Range<u64>]) -> Vec<Range<u64>> {
-    let block = block_bytes(t);
-    let mut spans = Vec::new();
-    for r in ranges {
-        let mut at = r.start;
-        while at < r.end {
-            let n = (block - at % block).min(r.end - at);
-            spans.push((at, n));
-            at += n;
-        }
-    }
+    let mut spans: Vec<(u64, u64)> = ranges
+        .iter()
+        .flat_map(|r| block_spans(t, r.clone()))
+        .collect();
     spans.sort_unstable();
     layout(t, &spans)
         .into_iter()
@@ -170,31 +170,27 @@ pub(crate) fn planned_gaps(t: &TensorRef, ranges: &[Range<u64>]) -> Vec<Range<u6
 /// remote store fetches at once). Returns the count of bytes read here, or `None` when a block
 /// fails its check.
 pub(crate) fn check(ckpt: &Link, t: &TensorRef, pieces: Vec<Piece>) -> Result<Option<u64>> {
-    check_with(t, pieces, |ranges| hash_ranges(ckpt, ranges))
+    check_with(t, pieces, |ranges| hash_ranges(ckpt, t, ranges))
 }
 
-/// [`check`], with the gaps it must read hashed by `hash`.
+/// [`check`], with the gaps of `t` it must read hashed by `hash`.
 fn check_with(
     t: &TensorRef,
     mut pieces: Vec<Piece>,
-    hash: impl FnOnce(&TensorRanges<'_>) -> Result<Vec<Hasher>>,
+    hash: impl FnOnce(&[Range<u64>]) -> Result<Vec<Hasher>>,
 ) -> Result<Option<u64>> {
     pieces.sort_by_key(|p| p.offset);
     let spans: Vec<(u64, u64)> = pieces.iter().map(|p| (p.offset, p.len)).collect();
     let blocks = layout(t, &spans);
-    let missing: Vec<(&TensorRef, Range<u64>)> = blocks
+    let missing: Vec<Range<u64>> = blocks
         .iter()
         .flat_map(|(_, parts)| parts)
         .filter_map(|p| match p {
-            Part::Gap(r) => Some((t, r.clone())),
-            _ => None,
+            Part::Gap(r) => Some(r.clone()),
+            Part::Read(_) => None,
         })
         .collect();
-    let read_now = if missing.is_empty() {
-        Vec::new()
-    } else {
-        hash(&missing)?
-    };
+    let read_now = hash(&missing)?;
     let mut read_now = read_now.iter();
     for (k, parts) in blocks {
         let mut combined = Hasher::new();
@@ -215,38 +211,37 @@ fn check_with(
             return Ok(None);
         }
     }
-    Ok(Some(missing.iter().map(|(_, r)| r.end - r.start).sum()))
+    Ok(Some(missing.iter().map(|r| r.end - r.start).sum()))
 }
 
-/// The CRC32 states of `ranges` (each of a tensor): ranges read together up to
-/// [`BATCH_BYTES`] at a time, a longer one (a whole tensor without blocks) a window at a time.
-fn hash_ranges(ckpt: &Link, ranges: &TensorRanges<'_>) -> Result<Vec<Hasher>> {
+/// The CRC32 states of bytes `ranges` of `t`: ranges read together up to [`BATCH_BYTES`] at a
+/// time, a longer one (a whole tensor without blocks) a window at a time.
+fn hash_ranges(ckpt: &Link, t: &TensorRef, ranges: &[Range<u64>]) -> Result<Vec<Hasher>> {
     const BATCH_BYTES: u64 = 8 << 20;
     let len = |r: &Range<u64>| r.end - r.start;
     let mut out = Vec::with_capacity(ranges.len());
     let mut i = 0;
     while i < ranges.len() {
-        let (t, first) = &ranges[i];
-        if len(first) > BATCH_BYTES {
+        if len(&ranges[i]) > BATCH_BYTES {
             let mut h = Hasher::new();
-            hash_range(ckpt, t, first.clone(), &mut h)?;
+            hash_range(ckpt, t, ranges[i].clone(), &mut h)?;
             out.push(h);
             i += 1;
             continue;
         }
         let (mut j, mut total) = (i, 0);
-        while j < ranges.len() && total + len(&ranges[j].1) <= BATCH_BYTES {
-            total += len(&ranges[j].1);
+        while j < ranges.len() && total + len(&ranges[j]) <= BATCH_BYTES {
+            total += len(&ranges[j]);
             j += 1;
         }
         let mut bufs: Vec<Vec<u8>> = ranges[i..j]
             .iter()
-            .map(|(_, r)| vec![0; len(r) as usize])
+            .map(|r| vec![0; len(r) as usize])
             .collect();
         let mut reads: Vec<(&TensorRef, u64, &mut [u8])> = ranges[i..j]
             .iter()
             .zip(bufs.iter_mut())
-            .map(|((t, r), b)| (*t, r.start, b.as_mut_slice()))
+            .map(|(r, b)| (t, r.start, b.as_mut_slice()))
             .collect();
         ckpt.read_tensor_ranges(&mut reads)?;
         out.extend(bufs.iter().map(|b| {
@@ -302,11 +297,11 @@ mod tests {
     fn hash_of<'a>(
         bytes: &'a [u8],
         asked: &'a mut u64,
-    ) -> impl FnOnce(&TensorRanges<'_>) -> Result<Vec<Hasher>> + 'a {
+    ) -> impl FnOnce(&[Range<u64>]) -> Result<Vec<Hasher>> + 'a {
         move |ranges| {
             Ok(ranges
                 .iter()
-                .map(|(_, r)| {
+                .map(|r| {
                     *asked += r.end - r.start;
                     let mut h = Hasher::new();
                     h.update(&bytes[r.start as usize..r.end as usize]);
