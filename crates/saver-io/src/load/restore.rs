@@ -281,14 +281,21 @@ enum RowOf {
     Scan(Range<u64>),
 }
 
-impl SegmentRead<'_> {
+impl<'m> SegmentRead<'m> {
     /// Bytes of one row as delivered (id plus wanted slots).
     pub fn row_bytes(&self) -> u64 {
-        8 + self
-            .slot_map
-            .iter()
-            .map(|&k| self.seg.slots[k].len / self.seg.rows.max(1))
-            .sum::<u64>()
+        self.columns().map(|(_, width)| width).sum()
+    }
+
+    /// The tensors the read delivers, the ids and then the wanted slots in target order, each
+    /// with its bytes per row.
+    pub fn columns(&self) -> impl Iterator<Item = (&'m TensorRef, u64)> + '_ {
+        let rows = self.seg.rows.max(1);
+        let slots = self.slot_map.iter().map(move |&k| {
+            let t = &self.seg.slots[k];
+            (t, t.len / rows)
+        });
+        std::iter::once((&self.seg.ids, 8)).chain(slots)
     }
 
     /// The row range cut into runs of about `chunk_bytes`.
@@ -748,12 +755,12 @@ impl Link {
     ) -> Result<u64> {
         // The ids and wanted slots of these rows in one call: neighbours in one file (all of a
         // segment's tensors, when the rows are the whole segment) become one request.
-        let mut reads: Vec<(&TensorRef, u64, &mut [u8])> = Vec::with_capacity(slots.len() + 1);
-        reads.push((&r.seg.ids, rows.start * 8, &mut *ids));
-        for (k, out) in slots.iter_mut().enumerate() {
-            let t = &r.seg.slots[r.slot_map[k]];
-            reads.push((t, rows.start * (t.len / r.seg.rows), &mut **out));
-        }
+        let outs = std::iter::once(&mut *ids).chain(slots.iter_mut().map(|s| &mut **s));
+        let mut reads: Vec<(&TensorRef, u64, &mut [u8])> = r
+            .columns()
+            .zip(outs)
+            .map(|((t, width), out)| (t, rows.start * width, out))
+            .collect();
         // The rest of the blocks these rows cut, which their checks need: it touches the rows'
         // bytes, so it travels in their requests.
         let beside: Vec<(&TensorRef, Range<u64>)> = reads
@@ -826,14 +833,11 @@ impl Link {
     ) -> EdgeGaps {
         let mut by: HashMap<usize, (&TensorRef, Vec<Range<u64>>)> = HashMap::new();
         for r in reads.filter(|r| !r.whole && !r.rows.is_empty()) {
-            let tensors =
-                std::iter::once(&r.seg.ids).chain(r.slot_map.iter().map(|&k| &r.seg.slots[k]));
-            for t in tensors {
-                let row = t.len / r.seg.rows.max(1);
+            for (t, width) in r.columns() {
                 by.entry(pieces::key(t))
                     .or_insert_with(|| (t, Vec::new()))
                     .1
-                    .push(r.rows.start * row..r.rows.end * row);
+                    .push(r.rows.start * width..r.rows.end * width);
             }
         }
         let mut gaps = EdgeGaps::default();
