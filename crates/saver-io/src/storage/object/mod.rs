@@ -935,14 +935,14 @@ impl ReadHandle for ObjectRead {
                         };
                         let mut at = r.start;
                         while let Some(piece) = body.next().await {
-                            let arrived = match piece {
-                                Ok(bytes) => Arrived::Bytes(r.clone(), at, bytes),
-                                Err(e) => Arrived::Failed(e),
+                            let (arrived, failed) = match piece {
+                                Ok(bytes) => {
+                                    let from = at;
+                                    at += bytes.len() as u64;
+                                    (Arrived::Bytes(r.clone(), from, bytes), false)
+                                }
+                                Err(e) => (Arrived::Failed(e), true),
                             };
-                            let failed = matches!(arrived, Arrived::Failed(_));
-                            if let Arrived::Bytes(_, _, b) = &arrived {
-                                at += b.len() as u64;
-                            }
                             // A send fails once the reader gave up after an error.
                             if tx.send(arrived).await.is_err() || failed {
                                 return;
