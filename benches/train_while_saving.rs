@@ -13,6 +13,14 @@
 //! and a save of another table of the same size that no trainer writes ("other×1"): what the
 //! save's own work costs the trainers, without the locks and copy-on-write of sharing a table.
 //!
+//! "Outside" a save is the 0.9 s just before it (each save or plain write follows a pause of a
+//! second or more): this machine's speed drifts by two or three times within a run, with nothing
+//! else of ours running, so ratios to one early window measure the drift as much as the save
+//! (`steps_ratio_first`, against the window before the first save, is printed beside them for
+//! comparison). From the kernel's schedstat: the trainers' time waiting for a CPU during the save
+//! (`trainers_wait_s`: the save's threads took their core) and the CPU time of every other thread
+//! of the process (`save_cpu_s`, the save's own).
+//!
 //! `cargo bench --bench train_while_saving -- [--rows N] [--trainers 1,2] [--hot 1,10,100]
 //! [--json]` (SAVER_BENCH_DIR for the output directory). `--json` prints one JSON object per
 //! save, for `benches/train_while_saving_ab.sh`, which runs this file built against two commits
@@ -28,6 +36,8 @@ mod common;
 
 const ROW_BYTES: u64 = 256;
 const BATCH: u64 = 10_000;
+/// How long before each save or plain write the pace outside it is measured.
+const BEFORE: Duration = Duration::from_millis(900);
 
 /// Step end times and durations of a trainer that runs until `stop`.
 fn trainer(
@@ -36,7 +46,12 @@ fn trainer(
     seed: u64,
     stop: &AtomicBool,
     begin: Instant,
+    tids: &Mutex<Vec<i64>>,
 ) -> Vec<(Duration, Duration)> {
+    // SAFETY: gettid has no memory effects.
+    tids.lock()
+        .unwrap()
+        .push(unsafe { libc::syscall(libc::SYS_gettid) });
     let mut steps = Vec::new();
     let mut r = seed;
     while !stop.load(Ordering::Relaxed) {
@@ -45,6 +60,32 @@ fn trainer(
         steps.push((begin.elapsed(), s.elapsed()));
     }
     steps
+}
+
+/// Time on a CPU and time waiting for one (runnable, not running), summed over threads `tids`
+/// of this process, from the kernel's schedstat.
+fn sched(tids: &[i64]) -> (Duration, Duration) {
+    let mut run = 0u64;
+    let mut wait = 0u64;
+    for t in tids {
+        let s = std::fs::read_to_string(format!("/proc/self/task/{t}/schedstat")).unwrap();
+        let mut f = s.split_whitespace().map(|x| x.parse::<u64>().unwrap());
+        run += f.next().unwrap();
+        wait += f.next().unwrap();
+    }
+    (Duration::from_nanos(run), Duration::from_nanos(wait))
+}
+
+/// CPU time (user + system) of the whole process so far, threads that ended included.
+fn process_cpu() -> Duration {
+    // SAFETY: getrusage writes only the struct it is given.
+    let u = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut u);
+        u
+    };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(u.ru_utime) + tv(u.ru_stime)
 }
 
 /// Steps/s, p50 and p99 step time of the steps (of every trainer) that ended within
@@ -103,9 +144,38 @@ fn args() -> Args {
     a
 }
 
-/// One background save of `t` while the trainers run: (writer threads, start, end, blocked,
-/// copy-on-write peak).
-type Save = (usize, Duration, Duration, Duration, usize);
+/// One run of something beside the trainers: a save or a plain write.
+struct Run {
+    /// What ran.
+    beside: Beside,
+    /// The save's writer threads, or the plain write's threads.
+    threads: usize,
+    from: Duration,
+    to: Duration,
+    /// How long `save_async` held the trainer.
+    blocked: Duration,
+    /// The copy-on-write peak so far.
+    peak: usize,
+    /// The trainers' time on a CPU and waiting for one, during the run.
+    trainers: (Duration, Duration),
+    /// The CPU time of every other thread of the process during the run (the save's).
+    others_cpu: Duration,
+}
+
+/// Starts measuring a run: the trainers' schedstat and the process's CPU time.
+fn measure(tids: &Mutex<Vec<i64>>) -> ((Duration, Duration), Duration) {
+    (sched(&tids.lock().unwrap()), process_cpu())
+}
+
+/// What the trainers and the other threads spent since `at` (from [`measure`]).
+fn since(
+    tids: &Mutex<Vec<i64>>,
+    at: ((Duration, Duration), Duration),
+) -> ((Duration, Duration), Duration) {
+    let ((run, wait), cpu) = measure(tids);
+    let trainers = (run - at.0 .0, wait - at.0 .1);
+    (trainers, (cpu - at.1).saturating_sub(trainers.0))
+}
 
 /// What ran beside the trainers: a plain write of the table's bytes (the floor), a save of
 /// their table, or a save of another one.
@@ -179,16 +249,16 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
     };
     let stop = AtomicBool::new(false);
     let begin = Instant::now();
-    let saves: Mutex<Vec<(Beside, Save)>> = Mutex::new(Vec::new());
-    let plain: Mutex<Vec<(usize, Duration, Duration)>> = Mutex::new(Vec::new());
+    let tids = Mutex::new(Vec::new());
+    let mut runs_done: Vec<Run> = Vec::new();
     // A buffer of the table's size for the plain writes, filled (so mapped) before the trainers
     // start.
     let source: Vec<u8> = (0..a.rows * ROW_BYTES).map(|i| i as u8).collect();
     let steps: Vec<(Duration, Duration)> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..trainers)
             .map(|k| {
-                let (t, stop) = (&t, &stop);
-                s.spawn(move || trainer(t, hot, 1 + k as u64, stop, begin))
+                let (t, stop, tids) = (&t, &stop, &tids);
+                s.spawn(move || trainer(t, hot, 1 + k as u64, stop, begin, tids))
             })
             .collect();
         std::thread::sleep(Duration::from_secs(2));
@@ -208,26 +278,34 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             opts.plan.parallel = parallel;
             let dir = scratch.join(format!("{tag}k{k}"));
             let saved = if of_other { &other } else { &t };
+            let at = measure(&tids);
             let from = begin.elapsed();
             let h = save_async(&dir, SaveInput::new().table(saved.clone()), opts).unwrap();
             let blocked = begin.elapsed() - from;
             h.wait().unwrap();
             let to = begin.elapsed();
-            let beside = if of_other {
-                Beside::OtherSave
-            } else {
-                Beside::Save
-            };
-            saves.lock().unwrap().push((
-                beside,
-                (parallel, from, to, blocked, saved.point_in_time_bytes().1),
-            ));
+            let (trainers, others_cpu) = since(&tids, at);
+            runs_done.push(Run {
+                beside: if of_other {
+                    Beside::OtherSave
+                } else {
+                    Beside::Save
+                },
+                threads: parallel,
+                from,
+                to,
+                blocked,
+                peak: saved.point_in_time_bytes().1,
+                trainers,
+                others_cpu,
+            });
             std::fs::remove_dir_all(&dir).unwrap();
             std::thread::sleep(Duration::from_secs(1));
         }
         // The floor: the same bytes written from memory to files and synced, by one or two
         // threads at the save's priority, with no table, lock or copy-on-write in the way.
         for threads in [1usize, 2, 1, 2] {
+            let at = measure(&tids);
             let from = begin.elapsed();
             let part = source.len().div_ceil(threads);
             std::thread::scope(|p| {
@@ -236,7 +314,18 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                     p.spawn(move || plain_write(&path, bytes));
                 }
             });
-            plain.lock().unwrap().push((threads, from, begin.elapsed()));
+            let to = begin.elapsed();
+            let (trainers, others_cpu) = since(&tids, at);
+            runs_done.push(Run {
+                beside: Beside::Floor,
+                threads,
+                from,
+                to,
+                blocked: Duration::ZERO,
+                peak: 0,
+                trainers,
+                others_cpu,
+            });
             std::thread::sleep(Duration::from_secs(1));
         }
         stop.store(true, Ordering::Relaxed);
@@ -245,22 +334,32 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             .flat_map(|w| w.join().unwrap())
             .collect()
     });
-    let (outside, p50_out, p99_out) =
+    let (first, p50_first, p99_first) =
         rate(&steps, Duration::from_millis(500), Duration::from_secs(2));
     let idle_secs = [idle("1", 1), idle("2", 2)];
     if !a.json {
         println!(
-            "\n{trainers} trainer(s), hot set {hot_percent} %: outside a save {outside:.1} steps/s, p50 {p50_out:.2?}, p99 {p99_out:.2?}; blocking save (trainers stopped) {:.2} s / {:.2} s with 1 / 2 writers",
+            "\n{trainers} trainer(s), hot set {hot_percent} %: before the first save {first:.1} steps/s, p50 {p50_first:.2?}, p99 {p99_first:.2?}; blocking save (trainers stopped) {:.2} s / {:.2} s with 1 / 2 writers",
             idle_secs[0].as_secs_f64(),
             idle_secs[1].as_secs_f64()
         );
     }
-    // The floor's writes come first; `threads`: the floor's, or the save's writers.
-    let floor = plain.into_inner().unwrap().into_iter();
-    let floor =
-        floor.map(|(threads, from, to)| (Beside::Floor, (threads, from, to, Duration::ZERO, 0)));
-    for (beside, (threads, from, to, blocked, peak)) in floor.chain(saves.into_inner().unwrap()) {
+    for run in runs_done {
+        let Run {
+            beside,
+            threads,
+            from,
+            to,
+            blocked,
+            peak,
+            trainers: (trainers_run, trainers_wait),
+            others_cpu,
+        } = run;
         let (during, p50, p99) = rate(&steps, from, to);
+        // The pace outside is the pace just before this run (each follows a pause of a second or
+        // more): this machine's speed drifts by several times within a run, so a pace measured
+        // once would make every later ratio partly a measure of the drift.
+        let (outside, p50_out, p99_out) = rate(&steps, from.saturating_sub(BEFORE), from);
         let took = (to - from).as_secs_f64();
         // Steps not taken during the save, in seconds of training at the pace outside.
         let lost = took * (1.0 - during / outside);
@@ -275,9 +374,10 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
         };
         if a.json {
             println!(
-                "{{\"trainers\":{trainers},\"hot\":{hot_percent},\"writers\":\"{}\",\"steps_ratio\":{:.4},\"p50_out_ms\":{:.4},\"p99_out_ms\":{:.4},\"p50_during_ms\":{:.4},\"p99_during_ms\":{:.4},\"p99_ratio\":{:.4},\"blocked_ms\":{:.4},\"lost_s\":{lost:.4},\"stall_s\":{stall:.4},\"save_s\":{took:.4},\"save_idle_s\":{stall:.4},\"cow_peak_mib\":{:.2}}}",
+                "{{\"trainers\":{trainers},\"hot\":{hot_percent},\"writers\":\"{}\",\"steps_ratio\":{:.4},\"steps_ratio_first\":{:.4},\"p50_out_ms\":{:.4},\"p99_out_ms\":{:.4},\"p50_during_ms\":{:.4},\"p99_during_ms\":{:.4},\"p99_ratio\":{:.4},\"blocked_ms\":{:.4},\"lost_s\":{lost:.4},\"stall_s\":{stall:.4},\"save_s\":{took:.4},\"save_idle_s\":{stall:.4},\"cow_peak_mib\":{:.2},\"trainers_run_s\":{:.4},\"trainers_wait_s\":{:.4},\"save_cpu_s\":{:.4}}}",
                 writers,
                 during / outside,
+                during / first,
                 p50_out.as_secs_f64() * 1e3,
                 p99_out.as_secs_f64() * 1e3,
                 p50.as_secs_f64() * 1e3,
@@ -285,6 +385,9 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                 p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
                 blocked.as_secs_f64() * 1e3,
                 peak as f64 / (1 << 20) as f64,
+                trainers_run.as_secs_f64(),
+                trainers_wait.as_secs_f64(),
+                others_cpu.as_secs_f64(),
             );
         } else if beside == Beside::Floor {
             println!(

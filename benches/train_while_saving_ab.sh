@@ -46,12 +46,15 @@ def load(p):
     return out
 b, n = load(base), load(new)
 keys = ["steps_ratio", "p50_out_ms", "p99_out_ms", "p99_during_ms", "p99_ratio", "blocked_ms",
-        "lost_s", "stall_s", "save_s", "cow_peak_mib"]
+        "lost_s", "stall_s", "save_s", "cow_peak_mib", "trainers_wait_s", "save_cpu_s"]
 print(f"medians; baseline {base_rev} / this tree {head}")
 print("| trainers | hot % | writers | " + " | ".join(keys) + " |")
 print("|" + " --- |" * (3 + len(keys)))
 for k in sorted(b, key=lambda k: tuple(map(str, k))):
-    med = lambda rows, f: statistics.median(r[f] for r in rows)
-    cells = [f"{med(b[k], f):.3g} / {med(n.get(k, b[k]), f):.3g}" for f in keys]
+    # A baseline built before a figure existed reports it as missing: "—".
+    def cell(rows, f):
+        vals = [r[f] for r in rows if f in r]
+        return f"{statistics.median(vals):.3g}" if vals else "—"
+    cells = [f"{cell(b[k], f)} / {cell(n.get(k, b[k]), f)}" for f in keys]
     print(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + " |")
 EOF
