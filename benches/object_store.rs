@@ -5,8 +5,9 @@
 //! skip the timed saves, for work on the loads).
 //!
 //! Needs a `garage` binary on `PATH` or in `~/.cargo/bin` (`cargo install --locked garage`).
-//! Baselines: a multipart upload of the checkpoint's bytes in 8 MiB parts, 8 in flight (the limit
-//! of a save), and ranged GETs of 8 MiB, 8 in flight, of the bytes a load reads (the limit of a
+//! Baselines: an upload of the checkpoint's own files (as the same save writes them to a local
+//! directory) in 8 MiB parts, 8 in flight (the limit of a save; the store does the same work on
+//! the same bytes), beside a multipart upload of as many random bytes, and ranged GETs of 8 MiB, 8 in flight, of the bytes a load reads (the limit of a
 //! load). Every configuration runs once per round, interleaved, after a warm-up round; medians are
 //! reported with each figure as a ratio to its baseline of the same run, with the CPU time the
 //! client (this process: saver, or the baseline's requests) and the server spent in the timed part.
@@ -140,6 +141,88 @@ fn plain_upload(rt: &tokio::runtime::Runtime, s3: &Arc<AmazonS3>, key: &Key, byt
     });
 }
 
+/// Every file under `dir` (a checkpoint saved to a local directory), by its path below `dir`,
+/// read into memory.
+fn files_under(dir: &Path) -> Vec<(String, Bytes)> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                let name = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+                out.push((name, Bytes::from(std::fs::read(&p).unwrap())));
+            }
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// The baseline of a save that does the same work: `files` (a checkpoint's files, as the same
+/// save wrote them to a local directory) uploaded under `prefix` as they are, from memory. A file
+/// of more than one part goes up as a multipart upload of [`PIECE`] parts, [`IN_FLIGHT`] parts in
+/// flight across all files; a smaller one in one PUT. The store receives exactly the bytes the
+/// save sends it, so it does the same work on them: Garage compresses each block it stores
+/// (zstd) and keeps equal blocks once, and a checkpoint's bytes are not random.
+fn upload_files(
+    rt: &tokio::runtime::Runtime,
+    s3: &Arc<AmazonS3>,
+    prefix: &str,
+    files: &[(String, Bytes)],
+) {
+    let key = |name: &str| Key::from(format!("{prefix}/{name}"));
+    rt.block_on(async {
+        let (big, small): (Vec<_>, Vec<_>) = files.iter().partition(|f| f.1.len() as u64 > PIECE);
+        let ids = futures::future::join_all(big.iter().map(|f| {
+            let k = key(&f.0);
+            async move { s3.create_multipart(&k).await.unwrap() }
+        }))
+        .await;
+        let parts = big.iter().zip(&ids).enumerate().flat_map(|(k, (f, id))| {
+            (0..(f.1.len() as u64).div_ceil(PIECE)).map(move |i| {
+                let end = ((i + 1) * PIECE).min(f.1.len() as u64);
+                (k, id, i, f.1.slice((i * PIECE) as usize..end as usize))
+            })
+        });
+        let puts = futures::stream::iter(small.iter().map(|f| {
+            let k = key(&f.0);
+            let payload = PutPayload::from(f.1.clone());
+            async move {
+                s3.put(&k, payload).await.unwrap();
+            }
+        }))
+        .buffer_unordered(IN_FLIGHT)
+        .collect::<Vec<()>>();
+        let uploads = futures::stream::iter(parts)
+            .map(|(k, id, i, bytes)| {
+                let name = key(&big[k].0);
+                async move {
+                    let part = s3
+                        .put_part(&name, id, i as usize, PutPayload::from(bytes))
+                        .await
+                        .unwrap();
+                    (k, part)
+                }
+            })
+            .buffered(IN_FLIGHT)
+            .collect::<Vec<_>>();
+        let (done, _) = futures::join!(uploads, puts);
+        let mut by_file = vec![Vec::new(); big.len()];
+        for (k, part) in done {
+            by_file[k].push(part);
+        }
+        futures::future::join_all(big.iter().zip(&ids).zip(by_file).map(
+            |((f, id), parts)| async move {
+                s3.complete_multipart(&key(&f.0), id, parts).await.unwrap();
+            },
+        ))
+        .await;
+    });
+}
+
 /// The baseline of a load: ranged GETs of [`PIECE`] bytes, [`IN_FLIGHT`] at a time, of the first
 /// `bytes` bytes of `objects` (key, size) in turn. Returns the bytes fetched.
 fn plain_get(
@@ -234,17 +317,33 @@ fn main() {
         human(PIECE)
     );
 
+    // The checkpoint's own files, as the save of the first configuration below writes them.
+    let same_dir = common::scratch().join("object-store-same-bytes");
+    let _ = std::fs::remove_dir_all(&same_dir);
+    save(&same_dir, model.input(), &opts(2, 1)).unwrap();
+    let same = files_under(&same_dir);
+    let _ = std::fs::remove_dir_all(&same_dir);
     // A fresh prefix for every save, so each writes into an empty one.
     let n = std::cell::Cell::new(0u32);
-    let mut saves: Vec<(String, Run<'_>)> = vec![(
-        "plain multipart upload (limit)".into(),
-        Box::new(|| {
-            let key = Key::from("plain/upload");
-            let secs = clock(|| plain_upload(&rt, &s3, &key, bytes));
-            rt.block_on(s3.delete(&key)).unwrap();
-            secs
-        }),
-    )];
+    let mut saves: Vec<(String, Run<'_>)> = vec![
+        (
+            "plain upload of the checkpoint's files (limit)".into(),
+            Box::new(|| {
+                let secs = clock(|| upload_files(&rt, &s3, "plain/files", &same));
+                remove_all(&g.url("plain/files"));
+                secs
+            }),
+        ),
+        (
+            "plain multipart upload of as many random bytes".into(),
+            Box::new(|| {
+                let key = Key::from("plain/upload");
+                let secs = clock(|| plain_upload(&rt, &s3, &key, bytes));
+                rt.block_on(s3.delete(&key)).unwrap();
+                secs
+            }),
+        ),
+    ];
     for (shards, parallel) in [(1u32, 2usize), (1, 4), (8, 4)] {
         let (model, g, n) = (&model, &g, &n);
         saves.push((
