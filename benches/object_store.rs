@@ -1,8 +1,9 @@
 //! saver against an S3-compatible store (Garage on loopback, started here), against the plain
 //! `object_store` requests that move the same bytes, in one run.
 //!
-//! `cargo bench --bench object_store -- [--size 2GiB] [--runs 3] [--loads-only]` (`--loads-only`:
-//! skip the timed saves, for work on the loads).
+//! `cargo bench --bench object_store -- [--size 2GiB] [--runs 3] [--loads-only | --saves-only]`
+//! (`--loads-only`: skip the timed saves, for work on the loads; `--saves-only`: skip the timed
+//! loads and the memory figures).
 //!
 //! Needs a `garage` binary on `PATH` or in `~/.cargo/bin` (`cargo install --locked garage`).
 //! Baselines: an upload of the checkpoint's own files (as the same save writes them to a local
@@ -379,6 +380,10 @@ fn main() {
         );
     }
     drop(saves);
+    if std::env::args().any(|a| a == "--saves-only") {
+        let _ = std::fs::remove_dir_all(&local);
+        return;
+    }
 
     // Loads: the probe checkpoint (1 shard) whole, and one saved with 8 shards read as shard 1
     // of 3.
