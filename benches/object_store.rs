@@ -8,8 +8,8 @@
 //! Needs a `garage` binary on `PATH` or in `~/.cargo/bin` (`cargo install --locked garage`).
 //! Baselines: an upload of the checkpoint's own files (as the same save writes them to a local
 //! directory) in 8 MiB parts, 8 in flight (the limit of a save; the store does the same work on
-//! the same bytes), beside a multipart upload of as many random bytes, and ranged GETs of 8 MiB, 8 in flight, of the bytes a load reads (the limit of a
-//! load). Every configuration runs once per round, interleaved, after a warm-up round; medians are
+//! the same bytes), beside a multipart upload of as many random bytes; and ranged GETs of 8 MiB,
+//! 8 in flight, of the bytes a load reads (the limit of a load). Every configuration runs once per round, interleaved, after a warm-up round; medians are
 //! reported with each figure as a ratio to its baseline of the same run, with the CPU time the
 //! client (this process: saver, or the baseline's requests) and the server spent in the timed part.
 //! Then peak memory of a save and a load, against the same operation on a local directory.

@@ -68,10 +68,17 @@ fn sched(tids: &[i64]) -> (Duration, Duration) {
     let mut run = 0u64;
     let mut wait = 0u64;
     for t in tids {
-        let s = std::fs::read_to_string(format!("/proc/self/task/{t}/schedstat")).unwrap();
-        let mut f = s.split_whitespace().map(|x| x.parse::<u64>().unwrap());
-        run += f.next().unwrap();
-        wait += f.next().unwrap();
+        let path = format!("/proc/self/task/{t}/schedstat");
+        let s = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{path}: {e} (a kernel without CONFIG_SCHED_INFO?)"));
+        let mut f = s.split_whitespace().map(|x| x.parse::<u64>());
+        let mut next = || {
+            f.next()
+                .and_then(Result::ok)
+                .unwrap_or_else(|| panic!("{path}: not two numbers: {s:?}"))
+        };
+        run += next();
+        wait += next();
     }
     (Duration::from_nanos(run), Duration::from_nanos(wait))
 }
@@ -156,25 +163,41 @@ struct Run {
     blocked: Duration,
     /// The copy-on-write peak so far.
     peak: usize,
-    /// The trainers' time on a CPU and waiting for one, during the run.
-    trainers: (Duration, Duration),
-    /// The CPU time of every other thread of the process during the run (the save's).
-    others_cpu: Duration,
+    /// Where the CPU time went during the run.
+    spent: Spent,
 }
 
-/// Starts measuring a run: the trainers' schedstat and the process's CPU time.
-fn measure(tids: &Mutex<Vec<i64>>) -> ((Duration, Duration), Duration) {
-    (sched(&tids.lock().unwrap()), process_cpu())
+/// CPU time: the trainers' on a CPU and waiting for one, and every other thread's of the process
+/// (during a run, the save's or the plain write's). Read at the start of a run, then the
+/// difference at its end ([`Spent::since`]).
+#[derive(Clone, Copy)]
+struct Spent {
+    trainers_run: Duration,
+    trainers_wait: Duration,
+    others: Duration,
 }
 
-/// What the trainers and the other threads spent since `at` (from [`measure`]).
-fn since(
-    tids: &Mutex<Vec<i64>>,
-    at: ((Duration, Duration), Duration),
-) -> ((Duration, Duration), Duration) {
-    let ((run, wait), cpu) = measure(tids);
-    let trainers = (run - at.0 .0, wait - at.0 .1);
-    (trainers, (cpu - at.1).saturating_sub(trainers.0))
+impl Spent {
+    /// So far, for the trainer threads `tids`.
+    fn now(tids: &Mutex<Vec<i64>>) -> Self {
+        let (trainers_run, trainers_wait) = sched(&tids.lock().unwrap());
+        let all = process_cpu();
+        Self {
+            trainers_run,
+            trainers_wait,
+            others: all.saturating_sub(trainers_run),
+        }
+    }
+
+    /// Spent since `start` (an earlier [`Spent::now`]).
+    fn since(tids: &Mutex<Vec<i64>>, start: Self) -> Self {
+        let end = Self::now(tids);
+        Self {
+            trainers_run: end.trainers_run.saturating_sub(start.trainers_run),
+            trainers_wait: end.trainers_wait.saturating_sub(start.trainers_wait),
+            others: end.others.saturating_sub(start.others),
+        }
+    }
 }
 
 /// What ran beside the trainers: a plain write of the table's bytes (the floor), a save of
@@ -278,13 +301,13 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             opts.plan.parallel = parallel;
             let dir = scratch.join(format!("{tag}k{k}"));
             let saved = if of_other { &other } else { &t };
-            let at = measure(&tids);
+            let start = Spent::now(&tids);
             let from = begin.elapsed();
             let h = save_async(&dir, SaveInput::new().table(saved.clone()), opts).unwrap();
             let blocked = begin.elapsed() - from;
             h.wait().unwrap();
             let to = begin.elapsed();
-            let (trainers, others_cpu) = since(&tids, at);
+            let spent = Spent::since(&tids, start);
             runs_done.push(Run {
                 beside: if of_other {
                     Beside::OtherSave
@@ -296,8 +319,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                 to,
                 blocked,
                 peak: saved.point_in_time_bytes().1,
-                trainers,
-                others_cpu,
+                spent,
             });
             std::fs::remove_dir_all(&dir).unwrap();
             std::thread::sleep(Duration::from_secs(1));
@@ -305,7 +327,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
         // The floor: the same bytes written from memory to files and synced, by one or two
         // threads at the save's priority, with no table, lock or copy-on-write in the way.
         for threads in [1usize, 2, 1, 2] {
-            let at = measure(&tids);
+            let start = Spent::now(&tids);
             let from = begin.elapsed();
             let part = source.len().div_ceil(threads);
             std::thread::scope(|p| {
@@ -315,7 +337,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                 }
             });
             let to = begin.elapsed();
-            let (trainers, others_cpu) = since(&tids, at);
+            let spent = Spent::since(&tids, start);
             runs_done.push(Run {
                 beside: Beside::Floor,
                 threads,
@@ -323,8 +345,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                 to,
                 blocked: Duration::ZERO,
                 peak: 0,
-                trainers,
-                others_cpu,
+                spent,
             });
             std::thread::sleep(Duration::from_secs(1));
         }
@@ -352,8 +373,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             to,
             blocked,
             peak,
-            trainers: (trainers_run, trainers_wait),
-            others_cpu,
+            spent,
         } = run;
         let (during, p50, p99) = rate(&steps, from, to);
         // The pace outside is the pace just before this run (each follows a pause of a second or
@@ -385,9 +405,9 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                 p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
                 blocked.as_secs_f64() * 1e3,
                 peak as f64 / (1 << 20) as f64,
-                trainers_run.as_secs_f64(),
-                trainers_wait.as_secs_f64(),
-                others_cpu.as_secs_f64(),
+                spent.trainers_run.as_secs_f64(),
+                spent.trainers_wait.as_secs_f64(),
+                spent.others.as_secs_f64(),
             );
         } else if beside == Beside::Floor {
             println!(
