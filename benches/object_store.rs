@@ -142,22 +142,19 @@ fn plain_upload(rt: &tokio::runtime::Runtime, s3: &Arc<AmazonS3>, key: &Key, byt
     });
 }
 
-/// Every file under `dir` (a checkpoint saved to a local directory), by its path below `dir`,
-/// read into memory.
-fn files_under(dir: &Path) -> Vec<(String, Bytes)> {
-    let mut out = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                todo.push(p);
-            } else {
-                let name = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
-                out.push((name, Bytes::from(std::fs::read(&p).unwrap())));
-            }
-        }
-    }
+/// The files a save to a store would send, by name, read into memory: every file of `dir` (a
+/// checkpoint saved to a local directory, which is flat) but the commit lock, which only a local
+/// directory has.
+fn checkpoint_files(dir: &Path) -> Vec<(String, Bytes)> {
+    let mut out: Vec<(String, Bytes)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name() != saver::core::naming::COMMIT_LOCK)
+        .map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, Bytes::from(std::fs::read(e.path()).unwrap()))
+        })
+        .collect();
     out.sort_by(|a, b| a.0.cmp(&b.0));
     out
 }
@@ -322,7 +319,7 @@ fn main() {
     let same_dir = common::scratch().join("object-store-same-bytes");
     let _ = std::fs::remove_dir_all(&same_dir);
     save(&same_dir, model.input(), &opts(2, 1)).unwrap();
-    let same = files_under(&same_dir);
+    let same = checkpoint_files(&same_dir);
     let _ = std::fs::remove_dir_all(&same_dir);
     // A fresh prefix for every save, so each writes into an empty one.
     let n = std::cell::Cell::new(0u32);
