@@ -175,7 +175,8 @@ fn spilled_regions_larger_than_a_unit_are_split_and_write_the_same_bytes() {
 #[test]
 fn direct_io_writes_the_same_bytes_and_falls_back_where_unsupported() {
     let m = Model::new(20_000);
-    // Files of several 512 KiB direct-I/O windows, and files smaller than one.
+    // Files of several MiB, whose pieces go to the disk from lent memory, and files of a few
+    // pages.
     for max_file_size in [2 << 30, 64 << 10] {
         let with = |direct_io| {
             let mut o = opts(3, 2);

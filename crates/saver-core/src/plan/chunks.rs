@@ -3,8 +3,10 @@
 //! The writer asks [`SavePlan::chunks`] for the work list and calls [`SavePlan::produce`] for each
 //! chunk from any thread. A row chunk reads a run of rows of a segment *once*, all kept slots
 //! together (so a row is never torn across slot tensors), and hands out the ids bytes and every
-//! slot's bytes as [`Piece`]s, each with its destination. Nothing larger than one chunk is ever
-//! materialised; ids, bucket indexes and dense tensors are handed out without a copy.
+//! slot's bytes, each with its destination. Nothing larger than one chunk is ever materialised;
+//! ids, bucket indexes and dense tensors are handed out without a copy, and the slots' rows are
+//! gathered straight into memory the [`PieceSink`] lends: a sink that writes from memory of its
+//! own (direct I/O needs aligned memory) then copies no byte a second time.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -60,12 +62,43 @@ pub struct Piece<'b> {
     pub bytes: &'b [u8],
 }
 
+/// Where [`SavePlan::produce`] hands a chunk's bytes.
+///
+/// Bytes the plan already holds (ids, bucket indexes, dense tensors) are lent *to* the sink
+/// ([`PieceSink::put`]); rows the chunk gathers go into memory the sink lends
+/// ([`PieceSink::lend`]) and come back filled ([`PieceSink::put_lent`]).
+pub trait PieceSink {
+    /// What a failure of the sink is; the plan's own errors convert into it.
+    type Error: From<Error>;
+    /// Memory the sink lends for one piece.
+    type Buf: AsRef<[u8]> + AsMut<[u8]>;
+    /// Memory of exactly `len` bytes for the piece at `offset` of the tensor at `loc`, which
+    /// the plan fills whole (its prior contents never reach a file).
+    fn lend(
+        &mut self,
+        shard: usize,
+        loc: Loc,
+        offset: u64,
+        len: usize,
+    ) -> Result<Self::Buf, Self::Error>;
+    /// Bytes of a piece that the plan holds.
+    fn put(&mut self, piece: Piece<'_>) -> Result<(), Self::Error>;
+    /// The memory [`PieceSink::lend`] gave for the piece at `offset` of the tensor at `loc`,
+    /// filled.
+    fn put_lent(
+        &mut self,
+        shard: usize,
+        loc: Loc,
+        offset: u64,
+        buf: Self::Buf,
+    ) -> Result<(), Self::Error>;
+}
+
 /// Reusable buffers of one writer thread.
 #[derive(Default)]
 pub struct ChunkBuffer {
     ids: Vec<u64>,
     handles: Vec<u64>,
-    slots: Vec<Vec<u8>>,
 }
 
 /// Raw little-endian bytes of a `u64` slice, without a copy on little-endian machines.
@@ -188,13 +221,14 @@ impl SavePlan<'_> {
         }
     }
 
-    /// Produces a chunk's bytes and hands each piece to `sink`.
-    pub fn produce<E: From<Error>>(
+    /// Produces a chunk's bytes and hands each piece to `sink`: for a row chunk, the ids, then
+    /// every kept slot in order.
+    pub fn produce<S: PieceSink>(
         &self,
         chunk: &Chunk,
         buf: &mut ChunkBuffer,
-        sink: &mut dyn FnMut(Piece<'_>) -> Result<(), E>,
-    ) -> Result<(), E> {
+        sink: &mut S,
+    ) -> Result<(), S::Error> {
         match chunk {
             Chunk::Rows {
                 shard,
@@ -206,46 +240,40 @@ impl SavePlan<'_> {
                 let seg = &part.segments[*segment];
                 let table = &self.tables[part.table];
                 let abs = seg.rows.start + rows.start..seg.rows.start + rows.end;
-                let ChunkBuffer {
-                    ids,
-                    handles,
-                    slots,
-                } = buf;
+                let ChunkBuffer { ids, handles } = buf;
                 table
                     .rows
                     .copy(&*table.snapshot, abs, true, ids, handles)
-                    .map_err(E::from)?;
+                    .map_err(S::Error::from)?;
                 let n = ids.len();
-                slots.resize_with(table.slots.len(), Vec::new);
-                for (s, b) in slots.iter_mut().enumerate() {
-                    let want = if part.slots.contains(&s) {
-                        n * table.slot_bytes[s]
-                    } else {
-                        0
-                    };
-                    b.resize(want, 0);
+                // One lent buffer per kept slot, in `part.slots` order; the table is asked for
+                // every slot, the ones not kept with no room.
+                let mut lent = Vec::with_capacity(part.slots.len());
+                for (k, &s) in part.slots.iter().enumerate() {
+                    let offset = (rows.start * table.slot_bytes[s]) as u64;
+                    let len = n * table.slot_bytes[s];
+                    lent.push(sink.lend(*shard, seg.slots[k], offset, len)?);
                 }
                 {
                     let mut outs: Vec<&mut [u8]> =
-                        slots.iter_mut().map(Vec::as_mut_slice).collect();
+                        (0..table.slots.len()).map(|_| &mut [][..]).collect();
+                    for (&s, b) in part.slots.iter().zip(lent.iter_mut()) {
+                        outs[s] = b.as_mut();
+                    }
                     // SAFETY: `handles` is empty or came from this snapshot's scan, with `ids`,
                     // and the region sort moved them together.
                     unsafe { table.snapshot.read_rows_by_handle(ids, handles, &mut outs) }
-                        .map_err(E::from)?;
+                        .map_err(S::Error::from)?;
                 }
-                sink(Piece {
+                sink.put(Piece {
                     shard: *shard,
                     loc: seg.ids,
                     offset: rows.start as u64 * 8,
                     bytes: &u64_bytes(ids),
                 })?;
-                for (k, &s) in part.slots.iter().enumerate() {
-                    sink(Piece {
-                        shard: *shard,
-                        loc: seg.slots[k],
-                        offset: (rows.start * table.slot_bytes[s]) as u64,
-                        bytes: &slots[s],
-                    })?;
+                for ((k, &s), buf) in part.slots.iter().enumerate().zip(lent) {
+                    let offset = (rows.start * table.slot_bytes[s]) as u64;
+                    sink.put_lent(*shard, seg.slots[k], offset, buf)?;
                 }
                 Ok(())
             }
@@ -255,7 +283,7 @@ impl SavePlan<'_> {
                 segment,
             } => {
                 let seg = &self.shards[*shard].partitions[*partition].segments[*segment];
-                sink(Piece {
+                sink.put(Piece {
                     shard: *shard,
                     loc: seg.index_loc,
                     offset: 0,
@@ -269,7 +297,7 @@ impl SavePlan<'_> {
             } => {
                 let dp = &self.shards[*shard].dense[*dense];
                 let data = self.dense[dp.dense].data();
-                sink(Piece {
+                sink.put(Piece {
                     shard: *shard,
                     loc: dp.loc,
                     offset: bytes.start,

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use bucket_starts::BucketStarts;
-pub use chunks::{Chunk, ChunkBuffer, Piece};
+pub use chunks::{Chunk, ChunkBuffer, Piece, PieceSink};
 use header::{render_header, FileFacts, HeaderTensor, StoredTensor};
 pub use input::{SaveInput, TableRef};
 pub use rows::Spill;

@@ -12,6 +12,7 @@ mod options;
 pub(crate) mod pipeline;
 mod report;
 mod schedule;
+mod sink;
 
 use std::path::Path;
 

@@ -1,22 +1,17 @@
 //! The save pipeline: plan, write every planned shard in parallel, make it durable, write the
 //! shard manifests, commit.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crc32fast::Hasher;
 use rayon::prelude::*;
 
-use saver_core::manifest::{
-    format_version_of, BlockCrcs, CheckpointRef, ParentRef, TableGiven, WriterInfo,
-};
+use saver_core::manifest::{format_version_of, CheckpointRef, ParentRef, TableGiven, WriterInfo};
 use saver_core::naming::{check_save_id, shard_manifest_name, INDEX_FILE};
-use saver_core::plan::{
-    crc_block_bytes, plan_with_spill, tables_past_budget, ChunkBuffer, Loc, TensorCrc,
-};
+use saver_core::plan::{plan_with_spill, tables_past_budget, ChunkBuffer, TensorCrc};
 use saver_core::table::TableSemantics;
 use saver_core::ChangeTracking;
 use saver_core::{PlanOptions, SaveInput, SavePlan};
@@ -29,9 +24,10 @@ use crate::save::commit::{
 };
 use crate::save::compressing::CompressedFile;
 use crate::save::schedule::{Claimer, FileQueues};
+use crate::save::sink::{combine_crcs, FileSink, Files, PieceCrc};
 use crate::storage::{LocalFs, Storage, WriteHandle};
 
-use crate::save::options::{DirectIo, Progress, ProgressFn, SaveOptions};
+use crate::save::options::{DirectIo, ProgressFn, SaveOptions};
 use crate::save::report::{DeltaMethod, SaveReport};
 
 /// Where a save into `dir` writes: the object-store prefix a URL names, or the local directory,
@@ -397,15 +393,6 @@ fn write_and_commit(
     })
 }
 
-/// CRC of a piece, kept until all pieces of its tensor are known.
-struct PieceCrc {
-    shard: usize,
-    loc: Loc,
-    offset: u64,
-    len: u64,
-    hasher: Hasher,
-}
-
 /// What [`write_plan`] wrote.
 #[derive(Debug)]
 pub struct PlanWritten {
@@ -486,70 +473,29 @@ pub fn write_plan(
     // Each thread writes one file front to back: see `schedule.rs`.
     let queues = FileQueues::new(plan.chunks().into_iter().map(|c| (plan.chunk_file(&c), c)));
     let failed = AtomicBool::new(false);
-    let total = plan.data_bytes();
-    let done = AtomicU64::new(0);
+    let files = Files {
+        plan,
+        handles: &handles,
+        compressed: compressed.as_deref(),
+        durable,
+        progress,
+        done: &AtomicU64::new(0),
+        total: plan.data_bytes(),
+    };
     let written: Vec<Result<Vec<PieceCrc>>> = pool.broadcast(|_| {
         let mut buf = ChunkBuffer::default();
-        let mut crcs = Vec::new();
+        let mut sink = FileSink::new(&files);
         let mut place = Claimer::default();
         while !failed.load(Ordering::Relaxed) {
             let Some(chunk) = queues.claim(&mut place) else {
                 break;
             };
-            let produced = plan.produce::<Error>(chunk, &mut buf, &mut |piece| {
-                let f = &plan.shards()[piece.shard].files[piece.loc.file];
-                let t = &f.tensors[piece.loc.tensor];
-                match &compressed {
-                    Some(files) => files[piece.shard][piece.loc.file].put(
-                        piece.loc.tensor,
-                        piece.offset,
-                        piece.bytes,
-                    )?,
-                    None => {
-                        let h = &handles[piece.shard][piece.loc.file];
-                        let at = f.data_start + t.start + piece.offset;
-                        h.write_at(at, piece.bytes)?;
-                        if durable {
-                            h.start_writeback(at, piece.bytes.len() as u64);
-                        }
-                    }
-                }
-                // One CRC per part of the piece within a checksummed block, so that
-                // `combine_crcs` can make the block CRCs as well as the tensor's.
-                let block = crc_block_bytes(t.end - t.start).unwrap_or(u64::MAX);
-                let mut at = 0;
-                while at < piece.bytes.len() {
-                    let offset = piece.offset + at as u64;
-                    let block_end = (offset / block).saturating_add(1).saturating_mul(block);
-                    let n = ((block_end - offset) as usize).min(piece.bytes.len() - at);
-                    let mut hasher = Hasher::new();
-                    hasher.update(&piece.bytes[at..at + n]);
-                    crcs.push(PieceCrc {
-                        shard: piece.shard,
-                        loc: piece.loc,
-                        offset,
-                        len: n as u64,
-                        hasher,
-                    });
-                    at += n;
-                }
-                if let Some(p) = progress {
-                    let bytes = piece.bytes.len() as u64;
-                    let written = done.fetch_add(bytes, Ordering::Relaxed) + bytes;
-                    p(Progress {
-                        bytes,
-                        written,
-                        total,
-                    });
-                }
-                Ok(())
-            });
-            if let Err(e) = produced {
+            if let Err(e) = plan.produce(chunk, &mut buf, &mut sink) {
                 failed.store(true, Ordering::Relaxed);
                 return Err(e);
             }
         }
-        Ok(crcs)
+        Ok(sink.crcs)
     });
     let written: Result<Vec<Vec<PieceCrc>>> = written.into_iter().collect();
     let finished = written.and_then(|pieces| {
@@ -651,67 +597,4 @@ fn each_at_once<T: Send, R: Send>(
         }
     }
     out
-}
-
-/// Combines per-piece CRCs into per-tensor and per-block CRCs, in offset order, checking every
-/// byte of every tensor was produced exactly once. Pieces never straddle a block.
-fn combine_crcs(
-    plan: &SavePlan<'_>,
-    pieces: impl Iterator<Item = PieceCrc>,
-) -> Result<Vec<Vec<Vec<TensorCrc>>>> {
-    let mut by_tensor: HashMap<(usize, usize, usize), Vec<PieceCrc>> = HashMap::new();
-    for p in pieces {
-        by_tensor
-            .entry((p.shard, p.loc.file, p.loc.tensor))
-            .or_default()
-            .push(p);
-    }
-    let mut out = Vec::with_capacity(plan.shards().len());
-    for (s, shard) in plan.shards().iter().enumerate() {
-        let mut files = Vec::with_capacity(shard.files.len());
-        for (f, file) in shard.files.iter().enumerate() {
-            let mut crcs = Vec::with_capacity(file.tensors.len());
-            for (t, tensor) in file.tensors.iter().enumerate() {
-                let len = tensor.end - tensor.start;
-                let block_bytes = crc_block_bytes(len);
-                let mut pieces = by_tensor.remove(&(s, f, t)).unwrap_or_default();
-                pieces.sort_by_key(|p| p.offset);
-                let mut whole = Hasher::new();
-                let mut blocks = Vec::new();
-                let mut block = Hasher::new();
-                let mut next = 0;
-                for p in pieces {
-                    if p.offset != next {
-                        return Err(Error::Mismatch(format!(
-                            "internal: tensor {} was produced with a gap or overlap at byte {next}",
-                            tensor.name
-                        )));
-                    }
-                    next += p.len;
-                    whole.combine(&p.hasher);
-                    block.combine(&p.hasher);
-                    if block_bytes.is_some_and(|b| next.is_multiple_of(b)) || next == len {
-                        blocks.push(std::mem::take(&mut block).finalize());
-                    }
-                }
-                if next != len {
-                    return Err(Error::Mismatch(format!(
-                        "internal: tensor {} was produced with {next} of {len} bytes",
-                        tensor.name,
-                    )));
-                }
-                crcs.push(TensorCrc {
-                    stored: None,
-                    crc32: whole.finalize(),
-                    blocks: block_bytes.map(|bytes| BlockCrcs {
-                        bytes,
-                        crc32: blocks,
-                    }),
-                });
-            }
-            files.push(crcs);
-        }
-        out.push(files);
-    }
-    Ok(out)
 }

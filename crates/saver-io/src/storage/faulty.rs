@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::{ReadHandle, Storage, WriteHandle};
+use super::{Lent, ReadHandle, Storage, WriteHandle};
 use crate::error::{Error, Result};
 
 /// Which operation fails.
@@ -61,24 +61,34 @@ struct FaultyWrite {
     state: Arc<Counters>,
 }
 
+impl FaultyWrite {
+    /// Counts a write of `len` bytes: the injected failure if it is this one.
+    fn count_write(&self, len: usize) -> Result<()> {
+        let n = self.state.writes.fetch_add(1, Ordering::SeqCst);
+        let total = self.state.bytes.fetch_add(len as u64, Ordering::SeqCst) + len as u64;
+        match self.fault {
+            Fault::WriteNumber(k) if n == k => Err(injected("no space left on device (injected)")),
+            Fault::DiskFullAfter(limit) if total > limit => {
+                Err(injected("no space left on device (injected)"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 impl WriteHandle for FaultyWrite {
     fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
-        let n = self.state.writes.fetch_add(1, Ordering::SeqCst);
-        let total = self
-            .state
-            .bytes
-            .fetch_add(buf.len() as u64, Ordering::SeqCst)
-            + buf.len() as u64;
-        match self.fault {
-            Fault::WriteNumber(k) if n == k => {
-                return Err(injected("no space left on device (injected)"))
-            }
-            Fault::DiskFullAfter(limit) if total > limit => {
-                return Err(injected("no space left on device (injected)"))
-            }
-            _ => {}
-        }
+        self.count_write(buf.len())?;
         self.inner.write_at(offset, buf)
+    }
+
+    fn lend(&self, offset: u64, len: usize) -> Result<Option<Lent>> {
+        self.inner.lend(offset, len)
+    }
+
+    fn write_lent(&self, lent: Lent) -> Result<()> {
+        self.count_write(lent.as_ref().len())?;
+        self.inner.write_lent(lent)
     }
 
     fn start_writeback(&self, offset: u64, len: u64) {

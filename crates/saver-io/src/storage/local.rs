@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use saver_core::naming::{COMMIT_LOCK, TMP_MARK};
 
-use super::direct::{DirectWrites, WindowPool};
+use super::direct::{BufferPool, DirectWrites, Lent};
 use super::preallocate::allocate;
 use super::{check_file_name, ReadHandle, Storage, WriteHandle};
 use crate::error::{io_err, Error, Result};
@@ -23,8 +23,8 @@ static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 pub struct LocalFs {
     dir: PathBuf,
     direct_io: bool,
-    /// Direct-I/O window buffers, reused by every file this storage (and its clones) writes.
-    windows: Arc<WindowPool>,
+    /// Direct-I/O buffers, reused by every file this storage (and its clones) writes.
+    buffers: Arc<BufferPool>,
 }
 
 impl LocalFs {
@@ -35,7 +35,7 @@ impl LocalFs {
         Ok(Self {
             dir,
             direct_io: false,
-            windows: Arc::default(),
+            buffers: Arc::default(),
         })
     }
 
@@ -53,16 +53,16 @@ impl LocalFs {
         Ok(Self {
             dir,
             direct_io: false,
-            windows: Arc::default(),
+            buffers: Arc::default(),
         })
     }
 
     /// Writes new files with direct I/O (`O_DIRECT`, around the page cache) where the filesystem
     /// supports it, through the page cache where it does not. For durable saves: the data go
     /// to the disk without a kernel copy or a later writeback, written by two background threads
-    /// while the writer threads produce the next bytes. Costs a few 512 KiB buffers per writer
-    /// thread and 5 MiB of windows in flight, kept with the two threads until the `LocalFs` and
-    /// its clones are dropped. See `storage/direct/`.
+    /// while the writer threads produce the next bytes. Costs a chunk's buffer per writer thread
+    /// (lent to the gather, [`WriteHandle::lend`]) and up to 16 MiB in flight, kept with the two
+    /// threads until the `LocalFs` and its clones are dropped. See `storage/direct/`.
     pub fn with_direct_io(mut self, on: bool) -> Self {
         self.direct_io = on;
         self
@@ -129,14 +129,31 @@ impl WriteHandle for LocalWrite {
         .map_err(io_err("write", &self.tmp))
     }
 
+    fn lend(&self, offset: u64, len: usize) -> Result<Option<Lent>> {
+        match &self.direct {
+            Some(d) => d
+                .lend(offset, len)
+                .map(Some)
+                .map_err(io_err("write", &self.tmp)),
+            None => Ok(None),
+        }
+    }
+
+    fn write_lent(&self, lent: Lent) -> Result<()> {
+        match &self.direct {
+            Some(d) => d.write_lent(lent, &self.file),
+            None => self.file.write_all_at(lent.as_ref(), lent.offset()),
+        }
+        .map_err(io_err("write", &self.tmp))
+    }
+
     fn is_direct(&self) -> bool {
         self.direct.is_some()
     }
 
     fn truncate(&self, len: u64) -> Result<()> {
         if let Some(d) = &self.direct {
-            // Its last window goes to the disk now if the cut completes it; the file itself is
-            // cut at commit.
+            // The file itself is cut at commit, once its pieces in flight are written.
             return d.truncate(len).map_err(io_err("truncate", &self.tmp));
         }
         // The file was allocated at its planned length when created.
@@ -304,7 +321,7 @@ impl Storage for LocalFs {
             return Err(io_err("allocate", &tmp)(e));
         }
         let direct = if self.direct_io {
-            DirectWrites::open(&tmp, &file, len, Arc::clone(&self.windows))
+            DirectWrites::open(&tmp, &file, len, Arc::clone(&self.buffers))
         } else {
             None
         };

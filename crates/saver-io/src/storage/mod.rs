@@ -27,6 +27,7 @@ use std::sync::Arc;
 
 use saver_core::plan::Spill;
 
+pub use direct::Lent;
 pub use faulty::{Fault, FaultyStorage};
 pub use local::LocalFs;
 pub use local::LocalLock;
@@ -187,6 +188,19 @@ pub fn create_location(location: &Path) -> Result<Arc<dyn Storage>> {
 pub trait WriteHandle: Send + Sync {
     /// Writes `buf` at `offset`. Callable from several threads at once on disjoint ranges.
     fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()>;
+    /// Memory for the `len` bytes at `offset`, where the file writes from memory of its own
+    /// (direct I/O needs it aligned): the caller fills it whole and gives it back with
+    /// [`WriteHandle::write_lent`], and the file writes from it without the copy that
+    /// [`WriteHandle::write_at`] would make. `None` (the default): the file writes from any
+    /// memory, so the caller uses its own and `write_at`.
+    fn lend(&self, _offset: u64, _len: usize) -> Result<Option<Lent>> {
+        Ok(None)
+    }
+    /// Writes memory that [`WriteHandle::lend`] gave, filled, at the offset it was lent for.
+    /// Callable from several threads at once on disjoint ranges, as `write_at`.
+    fn write_lent(&self, lent: Lent) -> Result<()> {
+        self.write_at(lent.offset(), lent.as_ref())
+    }
     /// Hints that `[offset, offset + len)` is final and may be written back now, so that the
     /// eventual durable commit has little left to flush. Default: nothing.
     fn start_writeback(&self, _offset: u64, _len: u64) {}

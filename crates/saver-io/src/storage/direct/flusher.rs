@@ -1,41 +1,42 @@
-//! Window buffers, and the threads that write full windows while the writer threads go on
-//! producing the next bytes.
+//! Page-aligned buffers, and the threads that write full pages of them while the writer threads
+//! go on producing the next bytes.
 //!
 //! A direct write blocks its caller until the device has the data. When the writer thread that
-//! completed a window wrote it too, a save alternated between gathering rows (CPU) and waiting for
-//! the disk, and took about the sum of the two; handing full windows to background threads lets
-//! them overlap. The windows waiting for those threads are bounded ([`QUEUED`]): when the disk is
-//! slower than the gather, writer threads wait for it instead of memory growing.
+//! gathered a piece wrote it too, a save alternated between gathering rows (CPU) and waiting for
+//! the disk, and took about the sum of the two; handing the pieces to background threads lets
+//! them overlap. The bytes handed over and not yet written are bounded ([`IN_FLIGHT`]): when the
+//! disk is slower than the gather, writer threads wait for it instead of memory growing.
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 use memmap2::MmapMut;
 
-/// Bytes per window: large enough for the disk to stream, small enough that the windows a save
-/// keeps open (one per tensor a writer thread is in, and the next) stay a few MiB. Half a MiB
-/// wrote as fast as 1 MiB in an A/B on criteo (docs/BENCHMARKS.md) for half the memory.
-pub(super) const WINDOW: u64 = 1 << 19;
-
-/// Alignment of offsets and lengths for `O_DIRECT` (the largest logical block size in common
-/// use). Window memory is page-aligned, being an anonymous mapping.
+/// Alignment of offsets, lengths and memory for `O_DIRECT` (the largest logical block size in
+/// common use, and the page size). Buffer memory is page-aligned, being an anonymous mapping.
 pub(super) const ALIGN: usize = 4096;
 
 /// Background writer threads. One already streams a local disk (a 512 KiB `O_DIRECT` write at
 /// a time ran at `dd`'s 8 MiB speed here); the second keeps the device busy while the first
-/// returns and takes the next window, and serves a second file at once on devices with more
+/// returns and takes the next piece, and serves a second file at once on devices with more
 /// queues.
 const WRITERS: usize = 2;
 
-/// Full windows that may wait for a background writer: 4 MiB. A writer thread completes a burst
-/// of windows as it hands over each chunk's pieces, and this lets it go on to gather the next
-/// chunk while the burst is written.
-const QUEUED: usize = 8;
+/// Bytes handed to the background writers and not yet written: about two writer threads'
+/// chunks (8 MiB each by default), so that each can hand over a chunk's pieces and gather the
+/// next while they are written. A piece larger than this is still taken when nothing else is in
+/// flight.
+pub(super) const IN_FLIGHT: usize = 16 << 20;
+
+/// Buffers are allocated in these steps, so that pieces of slightly different lengths (chunks
+/// of tables with other row widths) reuse each other's buffers.
+const STEP: usize = 256 << 10;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -47,7 +48,7 @@ fn replay(e: &io::Error) -> io::Error {
     io::Error::new(e.kind(), e.to_string())
 }
 
-/// One file written with direct I/O, and the state of its windows handed to the background.
+/// One file written with direct I/O, and the state of its pieces handed to the background.
 pub(super) struct DirectFile {
     /// Opened with `O_DIRECT`.
     direct: File,
@@ -59,7 +60,7 @@ pub(super) struct DirectFile {
 
 #[derive(Default)]
 struct Progress {
-    /// Windows handed over and not yet written.
+    /// Pieces handed over and not yet written.
     pending: usize,
     /// The first write that failed.
     error: Option<io::Error>,
@@ -85,13 +86,11 @@ impl DirectFile {
         }
     }
 
-    /// Writes `buf[..len]` at `offset`, padded to the alignment (the padding is cut off when the
-    /// file is finished).
-    fn write(&self, offset: u64, buf: &[u8], len: usize) -> io::Result<()> {
-        let padded = len.next_multiple_of(ALIGN);
-        match self.direct.write_all_at(&buf[..padded], offset) {
+    /// Writes `bytes` (aligned in memory, offset and length) at `offset`.
+    fn write(&self, offset: u64, bytes: &[u8]) -> io::Result<()> {
+        match self.direct.write_all_at(bytes, offset) {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                self.buffered.write_all_at(&buf[..len], offset)
+                self.buffered.write_all_at(bytes, offset)
             }
             other => other,
         }
@@ -106,13 +105,13 @@ impl DirectFile {
         self.settled.notify_all();
     }
 
-    /// Fails if a window of this file already failed to be written, so that a save stops at its
+    /// Fails if a piece of this file already failed to be written, so that a save stops at its
     /// next write rather than at commit.
     pub fn check(&self) -> io::Result<()> {
         lock(&self.progress).outcome()
     }
 
-    /// Waits until every window handed over is written; the first failure, if any.
+    /// Waits until every piece handed over is written; the first failure, if any.
     pub fn settle(&self) -> io::Result<()> {
         let mut progress = lock(&self.progress);
         while progress.pending > 0 {
@@ -125,17 +124,17 @@ impl DirectFile {
     }
 }
 
-/// A full window on its way to the disk.
+/// Whole pages of a buffer on their way to the disk.
 struct Job {
     file: Arc<DirectFile>,
     offset: u64,
     buf: MmapMut,
-    len: usize,
+    pages: Range<usize>,
 }
 
 impl Job {
     fn run(self, buffers: &Buffers) {
-        let result = self.file.write(self.offset, &self.buf, self.len);
+        let result = self.file.write(self.offset, &self.buf[self.pages.clone()]);
         buffers.give(self.buf);
         self.file.done(result);
     }
@@ -144,32 +143,75 @@ impl Job {
 #[derive(Debug, Default)]
 struct Buffers {
     free: Mutex<Vec<MmapMut>>,
-    /// Buffers ever allocated.
+    /// Bytes of every buffer allocated and not yet unmapped.
     allocated: AtomicUsize,
+    /// The most `allocated` ever was.
+    peak: AtomicUsize,
 }
 
 impl Buffers {
     fn give(&self, buf: MmapMut) {
         lock(&self.free).push(buf);
     }
+
+    /// A buffer of at least `len` bytes: the smallest free one that fits, or a new one. A new
+    /// one replaces the largest free buffer too small for it, so that the buffers kept are never
+    /// more than were in use at once.
+    fn take(&self, len: usize) -> io::Result<MmapMut> {
+        let outgrown = {
+            let mut free = lock(&self.free);
+            let fit = (0..free.len())
+                .filter(|&i| free[i].len() >= len)
+                .min_by_key(|&i| free[i].len());
+            if let Some(i) = fit {
+                return Ok(free.swap_remove(i));
+            }
+            let largest = (0..free.len()).max_by_key(|&i| free[i].len());
+            largest.map(|i| free.swap_remove(i))
+        };
+        if let Some(b) = outgrown {
+            self.allocated.fetch_sub(b.len(), Ordering::Relaxed);
+        }
+        // An anonymous mapping: page-aligned, as O_DIRECT needs, and returned to the system
+        // whole when dropped, unlike heap memory.
+        let buf = MmapMut::map_anon(len.max(1).next_multiple_of(STEP))?;
+        let now = self.allocated.fetch_add(buf.len(), Ordering::Relaxed) + buf.len();
+        self.peak.fetch_max(now, Ordering::Relaxed);
+        Ok(buf)
+    }
 }
 
-#[derive(Debug)]
+/// Jobs waiting for a background writer, and the bytes handed over and not yet written.
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    in_flight: usize,
+    closed: bool,
+}
+
+#[derive(Default)]
+struct Shared {
+    queue: Mutex<Queue>,
+    /// A job was queued, or the queue closed.
+    ready: Condvar,
+    /// A job was written: there may be room.
+    room: Condvar,
+}
+
 struct Flusher {
-    queue: SyncSender<Job>,
+    shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
 }
 
 impl Flusher {
     fn start(buffers: &Arc<Buffers>) -> io::Result<Self> {
-        let (queue, jobs) = sync_channel::<Job>(QUEUED);
-        let jobs = Arc::new(Mutex::new(jobs));
+        let shared = Arc::new(Shared::default());
         let mut threads = Vec::with_capacity(WRITERS);
         for _ in 0..WRITERS {
-            let (jobs, buffers) = (Arc::clone(&jobs), Arc::clone(buffers));
+            let (shared, buffers) = (Arc::clone(&shared), Arc::clone(buffers));
             let thread = std::thread::Builder::new()
                 .name("saver-direct-io".into())
-                .spawn(move || serve(&jobs, &buffers));
+                .spawn(move || serve(&shared, &buffers));
             match thread {
                 Ok(t) => threads.push(t),
                 // Fewer writers than asked still work; none at all is the caller's fallback.
@@ -177,94 +219,119 @@ impl Flusher {
                 Err(_) => break,
             }
         }
-        Ok(Self { queue, threads })
+        Ok(Self { shared, threads })
     }
 }
 
-fn serve(jobs: &Mutex<Receiver<Job>>, buffers: &Buffers) {
+fn serve(shared: &Shared, buffers: &Buffers) {
     loop {
-        // The lock is held while waiting, so one idle thread waits on the queue and the others
-        // on the lock: either way the next job goes to one of them.
-        let job = lock(jobs).recv();
-        match job {
-            Ok(job) => job.run(buffers),
-            Err(_) => return, // the pool is gone and the queue drained
-        }
+        let job = {
+            let mut queue = lock(&shared.queue);
+            loop {
+                if let Some(job) = queue.jobs.pop_front() {
+                    break job;
+                }
+                if queue.closed {
+                    return;
+                }
+                queue = shared
+                    .ready
+                    .wait(queue)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
+        };
+        let len = job.pages.len();
+        job.run(buffers);
+        lock(&shared.queue).in_flight -= len;
+        shared.room.notify_all();
     }
 }
 
-/// Window buffers and the background writers, shared by every file a storage writes: a save's
-/// window memory is the most it ever had in flight at once rather than one fresh buffer per
-/// window, and its threads are started by the first full window and stopped with the pool.
-#[derive(Debug, Default)]
-pub(in crate::storage) struct WindowPool {
+/// Buffers and the background writers, shared by every file a storage writes: a save's buffer
+/// memory is the most it ever had in use at once rather than one fresh buffer per piece, and
+/// its threads are started by the first piece handed over and stopped with the pool.
+#[derive(Default)]
+pub(in crate::storage) struct BufferPool {
     buffers: Arc<Buffers>,
     flusher: Mutex<Option<Flusher>>,
 }
 
-impl WindowPool {
-    /// A window buffer, reused if one is free.
-    pub(super) fn take(&self) -> io::Result<MmapMut> {
-        if let Some(buf) = lock(&self.buffers.free).pop() {
-            return Ok(buf);
-        }
-        // An anonymous mapping: page-aligned, as O_DIRECT needs, and returned to the system
-        // whole when the pool goes, unlike heap memory.
-        let buf = MmapMut::map_anon(WINDOW as usize)?;
-        self.buffers.allocated.fetch_add(1, Ordering::Relaxed);
-        Ok(buf)
+impl std::fmt::Debug for BufferPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BufferPool")
+            .field("buffers", &self.buffers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BufferPool {
+    /// A page-aligned buffer of at least `len` bytes, reused if one is free.
+    pub(super) fn take(&self, len: usize) -> io::Result<MmapMut> {
+        self.buffers.take(len)
     }
 
-    /// Has `buf[..len]` written at `offset` of `file` by a background thread, then reused.
-    /// Blocks while [`QUEUED`] windows are waiting. Where no thread can be started, writes here.
+    /// Takes back a buffer that was not handed over.
+    pub(super) fn give(&self, buf: MmapMut) {
+        self.buffers.give(buf);
+    }
+
+    /// Has `buf[pages]` (aligned) written at `offset` of `file` by a background thread, then
+    /// reused. Blocks while [`IN_FLIGHT`] bytes are handed over and not written. Where no thread
+    /// can be started, writes here.
     pub(super) fn write_behind(
         &self,
         file: &Arc<DirectFile>,
         offset: u64,
         buf: MmapMut,
-        len: usize,
+        pages: Range<usize>,
     ) {
+        debug_assert!(offset.is_multiple_of(ALIGN as u64) && pages.start.is_multiple_of(ALIGN));
+        debug_assert!(pages.len().is_multiple_of(ALIGN));
         lock(&file.progress).pending += 1;
         let job = Job {
             file: Arc::clone(file),
             offset,
             buf,
-            len,
+            pages,
         };
-        let queue = {
+        let shared = {
             let mut flusher = lock(&self.flusher);
             if flusher.is_none() {
                 *flusher = Flusher::start(&self.buffers).ok();
             }
-            flusher.as_ref().map(|f| f.queue.clone())
+            flusher.as_ref().map(|f| Arc::clone(&f.shared))
         };
-        match queue {
-            Some(queue) => {
-                if let Err(unsent) = queue.send(job) {
-                    unsent.0.run(&self.buffers);
-                }
-            }
-            None => job.run(&self.buffers),
+        let Some(shared) = shared else {
+            return job.run(&self.buffers);
+        };
+        let len = job.pages.len();
+        let mut queue = lock(&shared.queue);
+        while queue.in_flight > 0 && queue.in_flight + len > IN_FLIGHT {
+            queue = shared
+                .room
+                .wait(queue)
+                .unwrap_or_else(PoisonError::into_inner);
         }
+        queue.in_flight += len;
+        queue.jobs.push_back(job);
+        drop(queue);
+        shared.ready.notify_one();
     }
 
-    /// Buffers allocated so far: the most windows that were ever open or in flight at once.
+    /// The most bytes of buffers this pool ever held at once.
     #[cfg(test)]
-    pub fn allocated(&self) -> usize {
-        self.buffers.allocated.load(Ordering::Relaxed)
+    pub fn peak_bytes(&self) -> usize {
+        self.buffers.peak.load(Ordering::Relaxed)
     }
-
-    /// The most windows that can be handed over and not yet written.
-    #[cfg(test)]
-    pub const IN_FLIGHT: usize = QUEUED + WRITERS;
 }
 
-impl Drop for WindowPool {
+impl Drop for BufferPool {
     /// Lets the threads write what is queued, then joins them: no write of a file outlives the
     /// storage that made it.
     fn drop(&mut self) {
-        if let Some(Flusher { queue, threads }) = lock(&self.flusher).take() {
-            drop(queue);
+        if let Some(Flusher { shared, threads }) = lock(&self.flusher).take() {
+            lock(&shared.queue).closed = true;
+            shared.ready.notify_all();
             for t in threads {
                 let _ = t.join();
             }

@@ -1,43 +1,82 @@
-//! Direct I/O for [`super::LocalFs`]: positional writes of any size and offset, assembled into
-//! aligned windows that go to the disk with `O_DIRECT`, around the page cache.
+//! Direct I/O for [`super::LocalFs`]: positional writes of any size and offset, written with
+//! `O_DIRECT`, around the page cache, from page-aligned memory.
 //!
 //! A durable save has to get every byte to the disk anyway; through the page cache that costs a
 //! kernel copy per byte and a writeback before the fsync can return, and `benches/write_paths.rs`
 //! measured direct writes of the same data at half the time. `O_DIRECT` needs the offset, the
 //! length and the memory of every write aligned to the device's blocks, which a save's pieces
-//! (tensor rows at any offset) are not: each piece is copied into the window it falls in, and a
-//! window is written, whole and aligned, once every byte of it has arrived.
+//! (tensor rows at any offset) are not. So a piece is gathered into memory the file lends
+//! ([`DirectWrites::lend`]), placed at the same offset within a page as in the file:
+//! - the pages the piece covers whole go to the disk straight from that memory, written by the
+//!   pool's background threads (`flusher.rs`) while the writer threads go on producing bytes;
+//! - the parts of its first and last page that it shares with its neighbours (less than a page
+//!   at each end) go through the page cache, where the neighbours' parts join them, and the
+//!   commit's fsync writes them.
 //!
-//! Memory stays bounded: the save writer takes its chunks in file order, so the only windows
-//! being filled are those at each writer thread's position; a file's first window, which waits
-//! for the header until every tensor is written, goes through the page cache instead of being
-//! held; and window buffers are reused from a [`WindowPool`] rather than allocated per window.
-//! Complete windows are written by the pool's background threads (`flusher.rs`), so that the
-//! writer threads go on producing bytes while the disk writes.
-//! Callers must write every byte of the file exactly once: a window still unfilled at commit is
-//! an error, never a file with a hole.
+//! A piece given in the caller's memory ([`DirectWrites::write_at`]) is copied into lent memory
+//! first, or, under two pages, written through the page cache. An earlier design copied every
+//! piece into 512 KiB windows and wrote each window once complete: a second copy of every byte,
+//! a quarter of a save's CPU (docs/BENCHMARKS.md).
+//!
+//! Memory stays bounded: buffers are reused from a [`BufferPool`], and the bytes on their way to
+//! the disk are bounded, so that writer threads wait for the disk rather than memory growing.
+//! Callers must write every byte of the file exactly once: bytes never written are an error at
+//! commit, never a file with a hole.
 
 mod flusher;
 
-use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use memmap2::MmapMut;
 
-pub(super) use flusher::WindowPool;
-use flusher::{DirectFile, WINDOW};
+pub(super) use flusher::BufferPool;
+use flusher::{DirectFile, ALIGN};
 
-/// A window being filled.
-struct Window {
-    /// `None` once the window is complete and on its way to the disk.
-    buf: Option<MmapMut>,
-    /// Bytes of the window written so far.
-    filled: u64,
+/// Pieces shorter than this, given in the caller's memory, are written through the page cache:
+/// a copy into lent memory would send at most a page or two straight to the disk.
+const SMALL: usize = 2 * ALIGN;
+
+/// Memory a file written with direct I/O lends for bytes it is to be given: see
+/// [`crate::storage::WriteHandle::lend`].
+pub struct Lent {
+    buf: MmapMut,
+    /// Where the bytes start in `buf`: the file offset's place within its page.
+    start: usize,
+    len: usize,
+    offset: u64,
+}
+
+impl Lent {
+    /// The file offset the bytes are for.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl AsMut<[u8]> for Lent {
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl std::fmt::Debug for Lent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lent")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The direct-I/O side of one file being written.
@@ -45,15 +84,18 @@ pub(super) struct DirectWrites {
     file: Arc<DirectFile>,
     /// The file's final length: as planned, or as [`DirectWrites::truncate`] cut it.
     len: AtomicU64,
-    pool: Arc<WindowPool>,
-    open: Mutex<HashMap<u64, Arc<Mutex<Window>>>>,
+    /// Bytes given so far.
+    written: AtomicU64,
+    /// The end of the furthest bytes given.
+    end: AtomicU64,
+    pool: Arc<BufferPool>,
 }
 
 impl DirectWrites {
     /// Opens `path` (already created as `buffered`, of final length `len`) for direct writes;
     /// `None` where the filesystem does not support them (tmpfs, some network filesystems), so
     /// the caller writes through the page cache instead.
-    pub fn open(path: &Path, buffered: &File, len: u64, pool: Arc<WindowPool>) -> Option<Self> {
+    pub fn open(path: &Path, buffered: &File, len: u64, pool: Arc<BufferPool>) -> Option<Self> {
         let direct = OpenOptions::new()
             .write(true)
             .custom_flags(libc::O_DIRECT)
@@ -67,12 +109,13 @@ impl DirectWrites {
         ))
     }
 
-    fn with_files(direct: File, buffered: File, len: u64, pool: Arc<WindowPool>) -> Self {
+    fn with_files(direct: File, buffered: File, len: u64, pool: Arc<BufferPool>) -> Self {
         Self {
             file: Arc::new(DirectFile::new(direct, buffered)),
             len: AtomicU64::new(len),
+            written: AtomicU64::new(0),
+            end: AtomicU64::new(0),
             pool,
-            open: Mutex::new(HashMap::new()),
         }
     }
 
@@ -80,13 +123,31 @@ impl DirectWrites {
         self.len.load(Ordering::Acquire)
     }
 
-    fn window_len(&self, w: u64) -> u64 {
-        WINDOW.min(self.len() - w * WINDOW)
+    /// An error unless `len` bytes at `offset` lie within the file, and no earlier write of it
+    /// failed.
+    fn check(&self, offset: u64, len: usize) -> io::Result<()> {
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > self.len())
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "write of {len} bytes at {offset} past the planned length {}",
+                    self.len()
+                ),
+            ));
+        }
+        self.file.check()
     }
 
-    /// Ends the file at `len`, before any byte past it was written (a compressed save learns its
-    /// files' lengths only at their end): the window holding the new end, if now complete, goes
-    /// to the disk; windows past it must never have been opened.
+    fn given(&self, offset: u64, len: usize) {
+        self.written.fetch_add(len as u64, Ordering::AcqRel);
+        self.end.fetch_max(offset + len as u64, Ordering::AcqRel);
+    }
+
+    /// Ends the file at `len`, after its bytes up to `len` were given and none past it (a
+    /// compressed save learns its files' lengths only at their end).
     pub fn truncate(&self, len: u64) -> io::Result<()> {
         if len > self.len() {
             return Err(io::Error::new(
@@ -97,132 +158,88 @@ impl DirectWrites {
                 ),
             ));
         }
-        let last = len.div_ceil(WINDOW);
-        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(&w) = open.keys().find(|&&w| w >= last) {
+        let end = self.end.load(Ordering::Acquire);
+        if end > len {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                format!("bytes past {len} were written (window at {})", w * WINDOW),
+                format!("bytes past {len} were written (up to {end})"),
             ));
         }
         self.len.store(len, Ordering::Release);
-        // The new last window (the first one goes through the page cache, and is never open).
-        let Some(w) = last.checked_sub(1) else {
-            return Ok(());
-        };
-        let window_len = self.window_len(w);
-        let full = match open.get(&w) {
-            Some(win) => {
-                let mut win = win.lock().unwrap_or_else(PoisonError::into_inner);
-                if win.filled > window_len {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidInput,
-                        format!("bytes past {len} were written"),
-                    ));
-                }
-                (win.filled == window_len).then(|| win.buf.take()).flatten()
-            }
-            None => None,
-        };
-        if let Some(buf) = full {
-            open.remove(&w);
-            drop(open);
+        Ok(())
+    }
+
+    /// Page-aligned memory for the `len` bytes at `offset`, to fill and give back with
+    /// [`DirectWrites::write_lent`].
+    pub fn lend(&self, offset: u64, len: usize) -> io::Result<Lent> {
+        self.check(offset, len)?;
+        let start = offset as usize % ALIGN;
+        Ok(Lent {
+            buf: self.pool.take(start + len)?,
+            start,
+            len,
+            offset,
+        })
+    }
+
+    /// Writes memory [`DirectWrites::lend`] gave: the pages it covers whole by a background
+    /// thread, straight from it; the rest through `buffered`, the file without `O_DIRECT`.
+    /// Fails if an earlier piece of the file failed to be written.
+    pub fn write_lent(&self, lent: Lent, buffered: &File) -> io::Result<()> {
+        let Lent {
+            buf,
+            start,
+            len,
+            offset,
+        } = lent;
+        self.check(offset, len)?;
+        let bytes = &buf[start..start + len];
+        let end = offset + len as u64;
+        let first = offset.next_multiple_of(ALIGN as u64);
+        let last = end / ALIGN as u64 * ALIGN as u64;
+        if first >= last {
+            buffered.write_all_at(bytes, offset)?;
+            self.pool.give(buf);
+        } else {
+            let (head, tail) = ((first - offset) as usize, (last - offset) as usize);
+            buffered.write_all_at(&bytes[..head], offset)?;
+            buffered.write_all_at(&bytes[tail..], last)?;
             self.pool
-                .write_behind(&self.file, w * WINDOW, buf, window_len as usize);
+                .write_behind(&self.file, first, buf, start + head..start + tail);
         }
+        self.given(offset, len);
         Ok(())
     }
 
-    /// Copies `buf` into the windows it covers, handing each window it completes to the pool's
-    /// background writers. `buffered` is the file without `O_DIRECT`, for the first window. Fails
-    /// if an earlier window of the file failed to be written.
+    /// Writes `buf` at `offset`, from the caller's memory: copied into lent memory, or under two
+    /// pages through `buffered`. Fails if an earlier piece of the file failed to be written.
     pub fn write_at(&self, offset: u64, buf: &[u8], buffered: &File) -> io::Result<()> {
-        if offset + buf.len() as u64 > self.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "write of {} bytes at {offset} past the planned length {}",
-                    buf.len(),
-                    self.len()
-                ),
-            ));
+        if buf.len() < SMALL {
+            self.check(offset, buf.len())?;
+            buffered.write_all_at(buf, offset)?;
+            self.given(offset, buf.len());
+            return Ok(());
         }
-        self.file.check()?;
-        let mut at = offset;
-        let mut rest = buf;
-        if at < WINDOW {
-            // The first window waits for the header, written last: holding it would keep one
-            // buffer per file for the whole save.
-            let n = rest.len().min((WINDOW - at) as usize);
-            buffered.write_all_at(&rest[..n], at)?;
-            at += n as u64;
-            rest = &rest[n..];
-        }
-        while !rest.is_empty() {
-            let w = at / WINDOW;
-            let in_window = (at - w * WINDOW) as usize;
-            let window_len = self.window_len(w);
-            let n = rest.len().min(window_len as usize - in_window);
-            let window = {
-                let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-                match open.get(&w) {
-                    Some(win) => Arc::clone(win),
-                    None => {
-                        let win = Arc::new(Mutex::new(Window {
-                            buf: Some(self.pool.take()?),
-                            filled: 0,
-                        }));
-                        open.insert(w, Arc::clone(&win));
-                        win
-                    }
-                }
-            };
-            let full = {
-                let mut win = window.lock().unwrap_or_else(PoisonError::into_inner);
-                let Some(buf) = win.buf.as_mut() else {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidInput,
-                        format!("bytes {at}..{} written twice", at + n as u64),
-                    ));
-                };
-                buf[in_window..in_window + n].copy_from_slice(&rest[..n]);
-                win.filled += n as u64;
-                (win.filled >= window_len).then(|| win.buf.take()).flatten()
-            };
-            if let Some(buf) = full {
-                self.open
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .remove(&w);
-                self.pool
-                    .write_behind(&self.file, w * WINDOW, buf, window_len as usize);
-            }
-            at += n as u64;
-            rest = &rest[n..];
-        }
-        Ok(())
+        let mut lent = self.lend(offset, buf.len())?;
+        lent.as_mut().copy_from_slice(buf);
+        self.write_lent(lent, buffered)
     }
 
-    /// Waits for the file's windows to be written, checks every byte was, and cuts the last
-    /// window's padding off.
+    /// Waits for the file's pieces to be written, checks every byte was given once, and cuts
+    /// the file to its length if a truncate shortened it.
     pub fn finish(&self, buffered: &File) -> io::Result<()> {
         self.file.settle()?;
-        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((&w, window)) = open.iter().min_by_key(|(&w, _)| w) {
-            let filled = window.lock().unwrap_or_else(PoisonError::into_inner).filled;
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!(
-                    "{} of the bytes {}..{} were never written ({} incomplete windows in all)",
-                    self.window_len(w) - filled,
-                    w * WINDOW,
-                    w * WINDOW + self.window_len(w),
-                    open.len()
-                ),
-            ));
+        let (written, len) = (self.written.load(Ordering::Acquire), self.len());
+        if written != len {
+            let what = if written < len {
+                format!("{} of its {len} bytes were never written", len - written)
+            } else {
+                format!("{written} bytes were written for its {len}: some twice")
+            };
+            return Err(io::Error::new(io::ErrorKind::InvalidData, what));
         }
-        if buffered.metadata()?.len() != self.len() {
-            buffered.set_len(self.len())?;
+        if buffered.metadata()?.len() != len {
+            buffered.set_len(len)?;
         }
         Ok(())
     }
@@ -236,9 +253,11 @@ mod tests {
 
     use super::*;
 
+    const MIB: u64 = 1 << 20;
+
     /// A file of length `len` opened both ways, in a directory beside the sources rather than in
     /// /tmp, which may be a tmpfs without O_DIRECT.
-    fn open_file(len: u64, pool: &Arc<WindowPool>) -> (tempfile::TempDir, File, DirectWrites) {
+    fn open_file(len: u64, pool: &Arc<BufferPool>) -> (tempfile::TempDir, File, DirectWrites) {
         let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
         let path = dir.path().join("f");
         let buffered = OpenOptions::new()
@@ -258,15 +277,24 @@ mod tests {
         std::fs::read(dir.path().join("f")).unwrap()
     }
 
-    /// Writes `data` as pieces cut at `cuts`, shuffled by `seed`, from two threads, with window
-    /// buffers that already held another file's bytes.
+    /// Gives `bytes` at `offset` in memory the file lends, as the save writer does.
+    fn write_lending(direct: &DirectWrites, offset: u64, bytes: &[u8], buffered: &File) {
+        let mut lent = direct.lend(offset, bytes.len()).unwrap();
+        assert_eq!(lent.offset(), offset);
+        lent.as_mut().copy_from_slice(bytes);
+        direct.write_lent(lent, buffered).unwrap();
+    }
+
+    /// Writes `data` as pieces cut at `cuts`, shuffled by `seed`, from two threads, some in
+    /// lent memory and some in the caller's, with buffers that already held another file's
+    /// bytes.
     fn write_in_pieces(data: &[u8], cuts: &[usize], seed: u64) -> Vec<u8> {
-        let pool = Arc::new(WindowPool::default());
-        let stale = vec![0xA5; 3 * WINDOW as usize + 7];
+        let pool = Arc::new(BufferPool::default());
+        let stale = vec![0xA5; 3 * MIB as usize + 7];
         let (_d, buffered, direct) = open_file(stale.len() as u64, &pool);
-        for piece in stale.chunks(WINDOW as usize / 3) {
+        for piece in stale.chunks(MIB as usize / 3) {
             let at = piece.as_ptr() as usize - stale.as_ptr() as usize;
-            direct.write_at(at as u64, piece, &buffered).unwrap();
+            write_lending(&direct, at as u64, piece, &buffered);
         }
         direct.finish(&buffered).unwrap();
 
@@ -276,7 +304,7 @@ mod tests {
         bounds.sort_unstable();
         bounds.dedup();
         let mut pieces: Vec<(usize, usize)> = bounds.windows(2).map(|w| (w[0], w[1])).collect();
-        // A fixed shuffle, so that windows fill out of order.
+        // A fixed shuffle, so that pages shared by two pieces get their parts in either order.
         let mut x = seed | 1;
         for i in (1..pieces.len()).rev() {
             x ^= x << 13;
@@ -290,7 +318,11 @@ mod tests {
                 let (direct, buffered) = (&direct, &buffered);
                 s.spawn(move || {
                     for &(lo, hi) in half {
-                        direct.write_at(lo as u64, &data[lo..hi], buffered).unwrap();
+                        if (lo ^ seed as usize) & 1 == 0 {
+                            write_lending(direct, lo as u64, &data[lo..hi], buffered);
+                        } else {
+                            direct.write_at(lo as u64, &data[lo..hi], buffered).unwrap();
+                        }
                     }
                 });
             }
@@ -305,16 +337,9 @@ mod tests {
     /// past the planned length, is refused.
     #[test]
     fn a_file_cut_before_its_commit_reads_back_as_written() {
-        let pool = Arc::new(WindowPool::default());
-        let planned = 6 * WINDOW + 100;
-        for cut in [
-            100,
-            WINDOW,
-            WINDOW + 1,
-            2 * WINDOW,
-            3 * WINDOW + 4097,
-            6 * WINDOW + 99,
-        ] {
+        let pool = Arc::new(BufferPool::default());
+        let planned = 6 * MIB + 100;
+        for cut in [100, MIB, MIB + 1, 2 * MIB, 3 * MIB + 4097, 6 * MIB + 99] {
             let data: Vec<u8> = (0..cut).map(|i| (i * 7 % 251) as u8).collect();
             let (dir, buffered, direct) = open_file(planned, &pool);
             for piece in data.chunks(100_003) {
@@ -327,9 +352,9 @@ mod tests {
             assert!(read_back(&dir) == data, "cut at {cut}");
         }
         let (_dir, buffered, direct) = open_file(planned, &pool);
-        direct.write_at(2 * WINDOW, &[1; 10], &buffered).unwrap();
-        assert!(direct.truncate(WINDOW + 5).is_err());
-        assert!(direct.truncate(2 * WINDOW + 5).is_err());
+        direct.write_at(2 * MIB, &[1; 10], &buffered).unwrap();
+        assert!(direct.truncate(MIB + 5).is_err());
+        assert!(direct.truncate(2 * MIB + 5).is_err());
         assert!(direct.truncate(planned + 1).is_err());
     }
 
@@ -353,14 +378,16 @@ mod tests {
         let (_d, buffered, direct) = open_file(100, &Arc::default());
         let err = direct.write_at(90, &[1; 20], &buffered).unwrap_err();
         assert!(err.to_string().contains("past the planned length"), "{err}");
+        let err = direct.lend(90, 20).unwrap_err();
+        assert!(err.to_string().contains("past the planned length"), "{err}");
     }
 
     #[test]
     fn bytes_never_written_are_an_error_at_commit_not_a_hole() {
-        let len = 3 * WINDOW + 100;
+        let len = 3 * MIB + 100;
         let (_d, buffered, direct) = open_file(len, &Arc::default());
         let data = vec![7u8; len as usize];
-        let gap = 2 * WINDOW + 10..2 * WINDOW + 20;
+        let gap = 2 * MIB + 10..2 * MIB + 20;
         direct
             .write_at(0, &data[..gap.start as usize], &buffered)
             .unwrap();
@@ -368,18 +395,18 @@ mod tests {
             .write_at(gap.end, &data[gap.end as usize..], &buffered)
             .unwrap();
         let err = direct.finish(&buffered).unwrap_err().to_string();
-        let window = format!("{}..{}", 2 * WINDOW, 3 * WINDOW);
         assert!(
-            err.contains(&format!("10 of the bytes {window} were never written")),
+            err.contains(&format!("10 of its {len} bytes were never written")),
             "{err}"
         );
     }
 
-    /// The save writer's pattern: threads take fixed-size chunks in file order.
+    /// The save writer's pattern: threads take fixed-size chunks in file order; the buffers
+    /// are those in the threads' hands and in flight, whatever the file size.
     #[test]
-    fn writing_in_order_keeps_a_few_windows_whatever_the_file_size() {
-        let pool = Arc::new(WindowPool::default());
-        let len = 24 * WINDOW + 5;
+    fn writing_in_order_keeps_a_few_buffers_whatever_the_file_size() {
+        let pool = Arc::new(BufferPool::default());
+        let len = 48 * MIB + 5;
         let (dir, buffered, direct) = open_file(len, &pool);
         let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
         let chunk = 700_001;
@@ -392,18 +419,18 @@ mod tests {
                         break;
                     }
                     let hi = (lo + chunk).min(data.len());
-                    direct
-                        .write_at(lo as u64, &data[lo..hi], &buffered)
-                        .unwrap();
+                    write_lending(&direct, lo as u64, &data[lo..hi], &buffered);
                 });
             }
         });
         direct.finish(&buffered).unwrap();
         assert!(read_back(&dir) == data, "content differs");
+        // In flight, plus one in each writer's hands and one more each flusher may hold.
+        let bound = flusher::IN_FLIGHT + 4 * MIB as usize;
         assert!(
-            pool.allocated() <= 6 + WindowPool::IN_FLIGHT,
-            "{} window buffers for two writers",
-            pool.allocated()
+            pool.peak_bytes() <= bound,
+            "{} MiB of buffers for two writers",
+            pool.peak_bytes() >> 20
         );
     }
 
@@ -411,8 +438,8 @@ mod tests {
     /// write of the file and its commit; it is never lost with the thread that saw it.
     #[test]
     fn a_failed_background_write_fails_the_next_write_and_the_finish() {
-        let pool = Arc::new(WindowPool::default());
-        let len = 4 * WINDOW;
+        let pool = Arc::new(BufferPool::default());
+        let len = 4 * MIB;
         let (dir, buffered, _) = open_file(len, &pool);
         let read_only = OpenOptions::new()
             .read(true)
@@ -421,14 +448,13 @@ mod tests {
             .unwrap();
         let direct = DirectWrites::with_files(read_only, buffered.try_clone().unwrap(), len, pool);
         let data = vec![3u8; len as usize];
-        // The first window goes through the page cache; the second is the first written behind.
         direct
-            .write_at(0, &data[..2 * WINDOW as usize], &buffered)
+            .write_at(0, &data[..2 * MIB as usize], &buffered)
             .unwrap();
         let finished = direct.finish(&buffered);
-        let err = finished.expect_err("the window's write failed").to_string();
+        let err = finished.expect_err("the piece's write failed").to_string();
         assert!(err.contains("Bad file descriptor"), "{err}");
-        let again = direct.write_at(2 * WINDOW, &data[..WINDOW as usize], &buffered);
+        let again = direct.write_at(2 * MIB, &data[..MIB as usize], &buffered);
         assert!(again.is_err(), "a later write must not succeed");
     }
 }
