@@ -5,7 +5,7 @@
 //! direct I/O writes from its own page-aligned buffers), so they are copied once, from the table
 //! into the memory the disk reads; elsewhere into this thread's own reusable buffers.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crc32fast::Hasher;
@@ -73,8 +73,10 @@ pub(super) struct FileSink<'a> {
     files: &'a Files<'a>,
     /// The CRCs of the pieces this thread wrote.
     pub crcs: Vec<PieceCrc>,
-    /// Buffers of this thread's own, for pieces no file lends memory for.
-    spare: Vec<Vec<u8>>,
+    /// Buffers of this thread's own, for pieces no file lends memory for: taken from the front
+    /// and given back to the back, so that each slot of a chunk gets the buffer the same slot
+    /// had in the chunk before, already of its size.
+    spare: VecDeque<Vec<u8>>,
 }
 
 impl<'a> FileSink<'a> {
@@ -82,7 +84,7 @@ impl<'a> FileSink<'a> {
         Self {
             files,
             crcs: Vec::new(),
-            spare: Vec::new(),
+            spare: VecDeque::new(),
         }
     }
 
@@ -151,7 +153,7 @@ impl PieceSink for FileSink<'_> {
                 return Ok(PieceMemory::Lent(lent));
             }
         }
-        let mut own = self.spare.pop().unwrap_or_default();
+        let mut own = self.spare.pop_front().unwrap_or_default();
         own.resize(len, 0);
         Ok(PieceMemory::Own(own))
     }
@@ -169,7 +171,7 @@ impl PieceSink for FileSink<'_> {
             PieceMemory::Lent(lent) => self.place(shard, loc, offset).0.write_lent(lent),
             PieceMemory::Own(own) => {
                 let written = self.write(shard, loc, offset, &own);
-                self.spare.push(own);
+                self.spare.push_back(own);
                 written
             }
         }

@@ -123,7 +123,7 @@ struct LocalWrite {
 impl WriteHandle for LocalWrite {
     fn write_at(&self, offset: u64, buf: &[u8]) -> Result<()> {
         match &self.direct {
-            Some(d) => d.write_at(offset, buf, &self.file),
+            Some(d) => d.write_at(offset, buf),
             None => self.file.write_all_at(buf, offset),
         }
         .map_err(io_err("write", &self.tmp))
@@ -141,7 +141,7 @@ impl WriteHandle for LocalWrite {
 
     fn write_lent(&self, lent: Lent) -> Result<()> {
         match &self.direct {
-            Some(d) => d.write_lent(lent, &self.file),
+            Some(d) => d.write_lent(lent),
             None => self.file.write_all_at(lent.as_ref(), lent.offset()),
         }
         .map_err(io_err("write", &self.tmp))

@@ -38,6 +38,12 @@ pub(super) const IN_FLIGHT: usize = 16 << 20;
 /// of tables with other row widths) reuse each other's buffers.
 const STEP: usize = 256 << 10;
 
+/// Bytes of free buffers kept for reuse; past it the oldest are unmapped. The pieces of a save
+/// come in a few lengths (a chunk's slots, its ids), which the buffers in use and in flight
+/// already have; the free ones are those between a background write and the next loan, and the
+/// odd lengths of segments' last chunks.
+const FREE: usize = 16 << 20;
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -124,25 +130,48 @@ impl DirectFile {
     }
 }
 
+/// Memory whose whole pages go to the disk.
+pub(super) enum Memory {
+    /// A pool buffer that was lent for a piece: back to the pool once written.
+    Pooled(MmapMut),
+    /// A page assembled from the ends of neighbouring pieces, in heap memory (its pages range
+    /// is the aligned page within it).
+    Page(Vec<u8>),
+}
+
+impl Memory {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Memory::Pooled(m) => m,
+            Memory::Page(v) => v,
+        }
+    }
+}
+
 /// Whole pages of a buffer on their way to the disk.
 struct Job {
     file: Arc<DirectFile>,
     offset: u64,
-    buf: MmapMut,
+    buf: Memory,
     pages: Range<usize>,
 }
 
 impl Job {
     fn run(self, buffers: &Buffers) {
-        let result = self.file.write(self.offset, &self.buf[self.pages.clone()]);
-        buffers.give(self.buf);
+        let result = self
+            .file
+            .write(self.offset, &self.buf.bytes()[self.pages.clone()]);
+        if let Memory::Pooled(m) = self.buf {
+            buffers.give(m);
+        }
         self.file.done(result);
     }
 }
 
 #[derive(Debug, Default)]
 struct Buffers {
-    free: Mutex<Vec<MmapMut>>,
+    /// Oldest first.
+    free: Mutex<VecDeque<MmapMut>>,
     /// Bytes of every buffer allocated and not yet unmapped.
     allocated: AtomicUsize,
     /// The most `allocated` ever was.
@@ -150,31 +179,42 @@ struct Buffers {
 }
 
 impl Buffers {
+    /// Keeps `buf` for reuse, unmapping the oldest free buffers past [`FREE`] bytes.
     fn give(&self, buf: MmapMut) {
-        lock(&self.free).push(buf);
+        let dropped: Vec<MmapMut> = {
+            let mut free = lock(&self.free);
+            free.push_back(buf);
+            let mut kept: usize = free.iter().map(|b| b.len()).sum();
+            let mut dropped = Vec::new();
+            while kept > FREE {
+                let Some(b) = free.pop_front() else { break };
+                kept -= b.len();
+                dropped.push(b);
+            }
+            dropped
+        };
+        for b in dropped {
+            self.allocated.fetch_sub(b.len(), Ordering::Relaxed);
+        }
     }
 
-    /// A buffer of at least `len` bytes: the smallest free one that fits, or a new one. A new
-    /// one replaces the largest free buffer too small for it, so that the buffers kept are never
-    /// more than were in use at once.
+    /// A buffer of at least `len` bytes: the smallest free one that fits without wasting more
+    /// than a quarter of it (a chunk's ids must not take the buffer its slots will want), or a
+    /// new one.
     fn take(&self, len: usize) -> io::Result<MmapMut> {
-        let outgrown = {
+        let want = len.max(1).next_multiple_of(STEP);
+        {
             let mut free = lock(&self.free);
             let fit = (0..free.len())
-                .filter(|&i| free[i].len() >= len)
+                .filter(|&i| (want..=want + want / 4).contains(&free[i].len()))
                 .min_by_key(|&i| free[i].len());
-            if let Some(i) = fit {
-                return Ok(free.swap_remove(i));
+            if let Some(b) = fit.and_then(|i| free.remove(i)) {
+                return Ok(b);
             }
-            let largest = (0..free.len()).max_by_key(|&i| free[i].len());
-            largest.map(|i| free.swap_remove(i))
-        };
-        if let Some(b) = outgrown {
-            self.allocated.fetch_sub(b.len(), Ordering::Relaxed);
         }
         // An anonymous mapping: page-aligned, as O_DIRECT needs, and returned to the system
         // whole when dropped, unlike heap memory.
-        let buf = MmapMut::map_anon(len.max(1).next_multiple_of(STEP))?;
+        let buf = MmapMut::map_anon(want)?;
         let now = self.allocated.fetch_add(buf.len(), Ordering::Relaxed) + buf.len();
         self.peak.fetch_max(now, Ordering::Relaxed);
         Ok(buf)
@@ -282,10 +322,11 @@ impl BufferPool {
         &self,
         file: &Arc<DirectFile>,
         offset: u64,
-        buf: MmapMut,
+        buf: Memory,
         pages: Range<usize>,
     ) {
-        debug_assert!(offset.is_multiple_of(ALIGN as u64) && pages.start.is_multiple_of(ALIGN));
+        debug_assert!(offset.is_multiple_of(ALIGN as u64));
+        debug_assert!((buf.bytes().as_ptr() as usize + pages.start).is_multiple_of(ALIGN));
         debug_assert!(pages.len().is_multiple_of(ALIGN));
         lock(&file.progress).pending += 1;
         let job = Job {

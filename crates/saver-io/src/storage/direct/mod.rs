@@ -10,13 +10,15 @@
 //! - the pages the piece covers whole go to the disk straight from that memory, written by the
 //!   pool's background threads (`flusher.rs`) while the writer threads go on producing bytes;
 //! - the parts of its first and last page that it shares with its neighbours (less than a page
-//!   at each end) go through the page cache, where the neighbours' parts join them, and the
-//!   commit's fsync writes them.
+//!   at each end) are copied into that page's buffer, where the neighbours' parts join them,
+//!   and the page goes to the disk once whole.
 //!
 //! A piece given in the caller's memory ([`DirectWrites::write_at`]) is copied into lent memory
-//! first, or, under two pages, written through the page cache. An earlier design copied every
-//! piece into 512 KiB windows and wrote each window once complete: a second copy of every byte,
-//! a quarter of a save's CPU (docs/BENCHMARKS.md).
+//! first, or, under two pages, into the buffers of the pages it touches. An earlier design
+//! copied every piece into 512 KiB windows and wrote each window once complete: a second copy of
+//! every byte, a quarter of a save's CPU (docs/BENCHMARKS.md). Writing the shared pages through
+//! the page cache instead was tried and is slower: a buffered write takes the inode's lock
+//! exclusively, so the writer thread waited for the direct writes in flight.
 //!
 //! Memory stays bounded: buffers are reused from a [`BufferPool`], and the bytes on their way to
 //! the disk are bounded, so that writer threads wait for the disk rather than memory growing.
@@ -25,21 +27,32 @@
 
 mod flusher;
 
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use memmap2::MmapMut;
 
 pub(super) use flusher::BufferPool;
-use flusher::{DirectFile, ALIGN};
+use flusher::{DirectFile, Memory, ALIGN};
 
-/// Pieces shorter than this, given in the caller's memory, are written through the page cache:
-/// a copy into lent memory would send at most a page or two straight to the disk.
+/// Pieces shorter than this, given in the caller's memory, go into the buffers of the pages
+/// they touch: a copy into lent memory would send at most a page or two straight to the disk.
 const SMALL: usize = 2 * ALIGN;
+
+/// A page of the file that pieces share, being assembled.
+struct SharedPage {
+    /// Twice a page, so that an aligned page lies within it.
+    mem: Vec<u8>,
+    /// Where the aligned page starts in `mem`.
+    at: usize,
+    /// Bytes of the page given so far.
+    filled: usize,
+}
 
 /// Memory a file written with direct I/O lends for bytes it is to be given: see
 /// [`crate::storage::WriteHandle::lend`].
@@ -88,6 +101,8 @@ pub(super) struct DirectWrites {
     written: AtomicU64,
     /// The end of the furthest bytes given.
     end: AtomicU64,
+    /// Pages that pieces share, by page number, until each is whole.
+    shared: Mutex<HashMap<u64, SharedPage>>,
     pool: Arc<BufferPool>,
 }
 
@@ -115,8 +130,60 @@ impl DirectWrites {
             len: AtomicU64::new(len),
             written: AtomicU64::new(0),
             end: AtomicU64::new(0),
+            shared: Mutex::default(),
             pool,
         }
+    }
+
+    /// Bytes of page `page` within the file: a whole page, or the file's last bytes.
+    fn page_len(&self, page: u64) -> usize {
+        let start = page * ALIGN as u64;
+        self.len().saturating_sub(start).min(ALIGN as u64) as usize
+    }
+
+    /// Copies `bytes` into page `page` from `in_page` on, and has the page written once all its
+    /// bytes have come (the last page of the file padded: [`DirectWrites::finish`] cuts it).
+    fn share(&self, page: u64, in_page: usize, bytes: &[u8]) -> io::Result<()> {
+        let page_len = self.page_len(page);
+        let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+        let p = shared.entry(page).or_insert_with(|| {
+            let mem = vec![0; 2 * ALIGN];
+            let at = mem.as_ptr().align_offset(ALIGN);
+            SharedPage { mem, at, filled: 0 }
+        });
+        p.mem[p.at + in_page..p.at + in_page + bytes.len()].copy_from_slice(bytes);
+        p.filled += bytes.len();
+        if p.filled > page_len {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("bytes of page {page} were written twice"),
+            ));
+        }
+        if p.filled < page_len {
+            return Ok(());
+        }
+        let p = shared.remove(&page).expect("just found");
+        drop(shared);
+        self.pool.write_behind(
+            &self.file,
+            page * ALIGN as u64,
+            Memory::Page(p.mem),
+            p.at..p.at + ALIGN,
+        );
+        Ok(())
+    }
+
+    /// [`DirectWrites::share`]s `bytes`, at `offset`, page by page.
+    fn share_all(&self, offset: u64, bytes: &[u8]) -> io::Result<()> {
+        let mut at = 0;
+        while at < bytes.len() {
+            let off = offset + at as u64;
+            let in_page = off as usize % ALIGN;
+            let n = (ALIGN - in_page).min(bytes.len() - at);
+            self.share(off / ALIGN as u64, in_page, &bytes[at..at + n])?;
+            at += n;
+        }
+        Ok(())
     }
 
     fn len(&self) -> u64 {
@@ -166,6 +233,10 @@ impl DirectWrites {
             ));
         }
         self.len.store(len, Ordering::Release);
+        // The page holding the new end may be whole now.
+        if !len.is_multiple_of(ALIGN as u64) {
+            self.share(len / ALIGN as u64, 0, &[])?;
+        }
         Ok(())
     }
 
@@ -183,9 +254,9 @@ impl DirectWrites {
     }
 
     /// Writes memory [`DirectWrites::lend`] gave: the pages it covers whole by a background
-    /// thread, straight from it; the rest through `buffered`, the file without `O_DIRECT`.
-    /// Fails if an earlier piece of the file failed to be written.
-    pub fn write_lent(&self, lent: Lent, buffered: &File) -> io::Result<()> {
+    /// thread, straight from it; its ends into the pages it shares with its neighbours. Fails if
+    /// an earlier piece of the file failed to be written.
+    pub fn write_lent(&self, lent: Lent) -> io::Result<()> {
         let Lent {
             buf,
             start,
@@ -193,42 +264,58 @@ impl DirectWrites {
             offset,
         } = lent;
         self.check(offset, len)?;
+        self.given(offset, len);
         let bytes = &buf[start..start + len];
         let end = offset + len as u64;
-        let first = offset.next_multiple_of(ALIGN as u64);
-        let last = end / ALIGN as u64 * ALIGN as u64;
-        if first >= last {
-            buffered.write_all_at(bytes, offset)?;
-            self.pool.give(buf);
-        } else {
-            let (head, tail) = ((first - offset) as usize, (last - offset) as usize);
-            buffered.write_all_at(&bytes[..head], offset)?;
-            buffered.write_all_at(&bytes[tail..], last)?;
+        // The first and the last page boundary within the piece.
+        let first = offset.next_multiple_of(ALIGN as u64).min(end);
+        let last = (end / ALIGN as u64 * ALIGN as u64).max(first);
+        let (head, tail) = ((first - offset) as usize, (last - offset) as usize);
+        self.share_all(offset, &bytes[..head])?;
+        self.share_all(last, &bytes[tail..])?;
+        if first < last {
+            let pages = start + head..start + tail;
             self.pool
-                .write_behind(&self.file, first, buf, start + head..start + tail);
+                .write_behind(&self.file, first, Memory::Pooled(buf), pages);
+        } else {
+            self.pool.give(buf);
         }
-        self.given(offset, len);
         Ok(())
     }
 
     /// Writes `buf` at `offset`, from the caller's memory: copied into lent memory, or under two
-    /// pages through `buffered`. Fails if an earlier piece of the file failed to be written.
-    pub fn write_at(&self, offset: u64, buf: &[u8], buffered: &File) -> io::Result<()> {
+    /// pages into the pages it touches. Fails if an earlier piece of the file failed to be
+    /// written.
+    pub fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
         if buf.len() < SMALL {
             self.check(offset, buf.len())?;
-            buffered.write_all_at(buf, offset)?;
             self.given(offset, buf.len());
-            return Ok(());
+            return self.share_all(offset, buf);
         }
         let mut lent = self.lend(offset, buf.len())?;
         lent.as_mut().copy_from_slice(buf);
-        self.write_lent(lent, buffered)
+        self.write_lent(lent)
     }
 
     /// Waits for the file's pieces to be written, checks every byte was given once, and cuts
-    /// the file to its length if a truncate shortened it.
+    /// the file to its length (the last page was written padded, or a truncate shortened it).
     pub fn finish(&self, buffered: &File) -> io::Result<()> {
         self.file.settle()?;
+        {
+            let shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some((&page, p)) = shared.iter().min_by_key(|(&page, _)| page) {
+                let from = page * ALIGN as u64;
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{} of the bytes {from}..{} were never written ({} incomplete pages in all)",
+                        self.page_len(page) - p.filled,
+                        from + self.page_len(page) as u64,
+                        shared.len()
+                    ),
+                ));
+            }
+        }
         let (written, len) = (self.written.load(Ordering::Acquire), self.len());
         if written != len {
             let what = if written < len {
@@ -278,11 +365,11 @@ mod tests {
     }
 
     /// Gives `bytes` at `offset` in memory the file lends, as the save writer does.
-    fn write_lending(direct: &DirectWrites, offset: u64, bytes: &[u8], buffered: &File) {
+    fn write_lending(direct: &DirectWrites, offset: u64, bytes: &[u8]) {
         let mut lent = direct.lend(offset, bytes.len()).unwrap();
         assert_eq!(lent.offset(), offset);
         lent.as_mut().copy_from_slice(bytes);
-        direct.write_lent(lent, buffered).unwrap();
+        direct.write_lent(lent).unwrap();
     }
 
     /// Writes `data` as pieces cut at `cuts`, shuffled by `seed`, from two threads, some in
@@ -294,7 +381,7 @@ mod tests {
         let (_d, buffered, direct) = open_file(stale.len() as u64, &pool);
         for piece in stale.chunks(MIB as usize / 3) {
             let at = piece.as_ptr() as usize - stale.as_ptr() as usize;
-            write_lending(&direct, at as u64, piece, &buffered);
+            write_lending(&direct, at as u64, piece);
         }
         direct.finish(&buffered).unwrap();
 
@@ -315,13 +402,13 @@ mod tests {
         let (a, b) = pieces.split_at(pieces.len() / 2);
         std::thread::scope(|s| {
             for half in [a, b] {
-                let (direct, buffered) = (&direct, &buffered);
+                let direct = &direct;
                 s.spawn(move || {
                     for &(lo, hi) in half {
                         if (lo ^ seed as usize) & 1 == 0 {
-                            write_lending(direct, lo as u64, &data[lo..hi], buffered);
+                            write_lending(direct, lo as u64, &data[lo..hi]);
                         } else {
-                            direct.write_at(lo as u64, &data[lo..hi], buffered).unwrap();
+                            direct.write_at(lo as u64, &data[lo..hi]).unwrap();
                         }
                     }
                 });
@@ -344,15 +431,15 @@ mod tests {
             let (dir, buffered, direct) = open_file(planned, &pool);
             for piece in data.chunks(100_003) {
                 let at = piece.as_ptr() as usize - data.as_ptr() as usize;
-                direct.write_at(at as u64, piece, &buffered).unwrap();
+                direct.write_at(at as u64, piece).unwrap();
             }
             direct.truncate(cut).unwrap();
             direct.finish(&buffered).unwrap();
             drop(direct);
             assert!(read_back(&dir) == data, "cut at {cut}");
         }
-        let (_dir, buffered, direct) = open_file(planned, &pool);
-        direct.write_at(2 * MIB, &[1; 10], &buffered).unwrap();
+        let (_dir, _buffered, direct) = open_file(planned, &pool);
+        direct.write_at(2 * MIB, &[1; 10]).unwrap();
         assert!(direct.truncate(MIB + 5).is_err());
         assert!(direct.truncate(2 * MIB + 5).is_err());
         assert!(direct.truncate(planned + 1).is_err());
@@ -375,8 +462,8 @@ mod tests {
 
     #[test]
     fn a_write_past_the_planned_length_is_refused() {
-        let (_d, buffered, direct) = open_file(100, &Arc::default());
-        let err = direct.write_at(90, &[1; 20], &buffered).unwrap_err();
+        let (_d, _buffered, direct) = open_file(100, &Arc::default());
+        let err = direct.write_at(90, &[1; 20]).unwrap_err();
         assert!(err.to_string().contains("past the planned length"), "{err}");
         let err = direct.lend(90, 20).unwrap_err();
         assert!(err.to_string().contains("past the planned length"), "{err}");
@@ -388,15 +475,15 @@ mod tests {
         let (_d, buffered, direct) = open_file(len, &Arc::default());
         let data = vec![7u8; len as usize];
         let gap = 2 * MIB + 10..2 * MIB + 20;
-        direct
-            .write_at(0, &data[..gap.start as usize], &buffered)
-            .unwrap();
-        direct
-            .write_at(gap.end, &data[gap.end as usize..], &buffered)
-            .unwrap();
+        direct.write_at(0, &data[..gap.start as usize]).unwrap();
+        direct.write_at(gap.end, &data[gap.end as usize..]).unwrap();
         let err = direct.finish(&buffered).unwrap_err().to_string();
         assert!(
-            err.contains(&format!("10 of its {len} bytes were never written")),
+            err.contains(&format!(
+                "10 of the bytes {}..{} were never written",
+                2 * MIB,
+                2 * MIB + ALIGN as u64
+            )),
             "{err}"
         );
     }
@@ -419,7 +506,7 @@ mod tests {
                         break;
                     }
                     let hi = (lo + chunk).min(data.len());
-                    write_lending(&direct, lo as u64, &data[lo..hi], &buffered);
+                    write_lending(&direct, lo as u64, &data[lo..hi]);
                 });
             }
         });
@@ -448,13 +535,11 @@ mod tests {
             .unwrap();
         let direct = DirectWrites::with_files(read_only, buffered.try_clone().unwrap(), len, pool);
         let data = vec![3u8; len as usize];
-        direct
-            .write_at(0, &data[..2 * MIB as usize], &buffered)
-            .unwrap();
+        direct.write_at(0, &data[..2 * MIB as usize]).unwrap();
         let finished = direct.finish(&buffered);
         let err = finished.expect_err("the piece's write failed").to_string();
         assert!(err.contains("Bad file descriptor"), "{err}");
-        let again = direct.write_at(2 * MIB, &data[..MIB as usize], &buffered);
+        let again = direct.write_at(2 * MIB, &data[..MIB as usize]);
         assert!(again.is_err(), "a later write must not succeed");
     }
 }
