@@ -22,11 +22,19 @@ use memmap2::MmapMut;
 /// common use, and the page size). Buffer memory is page-aligned, being an anonymous mapping.
 pub(super) const ALIGN: usize = 4096;
 
-/// Background writer threads. One already streams a local disk (a 512 KiB `O_DIRECT` write at
-/// a time ran at `dd`'s 8 MiB speed here); the second keeps the device busy while the first
-/// returns and takes the next piece, and serves a second file at once on devices with more
-/// queues.
-const WRITERS: usize = 2;
+/// Background writer threads. This disk wrote faster the more writes it had queued: with two
+/// threads, a save whose four writer threads wrote four files at once took 0.85-0.91 s for 1 GiB,
+/// with four 0.71 s, as fast as with the 512 KiB windows of the design before (`saver save
+/// --direct-io --parallel 4`, tables=8,rows=250045,dim=64; docs/BENCHMARKS.md). The threads
+/// sleep in the disk's writes, so more of them cost little CPU.
+const WRITERS: usize = 4;
+
+/// The most bytes one background write sends. A piece's pages are cut into writes of this
+/// size, so that the two writers write neighbouring parts of one piece rather than two pieces
+/// far apart: handing each writer a whole piece (4 MiB of a tensor of one file, and the next
+/// writer 4 MiB of another file) made the disk slower by a tenth to a fifth here with two writer
+/// threads (docs/BENCHMARKS.md).
+const PART: usize = 512 << 10;
 
 /// Bytes handed to the background writers and not yet written: about two writer threads'
 /// chunks (8 MiB each by default), so that each can hand over a chunk's pieces and gather the
@@ -132,8 +140,9 @@ impl DirectFile {
 
 /// Memory whose whole pages go to the disk.
 pub(super) enum Memory {
-    /// A pool buffer that was lent for a piece: back to the pool once written.
-    Pooled(MmapMut),
+    /// A pool buffer that was lent for a piece, shared by the writes its pages are cut into:
+    /// back to the pool once the last is written.
+    Pooled(Arc<MmapMut>),
     /// A page assembled from the ends of neighbouring pieces, in heap memory (its pages range
     /// is the aligned page within it).
     Page(Vec<u8>),
@@ -142,7 +151,7 @@ pub(super) enum Memory {
 impl Memory {
     fn bytes(&self) -> &[u8] {
         match self {
-            Memory::Pooled(m) => m,
+            Memory::Pooled(m) => &m[..],
             Memory::Page(v) => v,
         }
     }
@@ -154,17 +163,29 @@ struct Job {
     offset: u64,
     buf: Memory,
     pages: Range<usize>,
+    /// Bytes of the whole write this job is a part of: in flight until its last part is done.
+    whole: usize,
 }
 
 impl Job {
-    fn run(self, buffers: &Buffers) {
+    /// Writes the job's pages; true if its memory is done with (the last of the writes it was
+    /// cut into).
+    fn run(self, buffers: &Buffers) -> bool {
         let result = self
             .file
             .write(self.offset, &self.buf.bytes()[self.pages.clone()]);
-        if let Memory::Pooled(m) = self.buf {
-            buffers.give(m);
-        }
+        let last = match self.buf {
+            Memory::Pooled(m) => match Arc::try_unwrap(m) {
+                Ok(m) => {
+                    buffers.give(m);
+                    true
+                }
+                Err(_) => false,
+            },
+            Memory::Page(_) => true,
+        };
         self.file.done(result);
+        last
     }
 }
 
@@ -280,10 +301,11 @@ fn serve(shared: &Shared, buffers: &Buffers) {
                     .unwrap_or_else(PoisonError::into_inner);
             }
         };
-        let len = job.pages.len();
-        job.run(buffers);
-        lock(&shared.queue).in_flight -= len;
-        shared.room.notify_all();
+        let whole = job.whole;
+        if job.run(buffers) {
+            lock(&shared.queue).in_flight -= whole;
+            shared.room.notify_all();
+        }
     }
 }
 
@@ -315,9 +337,9 @@ impl BufferPool {
         self.buffers.give(buf);
     }
 
-    /// Has `buf[pages]` (aligned) written at `offset` of `file` by a background thread, then
-    /// reused. Blocks while [`IN_FLIGHT`] bytes are handed over and not written. Where no thread
-    /// can be started, writes here.
+    /// Has `buf[pages]` (aligned) written at `offset` of `file` by the background threads, in
+    /// writes of at most [`PART`], then reused. Blocks while [`IN_FLIGHT`] bytes are handed over
+    /// and not written. Where no thread can be started, writes here.
     pub(super) fn write_behind(
         &self,
         file: &Arc<DirectFile>,
@@ -328,13 +350,6 @@ impl BufferPool {
         debug_assert!(offset.is_multiple_of(ALIGN as u64));
         debug_assert!((buf.bytes().as_ptr() as usize + pages.start).is_multiple_of(ALIGN));
         debug_assert!(pages.len().is_multiple_of(ALIGN));
-        lock(&file.progress).pending += 1;
-        let job = Job {
-            file: Arc::clone(file),
-            offset,
-            buf,
-            pages,
-        };
         let shared = {
             let mut flusher = lock(&self.flusher);
             if flusher.is_none() {
@@ -342,21 +357,53 @@ impl BufferPool {
             }
             flusher.as_ref().map(|f| Arc::clone(&f.shared))
         };
+        let mut parts = Vec::new();
+        let mut at = pages.start;
+        while at < pages.end {
+            let end = (at + PART).min(pages.end);
+            parts.push(at..end);
+            at = end;
+        }
+        let last = parts.len().saturating_sub(1);
+        let mut buf = Some(buf);
+        let whole = pages.len();
+        let jobs: Vec<Job> = parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, part)| {
+                // The last part takes `buf` itself; a page's heap memory is one page, never cut.
+                let mem = match (i == last, &buf) {
+                    (false, Some(Memory::Pooled(m))) => Memory::Pooled(Arc::clone(m)),
+                    _ => buf.take().expect("only the last part takes the buffer"),
+                };
+                Job {
+                    file: Arc::clone(file),
+                    offset: offset + (part.start - pages.start) as u64,
+                    buf: mem,
+                    pages: part,
+                    whole,
+                }
+            })
+            .collect();
+        lock(&file.progress).pending += jobs.len();
         let Some(shared) = shared else {
-            return job.run(&self.buffers);
+            for job in jobs {
+                job.run(&self.buffers);
+            }
+            return;
         };
-        let len = job.pages.len();
+        // The whole write is admitted at once: its buffer is held until its last part is done.
         let mut queue = lock(&shared.queue);
-        while queue.in_flight > 0 && queue.in_flight + len > IN_FLIGHT {
+        while queue.in_flight > 0 && queue.in_flight + whole > IN_FLIGHT {
             queue = shared
                 .room
                 .wait(queue)
                 .unwrap_or_else(PoisonError::into_inner);
         }
-        queue.in_flight += len;
-        queue.jobs.push_back(job);
+        queue.in_flight += whole;
+        queue.jobs.extend(jobs);
         drop(queue);
-        shared.ready.notify_one();
+        shared.ready.notify_all();
     }
 
     /// The most bytes of buffers this pool ever held at once.

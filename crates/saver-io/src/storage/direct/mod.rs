@@ -141,9 +141,10 @@ impl DirectWrites {
         self.len().saturating_sub(start).min(ALIGN as u64) as usize
     }
 
-    /// Copies `bytes` into page `page` from `in_page` on, and has the page written once all its
-    /// bytes have come (the last page of the file padded: [`DirectWrites::finish`] cuts it).
-    fn share(&self, page: u64, in_page: usize, bytes: &[u8]) -> io::Result<()> {
+    /// Copies `bytes` into page `page` from `in_page` on: the page, once all its bytes have come,
+    /// for the caller to write (the last page of the file padded with zeros:
+    /// [`DirectWrites::finish`] cuts it).
+    fn share(&self, page: u64, in_page: usize, bytes: &[u8]) -> io::Result<Option<SharedPage>> {
         let page_len = self.page_len(page);
         let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
         let p = shared.entry(page).or_insert_with(|| {
@@ -160,27 +161,33 @@ impl DirectWrites {
             ));
         }
         if p.filled < page_len {
-            return Ok(());
+            return Ok(None);
         }
-        let p = shared.remove(&page).expect("just found");
-        drop(shared);
+        Ok(shared.remove(&page))
+    }
+
+    /// Has a whole shared page written by itself.
+    fn write_page(&self, page: u64, p: SharedPage) {
         self.pool.write_behind(
             &self.file,
             page * ALIGN as u64,
             Memory::Page(p.mem),
             p.at..p.at + ALIGN,
         );
-        Ok(())
     }
 
-    /// [`DirectWrites::share`]s `bytes`, at `offset`, page by page.
+    /// [`DirectWrites::share`]s `bytes`, at `offset`, page by page, writing the pages they make
+    /// whole.
     fn share_all(&self, offset: u64, bytes: &[u8]) -> io::Result<()> {
         let mut at = 0;
         while at < bytes.len() {
             let off = offset + at as u64;
             let in_page = off as usize % ALIGN;
             let n = (ALIGN - in_page).min(bytes.len() - at);
-            self.share(off / ALIGN as u64, in_page, &bytes[at..at + n])?;
+            let page = off / ALIGN as u64;
+            if let Some(p) = self.share(page, in_page, &bytes[at..at + n])? {
+                self.write_page(page, p);
+            }
             at += n;
         }
         Ok(())
@@ -234,8 +241,11 @@ impl DirectWrites {
         }
         self.len.store(len, Ordering::Release);
         // The page holding the new end may be whole now.
+        let page = len / ALIGN as u64;
         if !len.is_multiple_of(ALIGN as u64) {
-            self.share(len / ALIGN as u64, 0, &[])?;
+            if let Some(p) = self.share(page, 0, &[])? {
+                self.write_page(page, p);
+            }
         }
         Ok(())
     }
@@ -254,31 +264,57 @@ impl DirectWrites {
     }
 
     /// Writes memory [`DirectWrites::lend`] gave: the pages it covers whole by a background
-    /// thread, straight from it; its ends into the pages it shares with its neighbours. Fails if
-    /// an earlier piece of the file failed to be written.
+    /// thread, straight from it; its ends into the pages it shares with its neighbours. A shared
+    /// page this piece makes whole is copied into the lent memory around the piece and written
+    /// with it, so that shared pages cost no write of their own. Fails if an earlier piece of the
+    /// file failed to be written.
     pub fn write_lent(&self, lent: Lent) -> io::Result<()> {
         let Lent {
-            buf,
+            mut buf,
             start,
             len,
             offset,
         } = lent;
         self.check(offset, len)?;
         self.given(offset, len);
-        let bytes = &buf[start..start + len];
+        let a = ALIGN as u64;
         let end = offset + len as u64;
         // The first and the last page boundary within the piece.
-        let first = offset.next_multiple_of(ALIGN as u64).min(end);
-        let last = (end / ALIGN as u64 * ALIGN as u64).max(first);
+        let first = offset.next_multiple_of(a).min(end);
+        let last = (end / a * a).max(first);
         let (head, tail) = ((first - offset) as usize, (last - offset) as usize);
-        self.share_all(offset, &bytes[..head])?;
-        self.share_all(last, &bytes[tail..])?;
-        if first < last {
-            let pages = start + head..start + tail;
-            self.pool
-                .write_behind(&self.file, first, Memory::Pooled(buf), pages);
-        } else {
+        // Where file offset `at` (within the piece's pages) is in `buf`: the piece's first page
+        // starts at 0.
+        let index = |at: u64| (at - (offset - start as u64)) as usize;
+        let mut pages = first..last;
+        if head > 0 {
+            let page = offset / a;
+            if let Some(p) = self.share(page, start, &buf[start..start + head])? {
+                buf[0..ALIGN].copy_from_slice(&p.mem[p.at..p.at + ALIGN]);
+                pages = page * a..pages.end.max(page * a + a);
+            }
+        }
+        if tail < len {
+            let page = last / a;
+            let bytes = &buf[start + tail..start + len];
+            if let Some(p) = self.share(page, 0, bytes)? {
+                // `buf` reaches the end of the piece's last page: lent lengths are whole pages.
+                let i = index(last);
+                buf[i..i + ALIGN].copy_from_slice(&p.mem[p.at..p.at + ALIGN]);
+                let from = if pages.is_empty() { last } else { pages.start };
+                pages = from..last + a;
+            }
+        }
+        if pages.is_empty() {
             self.pool.give(buf);
+        } else {
+            let range = index(pages.start)..index(pages.end);
+            self.pool.write_behind(
+                &self.file,
+                pages.start,
+                Memory::Pooled(Arc::new(buf)),
+                range,
+            );
         }
         Ok(())
     }
