@@ -165,7 +165,7 @@ fn every_direct_io_setting_writes_the_same_checkpoint() {
     ];
     for (i, setting) in settings.into_iter().enumerate() {
         let out = d.path().join(i.to_string());
-        // Several 512 KiB direct-I/O windows per file.
+        // Files of many pages: pieces in lent memory, pages shared between pieces.
         let mut args = vec![
             "save",
             "--out",
