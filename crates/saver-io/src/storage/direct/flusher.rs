@@ -29,11 +29,10 @@ pub(super) const ALIGN: usize = 4096;
 /// sleep in the disk's writes, so more of them cost little CPU.
 const WRITERS: usize = 4;
 
-/// The most bytes one background write sends. A piece's pages are cut into writes of this
-/// size, so that the two writers write neighbouring parts of one piece rather than two pieces
-/// far apart: handing each writer a whole piece (4 MiB of a tensor of one file, and the next
-/// writer 4 MiB of another file) made the disk slower by a tenth to a fifth here with two writer
-/// threads (docs/BENCHMARKS.md).
+/// The most bytes one background write sends. A piece's pages are cut into writes of this size,
+/// which the background threads share, so that the disk has a write queued per thread even when
+/// few pieces are in flight: one write per piece (4 MiB) kept the disk busy but slower, by a
+/// tenth to a fifth here with two or four writer threads (docs/BENCHMARKS.md).
 const PART: usize = 512 << 10;
 
 /// Bytes handed to the background writers and not yet written: about two writer threads'

@@ -10,8 +10,9 @@
 //! - the pages the piece covers whole go to the disk straight from that memory, written by the
 //!   pool's background threads (`flusher.rs`) while the writer threads go on producing bytes;
 //! - the parts of its first and last page that it shares with its neighbours (less than a page
-//!   at each end) are copied into that page's buffer, where the neighbours' parts join them,
-//!   and the page goes to the disk once whole.
+//!   at each end) are copied into that page's buffer, where the neighbours' parts join them;
+//!   the piece that makes the page whole copies it into its own memory and writes it with its
+//!   other pages.
 //!
 //! A piece given in the caller's memory ([`DirectWrites::write_at`]) is copied into lent memory
 //! first, or, under two pages, into the buffers of the pages it touches. An earlier design
