@@ -246,18 +246,18 @@ impl SavePlan<'_> {
                     .copy(&*table.snapshot, abs, true, ids, handles)
                     .map_err(S::Error::from)?;
                 let n = ids.len();
-                // One lent buffer per kept slot, in `part.slots` order; the table is asked for
-                // every slot, the ones not kept with no room.
+                // One lent buffer per kept slot, in `part.slots` order, with the place it is
+                // for; the table is asked for every slot, the ones not kept with no room.
                 let mut lent = Vec::with_capacity(part.slots.len());
                 for (k, &s) in part.slots.iter().enumerate() {
-                    let offset = (rows.start * table.slot_bytes[s]) as u64;
+                    let (loc, offset) = (seg.slots[k], (rows.start * table.slot_bytes[s]) as u64);
                     let len = n * table.slot_bytes[s];
-                    lent.push(sink.lend(*shard, seg.slots[k], offset, len)?);
+                    lent.push((loc, offset, sink.lend(*shard, loc, offset, len)?));
                 }
                 {
                     let mut outs: Vec<&mut [u8]> =
                         (0..table.slots.len()).map(|_| &mut [][..]).collect();
-                    for (&s, b) in part.slots.iter().zip(lent.iter_mut()) {
+                    for (&s, (_, _, b)) in part.slots.iter().zip(lent.iter_mut()) {
                         outs[s] = b.as_mut();
                     }
                     // SAFETY: `handles` is empty or came from this snapshot's scan, with `ids`,
@@ -271,9 +271,8 @@ impl SavePlan<'_> {
                     offset: rows.start as u64 * 8,
                     bytes: &u64_bytes(ids),
                 })?;
-                for ((k, &s), buf) in part.slots.iter().enumerate().zip(lent) {
-                    let offset = (rows.start * table.slot_bytes[s]) as u64;
-                    sink.put_lent(*shard, seg.slots[k], offset, buf)?;
+                for (loc, offset, buf) in lent {
+                    sink.put_lent(*shard, loc, offset, buf)?;
                 }
                 Ok(())
             }
