@@ -19,7 +19,10 @@
 //! (`steps_ratio_first`, against the window before the first save, is printed beside them for
 //! comparison). From the kernel's schedstat: the trainers' time waiting for a CPU during the save
 //! (`trainers_wait_s`: the save's threads took their core) and the CPU time of every other thread
-//! of the process (`save_cpu_s`, the save's own).
+//! of the process (`save_cpu_s`, the save's own); and, for the slowest 1 % of the steps during
+//! each run, where their time went on average (`tail_run_ms` on a CPU, `tail_wait_ms` waiting for
+//! one, `tail_asleep_ms` neither: a lock, a page fault's wait), from each trainer thread's
+//! schedstat read before and after every step.
 //!
 //! `cargo bench --bench train_while_saving -- [--rows N] [--trainers 1,2] [--hot 1,10,100]
 //! [--json]` (SAVER_BENCH_DIR for the output directory). `--json` prints one JSON object per
@@ -39,7 +42,18 @@ const BATCH: u64 = 10_000;
 /// How long before each save or plain write the pace outside it is measured.
 const BEFORE: Duration = Duration::from_millis(900);
 
-/// Step end times and durations of a trainer that runs until `stop`.
+/// One training step: when it ended (since the run began), how long it took, and of that the
+/// time its thread spent on a CPU and waiting for one (the rest it slept: a lock, a page fault's
+/// I/O, ...).
+#[derive(Clone, Copy)]
+struct Step {
+    end: Duration,
+    took: Duration,
+    run: Duration,
+    wait: Duration,
+}
+
+/// The steps of a trainer that runs until `stop`.
 fn trainer(
     t: &EmbeddingTable,
     hot: u64,
@@ -47,19 +61,40 @@ fn trainer(
     stop: &AtomicBool,
     begin: Instant,
     tids: &Mutex<Vec<i64>>,
-) -> Vec<(Duration, Duration)> {
+) -> Vec<Step> {
     // SAFETY: gettid has no memory effects.
-    tids.lock()
-        .unwrap()
-        .push(unsafe { libc::syscall(libc::SYS_gettid) });
+    let tid = unsafe { libc::syscall(libc::SYS_gettid) };
+    tids.lock().unwrap().push(tid);
+    // Kept open and read again from its start each step: a few microseconds against steps of
+    // half a millisecond or more.
+    let stat = std::fs::File::open(format!("/proc/self/task/{tid}/schedstat")).unwrap();
     let mut steps = Vec::new();
     let mut r = seed;
     while !stop.load(Ordering::Relaxed) {
+        let (run0, wait0) = schedstat(&stat);
         let s = Instant::now();
         common::train_step(t, hot, BATCH, &mut r);
-        steps.push((begin.elapsed(), s.elapsed()));
+        let took = s.elapsed();
+        let (run1, wait1) = schedstat(&stat);
+        steps.push(Step {
+            end: begin.elapsed(),
+            took,
+            run: run1.saturating_sub(run0),
+            wait: wait1.saturating_sub(wait0),
+        });
     }
     steps
+}
+
+/// A thread's time on a CPU and waiting for one, from its open schedstat file.
+fn schedstat(f: &std::fs::File) -> (Duration, Duration) {
+    use std::os::unix::fs::FileExt;
+    let mut buf = [0u8; 128];
+    let n = f.read_at(&mut buf, 0).unwrap();
+    let s = std::str::from_utf8(&buf[..n]).unwrap();
+    let mut it = s.split_whitespace().map(|x| x.parse::<u64>().unwrap());
+    let (run, wait) = (it.next().unwrap(), it.next().unwrap());
+    (Duration::from_nanos(run), Duration::from_nanos(wait))
 }
 
 /// Time on a CPU and time waiting for one (runnable, not running), summed over threads `tids`
@@ -97,24 +132,46 @@ fn process_cpu() -> Duration {
 
 /// Steps/s, p50 and p99 step time of the steps (of every trainer) that ended within
 /// `[from, to)`.
-fn rate(steps: &[(Duration, Duration)], from: Duration, to: Duration) -> (f64, Duration, Duration) {
-    let mut within: Vec<Duration> = steps
-        .iter()
-        .filter(|(end, _)| *end >= from && *end < to)
-        .map(|s| s.1)
-        .collect();
-    within.sort();
+fn rate(steps: &[Step], from: Duration, to: Duration) -> (f64, Duration, Duration) {
+    let within = slowest_first(steps, from, to);
     let at = |q: usize| {
         within
-            .get(within.len() * q / 100)
-            .copied()
+            .get(within.len() - 1 - within.len() * q / 100)
+            .map(|s| s.took)
             .unwrap_or_default()
     };
+    if within.is_empty() {
+        return (0.0, Duration::ZERO, Duration::ZERO);
+    }
     (
         within.len() as f64 / (to - from).as_secs_f64(),
         at(50),
         at(99),
     )
+}
+
+/// The steps that ended within `[from, to)`, slowest first.
+fn slowest_first(steps: &[Step], from: Duration, to: Duration) -> Vec<Step> {
+    let mut within: Vec<Step> = steps
+        .iter()
+        .filter(|s| s.end >= from && s.end < to)
+        .copied()
+        .collect();
+    within.sort_by_key(|s| std::cmp::Reverse(s.took));
+    within
+}
+
+/// Where the slowest 1 % of the steps within `[from, to)` (at least one) spent their time, on
+/// average: on a CPU, waiting for one, and the rest asleep.
+fn tail(steps: &[Step], from: Duration, to: Duration) -> (Duration, Duration, Duration) {
+    let within = slowest_first(steps, from, to);
+    let n = within.len().div_ceil(100).max(1).min(within.len());
+    if n == 0 {
+        return Default::default();
+    }
+    let sum = |f: fn(&Step) -> Duration| within[..n].iter().map(f).sum::<Duration>() / n as u32;
+    let (took, run, wait) = (sum(|s| s.took), sum(|s| s.run), sum(|s| s.wait));
+    (run, wait, took.saturating_sub(run + wait))
 }
 
 struct Args {
@@ -277,7 +334,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
     // A buffer of the table's size for the plain writes, filled (so mapped) before the trainers
     // start.
     let source: Vec<u8> = (0..a.rows * ROW_BYTES).map(|i| i as u8).collect();
-    let steps: Vec<(Duration, Duration)> = std::thread::scope(|s| {
+    let steps: Vec<Step> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..trainers)
             .map(|k| {
                 let (t, stop, tids) = (&t, &stop, &tids);
@@ -380,6 +437,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
         // more): this machine's speed drifts by several times within a run, so a pace measured
         // once would make every later ratio partly a measure of the drift.
         let (outside, p50_out, p99_out) = rate(&steps, from.saturating_sub(BEFORE), from);
+        let (tail_run, tail_wait, tail_asleep) = tail(&steps, from, to);
         let took = (to - from).as_secs_f64();
         // Steps not taken during the save, in seconds of training at the pace outside.
         let lost = took * (1.0 - during / outside);
@@ -394,7 +452,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
         };
         if a.json {
             println!(
-                "{{\"trainers\":{trainers},\"hot\":{hot_percent},\"writers\":\"{}\",\"steps_ratio\":{:.4},\"steps_ratio_first\":{:.4},\"p50_out_ms\":{:.4},\"p99_out_ms\":{:.4},\"p50_during_ms\":{:.4},\"p99_during_ms\":{:.4},\"p99_ratio\":{:.4},\"blocked_ms\":{:.4},\"lost_s\":{lost:.4},\"stall_s\":{stall:.4},\"save_s\":{took:.4},\"save_idle_s\":{stall:.4},\"cow_peak_mib\":{:.2},\"trainers_run_s\":{:.4},\"trainers_wait_s\":{:.4},\"save_cpu_s\":{:.4}}}",
+                "{{\"trainers\":{trainers},\"hot\":{hot_percent},\"writers\":\"{}\",\"steps_ratio\":{:.4},\"steps_ratio_first\":{:.4},\"p50_out_ms\":{:.4},\"p99_out_ms\":{:.4},\"p50_during_ms\":{:.4},\"p99_during_ms\":{:.4},\"p99_ratio\":{:.4},\"blocked_ms\":{:.4},\"lost_s\":{lost:.4},\"stall_s\":{stall:.4},\"save_s\":{took:.4},\"save_idle_s\":{stall:.4},\"cow_peak_mib\":{:.2},\"trainers_run_s\":{:.4},\"trainers_wait_s\":{:.4},\"save_cpu_s\":{:.4},\"tail_run_ms\":{:.4},\"tail_wait_ms\":{:.4},\"tail_asleep_ms\":{:.4}}}",
                 writers,
                 during / outside,
                 during / first,
@@ -408,10 +466,13 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                 spent.trainers_run.as_secs_f64(),
                 spent.trainers_wait.as_secs_f64(),
                 spent.others.as_secs_f64(),
+                tail_run.as_secs_f64() * 1e3,
+                tail_wait.as_secs_f64() * 1e3,
+                tail_asleep.as_secs_f64() * 1e3,
             );
         } else if beside == Beside::Floor {
             println!(
-                "  floor, a plain write of the same bytes by {threads} thread(s): {took:.2} s; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside)",
+                "  floor, a plain write of the same bytes by {threads} thread(s): {took:.2} s; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside); the slowest 1 % of steps: {tail_run:.2?} on a CPU, {tail_wait:.2?} waiting for one, {tail_asleep:.2?} asleep",
                 during / outside,
                 p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),
             );
@@ -422,7 +483,7 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
                 format!("save, {threads} writer(s)")
             };
             println!(
-                "  {what}: {took:.2} s ({:.2} x idle), blocked {blocked:.2?}; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside); training lost {lost:.3} s against a blocking save's {stall:.3} s; copy-on-write peak so far {:.1} MiB ({:.1} % of the table)",
+                "  {what}: {took:.2} s ({:.2} x idle), blocked {blocked:.2?}; during it {during:.1} steps/s ({:.2} x outside), p50 {p50:.2?}, p99 {p99:.2?} ({:.1} x outside); training lost {lost:.3} s against a blocking save's {stall:.3} s; copy-on-write peak so far {:.1} MiB ({:.1} % of the table); the slowest 1 % of steps: {tail_run:.2?} on a CPU, {tail_wait:.2?} waiting for one, {tail_asleep:.2?} asleep",
                 took / stall,
                 during / outside,
                 p99.as_secs_f64() / p99_out.as_secs_f64().max(1e-9),

@@ -46,7 +46,8 @@ def load(p):
     return out
 b, n = load(base), load(new)
 keys = ["steps_ratio", "p50_out_ms", "p99_out_ms", "p99_during_ms", "p99_ratio", "blocked_ms",
-        "lost_s", "stall_s", "save_s", "cow_peak_mib", "trainers_wait_s", "save_cpu_s"]
+        "lost_s", "stall_s", "save_s", "cow_peak_mib", "trainers_wait_s", "save_cpu_s",
+        "tail_run_ms", "tail_wait_ms", "tail_asleep_ms"]
 print(f"medians; baseline {base_rev} / this tree {head}")
 print("| trainers | hot % | writers | " + " | ".join(keys) + " |")
 print("|" + " --- |" * (3 + len(keys)))
