@@ -137,11 +137,25 @@ impl DirectFile {
     }
 }
 
+/// A pool buffer lent for a piece, shared by the writes its pages are cut into: back to the
+/// pool when the last of them lets go of it, whichever thread that is.
+pub(super) struct Pooled {
+    map: Option<MmapMut>,
+    buffers: Arc<Buffers>,
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let Some(m) = self.map.take() {
+            self.buffers.give(m);
+        }
+    }
+}
+
 /// Memory whose whole pages go to the disk.
 pub(super) enum Memory {
-    /// A pool buffer that was lent for a piece, shared by the writes its pages are cut into:
-    /// back to the pool once the last is written.
-    Pooled(Arc<MmapMut>),
+    /// A pool buffer ([`BufferPool::share`]).
+    Pooled(Arc<Pooled>),
     /// A page assembled from the ends of neighbouring pieces, in heap memory (its pages range
     /// is the aligned page within it).
     Page(Vec<u8>),
@@ -150,7 +164,7 @@ pub(super) enum Memory {
 impl Memory {
     fn bytes(&self) -> &[u8] {
         match self {
-            Memory::Pooled(m) => &m[..],
+            Memory::Pooled(m) => m.map.as_deref().unwrap_or_default(),
             Memory::Page(v) => v,
         }
     }
@@ -164,27 +178,45 @@ struct Job {
     pages: Range<usize>,
     /// Bytes of the whole write this job is a part of: in flight until its last part is done.
     whole: usize,
+    /// Parts of that write not done yet, this one among them.
+    parts_left: Arc<AtomicUsize>,
+}
+
+/// A job written: whether it was the last of its piece's writes, and what its file is told.
+struct Written {
+    file: Arc<DirectFile>,
+    result: io::Result<()>,
+    last: bool,
+}
+
+impl Written {
+    /// Tells the file its write is done (after the caller released what the piece held in
+    /// flight, so that a settled file has nothing of its own in flight).
+    fn report(self) {
+        self.file.done(self.result);
+    }
 }
 
 impl Job {
-    /// Writes the job's pages; true if its memory is done with (the last of the writes it was
-    /// cut into).
-    fn run(self, buffers: &Buffers) -> bool {
-        let result = self
-            .file
-            .write(self.offset, &self.buf.bytes()[self.pages.clone()]);
-        let last = match self.buf {
-            Memory::Pooled(m) => match Arc::try_unwrap(m) {
-                Ok(m) => {
-                    buffers.give(m);
-                    true
-                }
-                Err(_) => false,
-            },
-            Memory::Page(_) => true,
-        };
-        self.file.done(result);
-        last
+    /// Writes the job's pages.
+    fn run(self) -> Written {
+        let Job {
+            file,
+            offset,
+            buf,
+            pages,
+            parts_left,
+            ..
+        } = self;
+        let result = file.write(offset, &buf.bytes()[pages]);
+        // Each part lets go of the memory before it counts itself done, so that when the last
+        // one counts, the buffer is back in the pool. Which part is last is decided by the
+        // count alone: asking the shared buffer whether it was the only holder left (as a first
+        // version did) let two parts finishing together each see the other still holding it,
+        // and the write stayed in flight for good.
+        drop(buf);
+        let last = parts_left.fetch_sub(1, Ordering::AcqRel) == 1;
+        Written { file, result, last }
     }
 }
 
@@ -264,14 +296,14 @@ struct Flusher {
 }
 
 impl Flusher {
-    fn start(buffers: &Arc<Buffers>) -> io::Result<Self> {
+    fn start() -> io::Result<Self> {
         let shared = Arc::new(Shared::default());
         let mut threads = Vec::with_capacity(WRITERS);
         for _ in 0..WRITERS {
-            let (shared, buffers) = (Arc::clone(&shared), Arc::clone(buffers));
+            let shared = Arc::clone(&shared);
             let thread = std::thread::Builder::new()
                 .name("saver-direct-io".into())
-                .spawn(move || serve(&shared, &buffers));
+                .spawn(move || serve(&shared));
             match thread {
                 Ok(t) => threads.push(t),
                 // Fewer writers than asked still work; none at all is the caller's fallback.
@@ -283,7 +315,7 @@ impl Flusher {
     }
 }
 
-fn serve(shared: &Shared, buffers: &Buffers) {
+fn serve(shared: &Shared) {
     loop {
         let job = {
             let mut queue = lock(&shared.queue);
@@ -301,20 +333,34 @@ fn serve(shared: &Shared, buffers: &Buffers) {
             }
         };
         let whole = job.whole;
-        if job.run(buffers) {
+        let written = job.run();
+        if written.last {
             lock(&shared.queue).in_flight -= whole;
             shared.room.notify_all();
         }
+        written.report();
     }
 }
 
 /// Buffers and the background writers, shared by every file a storage writes: a save's buffer
 /// memory is the most it ever had in use at once rather than one fresh buffer per piece, and
 /// its threads are started by the first piece handed over and stopped with the pool.
-#[derive(Default)]
 pub(in crate::storage) struct BufferPool {
     buffers: Arc<Buffers>,
     flusher: Mutex<Option<Flusher>>,
+    /// The most bytes one background write sends: [`PART`], smaller in tests, so that the
+    /// writes of one piece finish at about the same time on different threads.
+    part: usize,
+}
+
+impl Default for BufferPool {
+    fn default() -> Self {
+        Self {
+            buffers: Arc::default(),
+            flusher: Mutex::default(),
+            part: PART,
+        }
+    }
 }
 
 impl std::fmt::Debug for BufferPool {
@@ -336,6 +382,15 @@ impl BufferPool {
         self.buffers.give(buf);
     }
 
+    /// `buf`, taken from this pool, as memory to hand to [`Self::write_behind`]: back to the
+    /// pool once its last write is done.
+    pub(super) fn share(&self, buf: MmapMut) -> Memory {
+        Memory::Pooled(Arc::new(Pooled {
+            map: Some(buf),
+            buffers: Arc::clone(&self.buffers),
+        }))
+    }
+
     /// Has `buf[pages]` (aligned) written at `offset` of `file` by the background threads, in
     /// writes of at most [`PART`], then reused. Blocks while [`IN_FLIGHT`] bytes are handed over
     /// and not written. Where no thread can be started, writes here.
@@ -352,20 +407,21 @@ impl BufferPool {
         let shared = {
             let mut flusher = lock(&self.flusher);
             if flusher.is_none() {
-                *flusher = Flusher::start(&self.buffers).ok();
+                *flusher = Flusher::start().ok();
             }
             flusher.as_ref().map(|f| Arc::clone(&f.shared))
         };
         let mut parts = Vec::new();
         let mut at = pages.start;
         while at < pages.end {
-            let end = (at + PART).min(pages.end);
+            let end = (at + self.part).min(pages.end);
             parts.push(at..end);
             at = end;
         }
         let last = parts.len().saturating_sub(1);
         let mut buf = Some(buf);
         let whole = pages.len();
+        let parts_left = Arc::new(AtomicUsize::new(parts.len()));
         let jobs: Vec<Job> = parts
             .into_iter()
             .enumerate()
@@ -381,13 +437,14 @@ impl BufferPool {
                     buf: mem,
                     pages: part,
                     whole,
+                    parts_left: Arc::clone(&parts_left),
                 }
             })
             .collect();
         lock(&file.progress).pending += jobs.len();
         let Some(shared) = shared else {
             for job in jobs {
-                job.run(&self.buffers);
+                job.run().report();
             }
             return;
         };
@@ -403,6 +460,25 @@ impl BufferPool {
         queue.jobs.extend(jobs);
         drop(queue);
         shared.ready.notify_all();
+    }
+
+    /// A pool whose background writes send at most `part` bytes (a multiple of [`ALIGN`]).
+    #[cfg(test)]
+    pub fn with_part(part: usize) -> Self {
+        assert!(part > 0 && part.is_multiple_of(ALIGN));
+        Self {
+            buffers: Arc::default(),
+            flusher: Mutex::default(),
+            part,
+        }
+    }
+
+    /// Bytes handed to the background writers and not yet written, by their count.
+    #[cfg(test)]
+    pub fn in_flight(&self) -> usize {
+        lock(&self.flusher)
+            .as_ref()
+            .map_or(0, |f| lock(&f.shared.queue).in_flight)
     }
 
     /// The most bytes of buffers this pool ever held at once.
@@ -423,5 +499,83 @@ impl Drop for BufferPool {
                 let _ = t.join();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Barrier;
+
+    use super::*;
+
+    /// The writes one buffer is cut into, finishing on two threads at the same instant: exactly
+    /// one of them is the last, however they interleave, and the buffer goes back to the pool.
+    /// If neither counted itself last, the whole write stayed in flight for good.
+    #[test]
+    fn exactly_one_write_of_a_buffer_is_its_last() {
+        // Writes to /dev/null take the same short time on both threads, so that they finish
+        // together as often as possible.
+        let f = File::options().write(true).open("/dev/null").unwrap();
+        let file = Arc::new(DirectFile::new(f.try_clone().unwrap(), f));
+        let pool = BufferPool::default();
+        let start = Barrier::new(2);
+        let rounds = 50_000;
+        let lasts = AtomicUsize::new(0);
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let rx = Mutex::new(rx);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for _ in 0..rounds {
+                    let job = lock(&rx).recv().unwrap();
+                    start.wait();
+                    let written = job.run();
+                    if written.last {
+                        lasts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    written.report();
+                }
+            });
+            for _ in 0..rounds {
+                let mem = pool.share(pool.take(2 * ALIGN).unwrap());
+                let Memory::Pooled(mem) = mem else {
+                    unreachable!("a pool buffer")
+                };
+                let parts_left = Arc::new(AtomicUsize::new(2));
+                let mut jobs = (0..2).map(|i| Job {
+                    file: Arc::clone(&file),
+                    offset: (i * ALIGN) as u64,
+                    buf: Memory::Pooled(Arc::clone(&mem)),
+                    pages: i * ALIGN..(i + 1) * ALIGN,
+                    whole: 2 * ALIGN,
+                    parts_left: Arc::clone(&parts_left),
+                });
+                let (mine, theirs) = (jobs.next().unwrap(), jobs.next().unwrap());
+                drop(mem);
+                lock(&file.progress).pending += 2;
+                tx.send(theirs).unwrap();
+                start.wait();
+                let written = mine.run();
+                if written.last {
+                    lasts.fetch_add(1, Ordering::Relaxed);
+                }
+                written.report();
+            }
+        });
+        assert_eq!(
+            lasts.load(Ordering::Relaxed),
+            rounds,
+            "writes whose last part was missed"
+        );
+        file.settle().unwrap();
+        // Every buffer came back: one allocation, reused each round.
+        assert_eq!(
+            pool.peak_bytes(),
+            pool.buffers.allocated.load(Ordering::Relaxed)
+        );
+        assert!(
+            pool.peak_bytes() <= 2 * STEP,
+            "{} bytes of buffers",
+            pool.peak_bytes()
+        );
     }
 }
