@@ -134,15 +134,11 @@ fn process_cpu() -> Duration {
 /// `[from, to)`.
 fn rate(steps: &[Step], from: Duration, to: Duration) -> (f64, Duration, Duration) {
     let within = slowest_first(steps, from, to);
-    let at = |q: usize| {
-        within
-            .get(within.len() - 1 - within.len() * q / 100)
-            .map(|s| s.took)
-            .unwrap_or_default()
-    };
     if within.is_empty() {
         return (0.0, Duration::ZERO, Duration::ZERO);
     }
+    // Slowest first: quantile q is counted from the end.
+    let at = |q: usize| within[within.len() - 1 - within.len() * q / 100].took;
     (
         within.len() as f64 / (to - from).as_secs_f64(),
         at(50),

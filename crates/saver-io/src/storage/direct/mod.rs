@@ -405,6 +405,24 @@ mod tests {
         direct.write_lent(lent).unwrap();
     }
 
+    /// Writes `data` in lent memory from two threads that take pieces of `piece` bytes in file
+    /// order, as the save writer's threads take chunks.
+    fn write_in_order(direct: &DirectWrites, data: &[u8], piece: usize) {
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| loop {
+                    let lo = next.fetch_add(1, Ordering::Relaxed) * piece;
+                    if lo >= data.len() {
+                        break;
+                    }
+                    let hi = (lo + piece).min(data.len());
+                    write_lending(direct, lo as u64, &data[lo..hi]);
+                });
+            }
+        });
+    }
+
     /// Writes `data` as pieces cut at `cuts`, shuffled by `seed`, from two threads, some in
     /// lent memory and some in the caller's, with buffers that already held another file's
     /// bytes.
@@ -529,20 +547,7 @@ mod tests {
         let len = 48 * MIB + 5;
         let (dir, buffered, direct) = open_file(len, &pool);
         let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
-        let chunk = 700_001;
-        let next = AtomicUsize::new(0);
-        std::thread::scope(|s| {
-            for _ in 0..2 {
-                s.spawn(|| loop {
-                    let lo = next.fetch_add(1, Ordering::Relaxed) * chunk;
-                    if lo >= data.len() {
-                        break;
-                    }
-                    let hi = (lo + chunk).min(data.len());
-                    write_lending(&direct, lo as u64, &data[lo..hi]);
-                });
-            }
-        });
+        write_in_order(&direct, &data, 700_001);
         direct.finish(&buffered).unwrap();
         assert!(read_back(&dir) == data, "content differs");
         // In flight, plus one in each writer's hands and one more each flusher may hold.
@@ -566,20 +571,7 @@ mod tests {
         let data: Vec<u8> = (0..len).map(|i| (i * 13 % 251) as u8).collect();
         for round in 0..8 {
             let (dir, buffered, direct) = open_file(len, &pool);
-            let next = AtomicUsize::new(0);
-            let piece = 64 << 10;
-            std::thread::scope(|s| {
-                for _ in 0..2 {
-                    s.spawn(|| loop {
-                        let lo = next.fetch_add(1, Ordering::Relaxed) * piece;
-                        if lo >= data.len() {
-                            break;
-                        }
-                        let hi = (lo + piece).min(data.len());
-                        write_lending(&direct, lo as u64, &data[lo..hi]);
-                    });
-                }
-            });
+            write_in_order(&direct, &data, 64 << 10);
             direct.finish(&buffered).unwrap();
             assert_eq!(
                 pool.in_flight(),
