@@ -335,6 +335,83 @@ fn checkpoints_round_trip_through_the_object_store() {
     assert_eq!(digest_of(remote, 1, 0), digest_of(local.path(), 1, 0));
 }
 
+/// The claims of writer `id`'s shards named in `names`.
+fn claims_of<'a>(names: &'a [String], id: &str) -> Vec<&'a str> {
+    let prefix = format!("saver-{id}-s");
+    names
+        .iter()
+        .filter(|n| n.starts_with(&prefix) && n.ends_with(".writer.json"))
+        .map(String::as_str)
+        .collect()
+}
+
+/// A save of more shards than the store calls it sends at once (claims, shard manifests, the
+/// commit's reads, the removal of what it replaced all go in batches): it commits whole,
+/// replaces exactly the checkpoint before it, and one refused claim takes back every claim the
+/// save made and no other writer's.
+#[test]
+fn a_save_of_many_shards_claims_and_commits_in_batches_on_the_store() {
+    let Some(g) = garage::shared() else { return };
+    let model = common::Model::new(20_000);
+    let shards = 12;
+    let local = tempfile::tempdir().unwrap();
+    save(local.path(), model.input(), &options(shards)).unwrap();
+    let url = g.url("many-shards/ck");
+    let remote = Path::new(&url);
+    let store = ObjectStorage::from_url(&url).unwrap();
+
+    let mut o = options(shards);
+    o.save_id = Some("many-1".into());
+    save(remote, model.input(), &o).unwrap();
+    assert_eq!(verify(remote, 2).unwrap().status, Status::Ok);
+    let names = store.list().unwrap();
+    assert_eq!(
+        claims_of(&names, "many-1").len(),
+        shards as usize,
+        "{names:?}"
+    );
+    let mut o = options(shards);
+    o.save_id = Some("many-2".into());
+    o.overwrite = true;
+    let rep = save(remote, model.input(), &o).unwrap();
+    assert_eq!(rep.replaced.as_deref(), Some("many-1"));
+    let names = store.list().unwrap();
+    assert!(names.iter().all(|n| !n.contains("many-1")), "{names:?}");
+    for (m, j) in [(1, 0), (5, 3)] {
+        assert_eq!(
+            digest_of(remote, m, j),
+            digest_of(local.path(), m, j),
+            "shard {j} of {m}"
+        );
+    }
+
+    // Another process's writer of shard 3 of save "dup" (gone without committing), then a
+    // single-process save under the same id: refused, naming both writers; of the claims, only
+    // the other writer's is left.
+    let mut o = options(shards);
+    o.save_id = Some("dup".into());
+    o.plan.shard_index = Some(3);
+    o.plan.foreign_rows = ForeignRows::Skip;
+    o.overwrite = true;
+    save(remote, model.input(), &o).unwrap();
+    let mut o = options(shards);
+    o.save_id = Some("dup".into());
+    o.overwrite = true;
+    let e = save(remote, model.input(), &o).unwrap_err().to_string();
+    assert!(e.contains("shard 3 has two writers"), "{e}");
+    let names = store.list().unwrap();
+    assert_eq!(
+        claims_of(&names, "dup"),
+        vec!["saver-dup-s00003.writer.json"],
+        "{names:?}"
+    );
+    assert_eq!(
+        Checkpoint::open(remote).unwrap().manifest().save_id,
+        "many-2",
+        "the checkpoint before stays"
+    );
+}
+
 #[test]
 fn compressed_checkpoints_and_deltas_round_trip_through_the_object_store() {
     let Some(g) = garage::shared() else { return };

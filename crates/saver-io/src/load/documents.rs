@@ -15,10 +15,16 @@ pub(crate) const MAX_JSON_BYTES: u64 = MAX_DOCUMENT_BYTES;
 
 /// The committed checkpoint in `storage`, if any.
 pub fn committed(storage: &dyn Storage) -> Result<Option<CheckpointRef>> {
-    if !storage.exists(INDEX_FILE)? {
-        return Ok(None);
-    }
-    Ok(Some(read_index(storage)?.committed()))
+    // One read, not a look-up and a read: on an object store each is a round trip, and a save
+    // asks twice (before it writes, and at its commit).
+    let bytes = match storage.get(INDEX_FILE, MAX_JSON_BYTES) {
+        Ok(bytes) => bytes,
+        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(None)
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(Some(Index::parse(&bytes, INDEX_FILE)?.committed()))
 }
 
 /// Reads and checks the index of `storage`.

@@ -31,6 +31,7 @@ use saver_core::{Index, Manifest};
 
 use crate::error::{Error, Result};
 use crate::load::documents::{committed, parse_json, read_shard_manifest, MAX_JSON_BYTES};
+use crate::storage::at_once::{all_at_once, calls_at_once};
 use crate::storage::Storage;
 
 /// Largest writer claim or rejection marker read.
@@ -223,10 +224,18 @@ fn check_shards(
     shard_num: u32,
     current: &Option<CheckpointRef>,
 ) -> Result<std::result::Result<Manifest, String>> {
+    // Read several at once on an object store (two round trips a shard), checked in shard order
+    // after, so that the error reported is the first shard's whatever the order of the answers.
+    let read = all_at_once((0..shard_num).collect(), calls_at_once(storage), |s| {
+        (
+            read_shard_manifest(storage, save_id, s),
+            read_claim(storage, save_id, s),
+        )
+    });
     let mut shards = Vec::with_capacity(shard_num as usize);
-    for s in 0..shard_num {
-        let m = read_shard_manifest(storage, save_id, s)?;
-        let claim = match read_claim(storage, save_id, s) {
+    for (s, (m, claim)) in (0..shard_num).zip(read) {
+        let m = m?;
+        let claim = match claim {
             Ok(c) => c,
             Err(e) => return Ok(Err(format!("shard {s} has no readable writer claim: {e}"))),
         };
@@ -272,21 +281,31 @@ fn remove_replaced(storage: &dyn Storage, old: &CheckpointRef) {
     let Ok(m) = Manifest::parse(&bytes, &name) else {
         return;
     };
-    for f in &m.files {
-        if SaverFile::parse(&f.name).is_some_and(|p| p.save_id() == old.save_id) {
-            let _ = storage.remove(&f.name);
-        }
-    }
-    for s in 0..m.shard_num {
-        let _ = storage.remove(&shard_manifest_name(&old.save_id, s));
-    }
+    // Each group several at once on an object store, and the groups in this order.
+    let remove_all = |names: Vec<String>| {
+        all_at_once(names, calls_at_once(storage), |n| storage.remove(&n));
+    };
+    remove_all(
+        m.files
+            .iter()
+            .filter(|f| SaverFile::parse(&f.name).is_some_and(|p| p.save_id() == old.save_id))
+            .map(|f| f.name.clone())
+            .collect(),
+    );
+    remove_all(
+        (0..m.shard_num)
+            .map(|s| shard_manifest_name(&old.save_id, s))
+            .collect(),
+    );
     let _ = storage.remove(&legacy_commit_claim_name(&old.save_id));
     let _ = storage.remove(&name);
     // The claims go last: while they exist, no new save can take the old id, so nothing of a new
     // save can be taken for the old checkpoint's files above.
-    for s in 0..m.shard_num {
-        let _ = storage.remove(&writer_claim_name(&old.save_id, s));
-    }
+    remove_all(
+        (0..m.shard_num)
+            .map(|s| writer_claim_name(&old.save_id, s))
+            .collect(),
+    );
 }
 
 /// What of a save to remove when it fails.

@@ -25,6 +25,7 @@ use crate::save::commit::{
 use crate::save::compressing::CompressedFile;
 use crate::save::schedule::{Claimer, FileQueues};
 use crate::save::sink::{combine_crcs, FileSink, Files, PieceCrc};
+use crate::storage::at_once::{all_at_once, calls_at_once, each_at_once, STORE_CALLS_AT_ONCE};
 use crate::storage::{LocalFs, Storage, WriteHandle};
 
 use crate::save::options::{DirectIo, ProgressFn, SaveOptions};
@@ -185,9 +186,22 @@ pub(crate) fn save_prepared(
     };
     let single = plan_opts.shard_index.is_none();
     let writer = crate::storage::identity::current_writer();
-    for (k, &s) in shards.iter().enumerate() {
-        if let Err(e) = claim_shard(storage, &save_id, s, &writer) {
-            remove_own(storage, &save_id, &shards[..k], Leftovers::ShardsAndClaims);
+    // Several at once on an object store (a round trip each). The first refusal stops the
+    // claims after its batch, and those this call made are taken back.
+    let claimed = each_at_once(
+        shards.clone(),
+        calls_at_once(storage),
+        |s| (s, claim_shard(storage, &save_id, s, &writer)),
+        |(_, r)| r.is_ok(),
+    );
+    if claimed.iter().any(|(_, r)| r.is_err()) {
+        let made: Vec<u32> = claimed
+            .iter()
+            .filter(|(_, r)| r.is_ok())
+            .map(|&(s, _)| s)
+            .collect();
+        remove_own(storage, &save_id, &made, Leftovers::ShardsAndClaims);
+        if let Some(Err(e)) = claimed.into_iter().map(|(_, r)| r).find(Result::is_err) {
             return Err(e);
         }
     }
@@ -302,6 +316,7 @@ fn write_and_commit(
     // What the files hold as written, as their manifests record it: stored bytes where
     // compressed.
     let mut bytes_written = 0;
+    let mut manifests = Vec::with_capacity(written.crcs.len());
     for (pos, shard_crcs) in written.crcs.iter().enumerate() {
         let mut m = plan.shard_manifest(
             pos,
@@ -321,15 +336,20 @@ fn write_and_commit(
         m.format_version = format_version_of(m.parent.as_ref(), m.is_compressed());
         bytes_written += m.files.iter().map(|f| f.bytes).sum::<u64>();
         let json = serde_json::to_vec_pretty(&m).expect("manifests serialize");
-        // Set before the write, not after: once a shard manifest may exist, another process may
-        // commit the set at any moment, so a failure from here on must not remove the shard.
-        *shard_manifests_written = true;
-        storage.put(
-            &shard_manifest_name(&save_id, plan.shards()[pos].shard),
-            &json,
-            opts.durable,
-        )?;
+        manifests.push((
+            shard_manifest_name(&save_id, plan.shards()[pos].shard),
+            json,
+        ));
     }
+    // Set before the writes, not after: once a shard manifest may exist, another process may
+    // commit the set at any moment, so a failure from here on must not remove the shard.
+    *shard_manifests_written = true;
+    // Several at once on an object store: a round trip each.
+    all_at_once(manifests, calls_at_once(storage), |(name, json)| {
+        storage.put(&name, &json, opts.durable)
+    })
+    .into_iter()
+    .collect::<Result<()>>()?;
     let write_seconds = t1.elapsed().as_secs_f64();
     let copy_on_write_peak_bytes = plan.copy_on_write_peak();
     // Durable: whichever call commits the save, these tables' next delta of it is tracked.
@@ -415,11 +435,7 @@ pub fn write_plan(
     };
     // On an object store each creation is two round trips (the upload and its marker): the
     // files are created several at once.
-    let at_once = if storage.is_remote() {
-        STORE_CALLS_AT_ONCE
-    } else {
-        1
-    };
+    let at_once = calls_at_once(storage);
     let wanted: Vec<(usize, &saver_core::plan::FilePlan)> = plan
         .shards()
         .iter()
@@ -539,7 +555,7 @@ pub fn write_plan(
     // upload, round trips that go together whatever the writer threads.
     let commits: Vec<Result<()>> = if storage.is_remote() {
         let files: Vec<Box<dyn WriteHandle>> = handles.into_iter().flatten().collect();
-        each_at_once(files, STORE_CALLS_AT_ONCE, |h| h.commit(durable), |_| true)
+        all_at_once(files, STORE_CALLS_AT_ONCE, |h| h.commit(durable))
     } else {
         pool.install(|| {
             handles
@@ -561,40 +577,4 @@ pub fn write_plan(
         crcs,
         direct_io_files,
     })
-}
-
-/// Creations and commits of data files on a remote store that run at once.
-const STORE_CALLS_AT_ONCE: usize = 8;
-
-/// `f` of the items, in order, run `at_once` at a time (on threads of their own when more than
-/// one: for calls that wait on a store's round trips, not on the CPU). Stops after the first
-/// batch with a result that `go_on` refuses, so the results may be fewer than the items.
-fn each_at_once<T: Send, R: Send>(
-    items: Vec<T>,
-    at_once: usize,
-    f: impl Fn(T) -> R + Sync,
-    go_on: impl Fn(&R) -> bool,
-) -> Vec<R> {
-    let mut out = Vec::with_capacity(items.len());
-    let mut items = items.into_iter().peekable();
-    while items.peek().is_some() {
-        let batch: Vec<T> = items.by_ref().take(at_once.max(1)).collect();
-        let done = out.len();
-        if batch.len() == 1 {
-            out.extend(batch.into_iter().map(&f));
-        } else {
-            std::thread::scope(|s| {
-                let running: Vec<_> = batch.into_iter().map(|x| s.spawn(|| f(x))).collect();
-                out.extend(
-                    running
-                        .into_iter()
-                        .map(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p))),
-                );
-            });
-        }
-        if !out[done..].iter().all(&go_on) {
-            break;
-        }
-    }
-    out
 }

@@ -11,6 +11,7 @@
 //! Names are single file names relative to the checkpoint directory. Every backend must refuse
 //! names that could leave it ([`check_file_name`]).
 
+pub(crate) mod at_once;
 mod direct;
 mod faulty;
 pub(crate) mod identity;
