@@ -1,0 +1,137 @@
+//! What a save to an S3-compatible store (Garage on loopback, started here) spends outside its
+//! bytes, by number of shards: claiming the shards, writing the shard manifests, and committing
+//! (reading every shard's manifest and claim, the index's compare-and-swap, removing the
+//! checkpoint it replaced). Each is one or a few round trips a shard, so a save of many small
+//! shards is mostly round trips.
+//!
+//! `cargo bench --bench store_commit -- [--runs 5] [--shards 1,8,32]`
+//!
+//! For each number of shards, into a prefix of its own: a first save (nothing to replace), then
+//! `--runs` saves that each replace the one before, of a small model (8 tables of 20,000 rows,
+//! 1 MB dense). Prints the medians of the whole save and of its plan (claims included), write
+//! (shard manifests included) and commit phases, for the first save and for the replacing ones;
+//! and, as the baseline of the same run, the median time of one round trip to the idle store (a
+//! PUT of 1 KiB, and a GET of it), so that every time is also given in PUTs. `--json` prints one
+//! JSON object per number of shards instead (phases as [whole, plan, write, commit]). The
+//! store's requests during a save take far longer than on the idle store: Garage writes its
+//! metadata durably, on the disk the save's data just went to.
+//!
+//! Needs a `garage` binary on `PATH` or in `~/.cargo/bin` (`cargo install --locked garage`).
+
+#[path = "../tests/integration/common/garage.rs"]
+mod garage;
+
+use std::path::Path;
+use std::time::Instant;
+
+use object_store::ObjectStoreExt;
+use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
+use saver::{save, SaveOptions, SaveReport};
+
+/// The median of `v` (not empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// A save's seconds: whole, plan, write, commit.
+fn phases(whole: f64, r: &SaveReport) -> [f64; 4] {
+    [whole, r.plan_seconds, r.write_seconds, r.commit_seconds]
+}
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn main() {
+    let runs: usize = arg("--runs").map_or(5, |v| v.parse().expect("--runs N"));
+    let shard_counts: Vec<u32> = arg("--shards").map_or(vec![1, 8, 32], |v| {
+        v.split(',')
+            .map(|s| s.parse().expect("--shards 1,8,32"))
+            .collect()
+    });
+    let json = std::env::args().any(|a| a == "--json");
+    let Some(g) = garage::Garage::start() else {
+        panic!("no garage binary: cargo install --locked garage");
+    };
+    g.set_env();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let s3 = g.s3_client();
+    let round_trip = median(
+        (0..21)
+            .map(|i| {
+                let key = object_store::path::Path::from(format!("rtt/{i}"));
+                let t = Instant::now();
+                rt.block_on(s3.put(&key, vec![7u8; 1024].into())).unwrap();
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    );
+    let get = median(
+        (0..21)
+            .map(|i| {
+                let key = object_store::path::Path::from(format!("rtt/{i}"));
+                let t = Instant::now();
+                rt.block_on(async { s3.get(&key).await.unwrap().bytes().await.unwrap() });
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    );
+    let spec: SyntheticSpec = "tables=8,rows=20000,dim=16,slots=embedding,dense=1000000,seed=3"
+        .parse()
+        .unwrap();
+    let model = SyntheticModel::generate(&spec).unwrap();
+    if !json {
+        println!(
+            "One round trip to the idle store: a PUT of 1 KiB {:.1} ms, a GET of it {:.1} ms. \
+             Seconds, and in brackets as many PUTs; the replacing saves' medians.\n",
+            round_trip * 1e3,
+            get * 1e3
+        );
+        println!("| shards | save | whole | plan | write | commit |\n| --- | --- | --- | --- | --- | --- |");
+    }
+    for shards in shard_counts {
+        let url = g.url(&format!("shards{shards}"));
+        let mut first = [0.0; 4];
+        let mut replacing: Vec<[f64; 4]> = Vec::new();
+        for k in 0..=runs {
+            let mut o = SaveOptions {
+                overwrite: true,
+                save_id: Some(format!("s{k}")),
+                ..SaveOptions::default()
+            };
+            o.plan.shard_num = shards;
+            o.plan.parallel = 2;
+            let t = Instant::now();
+            let r = save(Path::new(&url), model.input(), &o).unwrap();
+            let p = phases(t.elapsed().as_secs_f64(), &r);
+            assert_eq!(r.replaced.is_some(), k > 0, "save {k} of {shards} shards");
+            if k == 0 {
+                first = p;
+            } else {
+                replacing.push(p);
+            }
+        }
+        let med: [f64; 4] =
+            std::array::from_fn(|i| median(replacing.iter().map(|p| p[i]).collect()));
+        if json {
+            println!(
+                "{{\"shards\":{shards},\"put_s\":{round_trip:.5},\"get_s\":{get:.5},\"first\":{first:?},\"replacing\":{med:?}}}"
+            );
+        } else {
+            for (what, p) in [("first", first), ("replacing", med)] {
+                let cells: Vec<String> = p
+                    .iter()
+                    .map(|s| format!("{s:.3} ({:.0})", s / round_trip))
+                    .collect();
+                println!("| {shards} | {what} | {} |", cells.join(" | "));
+            }
+        }
+    }
+}
