@@ -56,7 +56,7 @@ run durable_save "$py" benches/peers/harness.py --durable-only --no-peers --runs
 run compare cargo bench -q --bench compare -- --size "$size" --runs "$runs"
 run object_store cargo bench -q --bench object_store -- --size "$size" --runs "$runs"
 run chain_object_store cargo bench -q --bench chain_object_store -- --size "$chain_size" --runs "$runs"
-run store_commit cargo bench -q --bench store_commit -- --runs "$commit_runs"
+run store_round_trips cargo bench -q --bench store_round_trips -- --runs "$commit_runs"
 run delta cargo bench -q --bench delta -- --spec "$spec" --runs "$runs"
 run manager cargo bench -q --bench manager -- --spec "$spec" --runs "$runs" --checkpoints "$checkpoints" $train
 # shellcheck disable=SC2086 # several arguments

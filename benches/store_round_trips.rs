@@ -1,20 +1,23 @@
-//! What a save to an S3-compatible store (Garage on loopback, started here) spends outside its
-//! bytes, by number of shards: claiming the shards, writing the shard manifests, and committing
-//! (reading every shard's manifest and claim, the index's compare-and-swap, removing the
-//! checkpoint it replaced). Each is one or a few round trips a shard, so a save of many small
-//! shards is mostly round trips.
+//! What a save to an S3-compatible store (Garage on loopback, started here) and an open of the
+//! checkpoint there spend outside their bytes, by number of shards. A save claims its shards,
+//! writes their manifests and commits (reading every shard's manifest and claim, the index's
+//! compare-and-swap, removing the checkpoint it replaced); an open reads the index and the
+//! manifest and looks up every data file and checks its header. Each is one or a few round
+//! trips a shard or a file, so for a checkpoint of many small shards they are most of the time.
 //!
-//! `cargo bench --bench store_commit -- [--runs 5] [--shards 1,8,32]`
+//! `cargo bench --bench store_round_trips -- [--runs 5] [--shards 1,8,32] [--json]`
 //!
 //! For each number of shards, into a prefix of its own: a first save (nothing to replace), then
 //! `--runs` saves that each replace the one before, of a small model (8 tables of 20,000 rows,
-//! 1 MB dense). Prints the medians of the whole save and of its plan (claims included), write
-//! (shard manifests included) and commit phases, for the first save and for the replacing ones;
-//! and, as the baseline of the same run, the median time of one round trip to the idle store (a
-//! PUT of 1 KiB, and a GET of it), so that every time is also given in PUTs. `--json` prints one
-//! JSON object per number of shards instead (phases as [whole, plan, write, commit]). The
-//! store's requests during a save take far longer than on the idle store: Garage writes its
-//! metadata durably, on the disk the save's data just went to.
+//! 1 MB dense), each followed by a `Checkpoint::open` of what it saved. Prints the medians of the
+//! whole save and of its plan (claims included), write (shard manifests included) and commit
+//! phases, for the first save and for the replacing ones, and of the opens; and, as the baseline
+//! of the same run, the median time of one round trip to the idle store (a PUT of 1 KiB, and a
+//! GET of it), so that every time is also given in PUTs. `--json` prints one JSON object per
+//! number of shards instead (phases as [whole, plan, write, commit]). Many of the requests of a
+//! save or an open take far longer than these: Garage writes its metadata durably, and answers a
+//! ranged GET (a data file's header) about 40 ms late on a connection kept from an earlier
+//! request (docs/BENCHMARKS.md, "Round trips of a save of many shards").
 //!
 //! Needs a `garage` binary on `PATH` or in `~/.cargo/bin` (`cargo install --locked garage`).
 
@@ -26,7 +29,7 @@ use std::time::Instant;
 
 use object_store::ObjectStoreExt;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::{save, SaveOptions, SaveReport};
+use saver::{save, Checkpoint, SaveOptions, SaveReport};
 
 /// The median of `v` (not empty).
 fn median(mut v: Vec<f64>) -> f64 {
@@ -100,6 +103,7 @@ fn main() {
         let url = g.url(&format!("shards{shards}"));
         let mut first = [0.0; 4];
         let mut replacing: Vec<[f64; 4]> = Vec::new();
+        let mut opens = Vec::new();
         for k in 0..=runs {
             let mut o = SaveOptions {
                 overwrite: true,
@@ -112,6 +116,10 @@ fn main() {
             let r = save(Path::new(&url), model.input(), &o).unwrap();
             let p = phases(t.elapsed().as_secs_f64(), &r);
             assert_eq!(r.replaced.is_some(), k > 0, "save {k} of {shards} shards");
+            let t = Instant::now();
+            let ck = Checkpoint::open(Path::new(&url)).unwrap();
+            opens.push(t.elapsed().as_secs_f64());
+            assert_eq!(ck.manifest().save_id, format!("s{k}"));
             if k == 0 {
                 first = p;
             } else {
@@ -120,9 +128,10 @@ fn main() {
         }
         let med: [f64; 4] =
             std::array::from_fn(|i| median(replacing.iter().map(|p| p[i]).collect()));
+        let open = median(opens);
         if json {
             println!(
-                "{{\"shards\":{shards},\"put_s\":{round_trip:.5},\"get_s\":{get:.5},\"first\":{first:?},\"replacing\":{med:?}}}"
+                "{{\"shards\":{shards},\"put_s\":{round_trip:.5},\"get_s\":{get:.5},\"first\":{first:?},\"replacing\":{med:?},\"open_s\":{open:.5}}}"
             );
         } else {
             for (what, p) in [("first", first), ("replacing", med)] {
@@ -132,6 +141,10 @@ fn main() {
                     .collect();
                 println!("| {shards} | {what} | {} |", cells.join(" | "));
             }
+            println!(
+                "| {shards} | `Checkpoint::open` | {open:.3} ({:.0}) | | | |",
+                open / round_trip
+            );
         }
     }
 }
