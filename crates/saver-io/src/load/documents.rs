@@ -15,24 +15,25 @@ pub(crate) const MAX_JSON_BYTES: u64 = MAX_DOCUMENT_BYTES;
 
 /// The committed checkpoint in `storage`, if any.
 pub fn committed(storage: &dyn Storage) -> Result<Option<CheckpointRef>> {
-    // One read, not a look-up and a read: on an object store each is a round trip, and a save
-    // asks twice (before it writes, and at its commit).
-    let bytes = match storage.get(INDEX_FILE, MAX_JSON_BYTES) {
-        Ok(bytes) => bytes,
-        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-            return Ok(None)
-        }
-        Err(e) => return Err(e),
+    let Some(bytes) = get_if_exists(storage, INDEX_FILE, MAX_JSON_BYTES)? else {
+        return Ok(None);
     };
     Ok(Some(Index::parse(&bytes, INDEX_FILE)?.committed()))
 }
 
-/// Reads and checks the index of `storage`.
-pub(crate) fn read_index(storage: &dyn Storage) -> Result<Index> {
-    Ok(Index::parse(
-        &storage.get(INDEX_FILE, MAX_JSON_BYTES)?,
-        INDEX_FILE,
-    )?)
+/// [`Storage::get`] of `name`, `None` if there is no such file: one read, not a look-up and a
+/// read, which on an object store are a round trip each (a save asks for the index before it
+/// writes and at its commit, an open before it reads).
+pub(crate) fn get_if_exists(
+    storage: &dyn Storage,
+    name: &str,
+    limit: u64,
+) -> Result<Option<Vec<u8>>> {
+    match storage.get(name, limit) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Parses one of saver's small JSON files that are not checkpoint documents (a policy, a claim,

@@ -13,7 +13,7 @@ use saver_core::naming::{shard_manifest_name, SaverFile, INDEX_FILE};
 use saver_core::{Index, Manifest};
 
 use crate::error::{Error, Result};
-use crate::load::documents::{read_index, MAX_JSON_BYTES};
+use crate::load::documents::{get_if_exists, MAX_JSON_BYTES};
 use crate::load::frames::FrameRead;
 use crate::load::header::{parse_header, MAX_HEADER_BYTES};
 use crate::load::open_files::DataFile;
@@ -134,13 +134,13 @@ pub fn read_latest<T>(dir: &Path, mut read: impl FnMut() -> Result<T>) -> Result
 
 /// Reads the index and the manifest it names, checking they agree.
 pub(crate) fn load_manifest(storage: &dyn Storage) -> Result<(Index, Manifest)> {
-    if !storage.exists(INDEX_FILE)? {
+    let Some(bytes) = get_if_exists(storage, INDEX_FILE, MAX_JSON_BYTES)? else {
         return Err(Error::Incomplete {
             dir: storage.location().into(),
             what: describe_incomplete(storage)?,
         });
-    }
-    let index = read_index(storage)?;
+    };
+    let index = Index::parse(&bytes, INDEX_FILE)?;
     let name = &index.metadata.saver_manifest;
     let bytes = storage.get(name, MAX_JSON_BYTES).map_err(|e| match e {
         // Permission denied, an I/O error: the reader's trouble, not the checkpoint's.

@@ -1,10 +1,11 @@
 //! Storage calls sent several at once where each waits on a network round trip.
 //!
 //! On an object store a creation, a commit, a read of a small document or a removal is a round
-//! trip of 5–30 ms (Garage on loopback here) that costs this process almost nothing: a save of
-//! 32 shards that read its shard manifests and writer claims one after the other spent 1.4 s of
-//! its commit waiting. On a local directory the same calls take microseconds, and run one at a
-//! time.
+//! trip that costs this process almost nothing but waits on the store (on Garage here, 20–45 ms
+//! during a save or an open): a save of 32 shards that read its shard manifests and writer
+//! claims one after the other spent 1.4 s of its commit waiting (docs/BENCHMARKS.md, "Round
+//! trips of a save of many shards"). On a local directory the same calls take microseconds, and
+//! run one at a time.
 
 use super::Storage;
 
