@@ -24,29 +24,19 @@
 #[path = "../tests/integration/common/garage.rs"]
 mod garage;
 
+mod common;
+
 use std::path::Path;
 use std::time::Instant;
 
+use common::{arg, median};
 use object_store::ObjectStoreExt;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver::{save, Checkpoint, SaveOptions, SaveReport};
 
-/// The median of `v` (not empty).
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
 /// A save's seconds: whole, plan, write, commit.
 fn phases(whole: f64, r: &SaveReport) -> [f64; 4] {
     [whole, r.plan_seconds, r.write_seconds, r.commit_seconds]
-}
-
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
 }
 
 fn main() {
