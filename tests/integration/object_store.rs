@@ -412,6 +412,121 @@ fn a_save_of_many_shards_claims_and_commits_in_batches_on_the_store() {
     );
 }
 
+/// Saves of several shards racing to overwrite one prefix of the store, whose claims, commit
+/// reads and removals of the replaced checkpoint go in batches: each round ends with one whole
+/// checkpoint of a racer's model, the user's objects untouched and the replaced checkpoint's
+/// objects gone. Where the store honours conditional writes (a commit lock), also: every commit
+/// replaced a different checkpoint, and nothing is left but the committed save's objects. Where
+/// it does not (Garage), racing saves are not excluded (docs/FORMAT.md, "Object storage"): a
+/// save that committed and was then overwritten may leave its own objects, never anyone else's.
+#[test]
+fn saves_of_many_shards_racing_on_the_store_leave_one_checkpoint_and_the_users_objects() {
+    let Some(g) = garage::shared() else { return };
+    let shards = 4;
+    let models: Vec<common::Model> = (0..4)
+        .map(|i| common::Model::new(3_000 + 100 * i))
+        .collect();
+    let local = tempfile::tempdir().unwrap();
+    let digests: Vec<String> = models
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let d = local.path().join(i.to_string());
+            save(&d, m.input(), &options(1)).unwrap();
+            digest_of(&d, 1, 0)
+        })
+        .collect();
+    let user: Vec<(&str, Vec<u8>)> = ["notes.txt", "saver-notes.txt", "model-final.safetensors"]
+        .into_iter()
+        .map(|n| (n, format!("the user's own {n}").into_bytes()))
+        .collect();
+    let rounds = 6;
+    let mut lost = 0;
+    for round in 0..rounds {
+        let url = g.url(&format!("many-shards-race/r{round}"));
+        let remote = Path::new(&url);
+        let store = ObjectStorage::from_url(&url).unwrap();
+        for (name, bytes) in &user {
+            store.put(name, bytes, true).unwrap();
+        }
+        let mut o = options(shards);
+        o.save_id = Some(format!("old{round}"));
+        save(remote, models[3].input(), &o).unwrap();
+        let exclusive = store.honours_conditional_create().unwrap();
+        let k = 2 + round % 2;
+        let ids: Vec<String> = (0..k).map(|i| format!("r{round}x{i}")).collect();
+        let barrier = std::sync::Barrier::new(k);
+        let results: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = ids
+                .iter()
+                .zip(&models)
+                .enumerate()
+                .map(|(i, (id, m))| {
+                    let barrier = &barrier;
+                    s.spawn(move || {
+                        let mut o = options(shards);
+                        o.save_id = Some(id.clone());
+                        o.overwrite = true;
+                        barrier.wait();
+                        std::thread::sleep(Duration::from_millis((round * 7 + i * 13) as u64 % 20));
+                        save(remote, m.input(), &o)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(
+            verify(remote, 2).unwrap().status,
+            Status::Ok,
+            "round {round}"
+        );
+        let committed = Checkpoint::open(remote).unwrap().manifest().save_id.clone();
+        let last = ids
+            .iter()
+            .position(|id| *id == committed)
+            .unwrap_or_else(|| panic!("round {round}: {committed} is no racer's save"));
+        assert!(results[last].is_ok(), "round {round}: {results:?}");
+        assert_eq!(digest_of(remote, 1, 0), digests[last], "round {round}");
+        let mut replaced: Vec<Option<String>> = results
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .map(|r| r.replaced.clone())
+            .collect();
+        let winners = replaced.len();
+        replaced.sort();
+        replaced.dedup();
+        if exclusive {
+            assert_eq!(
+                replaced.len(),
+                winners,
+                "round {round}: two saves replaced one checkpoint"
+            );
+        }
+        lost += results.iter().filter(|r| r.is_err()).count();
+        let names = store.list().unwrap();
+        for (name, bytes) in &user {
+            assert_eq!(
+                &store.get(name, 1 << 10).unwrap(),
+                bytes,
+                "round {round}: {name}"
+            );
+        }
+        for name in &names {
+            let of =
+                |id: &str| name.contains(&format!("-{id}-")) || name.contains(&format!("-{id}."));
+            let expected = user.iter().any(|(n, _)| n == name)
+                || name == "model.safetensors.index.json"
+                || of(&committed)
+                || (!exclusive && ids.iter().any(|id| of(id)));
+            assert!(
+                expected,
+                "round {round}: {name} left behind (committed: {committed})"
+            );
+        }
+    }
+    println!("{rounds} rounds on the store: {lost} saves lost a race");
+}
+
 #[test]
 fn compressed_checkpoints_and_deltas_round_trip_through_the_object_store() {
     let Some(g) = garage::shared() else { return };
