@@ -10,13 +10,17 @@
 //!   the baseline, what the gather would cost if every row sat where the save reads it next.
 //!
 //! Their ratio is what the table's memory layout costs a save (see `table/embedding/slab.rs`).
+//!
+//! `column tables, bucket order` reads the same rows from [`ColumnTable`]s, arrays with the rows
+//! in ascending id order (a trainer's arrays as the Python package saves them in place): random
+//! with respect to bucket order, so each row is a jump in the arrays, as in a hashtable.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use saver::core::partition::PartitionRule;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::core::table::TableSnapshot;
+use saver::core::table::{ColumnTable, TableSnapshot};
 use saver::SparseTable;
 
 mod common;
@@ -33,9 +37,8 @@ struct Order<'a> {
 }
 
 /// Every table's rows, sorted by `key(id, handle)`.
-fn order<'a>(model: &'a SyntheticModel, key: impl Fn(u64, u64) -> u128) -> Vec<Order<'a>> {
-    model
-        .tables
+fn order<'a, T: SparseTable>(tables: &'a [T], key: impl Fn(u64, u64) -> u128) -> Vec<Order<'a>> {
+    tables
         .iter()
         .map(|t| {
             let snapshot = t.snapshot().unwrap();
@@ -56,7 +59,9 @@ fn order<'a>(model: &'a SyntheticModel, key: impl Fn(u64, u64) -> u128) -> Vec<O
                 snapshot,
                 ids: rows.iter().map(|r| r.1).collect(),
                 handles: rows.iter().map(|r| r.2).collect(),
-                slot_bytes: t.slot_row_bytes().to_vec(),
+                slot_bytes: (t.slots().iter())
+                    .map(|s| s.row_bytes().unwrap() as usize)
+                    .collect(),
             }
         })
         .collect()
@@ -119,11 +124,43 @@ fn plain_copy(tables: &[Order<'_>], source: &[u8], table_start: &[usize]) {
     });
 }
 
+/// Each of `tables` as arrays: its rows in ascending id order, slot by slot.
+fn as_columns(tables: &[impl SparseTable]) -> Vec<ColumnTable<'static>> {
+    tables
+        .iter()
+        .map(|t| {
+            let snapshot = t.snapshot().unwrap();
+            let mut rows: Vec<(u64, Vec<Vec<u8>>)> = Vec::with_capacity(t.len());
+            snapshot
+                .scan(1 << 16, true, &mut |c| {
+                    for (r, &id) in c.ids.iter().enumerate() {
+                        let slots = (c.slots.iter())
+                            .map(|s| {
+                                let b = s.len() / c.ids.len();
+                                s[r * b..(r + 1) * b].to_vec()
+                            })
+                            .collect();
+                        rows.push((id, slots));
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            rows.sort_unstable_by_key(|r| r.0);
+            let data = (0..t.slots().len())
+                .map(|s| rows.iter().flat_map(|r| r.1[s].iter().copied()).collect())
+                .collect();
+            let ids = rows.iter().map(|r| r.0).collect();
+            ColumnTable::new(t.name(), t.key_dtype(), t.slots().to_vec(), ids, data).unwrap()
+        })
+        .collect()
+}
+
 fn bench(c: &mut Criterion) {
     let scale = common::scale_or(0.5);
     let spec: SyntheticSpec = format!("criteo-kaggle,scale={scale}").parse().unwrap();
     let rows: u64 = spec.table_rows().iter().sum();
     let model = SyntheticModel::generate(&spec).unwrap();
+    let columns = as_columns(&model.tables);
     let mut g = c.benchmark_group("gather");
     g.sample_size(10);
     g.throughput(Throughput::Elements(rows));
@@ -133,7 +170,7 @@ fn bench(c: &mut Criterion) {
     // error), so every round takes snapshots of its own, scanned and sorted untimed.
     g.bench_function(format!("bucket order, criteo-kaggle x{scale}"), |b| {
         b.iter_batched(
-            || order(&model, bucket_order),
+            || order(&model.tables, bucket_order),
             |tables| {
                 gather(&tables);
                 tables
@@ -141,7 +178,20 @@ fn bench(c: &mut Criterion) {
             BatchSize::PerIteration,
         )
     });
-    let by_bucket = order(&model, bucket_order);
+    g.bench_function(
+        format!("column tables, bucket order, criteo-kaggle x{scale}"),
+        |b| {
+            b.iter_batched(
+                || order(&columns, bucket_order),
+                |tables| {
+                    gather(&tables);
+                    tables
+                },
+                BatchSize::PerIteration,
+            )
+        },
+    );
+    let by_bucket = order(&model.tables, bucket_order);
     let row_bytes = |o: &Order<'_>| o.slot_bytes.iter().sum::<usize>();
     let table_start: Vec<usize> = by_bucket
         .iter()
