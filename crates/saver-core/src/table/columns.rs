@@ -385,7 +385,7 @@ mod tests {
         let t = table_of(&[5, 6, 7]);
         let snap = t.snapshot().unwrap();
         let (mut emb, mut freq) = (vec![0u8; 16], vec![0u8; 16]);
-        for handles in [[0u64, 9], [1, 1]] {
+        for handles in [[0u64, 9], [1, 1], [u64::MAX, 1]] {
             // SAFETY: an implementation that checks its handles; the point of the test.
             let r =
                 unsafe { snap.read_rows_by_handle(&[5, 6], &handles, &mut [&mut emb, &mut freq]) };
@@ -395,6 +395,17 @@ mod tests {
             .read_rows(&[8], &mut [&mut emb[..8], &mut freq[..8]])
             .unwrap_err();
         assert!(err.to_string().contains("no row has id 8"), "{err}");
+        // A bad handle among many: asked for ahead of its turn, then refused in it.
+        let ids: Vec<u64> = (0..100).collect();
+        let t = table_of(&ids);
+        let snap = t.snapshot().unwrap();
+        let mut handles: Vec<u64> = (0..100).rev().collect();
+        let want: Vec<u64> = handles.clone();
+        handles[40] = u64::MAX / 2;
+        let (mut emb, mut freq) = (vec![0u8; 800], vec![0u8; 800]);
+        // SAFETY: as above.
+        let r = unsafe { snap.read_rows_by_handle(&want, &handles, &mut [&mut emb, &mut freq]) };
+        assert!(r.is_err());
     }
 
     proptest! {
