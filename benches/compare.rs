@@ -4,7 +4,14 @@
 //! [--memory-only] [--plan-memory 64MiB] [--direct-io auto|on|off]`
 //!
 //! For each configuration: a warm-up, then `--runs` timed runs; the median is reported, and each
-//! figure as a ratio to the baseline measured in the same run. Prints a Markdown report.
+//! figure as a ratio to the baseline measured in the same run. Prints a Markdown report. What a
+//! run writes is removed before it, untimed: a write that replaces a file of 2 GiB pays for
+//! freeing its blocks and pages, which before 3865961's successor was in the plain writes' times
+//! (and a save's removal of its last output in the save's).
+//!
+//! `--durable-pairs N` measures only the durable save against its limit, more closely: a save
+//! (1 shard, parallel 2) and the plain durable writes, N rounds after a warm-up, the order
+//! rotated each round so that none always follows the same run, every output removed untimed.
 
 mod common;
 
@@ -18,13 +25,26 @@ use saver::{save, Checkpoint, DirectIo, LoadOptions, SaveOptions};
 /// One benchmarked configuration: runs once, returns what it built (dropped untimed).
 type Run<'a> = Box<dyn FnMut() -> Box<dyn std::any::Any> + 'a>;
 
+/// A benchmarked configuration: its name, what it writes (removed before each run, untimed:
+/// a plain write and a save both start with nothing to replace), and the run.
+type Config<'a> = (String, Option<std::path::PathBuf>, Run<'a>);
+
+/// Removes the file or directory at `path`, if any.
+fn remove(path: &std::path::Path) {
+    let _ = std::fs::remove_file(path);
+    let _ = std::fs::remove_dir_all(path);
+}
+
 /// Runs every configuration once per round, for a warm-up round and `runs` timed rounds, with a
 /// `sync` before each timed run so every run starts without dirty pages. Interleaving spreads this
 /// shared machine's noise evenly over saver and the baselines. Returns the median seconds of each.
-fn interleaved(runs: usize, configs: &mut [(String, Run<'_>)]) -> Vec<f64> {
+fn interleaved(runs: usize, configs: &mut [Config<'_>]) -> Vec<f64> {
     let mut times = vec![Vec::new(); configs.len()];
     for round in 0..=runs {
-        for (i, (_, f)) in configs.iter_mut().enumerate() {
+        for (i, (_, output, f)) in configs.iter_mut().enumerate() {
+            if let Some(output) = output {
+                remove(output);
+            }
             // SAFETY: sync(2) has no preconditions.
             unsafe { libc::sync() };
             let t = Instant::now();
@@ -62,6 +82,68 @@ fn opts(flags: &Flags, parallel: usize, durable: bool, shards: u32) -> SaveOptio
     o.plan.shard_num = shards;
     o.plan.plan_memory = flags.plan_memory;
     o
+}
+
+/// The durable save (1 shard, parallel 2) against the plain durable writes of as many bytes,
+/// `rounds` rounds after a warm-up, in an order rotated each round. Prints each one's median and
+/// the median over rounds of the limit's time (the faster plain write of that round) over the
+/// save's.
+fn durable_pairs(
+    model: &SyntheticModel,
+    flags: &Flags,
+    dir: &std::path::Path,
+    bytes: u64,
+    rounds: usize,
+) {
+    let plain = dir.join("plain.bin");
+    let out = dir.join("save-pairs");
+    let names = [
+        "plain sequential write, O_DIRECT (fsync)",
+        "plain sequential write (fsync)",
+        "saver save, 1 shard, parallel 2 (fsync)",
+    ];
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    let mut ratios = Vec::new();
+    for round in 0..=rounds {
+        let mut this = [0.0; 3];
+        for k in 0..names.len() {
+            let which = (k + round) % names.len();
+            remove(&plain);
+            remove(&out);
+            // SAFETY: sync(2) has no preconditions.
+            unsafe { libc::sync() };
+            let t = Instant::now();
+            match which {
+                0 => common::plain_write_direct(&plain, bytes),
+                1 => common::plain_write(&plain, bytes, true),
+                _ => drop(save(&out, model.input(), &opts(flags, 2, true, 1)).unwrap()),
+            }
+            this[which] = t.elapsed().as_secs_f64();
+        }
+        if round > 0 {
+            for (all, t) in times.iter_mut().zip(this) {
+                all.push(t);
+            }
+            ratios.push(this[0].min(this[1]) / this[2]);
+        }
+    }
+    let _ = std::fs::remove_file(&plain);
+    let _ = std::fs::remove_dir_all(&out);
+    println!(
+        "Durable save against its limit: {rounds} rounds after a warm-up, the order rotated each \
+         round, `sync` before every run, outputs removed untimed.\n"
+    );
+    println!("| run | median time | throughput |\n| --- | --- | --- |");
+    for (name, all) in names.iter().zip(&times) {
+        let t = median(all.clone());
+        println!("| {name} | {t:.2} s | {} |", gib_s(bytes, t));
+    }
+    let each: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+    println!(
+        "\nThe save against the faster plain write of its round: median **{:.2}** (rounds: {}).",
+        median(ratios.clone()),
+        each.join(", ")
+    );
 }
 
 fn main() {
@@ -119,13 +201,18 @@ fn main() {
     if args.iter().any(|a| a == "--memory-only") {
         return;
     }
+    if let Some(pairs) = arg("--durable-pairs") {
+        let pairs = pairs.parse().expect("--durable-pairs: a number of rounds");
+        durable_pairs(&model, &flags, &dir, bytes, pairs);
+        return;
+    }
     println!(
         "Medians of {runs} rounds after a warm-up round; configurations interleaved within each round, \
          `sync` before every run. Ratio: saver's throughput / the plain baseline's.\n"
     );
 
     let plain = dir.join("plain.bin");
-    let mut configs: Vec<(String, Run<'_>)> = Vec::new();
+    let mut configs: Vec<Config<'_>> = Vec::new();
     for durable in [true, false] {
         let tag = if durable { "fsync" } else { "no fsync" };
         let plain = plain.clone();
@@ -133,6 +220,7 @@ fn main() {
             let plain = plain.clone();
             configs.push((
                 "plain sequential write, O_DIRECT (fsync)".to_string(),
+                Some(plain.clone()),
                 Box::new(move || {
                     common::plain_write_direct(&plain, bytes);
                     Box::new(())
@@ -141,6 +229,7 @@ fn main() {
         }
         configs.push((
             format!("plain sequential write ({tag})"),
+            Some(plain.clone()),
             Box::new(move || {
                 common::plain_write(&plain, bytes, durable);
                 Box::new(())
@@ -151,8 +240,8 @@ fn main() {
             let model = &model;
             configs.push((
                 format!("saver save, {shards} shard(s), parallel {p} ({tag})"),
+                Some(out.clone()),
                 Box::new(move || {
-                    let _ = std::fs::remove_dir_all(&out);
                     Box::new(save(&out, model.input(), &opts(&flags, p, durable, shards)).unwrap())
                 }),
             ));
@@ -191,14 +280,16 @@ fn main() {
     // Loads from warm page cache.
     let files = common::data_files(&ck_dir);
     let ck = Checkpoint::open(&ck_dir).unwrap();
-    let mut loads: Vec<(String, Run<'_>)> = vec![(
+    let mut loads: Vec<Config<'_>> = vec![(
         "plain read into reused buffers, 2 threads".into(),
+        None,
         Box::new(|| Box::new(common::plain_read(&files, 2))),
     )];
     for p in [1usize, 2] {
         let ck = &ck;
         loads.push((
             format!("saver load into new arrays (load_columns), parallel {p}"),
+            None,
             Box::new(move || {
                 Box::new(
                     ck.load_columns(&LoadOptions {
@@ -214,6 +305,7 @@ fn main() {
         let ck = &ck;
         loads.push((
             format!("saver restore into new hashtables (EmbeddingTable), parallel {p}"),
+            None,
             Box::new(move || {
                 Box::new(
                     ck.restore(&LoadOptions {

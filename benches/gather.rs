@@ -129,27 +129,35 @@ fn as_columns(tables: &[impl SparseTable]) -> Vec<ColumnTable<'static>> {
     tables
         .iter()
         .map(|t| {
+            // The rows as the scan gives them, then put in id order through a permutation.
             let snapshot = t.snapshot().unwrap();
-            let mut rows: Vec<(u64, Vec<Vec<u8>>)> = Vec::with_capacity(t.len());
+            let (mut ids, mut scanned) = (
+                Vec::with_capacity(t.len()),
+                vec![Vec::new(); t.slots().len()],
+            );
             snapshot
                 .scan(1 << 16, true, &mut |c| {
-                    for (r, &id) in c.ids.iter().enumerate() {
-                        let slots = (c.slots.iter())
-                            .map(|s| {
-                                let b = s.len() / c.ids.len();
-                                s[r * b..(r + 1) * b].to_vec()
-                            })
-                            .collect();
-                        rows.push((id, slots));
+                    ids.extend_from_slice(c.ids);
+                    for (all, rows) in scanned.iter_mut().zip(c.slots) {
+                        all.extend_from_slice(rows);
                     }
                     Ok(())
                 })
                 .unwrap();
-            rows.sort_unstable_by_key(|r| r.0);
-            let data = (0..t.slots().len())
-                .map(|s| rows.iter().flat_map(|r| r.1[s].iter().copied()).collect())
+            let mut order: Vec<usize> = (0..ids.len()).collect();
+            order.sort_unstable_by_key(|&r| ids[r]);
+            let data = scanned
+                .iter()
+                .map(|all| {
+                    let b = all.len() / ids.len().max(1);
+                    order
+                        .iter()
+                        .flat_map(|&r| &all[r * b..(r + 1) * b])
+                        .copied()
+                        .collect()
+                })
                 .collect();
-            let ids = rows.iter().map(|r| r.0).collect();
+            let ids = order.iter().map(|&r| ids[r]).collect();
             ColumnTable::new(t.name(), t.key_dtype(), t.slots().to_vec(), ids, data).unwrap()
         })
         .collect()
