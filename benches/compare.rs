@@ -1,13 +1,13 @@
 //! The figures of docs/BENCHMARKS.md: saver against the physical limit, on one model, in one run.
 //!
 //! `cargo bench --bench compare -- [--size 2GiB | --spec criteo-kaggle,scale=0.5] [--runs 3]
-//! [--memory-only] [--plan-memory 64MiB] [--direct-io auto|on|off]`
+//! [--memory-only] [--plan-memory 64MiB] [--direct-io auto|on|off] [--durable-pairs N]`
 //!
 //! For each configuration: a warm-up, then `--runs` timed runs; the median is reported, and each
 //! figure as a ratio to the baseline measured in the same run. Prints a Markdown report. What a
 //! run writes is removed before it, untimed: a write that replaces a file of 2 GiB pays for
-//! freeing its blocks and pages, which before 3865961's successor was in the plain writes' times
-//! (and a save's removal of its last output in the save's).
+//! freeing its blocks and pages, which the plain writes' times once included (and a save's
+//! removal of its last output the save's), about a second for the write without fsync.
 //!
 //! `--durable-pairs N` measures only the durable save against its limit, more closely: a save
 //! (1 shard, parallel 2) and the plain durable writes, N rounds after a warm-up, the order

@@ -38,10 +38,10 @@ run() { # name, command...
 
 if [ $quick = 1 ]; then
   size=64MiB runs=1 models='tiny' chain_size=1MiB spec='tiny' checkpoints=20 train='--train-seconds 1 --train-rows 4096'
-  tws='--rows 16384 --trainers 1 --hot 10' codec_mib=1 compressed_size=16MiB commit_runs=1
+  tws='--rows 16384 --trainers 1 --hot 10' codec_mib=1 compressed_size=16MiB commit_runs=1 pairs=1
 else
   size=2GiB runs=3 models='small,scale=10;criteo-kaggle,scale=0.5' chain_size=6MiB spec='criteo-kaggle,scale=0.25' checkpoints=1000 train='--train-seconds 10'
-  tws='' codec_mib=32 compressed_size=1GiB commit_runs=5
+  tws='' codec_mib=32 compressed_size=1GiB commit_runs=5 pairs=9
 fi
 
 {
@@ -54,6 +54,7 @@ fi
 py=python3
 run durable_save "$py" benches/peers/harness.py --durable-only --no-peers --runs "$runs" --models "$models" --sweep '' --work target/summary/work --out target/summary/durable
 run compare cargo bench -q --bench compare -- --size "$size" --runs "$runs"
+run durable_pairs cargo bench -q --bench compare -- --spec "$spec" --durable-pairs "$pairs"
 run object_store cargo bench -q --bench object_store -- --size "$size" --runs "$runs"
 run chain_object_store cargo bench -q --bench chain_object_store -- --size "$chain_size" --runs "$runs"
 run store_round_trips cargo bench -q --bench store_round_trips -- --runs "$commit_runs"
