@@ -127,8 +127,8 @@ fn durable_pairs(
             ratios.push(this[0].min(this[1]) / this[2]);
         }
     }
-    let _ = std::fs::remove_file(&plain);
-    let _ = std::fs::remove_dir_all(&out);
+    remove(&plain);
+    remove(&out);
     println!(
         "Durable save against its limit: {rounds} rounds after a warm-up, the order rotated each \
          round, `sync` before every run, outputs removed untimed.\n"
@@ -266,16 +266,10 @@ fn main() {
             );
         }
     }
-    drop(configs);
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let p = entry.unwrap().path();
-        if p.file_name()
-            .is_some_and(|n| n.to_string_lossy().starts_with("save-"))
-        {
-            let _ = std::fs::remove_dir_all(p);
-        }
+    for output in configs.iter().filter_map(|c| c.1.as_deref()) {
+        remove(output);
     }
-    let _ = std::fs::remove_file(&plain);
+    drop(configs);
 
     // Loads from warm page cache.
     let files = common::data_files(&ck_dir);
