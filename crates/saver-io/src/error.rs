@@ -138,12 +138,17 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether the error is an I/O error for a file that does not exist.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
+    }
+
     /// Whether the error says something about a checkpoint's bytes (missing, truncated, changed,
     /// malformed), as opposed to the reader's situation (permission denied, I/O error, options):
     /// only the former make a checkpoint corrupt.
     pub fn is_about_the_checkpoint(&self) -> bool {
         match self {
-            Error::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+            Error::Io { .. } => self.is_not_found(),
             Error::Corrupt { .. }
             | Error::UnsafePath { .. }
             | Error::UnsupportedVersion { .. }

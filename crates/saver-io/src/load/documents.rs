@@ -31,7 +31,7 @@ pub(crate) fn get_if_exists(
 ) -> Result<Option<Vec<u8>>> {
     match storage.get(name, limit) {
         Ok(bytes) => Ok(Some(bytes)),
-        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) if e.is_not_found() => Ok(None),
         Err(e) => Err(e),
     }
 }

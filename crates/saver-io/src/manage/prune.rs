@@ -146,17 +146,13 @@ pub(crate) fn remove_step(root: &Root, step: u64, save_ids: &[String]) -> Result
     loop {
         match remove_step_files(root, step, save_ids) {
             Err(_) if is_gone(root, step) => return Ok(0),
-            Err(e) if attempt < 4 && is_not_found(&e) => {
+            Err(e) if attempt < 4 && e.is_not_found() => {
                 attempt += 1;
                 std::thread::sleep(std::time::Duration::from_millis(10 << attempt));
             }
             r => return r,
         }
     }
-}
-
-fn is_not_found(e: &crate::Error) -> bool {
-    matches!(e, crate::Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
 }
 
 /// Whether step `step`'s directory is gone (an object store's: holds nothing).
