@@ -245,7 +245,7 @@ fn plain_get(
     objects: &[(Key, u64)],
     bytes: u64,
     keep: bool,
-) -> (u64, Vec<Vec<u8>>) {
+) -> (u64, Vec<memmap2::MmapMut>) {
     let mut ranges = Vec::new();
     let mut left = bytes;
     for (key, size) in objects {
@@ -257,13 +257,20 @@ fn plain_get(
             left -= n;
         }
     }
-    let pieces: Vec<(u64, Option<Vec<u8>>)> = rt.block_on(async {
+    let pieces: Vec<(u64, Option<memmap2::MmapMut>)> = rt.block_on(async {
         futures::stream::iter(ranges)
             .map(|(key, r)| {
                 let s3 = s3.clone();
                 rt.spawn(async move {
                     let got = s3.get_range(&key, r).await.unwrap();
-                    (got.len() as u64, keep.then(|| got.to_vec()))
+                    // A mapping of its own: new pages whatever the allocator holds free, as
+                    // the arrays of a load (far past the allocator's threshold for mapping).
+                    let kept = keep.then(|| {
+                        let mut piece = memmap2::MmapMut::map_anon(got.len()).unwrap();
+                        piece.copy_from_slice(&got);
+                        piece
+                    });
+                    (got.len() as u64, kept)
                 })
             })
             .buffer_unordered(IN_FLIGHT)
