@@ -79,6 +79,37 @@ pub fn plain_read(files: &[PathBuf], threads: usize) -> u64 {
     })
 }
 
+/// Reads every file whole into new memory of its own, from `threads` threads (files split
+/// between them), and returns it: what a load does, which puts the bytes it reads into the new
+/// memory of the model it returns and faults in every page of it.
+pub fn plain_read_into_new(files: &[PathBuf], threads: usize) -> Vec<Vec<u8>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || {
+                    files
+                        .iter()
+                        .skip(t)
+                        .step_by(threads)
+                        .map(|f| {
+                            let file = OpenOptions::new().read(true).open(f).unwrap();
+                            let mut buf = vec![0u8; file.metadata().unwrap().len() as usize];
+                            for (k, piece) in buf.chunks_mut(BUF).enumerate() {
+                                file.read_exact_at(piece, (k * BUF) as u64).unwrap();
+                            }
+                            buf
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    })
+}
+
 /// The data files of a checkpoint directory.
 pub fn data_files(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
