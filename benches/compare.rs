@@ -11,7 +11,8 @@
 //!
 //! `--durable-pairs N` measures only the durable save against its limit, more closely: a save
 //! (1 shard, parallel 2) and the plain durable writes, N rounds after a warm-up, the order
-//! rotated each round so that none always follows the same run, every output removed untimed.
+//! rotated each round so that none always follows the same run, every output removed untimed;
+//! and the save's phases from its report: the plan, before any file exists, and the write.
 
 mod common;
 
