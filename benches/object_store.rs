@@ -445,7 +445,13 @@ fn main() {
         ),
         (
             "plain ranged GETs of the checkpoint into new memory (limit)".into(),
-            Box::new(|| clock_load(|| plain_get(&rt, &s3, &whole, bytes, true))),
+            Box::new(|| {
+                clock_load(|| {
+                    let (fetched, pieces) = plain_get(&rt, &s3, &whole, bytes, true);
+                    assert_eq!(fetched, bytes);
+                    pieces
+                })
+            }),
         ),
         (
             "saver load into new arrays (load_columns), parallel 2".into(),
@@ -468,7 +474,13 @@ fn main() {
         ),
         (
             "plain ranged GETs of the bytes shard 1 of 3 reads into new memory (limit)".into(),
-            Box::new(|| clock_load(|| plain_get(&rt, &s3, &eighths, reshard_read, true))),
+            Box::new(|| {
+                clock_load(|| {
+                    let (fetched, pieces) = plain_get(&rt, &s3, &eighths, reshard_read, true);
+                    assert_eq!(fetched, reshard_read);
+                    pieces
+                })
+            }),
         ),
         (
             "saver resharding load 8 → shard 1 of 3 into arrays, parallel 2".into(),
