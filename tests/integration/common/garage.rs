@@ -87,11 +87,31 @@ pub fn garage_bin() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Times a server is started on new ports when a port it was given is taken before it binds it.
+const START_ATTEMPTS: usize = 5;
+
+/// A loopback port free now, below the range the kernel hands out for outgoing connections (read
+/// from `ip_local_port_range`): a port from that range, as `bind(":0")` gives, can be taken by
+/// any test's next connection before the server binds it, and once was (garage panicked with
+/// `AddrInUse`).
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
-        .port()
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (low, high) = if ephemeral_low > 12_000 {
+        (10_000, ephemeral_low)
+    } else {
+        (ephemeral_low, u16::MAX)
+    };
+    let span = u64::from(high - low);
+    for _ in 0..1000 {
+        let port = low + (rand_u64() % span) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port in {low}..{high}");
 }
 
 impl Garage {
@@ -113,9 +133,53 @@ impl Garage {
             );
             return None;
         };
+        let mut attempt = 1;
+        let mut g = loop {
+            let mut g = Self::configured(bin.clone(), s3_host);
+            g.spawn();
+            match g.wait_until_up() {
+                Ok(()) => break g,
+                Err(log) if log.contains("Address already in use") && attempt < START_ATTEMPTS => {
+                    // Dropped: killed, and its directory removed.
+                    eprintln!("garage: a port was taken before the server bound it; new ports");
+                    attempt += 1;
+                }
+                Err(log) => panic!("garage did not come up: {log}"),
+            }
+        };
+        let node = g.cli(&["node", "id", "-q"]);
+        let node = node
+            .trim()
+            .split('@')
+            .next()
+            .expect("a node id")
+            .to_string();
+        g.cli(&["layout", "assign", "-z", "dc1", "-c", "1G", &node]);
+        g.cli(&["layout", "apply", "--version", "1"]);
+        g.cli(&["bucket", "create", &g.bucket.clone()]);
+        let key = g.cli(&["key", "create", "saver-test-key"]);
+        g.key_id = field(&key, "Key ID");
+        g.secret = field(&key, "Secret key");
+        let bucket = g.bucket.clone();
+        g.cli(&[
+            "bucket",
+            "allow",
+            "--read",
+            "--write",
+            "--owner",
+            &bucket,
+            "--key",
+            "saver-test-key",
+        ]);
+        g.wait_for_s3();
+        Some(g)
+    }
+
+    /// A server configured on new ports in a new directory, not started.
+    fn configured(bin: PathBuf, s3_host: &str) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let (s3_port, rpc_port, admin_port) = (free_port(), free_port(), free_port());
-        let mut g = Self {
+        let g = Self {
             bin,
             dir,
             child: None,
@@ -149,34 +213,7 @@ admin_token = "saver-test-admin"
             d = g.dir.path().display()
         );
         std::fs::write(g.config(), config).expect("write garage.toml");
-        g.spawn();
-        g.wait_until_up();
-        let node = g.cli(&["node", "id", "-q"]);
-        let node = node
-            .trim()
-            .split('@')
-            .next()
-            .expect("a node id")
-            .to_string();
-        g.cli(&["layout", "assign", "-z", "dc1", "-c", "1G", &node]);
-        g.cli(&["layout", "apply", "--version", "1"]);
-        g.cli(&["bucket", "create", &g.bucket.clone()]);
-        let key = g.cli(&["key", "create", "saver-test-key"]);
-        g.key_id = field(&key, "Key ID");
-        g.secret = field(&key, "Secret key");
-        let bucket = g.bucket.clone();
-        g.cli(&[
-            "bucket",
-            "allow",
-            "--read",
-            "--write",
-            "--owner",
-            &bucket,
-            "--key",
-            "saver-test-key",
-        ]);
-        g.wait_for_s3();
-        Some(g)
+        g
     }
 
     fn config(&self) -> PathBuf {
@@ -231,7 +268,8 @@ admin_token = "saver-test-admin"
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    fn wait_until_up(&self) {
+    /// Waits until the server answers, for up to 30 s; its log if it does not, or if it exits.
+    fn wait_until_up(&mut self) -> Result<(), String> {
         let start = Instant::now();
         loop {
             let ok = Command::new(&self.bin)
@@ -242,13 +280,22 @@ admin_token = "saver-test-admin"
                 .output()
                 .is_ok_and(|o| o.status.success());
             if ok {
-                return;
+                return Ok(());
             }
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "garage did not come up in 30 s: {}",
-                std::fs::read_to_string(self.dir.path().join("garage.log")).unwrap_or_default()
-            );
+            let exited = self
+                .child
+                .as_mut()
+                .is_none_or(|c| c.try_wait().is_ok_and(|status| status.is_some()));
+            if exited || start.elapsed() > Duration::from_secs(30) {
+                let log =
+                    std::fs::read_to_string(self.dir.path().join("garage.log")).unwrap_or_default();
+                let why = if exited {
+                    "exited"
+                } else {
+                    "no answer in 30 s"
+                };
+                return Err(format!("{why}: {log}"));
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -274,7 +321,9 @@ admin_token = "saver-test-admin"
     pub fn restart(&mut self) {
         self.stop();
         self.spawn();
-        self.wait_until_up();
+        if let Err(log) = self.wait_until_up() {
+            panic!("garage did not come back: {log}");
+        }
         self.wait_for_s3();
     }
 
