@@ -225,22 +225,30 @@ fn committed_and_intact(g: &Garage, url: &str) -> bool {
     false
 }
 
-/// Waits until the save `child` into `prefix` has claimed a shard (or has ended).
-fn wait_for_claims(g: &Garage, prefix: &str, child: &mut std::process::Child) {
+/// How far a save has come, by what it has stored.
+#[derive(Clone, Copy, Debug)]
+enum Reached {
+    /// It has claimed a shard (a `.writer.json`).
+    Claims,
+    /// It has opened an upload (a `.upload` marker, put once the upload is created).
+    Uploads,
+}
+
+/// Waits until the save `child` into `prefix` has reached `point` (or has ended).
+fn wait_for(g: &Garage, prefix: &str, child: &mut std::process::Child, point: Reached) {
+    let suffix = match point {
+        Reached::Claims => ".writer.json",
+        Reached::Uploads => ".upload",
+    };
     let listing = prefix_of(g, prefix);
     let start = Instant::now();
-    while !listing
-        .list()
-        .unwrap()
-        .iter()
-        .any(|n| n.ends_with(".writer.json"))
-    {
+    while !listing.list().unwrap().iter().any(|n| n.ends_with(suffix)) {
         if child.try_wait().unwrap().is_some() {
             return;
         }
         assert!(
             start.elapsed() < Duration::from_secs(60),
-            "the save never started"
+            "the save never reached {point:?}"
         );
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -259,8 +267,17 @@ fn a_retry_commits(g: &Garage, url: &str) {
 fn a_save_killed_mid_upload_never_leaves_a_checkpoint_that_loads() {
     let Some(g) = Garage::start() else { return };
     let (mut killed, mut open_left) = (0, 0);
-    // Killed at varied points after the save claimed its shards: mid-upload, mostly.
-    for (round, delay_ms) in [0u64, 40, 100, 200, 350].into_iter().enumerate() {
+    // Killed at varied points after the save claimed its shards, and after it opened its first
+    // upload: on a loaded machine a save may not open one within 350 ms of its claims, and a
+    // run of fixed delays from the claims then never killed one mid-upload.
+    let points = [
+        (Reached::Claims, 0u64),
+        (Reached::Claims, 100),
+        (Reached::Uploads, 0),
+        (Reached::Uploads, 40),
+        (Reached::Uploads, 200),
+    ];
+    for (round, (point, delay_ms)) in points.into_iter().enumerate() {
         let url = g.url(&format!("kill/ck{round}"));
         let mut child = saver_cmd(
             &g,
@@ -278,7 +295,7 @@ fn a_save_killed_mid_upload_never_leaves_a_checkpoint_that_loads() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-        wait_for_claims(&g, &format!("kill/ck{round}"), &mut child);
+        wait_for(&g, &format!("kill/ck{round}"), &mut child, point);
         std::thread::sleep(Duration::from_millis(delay_ms));
         let finished = child.try_wait().unwrap().is_some();
         let _ = child.kill();
@@ -286,7 +303,9 @@ fn a_save_killed_mid_upload_never_leaves_a_checkpoint_that_loads() {
         if !finished && !committed_and_intact(&g, &url) {
             killed += 1;
         }
-        eprintln!("killed after {delay_ms} ms: finished {finished}, killed before commit {killed}");
+        eprintln!(
+            "killed {delay_ms} ms after {point:?}: finished {finished}, killed before commit {killed}"
+        );
         let prefix = format!("kill/ck{round}");
         let left = recorded_uploads(&g, &prefix);
         eprintln!("{} upload marker(s) left", left.len());
@@ -373,7 +392,7 @@ fn a_server_that_stops_mid_save_is_an_error_naming_the_store_and_a_retry_commits
     .unwrap();
     // Stop the server once the save has claimed its shards, so uploads are under way.
     let mut child = child;
-    wait_for_claims(&g, "outage/ck", &mut child);
+    wait_for(&g, "outage/ck", &mut child, Reached::Claims);
     std::thread::sleep(Duration::from_millis(50));
     g.stop();
     let start = Instant::now();
