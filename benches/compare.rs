@@ -12,11 +12,12 @@
 //! `--durable-pairs N` measures only the durable save against its limit, more closely: a save
 //! (1 shard, parallel 2) and the plain durable writes, N rounds after a warm-up, the order
 //! rotated each round so that none always follows the same run, every output removed untimed;
-//! and the save's phases from its report: the plan, before any file exists, and the write.
+//! and the save's phases from its report: the plan, before any file exists, and the write; and
+//! the CPU time (user and system, every thread of the process) each run spent.
 
 mod common;
 
-use common::{gib_s, human, median, rss};
+use common::{cpu_seconds, gib_s, human, median, rss};
 
 use std::time::Instant;
 
@@ -104,6 +105,9 @@ fn durable_pairs(
         "saver save, 1 shard, parallel 2 (fsync)",
     ];
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    // CPU seconds of this process (every thread) in each run: where the disk is faster than the
+    // save's work on two cores, this and not the disk sets the save's pace.
+    let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     let mut ratios = Vec::new();
     // The save's phases, as its report gives them: the plan, before any file exists, and the
     // write, the fsyncs and the commit.
@@ -111,12 +115,14 @@ fn durable_pairs(
     let mut phases = (0.0, 0.0);
     for round in 0..=rounds {
         let mut this = [0.0; 3];
+        let mut this_cpu = [0.0; 3];
         for k in 0..names.len() {
             let which = (k + round) % names.len();
             remove(&plain);
             remove(&out);
             // SAFETY: sync(2) has no preconditions.
             unsafe { libc::sync() };
+            let c = cpu_seconds(None).0;
             let t = Instant::now();
             match which {
                 0 => common::plain_write_direct(&plain, bytes),
@@ -127,12 +133,16 @@ fn durable_pairs(
                 }
             }
             this[which] = t.elapsed().as_secs_f64();
+            this_cpu[which] = cpu_seconds(None).0 - c;
         }
         if round > 0 {
             plan.push(phases.0);
             write.push(phases.1);
             for (all, t) in times.iter_mut().zip(this) {
                 all.push(t);
+            }
+            for (all, c) in cpu.iter_mut().zip(this_cpu) {
+                all.push(c);
             }
             ratios.push(this[0].min(this[1]) / this[2]);
         }
@@ -143,10 +153,13 @@ fn durable_pairs(
         "Durable save against its limit: {rounds} rounds after a warm-up, the order rotated each \
          round, `sync` before every run, outputs removed untimed.\n"
     );
-    println!("| run | median time | throughput |\n| --- | --- | --- |");
-    for (name, all) in names.iter().zip(&times) {
+    println!(
+        "| run | median time | throughput | CPU (user + system, every thread) |\n| --- | --- | --- | --- |"
+    );
+    for ((name, all), c) in names.iter().zip(&times).zip(&cpu) {
         let t = median(all.clone());
-        println!("| {name} | {t:.2} s | {} |", gib_s(bytes, t));
+        let c = median(c.clone());
+        println!("| {name} | {t:.2} s | {} | {c:.2} s |", gib_s(bytes, t));
     }
     let (plan, write) = (median(plan), median(write));
     println!(

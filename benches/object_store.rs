@@ -22,7 +22,7 @@ mod garage;
 
 mod common;
 
-use common::{gib_s, human, median, rss};
+use common::{cpu_seconds, gib_s, human, median, rss};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -43,25 +43,6 @@ type Run<'a> = Box<dyn FnMut() -> f64 + 'a>;
 
 const PIECE: u64 = 8 << 20;
 const IN_FLIGHT: usize = 8;
-
-/// CPU seconds of this process (every thread) and of process `pid`, from `/proc`.
-fn cpu_seconds(pid: Option<u32>) -> (f64, f64) {
-    let of = |path: String| -> f64 {
-        let stat = std::fs::read_to_string(path).unwrap_or_default();
-        // utime and stime are fields 14 and 15; the command name (field 2) may hold spaces, so
-        // count from the closing parenthesis.
-        let rest = stat.rsplit_once(')').map_or("", |r| r.1);
-        let f: Vec<f64> = rest
-            .split_whitespace()
-            .filter_map(|x| x.parse().ok())
-            .collect();
-        // SAFETY: sysconf has no memory effects.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        f.get(11).zip(f.get(12)).map_or(0.0, |(u, s)| (u + s) / hz)
-    };
-    let server = pid.map_or(0.0, |p| of(format!("/proc/{p}/stat")));
-    (of("/proc/self/stat".into()), server)
-}
 
 /// The server whose CPU time [`clock`] counts.
 static SERVER: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();

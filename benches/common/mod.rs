@@ -209,6 +209,31 @@ pub fn rss() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
+/// CPU seconds of this process (every thread) and of process `pid`, from `/proc`.
+pub fn cpu_seconds(pid: Option<u32>) -> (f64, f64) {
+    let of = |path: String| -> f64 {
+        let stat = std::fs::read_to_string(&path).unwrap_or_default();
+        if stat.is_empty() {
+            return 0.0; // a server that has exited
+        }
+        // utime and stime are fields 14 and 15; the command name (field 2) may hold spaces, so
+        // count from the closing parenthesis: the field after it is field 3, the state, a letter.
+        // Every field counts, so that this letter does not shift the others.
+        let rest = stat.rsplit_once(')').map_or("", |r| r.1);
+        let field = |n: usize| -> f64 {
+            rest.split_whitespace()
+                .nth(n - 3)
+                .and_then(|x| x.parse().ok())
+                .unwrap_or_else(|| panic!("{path}: field {n} is not a number: {stat}"))
+        };
+        // SAFETY: sysconf has no memory effects.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        (field(14) + field(15)) / hz
+    };
+    let server = pid.map_or(0.0, |p| of(format!("/proc/{p}/stat")));
+    (of("/proc/self/stat".into()), server)
+}
+
 /// `bytes` in GiB or MiB.
 pub fn human(b: u64) -> String {
     if b >= 1 << 30 {
