@@ -31,9 +31,14 @@ const WRITERS: usize = 4;
 
 /// The most bytes one background write sends. A piece's pages are cut into writes of this size,
 /// which the background threads share, so that the disk has a write queued per thread even when
-/// few pieces are in flight: one write per piece (4 MiB) kept the disk busy but slower, by a
-/// tenth to a fifth here with two or four writer threads (docs/BENCHMARKS.md).
-const PART: usize = 512 << 10;
+/// few pieces are in flight. Each write wakes a background thread, which on two cores busy with
+/// gathering rows waits for one: 512 KiB writes left the 2 GiB durable save of `compare` at
+/// 1.60 s (median of six rounds alternated with 4 MiB writes, which took 1.47 s; the disk's
+/// requests are at most 4 MiB here). The disk still has one write queued per thread: a piece
+/// larger than this is cut, and [`IN_FLIGHT`] holds four of these. With two threads, one write
+/// per piece of 4 MiB was slower (docs/BENCHMARKS.md, "Rows gathered straight into the memory
+/// the disk reads").
+const PART: usize = 4 << 20;
 
 /// Bytes handed to the background writers and not yet written: about two writer threads'
 /// chunks (8 MiB each by default), so that each can hand over a chunk's pieces and gather the
