@@ -1,7 +1,8 @@
 //! The figures of docs/BENCHMARKS.md: saver against the physical limit, on one model, in one run.
 //!
 //! `cargo bench --bench compare -- [--size 2GiB | --spec criteo-kaggle,scale=0.5] [--runs 3]
-//! [--memory-only] [--plan-memory 64MiB] [--direct-io auto|on|off] [--durable-pairs N]`
+//! [--memory-only] [--plan-memory 64MiB] [--direct-io auto|on|off] [--durable-pairs N]
+//! [--cache-pairs N]`
 //!
 //! For each configuration: a warm-up, then `--runs` timed runs; the median is reported, and each
 //! figure as a ratio to the baseline measured in the same run. Prints a Markdown report. What a
@@ -13,7 +14,8 @@
 //! (1 shard, parallel 2) and the plain durable writes, N rounds after a warm-up, the order
 //! rotated each round so that none always follows the same run, every output removed untimed;
 //! and the save's phases from its report: the plan, before any file exists, and the write; and
-//! the CPU time (user and system, every thread of the process) each run spent.
+//! the CPU time (user and system, every thread of the process) each run spent. `--cache-pairs N`
+//! does the same for the save without fsync, against the plain buffered write without fsync.
 
 mod common;
 
@@ -86,51 +88,61 @@ fn opts(flags: &Flags, parallel: usize, durable: bool, shards: u32) -> SaveOptio
     o
 }
 
-/// The durable save (1 shard, parallel 2) against the plain durable writes of as many bytes,
-/// `rounds` rounds after a warm-up, in an order rotated each round. Prints each one's median and
-/// the median over rounds of the limit's time (the faster plain write of that round) over the
-/// save's.
-fn durable_pairs(
+/// A save (1 shard, parallel 2) against the plain writes of as many bytes that do its work:
+/// durable, the `O_DIRECT` write and the buffered write + fsync; without fsync, the buffered
+/// write. `rounds` rounds after a warm-up, in an order rotated each round. Prints each one's
+/// median and the median over rounds of the limit's time (the fastest plain write of that round)
+/// over the save's.
+fn pairs(
     model: &SyntheticModel,
     flags: &Flags,
     dir: &std::path::Path,
     bytes: u64,
     rounds: usize,
+    durable: bool,
 ) {
     let plain = dir.join("plain.bin");
     let out = dir.join("save-pairs");
-    let names = [
-        "plain sequential write, O_DIRECT (fsync)",
-        "plain sequential write (fsync)",
-        "saver save, 1 shard, parallel 2 (fsync)",
-    ];
-    let mut times: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    let names: &[&str] = if durable {
+        &[
+            "plain sequential write, O_DIRECT (fsync)",
+            "plain sequential write (fsync)",
+            "saver save, 1 shard, parallel 2 (fsync)",
+        ]
+    } else {
+        &[
+            "plain sequential write (no fsync)",
+            "saver save, 1 shard, parallel 2 (no fsync)",
+        ]
+    };
+    let n = names.len();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); n];
     // CPU seconds of this process (every thread) in each run: where the disk is faster than the
     // save's work on two cores, this and not the disk sets the save's pace.
-    let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); n];
     let mut ratios = Vec::new();
     // The save's phases, as its report gives them: the plan, before any file exists, and the
     // write, the fsyncs and the commit.
     let (mut plan, mut write) = (Vec::new(), Vec::new());
     let mut phases = (0.0, 0.0);
     for round in 0..=rounds {
-        let mut this = [0.0; 3];
-        let mut this_cpu = [0.0; 3];
-        for k in 0..names.len() {
-            let which = (k + round) % names.len();
+        let mut this = vec![0.0; n];
+        let mut this_cpu = vec![0.0; n];
+        for k in 0..n {
+            let which = (k + round) % n;
             remove(&plain);
             remove(&out);
             // SAFETY: sync(2) has no preconditions.
             unsafe { libc::sync() };
             let c = cpu_seconds(None).0;
             let t = Instant::now();
-            match which {
-                0 => common::plain_write_direct(&plain, bytes),
-                1 => common::plain_write(&plain, bytes, true),
-                _ => {
-                    let r = save(&out, model.input(), &opts(flags, 2, true, 1)).unwrap();
+            match (which == n - 1, durable, which) {
+                (true, ..) => {
+                    let r = save(&out, model.input(), &opts(flags, 2, durable, 1)).unwrap();
                     phases = (r.plan_seconds, r.write_seconds + r.commit_seconds);
                 }
+                (false, true, 0) => common::plain_write_direct(&plain, bytes),
+                (false, ..) => common::plain_write(&plain, bytes, durable),
             }
             this[which] = t.elapsed().as_secs_f64();
             this_cpu[which] = cpu_seconds(None).0 - c;
@@ -138,19 +150,25 @@ fn durable_pairs(
         if round > 0 {
             plan.push(phases.0);
             write.push(phases.1);
-            for (all, t) in times.iter_mut().zip(this) {
+            for (all, &t) in times.iter_mut().zip(&this) {
                 all.push(t);
             }
-            for (all, c) in cpu.iter_mut().zip(this_cpu) {
+            for (all, &c) in cpu.iter_mut().zip(&this_cpu) {
                 all.push(c);
             }
-            ratios.push(this[0].min(this[1]) / this[2]);
+            let limit = this[..n - 1].iter().copied().fold(f64::INFINITY, f64::min);
+            ratios.push(limit / this[n - 1]);
         }
     }
     remove(&plain);
     remove(&out);
+    let what = if durable {
+        "Durable save"
+    } else {
+        "Save without fsync"
+    };
     println!(
-        "Durable save against its limit: {rounds} rounds after a warm-up, the order rotated each \
+        "{what} against its limit: {rounds} rounds after a warm-up, the order rotated each \
          round, `sync` before every run, outputs removed untimed.\n"
     );
     println!(
@@ -162,9 +180,14 @@ fn durable_pairs(
         println!("| {name} | {t:.2} s | {} | {c:.2} s |", gib_s(bytes, t));
     }
     let (plan, write) = (median(plan), median(write));
+    let (writes, first) = if durable {
+        ("the write, fsync and commit", "`O_DIRECT` write")
+    } else {
+        ("the write and commit", "write")
+    };
     println!(
         "\nThe save's phases (medians): the plan {plan:.2} s, during which no byte is written; \
-         the write, fsync and commit {write:.2} s, {} (the plain `O_DIRECT` write: {}).",
+         {writes} {write:.2} s, {} (the plain {first}: {}).",
         gib_s(bytes, write),
         gib_s(bytes, median(times[0].clone()))
     );
@@ -231,10 +254,14 @@ fn main() {
     if args.iter().any(|a| a == "--memory-only") {
         return;
     }
-    if let Some(pairs) = arg("--durable-pairs") {
-        let pairs = pairs.parse().expect("--durable-pairs: a number of rounds");
-        durable_pairs(&model, &flags, &dir, bytes, pairs);
-        return;
+    for (flag, durable) in [("--durable-pairs", true), ("--cache-pairs", false)] {
+        if let Some(rounds) = arg(flag) {
+            let rounds = rounds
+                .parse()
+                .unwrap_or_else(|_| panic!("{flag}: a number of rounds"));
+            pairs(&model, &flags, &dir, bytes, rounds, durable);
+            return;
+        }
     }
     println!(
         "Medians of {runs} rounds after a warm-up round; configurations interleaved within each round, \

@@ -55,6 +55,7 @@ py=python3
 run durable_save "$py" benches/peers/harness.py --durable-only --no-peers --runs "$runs" --models "$models" --sweep '' --work target/summary/work --out target/summary/durable
 run compare cargo bench -q --bench compare -- --size "$size" --runs "$runs"
 run durable_pairs cargo bench -q --bench compare -- --spec "$spec" --durable-pairs "$pairs"
+run cache_pairs cargo bench -q --bench compare -- --spec "$spec" --cache-pairs "$pairs"
 run object_store cargo bench -q --bench object_store -- --size "$size" --runs "$runs"
 run chain_object_store cargo bench -q --bench chain_object_store -- --size "$chain_size" --runs "$runs"
 run store_round_trips cargo bench -q --bench store_round_trips -- --runs "$commit_runs"
