@@ -88,6 +88,16 @@ fn opts(flags: &Flags, parallel: usize, durable: bool, shards: u32) -> SaveOptio
     o
 }
 
+/// One run of [`pairs`].
+enum PairRun {
+    /// The plain write with `O_DIRECT` (durable).
+    Direct,
+    /// The plain buffered write, with fsync where the save is durable.
+    Buffered,
+    /// saver's save.
+    Save,
+}
+
 /// A save (1 shard, parallel 2) against the plain writes of as many bytes that do its work:
 /// durable, the `O_DIRECT` write and the buffered write + fsync; without fsync, the buffered
 /// write. `rounds` rounds after a warm-up, in an order rotated each round. Prints each one's
@@ -103,19 +113,20 @@ fn pairs(
 ) {
     let plain = dir.join("plain.bin");
     let out = dir.join("save-pairs");
-    let names: &[&str] = if durable {
+    // The limits first, the save last.
+    let runs: &[(&str, PairRun)] = if durable {
         &[
-            "plain sequential write, O_DIRECT (fsync)",
-            "plain sequential write (fsync)",
-            "saver save, 1 shard, parallel 2 (fsync)",
+            ("plain sequential write, O_DIRECT (fsync)", PairRun::Direct),
+            ("plain sequential write (fsync)", PairRun::Buffered),
+            ("saver save, 1 shard, parallel 2 (fsync)", PairRun::Save),
         ]
     } else {
         &[
-            "plain sequential write (no fsync)",
-            "saver save, 1 shard, parallel 2 (no fsync)",
+            ("plain sequential write (no fsync)", PairRun::Buffered),
+            ("saver save, 1 shard, parallel 2 (no fsync)", PairRun::Save),
         ]
     };
-    let n = names.len();
+    let n = runs.len();
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); n];
     // CPU seconds of this process (every thread) in each run: where the disk is faster than the
     // save's work on two cores, this and not the disk sets the save's pace.
@@ -136,13 +147,13 @@ fn pairs(
             unsafe { libc::sync() };
             let c = cpu_seconds(None).0;
             let t = Instant::now();
-            match (which == n - 1, durable, which) {
-                (true, ..) => {
+            match runs[which].1 {
+                PairRun::Direct => common::plain_write_direct(&plain, bytes),
+                PairRun::Buffered => common::plain_write(&plain, bytes, durable),
+                PairRun::Save => {
                     let r = save(&out, model.input(), &opts(flags, 2, durable, 1)).unwrap();
                     phases = (r.plan_seconds, r.write_seconds + r.commit_seconds);
                 }
-                (false, true, 0) => common::plain_write_direct(&plain, bytes),
-                (false, ..) => common::plain_write(&plain, bytes, durable),
             }
             this[which] = t.elapsed().as_secs_f64();
             this_cpu[which] = cpu_seconds(None).0 - c;
@@ -174,7 +185,7 @@ fn pairs(
     println!(
         "| run | median time | throughput | CPU (user + system, every thread) |\n| --- | --- | --- | --- |"
     );
-    for ((name, all), c) in names.iter().zip(&times).zip(&cpu) {
+    for (((name, _), all), c) in runs.iter().zip(&times).zip(&cpu) {
         let t = median(all.clone());
         let c = median(c.clone());
         println!("| {name} | {t:.2} s | {} | {c:.2} s |", gib_s(bytes, t));
