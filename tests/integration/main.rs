@@ -11,6 +11,7 @@ mod hostile;
 mod import_rounds;
 mod load_reshard;
 mod manager;
+mod manager_races;
 mod object_store;
 mod object_store_faults;
 mod point_in_time;

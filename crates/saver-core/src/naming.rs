@@ -186,6 +186,13 @@ pub fn rejected_name(save_id: &str) -> String {
 /// File name of the lock that serialises commits into one directory. Never removed.
 pub const COMMIT_LOCK: &str = ".saver-commit.lock";
 
+/// Whether `name` is the commit lock or one of the flags of an object store's flag lock
+/// (`.saver-commit.lock.<token>`): the lock's, never a save's file nor a user's.
+pub fn is_commit_lock(name: &str) -> bool {
+    name.strip_prefix(COMMIT_LOCK)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+}
+
 /// What a file name says about the save that wrote it, for the files saver names after a save.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SaverFile<'a> {
@@ -351,10 +358,16 @@ mod tests {
             "saver-notes.txt",
             INDEX_FILE,
             COMMIT_LOCK,
+            ".saver-commit.lock.4711-ab12-0",
             "model-a b-s00000-f0000.safetensors",
         ] {
             assert_eq!(SaverFile::parse(name), None, "{name}");
         }
+        // The lock and its flags, and nothing that only looks like them.
+        assert!(is_commit_lock(COMMIT_LOCK));
+        assert!(is_commit_lock(".saver-commit.lock.4711-ab12-0"));
+        assert!(!is_commit_lock(".saver-commit.lockx"));
+        assert!(!is_commit_lock("saver-commit.lock"));
     }
 
     #[test]

@@ -26,7 +26,8 @@ pub struct CleanReport {
     pub reclaimed: Vec<u64>,
     /// Files removed.
     pub files_removed: usize,
-    /// Uncommitted steps left alone, and why.
+    /// Steps left alone, and why: uncommitted ones whose saves may still run, and ones whose
+    /// index cannot be read.
     pub left_alone: Vec<(u64, String)>,
     /// Whether nothing was removed because it was a dry run.
     pub dry_run: bool,
@@ -40,8 +41,17 @@ pub fn clean(root: &Root, dry_run: bool) -> Result<CleanReport> {
     };
     for step in root.step_dirs()? {
         let storage = root.step_storage(step)?;
-        if committed(&*storage)?.is_some() {
-            continue;
+        match committed(&*storage) {
+            Ok(Some(_)) => continue,
+            Ok(None) => {}
+            // One step's damage is that step's: named, and the others cleaned.
+            Err(e) if e.is_about_the_checkpoint() => {
+                report
+                    .left_alone
+                    .push((step, format!("its index cannot be read: {e}")));
+                continue;
+            }
+            Err(e) => return Err(e),
         }
         let names = storage.list()?;
         let over = if names.iter().any(|n| n == PRUNE_MARKER) {

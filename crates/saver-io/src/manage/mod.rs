@@ -23,6 +23,7 @@
 //!   files and tolerate each other.
 
 pub mod clean;
+mod order;
 pub mod policy;
 pub mod prune;
 pub mod root;
@@ -316,6 +317,11 @@ impl CheckpointManager {
             });
         }
         opts.step = Some(step);
+        // What is checked below holds again at the commit, under the root's lock.
+        opts.commit_rule = Some(Arc::new(order::StepOrder {
+            root: self.root.clone(),
+            step,
+        }));
         if opts.plan.shard_index.is_some() && opts.wait.is_none() {
             // Every process returns once the save is committed, so that each decides the next
             // save (full or delta, and of which parent) from the same committed steps.

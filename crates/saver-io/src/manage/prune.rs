@@ -21,6 +21,7 @@ use saver_core::naming::{SaverFile, INDEX_FILE};
 use crate::error::Result;
 use crate::manage::policy::Retention;
 use crate::manage::root::{Root, StepInfo, PRUNE_MARKER};
+use crate::save::commit::COMMIT_LOCK_WAIT;
 
 /// What [`PRUNE_MARKER`] holds: the step and the saves whose files are being removed.
 #[derive(Debug, Serialize, serde::Deserialize)]
@@ -112,8 +113,16 @@ pub fn kept_steps(steps: &[StepInfo], rules: &Retention) -> BTreeSet<u64> {
 /// Applies `rules` to `root`: removes every committed step they do not keep (with `dry_run`,
 /// only says which). Steps that are not committed or whose chains are broken are left alone:
 /// they are [`crate::manage::CheckpointManager::clean`]'s.
+///
+/// The decision and the removal of each removed step's index are made under the root's commit
+/// lock, which every managed commit takes too: a delta whose parent a prune removes either commits
+/// before (and keeps the parent, a link of the newest chain) or fails at its commit naming the
+/// parent, never commits over a removed one. The other files go after the lock is released.
 pub fn prune(root: &Root, rules: &Retention, dry_run: bool) -> Result<PruneReport> {
     rules.check()?;
+    let lock = (!dry_run)
+        .then(|| root.storage().lock_commit(COMMIT_LOCK_WAIT))
+        .transpose()?;
     let listing = root.list()?;
     let kept = kept_steps(&listing.steps, rules);
     let mut report = PruneReport {
@@ -121,17 +130,49 @@ pub fn prune(root: &Root, rules: &Retention, dry_run: bool) -> Result<PruneRepor
         dry_run,
         ..PruneReport::default()
     };
-    for s in listing.steps.iter().rev() {
-        if kept.contains(&s.step) {
-            continue;
-        }
+    let removed: Vec<&StepInfo> = listing
+        .steps
+        .iter()
+        .rev()
+        .filter(|s| !kept.contains(&s.step))
+        .collect();
+    for s in &removed {
         report.removed.push(s.step);
         report.bytes_removed += s.bytes;
         if !dry_run {
+            report.files_removed += uncommit_step(root, s.step, &s.save_id)?;
+        }
+    }
+    drop(lock);
+    if !dry_run {
+        for s in removed {
             report.files_removed += remove_step(root, s.step, std::slice::from_ref(&s.save_id))?;
         }
     }
     Ok(report)
+}
+
+/// The first two removals of a step, in the order the module docs give: its marker, then its
+/// index if it commits `save_id`. Returns the number of files removed.
+fn uncommit_step(root: &Root, step: u64, save_id: &str) -> Result<usize> {
+    let storage = root.step_storage(step)?;
+    put_marker(&*storage, step, std::slice::from_ref(&save_id.to_string()))?;
+    let committed = crate::load::documents::committed(&*storage)?;
+    if !committed.is_some_and(|c| c.save_id == save_id) {
+        return Ok(0);
+    }
+    storage.remove(INDEX_FILE)?;
+    storage.sync_dir()?;
+    Ok(1)
+}
+
+fn put_marker(storage: &dyn crate::storage::Storage, step: u64, save_ids: &[String]) -> Result<()> {
+    let marker = PruneMarker {
+        step,
+        save_ids: save_ids.to_vec(),
+    };
+    let json = serde_json::to_vec(&marker).expect("a marker serializes");
+    storage.put(PRUNE_MARKER, &json, true)
 }
 
 /// Removes the files of the saves `save_ids` from step `step`'s directory in the order the module
@@ -169,12 +210,7 @@ fn is_gone(root: &Root, step: u64) -> bool {
 
 fn remove_step_files(root: &Root, step: u64, save_ids: &[String]) -> Result<usize> {
     let storage = root.step_storage(step)?;
-    let marker = PruneMarker {
-        step,
-        save_ids: save_ids.to_vec(),
-    };
-    let json = serde_json::to_vec(&marker).expect("a marker serializes");
-    storage.put(PRUNE_MARKER, &json, true)?;
+    put_marker(&*storage, step, save_ids)?;
     let mut removed = 0;
     let committed = crate::load::documents::committed(&*storage)?;
     if committed.is_some_and(|c| save_ids.contains(&c.save_id)) {
@@ -200,7 +236,7 @@ fn remove_step_files(root: &Root, step: u64, save_ids: &[String]) -> Result<usiz
     let others = storage
         .list()?
         .into_iter()
-        .any(|n| n != saver_core::naming::COMMIT_LOCK);
+        .any(|n| !saver_core::naming::is_commit_lock(&n));
     if !others {
         remove_empty_dir(&root.step_path(step));
     }

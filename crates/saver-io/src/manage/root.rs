@@ -313,7 +313,7 @@ impl Root {
 
 /// The step a parent reference names, when it is a sibling step directory of the root (how the
 /// manager writes every parent).
-fn parent_step(p: &saver_core::ParentRef) -> Option<u64> {
+pub(crate) fn parent_step(p: &saver_core::ParentRef) -> Option<u64> {
     parse_step_dir(p.path.strip_prefix("../")?)
 }
 

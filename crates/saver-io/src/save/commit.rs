@@ -32,7 +32,7 @@ use saver_core::{Index, Manifest};
 use crate::error::{Error, Result};
 use crate::load::documents::{committed, parse_json, read_shard_manifest, MAX_JSON_BYTES};
 use crate::storage::at_once::{all_at_once, calls_at_once};
-use crate::storage::Storage;
+use crate::storage::{CommitLock, Storage};
 
 /// Largest writer claim or rejection marker read.
 const MAX_MARKER_BYTES: u64 = 64 << 10;
@@ -173,12 +173,34 @@ pub(crate) fn claim_shard(
     Err(mark_rejected(storage, save_id, &why)?)
 }
 
+/// A rule beyond the directory's own that a save must pass at its commit, checked under a lock of
+/// the rule's that is taken before the directory's commit lock and held until the index is
+/// written: how a checkpoint manager keeps its rules (a root's steps only grow, a delta's parent
+/// is still the save it was made from) at the commit itself, not only when the save starts.
+pub trait CommitRule: Send + Sync {
+    /// Takes the rule's lock (every save the rule relates must take the same one).
+    fn lock(&self) -> Result<Box<dyn CommitLock>>;
+    /// Why the save whose manifest is `manifest` may not commit now, or `None` if it may.
+    fn refusal(&self, manifest: &Manifest) -> Result<Option<String>>;
+}
+
 /// Commits `save_id` if all its shards are present; see the module docs for the checks.
 pub fn try_commit(
     storage: &dyn Storage,
     save_id: &str,
     shard_num: u32,
     durable: bool,
+) -> Result<CommitState> {
+    commit_under(storage, save_id, shard_num, durable, None)
+}
+
+/// [`try_commit`], refused unless `rule` (if any) lets the save commit.
+pub(crate) fn commit_under(
+    storage: &dyn Storage,
+    save_id: &str,
+    shard_num: u32,
+    durable: bool,
+    rule: Option<&dyn CommitRule>,
 ) -> Result<CommitState> {
     if is_committed(storage, save_id)? {
         return Ok(CommitState::Committed);
@@ -188,6 +210,8 @@ pub fn try_commit(
     if !missing.is_empty() {
         return Ok(CommitState::Missing(missing));
     }
+    // The rule's lock first, always: a rule's lock is never taken under a directory's.
+    let rule_lock = rule.map(CommitRule::lock).transpose()?;
     let lock = storage.lock_commit(COMMIT_LOCK_WAIT)?;
     // Another process of this save may have committed it since the check above (under the lock
     // before ours, or, on an object store without conditional writes, with no lock at all): that
@@ -201,6 +225,9 @@ pub fn try_commit(
         Ok(m) => m,
         Err(why) => return Err(mark_rejected(storage, save_id, &why)?),
     };
+    if let Some(why) = rule.map(|r| r.refusal(&manifest)).transpose()?.flatten() {
+        return Err(mark_rejected(storage, save_id, &why)?);
+    }
     manifest.replaces = current.clone();
     let json = serde_json::to_vec_pretty(&manifest).expect("manifests serialize");
     storage.put(&manifest_name(save_id), &json, durable)?;
@@ -210,6 +237,7 @@ pub fn try_commit(
         .expect("indexes serialize");
     storage.put(INDEX_FILE, &index, durable)?;
     drop(lock);
+    drop(rule_lock);
     if let Some(old) = current {
         remove_replaced(storage, &old);
     }
@@ -362,23 +390,25 @@ pub(crate) fn files_left_alone(storage: &dyn Storage, save_id: &str) -> Result<V
     Ok(storage
         .list()?
         .into_iter()
-        .filter(|n| n != INDEX_FILE && n != saver_core::naming::COMMIT_LOCK)
+        .filter(|n| n != INDEX_FILE && !saver_core::naming::is_commit_lock(n))
         .filter(|n| SaverFile::parse(n).is_none_or(|f| f.save_id() != save_id))
         .collect())
 }
 
-/// Waits until `save_id` is committed, committing it if this process completes the set.
-pub fn wait_for_commit(
+/// Waits until `save_id` is committed, committing it (under `rule`) if this process completes
+/// the set.
+pub(crate) fn wait_for_commit(
     storage: &dyn Storage,
     save_id: &str,
     shard_num: u32,
     durable: bool,
     timeout: Duration,
+    rule: Option<&dyn CommitRule>,
 ) -> Result<CommitState> {
     let start = Instant::now();
     let mut pause = Duration::from_millis(5);
     loop {
-        let state = try_commit(storage, save_id, shard_num, durable)?;
+        let state = commit_under(storage, save_id, shard_num, durable, rule)?;
         let CommitState::Missing(missing) = state else {
             return Ok(state);
         };

@@ -22,7 +22,7 @@ use saver_core::SaveInput;
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 
-pub use commit::{try_commit, CommitState};
+pub use commit::{try_commit, CommitRule, CommitState};
 pub use options::{DirectIo, Progress, ProgressFn, SaveOptions};
 pub use pipeline::{write_plan, PlanWritten};
 pub use report::{DeltaMethod, SaveReport};

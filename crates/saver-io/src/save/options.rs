@@ -11,6 +11,7 @@ use saver_core::manifest::encode_trainer_state;
 use saver_core::PlanOptions;
 
 use crate::error::Result;
+use crate::save::commit::CommitRule;
 
 /// How far a save's writing has come, as handed to [`SaveOptions::progress`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,6 +82,10 @@ pub struct SaveOptions {
     /// // ... save with `opts`, then read `percent.load(Ordering::Relaxed)`.
     /// ```
     pub progress: Option<Arc<ProgressFn>>,
+    /// A rule the save must pass at its commit, beyond the directory's own (see
+    /// [`CommitRule`]). [`crate::CheckpointManager`] sets its own; `None` (default) for a plain
+    /// save.
+    pub commit_rule: Option<Arc<dyn CommitRule>>,
 }
 
 impl Default for SaveOptions {
@@ -97,6 +102,7 @@ impl Default for SaveOptions {
             direct_io: DirectIo::Auto,
             parent: None,
             progress: None,
+            commit_rule: None,
         }
     }
 }

@@ -19,7 +19,7 @@ use saver_core::{PlanOptions, SaveInput, SavePlan};
 use crate::error::{Error, Result};
 use crate::load::documents::committed;
 use crate::save::commit::{
-    check_not_rejected, claim_shard, files_left_alone, remove_own, try_commit, wait_for_commit,
+    check_not_rejected, claim_shard, commit_under, files_left_alone, remove_own, wait_for_commit,
     CommitState, Leftovers,
 };
 use crate::save::compressing::CompressedFile;
@@ -362,9 +362,12 @@ fn write_and_commit(
 
     let t2 = Instant::now();
     let n = plan_opts.shard_num;
+    let rule = opts.commit_rule.as_deref();
     let state = match (plan_opts.shard_index, opts.wait) {
-        (Some(_), Some(timeout)) => wait_for_commit(storage, &save_id, n, opts.durable, timeout)?,
-        _ => try_commit(storage, &save_id, n, opts.durable)?,
+        (Some(_), Some(timeout)) => {
+            wait_for_commit(storage, &save_id, n, opts.durable, timeout, rule)?
+        }
+        _ => commit_under(storage, &save_id, n, opts.durable, rule)?,
     };
     if plan_opts.shard_index.is_none() && state != CommitState::CommittedHere {
         return Err(Error::Incomplete {

@@ -19,8 +19,8 @@
 //!   the store honours it, which is probed once per storage (some stores, Garage among them,
 //!   accept the header and overwrite anyway). The commit lock is then a lease object that expires
 //!   ([`LEASE`]), so a committer that dies never blocks the next. Where the store does not honour
-//!   conditional creation, creation is check-then-put and there is no lock: see "Object storage"
-//!   in `docs/FORMAT.md` for what that leaves unguaranteed when two saves race into one prefix.
+//!   conditional creation, creation is check-then-put and the commit lock is made of flags that
+//!   need only read-after-write consistency ([`lock`]).
 //! * **Reads** are ranged GETs; every request has a timeout and bounded retries with backoff, so a
 //!   store that stops answering is an error naming it, never a hang (30 s a request and 60 s of
 //!   retries by default; `SAVER_S3_TIMEOUT_SECONDS` and `SAVER_S3_RETRY_SECONDS` change them).
@@ -31,7 +31,7 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use object_store::aws::AmazonS3Builder;
@@ -41,11 +41,12 @@ use object_store::{
     ClientOptions, GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, RetryConfig,
     UpdateVersion,
 };
-use saver_core::naming::{COMMIT_LOCK, TMP_MARK};
+use saver_core::naming::TMP_MARK;
 
 use super::{check_file_name, CommitLock, ReadHandle, Storage, WriteHandle};
 use crate::error::{Error, Result};
 
+mod lock;
 mod upload;
 
 use upload::{ObjectWrite, UploadSlots};
@@ -711,114 +712,7 @@ impl Storage for ObjectStorage {
     }
 
     fn lock_commit(&self, wait: Duration) -> Result<Box<dyn CommitLock>> {
-        if !self.honours_conditional_create()? {
-            return Ok(Box::new(NoLock));
-        }
-        let key = self.key(COMMIT_LOCK)?;
-        let start = Instant::now();
-        let mut pause = Duration::from_millis(5);
-        loop {
-            let lease = Lease::new();
-            if self.put_if_absent(&key, lease.to_bytes())? {
-                return Ok(Box::new(ObjectLock {
-                    storage: self.clone(),
-                    key,
-                }));
-            }
-            // Held, or left by a holder that died: take it over once its lease has run out,
-            // only if nobody else did first (a conditional update of the version read).
-            if let Some((bytes, version)) = self.get_versioned(&key, 4096)? {
-                if Lease::parse(&bytes).is_none_or(|l| l.expired()) {
-                    let (c, k) = (self.client.clone(), key.clone());
-                    let opts = PutOptions {
-                        mode: PutMode::Update(version),
-                        ..PutOptions::default()
-                    };
-                    let body = lease.to_bytes();
-                    match self.client.block(&key, async move {
-                        c.store.put_opts(&k, body.into(), opts).await
-                    }) {
-                        Ok(_) => {
-                            return Ok(Box::new(ObjectLock {
-                                storage: self.clone(),
-                                key,
-                            }))
-                        }
-                        Err(object_store::Error::Precondition { .. })
-                        | Err(object_store::Error::AlreadyExists { .. })
-                        | Err(object_store::Error::NotFound { .. }) => {}
-                        Err(e) => return Err(self.client.err("take the lease", &key, e)),
-                    }
-                }
-            }
-            if start.elapsed() >= wait {
-                return Err(Error::LockTimeout {
-                    lock: PathBuf::from(self.client.url(&key)),
-                    waited: start.elapsed(),
-                });
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(200));
-        }
-    }
-}
-
-/// What a commit-lock object holds: when the lease runs out.
-struct Lease {
-    expires_unix_ms: u64,
-}
-
-impl Lease {
-    fn now_ms() -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_millis() as u64
-    }
-
-    fn new() -> Self {
-        Self {
-            expires_unix_ms: Self::now_ms() + LEASE.as_millis() as u64,
-        }
-    }
-
-    fn to_bytes(&self) -> Bytes {
-        Bytes::from(format!(
-            "{{\"holder\":\"{}:{}\",\"expires_unix_ms\":{}}}",
-            crate::storage::identity::host_name().replace(['"', '\\'], "_"),
-            std::process::id(),
-            self.expires_unix_ms
-        ))
-    }
-
-    fn parse(bytes: &[u8]) -> Option<Self> {
-        let v: serde_json::Value = serde_json::from_slice(bytes).ok()?;
-        Some(Self {
-            expires_unix_ms: v.get("expires_unix_ms")?.as_u64()?,
-        })
-    }
-
-    fn expired(&self) -> bool {
-        Self::now_ms() > self.expires_unix_ms
-    }
-}
-
-/// The commit lock of a store without conditional creation: there is none to take.
-struct NoLock;
-
-impl CommitLock for NoLock {}
-
-/// A held lease on the commit lock; released by removing the object.
-struct ObjectLock {
-    storage: ObjectStorage,
-    key: ObjectPath,
-}
-
-impl CommitLock for ObjectLock {}
-
-impl Drop for ObjectLock {
-    fn drop(&mut self) {
-        let _ = self.storage.delete(&self.key);
+        lock::take(self, wait)
     }
 }
 
