@@ -127,6 +127,18 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
+    /// The policy file a managed root keeps cannot be used: an unknown field, a value out of
+    /// range, or not JSON.
+    #[error(
+        "{file}: not a usable saver policy: {why}; correct the file, or remove it to go back to \
+         the default policy"
+    )]
+    BadPolicy {
+        /// The policy file.
+        file: String,
+        /// What is wrong, naming the field.
+        why: String,
+    },
     /// An option's value is unusable.
     #[error("invalid option {option}: {why}")]
     InvalidOption {

@@ -36,20 +36,20 @@ pub fn policy_with(kept: &Policy, flags: &PolicyArgs) -> Result<Policy, saver_io
 
 /// The path of step `step` (`latest` or a number) of `root`: an error when the root holds no
 /// such committed step.
+/// Reads no policy: a restart must not depend on retention's settings.
 pub fn step_path(root: &Path, step: &str) -> Result<PathBuf, Box<dyn std::error::Error>> {
-    Root::open_existing(root)?;
-    let m = CheckpointManager::open_kept(root)?;
+    let root = Root::open_existing(root)?;
     if step == "latest" {
-        return match m.latest()? {
+        return match root.latest()? {
             Some(s) => Ok(s.path),
-            None => Err(format!("{} holds no committed step", root.display()).into()),
+            None => Err(format!("{} holds no committed step", root.location().display()).into()),
         };
     }
     let n: u64 = step
         .parse()
         .map_err(|_| format!("--step {step:?}: expected a step number or `latest`"))?;
-    m.open_step(n)?;
-    Ok(m.root().step_path(n))
+    root.open_step(n)?;
+    Ok(root.step_path(n))
 }
 
 pub fn list(args: ListArgs) -> CmdResult {
@@ -132,9 +132,9 @@ pub fn prune(args: PruneArgs) -> CmdResult {
 }
 
 pub fn clean(args: CleanArgs) -> CmdResult {
-    Root::open_existing(&args.root)?;
-    let m = CheckpointManager::open_kept(&args.root)?;
-    let r = m.clean(args.dry_run)?;
+    // Reclaiming leftovers needs no policy.
+    let root = Root::open_existing(&args.root)?;
+    let r = saver_io::manage::clean::clean(&root, args.dry_run)?;
     if args.out.json {
         output::json(&r);
     } else {

@@ -155,7 +155,8 @@ fn a_managed_root_through_the_binary() {
     let policy: serde_json::Value =
         serde_json::from_slice(&std::fs::read(root.join("saver-policy.json")).unwrap()).unwrap();
     assert_eq!(policy["full_every"], 3);
-    // Only step directories and the policy: nothing left behind by the removals.
+    // Only step directories, the policy and the root's commit lock: nothing left behind by the
+    // removals.
     let mut names: Vec<String> = std::fs::read_dir(&root)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -163,7 +164,11 @@ fn a_managed_root_through_the_binary() {
     names.sort();
     assert_eq!(
         names,
-        vec!["saver-policy.json", "step-00000000000000000700"]
+        vec![
+            ".saver-commit.lock",
+            "saver-policy.json",
+            "step-00000000000000000700"
+        ]
     );
     // --root and --out together are refused.
     let out = saver(
@@ -209,4 +214,120 @@ fn a_managed_root_on_the_object_store() {
     };
     let root = g.url("managed/run7");
     a_job_through_the_binary(&root, &g.env());
+}
+
+/// Saves steps 1 to 3 (each full) into `root`, keeping every one.
+fn three_steps(root: &str) {
+    for step in ["1", "2", "3"] {
+        ok(
+            &[],
+            &[
+                "save",
+                "--root",
+                root,
+                "--step",
+                step,
+                "--synthetic",
+                "tiny",
+                "--full-every",
+                "1",
+                "--keep-latest",
+                "5",
+                "--no-fsync",
+            ],
+        );
+    }
+}
+
+/// A policy file the manager cannot use stops whatever would act on it (retention, a save),
+/// naming the file and the field, and removes nothing; reads and restarts do not need it.
+#[test]
+fn a_bad_policy_file_stops_retention_and_saves_but_never_reads() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path().join("run");
+    let r = root.to_str().unwrap();
+    three_steps(r);
+    let file = root.join("saver-policy.json");
+    for (policy, field) in [
+        (r#"{"retention": {"keep_lastest": 5}}"#, "keep_lastest"),
+        (r#"{"retention": {"keep_latest": 0}}"#, "keep_latest"),
+        (r#"{"max_chain_links": 999}"#, "max_chain_links"),
+        (r#"{"full_every": 0}"#, "full_every"),
+        (r#"{"max_delta_fraction": -1.0}"#, "max_delta_fraction"),
+    ] {
+        std::fs::write(&file, policy).unwrap();
+        for args in [
+            vec!["prune", r],
+            vec!["prune", r, "--dry-run"],
+            vec![
+                "save",
+                "--root",
+                r,
+                "--step",
+                "9",
+                "--synthetic",
+                "tiny",
+                "--no-fsync",
+            ],
+        ] {
+            let out = saver(&[], &args);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{args:?} with {policy}: {err}");
+            assert!(
+                err.contains(file.to_str().unwrap()) && err.contains(field),
+                "{args:?} with {policy}: {err}"
+            );
+        }
+        // Nothing removed, nothing saved.
+        let steps = json(&[], &["list", r, "--json"])["steps"].clone();
+        assert_eq!(steps.as_array().unwrap().len(), 3, "{policy}: {steps}");
+        assert!(!root.join("step-00000000000000000009").exists(), "{policy}");
+        // Reads and restarts.
+        assert!(ok(&[], &["latest", r]).starts_with("3\t"));
+        json(
+            &[],
+            &["load", r, "--step", "latest", "--json", "--no-digest"],
+        );
+        json(&[], &["load", r, "--step", "2", "--json", "--no-digest"]);
+        ok(&[], &["clean", r, "--dry-run"]);
+    }
+}
+
+/// A step whose index is cut is that step's problem: `clean` names it and goes on with the rest.
+#[test]
+fn clean_names_a_step_with_a_cut_index_and_cleans_the_rest() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path().join("run");
+    let r = root.to_str().unwrap();
+    three_steps(r);
+    let index = root.join("step-00000000000000000002/model.safetensors.index.json");
+    let bytes = std::fs::read(&index).unwrap();
+    std::fs::write(&index, &bytes[..bytes.len() / 2]).unwrap();
+    // A removal cut short in step 1: its marker, no index.
+    let step1 = root.join("step-00000000000000000001");
+    let save1 = json(&[], &["inspect", step1.to_str().unwrap(), "--json"])["save_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    std::fs::write(
+        step1.join("saver-pruning.json"),
+        format!(r#"{{"step": 1, "save_ids": ["{save1}"]}}"#),
+    )
+    .unwrap();
+    std::fs::remove_file(step1.join("model.safetensors.index.json")).unwrap();
+    for dry in [true, false] {
+        let mut args = vec!["clean", r, "--json"];
+        if dry {
+            args.push("--dry-run");
+        }
+        let report = json(&[], &args);
+        assert_eq!(report["reclaimed"], serde_json::json!([1]), "{report}");
+        let left = report["left_alone"].as_array().unwrap();
+        assert_eq!(left.len(), 1, "{report}");
+        assert_eq!(left[0][0], 2, "{report}");
+        assert!(left[0][1].as_str().unwrap().contains("index"), "{report}");
+    }
+    assert!(!step1.exists());
+    let text = ok(&[], &["clean", r]);
+    assert!(text.contains("left step 2 alone"), "{text}");
 }

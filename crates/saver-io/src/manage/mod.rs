@@ -171,19 +171,7 @@ impl CheckpointManager {
 
     /// Opens committed step `step`; an error if the root holds no such committed step.
     pub fn open_step(&self, step: u64) -> Result<Checkpoint> {
-        let path = self.root.step_path(step);
-        let held = crate::storage::open_location(&path)
-            .and_then(|s| crate::load::documents::committed(&*s))
-            .ok()
-            .flatten();
-        if held.is_none() {
-            let latest = self.latest()?.map(|s| s.step);
-            return Err(self.root.error(format!(
-                "step {step} is not a committed checkpoint of this root (latest committed: {})",
-                latest.map_or("none".into(), |s| s.to_string())
-            )));
-        }
-        Checkpoint::open(&path)
+        self.root.open_step(step)
     }
 
     /// Restores the newest committed step with `opts` (any shard count): its step and the

@@ -14,7 +14,7 @@ pub const POLICY_FILE: &str = "saver-policy.json";
 
 /// How a root's checkpoints are saved and kept.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct Policy {
     /// Save every this many steps ([`crate::manage::CheckpointManager::is_due`]); 1: every step
     /// the trainer asks for.
@@ -50,7 +50,7 @@ impl Default for Policy {
 /// What retention keeps. A step is kept if any rule keeps it, and so is every link its chain
 /// needs; only committed steps count, so a save under way never stands in for one that is done.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct Retention {
     /// The newest this many committed steps (at least 1).
     pub keep_latest: usize,
@@ -81,6 +81,7 @@ impl Default for Retention {
 /// Keep the `count` best steps by the metric `metric` of their user metadata (a number). Kept in
 /// addition to [`Retention::keep_latest`]: the rule never evicts the newest steps.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct KeepBest {
     /// The user metadata key that holds the metric.
     pub metric: String,
@@ -132,14 +133,33 @@ impl Policy {
         self.retention.check()
     }
 
-    /// The policy kept in `root`, if one is.
+    /// The policy kept in `root`, if one is: an error naming the file and the field if it is not
+    /// a policy whose every field is known and every value usable. A misspelled field is never
+    /// taken for the default, which could make retention remove steps the user meant to keep.
     pub fn kept_in(root: &dyn Storage) -> Result<Option<Self>> {
         if !root.exists(POLICY_FILE)? {
             return Ok(None);
         }
+        let bad = |why: String| Error::BadPolicy {
+            file: format!("{}/{POLICY_FILE}", root.location().trim_end_matches('/')),
+            why,
+        };
         let bytes = root.get(POLICY_FILE, 1 << 20)?;
-        let p: Self = crate::load::documents::parse_json(&bytes, POLICY_FILE, "a saver policy")?;
-        p.check()?;
+        let mut json = serde_json::Deserializer::from_slice(&bytes);
+        let p: Self = serde_path_to_error::deserialize(&mut json).map_err(|e| {
+            let at = e.path().to_string();
+            let why = e.into_inner().to_string();
+            // The path is "." when the error is not inside a field (not JSON at all).
+            bad(if at == "." {
+                why
+            } else {
+                format!("{at}: {why}")
+            })
+        })?;
+        p.check().map_err(|e| match e {
+            Error::InvalidOption { option, why } => bad(format!("{option} {why}")),
+            e => e,
+        })?;
         Ok(Some(p))
     }
 
@@ -173,5 +193,73 @@ impl Retention {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::LocalFs;
+
+    fn kept(json: &str) -> (tempfile::TempDir, Result<Option<Policy>>) {
+        let dir = tempfile::tempdir().unwrap();
+        let storage = LocalFs::open_dir(dir.path()).unwrap();
+        storage.put(POLICY_FILE, json.as_bytes(), false).unwrap();
+        let p = Policy::kept_in(&storage);
+        (dir, p)
+    }
+
+    #[test]
+    fn a_kept_policy_round_trips() {
+        let p = Policy {
+            full_every: 3,
+            retention: Retention {
+                keep_latest: 5,
+                keep_best: Some(KeepBest {
+                    metric: "auc".into(),
+                    count: 2,
+                    higher_is_better: true,
+                }),
+                ..Retention::default()
+            },
+            ..Policy::default()
+        };
+        let (_d, got) = kept(&serde_json::to_string(&p).unwrap());
+        assert_eq!(got.unwrap(), Some(p));
+        // Fields left out take their defaults.
+        let (_d, got) = kept(r#"{"retention": {"keep_latest": 7}}"#);
+        assert_eq!(got.unwrap().unwrap().retention.keep_latest, 7);
+    }
+
+    /// Every way a policy file can be unusable is an error naming the file and the field, never
+    /// a default taken in its place.
+    #[test]
+    fn an_unusable_policy_file_is_an_error_naming_the_file_and_the_field() {
+        for (json, field) in [
+            (r#"{"retention": {"keep_lastest": 9}}"#, "keep_lastest"),
+            (r#"{"ful_every": 2}"#, "ful_every"),
+            (
+                r#"{"retention": {"keep_best": {"metric": "auc", "count": 1, "higher_is_better": true, "x": 1}}}"#,
+                "`x`",
+            ),
+            (r#"{"retention": {"keep_latest": 0}}"#, "keep_latest"),
+            (r#"{"full_every": 0}"#, "full_every"),
+            (r#"{"every_steps": 0}"#, "every_steps"),
+            (r#"{"max_chain_links": 999}"#, "max_chain_links"),
+            (r#"{"max_delta_fraction": -0.5}"#, "max_delta_fraction"),
+            (r#"{"retention": {"keep_every": 0}}"#, "keep_every"),
+            (r#"{"full_every": -1}"#, "full_every"),
+            (r#"{"when_busy": "sometimes"}"#, "sometimes"),
+            ("not json", "expected"),
+        ] {
+            let (dir, got) = kept(json);
+            let e = got.expect_err(json);
+            assert!(matches!(e, Error::BadPolicy { .. }), "{json}: {e:?}");
+            let msg = e.to_string();
+            assert!(msg.contains(field), "{json}: {msg}");
+            let file = format!("{}/{POLICY_FILE}", dir.path().display());
+            assert!(msg.contains(&file), "{json}: {msg}");
+            assert_eq!(msg.lines().count(), 1, "{msg}");
+        }
     }
 }

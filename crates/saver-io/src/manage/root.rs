@@ -285,6 +285,25 @@ impl Root {
         Ok(Vec::new())
     }
 
+    /// Opens committed step `step`; an error if the root holds no such committed step. Reads
+    /// no policy: a restart needs none.
+    pub fn open_step(&self, step: u64) -> Result<crate::load::checkpoint::Checkpoint> {
+        let path = self.step_path(step);
+        let held = self
+            .step_storage(step)
+            .and_then(|s| crate::load::documents::committed(&*s))
+            .ok()
+            .flatten();
+        if held.is_none() {
+            let latest = self.latest()?.map(|s| s.step);
+            return Err(self.error(format!(
+                "step {step} is not a committed checkpoint of this root (latest committed: {})",
+                latest.map_or("none".into(), |s| s.to_string())
+            )));
+        }
+        crate::load::checkpoint::Checkpoint::open(&path)
+    }
+
     fn info(&self, r: &Read, parent: Option<u64>, links: usize) -> StepInfo {
         let m = &r.manifest;
         let writers: Vec<_> = m.shards.iter().filter_map(|s| s.writer.as_ref()).collect();
