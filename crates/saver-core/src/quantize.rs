@@ -153,8 +153,19 @@ impl Quantization {
             }
             let min = row.iter().copied().fold(f32::INFINITY, f32::min);
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let row_at = first_row + k as u64;
+            let unfit = |why: String| Error::Unquantizable {
+                tensor: what.into(),
+                why: format!("row {row_at}: {why}"),
+            };
             if self.float_scale() {
                 let range = max - min;
+                if !range.is_finite() {
+                    return Err(unfit(format!(
+                        "its values span {min} to {max}, a range past f32's, so no f32 scale \
+                         holds it; leave this slot unquantized (--quantize-slots)"
+                    )));
+                }
                 let inverse = 255.0f32 / (range + 1e-8f32);
                 // (x - min) * inverse lies in [0, 255] for finite rows, so clamping changes
                 // nothing FBGEMM computes.
@@ -164,6 +175,14 @@ impl Quantization {
                 continue;
             }
             let bias = f16::from_f32(min);
+            if bias.is_infinite() {
+                return Err(unfit(format!(
+                    "its minimum {min} is past f16's range (±65504), where {}'s bias is kept; \
+                     export it at int8 in the fused layout (f32 scale and bias) or leave the \
+                     slot unquantized (--quantize-slots)",
+                    self.format_name()
+                )));
+            }
             let min = bias.to_f32();
             let range = max - min;
             let levels = (1u32 << self.bits.bits()) - 1;
@@ -172,6 +191,17 @@ impl Quantization {
             } else {
                 range / levels as f32
             };
+            if f16::from_f32(scale).is_infinite() {
+                return Err(unfit(format!(
+                    "its values span {min} to {max}: at {} bits that is a step of {}, past \
+                     f16's range (±65504), where {}'s scale is kept; export it at int8 in the \
+                     fused layout (f32 scale and bias) or leave the slot unquantized \
+                     (--quantize-slots)",
+                    self.bits.bits(),
+                    range / levels as f32,
+                    self.format_name()
+                )));
+            }
             scale = f16::from_f32(scale).to_f32();
             if scale == 0.0 {
                 scale = 1.0;
@@ -351,6 +381,69 @@ mod tests {
             err.contains("t/embedding") && err.contains("row 40"),
             "{err}"
         );
+    }
+
+    /// Rows at and past the edges of f16 and f32: each either quantizes into finite scales and
+    /// biases that read back within half a step (and what rounding to f16 moves), or is an error
+    /// naming the tensor and the row; never an infinite scale or bias, never NaN read back.
+    #[test]
+    fn rows_past_the_range_of_scale_or_bias_are_errors_naming_the_row() {
+        let f16_max = 65504.0f32;
+        // (row, which forms must refuse it: f16 forms, the f32 form)
+        let rows: [([f32; 4], bool, bool); 10] = [
+            ([f16_max, f16_max, f16_max, f16_max], false, false),
+            ([-f16_max, -f16_max, 0.0, 1.0], false, false),
+            // Rounds to f16's largest, not past it.
+            ([65519.0, 65519.0, 65519.0, 65530.0], false, false),
+            ([65520.0, 65600.0, 70000.0, 1e6], true, false),
+            ([-65520.0, 0.0, 1.0, 2.0], true, false),
+            ([-1e30, 1e30, 0.0, 0.0], true, false),
+            // A range whose step is past f16's at every bit rate, from an f16 minimum.
+            ([0.0, 1e8, 5e7, 3.0], true, false),
+            // f32's whole range: no scale holds it.
+            ([-3e38, 3e38, 0.0, 1.0], true, true),
+            ([f32::MIN, f32::MAX, 0.0, 0.0], true, true),
+            ([-1.6e38, 1.6e38, 0.0, 1.0], true, false),
+        ];
+        for q in ALL {
+            for (k, (row, f16_refuses, f32_refuses)) in rows.iter().enumerate() {
+                let refuses = if q.float_scale() {
+                    *f32_refuses
+                } else {
+                    *f16_refuses
+                };
+                let mut out = QuantizedRows::default();
+                // Row `k` of the export starts at row 100.
+                let got = q.quantize(&row[..], 4, "t/embedding", 100 + k as u64, &mut out);
+                if refuses {
+                    let e = got.expect_err(&format!("{q:?} {row:?}")).to_string();
+                    assert!(e.contains("t/embedding"), "{e}");
+                    assert!(e.contains(&format!("row {}", 100 + k)), "{e}");
+                    continue;
+                }
+                got.unwrap_or_else(|e| panic!("{q:?} {row:?}: {e}"));
+                let mut fused_row = out.values.clone();
+                if q.layout == QuantLayout::Split {
+                    fused_row.extend_from_slice(&out.scales);
+                    fused_row.extend_from_slice(&out.biases);
+                }
+                let (back, scale) = dequantize(q, &fused_row, 4);
+                assert!(scale.is_finite(), "{q:?} {row:?}: scale {scale}");
+                let min = row.iter().copied().fold(f32::INFINITY, f32::min);
+                let rounding = if q.float_scale() {
+                    0.0
+                } else {
+                    (f16::from_f32(min).to_f32() - min).abs() + scale * 0.01
+                };
+                for (x, y) in row.iter().zip(&back) {
+                    assert!(y.is_finite(), "{q:?} {row:?}: {x} read back as {y}");
+                    assert!(
+                        (x - y).abs() <= scale / 2.0 + rounding + x.abs() * 1e-6,
+                        "{q:?} {row:?}: {x} read back as {y} (scale {scale})"
+                    );
+                }
+            }
+        }
     }
 
     proptest! {
