@@ -7,6 +7,7 @@ mod common;
 mod compressed;
 mod crash;
 mod delta;
+mod export_refusals;
 mod hostile;
 mod import_rounds;
 mod load_reshard;

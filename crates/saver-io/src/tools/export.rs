@@ -184,14 +184,16 @@ fn export_tables(
     let start = Instant::now();
     check_options(opts)?;
     let storage = crate::storage::create_location(out)?;
-    if storage.exists(INDEX_FILE)? && !opts.overwrite {
-        return Err(Error::Exists {
-            dir: out.into(),
-            save_id: "export".into(),
-        });
-    }
     // The files of the export being replaced: its index lists them, and only they are removed.
+    // Read first, so that a checkpoint there is refused as one (overwriting would not help).
     let previous = previous_export_files(&*storage)?;
+    if storage.exists(INDEX_FILE)? && !opts.overwrite {
+        return Err(Error::Mismatch(format!(
+            "{} already holds an export; to replace it, pass --overwrite \
+             (ExportOptions::overwrite in the library)",
+            storage.location()
+        )));
+    }
     tables.sort_by(|a, b| a.name().cmp(b.name()));
     let dense = read_dense()?;
     let mut tensors = out_tensors(&tables, &dense, opts)?;
@@ -404,17 +406,37 @@ fn out_tensors(
             None,
         )?;
     }
-    // The split layout adds `<slot>_qscale` and `<slot>_qbias`, which a model may already have.
-    let mut names = std::collections::HashSet::new();
-    if let Some(t) = tensors.iter().find(|t| !names.insert(t.name.as_str())) {
-        return Err(Error::InvalidOption {
-            option: "quantize_layout",
-            why: format!(
-                "the split layout would write tensor {:?}, which the model already has; \
-                 use the fused layout or leave that slot out",
-                t.name
-            ),
-        });
+    // Tables come first, then dense tensors: a dense tensor may bear a name the export gives a
+    // table's column (`t/ids`), and the split layout adds `<slot>_qscale` and `<slot>_qbias`,
+    // which a model may already have.
+    let mut names = std::collections::HashMap::new();
+    for t in &tensors {
+        let Some(first) = names.insert(t.name.as_str(), t) else {
+            continue;
+        };
+        let split_part = |x: &OutTensor| {
+            matches!(
+                x.quantized,
+                Some(QuantPart::Scales) | Some(QuantPart::Biases)
+            )
+        };
+        if split_part(first) || split_part(t) {
+            return Err(Error::InvalidOption {
+                option: "quantize_layout",
+                why: format!(
+                    "the split layout would write tensor {:?}, which the model already has; \
+                     use the fused layout or leave that slot out",
+                    t.name
+                ),
+            });
+        }
+        return Err(Error::Mismatch(format!(
+            "dense tensor {:?} bears the name the export gives a column of table {:?}: a plain \
+             export names a table's tensors <table>/ids and <table>/<slot>, so rename the dense \
+             tensor or leave the table out (--tables)",
+            t.name,
+            t.name.split('/').next().unwrap_or_default()
+        )));
     }
     Ok(tensors)
 }
