@@ -754,6 +754,37 @@ fn import_keeps_file_metadata_and_warns_of_a_misspelled_table() {
     assert!(err.contains("--overwrite"), "{err}");
 }
 
+/// A plain input whose `X/ids` names a table no checkpoint can hold (too long, a control
+/// character) gets one error naming it, no contradictory warning that there is no `X/ids`.
+#[test]
+fn a_plain_table_with_an_impossible_name_is_one_error() {
+    let d = tempfile::tempdir().unwrap();
+    let ids: Vec<i64> = vec![3, 1, 2];
+    let emb: Vec<f32> = vec![0.5; 6];
+    for (i, table) in ["bad\u{1}name".to_string(), "t".repeat(600)]
+        .iter()
+        .enumerate()
+    {
+        let plain = d.path().join(format!("plain{i}.safetensors"));
+        let names = [format!("{table}/ids"), format!("{table}/emb")];
+        let tensors = [
+            (&names[0], St::I64, vec![3], le(&ids, i64::to_le_bytes)),
+            (&names[1], St::F32, vec![3, 2], le(&emb, f32::to_le_bytes)),
+        ];
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, t, s, b)| (n.to_string(), TensorView::new(*t, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &plain).unwrap();
+        let out = d.path().join(format!("ck{i}"));
+        let (code, err) = fails(&["save", "--out", p(&out), "--from", p(&plain)]);
+        assert_eq!(code, 1, "{err}");
+        assert!(!err.contains("warning"), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains("cannot be a table's name"), "{err}");
+    }
+}
+
 /// A plain model with `n` rows of table `user` (ids `ids`, a 4-wide embedding from `seed`).
 fn plain_model(path: &Path, ids: &[i64], seed: f32, dense: f32) {
     let emb: Vec<f32> = ids

@@ -205,12 +205,23 @@ impl PlainInput {
             let version = h.version()?;
             opened.insert(f.clone(), (Arc::from(h), version));
         }
-        let table_names: Vec<String> = order
-            .iter()
-            .filter_map(|n| n.strip_suffix("/ids"))
-            .filter(|t| check_table_name(t).is_ok())
-            .map(str::to_string)
-            .collect();
+        let mut table_names = Vec::new();
+        for t in order.iter().filter_map(|n| n.strip_suffix("/ids")) {
+            match check_table_name(t) {
+                Ok(()) => table_names.push(t.to_string()),
+                // A nested name (`a/b/ids`) is a dense tensor's path; any other name that cannot
+                // be a table's (too long, control characters) is said at once, not half taken
+                // for a table and half for dense tensors.
+                Err(_) if t.contains(['/', ':']) => {}
+                Err(e) => {
+                    return Err(Error::Mismatch(format!(
+                        "tensor \"{}/ids\" names table {t:?}, which cannot be a table's name: \
+                         {e}",
+                        t.escape_debug()
+                    )))
+                }
+            }
+        }
         let mut used = HashSet::new();
         let mut tables = Vec::new();
         for table in &table_names {
