@@ -73,6 +73,29 @@ _TO_NUMPY = {name: dt for dt, name in _TO_SAVER.items()}
 _TO_NUMPY["BF16"] = np.dtype(np.uint16)
 
 
+def _int(name: str, value: Any, low: int, high: int = (1 << 64) - 1, *, optional: bool = False):
+    """``value`` as an int within ``[low, high]``, or an :class:`InputError` naming the argument
+    (the native module would raise a bare ``TypeError`` or ``OverflowError``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InputError(f"{name}: must be an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if v < low or v > high:
+        raise InputError(f"{name}: must be from {low} to {high}, got {v}")
+    return v
+
+
+def _counts(options: dict) -> None:
+    """Checks the integer options of a save in place."""
+    options["shards"] = _int("shards", options["shards"], 1, (1 << 32) - 1)
+    options["shard_index"] = _int(
+        "shard_index", options["shard_index"], 0, options["shards"] - 1, optional=True
+    )
+    options["step"] = _int("step", options["step"], 0, optional=True)
+    options["parallel"] = _int("parallel", options["parallel"], 1, 4096, optional=True)
+
+
 def _array(value: ArrayLike, what: str) -> np.ndarray:
     """``value`` as a C-contiguous numpy array: no copy for a contiguous array or a CPU torch
     tensor, one copy for a strided view."""
@@ -144,6 +167,7 @@ def _filtered(name, columns, keep):
 def _save_arguments(tables, dense, options):
     """The arguments of the native save: tables and dense tensors as flat bytes with their dtype
     names and shapes, and the options as a dict."""
+    _counts(options)
     row_filter = options.get("row_filter")
     if row_filter is not None:
         tables = {name: _filtered(name, columns, row_filter) for name, columns in (tables or {}).items()}
@@ -336,6 +360,9 @@ def load(
     ``exclude_slots``: glob patterns of slots not to load (``"adagrad*"`` for serving).
     ``dense=False`` leaves the dense tensors out.
     """
+    shards = _int("shards", shards, 1, (1 << 32) - 1)
+    shard_index = _int("shard_index", shard_index, 0, shards - 1, optional=True)
+    parallel = _int("parallel", parallel, 1, 4096, optional=True)
     tables_out, dense_out, report = _saver.load(
         os.fspath(path),
         shards,
@@ -446,20 +473,29 @@ class Manager:
         keep_every: Optional[int] = None,
     ):
         self.root = os.fspath(root)
-        self._native = _saver.Manager(self.root, every_steps, full_every, max_chain_links, keep_latest, keep_every)
+        self._native = _saver.Manager(
+            self.root,
+            _int("every_steps", every_steps, 1),
+            _int("full_every", full_every, 1, (1 << 32) - 1),
+            _int("max_chain_links", max_chain_links, 1, 1 << 16),
+            _int("keep_latest", keep_latest, 1, 1 << 32),
+            _int("keep_every", keep_every, 1, optional=True),
+        )
 
     def is_due(self, step: int) -> bool:
         """Whether ``step`` is one the policy saves (a multiple of ``every_steps``)."""
-        return self._native.is_due(step)
+        return self._native.is_due(_int("step", step, 0))
 
     def save(self, step: int, tables=None, dense=None, **options: Any) -> SaveReport:
         """Saves ``step`` (after any background save ends), full or a delta by the policy, then
         applies retention. Options as :func:`save` (``save_id`` and ``step`` are the manager's)."""
+        step = _int("step", step, 0)
         return SaveReport(**self._native.save(step, *_save_arguments(tables, dense, _options(options))))
 
     def save_async(self, step: int, tables=None, dense=None, **options: Any) -> None:
         """:meth:`save` in the background, as :func:`save_async`: returns once the arrays are
         copied. The next save (or :meth:`wait`) waits for it first."""
+        step = _int("step", step, 0)
         self._native.save_in_background(step, *_save_arguments(tables, dense, _options(options)))
 
     def wait(self) -> Optional[SaveReport]:

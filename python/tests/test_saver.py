@@ -211,6 +211,32 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, tables, messa
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda p, t: saver.save(p, tables=t, shards=-1), "shards: must be from 1"),
+        (lambda p, t: saver.save(p, tables=t, shards=0), "shards: must be from 1"),
+        (lambda p, t: saver.save(p, tables=t, shards=2, shard_index=2), "shard_index: must be from 0 to 1"),
+        (lambda p, t: saver.save(p, tables=t, step=-1), "step: must be from 0"),
+        (lambda p, t: saver.save(p, tables=t, step=1.5), "step: must be an int"),
+        (lambda p, t: saver.save(p, tables=t, parallel=0), "parallel: must be from 1"),
+        (lambda p, t: saver.save_async(p, tables=t, shards="2"), "shards: must be an int"),
+        (lambda p, t: saver.load(p, shards=-1), "shards: must be from 1"),
+        (lambda p, t: saver.load(p, shards=3, shard_index=-1), "shard_index: must be from 0"),
+        (lambda p, t: saver.Manager(p, keep_latest=0), "keep_latest: must be from 1"),
+        (lambda p, t: saver.Manager(p, full_every=-1), "full_every: must be from 1"),
+        (lambda p, t: saver.Manager(p).save(-1, tables=t), "step: must be from 0"),
+        (lambda p, t: saver.Manager(p).save_async(-5, tables=t), "step: must be from 0"),
+        (lambda p, t: saver.Manager(p).save(3, tables=t, shards=-2), "shards: must be from 1"),
+    ],
+)
+def test_bad_numbers_are_input_errors_naming_the_argument(tmp_path, call, message):
+    tables = {"t": {"ids": np.arange(3, dtype=np.int64), "emb": np.zeros((3, 2), dtype=np.float32)}}
+    with pytest.raises(saver.InputError, match=message):
+        call(tmp_path / "c", tables)
+    assert not (tmp_path / "c" / "model.safetensors.index.json").exists()
+
+
 def test_the_cores_errors_name_what_is_wrong(tmp_path):
     ids = np.array([1, 2, 2], dtype=np.int64)
     with pytest.raises(saver.SaverError, match="appears more than once"):

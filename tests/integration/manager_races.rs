@@ -75,8 +75,9 @@ struct Outcomes {
 }
 
 /// Rounds of: step 30 saved; then, at once, step 30 replaced (another manager, as another process
-/// would) and step 40 saved as a delta of step 30.
-fn replace_newest_racing_save_next(root: &Path, rounds: usize) -> Outcomes {
+/// would) and step 40 saved as a delta of step 30, each started up to `spread` ms after the other
+/// (about as long as a save takes there), in both orders.
+fn replace_newest_racing_save_next(root: &Path, rounds: usize, spread: u64) -> Outcomes {
     let policy = Policy {
         full_every: 4,
         max_delta_fraction: 100.0,
@@ -101,12 +102,12 @@ fn replace_newest_racing_save_next(root: &Path, rounds: usize) -> Outcomes {
         .unwrap();
         let a_id = format!("replace{round}");
         let b_id = format!("next{round}");
-        // Varied timing: each starts up to 40 ms after the other, in both orders.
+        let r = round as u64;
         let (wait_a, wait_b) = match round % 4 {
             0 => (0, 0),
-            1 => (0, (round * 7 % 40) as u64),
-            2 => ((round * 11 % 40) as u64, 0),
-            _ => ((round % 5) as u64, (round % 3) as u64 * 5),
+            1 => (0, r * 7 % spread),
+            2 => (r * 11 % spread, 0),
+            _ => (r % 5, r % 3 * spread / 8),
         };
         let (a, b) = std::thread::scope(|s| {
             let a = s.spawn(|| {
@@ -172,7 +173,7 @@ fn replace_newest_racing_save_next(root: &Path, rounds: usize) -> Outcomes {
 #[test]
 fn replacing_the_newest_step_racing_the_next_save_never_breaks_a_step_locally() {
     let dir = tempfile::tempdir().unwrap();
-    let o = replace_newest_racing_save_next(dir.path(), 40);
+    let o = replace_newest_racing_save_next(dir.path(), 40, 40);
     eprintln!("local: {o:?}");
 }
 
@@ -180,6 +181,6 @@ fn replacing_the_newest_step_racing_the_next_save_never_breaks_a_step_locally() 
 fn replacing_the_newest_step_racing_the_next_save_never_breaks_a_step_on_the_store() {
     let Some(g) = garage::shared() else { return };
     let url = g.url("manager-races");
-    let o = replace_newest_racing_save_next(Path::new(&url), 16);
+    let o = replace_newest_racing_save_next(Path::new(&url), 24, 400);
     eprintln!("object store: {o:?}");
 }

@@ -366,6 +366,10 @@ pub struct SaveArgs {
     /// root's policy, retention applied after the commit (see `saver list`).
     #[arg(long, requires = "step", conflicts_with = "parent")]
     pub root: Option<PathBuf>,
+    /// With --root: save this step full whatever the policy says (after a change the policy
+    /// cannot see, or to start a new chain).
+    #[arg(long, requires = "root")]
+    pub full: bool,
     #[command(flatten)]
     pub policy: PolicyArgs,
     /// Generate the model: a preset (tiny, small, criteo-kaggle) and/or key=value pairs.

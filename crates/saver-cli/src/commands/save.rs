@@ -21,6 +21,9 @@ struct Report<'a> {
     /// With --root: what retention did after the commit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pruned: Option<&'a saver_io::manage::PruneReport>,
+    /// With --root: why the step was saved full rather than as a delta.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    full_because: Option<&'a str>,
     #[serde(flatten)]
     save: &'a SaveReport,
     input_seconds: f64,
@@ -87,7 +90,13 @@ pub fn run(args: SaveArgs) -> CmdResult {
             // The policy the root keeps, with the flags given (kept in the root from now on).
             let kept = CheckpointManager::open_kept(root)?;
             let policy = super::manage::policy_with(kept.policy(), &args.policy)?;
-            Some(CheckpointManager::open(root, policy)?)
+            let m = CheckpointManager::open(root, policy)?;
+            // A step out of order is refused before the model is read or its directory made.
+            m.check_step(args.step.expect("--root requires --step"), args.overwrite)?;
+            if args.full {
+                m.force_full();
+            }
+            Some(m)
         }
         None => None,
     };
@@ -124,10 +133,15 @@ pub fn run(args: SaveArgs) -> CmdResult {
             // A plain input's rows are sorted out by bucket in temporary files beside the
             // checkpoint (on its filesystem, and gone with the process), or in the system's
             // temporary directory when the checkpoint goes to an object store.
-            let scratch = saver_io::storage::scratch_dir(&out);
-            if saver_io::storage::location_url(&out).is_none() {
-                std::fs::create_dir_all(&out)
-                    .map_err(|e| format!("create {}: {e}", out.display()))?;
+            // A managed save's scratch is its root, which exists: the step's directory is made
+            // by the save, and removed by it if the save fails before writing anything.
+            let beside = manager
+                .as_ref()
+                .map_or(out.as_path(), |m| m.root().location());
+            let scratch = saver_io::storage::scratch_dir(beside);
+            if saver_io::storage::location_url(beside).is_none() {
+                std::fs::create_dir_all(beside)
+                    .map_err(|e| format!("create {}: {e}", beside.display()))?;
             }
             let rounds = args.import_rounds.map(|r| r as usize);
             tables = source.tables_in_rounds(&scratch, args.parallel, rounds)?;
@@ -153,14 +167,14 @@ pub fn run(args: SaveArgs) -> CmdResult {
     opts.progress = progress.as_ref().map(|(_, f)| f.clone());
     // Full or delta (with --parent) is the library's choice, from the options; a table read
     // from files is compared with the parent as it is read, in bounded memory.
-    let (report, pruned) = match &manager {
+    let (report, pruned, full_because) = match &manager {
         Some(m) => {
             opts.step = None;
             let step = args.step.expect("--root requires --step");
             let done = m.save(step, input, &opts)?;
-            (done.save, done.pruned)
+            (done.save, done.pruned, done.full_because)
         }
-        None => (save(&out, input, &opts)?, None),
+        None => (save(&out, input, &opts)?, None, None),
     };
     if let Some((bar, _)) = progress {
         bar.finish_and_clear();
@@ -171,6 +185,7 @@ pub fn run(args: SaveArgs) -> CmdResult {
         output::json(&Report {
             out: out.display().to_string(),
             save: &report,
+            full_because: full_because.as_deref(),
             pruned: pruned.as_ref(),
             input_seconds,
             throughput_bytes_per_second: throughput,
@@ -206,6 +221,11 @@ pub fn run(args: SaveArgs) -> CmdResult {
                 ),
             }
         );
+    }
+    if let (Some(why), false) = (&full_because, args.out_fmt.json) {
+        if manager.is_some() {
+            println!("  a full save: {why}");
+        }
     }
     if let (Some(p), false) = (&pruned, args.out_fmt.json) {
         if !p.removed.is_empty() {

@@ -62,6 +62,8 @@ pub struct ManagedSave {
     pub path: PathBuf,
     /// The save's report (full or delta: see [`SaveReport::delta_tables`]).
     pub save: SaveReport,
+    /// Why the save is full rather than a delta of the newest step (`None`: a delta).
+    pub full_because: Option<String>,
     /// What retention did after the commit (`None`: another process of the save runs it).
     pub pruned: Option<PruneReport>,
 }
@@ -95,6 +97,8 @@ pub struct CheckpointManager {
     policy: Policy,
     in_flight: Mutex<Option<InFlight>>,
     on_failure: Arc<OnFailure>,
+    /// The next save is full, whatever the policy ([`CheckpointManager::force_full`]).
+    force_full: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for CheckpointManager {
@@ -130,6 +134,7 @@ impl CheckpointManager {
             root,
             policy,
             in_flight: Mutex::new(None),
+            force_full: std::sync::atomic::AtomicBool::new(false),
             on_failure: Arc::new(|step, e| {
                 eprintln!("saver: the background save of step {step} failed: {e}");
             }),
@@ -190,14 +195,20 @@ impl CheckpointManager {
     /// `parent` and `step` are the manager's to set.
     pub fn save(&self, step: u64, input: SaveInput<'_>, opts: &SaveOptions) -> Result<ManagedSave> {
         self.wait()?;
-        let opts = self.options_for(step, opts)?;
+        let (opts, full_because) = self.options_for(step, &input, opts)?;
         let path = self.root.step_path(step);
-        let report = save(&path, input, &opts)?;
+        let new_dir = !self.root.step_dirs()?.contains(&step);
+        let report = save(&path, input, &opts).inspect_err(|_| {
+            if new_dir {
+                self.root.remove_dir_if_empty(step);
+            }
+        })?;
         let pruned = retention_after(&self.root, &self.policy.retention, &opts)?;
         Ok(ManagedSave {
             step,
             path,
             save: report,
+            full_because,
             pruned,
         })
     }
@@ -229,24 +240,37 @@ impl CheckpointManager {
         if let Some(f) = slot.take() {
             join(f)?;
         }
-        let opts = self.options_for(step, opts)?;
+        let (opts, full_because) = self.options_for(step, &input, opts)?;
         let path = self.root.step_path(step);
-        let handle = save_async(&path, input, opts.clone())?;
+        let new_dir = !self.root.step_dirs()?.contains(&step);
+        let handle = save_async(&path, input, opts.clone()).inspect_err(|_| {
+            if new_dir {
+                self.root.remove_dir_if_empty(step);
+            }
+        })?;
         let root = self.root.clone();
         let rules = self.policy.retention.clone();
         let on_failure = Arc::clone(&self.on_failure);
         let thread = std::thread::Builder::new()
             .name(format!("saver-manager-{step}"))
             .spawn(move || {
-                let done = handle.wait().and_then(|report| {
-                    let pruned = retention_after(&root, &rules, &opts)?;
-                    Ok(ManagedSave {
-                        step,
-                        path,
-                        save: report,
-                        pruned,
+                let done = handle
+                    .wait()
+                    .inspect_err(|_| {
+                        if new_dir {
+                            root.remove_dir_if_empty(step);
+                        }
                     })
-                });
+                    .and_then(|report| {
+                        let pruned = retention_after(&root, &rules, &opts)?;
+                        Ok(ManagedSave {
+                            step,
+                            path,
+                            save: report,
+                            full_because,
+                            pruned,
+                        })
+                    });
                 if let Err(e) = &done {
                     on_failure(step, e);
                 }
@@ -294,9 +318,43 @@ impl CheckpointManager {
         clean::clean(&self.root, dry_run)
     }
 
-    /// The options of step `step`'s save: full or delta by the policy, its parent the newest
-    /// committed step.
-    fn options_for(&self, step: u64, opts: &SaveOptions) -> Result<SaveOptions> {
+    /// Makes the next save full, whatever the policy says (a save after a change the policy
+    /// cannot see, or to start a new chain). Cleared by that save's start.
+    pub fn force_full(&self) {
+        self.force_full
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Checks that step `step` may be saved now (with `overwrite`, replacing the newest step):
+    /// what a save checks first, to be called before any work that a refusal would waste, such
+    /// as reading the model from files. The same rule holds again at the save's commit.
+    pub fn check_step(&self, step: u64, overwrite: bool) -> Result<()> {
+        let newest = self.root.latest()?;
+        self.check_after(step, overwrite, newest.as_ref())
+    }
+
+    fn check_after(&self, step: u64, overwrite: bool, newest: Option<&StepInfo>) -> Result<()> {
+        let Some(last) = newest else { return Ok(()) };
+        // Only the newest step may be replaced: an older one may be a link of a newer step's
+        // chain, which its replacement would break.
+        if last.step > step || (last.step == step && !overwrite) {
+            return Err(self.root.error(format!(
+                "step {step} is not after the newest committed step {}: steps only grow \
+                 (overwrite replaces the newest step)",
+                last.step
+            )));
+        }
+        Ok(())
+    }
+
+    /// The options of step `step`'s save of `input`: full or delta by the policy, its parent the
+    /// newest committed step; and why it is full, if it is.
+    fn options_for(
+        &self,
+        step: u64,
+        input: &SaveInput<'_>,
+        opts: &SaveOptions,
+    ) -> Result<(SaveOptions, Option<String>)> {
         let mut opts = opts.clone();
         if opts.parent.is_some() {
             return Err(Error::InvalidOption {
@@ -318,20 +376,73 @@ impl CheckpointManager {
         // The newest step's chain only (newest first): what the decision needs, without
         // reading every step of the root on the trainer's thread.
         let mut chain = self.root.latest_chain()?;
-        if let Some(last) = chain.first() {
-            // Only the newest step may be replaced: an older one may be a link of a newer
-            // step's chain, which its replacement would break.
-            if last.step > step || (last.step == step && !opts.overwrite) {
-                return Err(self.root.error(format!(
-                    "step {step} is not after the newest committed step {}: steps only grow \
-                     (SaveOptions::overwrite replaces the newest step)",
-                    last.step
+        self.check_after(step, opts.overwrite, chain.first())?;
+        chain.reverse();
+        let forced = self
+            .force_full
+            .swap(false, std::sync::atomic::Ordering::Relaxed);
+        let decided = match delta_parent(&chain, step, &self.policy) {
+            _ if forced => Err("a full save was asked for".to_string()),
+            Ok(parent) => match self.schema_change(parent, input)? {
+                Some(change) => Err(format!(
+                    "the tables changed since step {}: {change}",
+                    parent.step
+                )),
+                None => Ok(parent),
+            },
+            Err(why) => Err(why),
+        };
+        Ok(match decided {
+            Ok(parent) => {
+                opts.parent = Some(parent.path.clone());
+                (opts, None)
+            }
+            Err(why) => (opts, Some(why)),
+        })
+    }
+
+    /// How `input`'s tables differ from those of step `parent` in what a delta needs alike (key
+    /// dtype, each slot's dtype and shape), or `None`.
+    fn schema_change(&self, parent: &StepInfo, input: &SaveInput<'_>) -> Result<Option<String>> {
+        let (_, manifest) =
+            crate::load::link::load_manifest(&*self.root.step_storage(parent.step)?)?;
+        for t in input.all_tables() {
+            let Some(was) = manifest.tables.iter().find(|m| m.name == t.name()) else {
+                continue;
+            };
+            if was.key_dtype != t.key_dtype() {
+                return Ok(Some(format!(
+                    "table {:?} has {} ids, {} before",
+                    t.name(),
+                    t.key_dtype(),
+                    was.key_dtype
                 )));
             }
+            for s in t.slots() {
+                match was.slots.iter().find(|w| w.name == s.name) {
+                    Some(w) if w == s => {}
+                    Some(w) => {
+                        return Ok(Some(format!(
+                            "slot {:?} of table {:?} is {} {:?}, {} {:?} before",
+                            s.name,
+                            t.name(),
+                            s.dtype,
+                            s.shape,
+                            w.dtype,
+                            w.shape
+                        )))
+                    }
+                    None => {
+                        return Ok(Some(format!(
+                            "table {:?} has a new slot {:?}",
+                            t.name(),
+                            s.name
+                        )))
+                    }
+                }
+            }
         }
-        chain.reverse();
-        opts.parent = delta_parent(&chain, step, &self.policy).map(|p| p.path.clone());
-        Ok(opts)
+        Ok(None)
     }
 }
 
@@ -357,25 +468,51 @@ fn retention_after(
         .transpose()
 }
 
-/// The step the save of `step` is a delta of, or `None` for a full save: by `policy`, given the
+/// The step the save of `step` is a delta of, or why it is full: by `policy`, given the
 /// committed steps (ascending, steps before `step` only count).
-pub fn delta_parent<'s>(steps: &'s [StepInfo], step: u64, policy: &Policy) -> Option<&'s StepInfo> {
-    let before: Vec<&StepInfo> = steps.iter().filter(|s| s.step < step).collect();
-    let last = *before.last()?;
-    if policy.full_every <= 1 || last.links + 1 > policy.max_chain_links {
-        return None;
+pub fn delta_parent<'s>(
+    steps: &'s [StepInfo],
+    step: u64,
+    policy: &Policy,
+) -> std::result::Result<&'s StepInfo, String> {
+    let Some(&last) = steps
+        .iter()
+        .filter(|s| s.step < step)
+        .collect::<Vec<_>>()
+        .last()
+    else {
+        return Err("no earlier step to be a delta of".into());
+    };
+    if policy.full_every <= 1 {
+        return Err("the policy saves every step full (full_every 1)".into());
+    }
+    if last.links + 1 > policy.max_chain_links {
+        return Err(format!(
+            "a delta would make a chain of {} links, past max_chain_links {}",
+            last.links + 1,
+            policy.max_chain_links
+        ));
     }
     // Saves since the last full one, this one included.
     if last.links as u32 + 1 > policy.full_every {
-        return None;
+        return Err(format!(
+            "every {}th save is full (full_every)",
+            policy.full_every
+        ));
     }
     if last.is_delta() {
-        let base = chain_base(steps, last)?;
+        let Some(base) = chain_base(steps, last) else {
+            return Err(format!("the chain of step {} is not whole", last.step));
+        };
         if last.bytes as f64 > policy.max_delta_fraction * base.bytes.max(1) as f64 {
-            return None;
+            return Err(format!(
+                "the delta of step {} holds more than {} of its base's bytes \
+                 (max_delta_fraction)",
+                last.step, policy.max_delta_fraction
+            ));
         }
     }
-    Some(last)
+    Ok(last)
 }
 
 /// The full checkpoint at the root of `s`'s chain.

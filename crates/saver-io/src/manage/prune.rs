@@ -12,7 +12,6 @@
 //! files, each tolerating the other's removals.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 
 use serde::Serialize;
 
@@ -238,18 +237,9 @@ fn remove_step_files(root: &Root, step: u64, save_ids: &[String]) -> Result<usiz
         .into_iter()
         .any(|n| !saver_core::naming::is_commit_lock(&n));
     if !others {
-        remove_empty_dir(&root.step_path(step));
+        root.remove_dir_if_empty(step);
     }
     Ok(removed)
-}
-
-/// Removes a local directory if it is empty (an object store has no directories).
-fn remove_empty_dir(path: &PathBuf) {
-    if crate::storage::location_url(path).is_none() {
-        // Also the commit lock file a save leaves; anything else keeps the directory.
-        let _ = std::fs::remove_file(path.join(saver_core::naming::COMMIT_LOCK));
-        let _ = std::fs::remove_dir(path);
-    }
 }
 
 #[cfg(test)]

@@ -99,23 +99,31 @@ impl DeltaOf<'_> {
     /// An error if the parent was replaced since the delta was found against it: the delta would
     /// name a checkpoint that is gone, and no chain through it could be read.
     fn check_parent(&self) -> Result<()> {
-        let now = committed(&*crate::storage::open_location(&self.parent_dir)?)?;
-        let same = now.as_ref().is_some_and(|c| {
-            c.save_id == self.parent.save_id && c.manifest_crc32 == self.parent.manifest_crc32
-        });
-        if same {
-            return Ok(());
-        }
-        Err(Error::Chain {
-            link: self.parent_dir.display().to_string(),
-            message: format!(
-                "the parent {} was replaced{} while a delta of it was saved; save the delta again \
-                 against what the directory holds now",
-                self.parent.save_id,
-                now.map_or(String::new(), |c| format!(" by save {c}"))
-            ),
-        })
+        check_parent_held(&self.parent_dir, &self.parent)
     }
+}
+
+/// An error naming the parent and what replaced it if `dir` no longer commits the save `parent`
+/// names.
+pub(crate) fn check_parent_held(dir: &Path, parent: &ParentRef) -> Result<()> {
+    let now = committed(&*crate::storage::open_location(dir)?)?;
+    let same = now
+        .as_ref()
+        .is_some_and(|c| c.save_id == parent.save_id && c.manifest_crc32 == parent.manifest_crc32);
+    if same {
+        return Ok(());
+    }
+    Err(Error::Chain {
+        link: dir.display().to_string(),
+        message: format!(
+            "the parent {} was replaced{} while a delta of it was saved; save the delta again \
+             against what the directory holds now",
+            parent.save_id,
+            now.map_or(" (it holds no checkpoint now)".into(), |c| format!(
+                " by save {c}"
+            ))
+        ),
+    })
 }
 
 /// [`save_to`] of a model ready to be written: a full checkpoint, or a delta's changed rows and

@@ -158,6 +158,7 @@ pub(crate) fn save_delta_of_input(
         .collect();
     let found = Found { methods, tokens };
     ctx.save(storage, &refs, tracked, dense, opts, found)
+        .map_err(|e| ctx.explain(e))
 }
 
 /// A table's snapshot for a delta, taken with the others' at one moment.
@@ -297,6 +298,19 @@ impl Delta {
             child_dir,
             parent_ref,
         })
+    }
+
+    /// `e`, or, when the parent was replaced while the delta was saved (an object store does
+    /// not keep a replaced checkpoint's objects readable, so its reads fail as not found), the
+    /// error that names the parent and what replaced it.
+    fn explain(&self, e: Error) -> Error {
+        if !e.is_about_the_checkpoint() {
+            return e;
+        }
+        match crate::save::pipeline::check_parent_held(&self.chain.dirs()[0], &self.parent_ref) {
+            Err(replaced) => replaced,
+            Ok(()) => e,
+        }
     }
 
     /// Compares `ordered` with the chain, adds the `tracked` changes, and saves the delta.
