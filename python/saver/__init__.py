@@ -138,6 +138,9 @@ class SaveReport:
     write_seconds: float
     commit_seconds: float
     committed: bool
+    #: Of a :class:`Manager`'s save: why it is full rather than a delta (``None``: a delta, or
+    #: not a managed save).
+    full_because: Optional[str] = None
 
 
 # Rows a row filter sees at a time.
@@ -486,16 +489,23 @@ class Manager:
         """Whether ``step`` is one the policy saves (a multiple of ``every_steps``)."""
         return self._native.is_due(_int("step", step, 0))
 
-    def save(self, step: int, tables=None, dense=None, **options: Any) -> SaveReport:
+    def save(self, step: int, tables=None, dense=None, *, full: bool = False, **options: Any) -> SaveReport:
         """Saves ``step`` (after any background save ends), full or a delta by the policy, then
-        applies retention. Options as :func:`save` (``save_id`` and ``step`` are the manager's)."""
+        applies retention. Options as :func:`save` (``save_id`` and ``step`` are the manager's).
+        A model whose tables changed (a slot added, a dimension or dtype changed) is saved full;
+        ``full=True`` saves this step full whatever the policy says. The report's
+        ``full_because`` says why a save is full (``None`` for a delta)."""
         step = _int("step", step, 0)
+        if full:
+            self._native.force_full()
         return SaveReport(**self._native.save(step, *_save_arguments(tables, dense, _options(options))))
 
-    def save_async(self, step: int, tables=None, dense=None, **options: Any) -> None:
+    def save_async(self, step: int, tables=None, dense=None, *, full: bool = False, **options: Any) -> None:
         """:meth:`save` in the background, as :func:`save_async`: returns once the arrays are
         copied. The next save (or :meth:`wait`) waits for it first."""
         step = _int("step", step, 0)
+        if full:
+            self._native.force_full()
         self._native.save_in_background(step, *_save_arguments(tables, dense, _options(options)))
 
     def wait(self) -> Optional[SaveReport]:

@@ -349,6 +349,11 @@ impl Manager {
         self.inner.is_due(step)
     }
 
+    /// Makes the next save full, whatever the policy says.
+    fn force_full(&self) {
+        self.inner.force_full()
+    }
+
     /// Saves step `step` (full or a delta, by the policy), then applies retention.
     fn save<'py>(
         &self,
@@ -362,7 +367,9 @@ impl Manager {
         let saved = in_place(py, &tables, &dense, |input| {
             self.inner.save(step, input, &opts)
         })?;
-        report_dict(py, &saved.save)
+        let report = report_dict(py, &saved.save)?;
+        report.set_item("full_because", &saved.full_because)?;
+        Ok(report)
     }
 
     /// Starts saving step `step` in the background (after waiting for the previous one);

@@ -481,3 +481,19 @@ def test_a_compressed_checkpoint_is_smaller_valid_safetensors_and_reads_as_the_r
             assert any(f[0] == "zstd" and f[2] == "F32" and f[3].endswith(",16") for f in fields)
     with pytest.raises(saver.InputError):
         saver.save(tmp_path / "bad", tables=tables, compress="lz4")
+
+
+def test_a_manager_saves_full_on_a_schema_change_and_on_request(tmp_path):
+    ids = np.arange(100, dtype=np.int64)
+    narrow = {"t": {"ids": ids, "emb": np.ones((100, 2), dtype=np.float32)}}
+    wide = {"t": {"ids": ids, "emb": np.ones((100, 3), dtype=np.float32)}}
+    m = saver.Manager(tmp_path / "run", full_every=8, max_chain_links=8)
+    assert "no earlier step" in m.save(1, tables=narrow).full_because
+    assert m.save(2, tables=narrow).full_because is None
+    why = m.save(3, tables=wide).full_because
+    assert "tables changed" in why and "emb" in why, why
+    assert m.save(4, tables=wide).full_because is None
+    assert "asked for" in m.save(5, tables=wide, full=True).full_because
+    m.save_async(6, tables=wide, full=True)
+    m.wait()
+    assert m.latest()["parent"] is None

@@ -579,6 +579,106 @@ fn a_delta_as_large_as_its_base_makes_the_next_save_full() {
     assert_eq!(m.latest().unwrap().unwrap().links, 1);
 }
 
+/// The model's schema changed (a slot added, a dimension changed): the manager saves the step
+/// full and says why, where a delta would be refused. `force_full` makes one save full.
+#[test]
+fn a_schema_change_or_a_request_makes_the_save_full_and_says_why() {
+    let root = tempfile::tempdir().unwrap();
+    let m = CheckpointManager::open(root.path(), policy(8, 8)).unwrap();
+    let t = EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap();
+    for id in 0..100 {
+        write(&t, id, (1.0, 1));
+    }
+    let first = m.save(1, SaveInput::new().table(&t), &opts()).unwrap();
+    assert!(first.full_because.unwrap().contains("no earlier step"));
+    let delta = m.save(2, SaveInput::new().table(&t), &opts()).unwrap();
+    assert_eq!(delta.full_because, None);
+    assert!(!delta.save.delta_tables.is_empty());
+    // A slot added.
+    let mut wider = slots();
+    wider.push(SlotSpec::new("adagrad", Dtype::F32, vec![1]));
+    let t2 = EmbeddingTable::new("emb", KeyDtype::U64, wider).unwrap();
+    for id in 0..100u64 {
+        let v = 2.0f32.to_le_bytes();
+        t2.insert(id, &[&v[..], &3u64.to_le_bytes()[..], &v[..]])
+            .unwrap();
+    }
+    let added = m.save(3, SaveInput::new().table(&t2), &opts()).unwrap();
+    let why = added.full_because.expect("saved full");
+    assert!(why.contains("adagrad") && why.contains("step 2"), "{why}");
+    assert!(added.save.delta_tables.is_empty());
+    // A dimension changed.
+    let t3 = EmbeddingTable::new(
+        "emb",
+        KeyDtype::U64,
+        vec![
+            SlotSpec::new("embedding", Dtype::F32, vec![2]),
+            SlotSpec::new("stamp", Dtype::U64, vec![]),
+            SlotSpec::new("adagrad", Dtype::F32, vec![1]),
+        ],
+    )
+    .unwrap();
+    let v = [0u8; 8];
+    t3.insert(7, &[&v[..], &v[..], &v[..4]]).unwrap();
+    let changed = m.save(4, SaveInput::new().table(&t3), &opts()).unwrap();
+    let why = changed.full_because.expect("saved full");
+    assert!(why.contains("embedding") && why.contains("[2]"), "{why}");
+    // The same schema again: a delta; then one full save on request, then deltas again.
+    assert_eq!(
+        m.save(5, SaveInput::new().table(&t3), &opts())
+            .unwrap()
+            .full_because,
+        None
+    );
+    m.force_full();
+    let forced = m.save(6, SaveInput::new().table(&t3), &opts()).unwrap();
+    assert!(forced.full_because.unwrap().contains("asked for"));
+    assert_eq!(
+        m.save(7, SaveInput::new().table(&t3), &opts())
+            .unwrap()
+            .full_because,
+        None
+    );
+    assert_eq!(m.latest().unwrap().unwrap().links, 2);
+}
+
+/// A save the manager refuses leaves nothing: out of order, refused before any directory is
+/// made (also by `check_step`, for callers that read the model first); a save that fails after
+/// its directory was made removes the directory it made.
+#[test]
+fn a_refused_or_failed_managed_save_leaves_no_step_directory() {
+    let root = tempfile::tempdir().unwrap();
+    let m = CheckpointManager::open(root.path(), policy(4, 8)).unwrap();
+    let t = EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap();
+    write(&t, 1, (1.0, 1));
+    m.save(10, SaveInput::new().table(&t), &opts()).unwrap();
+    for (step, overwrite) in [(5, false), (10, false), (5, true)] {
+        let e = m.check_step(step, overwrite).unwrap_err().to_string();
+        assert!(e.contains("newest committed step 10"), "{e}");
+        let o = SaveOptions {
+            overwrite,
+            ..opts()
+        };
+        let e = m.save(step, SaveInput::new().table(&t), &o).unwrap_err();
+        assert!(e.to_string().contains("step 10"), "{e}");
+    }
+    m.check_step(10, true).unwrap();
+    m.check_step(11, false).unwrap();
+    // A save that fails once its directory exists: a table of another shard's rows.
+    let mut o = opts();
+    o.plan.shard_num = 4;
+    let foreign = EmbeddingTable::for_shard("emb", KeyDtype::U64, slots(), 0, 1, 4).unwrap();
+    let e = m
+        .save(
+            20,
+            SaveInput::new().shard_table(0, &foreign).shard_table(1, &t),
+            &o,
+        )
+        .err();
+    assert!(e.is_some(), "the save fails");
+    assert_eq!(step_dirs(root.path()), vec!["step-00000000000000000010"]);
+}
+
 /// Retention racing saves: a second process prunes the root with `keep 1` as fast as it can
 /// while the job saves deltas. Every step any listing shows restores whole, and the newest
 /// committed step is never lost.

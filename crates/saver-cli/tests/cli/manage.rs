@@ -331,3 +331,82 @@ fn clean_names_a_step_with_a_cut_index_and_cleans_the_rest() {
     let text = ok(&[], &["clean", r]);
     assert!(text.contains("left step 2 alone"), "{text}");
 }
+
+/// `save --root` refuses a step out of order before it reads the model or makes a directory; a
+/// model whose schema changed is saved full, saying why; `--full` forces one full save.
+#[test]
+fn save_root_refuses_early_saves_full_on_a_schema_change_and_on_request() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path().join("run");
+    let r = root.to_str().unwrap();
+    let save = |step: &str, spec: &str, extra: &[&str]| {
+        let mut args = vec![
+            "save",
+            "--root",
+            r,
+            "--step",
+            step,
+            "--synthetic",
+            spec,
+            "--no-fsync",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        json(&[], &args)
+    };
+    assert!(save("10", "tiny", &[])["full_because"]
+        .as_str()
+        .unwrap()
+        .contains("no earlier step"));
+    assert!(save("20", "tiny", &[]).get("full_because").is_none());
+    // Out of order: refused before the input is read (a missing one would say so) or the step's
+    // directory is made.
+    let missing = d.path().join("no-such-model");
+    let out = saver(
+        &[],
+        &[
+            "save",
+            "--root",
+            r,
+            "--step",
+            "15",
+            "--from",
+            missing.to_str().unwrap(),
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("step 15") && err.contains("20"),
+        "{err}"
+    );
+    assert!(!root.join("step-00000000000000000015").exists());
+    // Another dimension: a full save, with the reason.
+    let why = save("30", "tiny,dim=4", &[])["full_because"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        why.contains("tables changed") && why.contains("[4]"),
+        "{why}"
+    );
+    assert!(save("40", "tiny,dim=4", &[]).get("full_because").is_none());
+    let why = save("50", "tiny,dim=4", &["--full"])["full_because"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(why.contains("asked for"), "{why}");
+    let text = ok(
+        &[],
+        &[
+            "save",
+            "--root",
+            r,
+            "--step",
+            "60",
+            "--synthetic",
+            "tiny",
+            "--no-fsync",
+        ],
+    );
+    assert!(text.contains("a full save: the tables changed"), "{text}");
+}
