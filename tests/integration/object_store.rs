@@ -239,6 +239,16 @@ fn the_object_store_conforms() {
     assert!(!nested.list().unwrap().contains(&"big.safetensors".into()));
 }
 
+/// Garage ignores conditional writes: its commit lock is the flag lock, raced here on the real
+/// server (the same race as against the in-memory store).
+#[test]
+fn the_commit_lock_on_garage_excludes_racing_takers() {
+    let Some(g) = garage::shared() else { return };
+    let storage = ObjectStorage::from_url(&g.url("flag-lock")).unwrap();
+    crate::object_store_faults::flag_lock_race(&storage, 3, 15);
+    assert!(storage.list().unwrap().is_empty(), "{:?}", storage.list());
+}
+
 fn options(shards: u32) -> SaveOptions {
     let mut o = SaveOptions::default();
     o.plan.shard_num = shards;

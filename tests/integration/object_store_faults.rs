@@ -378,3 +378,54 @@ fn writers_of_one_save_commit_together_without_a_lock() {
         assert_eq!(verify_storage(&storage, 2).unwrap().status, Status::Ok);
     }
 }
+
+/// The commit lock of a store that ignores conditional writes (the flag lock): takers racing
+/// for it, many times over, never hold it together, and each gets it within the wait.
+#[test]
+fn the_flag_lock_excludes_racing_takers() {
+    let store = Arc::new(Faulty {
+        ignores_conditions: true,
+        ..Faulty::default()
+    });
+    let storage = ObjectStorage::with_store(store, "memory://flags", "ck");
+    assert!(!storage.honours_conditional_create().unwrap());
+    flag_lock_race(&storage, 4, 50);
+    // No flag is left once every holder released it.
+    assert!(storage.list().unwrap().is_empty(), "{:?}", storage.list());
+}
+
+/// `takers` threads each take `storage`'s commit lock `times` times, holding it across a
+/// read-modify-write of a counter object and a check that nobody else holds it.
+pub(crate) fn flag_lock_race(storage: &ObjectStorage, takers: usize, times: usize) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let holders = AtomicUsize::new(0);
+    storage.put("counter", b"0", true).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..takers {
+            let holders = &holders;
+            s.spawn(move || {
+                for i in 0..times {
+                    let lock = storage
+                        .lock_commit(std::time::Duration::from_secs(60))
+                        .unwrap();
+                    assert_eq!(holders.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                    let n: u64 = String::from_utf8(storage.get("counter", 64).unwrap())
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    if (t + i) % 3 == 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    storage
+                        .put("counter", (n + 1).to_string().as_bytes(), true)
+                        .unwrap();
+                    holders.fetch_sub(1, Ordering::SeqCst);
+                    drop(lock);
+                }
+            });
+        }
+    });
+    let n = String::from_utf8(storage.get("counter", 64).unwrap()).unwrap();
+    assert_eq!(n, (takers * times).to_string(), "an update was lost");
+    storage.remove("counter").unwrap();
+}

@@ -13,6 +13,7 @@ use saver_core::naming::{shard_manifest_name, SaverFile, INDEX_FILE};
 use saver_core::{Index, Manifest};
 
 use crate::error::{Error, Result};
+use crate::load::ahead::ReadAhead;
 use crate::load::documents::{get_if_exists, MAX_JSON_BYTES};
 use crate::load::frames::FrameRead;
 use crate::load::header::{parse_header, MAX_HEADER_BYTES};
@@ -34,6 +35,8 @@ pub struct Link {
     files: HashMap<String, DataFile>,
     /// Bytes its files delivered so far, merged ranges' gaps included.
     fetched: AtomicU64,
+    /// Tensors a load read ahead ([`crate::load::ahead`]).
+    ahead: ReadAhead,
 }
 
 impl std::fmt::Debug for Link {
@@ -248,46 +251,82 @@ impl Link {
     /// [`crate::load::link::read_latest`]). One replaced while `open` runs is opened anew: the result
     /// is the old or the new checkpoint, whole.
     pub fn open_storage(storage: Arc<dyn Storage>) -> Result<Self> {
-        let (index, manifest, files) = retry_if_replaced(
+        Ok(Self::open_storage_beside(storage, |_| ())?.0)
+    }
+
+    /// [`Self::open_storage`], calling `beside` with the manifest as soon as it is read: on a
+    /// remote store, while the data files' headers are read (a chain opens its parent so,
+    /// instead of one link's round trips after another's); elsewhere after them. If the
+    /// checkpoint is replaced while it is opened, `beside` is called again with the new manifest.
+    pub(crate) fn open_storage_beside<R: Send>(
+        storage: Arc<dyn Storage>,
+        beside: impl Fn(&Manifest) -> R + Sync,
+    ) -> Result<(Self, R)> {
+        let ((index, manifest, files), r) = retry_if_replaced(
             storage.as_ref(),
             || {
                 let (index, manifest) = load_manifest(storage.as_ref())?;
-                // Several at once on an object store: each file's look-up and header read are
-                // round trips (a checkpoint of 32 files on Garage took 1.5 s to open one by
-                // one). Checked in the manifest's order, so the error is the first file's.
-                let opened = each_at_once(
-                    manifest.files.iter().collect(),
-                    calls_at_once(storage.as_ref()),
-                    |fm| {
-                        let f = open_file(storage.as_ref(), &manifest, fm)?;
-                        DataFile::new(storage.clone(), &fm.name, f.handle)
-                    },
-                    Result::is_ok,
-                );
-                let n = opened.len();
-                let mut files = HashMap::new();
-                for (fm, f) in manifest.files.iter().zip(opened) {
-                    files.insert(fm.name.clone(), f?);
+                if !storage.is_remote() {
+                    let files = Self::open_files(&storage, &manifest)?;
+                    let r = beside(&manifest);
+                    return Ok(((index, manifest, files), r));
                 }
-                // Only a failure stops the opens early, and it was returned just above.
-                if n < manifest.files.len() {
-                    return Err(Error::Mismatch(format!(
-                        "internal: {n} of the {} data files of {} were opened",
-                        manifest.files.len(),
-                        storage.location()
-                    )));
-                }
-                Ok((index, manifest, files))
+                let (files, r) = std::thread::scope(|s| {
+                    let alongside = s.spawn(|| beside(&manifest));
+                    let files = Self::open_files(&storage, &manifest);
+                    let r = alongside
+                        .join()
+                        .expect("what runs beside an open does not panic");
+                    (files, r)
+                });
+                Ok(((index, manifest, files?), r))
             },
             Result::is_err,
         )?;
-        Ok(Self {
-            storage,
-            index,
-            manifest,
-            files,
-            fetched: AtomicU64::new(0),
-        })
+        Ok((
+            Self {
+                storage,
+                index,
+                manifest,
+                files,
+                fetched: AtomicU64::new(0),
+                ahead: ReadAhead::default(),
+            },
+            r,
+        ))
+    }
+
+    /// Opens every data file of `manifest` and checks its header.
+    fn open_files(
+        storage: &Arc<dyn Storage>,
+        manifest: &Manifest,
+    ) -> Result<HashMap<String, DataFile>> {
+        // Several at once on an object store: each file's look-up and header read are round
+        // trips (a checkpoint of 32 files on Garage took 1.5 s to open one by one). Checked in
+        // the manifest's order, so the error is the first file's.
+        let opened = each_at_once(
+            manifest.files.iter().collect(),
+            calls_at_once(storage.as_ref()),
+            |fm| {
+                let f = open_file(storage.as_ref(), manifest, fm)?;
+                DataFile::new(storage.clone(), &fm.name, f.handle)
+            },
+            Result::is_ok,
+        );
+        let n = opened.len();
+        let mut files = HashMap::new();
+        for (fm, f) in manifest.files.iter().zip(opened) {
+            files.insert(fm.name.clone(), f?);
+        }
+        // Only a failure stops the opens early, and it was returned just above.
+        if n < manifest.files.len() {
+            return Err(Error::Mismatch(format!(
+                "internal: {n} of the {} data files of {} were opened",
+                manifest.files.len(),
+                storage.location()
+            )));
+        }
+        Ok(files)
     }
 
     /// Bytes the checkpoint's files have delivered to its reads so far (a remote store's merged
@@ -376,10 +415,20 @@ impl Link {
         Ok(())
     }
 
-    /// Reads byte ranges of the files, file by file.
+    /// What a load read ahead of this link's files.
+    pub(crate) fn ahead(&self) -> &ReadAhead {
+        &self.ahead
+    }
+
+    /// Reads byte ranges of the files, file by file: from what was read ahead where it holds
+    /// them, from the storage otherwise.
     fn fetch(&self, by_file: Vec<(&str, FileReads<'_>)>) -> Result<()> {
         let mut groups = Vec::with_capacity(by_file.len());
-        for (file, list) in by_file {
+        for (file, mut list) in by_file {
+            list.retain_mut(|(at, dst)| !self.ahead.serve(file, *at, dst));
+            if list.is_empty() {
+                continue;
+            }
             let f = self.files.get(file).ok_or_else(|| Error::Corrupt {
                 file: file.to_string(),
                 what: "not opened".into(),

@@ -2,6 +2,7 @@
 //! validated before any tensor byte is read; a delta's chain of parents; loads into tables and
 //! into arrays for any shard count; rows in storage order for what reads a checkpoint's tables.
 
+pub(crate) mod ahead;
 pub mod arrays;
 pub mod checkpoint;
 pub(crate) mod documents;

@@ -138,6 +138,16 @@ impl<'c> StoredTable<'c> {
         b[0]..b[1]
     }
 
+    /// The tensors (ids and kept slots) of the segments that lie inside `buckets`: what a load
+    /// of those buckets reads whole.
+    pub(crate) fn tensors_within(&self, buckets: &Range<u32>) -> Vec<&'c TensorRef> {
+        self.segments
+            .iter()
+            .filter(|s| buckets.start <= s.seg.buckets[0] && s.seg.buckets[1] <= buckets.end)
+            .flat_map(|s| std::iter::once(&s.seg.ids).chain(s.slots.iter().copied()))
+            .collect()
+    }
+
     fn corrupt(&self, t: &TensorRef, what: impl std::fmt::Display) -> Error {
         Error::Corrupt {
             file: t.file.clone(),

@@ -157,7 +157,7 @@ fn uncommit_step(root: &Root, step: u64, save_id: &str) -> Result<usize> {
     let storage = root.step_storage(step)?;
     put_marker(&*storage, step, std::slice::from_ref(&save_id.to_string()))?;
     let committed = crate::load::documents::committed(&*storage)?;
-    if !committed.is_some_and(|c| c.save_id == save_id) {
+    if committed.is_none_or(|c| c.save_id != save_id) {
         return Ok(0);
     }
     storage.remove(INDEX_FILE)?;
@@ -245,6 +245,7 @@ fn remove_step_files(root: &Root, step: u64, save_ids: &[String]) -> Result<usiz
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     /// Step `step`, started at `secs`, a delta of `parent` if given.
     fn step(step: u64, secs: u64, parent: Option<u64>) -> StepInfo {

@@ -13,9 +13,11 @@
 //! decides. Nothing is held beyond a few read buffers per link, and a reader of some buckets (a
 //! load for shard `j` of `M`) reads only those buckets of every link.
 
+mod ahead;
 mod table;
 
 pub use crate::load::link::read_latest;
+use ahead::Ahead;
 pub use table::ChainTable;
 use table::{Run, RunReader};
 
@@ -94,18 +96,23 @@ impl Checkpoint {
     /// link. Each failure is one error naming the link.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        Self::follow(Link::open(&dir)?, dir)
+        let first = Opened::open(crate::storage::open_location(&dir)?, &dir, Vec::new())?;
+        Self::follow(first, dir)
     }
 
     /// Opens the checkpoint in `storage`, as [`Self::open`] does; a delta's parents are found
     /// by their paths relative to `storage`'s location.
     pub fn open_storage(storage: std::sync::Arc<dyn crate::storage::Storage>) -> Result<Self> {
         let dir = PathBuf::from(storage.location());
-        Self::follow(Link::open_storage(storage)?, dir)
+        Self::follow(Opened::open(storage, &dir, Vec::new())?, dir)
     }
 
     /// The chain that starts at `first`, opened from `dir`.
-    fn follow(first: Link, dir: PathBuf) -> Result<Self> {
+    fn follow(first: Opened, dir: PathBuf) -> Result<Self> {
+        let Opened {
+            link: first,
+            mut parent,
+        } = first;
         let key = |c: &Link| {
             (
                 c.manifest().save_id.clone(),
@@ -139,7 +146,17 @@ impl Checkpoint {
                 )));
             }
             let parent_dir = child_dir.join(&p.path);
-            let parent = Link::open(&parent_dir).map_err(|e| {
+            // Opened beside its child's data files where the child's open did so.
+            let opened = match parent.take() {
+                Some(opened) => *opened,
+                None => crate::storage::open_location(&parent_dir)
+                    .and_then(|s| Opened::open(s, &parent_dir, Vec::new())),
+            };
+            let parent_link = opened.map(|o| {
+                parent = o.parent;
+                o.link
+            });
+            let parent = parent_link.map_err(|e| {
                 // A resource or permission error (too many open files, EACCES) says nothing
                 // about the chain: it stays what it is, never a broken link.
                 if matches!(e, Error::Io { .. }) && !e.is_about_the_checkpoint() {
@@ -369,7 +386,11 @@ impl Checkpoint {
             None => 0..BUCKETS,
         };
         let tables = self.selected(opts)?;
-        let pool = crate::load::restore::reader_pool(opts.parallel)?;
+        let pool = crate::load::restore::reader_pool(crate::load::restore::reader_threads(
+            self.newest(),
+            opts.parallel,
+        ))?;
+        let _ahead = read_ahead(&pool, &tables, &target)?;
         let mut out = Vec::new();
         let mut report = crate::LoadReport::default();
         for t in &tables {
@@ -440,11 +461,8 @@ impl Checkpoint {
                     })
                     .collect::<Result<Vec<()>>>()
             })?;
-            // Every byte loaded covered by a checksum that was checked, before it is returned.
-            t.finish_checks()?;
             report.rows += ids.len() as u64;
             report.bytes_kept += ids.len() as u64 * t.full_row_bytes();
-            report.tensors_checked += t.tensors_checked();
             out.push(TableColumns {
                 name: opts
                     .rename
@@ -457,7 +475,10 @@ impl Checkpoint {
                 data,
             });
         }
-        let (dense, report) = self.finish_load(opts, report, start, fetched)?;
+        // Every byte loaded covered by a checksum that was checked, before it is returned.
+        finish_all_checks(&pool, &tables)?;
+        report.tensors_checked = tables.iter().map(ChainTable::tensors_checked).sum();
+        let (dense, report) = pool.install(|| self.finish_load(opts, report, start, fetched))?;
         Ok(Columns {
             tables: out,
             dense,
@@ -515,7 +536,18 @@ impl Checkpoint {
                 }
             }
         }
-        let pool = crate::load::restore::reader_pool(opts.parallel)?;
+        let pool = crate::load::restore::reader_pool(crate::load::restore::reader_threads(
+            self.newest(),
+            opts.parallel,
+        ))?;
+        let _ahead = match opts.shard_index {
+            Some(j) => read_ahead(
+                &pool,
+                &tables,
+                &PartitionRule::bucket_range(j, opts.shard_num),
+            )?,
+            None => read_ahead(&pool, &tables, &(0..BUCKETS))?,
+        };
         let done: Result<Vec<(u64, u64)>> = pool.install(|| {
             work.par_iter()
                 .map(|(si, ti, r)| {
@@ -534,7 +566,7 @@ impl Checkpoint {
         });
         let done = done?;
         // Every byte loaded covered by a checksum that was checked, before anything is returned.
-        tables.iter().try_for_each(ChainTable::finish_checks)?;
+        finish_all_checks(&pool, &tables)?;
         set_baselines(&shards, opts, &self.newest().manifest().save_id)?;
         let report = crate::LoadReport {
             rows: done.iter().map(|d| d.0).sum(),
@@ -542,7 +574,7 @@ impl Checkpoint {
             tensors_checked: tables.iter().map(ChainTable::tensors_checked).sum(),
             ..Default::default()
         };
-        let (dense, report) = self.finish_load(opts, report, start, fetched)?;
+        let (dense, report) = pool.install(|| self.finish_load(opts, report, start, fetched))?;
         Ok(Restored {
             shards,
             dense,
@@ -591,7 +623,11 @@ impl Checkpoint {
                 }
             }
         }
-        let pool = crate::load::restore::reader_pool(opts.parallel)?;
+        let pool = crate::load::restore::reader_pool(crate::load::restore::reader_threads(
+            self.newest(),
+            opts.parallel,
+        ))?;
+        let _ahead = read_ahead(&pool, &tables, &target)?;
         let done: Vec<u64> = pool.install(|| {
             work.par_iter()
                 .map(|(t, sink, r)| {
@@ -606,7 +642,7 @@ impl Checkpoint {
                 })
                 .collect::<Result<_>>()
         })?;
-        tables.iter().try_for_each(ChainTable::finish_checks)?;
+        finish_all_checks(&pool, &tables)?;
         let mut report = crate::LoadReport {
             rows: done.iter().sum(),
             tensors_checked: tables.iter().map(ChainTable::tensors_checked).sum(),
@@ -628,6 +664,65 @@ impl Checkpoint {
     pub fn load_dense_tensors(&self, opts: &LoadOptions) -> Result<Vec<LoadedDense>> {
         self.dense_tensors(Some(opts), &mut crate::LoadReport::default())
     }
+}
+
+/// A link opened, with its parent if it was opened beside it (see [`Link::open_storage_beside`]).
+struct Opened {
+    link: Link,
+    parent: Option<Box<Result<Opened>>>,
+}
+
+impl Opened {
+    /// Opens the link in `storage` (at `dir`), and on a remote store its parent beside its data
+    /// files, and so on down the chain: a chain of `n` links then waits on `n` manifests' round
+    /// trips and one link's data files, not on `n` of each. `seen`: the saves of the links above,
+    /// where a cycle stops the opening ahead (`Checkpoint::follow` reports it).
+    fn open(
+        storage: std::sync::Arc<dyn crate::storage::Storage>,
+        dir: &Path,
+        seen: Vec<(String, u32)>,
+    ) -> Result<Self> {
+        let remote = storage.is_remote();
+        let (link, parent) = Link::open_storage_beside(storage, |m| {
+            let p = m.parent.as_ref().filter(|_| remote)?;
+            let key = (p.save_id.clone(), p.manifest_crc32);
+            if seen.len() + 1 >= MAX_CHAIN_LINKS
+                || seen.contains(&key)
+                || saver_core::manifest::check_parent_path(&p.path).is_err()
+            {
+                return None;
+            }
+            let mut seen = seen.clone();
+            seen.push(key);
+            let parent_dir = dir.join(&p.path);
+            Some(Box::new(
+                crate::storage::open_location(&parent_dir)
+                    .and_then(|s| Opened::open(s, &parent_dir, seen)),
+            ))
+        })?;
+        Ok(Self { link, parent })
+    }
+}
+
+/// Reads ahead what a load of `buckets` of `tables` reads whole from a remote store (see
+/// [`crate::load::ahead`]), on the load's `pool`.
+fn read_ahead<'c>(
+    pool: &rayon::ThreadPool,
+    tables: &[ChainTable<'c>],
+    buckets: &Range<u32>,
+) -> Result<Ahead<'c>> {
+    let wanted = tables
+        .iter()
+        .flat_map(|t| t.tensors_within(buckets))
+        .collect();
+    pool.install(|| Ahead::plan(wanted))
+}
+
+/// Checks what every table of a load read only in part, all tables at once on the load's `pool`:
+/// on a remote store each check waits on a round trip, and a thread a check would wait on them
+/// one or two at a time.
+fn finish_all_checks(pool: &rayon::ThreadPool, tables: &[ChainTable<'_>]) -> Result<()> {
+    pool.install(|| tables.par_iter().try_for_each(ChainTable::finish_checks))
 }
 
 /// One part of a table as [`Checkpoint::load_columns`] reads it: its resolved ids and runs, and the

@@ -184,6 +184,26 @@ impl<'c> ChainTable<'c> {
             .fold(0, usize::saturating_add)
     }
 
+    /// The tensors of every link that a load of `buckets` reads whole, with their links.
+    pub(super) fn tensors_within(
+        &self,
+        buckets: &Range<u32>,
+    ) -> Vec<(
+        &'c crate::load::link::Link,
+        &'c saver_core::manifest::TensorRef,
+    )> {
+        self.links
+            .iter()
+            .flat_map(|l| std::iter::once(&l.rows).chain(&l.removed))
+            .flat_map(|t| {
+                let link = t.checkpoint();
+                t.tensors_within(buckets)
+                    .into_iter()
+                    .map(move |r| (link, r))
+            })
+            .collect()
+    }
+
     /// The number of links the table is resolved over.
     pub fn link_count(&self) -> usize {
         self.links.len()
