@@ -325,6 +325,54 @@ fn keep_one_never_loses_the_only_whole_checkpoint_to_a_save_in_flight_or_failed(
     assert_eq!(m.steps().unwrap().len(), 1);
 }
 
+/// A background delta returns at its moment, whatever finds its changes: a table compared with
+/// the parent (one that keeps no record of its changes, or a save with a row filter) is compared
+/// on the save's threads, after the call returned. Here the table's rows cannot be read until the
+/// test lets them (a gate), so a call that compared first would never return.
+#[test]
+fn a_compared_background_delta_returns_at_its_moment() {
+    let root = tempfile::tempdir().unwrap();
+    let m = Arc::new(CheckpointManager::open(root.path(), policy(8, 8)).unwrap());
+    let base = troubled(false, None);
+    m.save(1, SaveInput::new().table(base.clone()), &opts())
+        .unwrap();
+    for (step, filtered) in [(2u64, false), (3, true)] {
+        let (open, gate) = mpsc::channel();
+        let slow = troubled(false, Some(gate));
+        write(&slow.inner, 500 + step, (step as f32, step));
+        let mut o = opts();
+        if filtered {
+            o.plan.filters = saver::core::Filters::new().keep_rows(|_| true);
+        }
+        let (returned, rx) = mpsc::channel();
+        let caller = {
+            let (m, slow) = (Arc::clone(&m), slow.clone());
+            std::thread::spawn(move || {
+                let started = m.save_in_background(step, SaveInput::new().table(slow), &o);
+                returned.send(started.map(|_| ())).unwrap();
+            })
+        };
+        rx.recv_timeout(Duration::from_secs(60))
+            .expect("save_in_background returns while the rows cannot be read yet")
+            .unwrap();
+        caller.join().unwrap();
+        drop(open);
+        let done = m.wait().unwrap().unwrap();
+        assert_eq!(done.full_because, None, "step {step} is a delta");
+        assert!(
+            matches!(
+                done.save.delta_tables.get("emb"),
+                Some(saver::DeltaMethod::Compared { .. })
+            ),
+            "{:?}",
+            done.save.delta_tables
+        );
+        let state = restored_state(&done.path, 1);
+        assert_eq!(state.len(), 101, "step {step}");
+        assert_eq!(state[&(500 + step)], (step as f32, step));
+    }
+}
+
 /// With `WhenBusy::Skip`, a step that comes while a save runs is skipped, never queued behind it.
 #[test]
 fn a_busy_manager_skips_when_told_to() {

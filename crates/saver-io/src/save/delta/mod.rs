@@ -59,6 +59,11 @@ pub(crate) fn save_delta_of_input(
     mut input: SaveInput<'_>,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
+    // The moment is the tables' snapshots below, not the plan of the changed rows found after
+    // them: the hook is told then, so that a background save returns before the comparisons.
+    let mut opts = opts.clone();
+    let on_moment = opts.plan.on_moment.take();
+    let opts = &opts;
     let dense = std::mem::take(&mut input.dense);
     let ctx = Delta::open(storage, opts)?;
     let parent_id = ctx.chain.newest().manifest().save_id.clone();
@@ -112,6 +117,9 @@ pub(crate) fn save_delta_of_input(
             })
             .collect::<Result<Vec<_>>>()
     })?;
+    if let Some(hook) = on_moment {
+        (hook.0)();
+    }
     // Per table in input order: compared as it is read (`Some`), or from `ordered`.
     let mut compared: Vec<Option<&dyn BucketRows>> = Vec::new();
     for (t, taken) in tables.into_iter().zip(taken) {
