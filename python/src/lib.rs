@@ -136,27 +136,6 @@ fn borrowed_tables<'a>(tables: &'a [TableIn<'_>]) -> PyResult<Vec<ColumnTable<'a
     Ok(columns)
 }
 
-/// The tables of a background save: each one's rows copied once, so that the caller may change
-/// its arrays once the save's moment is fixed.
-fn owned_tables(tables: &[TableIn<'_>]) -> PyResult<Vec<Arc<dyn SparseTable>>> {
-    let mut owned: Vec<Arc<dyn SparseTable>> = Vec::with_capacity(tables.len());
-    for t in borrowed_tables(tables)? {
-        let data = (0..t.schema().slots.len())
-            .map(|s| t.slot_data(s).unwrap_or_default().to_vec())
-            .collect();
-        let schema = t.schema().clone();
-        let table = ColumnTable::new(
-            schema.name,
-            schema.key_dtype,
-            schema.slots,
-            t.ids().to_vec(),
-            data,
-        );
-        owned.push(Arc::new(table.map_err(err)?));
-    }
-    Ok(owned)
-}
-
 /// The dense tensors of a save, over the caller's arrays.
 fn dense_tensors<'a>(dense: &'a [DenseIn<'_>]) -> PyResult<Vec<DenseTensor<'a>>> {
     let mut tensors = Vec::with_capacity(dense.len());
@@ -183,20 +162,24 @@ fn in_place<R: Send>(
 
 /// Runs `start` with the GIL released, on copies of the tables and dense tensors given: what a
 /// background save takes, so that the caller may change its arrays once it returns. The copies
-/// are taken holding the GIL, so that no Python code changes the arrays while they are copied.
+/// are taken holding the GIL, so that no Python code changes the arrays while they are copied,
+/// and by every core (rayon's threads need no GIL), so that the caller waits for them at the
+/// machine's pace, not one core's.
 fn copied<R: Send>(
     py: Python<'_>,
     tables: &[TableIn<'_>],
     dense: &[DenseIn<'_>],
     start: impl FnOnce(SaveInput<'static>) -> saver_io::Result<R> + Send,
 ) -> PyResult<R> {
-    let tables = owned_tables(tables)?;
+    let tables: Vec<Arc<dyn SparseTable>> = borrowed_tables(tables)?
+        .iter()
+        .map(|t| Arc::new(t.copied()) as Arc<dyn SparseTable>)
+        .collect();
     let dense = dense_tensors(dense)?
         .into_iter()
         .map(DenseTensor::into_owned)
         .collect();
-    let refs = tables.iter().map(TableRef::from);
-    py.detach(|| start(input(refs.collect(), dense)))
+    py.detach(|| start(input(tables.iter().map(TableRef::from).collect(), dense)))
         .map_err(err)
 }
 
@@ -225,6 +208,16 @@ fn report_dict<'py>(
     d.set_item("write_seconds", report.write_seconds)?;
     d.set_item("commit_seconds", report.commit_seconds)?;
     d.set_item("committed", report.committed)?;
+    Ok(d)
+}
+
+/// A managed save's report: the save's, and why it is full.
+fn managed_dict<'py>(
+    py: Python<'py>,
+    saved: &saver_io::manage::ManagedSave,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = report_dict(py, &saved.save)?;
+    d.set_item("full_because", &saved.full_because)?;
     Ok(d)
 }
 
@@ -367,9 +360,7 @@ impl Manager {
         let saved = in_place(py, &tables, &dense, |input| {
             self.inner.save(step, input, &opts)
         })?;
-        let report = report_dict(py, &saved.save)?;
-        report.set_item("full_because", &saved.full_because)?;
-        Ok(report)
+        managed_dict(py, &saved)
     }
 
     /// Starts saving step `step` in the background (after waiting for the previous one);
@@ -392,7 +383,7 @@ impl Manager {
     /// Waits for the background save, if one runs: its report, or `None`.
     fn wait<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let saved = py.detach(|| self.inner.wait()).map_err(err)?;
-        saved.map(|s| report_dict(py, &s.save)).transpose()
+        saved.map(|s| managed_dict(py, &s)).transpose()
     }
 
     /// The committed steps whose chains are whole, oldest first.

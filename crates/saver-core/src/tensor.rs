@@ -115,18 +115,53 @@ impl<'a> DenseTensor<'a> {
     /// The tensor with bytes of its own: a copy where it borrowed them, so that the caller may
     /// change its buffers at once (what a background save needs).
     pub fn into_owned(self) -> DenseTensor<'static> {
+        let data = match self.data {
+            Cow::Borrowed(b) => copy_on_every_core(b),
+            Cow::Owned(v) => v,
+        };
         DenseTensor {
             name: self.name,
             dtype: self.dtype,
             shape: self.shape,
-            data: Cow::Owned(self.data.into_owned()),
+            data: Cow::Owned(data),
         }
     }
+}
+
+/// A copy of `src`, made by every core of the current rayon pool a piece each: what a
+/// background save copies while the trainer waits (its dense tensors, a Python caller's arrays)
+/// is copied at the machine's pace, not one core's, the new memory's pages faulted in by every
+/// core at once.
+pub fn copy_on_every_core<T: bytemuck::Pod + Send + Sync>(src: &[T]) -> Vec<T> {
+    use rayon::prelude::*;
+    // Bytes a piece: large enough that its bookkeeping is nothing beside its copy.
+    const PIECE: usize = 4 << 20;
+    let piece = (PIECE / std::mem::size_of::<T>().max(1)).max(1);
+    if src.len() <= piece {
+        return src.to_vec();
+    }
+    // Zeroed by the allocator, whose fresh pages cost nothing until a piece's copy faults them in.
+    let mut out: Vec<T> = bytemuck::zeroed_vec(src.len());
+    out.par_chunks_mut(piece)
+        .zip(src.par_chunks(piece))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The copy made by every core is the bytes of the source, at every size around a piece's.
+    #[test]
+    fn a_copy_on_every_core_is_a_copy() {
+        for len in [0usize, 1, 7, (4 << 20) - 1, 4 << 20, (4 << 20) + 1, (9 << 20) + 3] {
+            let src: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+            assert_eq!(copy_on_every_core(&src), src, "{len} bytes");
+        }
+        let ids: Vec<u64> = (0..(1u64 << 20) + 5).map(|i| i * 3).collect();
+        assert_eq!(copy_on_every_core(&ids), ids);
+    }
 
     #[test]
     fn dense_tensor_checks_length() {
