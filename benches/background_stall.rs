@@ -1,6 +1,9 @@
 //! How long a background save holds the trainer: the time `save_async` takes to return (the
 //! save's moment is fixed, the rest runs on the save's threads), for every kind of save, against
-//! the time the same save takes when the trainer waits for it whole (a blocking save's stall).
+//! the time the same save takes when the trainer waits for it whole (a blocking save's stall);
+//! and the training lost while the background save runs: a trainer thread updates the table
+//! (steps of 10,000 upserts) throughout, and the steps it did not take during the save, at its
+//! pace in the half second before, are counted in seconds of training.
 //!
 //! `cargo bench --bench background_stall -- [--rows 1000000] [--runs 5]`
 //!
@@ -17,7 +20,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use common::{median, trainer_table_with};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::{median, train_step, trainer_table_with};
 use saver::core::Filters;
 use saver::{save, save_async, EmbeddingTable, SaveInput, SaveOptions};
 
@@ -78,6 +84,35 @@ fn train(t: &EmbeddingTable, rows: u64, round: u64) {
     }
 }
 
+/// Runs `save` while a trainer thread updates `t`: what `save` returns, and the seconds of
+/// training lost while it ran (steps not taken, at the trainer's pace in the half second before).
+fn while_training(t: &EmbeddingTable, rows: u64, save: impl FnOnce() -> f64) -> (f64, f64) {
+    const BATCH: u64 = 10_000;
+    let steps = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut r = 7u64;
+            while !stop.load(Ordering::Relaxed) {
+                train_step(t, rows, BATCH, &mut r);
+                steps.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        let window = Duration::from_millis(500);
+        let before = steps.load(Ordering::Relaxed);
+        std::thread::sleep(window);
+        let pace = (steps.load(Ordering::Relaxed) - before) as f64 / window.as_secs_f64();
+        let (t0, at0) = (Instant::now(), steps.load(Ordering::Relaxed));
+        let held = save();
+        let (took, taken) = (
+            t0.elapsed().as_secs_f64(),
+            steps.load(Ordering::Relaxed) - at0,
+        );
+        stop.store(true, Ordering::Relaxed);
+        (held, (took - taken as f64 / pace.max(1e-9)).max(0.0))
+    })
+}
+
 fn main() {
     let rows: u64 = common::arg("--rows")
         .and_then(|s| s.parse().ok())
@@ -111,6 +146,7 @@ fn main() {
          Medians of {runs} rounds after a warm-up round. Baseline: the same save, blocking.\n"
     );
     let mut returned = vec![Vec::new(); KINDS.len()];
+    let mut lost = vec![Vec::new(); KINDS.len()];
     let mut blocking = vec![Vec::new(); KINDS.len()];
     let mut n = 0u64;
     for round in 0..=runs {
@@ -120,14 +156,21 @@ fn main() {
                 train(&tables[i], rows, n);
                 let dir = scratch.join(format!("save-{n}"));
                 let o = opts(kind, &parents[i]);
-                let t = Instant::now();
                 let secs = if background {
-                    let h = save_async(&dir, SaveInput::new().table(Arc::clone(&tables[i])), o)
-                        .unwrap();
-                    let held = t.elapsed().as_secs_f64();
-                    h.wait().unwrap();
+                    let (held, training_lost) = while_training(&tables[i], rows, || {
+                        let t = Instant::now();
+                        let h = save_async(&dir, SaveInput::new().table(Arc::clone(&tables[i])), o)
+                            .unwrap();
+                        let held = t.elapsed().as_secs_f64();
+                        h.wait().unwrap();
+                        held
+                    });
+                    if round > 0 {
+                        lost[i].push(training_lost);
+                    }
                     held
                 } else {
+                    let t = Instant::now();
                     save(&dir, SaveInput::new().table(&*tables[i]), &o).unwrap();
                     t.elapsed().as_secs_f64()
                 };
@@ -143,16 +186,23 @@ fn main() {
         }
     }
     println!(
-        "| save | `save_async` returns after | blocking save | ratio |\n| --- | --- | --- | --- |"
+        "| save | `save_async` returns after | training lost while it runs | blocking save (its \
+         stall) | returned / stall | lost / stall |\n| --- | --- | --- | --- | --- | --- |"
     );
     for (i, kind) in KINDS.iter().enumerate() {
-        let (r, b) = (median(returned[i].clone()), median(blocking[i].clone()));
+        let (r, l, b) = (
+            median(returned[i].clone()),
+            median(lost[i].clone()),
+            median(blocking[i].clone()),
+        );
         println!(
-            "| {} | {:.1} ms | {:.0} ms | **{:.3}** |",
+            "| {} | {:.1} ms | {:.0} ms | {:.0} ms | **{:.3}** | **{:.2}** |",
             kind.name,
             r * 1e3,
+            l * 1e3,
             b * 1e3,
-            r / b
+            r / b,
+            l / b
         );
     }
     let _ = std::fs::remove_dir_all(&scratch);

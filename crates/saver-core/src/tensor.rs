@@ -155,7 +155,15 @@ mod tests {
     /// The copy made by every core is the bytes of the source, at every size around a piece's.
     #[test]
     fn a_copy_on_every_core_is_a_copy() {
-        for len in [0usize, 1, 7, (4 << 20) - 1, 4 << 20, (4 << 20) + 1, (9 << 20) + 3] {
+        for len in [
+            0usize,
+            1,
+            7,
+            (4 << 20) - 1,
+            4 << 20,
+            (4 << 20) + 1,
+            (9 << 20) + 3,
+        ] {
             let src: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
             assert_eq!(copy_on_every_core(&src), src, "{len} bytes");
         }
