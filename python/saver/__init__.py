@@ -19,6 +19,7 @@ them) or :class:`InputError` (bad arguments, found before anything is written; a
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -35,6 +36,7 @@ __all__ = [
     "SaveHandle",
     "SaveReport",
     "SaverError",
+    "SaverWarning",
     "digest",
     "load",
     "open",
@@ -45,6 +47,11 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 ArrayLike = Any
+
+
+class SaverWarning(UserWarning):
+    """Something a call did that the caller should know of, such as a restart that fell back to
+    an older step."""
 
 
 class InputError(SaverError, ValueError):
@@ -500,13 +507,33 @@ class Manager:
             self._native.force_full()
         return SaveReport(**self._native.save(step, *_save_arguments(tables, dense, _options(options))))
 
-    def save_async(self, step: int, tables=None, dense=None, *, full: bool = False, **options: Any) -> None:
+    def save_async(
+        self, step: int, tables=None, dense=None, *, full: bool = False, **options: Any
+    ) -> "ManagedSaveHandle":
         """:meth:`save` in the background, as :func:`save_async`: returns once the arrays are
-        copied. The next save (or :meth:`wait`) waits for it first."""
+        copied, with a handle to poll or wait on. The next save (or :meth:`wait`) waits for it
+        first; with ``when_busy="skip"`` kept in the root, a step that comes while one runs is
+        skipped (:attr:`ManagedSaveHandle.skipped`)."""
         step = _int("step", step, 0)
         if full:
             self._native.force_full()
-        self._native.save_in_background(step, *_save_arguments(tables, dense, _options(options)))
+        running = self._native.save_in_background(step, *_save_arguments(tables, dense, _options(options)))
+        return ManagedSaveHandle(self, step, skipped=running is not None)
+
+    def prune(self, *, keep_latest: Optional[int] = None, dry_run: bool = False) -> dict:
+        """Applies retention now (the root's, or with ``keep_latest`` instead of its own):
+        ``{"removed": [...], "kept": [...]}``, steps removed newest first. Never removes the
+        newest step nor a link a kept step needs."""
+        if keep_latest is not None:
+            keep_latest = _int("keep_latest", keep_latest, 1)
+        removed, kept = self._native.prune(dry_run, keep_latest)
+        return {"removed": removed, "kept": kept}
+
+    def clean(self, *, dry_run: bool = False) -> dict:
+        """Reclaims what crashed saves left in the root (only once their writers have provably
+        ended): ``{"reclaimed": [steps], "left_alone": [(step, why), ...]}``."""
+        reclaimed, left_alone = self._native.clean(dry_run)
+        return {"reclaimed": reclaimed, "left_alone": left_alone}
 
     def wait(self) -> Optional[SaveReport]:
         """Waits for the background save, if one runs; its report, or raises its error."""
@@ -523,13 +550,50 @@ class Manager:
         """The newest committed step whose chain is whole (as :meth:`steps` lists it), or None."""
         return self._native.latest()
 
-    def load_latest(self, **kwargs: Any):
+    def load_latest(self, *, fallback: bool = False, **kwargs: Any):
         """``(step, Loaded)`` of the newest committed step (options as :func:`load`), or None
-        when the root has none: where a restarted job resumes."""
-        latest = self.latest()
+        when the root has none: where a restarted job resumes. With ``fallback=True``, the
+        newest step that verifies (every checksum of every link; each step tried is read
+        whole): a newer one that does not is passed over with a :class:`SaverWarning` saying
+        why."""
+        if fallback:
+            latest, passed_over = self._native.latest_verified()
+            for step, why in passed_over:
+                warnings.warn(f"step {step} does not verify ({why}); falling back", SaverWarning, stacklevel=2)
+        else:
+            latest = self.latest()
         if latest is None:
             return None
         return latest["step"], load(latest["path"], **kwargs)
+
+
+class ManagedSaveHandle:
+    """A background save of a :class:`Manager` (:meth:`Manager.save_async`)."""
+
+    def __init__(self, manager: "Manager", step: int, skipped: bool):
+        self._manager = manager
+        self.step = step
+        #: Whether the step was skipped because the previous save was still running.
+        self.skipped = skipped
+        self._report: Optional[SaveReport] = None
+
+    def _mine(self):
+        """The manager's save not yet waited for, if it is this one: ``(step, ended)``."""
+        pending = self._manager._native.in_flight()
+        return pending if pending is not None and pending[0] == self.step else None
+
+    def done(self) -> bool:
+        """Whether the save has ended (or was skipped): :meth:`wait` then returns at once."""
+        mine = self._mine()
+        return self.skipped or mine is None or mine[1]
+
+    def wait(self) -> Optional[SaveReport]:
+        """Waits for the save and returns its report, or raises its error; ``None`` if it was
+        skipped, or if a later save of the manager already waited for it (which raised its
+        error, had it failed)."""
+        if not self.skipped and self._report is None and self._mine() is not None:
+            self._report = self._manager.wait()
+        return self._report
 
 
 def _options(given: Mapping[str, Any]) -> dict:

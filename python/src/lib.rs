@@ -372,12 +372,45 @@ impl Manager {
         tables: Vec<TableIn<'py>>,
         dense: Vec<DenseIn<'py>>,
         args: SaveArgs,
-    ) -> PyResult<()> {
+    ) -> PyResult<Option<u64>> {
         let opts = args.options()?;
-        copied(py, &tables, &dense, |input| {
+        let started = copied(py, &tables, &dense, |input| {
             self.inner.save_in_background(step, input, &opts)
         })?;
-        Ok(())
+        // The step still running when this one was skipped, if it was.
+        Ok(match started {
+            saver_io::manage::Started::Saving { .. } => None,
+            saver_io::manage::Started::Skipped { running, .. } => Some(running),
+        })
+    }
+
+    /// The background save not yet waited for: its step and whether it has ended.
+    fn in_flight(&self) -> Option<(u64, bool)> {
+        self.inner.in_flight()
+    }
+
+    /// Applies the kept retention (or its `keep_latest`, if given) now.
+    #[pyo3(signature = (dry_run, keep_latest=None))]
+    fn prune<'py>(
+        &self,
+        py: Python<'py>,
+        dry_run: bool,
+        keep_latest: Option<usize>,
+    ) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        let mut rules = self.inner.policy().retention.clone();
+        if let Some(k) = keep_latest {
+            rules.keep_latest = k;
+        }
+        let r = py
+            .detach(|| self.inner.prune(Some(&rules), dry_run))
+            .map_err(err)?;
+        Ok((r.removed, r.kept))
+    }
+
+    /// Reclaims crashed saves' leftovers: the steps reclaimed, and those left alone with why.
+    fn clean(&self, py: Python<'_>, dry_run: bool) -> PyResult<(Vec<u64>, Vec<(u64, String)>)> {
+        let r = py.detach(|| self.inner.clean(dry_run)).map_err(err)?;
+        Ok((r.reclaimed, r.left_alone))
     }
 
     /// Waits for the background save, if one runs: its report, or `None`.
@@ -390,6 +423,19 @@ impl Manager {
     fn steps<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let steps = py.detach(|| self.inner.steps()).map_err(err)?;
         steps.iter().map(|s| step_dict(py, s)).collect()
+    }
+
+    /// The newest committed step that verifies, and the newer ones passed over with why.
+    #[allow(clippy::type_complexity)]
+    fn latest_verified<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Option<Bound<'py, PyDict>>, Vec<(u64, String)>)> {
+        let found = py
+            .detach(|| self.inner.root().latest_verified(2))
+            .map_err(err)?;
+        let step = found.step.map(|s| step_dict(py, &s)).transpose()?;
+        Ok((step, found.passed_over))
     }
 
     /// The newest committed step whose chain is whole.
@@ -442,8 +488,17 @@ fn load<'py>(
     if let Some(p) = parallel {
         opts.parallel = p;
     }
-    let columns = py
-        .detach(|| read_latest(&path, || Checkpoint::open(&path)?.load_columns(&opts)))
+    // The step and metadata of the checkpoint the columns come from (the one read_latest ended
+    // on, if it was replaced meanwhile).
+    let (columns, step, metadata) = py
+        .detach(|| {
+            read_latest(&path, || {
+                let ck = Checkpoint::open(&path)?;
+                let m = ck.manifest();
+                let (step, metadata) = (m.step, m.user_metadata.clone());
+                Ok((ck.load_columns(&opts)?, step, metadata))
+            })
+        })
         .map_err(err)?;
     let mut out = Vec::with_capacity(columns.tables.len());
     for t in columns.tables {
@@ -478,6 +533,8 @@ fn load<'py>(
     report.set_item("bytes_read", r.bytes_read)?;
     report.set_item("read_amplification", r.read_amplification)?;
     report.set_item("load_seconds", r.load_seconds)?;
+    report.set_item("step", step)?;
+    report.set_item("metadata", metadata)?;
     Ok((out, dense, report))
 }
 

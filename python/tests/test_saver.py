@@ -497,3 +497,37 @@ def test_a_manager_saves_full_on_a_schema_change_and_on_request(tmp_path):
     m.save_async(6, tables=wide, full=True)
     m.wait()
     assert m.latest()["parent"] is None
+
+
+def test_a_managers_background_save_has_a_handle_and_the_root_its_tools(tmp_path):
+    ids = np.arange(50, dtype=np.int64)
+    tables = {"t": {"ids": ids, "emb": np.ones((50, 2), dtype=np.float32)}}
+    m = saver.Manager(tmp_path / "run", full_every=1, keep_latest=5)
+    handles = []
+    for step in (10, 20, 30):
+        h = m.save_async(step, tables=tables, metadata={"auc": str(step / 100)})
+        assert not h.skipped and h.step == step
+        handles.append(h)
+    last = handles[-1].wait()
+    assert last is not None and last.committed and handles[-1].done()
+    # The earlier ones were waited for by the saves after them.
+    assert handles[0].done() and handles[0].wait() is None
+    assert [s["step"] for s in m.steps()] == [10, 20, 30]
+    # Loads say which step, with its metadata.
+    step, loaded = m.load_latest()
+    assert step == 30 and loaded.report["step"] == 30
+    assert loaded.report["metadata"] == {"auc": "0.3"}
+    assert saver.load(m.latest()["path"]).report["step"] == 30
+    assert m.prune(keep_latest=2, dry_run=True) == {"removed": [10], "kept": [20, 30]}
+    assert [s["step"] for s in m.steps()] == [10, 20, 30]
+    assert m.prune(keep_latest=2) == {"removed": [10], "kept": [20, 30]}
+    assert m.clean() == {"reclaimed": [], "left_alone": []}
+    # A damaged newest step: load_latest(fallback=True) goes back to the newest that verifies.
+    newest = m.latest()["path"]
+    data = next(f for f in os.listdir(newest) if f.endswith(".safetensors"))
+    with open(os.path.join(newest, data), "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\xff\xfe\xfd\xfc")
+    with pytest.warns(saver.SaverWarning, match="step 30 does not verify"):
+        step, loaded = m.load_latest(fallback=True)
+    assert step == 20 and loaded.report["step"] == 20

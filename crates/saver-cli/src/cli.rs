@@ -330,6 +330,10 @@ pub struct LoadArgs {
     /// DIR is a managed root: load this step, or `latest` (the newest committed one).
     #[arg(long)]
     pub step: Option<String>,
+    /// With --step latest: if the newest step does not verify (a CRC32 fails, a file is
+    /// missing), load the newest one that does, and say which on stderr.
+    #[arg(long, requires = "step")]
+    pub fallback: bool,
     /// Number of target shards M.
     #[arg(long, default_value_t = 1)]
     pub shards: u32,

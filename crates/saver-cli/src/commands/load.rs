@@ -29,6 +29,7 @@ pub fn run(args: LoadArgs) -> CmdResult {
     let LoadArgs {
         dir,
         step,
+        fallback,
         shards,
         shard_index,
         parallel,
@@ -39,6 +40,7 @@ pub fn run(args: LoadArgs) -> CmdResult {
     } = args;
     // A managed root's step: the newest committed one, or the one named.
     let dir = match &step {
+        Some(step) if fallback => super::manage::verified_step_path(&dir, step, parallel)?,
         Some(step) => super::manage::step_path(&dir, step)?,
         None => dir,
     };

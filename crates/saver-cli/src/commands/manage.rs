@@ -52,6 +52,31 @@ pub fn step_path(root: &Path, step: &str) -> Result<PathBuf, Box<dyn std::error:
     Ok(root.step_path(n))
 }
 
+/// The newest step of `root` that verifies (`--fallback`, with `--step latest` only), saying on
+/// stderr which newer steps it passed over and why.
+pub fn verified_step_path(
+    root: &Path,
+    step: &str,
+    parallel: usize,
+) -> Result<PathBuf, Box<dyn std::error::Error>> {
+    if step != "latest" {
+        return Err(format!("--fallback goes with --step latest, not --step {step}").into());
+    }
+    let found = Root::open_existing(root)?.latest_verified(parallel)?;
+    for (s, why) in &found.passed_over {
+        eprintln!("saver: step {s} does not verify ({why}); falling back");
+    }
+    match found.step {
+        Some(s) => {
+            if !found.passed_over.is_empty() {
+                eprintln!("saver: loading step {}, the newest that verifies", s.step);
+            }
+            Ok(s.path)
+        }
+        None => Err(format!("{} holds no committed step that verifies", root.display()).into()),
+    }
+}
+
 pub fn list(args: ListArgs) -> CmdResult {
     let listing = Root::open_existing(&args.root)?.list()?;
     if args.out.json {
@@ -80,14 +105,9 @@ pub fn list(args: ListArgs) -> CmdResult {
 }
 
 pub fn latest(args: LatestArgs) -> CmdResult {
-    // A root that does not exist yet holds no committed step either: a job's first start.
-    let latest = match Root::open_existing(&args.root) {
-        Ok(root) => root.latest()?,
-        Err(_) if saver_io::storage::location_url(&args.root).is_none() && !args.root.exists() => {
-            None
-        }
-        Err(e) => return Err(e.into()),
-    };
+    // A root that does not exist is an error, not "no step yet" (exit 3): a restart script
+    // must not start from scratch on a mistyped path.
+    let latest = Root::open_existing(&args.root)?.latest()?;
     if args.out.json {
         output::json(&latest);
     }

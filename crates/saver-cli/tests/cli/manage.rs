@@ -36,6 +36,13 @@ fn digest(env: &[(&'static str, String)], args: &[&str]) -> String {
 /// A job of six saves into `root` (a directory or a URL): deltas between full saves, the
 /// newest two kept; then what every command says of it.
 fn a_job_through_the_binary(root: &str, env: &[(&'static str, String)]) {
+    if saver_io::storage::location_url(std::path::Path::new(root)).is_none() {
+        // A root that does not exist is an error, never "no step yet".
+        let out = saver(env, &["latest", root]);
+        assert_eq!(out.status.code(), Some(1), "a missing root is an error");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(root));
+        std::fs::create_dir_all(root).unwrap();
+    }
     let out = saver(env, &["latest", root]);
     assert_eq!(out.status.code(), Some(3), "an empty root has no latest");
     let model = |s: u64| format!("tiny,seed={}", s % 2);
@@ -409,4 +416,96 @@ fn save_root_refuses_early_saves_full_on_a_schema_change_and_on_request() {
         ],
     );
     assert!(text.contains("a full save: the tables changed"), "{text}");
+}
+
+/// A checkpoint directory is not a managed root: every root command refuses it, naming it,
+/// and nothing is written into it.
+#[test]
+fn a_checkpoint_is_not_taken_for_a_managed_root() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    let c = ck.to_str().unwrap();
+    ok(
+        &[],
+        &["save", "--out", c, "--synthetic", "tiny", "--no-fsync"],
+    );
+    let before: Vec<_> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    for args in [
+        vec!["list", c],
+        vec!["latest", c],
+        vec!["prune", c],
+        vec!["clean", c],
+        vec!["load", c, "--step", "latest"],
+        vec![
+            "save",
+            "--root",
+            c,
+            "--step",
+            "1",
+            "--synthetic",
+            "tiny",
+            "--no-fsync",
+        ],
+    ] {
+        let out = saver(&[], &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(c) && err.contains("not the step directories"),
+            "{args:?}: {err}"
+        );
+    }
+    let after: Vec<_> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(before.len(), after.len(), "{after:?}");
+}
+
+/// `load --step latest --fallback` loads the newest step that verifies, saying which newer one
+/// it passed over and why; without --fallback the damaged step fails the load.
+#[test]
+fn load_falls_back_to_the_newest_step_that_verifies_only_when_asked() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path().join("run");
+    let r = root.to_str().unwrap();
+    three_steps(r);
+    let step3 = root.join("step-00000000000000000003");
+    let data = std::fs::read_dir(&step3)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .unwrap();
+    let mut bytes = std::fs::read(&data).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0xff;
+    std::fs::write(&data, bytes).unwrap();
+    let out = saver(&[], &["load", r, "--step", "latest", "--json"]);
+    assert!(
+        !out.status.success(),
+        "a damaged newest step fails the load"
+    );
+    let out = saver(
+        &[],
+        &["load", r, "--step", "latest", "--fallback", "--json"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("step 3 does not verify") && err.contains("loading step 2"),
+        "{err}"
+    );
+    let want = json(
+        &[],
+        &[
+            "load",
+            root.join("step-00000000000000000002").to_str().unwrap(),
+            "--json",
+        ],
+    );
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got["digest"], want["digest"]);
 }

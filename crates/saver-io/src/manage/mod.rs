@@ -43,7 +43,7 @@ use crate::save::{save, SaveOptions, SaveReport};
 pub use clean::CleanReport;
 pub use policy::{KeepBest, Policy, Retention, WhenBusy};
 pub use prune::PruneReport;
-pub use root::{Listing, Root, StepInfo};
+pub use root::{Fallback, Listing, Root, StepInfo};
 
 /// How long a process of a multi-process managed save waits for the others and the commit, when
 /// its options do not say.
@@ -294,6 +294,16 @@ impl CheckpointManager {
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         f.map(join).transpose()
+    }
+
+    /// The background save not yet waited for, if there is one: its step, and whether it has
+    /// ended ([`Self::wait`] then returns at once).
+    pub fn in_flight(&self) -> Option<(u64, bool)> {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(|f| (f.step, f.thread.is_finished()))
     }
 
     /// The background save's result if it has ended (then it is taken), without waiting.

@@ -84,6 +84,15 @@ pub struct Listing {
     pub broken: Vec<(u64, String)>,
 }
 
+/// What [`Root::latest_verified`] found.
+#[derive(Clone, Debug, Serialize)]
+pub struct Fallback {
+    /// The newest committed step that verifies (`None`: none does).
+    pub step: Option<StepInfo>,
+    /// Newer committed steps that do not verify, newest first, with the first problem found.
+    pub passed_over: Vec<(u64, String)>,
+}
+
 /// Opens the storage of a step directory.
 pub type StepOpener = dyn Fn(&Path) -> Result<Arc<dyn Storage>> + Send + Sync;
 
@@ -114,7 +123,23 @@ impl Root {
     /// The root at `location` (a directory, created if missing, or an object-store URL).
     pub fn open(location: &Path) -> Result<Self> {
         let storage = crate::storage::create_location(location)?;
-        Ok(Self::with(location, storage))
+        let root = Self::with(location, storage);
+        root.check_not_a_checkpoint()?;
+        Ok(root)
+    }
+
+    /// An error if the location holds a checkpoint itself (its index): a managed root holds
+    /// step directories, and taking a checkpoint for an empty root would list nothing and save
+    /// steps inside it.
+    fn check_not_a_checkpoint(&self) -> Result<()> {
+        if self.storage.exists(INDEX_FILE)? {
+            return Err(self.error(format!(
+                "holds a checkpoint ({INDEX_FILE}), not the step directories of a managed \
+                 root: give the checkpoint's path without --step/--root, or the root that holds \
+                 it"
+            )));
+        }
+        Ok(())
     }
 
     fn with(location: &Path, storage: Arc<dyn Storage>) -> Self {
@@ -138,7 +163,9 @@ impl Root {
     /// The root at `location`, which must exist (for commands that only read or prune it).
     pub fn open_existing(location: &Path) -> Result<Self> {
         let storage = crate::storage::open_location(location)?;
-        Ok(Self::with(location, storage))
+        let root = Self::with(location, storage);
+        root.check_not_a_checkpoint()?;
+        Ok(root)
     }
 
     /// Where the root is.
@@ -283,6 +310,34 @@ impl Root {
             return Ok(chain);
         }
         Ok(Vec::new())
+    }
+
+    /// The newest committed step whose chain is whole and verifies (every CRC32 of every link:
+    /// `saver verify`), and the newer committed steps passed over, with why: where a restart
+    /// goes when asked to fall back rather than fail on a damaged newest step. Verifying reads
+    /// each step tried whole.
+    pub fn latest_verified(&self, parallel: usize) -> Result<Fallback> {
+        let mut passed_over = Vec::new();
+        for s in self.list()?.steps.into_iter().rev() {
+            let report = crate::tools::verify::verify(&s.path, parallel)?;
+            if report.status == crate::tools::verify::Status::Ok {
+                return Ok(Fallback {
+                    step: Some(s),
+                    passed_over,
+                });
+            }
+            let why = report
+                .problems
+                .first()
+                .map_or(format!("{:?}", report.status), |p| {
+                    format!("{}: {}", p.file, p.detail)
+                });
+            passed_over.push((s.step, why));
+        }
+        Ok(Fallback {
+            step: None,
+            passed_over,
+        })
     }
 
     /// Opens committed step `step`; an error if the root holds no such committed step. Reads
