@@ -305,6 +305,9 @@ fn step_dict<'py>(py: Python<'py>, s: &saver_io::manage::StepInfo) -> PyResult<B
     Ok(d)
 }
 
+/// Steps, each with why it was passed over or left alone.
+type StepsWhy = Vec<(u64, String)>;
+
 /// The checkpoints of a training job under one root (see `saver.Manager`).
 #[pyclass(module = "saver._saver")]
 struct Manager {
@@ -408,7 +411,7 @@ impl Manager {
     }
 
     /// Reclaims crashed saves' leftovers: the steps reclaimed, and those left alone with why.
-    fn clean(&self, py: Python<'_>, dry_run: bool) -> PyResult<(Vec<u64>, Vec<(u64, String)>)> {
+    fn clean(&self, py: Python<'_>, dry_run: bool) -> PyResult<(Vec<u64>, StepsWhy)> {
         let r = py.detach(|| self.inner.clean(dry_run)).map_err(err)?;
         Ok((r.reclaimed, r.left_alone))
     }
@@ -426,11 +429,10 @@ impl Manager {
     }
 
     /// The newest committed step that verifies, and the newer ones passed over with why.
-    #[allow(clippy::type_complexity)]
     fn latest_verified<'py>(
         &self,
         py: Python<'py>,
-    ) -> PyResult<(Option<Bound<'py, PyDict>>, Vec<(u64, String)>)> {
+    ) -> PyResult<(Option<Bound<'py, PyDict>>, StepsWhy)> {
         let found = py
             .detach(|| self.inner.root().latest_verified(2))
             .map_err(err)?;
