@@ -441,6 +441,71 @@ fn a_crashed_save_is_never_the_latest_and_is_reclaimed_once_its_writer_is_gone()
     assert_eq!(m.latest().unwrap().unwrap().step, 10);
 }
 
+/// Kill -9 during a save, restart, save the same step again: the new save removes what the killed
+/// save left (its writer has provably ended) and never a file of a save still running beside it;
+/// once that one's writer is gone too, `clean` reclaims its files from the committed step.
+#[test]
+fn a_killed_saves_leftovers_go_with_the_next_save_of_its_step_and_nothing_else_does() {
+    let root = tempfile::tempdir().unwrap();
+    let m = CheckpointManager::open(root.path(), policy(1, 5)).unwrap();
+    let t = EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap();
+    write(&t, 1, (1.0, 1));
+    m.save(10, SaveInput::new().table(&t), &opts()).unwrap();
+    let dir = root.path().join(saver::io::manage::root::step_dir_name(20));
+    let names = |d: &Path| -> std::collections::BTreeSet<String> {
+        std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| !n.starts_with(".saver-commit.lock"))
+            .collect()
+    };
+    let mut killed = hanging_save(&dir);
+    let killed_files = names(&dir);
+    assert!(!killed_files.is_empty());
+    let mut live = hanging_save(&dir);
+    let live_files: std::collections::BTreeSet<String> =
+        names(&dir).difference(&killed_files).cloned().collect();
+    assert!(!live_files.is_empty());
+    killed.kill();
+    // The restart saves step 20 again.
+    let done = m.save(20, SaveInput::new().table(&t), &opts()).unwrap();
+    let now = names(&dir);
+    assert!(
+        killed_files.is_disjoint(&now),
+        "the killed save's files stay: {now:?}"
+    );
+    assert!(
+        live_files.is_subset(&now),
+        "a live save's files went: {now:?}"
+    );
+    for f in &killed_files {
+        assert!(
+            done.save.cleaned_up.contains(f),
+            "{f}: {:?}",
+            done.save.cleaned_up
+        );
+    }
+    assert_eq!(m.latest().unwrap().unwrap().step, 20);
+    // Nothing more to reclaim while the other save's writer lives.
+    let c = m.clean(false).unwrap();
+    assert!(c.reclaimed.is_empty(), "{c:?}");
+    assert!(live_files.is_subset(&names(&dir)));
+    live.kill();
+    let dry = m.clean(true).unwrap();
+    assert_eq!(dry.reclaimed, vec![20]);
+    assert_eq!(dry.files_removed, live_files.len());
+    assert!(
+        live_files.is_subset(&names(&dir)),
+        "a dry run removes nothing"
+    );
+    let c = m.clean(false).unwrap();
+    assert_eq!(c.reclaimed, vec![20], "{c:?}");
+    assert!(live_files.is_disjoint(&names(&dir)));
+    // The committed step is whole, and holds what was saved.
+    assert_eq!(saver::verify(&dir, 2).unwrap().status, saver::Status::Ok);
+    assert_eq!(restored_state(&dir, 1).len(), 1);
+}
+
 /// A child process that is killed when dropped: a test that fails never leaves it behind (it
 /// would hold the test's output open for the hour it sleeps).
 struct Hanging(std::process::Child);

@@ -262,7 +262,8 @@ fn note_left_alone(out: &std::path::Path, report: &SaveReport) {
         .collect();
     if !report.cleaned_up.is_empty() {
         eprintln!(
-            "note: aborted {} upload(s) that ended processes of this host left unfinished in {}",
+            "note: cleaned up {} thing(s) that ended processes of this host left unfinished in \
+             {} (uploads, a killed save's files)",
             report.cleaned_up.len(),
             out.display()
         );

@@ -7,17 +7,13 @@
 //! records it). A save on another host, or one whose writers cannot be told, is left alone and
 //! named in the report.
 
-use std::collections::BTreeMap;
-
 use serde::Serialize;
-
-use saver_core::naming::{writer_claim_name, SaverFile};
 
 use crate::error::Result;
 use crate::load::documents::committed;
 use crate::manage::prune::{remove_step, PruneMarker};
 use crate::manage::root::{Root, PRUNE_MARKER};
-use crate::save::commit::ClaimRecord;
+use crate::save::commit::{ended_saves, reclaim_ended_saves, saves_in, writers_have_ended};
 
 /// What a clean reclaimed and what it left alone.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -42,7 +38,22 @@ pub fn clean(root: &Root, dry_run: bool) -> Result<CleanReport> {
     for step in root.step_dirs()? {
         let storage = root.step_storage(step)?;
         match committed(&*storage) {
-            Ok(Some(_)) => continue,
+            Ok(Some(c)) => {
+                // A committed step may hold what a killed save of the same step left beside it.
+                let removed = if dry_run {
+                    ended_saves(&*storage, &c.save_id)?
+                        .iter()
+                        .map(|(_, _, files)| files.len())
+                        .sum()
+                } else {
+                    reclaim_ended_saves(&*storage, &c.save_id)?.len()
+                };
+                if removed > 0 {
+                    report.reclaimed.push(step);
+                    report.files_removed += removed;
+                }
+                continue;
+            }
             Ok(None) => {}
             // One step's damage is that step's: named, and the others cleaned.
             Err(e) if e.is_about_the_checkpoint() => {
@@ -61,7 +72,7 @@ pub fn clean(root: &Root, dry_run: bool) -> Result<CleanReport> {
                 .map(|m| m.save_ids)
                 .map_err(|e| format!("its removal marker is unreadable: {e}"))
         } else {
-            ended_saves(&*storage, &names)?
+            all_ended(&*storage, &names)?
         };
         match over {
             Ok(save_ids) => {
@@ -78,50 +89,14 @@ pub fn clean(root: &Root, dry_run: bool) -> Result<CleanReport> {
 
 /// The saves whose files are in `names` when every one of them is provably over, or why one may
 /// still be running.
-fn ended_saves(
+fn all_ended(
     storage: &dyn crate::storage::Storage,
     names: &[String],
 ) -> Result<std::result::Result<Vec<String>, String>> {
-    let mut shards: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
-    for n in names {
-        match SaverFile::parse(n) {
-            Some(SaverFile::Data { save_id, shard } | SaverFile::Shard { save_id, shard }) => {
-                shards.entry(save_id).or_default().push(shard);
-            }
-            Some(SaverFile::Save { save_id }) => {
-                shards.entry(save_id).or_default();
-            }
-            None => {}
-        }
-    }
     let mut ended = Vec::new();
-    for (save_id, mut ss) in shards {
-        ss.sort_unstable();
-        ss.dedup();
-        let mut claims = 0;
-        for s in ss {
-            let name = writer_claim_name(save_id, s);
-            if !names.contains(&name) {
-                continue;
-            }
-            let bytes = storage.get(&name, 1 << 16)?;
-            let claim: Option<ClaimRecord> = serde_json::from_slice(&bytes).ok();
-            match claim {
-                Some(c) if c.writer_has_ended() => claims += 1,
-                Some(c) => {
-                    return Ok(Err(format!(
-                        "save {save_id}: its writer {} may still be running (it is not a \
-                         process of this host that has ended)",
-                        c.writer
-                    )))
-                }
-                None => return Ok(Err(format!("save {save_id}: claim {name} is unreadable"))),
-            }
-        }
-        if claims == 0 {
-            return Ok(Err(format!(
-                "save {save_id}: no writer claim tells who writes it"
-            )));
+    for (save_id, shards) in saves_in(names) {
+        if let Err(why) = writers_have_ended(storage, names, save_id, &shards)? {
+            return Ok(Err(why));
         }
         ended.push(save_id.to_string());
     }

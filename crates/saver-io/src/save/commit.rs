@@ -383,6 +383,100 @@ pub(crate) fn remove_own(storage: &dyn Storage, save_id: &str, shards: &[u32], w
     }
 }
 
+/// The saves that have files among `names`, with the shards those files name.
+pub(crate) fn saves_in(names: &[String]) -> std::collections::BTreeMap<&str, Vec<u32>> {
+    let mut saves: std::collections::BTreeMap<&str, Vec<u32>> = Default::default();
+    for n in names {
+        match SaverFile::parse(n) {
+            Some(SaverFile::Data { save_id, shard } | SaverFile::Shard { save_id, shard }) => {
+                saves.entry(save_id).or_default().push(shard);
+            }
+            Some(SaverFile::Save { save_id }) => {
+                saves.entry(save_id).or_default();
+            }
+            None => {}
+        }
+    }
+    for shards in saves.values_mut() {
+        shards.sort_unstable();
+        shards.dedup();
+    }
+    saves
+}
+
+/// Whether every writer of save `save_id` (whose files among `names` name `shards`) has
+/// provably ended, as its writer claims record it: `Ok(())`, or why it may still be running.
+pub(crate) fn writers_have_ended(
+    storage: &dyn Storage,
+    names: &[String],
+    save_id: &str,
+    shards: &[u32],
+) -> Result<std::result::Result<(), String>> {
+    let mut claims = 0;
+    for &s in shards {
+        let name = writer_claim_name(save_id, s);
+        if !names.contains(&name) {
+            continue;
+        }
+        let bytes = storage.get(&name, MAX_MARKER_BYTES)?;
+        match serde_json::from_slice::<ClaimRecord>(&bytes) {
+            Ok(c) if c.writer_has_ended() => claims += 1,
+            Ok(c) => {
+                return Ok(Err(format!(
+                    "save {save_id}: its writer {} may still be running (it is not a process \
+                     of this host that has ended)",
+                    c.writer
+                )))
+            }
+            Err(_) => return Ok(Err(format!("save {save_id}: claim {name} is unreadable"))),
+        }
+    }
+    if claims == 0 {
+        return Ok(Err(format!(
+            "save {save_id}: no writer claim tells who writes it"
+        )));
+    }
+    Ok(Ok(()))
+}
+
+/// A save's leftovers: its id, the shards its files name, and those files.
+pub(crate) type Leftover = (String, Vec<u32>, Vec<String>);
+
+/// The saves in `storage` other than `keep` and the committed one whose writers have all
+/// provably ended (what killed or crashed saves left), with their files.
+pub(crate) fn ended_saves(storage: &dyn Storage, keep: &str) -> Result<Vec<Leftover>> {
+    let names = storage.list()?;
+    let committed = committed(storage)?.map(|c| c.save_id);
+    let mut ended = Vec::new();
+    for (save_id, shards) in saves_in(&names) {
+        if save_id == keep || committed.as_deref() == Some(save_id) {
+            continue;
+        }
+        if writers_have_ended(storage, &names, save_id, &shards)?.is_err() {
+            continue;
+        }
+        let files = names
+            .iter()
+            .filter(|n| SaverFile::parse(n).is_some_and(|f| f.save_id() == save_id))
+            .cloned()
+            .collect();
+        ended.push((save_id.to_string(), shards, files));
+    }
+    Ok(ended)
+}
+
+/// Removes the files of [`ended_saves`] (claims last: see [`remove_own`]); returns the names
+/// removed. The files of a save that may still run, and files that are not saver's, stay.
+pub(crate) fn reclaim_ended_saves(storage: &dyn Storage, keep: &str) -> Result<Vec<String>> {
+    let mut removed = Vec::new();
+    for (save_id, shards, files) in ended_saves(storage, keep)? {
+        remove_own(storage, &save_id, &shards, Leftovers::Everything);
+        let left = storage.list()?;
+        removed.extend(files.into_iter().filter(|n| !left.contains(n)));
+    }
+    Ok(removed)
+}
+
 /// Files in `storage` that belong to no part of the committed save `save_id`: other saves' files
 /// (in progress, or left by a save that failed or crashed) and files that are not saver's. The
 /// index and the commit lock are not listed.

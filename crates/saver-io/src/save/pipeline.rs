@@ -19,8 +19,8 @@ use saver_core::{PlanOptions, SaveInput, SavePlan};
 use crate::error::{Error, Result};
 use crate::load::documents::committed;
 use crate::save::commit::{
-    check_not_rejected, claim_shard, commit_under, files_left_alone, remove_own, wait_for_commit,
-    CommitState, Leftovers,
+    check_not_rejected, claim_shard, commit_under, files_left_alone, reclaim_ended_saves,
+    remove_own, wait_for_commit, CommitState, Leftovers,
 };
 use crate::save::compressing::CompressedFile;
 use crate::save::schedule::{Claimer, FileQueues};
@@ -187,7 +187,7 @@ pub(crate) fn save_prepared(
     check_not_rejected(storage, &save_id)?;
     // Best effort: a store that fails here fails the save's own requests just after, with the
     // error that matters.
-    let cleaned_up = storage.clean_ended_writers().unwrap_or_default();
+    let mut cleaned_up = storage.clean_ended_writers().unwrap_or_default();
     let shards: Vec<u32> = match plan_opts.shard_index {
         Some(i) => vec![i],
         None => (0..plan_opts.shard_num).collect(),
@@ -213,6 +213,10 @@ pub(crate) fn save_prepared(
             return Err(e);
         }
     }
+    // What saves that were killed or crashed left here, once their writers have provably
+    // ended: removed now, not left to pile up under the checkpoint that will commit here. Best
+    // effort, as above.
+    cleaned_up.extend(reclaim_ended_saves(storage, &save_id).unwrap_or_default());
     let mut shard_manifests_written = false;
     // A panic (in a filter, a table, the progress callback) fails the save as an error does:
     // its files go before the panic goes on.

@@ -41,9 +41,9 @@ pub struct SaveReport {
     /// left untouched: other saves' files (in progress, or left by a save that failed or
     /// crashed) and files that are not saver's. Filled in by the call that committed.
     pub left_alone: Vec<String>,
-    /// What writers of this host that had ended (killed, crashed) left unfinished and invisible
-    /// in the storage, cleaned up by this save before it wrote: an object store's incomplete
-    /// multipart uploads, named by their markers.
+    /// What writers of this host that had ended (killed, crashed) left, cleaned up by this save
+    /// before it wrote: an object store's incomplete multipart uploads, named by their markers,
+    /// and the files of saves whose every writer has provably ended.
     pub cleaned_up: Vec<String>,
     /// What the saved rows of each table show: their values at the save's moment (point-in-time,
     /// whatever was written during the save), or each row as the save reached it.
