@@ -194,6 +194,7 @@ fn bad_credentials_or_buckets_are_one_line_errors() {
     assert!(!out.status.success());
     eprintln!("{err}");
     assert!(err.contains(&url), "{err}");
+    assert!(err.contains("refused the credentials"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(
         start.elapsed() < Duration::from_secs(30),
@@ -202,7 +203,44 @@ fn bad_credentials_or_buckets_are_one_line_errors() {
     let err = fails(&g, &["verify", "s3://no-such-bucket/x"]);
     eprintln!("{err}");
     assert!(err.contains("s3://no-such-bucket"), "{err}");
+    assert!(err.contains("does not exist"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
+    // No keys for a store of one's own: said at once, no request to a metadata address.
+    let out = saver_cmd(&g, &["verify", &url])
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no credentials found"), "{err}");
+    assert!(!err.contains("169.254"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+/// A closed port: the error says the connection was refused, on one line.
+#[test]
+fn a_closed_port_is_named_as_refused() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_saver"))
+        .args(["verify", "s3://b/ck"])
+        .env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
+        .env("AWS_ACCESS_KEY_ID", "k")
+        .env("AWS_SECRET_ACCESS_KEY", "s")
+        .env("AWS_REGION", "garage")
+        .env("SAVER_S3_RETRY_SECONDS", "2")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("refused the connection"), "{err}");
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("error:")).count(),
+        1,
+        "{err}"
+    );
 }
 
 /// Whether `url` holds a checkpoint that verifies; `false` where it holds none. Anything else

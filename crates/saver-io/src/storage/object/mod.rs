@@ -224,10 +224,12 @@ impl Client {
                 silent.remove(&self.bucket_url);
             }
             Some(e @ object_store::Error::Generic { .. }) if started.elapsed() >= retry_for() => {
-                silent.insert(
-                    self.bucket_url.clone(),
-                    (Instant::now(), one_line(&e.to_string())),
-                );
+                let said = one_line(&e.to_string());
+                let why = match self.cause(e) {
+                    Some(cause) => format!("{cause} ({said})"),
+                    None => said,
+                };
+                silent.insert(self.bucket_url.clone(), (Instant::now(), why));
             }
             Some(_) => {}
         }
@@ -244,11 +246,64 @@ impl Client {
             object_store::Error::AlreadyExists { .. } => ErrorKind::AlreadyExists,
             _ => ErrorKind::Other,
         };
+        let said = one_line(&e.to_string());
+        let message = match self.cause(&e) {
+            Some(cause) => format!("{cause} ({said})"),
+            None => said,
+        };
         Error::Io {
             op,
             path: PathBuf::from(self.url(key)),
-            source: std::io::Error::new(kind, one_line(&e.to_string())),
+            source: std::io::Error::new(kind, message),
         }
+    }
+
+    /// What a user can act on in `e`, said first: the store refused the connection or did not
+    /// answer, no credentials were found, the credentials or the bucket were refused.
+    fn cause(&self, e: &object_store::Error) -> Option<String> {
+        let endpoint = std::env::var("AWS_ENDPOINT_URL")
+            .or_else(|_| std::env::var("AWS_ENDPOINT"))
+            .unwrap_or_else(|_| "the store".into());
+        let text = e.to_string();
+        if text.contains("not sent: ") {
+            // A request not sent after a silent window: its text already says the cause.
+            return None;
+        }
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+        while let Some(s) = source {
+            if let Some(io) = s.downcast_ref::<std::io::Error>() {
+                match io.kind() {
+                    std::io::ErrorKind::ConnectionRefused => {
+                        return Some(format!(
+                            "{endpoint} refused the connection: is the store running there?"
+                        ))
+                    }
+                    std::io::ErrorKind::TimedOut => {
+                        return Some(format!("{endpoint} did not answer in time"))
+                    }
+                    _ => {}
+                }
+            }
+            source = s.source();
+        }
+        let has = |code: &str| text.contains(code);
+        if has("169.254.169.254") || has("169.254.170.2") {
+            return Some(
+                "no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or \
+                 AWS_PROFILE), or run where the instance metadata service gives some"
+                    .into(),
+            );
+        }
+        if has("NoSuchBucket") {
+            return Some(format!("the bucket {} does not exist", self.bucket_url));
+        }
+        if has("InvalidAccessKeyId") || has("SignatureDoesNotMatch") || has("AccessDenied") {
+            return Some("the store refused the credentials".into());
+        }
+        if has("timed out") || has("operation timed out") {
+            return Some(format!("{endpoint} did not answer in time"));
+        }
+        None
     }
 }
 
@@ -371,6 +426,21 @@ impl ObjectStorage {
         let endpoint = std::env::var("AWS_ENDPOINT_URL")
             .or_else(|_| std::env::var("AWS_ENDPOINT"))
             .unwrap_or_default();
+        // A store of one's own (an endpoint given) has no instance metadata service to ask for
+        // credentials: without keys, say so rather than ask a cloud's link-local address.
+        let keys = std::env::var_os("AWS_ACCESS_KEY_ID").is_some()
+            || std::env::var_os("AWS_WEB_IDENTITY_TOKEN_FILE").is_some()
+            || std::env::var_os("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI").is_some()
+            || std::env::var_os("AWS_CONTAINER_CREDENTIALS_FULL_URI").is_some();
+        if !endpoint.is_empty() && !keys {
+            return Err(Error::InvalidOption {
+                option: "location",
+                why: format!(
+                    "{url}: no credentials found for the store at {endpoint}: set \
+                     AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+                ),
+            });
+        }
         let mut client = ClientOptions::new()
             .with_timeout(request_timeout())
             .with_connect_timeout(Duration::from_secs(5));
