@@ -254,8 +254,8 @@ pub struct DigestArgs {
     pub out: Output,
 }
 
-/// A managed root's policy, as `saver save --root` and `saver prune` take it: flags given
-/// override the policy the root keeps (and are kept by `save`).
+/// A managed root's policy, as `saver save --root` takes it: flags given override the policy the
+/// root keeps, and are kept.
 #[derive(Args, Debug, Default, Clone)]
 pub struct PolicyArgs {
     /// With --root: a full checkpoint every N saves, deltas between (1: every save full).
@@ -264,6 +264,13 @@ pub struct PolicyArgs {
     /// With --root: most links of a chain, its full checkpoint included.
     #[arg(long)]
     pub max_chain_links: Option<usize>,
+    #[command(flatten)]
+    pub retention: RetentionArgs,
+}
+
+/// What retention keeps, as `saver save --root` and `saver prune` take it.
+#[derive(Args, Debug, Default, Clone)]
+pub struct RetentionArgs {
     /// Keep the newest K committed steps (and every link their chains need).
     #[arg(long)]
     pub keep_latest: Option<usize>,
@@ -302,7 +309,7 @@ pub struct PruneArgs {
     /// The managed root.
     pub root: PathBuf,
     #[command(flatten)]
-    pub policy: PolicyArgs,
+    pub retention: RetentionArgs,
     /// Say what would be removed, remove nothing.
     #[arg(long)]
     pub dry_run: bool,

@@ -6,7 +6,7 @@ mod output;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 
 fn main() -> ExitCode {
     // Like other Unix tools, end quietly when the reader of our output goes away (`| head`),
@@ -15,13 +15,26 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = cli::Cli::parse();
+    let matches = cli::Cli::command().get_matches();
+    // Under --json, an error is JSON too, on stdout where the report would have been.
+    let json = matches.subcommand().is_some_and(|(_, m)| {
+        m.try_get_one::<bool>("json")
+            .ok()
+            .flatten()
+            .copied()
+            .unwrap_or(false)
+    });
+    let cli = cli::Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // A store that does not answer would otherwise leave the command silent for its retries.
     saver_io::storage::on_slow_request(|what| eprintln!("saver: {what}"));
     match commands::run(cli.command) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e}");
+            if json {
+                println!("{}", serde_json::json!({ "error": e.to_string() }));
+            } else {
+                eprintln!("error: {e}");
+            }
             ExitCode::from(1)
         }
     }

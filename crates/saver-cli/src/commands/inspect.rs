@@ -17,8 +17,11 @@ pub fn run(args: InspectArgs) -> CmdResult {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "checkpoint {} (format v{}, save id {})",
-        report.dir, report.format_version, report.save_id
+        "checkpoint {} (format v{}, save id {}{})",
+        report.dir,
+        report.format_version,
+        report.save_id,
+        report.step.map_or(String::new(), |s| format!(", step {s}"))
     );
     println!(
         "  {} shards, {} files, {}; partition rule {} over {} buckets",

@@ -3,10 +3,10 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use saver_io::manage::{CheckpointManager, Policy, Root};
+use saver_io::manage::{CheckpointManager, Policy, Retention, Root};
 
 use super::CmdResult;
-use crate::cli::{CleanArgs, LatestArgs, ListArgs, PolicyArgs, PruneArgs};
+use crate::cli::{CleanArgs, LatestArgs, ListArgs, PolicyArgs, PruneArgs, RetentionArgs};
 use crate::output;
 
 /// `kept` (a root's policy) with the flags given applied.
@@ -18,20 +18,26 @@ pub fn policy_with(kept: &Policy, flags: &PolicyArgs) -> Result<Policy, saver_io
     if let Some(n) = flags.max_chain_links {
         p.max_chain_links = n;
     }
-    if let Some(k) = flags.keep_latest {
-        p.retention.keep_latest = k;
-    }
-    if let Some(n) = flags.keep_every {
-        p.retention.keep_every = Some(n);
-    }
-    if let Some(n) = flags.keep_one_per_seconds {
-        p.retention.keep_one_per_seconds = Some(n);
-    }
-    p.retention
-        .keep_steps
-        .extend(flags.keep_step.iter().copied());
+    p.retention = retention_with(&p.retention, &flags.retention)?;
     p.check()?;
     Ok(p)
+}
+
+/// `kept` (a root's retention) with the flags given applied.
+fn retention_with(kept: &Retention, flags: &RetentionArgs) -> Result<Retention, saver_io::Error> {
+    let mut r = kept.clone();
+    if let Some(k) = flags.keep_latest {
+        r.keep_latest = k;
+    }
+    if let Some(n) = flags.keep_every {
+        r.keep_every = Some(n);
+    }
+    if let Some(n) = flags.keep_one_per_seconds {
+        r.keep_one_per_seconds = Some(n);
+    }
+    r.keep_steps.extend(flags.keep_step.iter().copied());
+    r.check()?;
+    Ok(r)
 }
 
 /// The path of step `step` (`latest` or a number) of `root`: an error when the root holds no
@@ -77,6 +83,26 @@ pub fn verified_step_path(
     }
 }
 
+/// When a save started, in UTC to the second (`-` when unknown).
+fn started(unix_ms: u64) -> String {
+    if unix_ms == 0 {
+        return "-".into();
+    }
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(unix_ms);
+    humantime::format_rfc3339_seconds(at).to_string()
+}
+
+/// The processes that wrote a step, each once (in-process shards share their process).
+fn writer_processes(writers: &[String]) -> String {
+    let mut seen: Vec<&str> = Vec::new();
+    for w in writers {
+        if !seen.contains(&w.as_str()) {
+            seen.push(w);
+        }
+    }
+    seen.join(",")
+}
+
 pub fn list(args: ListArgs) -> CmdResult {
     let listing = Root::open_existing(&args.root)?.list()?;
     if args.out.json {
@@ -91,8 +117,8 @@ pub fn list(args: ListArgs) -> CmdResult {
             if s.is_delta() { "delta" } else { "full" },
             s.links,
             output::size(s.bytes),
-            s.started_unix_ms,
-            s.writers.join(",")
+            started(s.started_unix_ms),
+            writer_processes(&s.writers)
         );
     }
     for s in &listing.uncommitted {
@@ -130,8 +156,8 @@ pub fn latest(args: LatestArgs) -> CmdResult {
 pub fn prune(args: PruneArgs) -> CmdResult {
     Root::open_existing(&args.root)?;
     let m = CheckpointManager::open_kept(&args.root)?;
-    let policy = policy_with(m.policy(), &args.policy)?;
-    let r = m.prune(Some(&policy.retention), args.dry_run)?;
+    let retention = retention_with(&m.policy().retention, &args.retention)?;
+    let r = m.prune(Some(&retention), args.dry_run)?;
     if args.out.json {
         output::json(&r);
     } else {

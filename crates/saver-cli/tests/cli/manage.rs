@@ -509,3 +509,68 @@ fn load_falls_back_to_the_newest_step_that_verifies_only_when_asked() {
     let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(got["digest"], want["digest"]);
 }
+
+/// What the commands show a person: `list` gives start times as dates and one writer per
+/// process, `inspect` the step, errors under `--json` are JSON, and `prune --help` offers only
+/// retention's flags.
+#[test]
+fn the_commands_speak_plainly() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path().join("run");
+    let r = root.to_str().unwrap();
+    ok(
+        &[],
+        &[
+            "save",
+            "--root",
+            r,
+            "--step",
+            "7",
+            "--synthetic",
+            "tiny",
+            "--shards",
+            "3",
+            "--no-fsync",
+        ],
+    );
+    let listed = ok(&[], &["list", r]);
+    let row = listed.lines().nth(1).unwrap();
+    let cols: Vec<&str> = row.split('\t').collect();
+    assert!(cols[4].starts_with("20") && cols[4].ends_with('Z'), "{row}");
+    assert!(
+        !cols[5].contains(','),
+        "one process wrote the three shards: {row}"
+    );
+    let step = root.join("step-00000000000000000007");
+    let shown = ok(&[], &["inspect", step.to_str().unwrap()]);
+    assert!(
+        shown.lines().next().unwrap().contains(", step 7)"),
+        "{shown}"
+    );
+    assert_eq!(
+        json(&[], &["inspect", step.to_str().unwrap(), "--json"])["step"],
+        7
+    );
+    let out = saver(&[], &["inspect", "/no/such/checkpoint", "--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let e: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        e["error"].as_str().unwrap().contains("/no/such/checkpoint"),
+        "{e}"
+    );
+    let help = ok(&[], &["prune", "--help"]);
+    assert!(help.contains("--keep-latest"), "{help}");
+    assert!(
+        !help.contains("--full-every") && !help.contains("--max-chain-links"),
+        "{help}"
+    );
+    // Every shard written, the index gone: the message says the commit is what is missing.
+    std::fs::remove_file(step.join("model.safetensors.index.json")).unwrap();
+    let out = saver(&[], &["inspect", step.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("all 3 shards written, but the commit is missing"),
+        "{err}"
+    );
+    assert!(!err.contains("missing shards []"), "{err}");
+}

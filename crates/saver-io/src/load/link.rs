@@ -67,10 +67,20 @@ pub(crate) fn describe_incomplete(storage: &dyn Storage) -> Result<String> {
         match total {
             Some(n) => {
                 let missing: Vec<u32> = (0..n).filter(|s| !shards.contains(s)).collect();
-                what += &format!(
-                    "; save {id}: {} of {n} shards written, missing shards {missing:?}",
-                    shards.len()
-                );
+                what += &if missing.is_empty() {
+                    // Every shard is durable: only the commit is missing (a process of the
+                    // save committing now, or one killed or refused at its commit).
+                    format!(
+                        "; save {id}: all {n} shards written, but the commit is missing (under \
+                         way, or cut short: a process of the save that waits for the commit, \
+                         SaveOptions::wait or --wait-seconds, makes it)"
+                    )
+                } else {
+                    format!(
+                        "; save {id}: {} of {n} shards written, missing shards {missing:?}",
+                        shards.len()
+                    )
+                };
             }
             None => what += &format!("; save {id}: shards {shards:?} written"),
         }

@@ -95,6 +95,8 @@ pub struct Summary {
     pub format_version: u32,
     /// Its save id.
     pub save_id: String,
+    /// The trainer step it was saved at, if the save gave one (a managed root's steps do).
+    pub step: Option<u64>,
     /// The partition rule its shards follow.
     pub partition_rule: PartitionRule,
     /// Its number of shards.
@@ -146,6 +148,7 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
         dir: dir.display().to_string(),
         format_version: m.format_version,
         save_id: m.save_id.clone(),
+        step: m.step,
         partition_rule: m.partition.clone(),
         shards: m.shard_num,
         tables: m
