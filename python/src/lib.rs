@@ -35,7 +35,33 @@ create_exception!(
 
 /// saver-io's error as a [`SaverError`].
 fn err(e: impl std::fmt::Display) -> PyErr {
-    SaverError::new_err(e.to_string())
+    SaverError::new_err(in_python_terms(e.to_string()))
+}
+
+/// The core's messages name the command line's flags and Rust's types where they say what to
+/// do: said here as this package's arguments.
+fn in_python_terms(mut msg: String) -> String {
+    const SAID: [(&str, &str); 4] = [
+        (
+            "pass --overwrite (SaveOptions::overwrite in the library)",
+            "pass overwrite=True",
+        ),
+        (
+            "route ids with PartitionRule::shard_of, or set ForeignRows::Skip if every process \
+             holds the whole table",
+            "give each process the rows of its shard, or pass foreign_rows=\"skip\" if every \
+             process holds the whole table",
+        ),
+        (
+            "(overwrite replaces the newest step)",
+            "(overwrite=True replaces the newest step)",
+        ),
+        ("SaveOptions::wait or --wait-seconds", "wait"),
+    ];
+    for (rust, python) in SAID {
+        msg = msg.replace(rust, python);
+    }
+    msg
 }
 
 fn dtype(name: &str) -> PyResult<Dtype> {

@@ -531,3 +531,19 @@ def test_a_managers_background_save_has_a_handle_and_the_root_its_tools(tmp_path
     with pytest.warns(saver.SaverWarning, match="step 30 does not verify"):
         step, loaded = m.load_latest(fallback=True)
     assert step == 20 and loaded.report["step"] == 20
+
+
+def test_errors_speak_python_and_a_failed_save_leaves_nothing(tmp_path):
+    ids = np.arange(100, dtype=np.int64)
+    tables = {"t": {"ids": ids, "emb": np.ones((100, 2), dtype=np.float32)}}
+    saver.save(tmp_path / "c", tables=tables)
+    with pytest.raises(saver.SaverError) as e:
+        saver.save(tmp_path / "c", tables=tables)
+    assert "overwrite=True" in str(e.value) and "--overwrite" not in str(e.value)
+    assert "SaveOptions" not in str(e.value)
+    # A process given rows of another shard.
+    with pytest.raises(saver.SaverError) as e:
+        saver.save(tmp_path / "d", tables=tables, shards=2, shard_index=0, save_id="x1")
+    assert 'foreign_rows="skip"' in str(e.value), str(e.value)
+    assert "ForeignRows" not in str(e.value) and "PartitionRule" not in str(e.value)
+    assert not (tmp_path / "d").exists(), os.listdir(tmp_path / "d")

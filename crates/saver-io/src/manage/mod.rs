@@ -197,12 +197,8 @@ impl CheckpointManager {
         self.wait()?;
         let (opts, full_because) = self.options_for(step, &input, opts)?;
         let path = self.root.step_path(step);
-        let new_dir = !self.root.step_dirs()?.contains(&step);
-        let report = save(&path, input, &opts).inspect_err(|_| {
-            if new_dir {
-                self.root.remove_dir_if_empty(step);
-            }
-        })?;
+        // A failed save removes the step directory it made (see `save`).
+        let report = save(&path, input, &opts)?;
         let pruned = retention_after(&self.root, &self.policy.retention, &opts)?;
         Ok(ManagedSave {
             step,
@@ -242,35 +238,23 @@ impl CheckpointManager {
         }
         let (opts, full_because) = self.options_for(step, &input, opts)?;
         let path = self.root.step_path(step);
-        let new_dir = !self.root.step_dirs()?.contains(&step);
-        let handle = save_async(&path, input, opts.clone()).inspect_err(|_| {
-            if new_dir {
-                self.root.remove_dir_if_empty(step);
-            }
-        })?;
+        let handle = save_async(&path, input, opts.clone())?;
         let root = self.root.clone();
         let rules = self.policy.retention.clone();
         let on_failure = Arc::clone(&self.on_failure);
         let thread = std::thread::Builder::new()
             .name(format!("saver-manager-{step}"))
             .spawn(move || {
-                let done = handle
-                    .wait()
-                    .inspect_err(|_| {
-                        if new_dir {
-                            root.remove_dir_if_empty(step);
-                        }
+                let done = handle.wait().and_then(|report| {
+                    let pruned = retention_after(&root, &rules, &opts)?;
+                    Ok(ManagedSave {
+                        step,
+                        path,
+                        save: report,
+                        full_because,
+                        pruned,
                     })
-                    .and_then(|report| {
-                        let pruned = retention_after(&root, &rules, &opts)?;
-                        Ok(ManagedSave {
-                            step,
-                            path,
-                            save: report,
-                            full_because,
-                            pruned,
-                        })
-                    });
+                });
                 if let Err(e) = &done {
                     on_failure(step, e);
                 }

@@ -379,29 +379,9 @@ impl Root {
         }
     }
 
-    /// Removes step `step`'s local directory if nothing but its commit lock is in it: what a
-    /// managed save that created it and failed before writing anything leaves.
+    /// Removes step `step`'s local directory if nothing but its commit lock is in it.
     pub(crate) fn remove_dir_if_empty(&self, step: u64) {
-        let dir = self.step_path(step);
-        if crate::storage::location_url(&dir).is_some() {
-            return;
-        }
-        let Ok(names) = std::fs::read_dir(&dir) else {
-            return;
-        };
-        let names: Vec<_> = names
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name())
-            .collect();
-        if names
-            .iter()
-            .all(|n| n.to_str().is_some_and(saver_core::naming::is_commit_lock))
-        {
-            for n in names {
-                let _ = std::fs::remove_file(dir.join(n));
-            }
-            let _ = std::fs::remove_dir(&dir);
-        }
+        crate::storage::remove_dir_if_empty(&self.step_path(step));
     }
 
     /// An error naming the root.

@@ -147,6 +147,7 @@ pub fn save_async(
                 .num_threads(threads)
                 .thread_name(|i| format!("saver-background-{i}"))
                 .build();
+            let made = !dir.exists();
             let save = || {
                 let storage = storage_for_save(&dir, &opts)?;
                 save_on_this_thread(&*storage, input, &opts)
@@ -155,6 +156,10 @@ pub fn save_async(
                 Ok(pool) => pool.install(save),
                 Err(_) => save(),
             };
+            // A save that failed into a directory it made leaves no empty directory.
+            if report.is_err() && made {
+                crate::storage::remove_dir_if_empty(&dir);
+            }
             // The hook (and with it the sender) goes with the options: a save that failed
             // before its moment wakes the caller with a closed channel.
             drop(opts);

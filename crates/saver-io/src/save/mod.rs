@@ -30,8 +30,16 @@ pub use report::{DeltaMethod, SaveReport};
 use crate::save::pipeline::{save_prepared, storage_for_save};
 
 /// Saves a model into directory `dir` (created if needed). See [`save_to`].
+///
+/// A save that fails into a directory it made removes the directory, if nothing else is in it.
 pub fn save(dir: impl AsRef<Path>, input: SaveInput<'_>, opts: &SaveOptions) -> Result<SaveReport> {
-    save_to(&*storage_for_save(dir.as_ref(), opts)?, input, opts)
+    let dir = dir.as_ref();
+    let made = !dir.exists();
+    save_to(&*storage_for_save(dir, opts)?, input, opts).inspect_err(|_| {
+        if made {
+            crate::storage::remove_dir_if_empty(dir);
+        }
+    })
 }
 
 /// Saves a model into `storage`: plans, writes every planned shard in parallel, makes it durable,

@@ -168,6 +168,31 @@ pub fn scratch_dir(location: &Path) -> std::path::PathBuf {
     }
 }
 
+/// Removes the local directory `location` if nothing but commit locks is in it: what a save that
+/// made the directory and failed before it wrote anything leaves. An object store has no
+/// directories; anything else in the directory keeps it.
+pub(crate) fn remove_dir_if_empty(location: &Path) {
+    if location_url(location).is_some() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(location) else {
+        return;
+    };
+    let names: Vec<_> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name())
+        .collect();
+    if names
+        .iter()
+        .all(|n| n.to_str().is_some_and(saver_core::naming::is_commit_lock))
+    {
+        for n in names {
+            let _ = std::fs::remove_file(location.join(n));
+        }
+        let _ = std::fs::remove_dir(location);
+    }
+}
+
 /// The existing checkpoint directory or object-store prefix at `location`.
 pub fn open_location(location: &Path) -> Result<Arc<dyn Storage>> {
     match location_url(location) {
