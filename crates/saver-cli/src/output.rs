@@ -28,6 +28,24 @@ pub fn json<T: Serialize>(value: &T) {
     );
 }
 
+/// A spinner with the time so far on stderr while `work` runs, for a command that reads or writes
+/// a checkpoint and has no count of bytes to show; nothing when stderr is not a terminal or JSON
+/// is asked.
+pub fn while_working<T>(json: bool, what: &'static str, work: impl FnOnce() -> T) -> T {
+    if json || !std::io::stderr().is_terminal() {
+        return work();
+    }
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"),
+    );
+    bar.set_message(what);
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    let out = work();
+    bar.finish_and_clear();
+    out
+}
+
 /// A byte-progress bar on stderr (a percentage once the save knows its total), or nothing when
 /// stderr is not a terminal or JSON is asked.
 pub fn byte_progress(json: bool, what: &'static str) -> Option<(ProgressBar, Arc<ProgressFn>)> {

@@ -21,28 +21,34 @@ pub fn run(args: DigestArgs) -> CmdResult {
         out,
     } = args;
     let path = path.as_path();
-    let digest = if version == 1 {
-        let model = read_model(path, parallel)?;
-        for w in &model.warnings {
-            eprintln!("warning: {w}");
-        }
-        let tables: BTreeMap<String, Vec<&saver_core::EmbeddingTable>> = model
-            .tables
-            .iter()
-            .map(|t| (SparseTable::name(t).to_string(), vec![t]))
-            .collect();
-        content_digest(&tables, &model.dense)
-    } else {
-        // Opened again if it is replaced while it is read (see `read_latest`).
-        read_latest(path, || {
-            let source = Source::open(path)?;
-            for w in source.warnings() {
-                eprintln!("warning: {w}");
-            }
-            let tables = source.tables(&std::env::temp_dir(), parallel)?;
-            source_digest(&tables, &source.dense()?)
-        })?
-    };
+    let digest = output::while_working(
+        out.json,
+        "reading",
+        || -> Result<String, Box<dyn std::error::Error>> {
+            Ok(if version == 1 {
+                let model = read_model(path, parallel)?;
+                for w in &model.warnings {
+                    eprintln!("warning: {w}");
+                }
+                let tables: BTreeMap<String, Vec<&saver_core::EmbeddingTable>> = model
+                    .tables
+                    .iter()
+                    .map(|t| (SparseTable::name(t).to_string(), vec![t]))
+                    .collect();
+                content_digest(&tables, &model.dense)
+            } else {
+                // Opened again if it is replaced while it is read (see `read_latest`).
+                read_latest(path, || {
+                    let source = Source::open(path)?;
+                    for w in source.warnings() {
+                        eprintln!("warning: {w}");
+                    }
+                    let tables = source.tables(&std::env::temp_dir(), parallel)?;
+                    source_digest(&tables, &source.dense()?)
+                })?
+            })
+        },
+    )?;
     if out.json {
         output::json(&serde_json::json!({
             "path": path.display().to_string(),

@@ -55,7 +55,9 @@ pub fn run(args: ExportArgs) -> CmdResult {
         ..ExportOptions::default()
     };
     // Read again if the source is replaced meanwhile (see `read_latest`).
-    let r = read_latest(src, || export(&Checkpoint::open(src)?, out, &opts))?;
+    let r = output::while_working(fmt.json, "exporting", || {
+        read_latest(src, || export(&Checkpoint::open(src)?, out, &opts))
+    })?;
     if fmt.json {
         output::json(&r);
     } else {

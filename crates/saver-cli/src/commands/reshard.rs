@@ -32,6 +32,7 @@ fn run(src: &Path, out: &Path, shards: Option<u32>, write: &RewriteFlags) -> Cmd
         out_fmt: fmt,
     } = *write;
     let durable = !no_fsync;
+    let progress = output::byte_progress(fmt.json, "writing");
     // Read again if the source is replaced meanwhile (see `read_latest`).
     let (chain, shards, r) = read_latest(src, || {
         let chain = Checkpoint::open(src)?;
@@ -39,6 +40,7 @@ fn run(src: &Path, out: &Path, shards: Option<u32>, write: &RewriteFlags) -> Cmd
         let mut opts = SaveOptions {
             durable,
             overwrite,
+            progress: progress.as_ref().map(|(_, f)| f.clone()),
             ..SaveOptions::default()
         };
         opts.plan.shard_num = shards;
@@ -47,6 +49,9 @@ fn run(src: &Path, out: &Path, shards: Option<u32>, write: &RewriteFlags) -> Cmd
         let r = rewrite(&chain, out, &opts)?;
         Ok((chain, shards, r))
     })?;
+    if let Some((bar, _)) = progress {
+        bar.finish_and_clear();
+    }
     let from_shards = chain.newest().manifest().shard_num;
     if fmt.json {
         output::json(&r);

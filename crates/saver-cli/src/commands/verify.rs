@@ -11,7 +11,7 @@ use crate::output;
 pub fn run(args: VerifyArgs) -> CmdResult {
     let VerifyArgs { dir, parallel, out } = args;
     let dir = dir.as_path();
-    let r = verify(dir, parallel)?;
+    let r = output::while_working(out.json, "verifying", || verify(dir, parallel))?;
     if out.json {
         output::json(&r);
     } else {
