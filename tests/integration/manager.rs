@@ -486,6 +486,11 @@ fn a_killed_saves_leftovers_go_with_the_next_save_of_its_step_and_nothing_else_d
         );
     }
     assert_eq!(m.latest().unwrap().unwrap().step, 20);
+    // The listing says what is on disk beside the committed save.
+    assert_eq!(
+        m.root().list().unwrap().others_beside,
+        vec![(20, live_files.len())]
+    );
     // Nothing more to reclaim while the other save's writer lives.
     let c = m.clean(false).unwrap();
     assert!(c.reclaimed.is_empty(), "{c:?}");
@@ -501,6 +506,7 @@ fn a_killed_saves_leftovers_go_with_the_next_save_of_its_step_and_nothing_else_d
     let c = m.clean(false).unwrap();
     assert_eq!(c.reclaimed, vec![20], "{c:?}");
     assert!(live_files.is_disjoint(&names(&dir)));
+    assert!(m.root().list().unwrap().others_beside.is_empty());
     // The committed step is whole, and holds what was saved.
     assert_eq!(saver::verify(&dir, 2).unwrap().status, saver::Status::Ok);
     assert_eq!(restored_state(&dir, 1).len(), 1);

@@ -127,6 +127,12 @@ pub fn list(args: ListArgs) -> CmdResult {
     for (s, why) in &listing.broken {
         println!("{s}\tunreadable: {why}");
     }
+    for (s, n) in &listing.others_beside {
+        println!(
+            "{s}\t{n} file(s) of other saves beside the committed one (a save under way, or a \
+             killed one's: see saver clean)"
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

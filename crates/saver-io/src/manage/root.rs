@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use saver_core::naming::INDEX_FILE;
+use saver_core::naming::{SaverFile, INDEX_FILE};
 use saver_core::Manifest;
 
 use crate::error::{Error, Result};
@@ -82,6 +82,10 @@ pub struct Listing {
     pub uncommitted: Vec<u64>,
     /// Committed steps that cannot be read (a broken chain, an unreadable manifest), and why.
     pub broken: Vec<(u64, String)>,
+    /// Committed steps whose directories hold files of other saves beside the committed one
+    /// (a save under way, or a killed one's leftovers, which `clean` reclaims once its writers
+    /// have ended), with how many: what is on disk beyond what is committed.
+    pub others_beside: Vec<(u64, usize)>,
 }
 
 /// What [`Root::latest_verified`] found.
@@ -261,6 +265,24 @@ impl Root {
             }
         }
         listing.broken.sort_by_key(|b| b.0);
+        let committed: Vec<(u64, String)> = read
+            .values()
+            .map(|r| (r.step, r.manifest.save_id.clone()))
+            .collect();
+        let counted = crate::storage::at_once::all_at_once(committed, 16, |(step, id)| {
+            let names = self.step_storage(step)?.list()?;
+            let others = names
+                .iter()
+                .filter(|n| SaverFile::parse(n).is_some_and(|f| f.save_id() != id))
+                .count();
+            Ok::<_, Error>((step, others))
+        });
+        for c in counted {
+            let (step, others) = c?;
+            if others > 0 {
+                listing.others_beside.push((step, others));
+            }
+        }
         Ok(listing)
     }
 
