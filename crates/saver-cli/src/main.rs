@@ -25,8 +25,11 @@ fn main() -> ExitCode {
             .unwrap_or(false)
     });
     let cli = cli::Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    // A store that does not answer would otherwise leave the command silent for its retries.
-    saver_io::storage::on_slow_request(|what| eprintln!("saver: {what}"));
+    // A store that does not answer would otherwise leave a person at a terminal looking at a
+    // silent command for its retries; a log or a script gets the one error line at the end.
+    if !json && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        saver_io::storage::on_slow_request(|what| eprintln!("saver: {what}"));
+    }
     match commands::run(cli.command) {
         Ok(code) => code,
         Err(e) => {
