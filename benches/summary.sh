@@ -39,9 +39,11 @@ run() { # name, command...
 if [ $quick = 1 ]; then
   size=64MiB runs=1 models='tiny' chain_size=1MiB spec='tiny' checkpoints=20 train='--train-seconds 1 --train-rows 4096'
   tws='--rows 16384 --trainers 1 --hot 10' codec_mib=1 compressed_size=16MiB commit_runs=1 pairs=1
+  stall_rows=16384
 else
   size=2GiB runs=3 models='small,scale=10;criteo-kaggle,scale=0.5' chain_size=6MiB spec='criteo-kaggle,scale=0.25' checkpoints=1000 train='--train-seconds 10'
   tws='' codec_mib=32 compressed_size=1GiB commit_runs=5 pairs=9
+  stall_rows=1000000
 fi
 
 {
@@ -63,6 +65,7 @@ run delta cargo bench -q --bench delta -- --spec "$spec" --runs "$runs"
 run manager cargo bench -q --bench manager -- --spec "$spec" --runs "$runs" --checkpoints "$checkpoints" $train
 # shellcheck disable=SC2086 # several arguments
 run train_while_saving cargo bench -q --bench train_while_saving -- $tws
+run background_stall cargo bench -q --bench background_stall -- --rows "$stall_rows" --runs "$runs"
 run column_codecs cargo bench -q --bench column_codecs -- --mib "$codec_mib"
 run compressed cargo bench -q --bench compressed -- --size "$compressed_size" --runs "$runs"
 

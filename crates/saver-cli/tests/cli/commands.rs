@@ -1261,6 +1261,7 @@ fn a_silent_store_fails_a_command_within_one_retry_window_saying_what_it_waits_f
     );
     assert!(err.contains("SAVER_S3_RETRY_SECONDS"), "{err}");
     assert!(!err.contains("waiting for"), "{err}");
+    assert!(err.contains("did not answer in time"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     // One window: a first attempt of 2 s and its retry, about 4 s; three windows took 12 s.
     assert!(took < std::time::Duration::from_secs(9), "{took:?}: {err}");

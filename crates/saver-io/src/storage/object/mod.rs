@@ -269,8 +269,12 @@ impl Client {
             // A request not sent after a silent window: its text already says the cause.
             return None;
         }
+        // Every error of the chain said, for the causes known only by their words.
+        let mut chain = String::new();
         let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
         while let Some(s) = source {
+            chain.push_str(&s.to_string());
+            chain.push('\n');
             if let Some(io) = s.downcast_ref::<std::io::Error>() {
                 match io.kind() {
                     std::io::ErrorKind::ConnectionRefused => {
@@ -300,7 +304,8 @@ impl Client {
         if has("InvalidAccessKeyId") || has("SignatureDoesNotMatch") || has("AccessDenied") {
             return Some("the store refused the credentials".into());
         }
-        if has("timed out") || has("operation timed out") {
+        let timed_out = ["timed out", "deadline has elapsed"];
+        if timed_out.iter().any(|t| chain.to_lowercase().contains(t)) {
             return Some(format!("{endpoint} did not answer in time"));
         }
         None
