@@ -574,3 +574,54 @@ fn the_commands_speak_plainly() {
     );
     assert!(!err.contains("missing shards []"), "{err}");
 }
+
+/// At a terminal every command that reads or writes a checkpoint shows its progress; off one
+/// (a pipe, a log) none does. The terminal is `script`'s pseudo-terminal (util-linux, on every
+/// Debian machine): a machine without it fails this test rather than skip it.
+#[test]
+fn progress_shows_at_a_terminal_and_nowhere_else() {
+    let d = tempfile::tempdir().unwrap();
+    let p = |name: &str| d.path().join(name).to_str().unwrap().to_string();
+    let ck = p("ck");
+    ok(
+        &[],
+        &["save", "--out", &ck, "--synthetic", "tiny", "--no-fsync"],
+    );
+    let bin = env!("CARGO_BIN_EXE_saver");
+    for (args, shown) in [
+        (vec!["verify", &ck], "verifying"),
+        (vec!["export", &ck, "--out", &p("ex")], "exporting"),
+        (vec!["digest", &ck], "reading"),
+        (
+            vec![
+                "reshard",
+                &ck,
+                "--out",
+                &p("rs"),
+                "--shards",
+                "2",
+                "--no-fsync",
+            ],
+            "writing",
+        ),
+        (
+            vec!["compact", &ck, "--out", &p("cp"), "--no-fsync"],
+            "writing",
+        ),
+    ] {
+        let line = std::iter::once(bin)
+            .chain(args.iter().copied())
+            .collect::<Vec<_>>()
+            .join(" ");
+        let out = Command::new("script")
+            .args(["-qec", &line, "/dev/null"])
+            .output()
+            .expect("script (util-linux) runs the command at a pseudo-terminal");
+        let seen = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{line}: {seen}");
+        assert!(seen.contains(shown), "{line} at a terminal: {seen:?}");
+    }
+    // Off a terminal: nothing but the result.
+    let out = saver(&[], &["verify", &ck]);
+    assert!(String::from_utf8_lossy(&out.stderr).is_empty());
+}
