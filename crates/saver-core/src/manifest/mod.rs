@@ -164,6 +164,14 @@ pub struct ParentRef {
     pub manifest_crc32: u32,
 }
 
+impl ParentRef {
+    /// Whether `committed` is the save this reference names (save id and manifest checksum): a
+    /// delta's parent that another save replaced, even under the same id, is not.
+    pub fn names(&self, committed: &CheckpointRef) -> bool {
+        committed.save_id == self.save_id && committed.manifest_crc32 == self.manifest_crc32
+    }
+}
+
 impl std::fmt::Display for ParentRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(

@@ -49,10 +49,7 @@ impl CommitRule for StepOrder {
             )));
         };
         let now = committed(&*self.root.step_storage(ps)?)?;
-        let same = now.as_ref().is_some_and(|c| {
-            c.save_id == parent.save_id && c.manifest_crc32 == parent.manifest_crc32
-        });
-        if same {
+        if now.as_ref().is_some_and(|c| parent.names(c)) {
             return Ok(None);
         }
         Ok(Some(format!(

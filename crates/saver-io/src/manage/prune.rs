@@ -237,7 +237,7 @@ fn remove_step_files(root: &Root, step: u64, save_ids: &[String]) -> Result<usiz
         .into_iter()
         .any(|n| !saver_core::naming::is_commit_lock(&n));
     if !others {
-        root.remove_dir_if_empty(step);
+        crate::storage::remove_dir_if_empty(&root.step_path(step));
     }
     Ok(removed)
 }

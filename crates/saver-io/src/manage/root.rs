@@ -401,11 +401,6 @@ impl Root {
         }
     }
 
-    /// Removes step `step`'s local directory if nothing but its commit lock is in it.
-    pub(crate) fn remove_dir_if_empty(&self, step: u64) {
-        crate::storage::remove_dir_if_empty(&self.step_path(step));
-    }
-
     /// An error naming the root.
     pub(crate) fn error(&self, why: String) -> Error {
         Error::Mismatch(format!("{}: {why}", self.location.display()))

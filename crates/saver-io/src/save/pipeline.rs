@@ -107,10 +107,7 @@ impl DeltaOf<'_> {
 /// names.
 pub(crate) fn check_parent_held(dir: &Path, parent: &ParentRef) -> Result<()> {
     let now = committed(&*crate::storage::open_location(dir)?)?;
-    let same = now
-        .as_ref()
-        .is_some_and(|c| c.save_id == parent.save_id && c.manifest_crc32 == parent.manifest_crc32);
-    if same {
+    if now.as_ref().is_some_and(|c| parent.names(c)) {
         return Ok(());
     }
     Err(Error::Chain {

@@ -22,7 +22,9 @@ impl<'c> Ahead<'c> {
             .into_iter()
             .filter(|(l, t)| l.is_remote() && t.codec.is_none() && t.len > 0)
             .collect();
-        wanted.sort_by_key(|(_, t)| t.len);
+        // Smallest first; the same tensor twice lies side by side, for the dedup below.
+        wanted
+            .sort_by(|(_, a), (_, b)| (a.len, &a.file, a.offset).cmp(&(b.len, &b.file, b.offset)));
         wanted.dedup_by(|a, b| {
             std::ptr::eq(a.0, b.0) && a.1.file == b.1.file && a.1.offset == b.1.offset
         });
