@@ -83,35 +83,6 @@ impl Dtype {
     pub fn is_float(self) -> bool {
         matches!(self, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
     }
-
-    /// The equivalent `safetensors` dtype, for handing data to the reference crate.
-    pub fn to_safetensors(self) -> safetensors::Dtype {
-        use safetensors::Dtype as S;
-        match self {
-            Dtype::BOOL => S::BOOL,
-            Dtype::F4 => S::F4,
-            Dtype::F6_E2M3 => S::F6_E2M3,
-            Dtype::F6_E3M2 => S::F6_E3M2,
-            Dtype::U8 => S::U8,
-            Dtype::I8 => S::I8,
-            Dtype::F8_E5M2 => S::F8_E5M2,
-            Dtype::F8_E4M3 => S::F8_E4M3,
-            Dtype::F8_E8M0 => S::F8_E8M0,
-            Dtype::F8_E4M3FNUZ => S::F8_E4M3FNUZ,
-            Dtype::F8_E5M2FNUZ => S::F8_E5M2FNUZ,
-            Dtype::I16 => S::I16,
-            Dtype::U16 => S::U16,
-            Dtype::F16 => S::F16,
-            Dtype::BF16 => S::BF16,
-            Dtype::I32 => S::I32,
-            Dtype::U32 => S::U32,
-            Dtype::F32 => S::F32,
-            Dtype::C64 => S::C64,
-            Dtype::F64 => S::F64,
-            Dtype::I64 => S::I64,
-            Dtype::U64 => S::U64,
-        }
-    }
 }
 
 impl fmt::Display for Dtype {
@@ -175,10 +146,39 @@ impl fmt::Display for KeyDtype {
 mod tests {
     use super::*;
 
+    /// The reference crate's dtype (the test's oracle).
+    fn to_safetensors(d: Dtype) -> safetensors::Dtype {
+        use safetensors::Dtype as S;
+        match d {
+            Dtype::BOOL => S::BOOL,
+            Dtype::F4 => S::F4,
+            Dtype::F6_E2M3 => S::F6_E2M3,
+            Dtype::F6_E3M2 => S::F6_E3M2,
+            Dtype::U8 => S::U8,
+            Dtype::I8 => S::I8,
+            Dtype::F8_E5M2 => S::F8_E5M2,
+            Dtype::F8_E4M3 => S::F8_E4M3,
+            Dtype::F8_E8M0 => S::F8_E8M0,
+            Dtype::F8_E4M3FNUZ => S::F8_E4M3FNUZ,
+            Dtype::F8_E5M2FNUZ => S::F8_E5M2FNUZ,
+            Dtype::I16 => S::I16,
+            Dtype::U16 => S::U16,
+            Dtype::F16 => S::F16,
+            Dtype::BF16 => S::BF16,
+            Dtype::I32 => S::I32,
+            Dtype::U32 => S::U32,
+            Dtype::F32 => S::F32,
+            Dtype::C64 => S::C64,
+            Dtype::F64 => S::F64,
+            Dtype::I64 => S::I64,
+            Dtype::U64 => S::U64,
+        }
+    }
+
     #[test]
     fn every_dtype_matches_safetensors_size_and_name() {
         for &d in Dtype::ALL {
-            let s = d.to_safetensors();
+            let s = to_safetensors(d);
             assert_eq!(d.bits() as usize, s.bitsize(), "{d}");
             assert_eq!(format!("{s:?}"), d.name(), "{d}");
             assert_eq!(d.name().parse::<Dtype>().unwrap(), d);

@@ -6,7 +6,6 @@
 
 use std::collections::BTreeMap;
 
-use base64::Engine as _;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -59,6 +58,7 @@ macro_rules! sealed_document {
 
 mod index;
 mod parse;
+pub mod trainer_state;
 
 pub use index::{Index, IndexMetadata};
 pub use parse::{check_parent_path, MAX_DOCUMENT_BYTES};
@@ -544,7 +544,7 @@ pub struct ShardManifest parsed as RawShardManifest {
     /// [`MAX_USER_METADATA_BYTES`], refused past them while it is read).
     #[serde(deserialize_with = "bounded_metadata")]
     pub user_metadata: BTreeMap<String, String>,
-    /// This shard's trainer state, bincode-encoded then base64.
+    /// This shard's trainer state, as [`trainer_state::encode`] writes it.
     pub trainer_state: Option<String>,
     /// The process that wrote this shard.
     #[serde(default)]
@@ -586,7 +586,7 @@ impl ShardManifest {
 pub struct ShardInfo {
     /// The shard.
     pub shard: u32,
-    /// Its trainer state, bincode-encoded then base64.
+    /// Its trainer state, as [`trainer_state::encode`] writes it.
     pub trainer_state: Option<String>,
     /// The process that wrote it.
     #[serde(default)]
@@ -1003,38 +1003,10 @@ impl Manifest {
             .find(|s| s.shard == shard)
             .and_then(|s| s.trainer_state.as_deref())
         {
-            Some(b64) => decode_trainer_state(b64).map(Some),
+            Some(stored) => trainer_state::decode(stored).map(Some),
             None => Ok(None),
         }
     }
-}
-
-/// Encodes a trainer state for a manifest: bincode (standard configuration), then base64.
-pub fn encode_trainer_state<T: Serialize>(state: &T) -> Result<String> {
-    let bytes = bincode::serde::encode_to_vec(state, bincode::config::standard()).map_err(|e| {
-        Error::Encoding {
-            what: "trainer state".into(),
-            message: e.to_string(),
-        }
-    })?;
-    Ok(base64::engine::general_purpose::STANDARD.encode(bytes))
-}
-
-/// Decodes a trainer state written by [`encode_trainer_state`].
-pub fn decode_trainer_state<T: DeserializeOwned>(b64: &str) -> Result<T> {
-    let err = |message: String| Error::Encoding {
-        what: "trainer state".into(),
-        message,
-    };
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(b64)
-        .map_err(|e| err(e.to_string()))?;
-    let (value, used) = bincode::serde::decode_from_slice(&bytes, bincode::config::standard())
-        .map_err(|e| err(e.to_string()))?;
-    if used != bytes.len() {
-        return Err(err(format!("{} trailing bytes", bytes.len() - used)));
-    }
-    Ok(value)
 }
 
 #[cfg(test)]
@@ -1112,25 +1084,5 @@ mod tests {
             crc32: vec![],
         };
         assert!(zero.check(0).is_err());
-    }
-
-    #[derive(Debug, PartialEq, Serialize, Deserialize)]
-    struct State {
-        step: u64,
-        rng: [u64; 4],
-        position: Vec<u32>,
-    }
-
-    #[test]
-    fn trainer_state_round_trips_typed() {
-        let s = State {
-            step: 1234,
-            rng: [1, 2, 3, u64::MAX],
-            position: vec![7, 8],
-        };
-        let enc = encode_trainer_state(&s).unwrap();
-        assert_eq!(decode_trainer_state::<State>(&enc).unwrap(), s);
-        assert!(decode_trainer_state::<State>("!!").is_err());
-        assert!(decode_trainer_state::<State>("AAAA").is_err());
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use saver_core::manifest::encode_trainer_state;
+use saver_core::manifest::trainer_state;
 use saver_core::PlanOptions;
 
 use crate::error::Result;
@@ -111,7 +111,7 @@ impl SaveOptions {
     /// Stores a typed trainer state (step, RNG state, data position…), read back with
     /// [`crate::Link::trainer_state`].
     pub fn with_trainer_state<T: Serialize>(mut self, state: &T) -> Result<Self> {
-        self.trainer_state = Some(encode_trainer_state(state)?);
+        self.trainer_state = Some(trainer_state::encode(state)?);
         Ok(self)
     }
 }
