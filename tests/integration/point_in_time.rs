@@ -321,7 +321,7 @@ fn workers_saving_their_shards_of_shared_tables_share_one_moment() {
     scenario(&["users", "items"], |tables, dir, k| {
         // The step to save: one moment for both workers, fixed before either starts.
         let all = input(tables);
-        let held = moment::hold(&all).unwrap();
+        let held = moment::hold(all.all_tables()).unwrap();
         std::thread::scope(|s| {
             for shard in 0..2 {
                 s.spawn(move || {

@@ -40,8 +40,7 @@ pub fn encode<T: Serialize>(state: &T) -> Result<String> {
 pub fn decode<T: DeserializeOwned>(stored: &str) -> Result<T> {
     if let Some(b64) = stored.strip_prefix(PREFIX) {
         let bytes = STANDARD.decode(b64).map_err(|e| error(e.to_string()))?;
-        let (value, rest) =
-            postcard::take_from_bytes(&bytes).map_err(|e| error(e.to_string()))?;
+        let (value, rest) = postcard::take_from_bytes(&bytes).map_err(|e| error(e.to_string()))?;
         if !rest.is_empty() {
             return Err(error(format!("{} trailing bytes", rest.len())));
         }

@@ -113,15 +113,7 @@ impl Default for Compression {
 /// offsets are known only then: small segments bound that memory.
 pub const COMPRESSED_SEGMENT_BYTES: u64 = 4 << 20;
 
-/// What to do with rows a process holds that the partition rule assigns to a shard it does not plan.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum ForeignRows {
-    /// Refuse to plan: saving would silently lose those rows. The safe default.
-    #[default]
-    Error,
-    /// Skip them: right when every process holds the whole table (replicated, or generated).
-    Skip,
-}
+pub use crate::table::workers::ForeignRows;
 
 /// How to plan a save.
 #[derive(Clone, Debug)]

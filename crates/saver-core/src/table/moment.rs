@@ -18,8 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
-use crate::plan::SaveInput;
-use crate::table::TableSnapshot;
+use crate::table::{SparseTable, TableSnapshot};
 
 /// The newest published generation.
 static CLOCK: AtomicU64 = AtomicU64::new(0);
@@ -158,11 +157,12 @@ impl Drop for Held<'_> {
     }
 }
 
-/// Fixes one moment for the tables of `input` now and holds it (see [`Held`]).
-pub fn hold<'a>(input: &'a SaveInput<'_>) -> Result<Held<'a>> {
+/// Fixes one moment for `tables` now and holds it (see [`Held`]): for a save's whole input,
+/// `hold(input.all_tables())`.
+pub fn hold<'a>(tables: impl IntoIterator<Item = &'a (dyn SparseTable + 'a)>) -> Result<Held<'a>> {
     let (snapshots, generation) = at_one_moment(|| {
-        let snapshots = input
-            .all_tables()
+        let snapshots = tables
+            .into_iter()
             .map(|t| t.snapshot())
             .collect::<Result<Vec<_>>>();
         let generation = PENDING.with(Cell::get).expect("set by at_one_moment");

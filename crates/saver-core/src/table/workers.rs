@@ -11,8 +11,17 @@
 use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
 use crate::partition::PartitionRule;
-use crate::plan::ForeignRows;
 use crate::table::{moment, ChangeTracking, RowChunk, SparseTable, TableSchema, TableSnapshot};
+
+/// What to do with rows a process holds that the partition rule assigns to a shard it does not plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ForeignRows {
+    /// Refuse to plan: saving would silently lose those rows. The safe default.
+    #[default]
+    Error,
+    /// Skip them: right when every process holds the whole table (replicated, or generated).
+    Skip,
+}
 
 /// One table of a worker set: worker `s`'s table (`members[s]`) holds the rows of shard `s` of
 /// `members.len()`. Made by [`crate::SaveInput::worker_tables`].

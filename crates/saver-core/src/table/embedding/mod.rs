@@ -1643,8 +1643,7 @@ mod tests {
         for id in 0..50u64 {
             t.upsert(id, |r| r.slot_mut::<i64>(1)[0] = id as i64);
         }
-        let input = crate::SaveInput::new().table(&t);
-        let held = crate::table::moment::hold(&input).unwrap();
+        let held = crate::table::moment::hold([&t as &dyn SparseTable]).unwrap();
         t.update(7, |r| r.slot_mut::<i64>(1)[0] = -1);
         let a = t.snapshot().unwrap();
         let b = t.snapshot().unwrap();
