@@ -534,6 +534,7 @@ fn hanging_save(dir: &Path) -> Hanging {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
+            "--ignored",
             "manager::a_save_that_hangs_after_claiming_its_shard",
             "--nocapture",
             "--test-threads=1",
@@ -613,9 +614,10 @@ fn finishing_a_removal_never_touches_another_saves_files() {
 
 /// Child mode: a save into SAVER_HANG_DIR that hangs in its first write, after its claim.
 #[test]
+#[ignore = "a child process of a test: that test runs it, with --ignored"]
 fn a_save_that_hangs_after_claiming_its_shard() {
     let Ok(dir) = std::env::var("SAVER_HANG_DIR") else {
-        return;
+        panic!("a child process: run by its parent test, which sets its environment");
     };
     let t = EmbeddingTable::new("emb", KeyDtype::U64, slots()).unwrap();
     for id in 0..1000 {
@@ -623,7 +625,10 @@ fn a_save_that_hangs_after_claiming_its_shard() {
     }
     let mut o = opts();
     o.progress = Some(Arc::new(|_| {
-        println!("claimed");
+        // Every writer thread says so; the parent stops reading after the first, so a failed
+        // write is no error (println! would panic on the closed pipe).
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), "claimed");
         std::thread::sleep(Duration::from_secs(3600));
     }));
     let _ = saver::save(&dir, SaveInput::new().table(&t), &o);
@@ -869,12 +874,13 @@ fn pruning_racing_saves_never_loses_the_newest_or_breaks_a_chain() {
 /// Child mode: prunes SAVER_PRUNE_ROOT to its newest two steps, killing itself (SIGKILL) at
 /// storage operation SAVER_PRUNE_AT of the removal; prints how many operations it made.
 #[test]
+#[ignore = "a child process of a test: that test runs it, with --ignored"]
 fn prune_child() {
     let (Ok(dir), Ok(at)) = (
         std::env::var("SAVER_PRUNE_ROOT"),
         std::env::var("SAVER_PRUNE_AT"),
     ) else {
-        return;
+        panic!("a child process: run by its parent test, which sets its environment");
     };
     let counter = Arc::new(crate::crash::KillCounter {
         at: at.parse().unwrap(),
@@ -917,6 +923,7 @@ fn prune_in_child(root: &Path, at: u64) -> std::process::Output {
     std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
+            "--ignored",
             "manager::prune_child",
             "--nocapture",
             "--test-threads=1",

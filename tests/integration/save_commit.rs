@@ -363,12 +363,13 @@ fn failed_writes_leave_no_temporary_files_and_no_checkpoint() {
 
 /// Child mode of the multi-process test: save one shard and exit.
 #[test]
+#[ignore = "a child process of a test: that test runs it, with --ignored"]
 fn multi_process_child() {
     let (Ok(dir), Ok(shard)) = (
         std::env::var("SAVER_TEST_DIR"),
         std::env::var("SAVER_TEST_SHARD"),
     ) else {
-        return;
+        panic!("a child process: run by its parent test, which sets its environment");
     };
     let m = Model::new(4000);
     let mut o = opts(4, 2);
@@ -390,6 +391,7 @@ fn n_processes_commit_exactly_once_and_match_the_single_process_save() {
             Command::new(&exe)
                 .args([
                     "--exact",
+                    "--ignored",
                     "save_commit::multi_process_child",
                     "--nocapture",
                     "--test-threads=1",
@@ -451,9 +453,10 @@ impl Child {
 
 /// Child mode: hold the commit lock of SAVER_LOCK_DIR, say so, and sleep until killed.
 #[test]
+#[ignore = "a child process of a test: that test runs it, with --ignored"]
 fn lock_holder_child() {
     let Ok(dir) = std::env::var("SAVER_LOCK_DIR") else {
-        return;
+        panic!("a child process: run by its parent test, which sets its environment");
     };
     let storage = LocalFs::open_dir(dir).unwrap();
     let _lock = storage.lock_commit(Duration::from_secs(5)).unwrap();
@@ -474,6 +477,7 @@ fn a_committer_killed_while_holding_the_lock_never_blocks_the_commit() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
+            "--ignored",
             "save_commit::lock_holder_child",
             "--nocapture",
             "--test-threads=1",

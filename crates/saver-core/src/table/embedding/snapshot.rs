@@ -39,7 +39,8 @@
 //! So a copy that overlapped a write is never kept, and one that did not is the row at the
 //! moment. The copy reads words a writer may be storing at that instant, with volatile loads,
 //! as sequence locks do (`crossbeam`'s `AtomicCell` reads the same way), and is dropped in that
-//! case. `model` below checks the argument over every interleaving of a writer and a reader.
+//! case. `model` below checks the argument over every interleaving of a writer and a reader, and
+//! `loom_model` under the C11 memory model (see [`copy_racing`] for the ordering argument).
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -79,6 +80,29 @@ const PREFETCH_AHEAD: usize = 16;
 /// Volatile loads (or their equal, inline assembly), so that the compiler neither assumes the
 /// bytes stand still nor moves the loads past the look for a pre-image after them; 16 bytes a
 /// load on x86_64 (SSE2, which every x86_64 has).
+///
+/// # Why the copy is never kept when it overlapped a write (the memory ordering)
+///
+/// The copy's loads are plain hardware loads of words a writer may be storing: what they may
+/// return is what relaxed atomic loads may return (any value the location held, never one from
+/// the future). The argument needs nothing stronger. A writer after the moment keeps the row's
+/// pre-image under the shard's pre-image lock, *releases* that lock, and only then stores its
+/// first word; the read copies, then *acquires* the same lock to look for a pre-image. Locks of
+/// one mutex are totally ordered. Suppose the read's lock came before the writer's: the read's
+/// unlock synchronises with the writer's lock, so every load of the copy happens before every
+/// store of the write, and a load cannot return a store that happens after it (coherence): the
+/// copy saw none of the write. So if the copy saw any byte of the write, the writer's lock came
+/// first, its unlock synchronises with the read's lock, and the read finds the pre-image and
+/// drops the copy. What releases the lock after the copy matters, not before: a look first and a
+/// copy after has no such order (the `model` test shows the torn and late reads it allows).
+///
+/// `loom_model` below checks this protocol under the C11 memory model with loom (relaxed word
+/// accesses, one mutex), over every interleaving and every value each relaxed load may return.
+/// Miri cannot check the function itself: it rejects inline assembly, and the racing loads are,
+/// by the letter of Rust's memory model, a data race with the writer's stores (as in every
+/// sequence lock, `crossbeam`'s `AtomicCell` and the Linux kernel's seqlocks included); the
+/// volatile loads keep the compiler from assuming anything of the values, and the copy is
+/// dropped whenever they could differ from the moment's.
 ///
 /// # Safety
 /// `addr..addr + out.len()` lies in a row of the table's slabs that stays allocated while this
@@ -877,5 +901,83 @@ mod model {
         ];
         let seen = outcomes(&swapped);
         assert!(seen.contains(&[2, 1]) && seen.contains(&[3, 3]), "{seen:?}");
+    }
+}
+
+#[cfg(test)]
+mod loom_model {
+    //! The pre-image protocol under the C11 memory model, with loom: the row's words are relaxed
+    //! atomics (what a plain hardware load of a word a writer stores may return), the shard's
+    //! pre-image lock a mutex. A trainer writes the row twice after the moment (the first write
+    //! keeps the pre-image, the second finds it kept, as a tagged row does); a save copies the
+    //! row, then looks for its pre-image. Whatever interleaving and whichever value each relaxed
+    //! load returns, what the read keeps is the row at the moment. With the look before the
+    //! copy, loom finds a read that is not.
+
+    use loom::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    use loom::sync::{Arc, Mutex};
+    use loom::thread;
+
+    struct Row {
+        words: [AtomicU64; 2],
+        pre_image: Mutex<Option<[u64; 2]>>,
+    }
+
+    /// The value a read by handle keeps: `copy_first` is the protocol, `false` its halves
+    /// swapped.
+    fn read_while_written(copy_first: bool) -> [u64; 2] {
+        let row = Arc::new(Row {
+            words: [AtomicU64::new(1), AtomicU64::new(1)],
+            pre_image: Mutex::new(None),
+        });
+        let writer = {
+            let row = row.clone();
+            thread::spawn(move || {
+                for value in [2, 3] {
+                    {
+                        let mut kept = row.pre_image.lock().unwrap();
+                        if kept.is_none() {
+                            *kept = Some([1, 1]);
+                        }
+                    }
+                    for w in &row.words {
+                        w.store(value, Relaxed);
+                    }
+                }
+            })
+        };
+        let copy = |row: &Row| [row.words[0].load(Relaxed), row.words[1].load(Relaxed)];
+        let kept = if copy_first {
+            let copied = copy(&row);
+            let pre = *row.pre_image.lock().unwrap();
+            pre.unwrap_or(copied)
+        } else {
+            let pre = *row.pre_image.lock().unwrap();
+            let copied = copy(&row);
+            pre.unwrap_or(copied)
+        };
+        writer.join().unwrap();
+        kept
+    }
+
+    #[test]
+    fn a_read_keeps_the_row_at_the_moment_under_weak_memory() {
+        loom::model(|| {
+            let kept = read_while_written(true);
+            assert_eq!(kept, [1, 1], "a torn or late read was kept");
+        });
+    }
+
+    #[test]
+    fn with_the_look_before_the_copy_loom_finds_a_torn_or_late_read() {
+        let found = std::panic::catch_unwind(|| {
+            loom::model(|| {
+                assert_eq!(read_while_written(false), [1, 1]);
+            })
+        });
+        assert!(
+            found.is_err(),
+            "loom found no bad read in the swapped protocol"
+        );
     }
 }
