@@ -64,9 +64,10 @@ const KINDS: [Kind; 4] = [
 ];
 
 fn opts(kind: &Kind, parent: &Path) -> SaveOptions {
-    let mut o = SaveOptions {
-        parent: kind.delta.then(|| parent.to_path_buf()),
-        ..SaveOptions::default()
+    let mut o = {
+        let mut o = SaveOptions::default();
+        o.parent = kind.delta.then(|| parent.to_path_buf());
+        o
     };
     o.plan.parallel = 2;
     if kind.filter {

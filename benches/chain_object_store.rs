@@ -29,10 +29,11 @@ use saver::{save, Checkpoint, LoadOptions, SaveOptions};
 type Run<'a> = Box<dyn Fn() -> f64 + 'a>;
 
 fn opts(parent: Option<&str>) -> SaveOptions {
-    let mut o = SaveOptions {
-        overwrite: true,
-        parent: parent.map(Into::into),
-        ..SaveOptions::default()
+    let mut o = {
+        let mut o = SaveOptions::default();
+        o.overwrite = true;
+        o.parent = parent.map(Into::into);
+        o
     };
     o.plan.parallel = 2;
     o

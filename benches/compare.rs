@@ -76,11 +76,12 @@ struct Flags {
 }
 
 fn opts(flags: &Flags, parallel: usize, durable: bool, shards: u32) -> SaveOptions {
-    let mut o = SaveOptions {
-        durable,
-        direct_io: flags.direct_io,
-        overwrite: true,
-        ..SaveOptions::default()
+    let mut o = {
+        let mut o = SaveOptions::default();
+        o.durable = durable;
+        o.direct_io = flags.direct_io;
+        o.overwrite = true;
+        o
     };
     o.plan.parallel = parallel;
     o.plan.shard_num = shards;
@@ -364,9 +365,10 @@ fn main() {
             None,
             Box::new(move || {
                 Box::new(
-                    ck.load_columns(&LoadOptions {
-                        parallel: p,
-                        ..LoadOptions::default()
+                    ck.load_columns(&{
+                        let mut o = LoadOptions::default();
+                        o.parallel = p;
+                        o
                     })
                     .unwrap(),
                 )
@@ -380,9 +382,10 @@ fn main() {
             None,
             Box::new(move || {
                 Box::new(
-                    ck.restore(&LoadOptions {
-                        parallel: p,
-                        ..LoadOptions::default()
+                    ck.restore(&{
+                        let mut o = LoadOptions::default();
+                        o.parallel = p;
+                        o
                     })
                     .unwrap(),
                 )
@@ -412,11 +415,12 @@ fn main() {
     println!("\n| resharding load 8 → 3 | rows | bytes read | bytes kept | read amplification | time |\n| --- | --- | --- | --- | --- | --- |");
     for j in 0..3 {
         let r = ck8
-            .restore(&LoadOptions {
-                shard_num: 3,
-                shard_index: Some(j),
-                parallel: 2,
-                ..LoadOptions::default()
+            .restore(&{
+                let mut o = LoadOptions::default();
+                o.shard_num = 3;
+                o.shard_index = Some(j);
+                o.parallel = 2;
+                o
             })
             .unwrap();
         let rep = &r.report;

@@ -88,9 +88,10 @@ fn scaled(preset: &str, bytes: u64) -> SyntheticSpec {
 }
 
 fn opts(compressed: bool) -> SaveOptions {
-    let mut o = SaveOptions {
-        overwrite: true,
-        ..SaveOptions::default()
+    let mut o = {
+        let mut o = SaveOptions::default();
+        o.overwrite = true;
+        o
     };
     o.plan.parallel = 2;
     o.plan.compression = compressed.then(Compression::default);
@@ -111,9 +112,10 @@ fn load(dir: &Path) -> f64 {
     let t = Instant::now();
     let r = Checkpoint::open(dir)
         .unwrap()
-        .restore(&LoadOptions {
-            parallel: 2,
-            ..LoadOptions::default()
+        .restore(&{
+            let mut o = LoadOptions::default();
+            o.parallel = 2;
+            o
         })
         .unwrap();
     let secs = t.elapsed().as_secs_f64();

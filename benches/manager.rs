@@ -57,13 +57,15 @@ mod garage;
 /// A root of `n` tiny checkpoints at `root`, saved with `opts`; then the times of `steps()`,
 /// `latest()` and a prune to the newest 10, printed as a table row each.
 fn list_and_prune(label: &str, root: &std::path::Path, n: u64, opts: &SaveOptions) {
-    let keep_all = Policy {
-        full_every: 1,
-        retention: Retention {
-            keep_latest: usize::MAX,
-            ..Retention::default()
-        },
-        ..Policy::default()
+    let keep_all = {
+        let mut o = Policy::default();
+        o.full_every = 1;
+        o.retention = {
+            let mut o = Retention::default();
+            o.keep_latest = usize::MAX;
+            o
+        };
+        o
     };
     let mm = CheckpointManager::open(root, keep_all).unwrap();
     let t = EmbeddingTable::new(
@@ -83,9 +85,10 @@ fn list_and_prune(label: &str, root: &std::path::Path, n: u64, opts: &SaveOption
     assert_eq!(mm.latest().unwrap().unwrap().step, n);
     let latest_s = t0.elapsed().as_secs_f64();
     let t0 = Instant::now();
-    let keep = Retention {
-        keep_latest: 10,
-        ..Retention::default()
+    let keep = {
+        let mut o = Retention::default();
+        o.keep_latest = 10;
+        o
     };
     let pruned = mm.prune(Some(&keep), false).unwrap();
     let prune_s = t0.elapsed().as_secs_f64();
@@ -185,9 +188,10 @@ fn main() {
     println!();
     println!("| root | steps(), a step | latest() | prune to the newest 10, a removed step |");
     println!("| --- | --- | --- | --- |");
-    let quick = SaveOptions {
-        durable: false,
-        ..SaveOptions::default()
+    let quick = {
+        let mut o = SaveOptions::default();
+        o.durable = false;
+        o
     };
     list_and_prune("local disk", &dir.join("many"), checkpoints, &quick);
     if let Some(g) = garage::shared() {
@@ -212,7 +216,7 @@ fn main() {
             let mut step = 0;
             while start.elapsed().as_secs_f64() < secs && !stop.load(Ordering::Relaxed) {
                 step += 1;
-                tm.save_in_background(step, SaveInput::new().table(Arc::clone(&table)), &opts())
+                tm.save_async(step, SaveInput::new().table(Arc::clone(&table)), &opts())
                     .unwrap();
                 saves += 1;
                 std::thread::sleep(Duration::from_secs(1));

@@ -277,9 +277,10 @@ fn remove_all(url: &str) {
 }
 
 fn opts(parallel: usize, shards: u32) -> SaveOptions {
-    let mut o = SaveOptions {
-        overwrite: true,
-        ..SaveOptions::default()
+    let mut o = {
+        let mut o = SaveOptions::default();
+        o.overwrite = true;
+        o
     };
     o.plan.parallel = parallel;
     o.plan.shard_num = shards;
@@ -413,16 +414,18 @@ fn main() {
             .collect()
     };
     let (whole, eighths) = (objects(&ck, "probe"), objects(&ck8, "probe8"));
-    let reshard_opts = LoadOptions {
-        shard_num: 3,
-        shard_index: Some(1),
-        parallel: 2,
-        ..LoadOptions::default()
+    let reshard_opts = {
+        let mut o = LoadOptions::default();
+        o.shard_num = 3;
+        o.shard_index = Some(1);
+        o.parallel = 2;
+        o
     };
     let reshard_read = ck8.load_columns(&reshard_opts).unwrap().report.bytes_read;
-    let all = LoadOptions {
-        parallel: 2,
-        ..LoadOptions::default()
+    let all = {
+        let mut o = LoadOptions::default();
+        o.parallel = 2;
+        o
     };
     let mut loads: Vec<(String, Run<'_>)> = vec![
         (

@@ -49,10 +49,11 @@ fn plan(c: &mut Criterion) {
                         });
                         let p = saver::core::plan::plan_with_spill(
                             &input,
-                            &PlanOptions {
-                                shard_num: shards,
-                                plan_memory: if spilled { 0 } else { 1 << 40 },
-                                ..PlanOptions::default()
+                            &{
+                                let mut o = PlanOptions::default();
+                                o.shard_num = shards;
+                                o.plan_memory = if spilled { 0 } else { 1 << 40 };
+                                o
                             },
                             spill,
                         )

@@ -16,10 +16,11 @@ fn bytes() -> u64 {
 }
 
 fn opts(parallel: usize, durable: bool) -> SaveOptions {
-    let mut o = SaveOptions {
-        durable,
-        overwrite: true,
-        ..SaveOptions::default()
+    let mut o = {
+        let mut o = SaveOptions::default();
+        o.durable = durable;
+        o.overwrite = true;
+        o
     };
     o.plan.parallel = parallel;
     o
@@ -61,9 +62,10 @@ fn save_load(c: &mut Criterion) {
     });
     g.bench_function("saver restore (owning), parallel 2", |b| {
         b.iter(|| {
-            ck.restore(&LoadOptions {
-                parallel: 2,
-                ..LoadOptions::default()
+            ck.restore(&{
+                let mut o = LoadOptions::default();
+                o.parallel = 2;
+                o
             })
             .unwrap()
         })

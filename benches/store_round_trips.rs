@@ -95,10 +95,11 @@ fn main() {
         let mut replacing: Vec<[f64; 4]> = Vec::new();
         let mut opens = Vec::new();
         for k in 0..=runs {
-            let mut o = SaveOptions {
-                overwrite: true,
-                save_id: Some(format!("s{k}")),
-                ..SaveOptions::default()
+            let mut o = {
+                let mut o = SaveOptions::default();
+                o.overwrite = true;
+                o.save_id = Some(format!("s{k}"));
+                o
             };
             o.plan.shard_num = shards;
             o.plan.parallel = 2;

@@ -308,9 +308,10 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
     let tag = format!("t{trainers}h{hot_percent}");
     // The stall of a blocking save: stop, save, resume; the table as the trainers left it.
     let idle = |k: &str, parallel: usize| {
-        let mut opts = SaveOptions {
-            save_id: Some(format!("{tag}idle{k}")),
-            ..SaveOptions::default()
+        let mut opts = {
+            let mut o = SaveOptions::default();
+            o.save_id = Some(format!("{tag}idle{k}"));
+            o
         };
         opts.plan.parallel = parallel;
         let dir = scratch.join(format!("{tag}idle{k}"));
@@ -347,9 +348,10 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
             (1, true),
         ];
         for (k, (parallel, of_other)) in runs.into_iter().enumerate() {
-            let mut opts = SaveOptions {
-                save_id: Some(format!("{tag}k{k}")),
-                ..SaveOptions::default()
+            let mut opts = {
+                let mut o = SaveOptions::default();
+                o.save_id = Some(format!("{tag}k{k}"));
+                o
             };
             opts.plan.parallel = parallel;
             let dir = scratch.join(format!("{tag}k{k}"));

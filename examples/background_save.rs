@@ -118,10 +118,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let r = h.wait()?;
             println!("  save {} committed ({} rows)", r.save_id, r.rows);
         }
-        let opts = SaveOptions {
-            save_id: Some(format!("step{}", state.step)),
-            step: Some(state.step),
-            ..SaveOptions::default()
+        let opts = {
+            let mut o = SaveOptions::default();
+            o.save_id = Some(format!("step{}", state.step));
+            o.step = Some(state.step);
+            o
         }
         .with_trainer_state(&state)?;
         let started = std::time::Instant::now();

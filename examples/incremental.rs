@@ -81,9 +81,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("step {step}: full checkpoint");
             links = 1;
         } else {
-            let opts = SaveOptions {
-                parent: Some(last.clone()),
-                ..SaveOptions::default()
+            let opts = {
+                let mut o = SaveOptions::default();
+                o.parent = Some(last.clone());
+                o
             };
             let r = save(&dir, SaveInput::new().table(&table), &opts)?;
             links += 1;
@@ -107,16 +108,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // A restart: the newest checkpoint (a delta) restored into tables that track their changes,
     // with it as their baseline, so the next delta is tracked at once.
-    let restored = Checkpoint::open(&last)?.restore(&LoadOptions {
-        change_tracking: true,
-        ..LoadOptions::default()
+    let restored = Checkpoint::open(&last)?.restore(&{
+        let mut o = LoadOptions::default();
+        o.change_tracking = true;
+        o
     })?;
     let table = &restored.shards[0].tables[0];
     train(table, STEPS + 1);
     let dir = root.join("after-restart");
-    let opts = SaveOptions {
-        parent: Some(last.clone()),
-        ..SaveOptions::default()
+    let opts = {
+        let mut o = SaveOptions::default();
+        o.parent = Some(last.clone());
+        o
     };
     let r = save(&dir, SaveInput::new().table(table), &opts)?;
     let check = root.join("check-full");

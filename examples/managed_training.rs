@@ -14,7 +14,7 @@ use saver::core::partition::fmix64;
 use saver::io::manage::Retention;
 use saver::{
     CheckpointManager, Dtype, EmbeddingTable, KeyDtype, LoadOptions, Policy, SaveInput,
-    SaveOptions, SlotSpec,
+    SaveOptions, Shard, SlotSpec,
 };
 
 const DIM: usize = 4;
@@ -49,16 +49,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root: PathBuf = std::env::args()
         .nth(1)
         .map_or_else(|| tmp.path().join("run"), PathBuf::from);
-    let policy = Policy {
-        every_steps: 5,
-        full_every: 3,
-        max_chain_links: 3,
-        retention: Retention {
-            keep_latest: 2,
-            keep_every: Some(20),
-            ..Retention::default()
-        },
-        ..Policy::default()
+    let policy = {
+        let mut o = Policy::default();
+        o.every_steps = 5;
+        o.full_every = 3;
+        o.max_chain_links = 3;
+        o.retention = {
+            let mut o = Retention::default();
+            o.keep_latest = 2;
+            o.keep_every = Some(20);
+            o
+        };
+        o
     };
 
     // Part 1: one worker, saving in the background every 5 steps.
@@ -72,7 +74,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             train(&tables, step);
             if manager.is_due(step) {
                 let input = SaveInput::new().table(Arc::clone(&table));
-                manager.save_in_background(step, input, &SaveOptions::default())?;
+                manager.save_async(step, input, &SaveOptions::default())?;
                 at_step.insert(step, rows(&tables));
                 println!("step {step}: saving in the background; training goes on");
             }
@@ -97,12 +99,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut tables = Vec::new();
     for worker in 0..2 {
         let (step, r) = manager
-            .restore_latest(&LoadOptions {
-                shard_num: 2,
-                shard_index: Some(worker),
+            .restore_latest(&{
+                let mut o = LoadOptions::for_shard(Shard {
+                    index: worker,
+                    count: 2,
+                });
                 // The restored tables track their changes: the next delta is tracked at once.
-                change_tracking: true,
-                ..LoadOptions::default()
+                o.change_tracking = true;
+                o
             })?
             .ok_or("no committed step")?;
         assert_eq!(step, latest.step);
@@ -119,7 +123,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let mut opts = SaveOptions::default();
             opts.plan.shard_num = 2;
-            manager.save_in_background(step, input, &opts)?;
+            manager.save_async(step, input, &opts)?;
             at_step.insert(step, rows(&tables));
         }
     }

@@ -15,10 +15,11 @@ const SPEC: &str = "tables=3,rows=30000,dim=16,slots=embedding+adagrad,dense=256
 fn child_save(dir: &str, n: u32, i: u32) -> Result<(), Box<dyn std::error::Error>> {
     // Every process builds the same model (as replicated workers would) and saves its shard.
     let model = SyntheticModel::generate(&SPEC.parse::<SyntheticSpec>()?)?;
-    let mut opts = SaveOptions {
-        save_id: Some("example-step-100".into()),
-        wait: Some(Duration::from_secs(120)),
-        ..SaveOptions::default()
+    let mut opts = {
+        let mut o = SaveOptions::default();
+        o.save_id = Some("example-step-100".into());
+        o.wait = Some(Duration::from_secs(120));
+        o
     };
     opts.plan.shard_num = n;
     opts.plan.shard_index = Some(i);
@@ -33,10 +34,11 @@ fn child_save(dir: &str, n: u32, i: u32) -> Result<(), Box<dyn std::error::Error
 
 fn child_load(dir: &str, m: u32, j: u32) -> Result<(), Box<dyn std::error::Error>> {
     let ck = Checkpoint::open(dir)?;
-    let r = ck.restore(&LoadOptions {
-        shard_num: m,
-        shard_index: Some(j),
-        ..LoadOptions::default()
+    let r = ck.restore(&{
+        let mut o = LoadOptions::default();
+        o.shard_num = m;
+        o.shard_index = Some(j);
+        o
     })?;
     for t in &r.shards[0].tables {
         assert!(t

@@ -32,15 +32,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let ck = Checkpoint::open(&ckpt_dir)?;
     let out = root.join("export-f16");
-    let e = export(
-        &ck,
-        &out,
-        &ExportOptions {
-            dtype: Some(Dtype::F16),
-            max_file_size: 1 << 20,
-            ..ExportOptions::default()
-        },
-    )?;
+    let e = export(&ck, &out, &{
+        let mut o = ExportOptions::default();
+        o.dtype = Some(Dtype::F16);
+        o.max_file_size = 1 << 20;
+        o
+    })?;
     println!(
         "export: {} tensors in {} files under {}",
         e.tensors,

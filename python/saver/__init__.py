@@ -517,7 +517,7 @@ class Manager:
         step = _int("step", step, 0)
         if full:
             self._native.force_full()
-        running = self._native.save_in_background(step, *_save_arguments(tables, dense, _options(options)))
+        running = self._native.save_async(step, *_save_arguments(tables, dense, _options(options)))
         return ManagedSaveHandle(self, step, skipped=running is not None)
 
     def prune(self, *, keep_latest: Optional[int] = None, dry_run: bool = False) -> dict:

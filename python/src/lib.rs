@@ -103,13 +103,14 @@ struct SaveArgs {
 
 impl SaveArgs {
     fn options(self) -> PyResult<SaveOptions> {
-        let mut opts = SaveOptions {
-            save_id: self.save_id,
-            step: self.step,
-            overwrite: self.overwrite,
-            durable: self.durable,
-            user_metadata: self.metadata,
-            ..SaveOptions::default()
+        let mut opts = {
+            let mut o = SaveOptions::default();
+            o.save_id = self.save_id;
+            o.step = self.step;
+            o.overwrite = self.overwrite;
+            o.durable = self.durable;
+            o.user_metadata = self.metadata;
+            o
         };
         opts.plan.shard_num = self.shards;
         opts.plan.shard_index = self.shard_index;
@@ -353,11 +354,12 @@ impl Manager {
         keep_latest: usize,
         keep_every: Option<u64>,
     ) -> PyResult<Self> {
-        let mut policy = saver_io::Policy {
-            every_steps,
-            full_every,
-            max_chain_links,
-            ..saver_io::Policy::default()
+        let mut policy = {
+            let mut o = saver_io::Policy::default();
+            o.every_steps = every_steps;
+            o.full_every = full_every;
+            o.max_chain_links = max_chain_links;
+            o
         };
         policy.retention.keep_latest = keep_latest;
         policy.retention.keep_every = keep_every;
@@ -394,7 +396,7 @@ impl Manager {
 
     /// Starts saving step `step` in the background (after waiting for the previous one);
     /// returns once its moment is fixed.
-    fn save_in_background<'py>(
+    fn save_async<'py>(
         &self,
         py: Python<'py>,
         step: u64,
@@ -404,7 +406,7 @@ impl Manager {
     ) -> PyResult<Option<u64>> {
         let opts = args.options()?;
         let started = copied(py, &tables, &dense, |input| {
-            self.inner.save_in_background(step, input, &opts)
+            self.inner.save_async(step, input, &opts)
         })?;
         // The step still running when this one was skipped, if it was.
         Ok(match started {
@@ -502,12 +504,13 @@ fn load<'py>(
     load_dense: bool,
     parallel: Option<usize>,
 ) -> PyResult<(Vec<TableOut<'py>>, Vec<DenseOut<'py>>, Bound<'py, PyDict>)> {
-    let mut opts = LoadOptions {
-        shard_num: shards,
-        shard_index,
-        load_dense,
-        exclude_slots,
-        ..LoadOptions::default()
+    let mut opts = {
+        let mut o = LoadOptions::default();
+        o.shard_num = shards;
+        o.shard_index = shard_index;
+        o.load_dense = load_dense;
+        o.exclude_slots = exclude_slots;
+        o
     };
     if let Some(t) = tables {
         opts.required_tables = t.clone();

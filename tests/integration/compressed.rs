@@ -16,15 +16,17 @@ use saver::{
 };
 
 fn opts(shards: u32, compressed: bool) -> SaveOptions {
-    SaveOptions {
-        plan: PlanOptions {
-            shard_num: shards,
-            parallel: 2,
-            compression: compressed.then(Compression::default),
-            ..PlanOptions::default()
-        },
-        durable: false,
-        ..SaveOptions::default()
+    {
+        let mut o = SaveOptions::default();
+        o.plan = {
+            let mut o = PlanOptions::default();
+            o.shard_num = shards;
+            o.parallel = 2;
+            o.compression = compressed.then(Compression::default);
+            o
+        };
+        o.durable = false;
+        o
     }
 }
 
@@ -67,9 +69,10 @@ fn bytes_of(dir: &Path) -> u64 {
 fn restore_all(dir: &Path, shards: u32) -> saver::Restored {
     Checkpoint::open(dir)
         .unwrap()
-        .restore(&LoadOptions {
-            shard_num: shards,
-            ..LoadOptions::default()
+        .restore(&{
+            let mut o = LoadOptions::default();
+            o.shard_num = shards;
+            o
         })
         .unwrap()
 }

@@ -48,10 +48,11 @@ fn tables_of(state: &State) -> Vec<EmbeddingTable> {
 }
 
 fn options(shards: u32, threshold: Option<u8>, parent: Option<&Path>) -> SaveOptions {
-    let mut o = SaveOptions {
-        durable: false,
-        parent: parent.map(Path::to_path_buf),
-        ..SaveOptions::default()
+    let mut o = {
+        let mut o = SaveOptions::default();
+        o.durable = false;
+        o.parent = parent.map(Path::to_path_buf);
+        o
     };
     o.plan.shard_num = shards;
     o.plan.parallel = 2;
@@ -162,11 +163,12 @@ proptest! {
         let chain = Checkpoint::open(&last).unwrap();
         let reference = Checkpoint::open(&full).unwrap();
         for j in 0..load_shards {
-            let opts = LoadOptions {
-                shard_num: load_shards,
-                shard_index: Some(j),
-                ..LoadOptions::default()
-            };
+            let opts = {
+let mut o = LoadOptions::default();
+o.shard_num = load_shards;
+o.shard_index = Some(j);
+o
+};
             let a = chain.restore(&opts).unwrap();
             let b = reference.restore(&opts).unwrap();
             prop_assert_eq!(restored_digest(&a).unwrap(), restored_digest(&b).unwrap());
@@ -240,10 +242,11 @@ fn large_deltas_merge_in_many_batches() {
     assert_eq!(chain.links().len(), 4);
     let reference = Checkpoint::open(&full).unwrap();
     for (shards, j) in [(1, 0), (3, 1)] {
-        let opts = LoadOptions {
-            shard_num: shards,
-            shard_index: Some(j),
-            ..LoadOptions::default()
+        let opts = {
+            let mut o = LoadOptions::default();
+            o.shard_num = shards;
+            o.shard_index = Some(j);
+            o
         };
         let (a, b) = (
             chain.load_columns(&opts).unwrap(),
@@ -834,9 +837,10 @@ fn tables_restored_with_tracking_give_a_tracked_delta_at_once() {
     let (_, delta, _) = base_and_delta(tmp.path());
     for loaded in [tmp.path().join("base"), delta] {
         let chain = Checkpoint::open(&loaded).unwrap();
-        let opts = LoadOptions {
-            change_tracking: true,
-            ..LoadOptions::default()
+        let opts = {
+            let mut o = LoadOptions::default();
+            o.change_tracking = true;
+            o
         };
         let restored = chain.restore(&opts).unwrap();
         let tables = &restored.shards[0].tables;
@@ -957,10 +961,11 @@ fn a_corrupt_byte_in_any_link_is_refused_by_every_read_and_never_laundered() {
                 dirs.push(dir);
             }
             let tip = dirs.last().unwrap().clone();
-            let shard = |j| LoadOptions {
-                shard_num: 2,
-                shard_index: Some(j),
-                ..LoadOptions::default()
+            let shard = |j| {
+                let mut o = LoadOptions::default();
+                o.shard_num = 2;
+                o.shard_index = Some(j);
+                o
             };
             let chain_digest = |dir: &Path| -> Result<String, Error> {
                 let source = Source::open(dir)?;

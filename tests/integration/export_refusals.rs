@@ -26,18 +26,20 @@ fn table(name: &str, rows: &[[f32; 4]]) -> EmbeddingTable {
 }
 
 fn opts() -> SaveOptions {
-    SaveOptions {
-        durable: false,
-        ..SaveOptions::default()
+    {
+        let mut o = SaveOptions::default();
+        o.durable = false;
+        o
     }
 }
 
 fn export_opts(quantize: Option<Quantization>) -> ExportOptions {
-    ExportOptions {
-        quantize,
-        durable: false,
-        parallel: 2,
-        ..ExportOptions::default()
+    {
+        let mut o = ExportOptions::default();
+        o.quantize = quantize;
+        o.durable = false;
+        o.parallel = 2;
+        o
     }
 }
 
@@ -126,14 +128,11 @@ fn an_export_into_a_checkpoint_is_refused_without_suggesting_overwrite() {
     .unwrap();
     let ck = Checkpoint::open(&a).unwrap();
     for overwrite in [false, true] {
-        let e = export(
-            &ck,
-            &b,
-            &ExportOptions {
-                overwrite,
-                ..export_opts(None)
-            },
-        )
+        let e = export(&ck, &b, &{
+            let mut o = export_opts(None);
+            o.overwrite = overwrite;
+            o
+        })
         .unwrap_err();
         let msg = e.to_string();
         assert!(msg.contains("holds a saver checkpoint"), "{msg}");
@@ -152,13 +151,10 @@ fn an_export_into_a_checkpoint_is_refused_without_suggesting_overwrite() {
         msg.contains("already holds an export") && msg.contains("--overwrite"),
         "{msg}"
     );
-    export(
-        &ck,
-        &out,
-        &ExportOptions {
-            overwrite: true,
-            ..export_opts(None)
-        },
-    )
+    export(&ck, &out, &{
+        let mut o = export_opts(None);
+        o.overwrite = true;
+        o
+    })
     .unwrap();
 }

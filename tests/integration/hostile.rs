@@ -24,10 +24,11 @@ fn small_checkpoint(dir: &Path) -> String {
             .unwrap(),
     )
     .unwrap();
-    let mut o = SaveOptions {
-        durable: false,
-        save_id: Some("s1".into()),
-        ..SaveOptions::default()
+    let mut o = {
+        let mut o = SaveOptions::default();
+        o.durable = false;
+        o.save_id = Some("s1".into());
+        o
     };
     o.plan.shard_num = 2;
     o.plan.max_file_size = 8 << 10;
@@ -208,14 +209,11 @@ fn a_real_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint() {
             .unwrap(),
     )
     .unwrap();
-    let err = save(
-        &dir,
-        big.input(),
-        &SaveOptions {
-            overwrite: true,
-            ..SaveOptions::default()
-        },
-    )
+    let err = save(&dir, big.input(), &{
+        let mut o = SaveOptions::default();
+        o.overwrite = true;
+        o
+    })
     .unwrap_err()
     .to_string();
     assert!(
@@ -299,9 +297,10 @@ fn training_threads_never_tear_a_saved_row() {
         let _stop = StopOnDrop(&stop);
         for k in 0..5 {
             let dir = tmp.path().join(format!("c{k}"));
-            let mut o = SaveOptions {
-                durable: false,
-                ..SaveOptions::default()
+            let mut o = {
+                let mut o = SaveOptions::default();
+                o.durable = false;
+                o
             };
             o.plan.shard_num = 3;
             o.plan.parallel = 2;

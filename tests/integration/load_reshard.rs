@@ -14,15 +14,17 @@ use saver::{
 };
 
 fn save_opts(shards: u32) -> SaveOptions {
-    SaveOptions {
-        plan: PlanOptions {
-            shard_num: shards,
-            parallel: 2,
-            max_block_bytes: 16 << 10,
-            ..PlanOptions::default()
-        },
-        durable: false,
-        ..SaveOptions::default()
+    {
+        let mut o = SaveOptions::default();
+        o.plan = {
+            let mut o = PlanOptions::default();
+            o.shard_num = shards;
+            o.parallel = 2;
+            o.max_block_bytes = 16 << 10;
+            o
+        };
+        o.durable = false;
+        o
     }
 }
 
@@ -72,7 +74,11 @@ proptest! {
         let dir = tempfile::tempdir().unwrap();
         save(dir.path(), saver::SaveInput::new().table(&t), &save_opts(n)).unwrap();
         let ck = Checkpoint::open(dir.path()).unwrap();
-        let restored = ck.restore(&LoadOptions { shard_num: m, ..LoadOptions::default() }).unwrap();
+        let restored = ck.restore(&{
+let mut o = LoadOptions::default();
+o.shard_num = m;
+o
+}).unwrap();
         let mut union = BTreeMap::new();
         for shard in &restored.shards {
             let part = rows_of(&shard.tables[0]);
@@ -90,7 +96,12 @@ proptest! {
 
         // Loading one target shard alone gives the same rows as in the all-shards restore.
         let j = m / 2;
-        let one = ck.restore(&LoadOptions { shard_num: m, shard_index: Some(j), ..LoadOptions::default() }).unwrap();
+        let one = ck.restore(&{
+let mut o = LoadOptions::default();
+o.shard_num = m;
+o.shard_index = Some(j);
+o
+}).unwrap();
         prop_assert_eq!(rows_of(&one.shards[0].tables[0]), rows_of(&restored.shards[j as usize].tables[0]));
     }
 }
@@ -110,11 +121,12 @@ fn resharding_8_to_3_reads_little_more_than_it_keeps() {
     let mut total = 0;
     for j in 0..3 {
         let r = ck
-            .restore(&LoadOptions {
-                shard_num: 3,
-                shard_index: Some(j),
-                load_dense: false,
-                ..LoadOptions::default()
+            .restore(&{
+                let mut o = LoadOptions::default();
+                o.shard_num = 3;
+                o.shard_index = Some(j);
+                o.load_dense = false;
+                o
             })
             .unwrap();
         assert!(
@@ -139,12 +151,13 @@ fn selection_renaming_and_dense() {
     let mut rename = BTreeMap::new();
     rename.insert("user".to_string(), "user_v2".to_string());
     let r = ck
-        .restore(&LoadOptions {
-            tables: vec!["us*".into()],
-            exclude_slots: vec!["adagrad".into(), "freq".into()],
-            dense: vec!["*.bias".into()],
-            rename,
-            ..LoadOptions::default()
+        .restore(&{
+            let mut o = LoadOptions::default();
+            o.tables = vec!["us*".into()];
+            o.exclude_slots = vec!["adagrad".into(), "freq".into()];
+            o.dense = vec!["*.bias".into()];
+            o.rename = rename;
+            o
         })
         .unwrap();
     let t = &r.shards[0].tables;
@@ -160,9 +173,10 @@ fn selection_renaming_and_dense() {
     assert_eq!(r.dense[0].data, m.w2);
     // A closure selects tables too.
     let r = ck
-        .restore(&LoadOptions {
-            table_filter: Some(std::sync::Arc::new(|n: &str| n == "item")),
-            ..LoadOptions::default()
+        .restore(&{
+            let mut o = LoadOptions::default();
+            o.table_filter = Some(std::sync::Arc::new(|n: &str| n == "item"));
+            o
         })
         .unwrap();
     assert_eq!(rows_of(&r.shards[0].tables[0]), rows_of(&m.item));
@@ -288,9 +302,10 @@ fn user_sinks_get_mismatches_named() {
         .to_string();
     assert!(err.contains("no slot \"adam_m\""), "{err}");
     let err = ck
-        .restore(&LoadOptions {
-            required_tables: vec!["clicks".into()],
-            ..LoadOptions::default()
+        .restore(&{
+            let mut o = LoadOptions::default();
+            o.required_tables = vec!["clicks".into()];
+            o
         })
         .err()
         .unwrap()
@@ -306,9 +321,10 @@ fn user_sinks_get_mismatches_named() {
     let r = ck
         .load_into(
             1,
-            &LoadOptions {
-                shard_num: 2,
-                ..LoadOptions::default()
+            &{
+                let mut o = LoadOptions::default();
+                o.shard_num = 2;
+                o
             },
             &|t| (t.name == "user").then_some(&emb as &dyn TableSink),
         )
@@ -374,10 +390,11 @@ fn a_flipped_bucket_index_byte_fails_every_load_that_reads_its_segment() {
                 if range.end <= seg.buckets[0] || range.start >= seg.buckets[1] {
                     continue;
                 }
-                let o = LoadOptions {
-                    shard_num: m,
-                    shard_index: Some(j),
-                    ..LoadOptions::default()
+                let o = {
+                    let mut o = LoadOptions::default();
+                    o.shard_num = m;
+                    o.shard_index = Some(j);
+                    o
                 };
                 for err in [ck.restore(&o).err(), ck.load_columns(&o).err()] {
                     let err = err.unwrap_or_else(|| panic!("target {j} of {m} loaded"));
@@ -485,10 +502,11 @@ fn partial_reads_check_ids_structurally() {
     let ck = Checkpoint::open(dir.path()).unwrap();
     let errs: BTreeSet<String> = (0..4)
         .filter_map(|j| {
-            ck.restore(&LoadOptions {
-                shard_num: 4,
-                shard_index: Some(j),
-                ..LoadOptions::default()
+            ck.restore(&{
+                let mut o = LoadOptions::default();
+                o.shard_num = 4;
+                o.shard_index = Some(j);
+                o
             })
             .err()
             .map(|e| e.to_string())
@@ -544,10 +562,11 @@ fn a_flipped_byte_in_a_segment_read_in_part_is_never_returned() {
         };
         let t = &seg.slots[0];
         assert!(t.blocks.is_some(), "{} is not longer than a block", t.name);
-        let target_opts = |j| LoadOptions {
-            shard_num: m,
-            shard_index: Some(j),
-            ..LoadOptions::default()
+        let target_opts = |j| {
+            let mut o = LoadOptions::default();
+            o.shard_num = m;
+            o.shard_index = Some(j);
+            o
         };
         let intact: Vec<_> = (0..m)
             .map(|j| loaded_rows(&ck.restore(&target_opts(j)).unwrap()))
@@ -671,11 +690,12 @@ fn columnar_loads_equal_the_tables_whole_and_per_target() {
     let mut union = BTreeMap::new();
     for j in 0..3 {
         let part = ck
-            .load_columns(&LoadOptions {
-                shard_num: 3,
-                shard_index: Some(j),
-                exclude_slots: vec!["adagrad".into()],
-                ..LoadOptions::default()
+            .load_columns(&{
+                let mut o = LoadOptions::default();
+                o.shard_num = 3;
+                o.shard_index = Some(j);
+                o.exclude_slots = vec!["adagrad".into()];
+                o
             })
             .unwrap();
         let item = part.tables.iter().find(|t| t.name == "item").unwrap();
@@ -710,10 +730,11 @@ fn huge_page_arrays_hold_the_same_rows() {
     let ck = Checkpoint::open(dir.path()).unwrap();
     for huge_pages in [false, true] {
         let c = ck
-            .load_columns(&LoadOptions {
-                huge_pages,
-                chunk_bytes: 1 << 20,
-                ..LoadOptions::default()
+            .load_columns(&{
+                let mut o = LoadOptions::default();
+                o.huge_pages = huge_pages;
+                o.chunk_bytes = 1 << 20;
+                o
             })
             .unwrap();
         assert_eq!(

@@ -55,33 +55,31 @@ fn train(table: &EmbeddingTable, state: &mut State, step: u64) {
 }
 
 fn opts() -> SaveOptions {
-    SaveOptions {
-        durable: false,
-        ..SaveOptions::default()
+    {
+        let mut o = SaveOptions::default();
+        o.durable = false;
+        o
     }
 }
 
 fn policy(full_every: u32, keep_latest: usize) -> Policy {
-    Policy {
-        full_every,
-        max_chain_links: full_every as usize,
-        // The test's deltas are large beside their small bases; the cadence is what is tested.
-        max_delta_fraction: 100.0,
-        retention: Retention {
-            keep_latest,
-            ..Retention::default()
-        },
-        ..Policy::default()
-    }
+    let mut p = Policy::default();
+    p.full_every = full_every;
+    p.max_chain_links = full_every as usize;
+    // The test's deltas are large beside their small bases; the cadence is what is tested.
+    p.max_delta_fraction = 100.0;
+    p.retention.keep_latest = keep_latest;
+    p
 }
 
 /// The rows of `dir`'s checkpoint, restored with `shards` target shards.
 fn restored_state(dir: &Path, shards: u32) -> State {
     let r = saver::Checkpoint::open(dir)
         .unwrap()
-        .restore(&LoadOptions {
-            shard_num: shards,
-            ..LoadOptions::default()
+        .restore(&{
+            let mut o = LoadOptions::default();
+            o.shard_num = shards;
+            o
         })
         .unwrap();
     let mut state = State::new();
@@ -173,9 +171,10 @@ fn a_job_saves_deltas_keeps_the_latest_and_restarts_from_the_newest() {
     // A restart: another policy, and three workers instead of one.
     let again = CheckpointManager::open(root.path(), policy(1, 1)).unwrap();
     let (step, r) = again
-        .restore_latest(&LoadOptions {
-            shard_num: 3,
-            ..LoadOptions::default()
+        .restore_latest(&{
+            let mut o = LoadOptions::default();
+            o.shard_num = 3;
+            o
         })
         .unwrap()
         .unwrap();
@@ -289,7 +288,7 @@ fn keep_one_never_loses_the_only_whole_checkpoint_to_a_save_in_flight_or_failed(
     let (open, gate) = mpsc::channel();
     let slow = troubled(false, Some(gate));
     let started = m
-        .save_in_background(2, SaveInput::new().table(slow.clone()), &opts())
+        .save_async(2, SaveInput::new().table(slow.clone()), &opts())
         .unwrap();
     assert!(matches!(started, Started::Saving { step: 2 }));
     assert_eq!(
@@ -309,7 +308,7 @@ fn keep_one_never_loses_the_only_whole_checkpoint_to_a_save_in_flight_or_failed(
 
     // A save that fails after its moment: reported at once, and step 2 stays.
     let bad = troubled(true, None);
-    m.save_in_background(3, SaveInput::new().table(bad), &opts())
+    m.save_async(3, SaveInput::new().table(bad), &opts())
         .unwrap();
     let (step, why) = rx.recv_timeout(Duration::from_secs(60)).unwrap();
     assert_eq!(step, 3);
@@ -348,12 +347,12 @@ fn a_compared_background_delta_returns_at_its_moment() {
         let caller = {
             let (m, slow) = (Arc::clone(&m), slow.clone());
             std::thread::spawn(move || {
-                let started = m.save_in_background(step, SaveInput::new().table(slow), &o);
+                let started = m.save_async(step, SaveInput::new().table(slow), &o);
                 returned.send(started.map(|_| ())).unwrap();
             })
         };
         rx.recv_timeout(Duration::from_secs(60))
-            .expect("save_in_background returns while the rows cannot be read yet")
+            .expect("save_async returns while the rows cannot be read yet")
             .unwrap();
         caller.join().unwrap();
         drop(open);
@@ -382,10 +381,10 @@ fn a_busy_manager_skips_when_told_to() {
     let m = CheckpointManager::open(root.path(), p).unwrap();
     let (open, gate) = mpsc::channel();
     let slow = troubled(false, Some(gate));
-    m.save_in_background(1, SaveInput::new().table(slow.clone()), &opts())
+    m.save_async(1, SaveInput::new().table(slow.clone()), &opts())
         .unwrap();
     let skipped = m
-        .save_in_background(2, SaveInput::new().table(troubled(false, None)), &opts())
+        .save_async(2, SaveInput::new().table(troubled(false, None)), &opts())
         .unwrap();
     assert!(matches!(
         skipped,
@@ -779,9 +778,10 @@ fn a_refused_or_failed_managed_save_leaves_no_step_directory() {
     for (step, overwrite) in [(5, false), (10, false), (5, true)] {
         let e = m.check_step(step, overwrite).unwrap_err().to_string();
         assert!(e.contains("newest committed step 10"), "{e}");
-        let o = SaveOptions {
-            overwrite,
-            ..opts()
+        let o = {
+            let mut o = opts();
+            o.overwrite = overwrite;
+            o
         };
         let e = m.save(step, SaveInput::new().table(&t), &o).unwrap_err();
         assert!(e.to_string().contains("step 10"), "{e}");
@@ -791,7 +791,14 @@ fn a_refused_or_failed_managed_save_leaves_no_step_directory() {
     // A save that fails once its directory exists: a table of another shard's rows.
     let mut o = opts();
     o.plan.shard_num = 4;
-    let foreign = EmbeddingTable::for_shard("emb", KeyDtype::U64, slots(), 0, 1, 4).unwrap();
+    let foreign = EmbeddingTable::for_shard(
+        "emb",
+        KeyDtype::U64,
+        slots(),
+        saver::Shard { index: 1, count: 4 },
+        0,
+    )
+    .unwrap();
     let e = m
         .save(
             20,
@@ -895,9 +902,10 @@ fn prune_child() {
                 counter: c.clone(),
             }) as Arc<dyn saver::io::storage::Storage>)
         });
-    let rules = Retention {
-        keep_latest: 2,
-        ..Retention::default()
+    let rules = {
+        let mut o = Retention::default();
+        o.keep_latest = 2;
+        o
     };
     saver::io::manage::prune::prune(&root, &rules, false).unwrap();
     println!(
@@ -993,9 +1001,10 @@ fn a_prune_killed_at_every_operation_leaves_every_listed_step_whole() {
         // The next prune and clean finish: the kept steps, nothing else.
         again
             .prune(
-                Some(&Retention {
-                    keep_latest: 2,
-                    ..Retention::default()
+                Some(&{
+                    let mut o = Retention::default();
+                    o.keep_latest = 2;
+                    o
                 }),
                 false,
             )

@@ -58,11 +58,12 @@ fn restored(path: &Path) -> State {
 }
 
 fn opts(save_id: &str, overwrite: bool) -> SaveOptions {
-    SaveOptions {
-        durable: false,
-        overwrite,
-        save_id: Some(save_id.into()),
-        ..SaveOptions::default()
+    {
+        let mut o = SaveOptions::default();
+        o.durable = false;
+        o.overwrite = overwrite;
+        o.save_id = Some(save_id.into());
+        o
     }
 }
 
@@ -78,14 +79,16 @@ struct Outcomes {
 /// would) and step 40 saved as a delta of step 30, each started up to `spread` ms after the other
 /// (about as long as a save takes there), in both orders.
 fn replace_newest_racing_save_next(root: &Path, rounds: usize, spread: u64) -> Outcomes {
-    let policy = Policy {
-        full_every: 4,
-        max_delta_fraction: 100.0,
-        retention: Retention {
-            keep_latest: 8,
-            ..Retention::default()
-        },
-        ..Policy::default()
+    let policy = {
+        let mut o = Policy::default();
+        o.full_every = 4;
+        o.max_delta_fraction = 100.0;
+        o.retention = {
+            let mut o = Retention::default();
+            o.keep_latest = 8;
+            o
+        };
+        o
     };
     let (base, _) = model(1);
     let (replacement, replacement_state) = model(2);

@@ -260,11 +260,12 @@ fn options(shards: u32) -> SaveOptions {
 fn digest_of(dir: &Path, shards: u32, index: u32) -> String {
     let ckpt = Checkpoint::open(dir).unwrap();
     let r = ckpt
-        .restore(&LoadOptions {
-            shard_num: shards,
-            shard_index: Some(index),
-            parallel: 2,
-            ..LoadOptions::default()
+        .restore(&{
+            let mut o = LoadOptions::default();
+            o.shard_num = shards;
+            o.shard_index = Some(index);
+            o.parallel = 2;
+            o
         })
         .unwrap();
     restored_digest(&r).unwrap()
@@ -321,11 +322,12 @@ fn checkpoints_round_trip_through_the_object_store() {
     }
     let ckpt = Checkpoint::open(remote).unwrap();
     let r = ckpt
-        .restore(&LoadOptions {
-            shard_num: 4,
-            shard_index: Some(1),
-            parallel: 2,
-            ..LoadOptions::default()
+        .restore(&{
+            let mut o = LoadOptions::default();
+            o.shard_num = 4;
+            o.shard_index = Some(1);
+            o.parallel = 2;
+            o
         })
         .unwrap();
     let amp = r.report.bytes_read as f64 / r.report.bytes_kept.max(1) as f64;
@@ -680,11 +682,12 @@ fn a_flipped_byte_beside_a_targets_rows_fails_its_load_from_the_store() {
         }
         let remote = Checkpoint::open(Path::new(&url)).unwrap();
         for j in [1, 2] {
-            let o = LoadOptions {
-                shard_num: n,
-                shard_index: Some(j),
-                parallel: 2,
-                ..LoadOptions::default()
+            let o = {
+                let mut o = LoadOptions::default();
+                o.shard_num = n;
+                o.shard_index = Some(j);
+                o.parallel = 2;
+                o
             };
             let errs = [remote.restore(&o).err(), remote.load_columns(&o).err()];
             for e in errs {
@@ -694,10 +697,11 @@ fn a_flipped_byte_beside_a_targets_rows_fails_its_load_from_the_store() {
             }
         }
         // Target 0 reads none of that block: it loads.
-        let o = LoadOptions {
-            shard_num: n,
-            shard_index: Some(0),
-            ..LoadOptions::default()
+        let o = {
+            let mut o = LoadOptions::default();
+            o.shard_num = n;
+            o.shard_index = Some(0);
+            o
         };
         remote.load_columns(&o).unwrap();
     }
@@ -774,11 +778,12 @@ fn library_readers_racing_overwrites_get_a_whole_saved_checkpoint() {
                 while !done.load(std::sync::atomic::Ordering::Relaxed) {
                     let got = saver::io::load::checkpoint::read_latest(dir, || {
                         let chain = Checkpoint::open(dir)?;
-                        let r = chain.restore(&LoadOptions {
-                            shard_num: 1 + reader % 2,
-                            shard_index: Some(0),
-                            parallel: 2,
-                            ..LoadOptions::default()
+                        let r = chain.restore(&{
+                            let mut o = LoadOptions::default();
+                            o.shard_num = 1 + reader % 2;
+                            o.shard_index = Some(0);
+                            o.parallel = 2;
+                            o
                         })?;
                         Ok((reader % 2, restored_digest(&r)?))
                     });

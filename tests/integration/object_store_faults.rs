@@ -209,9 +209,10 @@ fn setup() -> (Arc<Faulty>, ObjectStorage, SyntheticModel) {
 }
 
 fn opts() -> SaveOptions {
-    let mut o = SaveOptions {
-        overwrite: true,
-        ..SaveOptions::default()
+    let mut o = {
+        let mut o = SaveOptions::default();
+        o.overwrite = true;
+        o
     };
     o.plan.parallel = 2;
     o

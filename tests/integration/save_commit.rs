@@ -14,15 +14,17 @@ use saver::{
 };
 
 fn opts(shards: u32, parallel: usize) -> SaveOptions {
-    SaveOptions {
-        plan: PlanOptions {
-            shard_num: shards,
-            parallel,
-            max_file_size: 64 << 10,
-            ..PlanOptions::default()
-        },
-        save_id: Some("t1".into()),
-        ..SaveOptions::default()
+    {
+        let mut o = SaveOptions::default();
+        o.plan = {
+            let mut o = PlanOptions::default();
+            o.shard_num = shards;
+            o.parallel = parallel;
+            o.max_file_size = 64 << 10;
+            o
+        };
+        o.save_id = Some("t1".into());
+        o
     }
 }
 
@@ -541,9 +543,10 @@ fn a_panicking_background_save_removes_its_own_files() {
         let dir = root.path().join(format!("p{k}"));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("users-file.txt"), b"mine").unwrap();
-        let mut opts = saver::SaveOptions {
-            durable: false,
-            ..saver::SaveOptions::default()
+        let mut opts = {
+            let mut o = saver::SaveOptions::default();
+            o.durable = false;
+            o
         };
         opts.plan.shard_num = 2;
         match *what {
@@ -590,4 +593,20 @@ fn user_metadata_past_its_bounds_is_refused_before_writing() {
     let e = save(dir.path(), m.input(), &o).unwrap_err().to_string();
     assert!(e.contains("user metadata"), "{e}");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// The plan's save id belongs to the save: one set there to anything but the save's own is
+/// refused, naming the option, and nothing is written.
+#[test]
+fn a_plan_save_id_other_than_the_saves_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Model::new(100);
+    let mut o = opts(1, 1);
+    o.plan.save_id = "other".into();
+    let e = save(dir.path(), m.input(), &o).unwrap_err().to_string();
+    assert!(e.contains("plan.save_id") && e.contains("other"), "{e}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    // The same id as the save's is no conflict.
+    o.plan.save_id = "t1".into();
+    save(dir.path(), m.input(), &o).unwrap();
 }

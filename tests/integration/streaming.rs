@@ -101,10 +101,11 @@ fn write_plain(p: &Plain, path: &Path) {
 }
 
 fn opts(shards: u32) -> SaveOptions {
-    let mut o = SaveOptions {
-        save_id: Some("streaming".into()),
-        durable: false,
-        ..SaveOptions::default()
+    let mut o = {
+        let mut o = SaveOptions::default();
+        o.save_id = Some("streaming".into());
+        o.durable = false;
+        o
     };
     o.plan.shard_num = shards;
     o.plan.parallel = 2;
@@ -200,7 +201,13 @@ proptest! {
 
         // Export: ids ascending, rows with them, bit-exact, whatever the sort's run size.
         let e = d.path().join("export");
-        export(&ck, &e, &ExportOptions { sort_memory, durable: false, parallel: 2, ..ExportOptions::default() }).unwrap();
+        export(&ck, &e, &{
+let mut o = ExportOptions::default();
+o.sort_memory = sort_memory;
+o.durable = false;
+o.parallel = 2;
+o
+}).unwrap();
         let back = read_plain(&e).unwrap();
         for (t, (ids, slots)) in p.tables.iter().enumerate() {
             let mut order: Vec<usize> = (0..ids.len()).collect();

@@ -37,8 +37,17 @@ fn worker(shard: u32, n: u32, ids: u64, seed: u64, tracking: bool) -> Vec<Arc<Em
     NAMES
         .iter()
         .map(|name| {
-            let mut t =
-                EmbeddingTable::for_shard(*name, KeyDtype::U64, slots(), 0, shard, n).unwrap();
+            let mut t = EmbeddingTable::for_shard(
+                *name,
+                KeyDtype::U64,
+                slots(),
+                saver::Shard {
+                    index: shard,
+                    count: n,
+                },
+                0,
+            )
+            .unwrap();
             if tracking {
                 t = t.with_change_tracking().unwrap();
             }
@@ -59,10 +68,11 @@ fn write(t: &EmbeddingTable, id: u64, seed: u64) {
 }
 
 fn opts(save_id: &str, n: u32) -> SaveOptions {
-    let mut o = SaveOptions {
-        save_id: Some(save_id.into()),
-        durable: false,
-        ..SaveOptions::default()
+    let mut o = {
+        let mut o = SaveOptions::default();
+        o.save_id = Some(save_id.into());
+        o.durable = false;
+        o
     };
     o.plan.shard_num = n;
     o.plan.parallel = 2;
@@ -342,9 +352,10 @@ fn a_restart_without_change_tracking_says_why_its_first_delta_is_compared() {
     }
     // Restored with tracking, the first delta is tracked.
     let restored = ck
-        .restore(&LoadOptions {
-            change_tracking: true,
-            ..LoadOptions::default()
+        .restore(&{
+            let mut o = LoadOptions::default();
+            o.change_tracking = true;
+            o
         })
         .unwrap();
     let input = restored.shards[0]

@@ -61,6 +61,7 @@
 //! is specified in `docs/FORMAT.md`.
 
 #![warn(missing_docs)]
+#![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
 
 pub mod cast;
 pub mod compress;
@@ -84,7 +85,7 @@ pub use manifest::{
     BlockCrcs, Codec, Index, Manifest, ParentRef, ShardManifest, COMPRESSED_DELTA_FORMAT_VERSION,
     COMPRESSED_FORMAT_VERSION, DELTA_FORMAT_VERSION, FORMAT_VERSION, NEWEST_FORMAT_VERSION,
 };
-pub use partition::PartitionRule;
+pub use partition::{PartitionRule, Shard};
 pub use plan::{
     plan, Compression, ForeignRows, PlanOptions, SaveInput, SavePlan, Stored, TableRef, TensorCrc,
 };

@@ -50,6 +50,27 @@ impl Default for PartitionRule {
     }
 }
 
+/// One shard of a partition into `count` shards: the part of a table one worker holds. Named
+/// fields, so that a call reads which number is which (`Shard { index: 3, count: 8 }`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Shard {
+    /// Which shard, below `count`.
+    pub index: u32,
+    /// How many shards the table is partitioned into (≥ 1).
+    pub count: u32,
+}
+
+impl Shard {
+    /// The whole table: shard 0 of 1.
+    pub const WHOLE: Shard = Shard { index: 0, count: 1 };
+
+    /// Checks that the shard exists: at least one shard, and `index` below their number.
+    pub fn check(self) -> Result<Self> {
+        PartitionRule::check_shard(self.index, self.count)?;
+        Ok(self)
+    }
+}
+
 impl PartitionRule {
     /// Checks that this build knows the rule (a manifest from a future version may not).
     pub fn validate(&self) -> Result<()> {

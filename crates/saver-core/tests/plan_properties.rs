@@ -81,7 +81,11 @@ proptest! {
         let ids_b: Vec<u64> = ids_b.into_iter().collect();
         let a = make_table("a", &ids_a, 4);
         let b = make_table("b", &ids_b, 1);
-        let opts = PlanOptions { shard_num, ..PlanOptions::default() };
+        let opts = {
+let mut o = PlanOptions::default();
+o.shard_num = shard_num;
+o
+};
         let p_input = SaveInput::new().table(&a).table(&b);
         let p = plan(&p_input, &opts).unwrap();
         let rows = planned_rows(&p);
@@ -110,16 +114,21 @@ proptest! {
             .dense(DenseTensor::from_f32("w1", vec![100], &w).unwrap())
             .dense(DenseTensor::from_f32("w2", vec![10, 5], &w[..50]).unwrap());
         let all_input = input();
-        let all = plan(&all_input, &PlanOptions { shard_num, ..PlanOptions::default() }).unwrap();
+        let all = plan(&all_input, &{
+let mut o = PlanOptions::default();
+o.shard_num = shard_num;
+o
+}).unwrap();
         for j in 0..shard_num {
             let one_input = input();
-            let one = plan(&one_input, &PlanOptions {
-                shard_num,
-                shard_index: Some(j),
-                foreign_rows: ForeignRows::Skip,
-                parallel: 1,
-                ..PlanOptions::default()
-            }).unwrap();
+            let one = plan(&one_input, &{
+let mut o = PlanOptions::default();
+o.shard_num = shard_num;
+o.shard_index = Some(j);
+o.foreign_rows = ForeignRows::Skip;
+o.parallel = 1;
+o
+}).unwrap();
             let a = &all.shards()[j as usize];
             let b = &one.shards()[0];
             prop_assert_eq!(a.files.len(), b.files.len());
@@ -158,12 +167,13 @@ proptest! {
         for (i, b) in bufs.iter().enumerate() {
             input = input.dense(DenseTensor::new(format!("d{i}"), Dtype::U8, vec![b.len() as u64], b.as_slice()).unwrap());
         }
-        let opts = PlanOptions {
-            shard_num: 1,
-            max_file_size: max_file_kib << 10,
-            max_block_bytes: 64 << 10,
-            ..PlanOptions::default()
-        };
+        let opts = {
+let mut o = PlanOptions::default();
+o.shard_num = 1;
+o.max_file_size = max_file_kib << 10;
+o.max_block_bytes = 64 << 10;
+o
+};
         let p = plan(&input, &opts).unwrap();
         let s = &p.shards()[0];
         check_tiling(s)?;
@@ -188,11 +198,19 @@ proptest! {
         let t1 = make_table("t", &ids, 2);
         let rev: Vec<u64> = ids.iter().rev().copied().collect();
         let t2 = make_table("t", &rev, 2);
-        let o = PlanOptions { shard_num, ..PlanOptions::default() };
+        let o = {
+let mut o = PlanOptions::default();
+o.shard_num = shard_num;
+o
+};
         let p1_input = SaveInput::new().table(&t1);
         let p1 = plan(&p1_input, &o).unwrap();
         let p2_input = SaveInput::new().table(&t2);
-        let p2 = plan(&p2_input, &PlanOptions { parallel: 7, ..o.clone() }).unwrap();
+        let p2 = plan(&p2_input, &{
+let mut o = o.clone();
+o.parallel = 7;
+o
+}).unwrap();
         prop_assert_eq!(planned_rows(&p1), planned_rows(&p2));
         for (a, b) in p1.shards().iter().zip(p2.shards()) {
             for (fa, fb) in a.files.iter().zip(&b.files) {
@@ -212,10 +230,11 @@ fn filter_that_drops_everything_gives_an_empty_valid_plan() {
     let input = SaveInput::new()
         .table(&t)
         .dense(DenseTensor::from_f32("w", vec![8], &w).unwrap());
-    let opts = PlanOptions {
-        shard_num: 3,
-        filters: Filters::new().keep_blocks(|_| false),
-        ..PlanOptions::default()
+    let opts = {
+        let mut o = PlanOptions::default();
+        o.shard_num = 3;
+        o.filters = Filters::new().keep_blocks(|_| false);
+        o
     };
     let p = plan(&input, &opts).unwrap();
     assert_eq!(p.shards().len(), 3);
@@ -227,10 +246,11 @@ fn filter_that_drops_everything_gives_an_empty_valid_plan() {
     assert!(p.chunks().is_empty());
 
     // A row filter dropping every row keeps the table, empty, with no tensors.
-    let opts = PlanOptions {
-        shard_num: 2,
-        filters: Filters::new().keep_rows(|_| false),
-        ..PlanOptions::default()
+    let opts = {
+        let mut o = PlanOptions::default();
+        o.shard_num = 2;
+        o.filters = Filters::new().keep_rows(|_| false);
+        o
     };
     let p_input = SaveInput::new().table(&t);
     let p = plan(&p_input, &opts).unwrap();
@@ -245,11 +265,12 @@ fn filter_that_drops_everything_gives_an_empty_valid_plan() {
 fn dropping_a_tables_ids_drops_its_slots_too() {
     let a = make_table("a", &(0..100).collect::<Vec<_>>(), 4);
     let b = make_table("b", &(0..100).collect::<Vec<_>>(), 4);
-    let opts = PlanOptions {
-        shard_num: 2,
-        filters: Filters::new()
-            .keep_blocks(|blk| !(blk.table == Some("a") && blk.kind == saver_core::BlockKind::Ids)),
-        ..PlanOptions::default()
+    let opts = {
+        let mut o = PlanOptions::default();
+        o.shard_num = 2;
+        o.filters = Filters::new()
+            .keep_blocks(|blk| !(blk.table == Some("a") && blk.kind == saver_core::BlockKind::Ids));
+        o
     };
     let p_input = SaveInput::new().table(&a).table(&b);
     let p = plan(&p_input, &opts).unwrap();
@@ -271,12 +292,13 @@ fn dropping_a_tables_ids_drops_its_slots_too() {
 #[test]
 fn excluded_slots_and_row_thresholds() {
     let t = make_table("t", &(0..1000).collect::<Vec<_>>(), 4);
-    let opts = PlanOptions {
-        filters: Filters::new()
+    let opts = {
+        let mut o = PlanOptions::default();
+        o.filters = Filters::new()
             .exclude_slots("fr*")
             .unwrap()
-            .keep_rows_where("freq>=5".parse().unwrap()),
-        ..PlanOptions::default()
+            .keep_rows_where("freq>=5".parse().unwrap());
+        o
     };
     let p_input = SaveInput::new().table(&t);
     let p = plan(&p_input, &opts).unwrap();
@@ -303,13 +325,11 @@ fn negative_and_extreme_ids_are_planned() {
     let t = make_table("t", &ids, 1);
     for n in [1, 2, 3, 5, 16] {
         let input = SaveInput::new().table(&t);
-        let p = plan(
-            &input,
-            &PlanOptions {
-                shard_num: n,
-                ..PlanOptions::default()
-            },
-        )
+        let p = plan(&input, &{
+            let mut o = PlanOptions::default();
+            o.shard_num = n;
+            o
+        })
         .unwrap();
         let rows: BTreeSet<u64> = planned_rows(&p).into_iter().map(|(_, id, _)| id).collect();
         assert_eq!(rows, ids.iter().copied().collect());
@@ -325,22 +345,18 @@ fn bad_input_gets_named_errors() {
     };
     let o = PlanOptions::default();
     assert!(err(SaveInput::new().table(&t).table(&t2), &o).contains("duplicate table name \"t\""));
-    assert!(err(
-        SaveInput::new(),
-        &PlanOptions {
-            shard_num: 0,
-            ..o.clone()
-        }
-    )
+    assert!(err(SaveInput::new(), &{
+        let mut o = o.clone();
+        o.shard_num = 0;
+        o
+    })
     .contains("at least 1"));
-    assert!(err(
-        SaveInput::new(),
-        &PlanOptions {
-            shard_num: 2,
-            shard_index: Some(2),
-            ..o.clone()
-        }
-    )
+    assert!(err(SaveInput::new(), &{
+        let mut o = o.clone();
+        o.shard_num = 2;
+        o.shard_index = Some(2);
+        o
+    })
     .contains("shard index 2"));
     let w = [0f32; 2];
     let e = err(
@@ -359,25 +375,21 @@ fn bad_input_gets_named_errors() {
     assert!(e.contains("duplicate dense tensor name \"w\""), "{e}");
     // Rows owned by another shard, in multi-process mode, are refused by default.
     let many = make_table("m", &(0..100).collect::<Vec<_>>(), 1);
-    let e = err(
-        SaveInput::new().table(&many),
-        &PlanOptions {
-            shard_num: 4,
-            shard_index: Some(1),
-            ..o.clone()
-        },
-    );
+    let e = err(SaveInput::new().table(&many), &{
+        let mut o = o.clone();
+        o.shard_num = 4;
+        o.shard_index = Some(1);
+        o
+    });
     assert!(
         e.contains("table \"m\"") && e.contains("belong to other shards"),
         "{e}"
     );
-    assert!(err(
-        SaveInput::new(),
-        &PlanOptions {
-            save_id: "a/b".into(),
-            ..o.clone()
-        }
-    )
+    assert!(err(SaveInput::new(), &{
+        let mut o = o.clone();
+        o.save_id = "a/b".into();
+        o
+    })
     .contains("save_id"));
 }
 
@@ -385,9 +397,10 @@ fn bad_input_gets_named_errors() {
 fn large_partitions_are_cut_into_bounded_segments() {
     let ids: Vec<u64> = (0..50_000).collect();
     let t = make_table("t", &ids, 16);
-    let opts = PlanOptions {
-        max_block_bytes: 64 << 10,
-        ..PlanOptions::default()
+    let opts = {
+        let mut o = PlanOptions::default();
+        o.max_block_bytes = 64 << 10;
+        o
     };
     let p_input = SaveInput::new().table(&t);
     let p = plan(&p_input, &opts).unwrap();
@@ -424,9 +437,10 @@ fn large_shards_are_split_into_files_for_the_writer_threads() {
         })
     };
     let files = |split_files| {
-        let opts = PlanOptions {
-            split_files,
-            ..PlanOptions::default()
+        let opts = {
+            let mut o = PlanOptions::default();
+            o.split_files = split_files;
+            o
         };
         let p_input = input();
         let p = plan(&p_input, &opts).unwrap();
@@ -441,13 +455,11 @@ fn large_shards_are_split_into_files_for_the_writer_threads() {
     assert_eq!(files(4), vec![320 << 20, 320 << 20]);
     assert_eq!(files(1), vec![640 << 20]);
     let input = input();
-    let err = plan(
-        &input,
-        &PlanOptions {
-            split_files: 0,
-            ..PlanOptions::default()
-        },
-    )
+    let err = plan(&input, &{
+        let mut o = PlanOptions::default();
+        o.split_files = 0;
+        o
+    })
     .err()
     .unwrap();
     assert!(err.to_string().contains("split_files"), "{err}");
@@ -464,11 +476,12 @@ fn segments_stay_whole_in_one_file() {
     let input = tables
         .iter()
         .fold(SaveInput::new(), |input, t| input.table(t));
-    let opts = PlanOptions {
-        shard_num: 2,
-        max_file_size: 2 << 20,
-        max_block_bytes: 64 << 10,
-        ..PlanOptions::default()
+    let opts = {
+        let mut o = PlanOptions::default();
+        o.shard_num = 2;
+        o.max_file_size = 2 << 20;
+        o.max_block_bytes = 64 << 10;
+        o
     };
     let p = plan(&input, &opts).unwrap();
     for s in p.shards() {

@@ -26,6 +26,7 @@
 //! All file access goes through the [`storage::Storage`] trait.
 
 #![warn(missing_docs)]
+#![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
 
 pub mod error;
 pub mod load;

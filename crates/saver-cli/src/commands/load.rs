@@ -44,12 +44,13 @@ pub fn run(args: LoadArgs) -> CmdResult {
         Some(step) => super::manage::step_path(&dir, step)?,
         None => dir,
     };
-    let opts = LoadOptions {
-        shard_num: shards,
-        shard_index,
-        parallel,
-        huge_pages,
-        ..LoadOptions::default()
+    let opts = {
+        let mut o = LoadOptions::default();
+        o.shard_num = shards;
+        o.shard_index = shard_index;
+        o.parallel = parallel;
+        o.huge_pages = huge_pages;
+        o
     };
     // Opened again if it is replaced while it is read (see `read_latest`).
     let (tables, load, dense, digest) = read_latest(&dir, || {

@@ -37,11 +37,12 @@ fn run(src: &Path, out: &Path, shards: Option<u32>, write: &RewriteFlags) -> Cmd
     let (chain, shards, r) = read_latest(src, || {
         let chain = Checkpoint::open(src)?;
         let shards = shards.unwrap_or(chain.newest().manifest().shard_num);
-        let mut opts = SaveOptions {
-            durable,
-            overwrite,
-            progress: progress.as_ref().map(|(_, f)| f.clone()),
-            ..SaveOptions::default()
+        let mut opts = {
+            let mut o = SaveOptions::default();
+            o.durable = durable;
+            o.overwrite = overwrite;
+            o.progress = progress.as_ref().map(|(_, f)| f.clone());
+            o
         };
         opts.plan.shard_num = shards;
         opts.plan.parallel = parallel;

@@ -58,19 +58,20 @@ pub fn run(args: SaveArgs) -> CmdResult {
                 .into(),
         );
     }
-    let mut opts = SaveOptions {
-        step: args.step,
-        save_id: args.save_id.clone(),
-        durable: !args.no_fsync,
-        overwrite: args.overwrite,
-        direct_io: match args.direct_io {
+    let mut opts = {
+        let mut o = SaveOptions::default();
+        o.step = args.step;
+        o.save_id = args.save_id.clone();
+        o.durable = !args.no_fsync;
+        o.overwrite = args.overwrite;
+        o.direct_io = match args.direct_io {
             DirectIoWhen::Auto => DirectIo::Auto,
             DirectIoWhen::On => DirectIo::On,
             DirectIoWhen::Off => DirectIo::Off,
-        },
-        wait: args.wait_seconds.as_deref().map(parse_wait).transpose()?,
-        parent: args.parent.clone(),
-        ..SaveOptions::default()
+        };
+        o.wait = args.wait_seconds.as_deref().map(parse_wait).transpose()?;
+        o.parent = args.parent.clone();
+        o
     };
     opts.plan.shard_num = args.shards;
     opts.plan.shard_index = args.shard_index;

@@ -117,6 +117,7 @@ pub use crate::table::workers::ForeignRows;
 
 /// How to plan a save.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct PlanOptions {
     /// Number of shards of the checkpoint (≥ 1).
     pub shard_num: u32,

@@ -19,27 +19,30 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use saver_core::manifest::{SegmentManifest, TableManifest, TensorRef};
-use saver_core::{Dtype, EmbeddingTable, KeyDtype, PartitionRule, SlotSpec, SparseTable};
+use saver_core::{Dtype, EmbeddingTable, KeyDtype, PartitionRule, Shard, SlotSpec, SparseTable};
 
 use crate::error::{Error, Result};
 use crate::load::link::Link;
 use crate::load::pieces::{self, EdgeGaps, Piece};
 
 /// Where restored rows go. Implemented by [`EmbeddingTable`]; implement it for your own table.
+///
+/// Its methods are named apart from [`SparseTable`]'s (`wanted_…`), so that a table that is
+/// both saved and restored implements both traits and calls either without naming the trait.
 pub trait TableSink: Send + Sync {
     /// Id dtype the sink expects.
-    fn key_dtype(&self) -> KeyDtype;
+    fn wanted_key_dtype(&self) -> KeyDtype;
     /// Slots the sink wants, by name, with the dtype and row shape it expects.
-    fn slots(&self) -> &[SlotSpec];
-    /// Inserts rows: `slots[s]` holds `ids.len()` rows of `self.slots()[s]`.
+    fn wanted_slots(&self) -> &[SlotSpec];
+    /// Inserts rows: `slots[s]` holds `ids.len()` rows of `self.wanted_slots()[s]`.
     fn insert_chunk(&self, ids: &[u64], slots: &[&[u8]]) -> saver_core::Result<()>;
 }
 
 impl TableSink for EmbeddingTable {
-    fn key_dtype(&self) -> KeyDtype {
+    fn wanted_key_dtype(&self) -> KeyDtype {
         SparseTable::key_dtype(self)
     }
-    fn slots(&self) -> &[SlotSpec] {
+    fn wanted_slots(&self) -> &[SlotSpec] {
         SparseTable::slots(self)
     }
     fn insert_chunk(&self, ids: &[u64], slots: &[&[u8]]) -> saver_core::Result<()> {
@@ -52,6 +55,7 @@ pub type NameFilter = dyn Fn(&str) -> bool + Send + Sync;
 
 /// What to load, and for which target shard.
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct LoadOptions {
     /// Number of target shards `M` (default 1).
     pub shard_num: u32,
@@ -86,6 +90,24 @@ pub struct LoadOptions {
     /// what was written since the load, without comparing ([`EmbeddingTable::set_baseline`]).
     /// Off by default: tracking takes 8 bytes more a row.
     pub change_tracking: bool,
+}
+
+impl LoadOptions {
+    /// The options of a load of target shard `shard` (of `shard.count`): the rows the partition
+    /// rule gives that shard, whatever shard count the checkpoint was saved with.
+    ///
+    /// ```
+    /// use saver::{LoadOptions, Shard};
+    /// let opts = LoadOptions::for_shard(Shard { index: 1, count: 3 });
+    /// assert_eq!((opts.shard_num, opts.shard_index), (3, Some(1)));
+    /// ```
+    pub fn for_shard(shard: Shard) -> Self {
+        Self {
+            shard_num: shard.count,
+            shard_index: Some(shard.index),
+            ..Self::default()
+        }
+    }
 }
 
 impl Default for LoadOptions {
@@ -415,9 +437,11 @@ impl Link {
                         name,
                         t.key_dtype,
                         Self::kept_slots(t, &exclude),
+                        Shard {
+                            index: j,
+                            count: opts.shard_num,
+                        },
                         rows,
-                        j,
-                        opts.shard_num,
                     )?,
                     opts,
                 )?);
@@ -856,9 +880,9 @@ impl Link {
         let mut report = LoadReport::default();
         let mut requests = Vec::with_capacity(sinks.len());
         for &(j, t, sink) in sinks {
-            self.check_target(t, sink.key_dtype(), sink.slots())?;
+            self.check_target(t, sink.wanted_key_dtype(), sink.wanted_slots())?;
             let target = PartitionRule::bucket_range(j, opts.shard_num);
-            requests.push((t, sink.slots(), target));
+            requests.push((t, sink.wanted_slots(), target));
         }
         let mut reads = Vec::new();
         let mut work = Vec::new();

@@ -68,7 +68,7 @@ pub struct ManagedSave {
     pub pruned: Option<PruneReport>,
 }
 
-/// What [`CheckpointManager::save_in_background`] did.
+/// What [`CheckpointManager::save_async`] did.
 #[derive(Debug)]
 pub enum Started {
     /// The save's moment is fixed; it goes on in the background.
@@ -215,7 +215,7 @@ impl CheckpointManager {
     /// ([`WhenBusy::Wait`], returning its error if it failed) or skips this step
     /// ([`WhenBusy::Skip`]). A failure after the moment is reported to [`Self::on_failure`]'s
     /// callback at once, and returned by [`Self::wait`] or the next save.
-    pub fn save_in_background(
+    pub fn save_async(
         &self,
         step: u64,
         input: SaveInput<'_>,

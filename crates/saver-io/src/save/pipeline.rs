@@ -162,6 +162,18 @@ pub(crate) fn save_prepared(
             }),
         };
     check_save_id(&save_id)?;
+    // The plan's own save id is the save's to set: one set by the caller would be overwritten
+    // unseen, so it is refused (the default is the only value the caller may leave there).
+    if opts.plan.save_id != PlanOptions::default().save_id && opts.plan.save_id != save_id {
+        return Err(Error::InvalidOption {
+            option: "plan.save_id",
+            why: format!(
+                "a save names itself from SaveOptions::save_id ({save_id}), never from \
+                 plan.save_id ({}): set save_id instead",
+                opts.plan.save_id
+            ),
+        });
+    }
     let mut plan_opts = opts.plan.clone();
     plan_opts.save_id = save_id.clone();
     plan_opts.validate()?;

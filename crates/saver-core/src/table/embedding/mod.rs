@@ -22,7 +22,7 @@ use super::{validate_slots, ChangeTracking, SlotSpec, SparseTable, TableSchema, 
 use crate::dtype::KeyDtype;
 use crate::error::{Error, Result};
 use crate::naming::check_table_name;
-use crate::partition::PartitionRule;
+use crate::partition::{PartitionRule, Shard};
 
 /// Shards of the row map: each is one lock, held by a save's scan while it walks the shard, so a
 /// trainer's write waits at most for the scan of one 1/`MAP_SHARDS` of the table.
@@ -169,11 +169,23 @@ impl EmbeddingTable {
         slots: Vec<SlotSpec>,
         rows: usize,
     ) -> Result<Self> {
-        Self::for_shard(name, key_dtype, slots, rows, 0, 1)
+        Self::for_shard(name, key_dtype, slots, Shard::WHOLE, rows)
     }
 
-    /// An empty table for a worker that holds shard `shard` of `shard_num` of the table (its
-    /// partition, see [`PartitionRule`]), with room for `rows` rows.
+    /// An empty table for a worker that holds `shard` of the table (its partition, see
+    /// [`PartitionRule`]), with room for `rows` rows.
+    ///
+    /// ```
+    /// use saver_core::partition::Shard;
+    /// use saver_core::{Dtype, EmbeddingTable, KeyDtype, SlotSpec};
+    ///
+    /// let slots = vec![SlotSpec::new("embedding", Dtype::F32, vec![16])];
+    /// // Worker 3 of 8, expecting about a million rows.
+    /// let table = EmbeddingTable::for_shard("item", KeyDtype::I64, slots, Shard { index: 3, count: 8 }, 1 << 20)?;
+    /// table.upsert(42, |row| row.slot_mut::<f32>(0)[0] = 0.5);
+    /// assert_eq!(table.len(), 1);
+    /// # Ok::<(), saver_core::Error>(())
+    /// ```
     ///
     /// The table accepts any id, but lays its memory out for that shard's buckets: each of its
     /// arenas takes the rows of an equal part of them, and a save, which reads rows bucket by
@@ -184,11 +196,13 @@ impl EmbeddingTable {
         name: impl Into<String>,
         key_dtype: KeyDtype,
         slots: Vec<SlotSpec>,
+        shard: Shard,
         rows: usize,
-        shard: u32,
-        shard_num: u32,
     ) -> Result<Self> {
-        PartitionRule::check_shard(shard, shard_num)?;
+        let Shard {
+            index: shard,
+            count: shard_num,
+        } = shard.check()?;
         let name = name.into();
         check_table_name(&name)?;
         let slot_bytes = validate_slots(&name, &slots)?;
@@ -1006,7 +1020,16 @@ mod tests {
 
     fn shard_table(shard: u32, shard_num: u32) -> Result<EmbeddingTable> {
         let slots = vec![SlotSpec::new("embedding", Dtype::F32, vec![3])];
-        EmbeddingTable::for_shard("t", KeyDtype::I64, slots, 0, shard, shard_num)
+        EmbeddingTable::for_shard(
+            "t",
+            KeyDtype::I64,
+            slots,
+            Shard {
+                index: shard,
+                count: shard_num,
+            },
+            0,
+        )
     }
 
     proptest::proptest! {
@@ -1227,9 +1250,11 @@ mod tests {
                 SlotSpec::new("embedding", Dtype::F32, vec![3]),
                 SlotSpec::new("freq", Dtype::I64, vec![]),
             ],
+            Shard {
+                index: shard,
+                count: shard_num,
+            },
             60_000,
-            shard,
-            shard_num,
         )
         .unwrap();
         let mut model: HashMap<u64, i64> = HashMap::new();

@@ -30,7 +30,7 @@ use rayon::prelude::*;
 use saver_core::manifest::{DenseManifest, ParentRef, TableManifest};
 use saver_core::naming::removed_table_of;
 use saver_core::partition::BUCKETS;
-use saver_core::{EmbeddingTable, PartitionRule, SparseTable};
+use saver_core::{EmbeddingTable, PartitionRule, Shard, SparseTable};
 
 use crate::error::{io_err, Error, Result};
 use crate::load::arrays::{Columns, TableColumns};
@@ -511,9 +511,11 @@ impl Checkpoint {
                         name,
                         t.key_dtype(),
                         t.slots().to_vec(),
+                        Shard {
+                            index: j,
+                            count: opts.shard_num,
+                        },
                         t.rows_at_most(PartitionRule::bucket_range(j, opts.shard_num)),
-                        j,
-                        opts.shard_num,
                     )?,
                     opts,
                 )?);
