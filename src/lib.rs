@@ -7,7 +7,37 @@
 //! * [`core`] (`saver-core`): tables, dense tensors, filters, the partition rule, the save plan;
 //! * [`io`] (`saver-io`): save, commit, open, restore with resharding, verify.
 //!
-//! The most used items are also re-exported at the top level.
+//! The most used items are also re-exported at the top level, and in [`prelude`].
+//!
+//! A training job saves step after step in the background through a [`CheckpointManager`],
+//! which keeps what its [`Policy`] keeps, and restarts from the newest whole step with any
+//! number of workers, each restoring exactly its rows:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use saver::prelude::*;
+//!
+//! # fn main() -> saver::Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?; let root = dir.path(); // or "s3://bucket/run7" (feature s3)
+//! let slots = vec![SlotSpec::new("embedding", Dtype::F32, vec![8])];
+//! let table = Arc::new(EmbeddingTable::new("item", KeyDtype::I64, slots)?);
+//! table.upsert(42, |row| row.slot_mut::<f32>(0).fill(0.5)); // training threads write on...
+//!
+//! let manager = CheckpointManager::open(root, Policy::default())?;
+//! // Returns once the step's moment is fixed; the save and its commit go on in the background.
+//! manager.save_async(100, SaveInput::new().table(Arc::clone(&table)), &SaveOptions::default())?;
+//! manager.wait()?;
+//!
+//! // A restart with 4 workers: worker 2 restores its rows of the newest committed step.
+//! let (step, restored) = manager
+//!     .restore_latest(&LoadOptions::for_shard(Shard { index: 2, count: 4 }))?
+//!     .expect("a committed step");
+//! assert_eq!((step, restored.shards.len()), (100, 1));
+//! # Ok(()) }
+//! ```
+//!
+//! One save without a manager is [`save()`](fn@save) (or [`save_async`]), one load is
+//! [`Checkpoint::open`] and [`Checkpoint::restore`]; [`verify()`](fn@verify) checks every byte.
 
 #![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
 

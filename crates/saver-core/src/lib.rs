@@ -44,12 +44,10 @@
 //!         row.slot_mut::<i64>(1)[0] = id.rem_euclid(7);
 //!     });
 //! }
-//! let opts = PlanOptions {
-//!     shard_num: 4,
-//!     // Serving export: no counters, and only rows seen at least 3 times.
-//!     filters: Filters::new().exclude_slots("freq")?.keep_rows(|row| row.scalar("freq").unwrap() >= 3.0),
-//!     ..PlanOptions::default()
-//! };
+//! let mut opts = PlanOptions::default();
+//! opts.shard_num = 4;
+//! // Serving export: no counters, and only rows seen at least 3 times.
+//! opts.filters = Filters::new().exclude_slots("freq")?.keep_rows(|row| row.scalar("freq").unwrap() >= 3.0);
 //! let input = SaveInput::new().table(&table);
 //! let plan = plan(&input, &opts)?;
 //! let rows: usize = plan.shards().iter().flat_map(|s| &s.partitions).map(|p| p.rows.len()).sum();

@@ -97,7 +97,8 @@ impl LoadOptions {
     /// rule gives that shard, whatever shard count the checkpoint was saved with.
     ///
     /// ```
-    /// use saver::{LoadOptions, Shard};
+    /// use saver_core::Shard;
+    /// use saver_io::LoadOptions;
     /// let opts = LoadOptions::for_shard(Shard { index: 1, count: 3 });
     /// assert_eq!((opts.shard_num, opts.shard_index), (3, Some(1)));
     /// ```

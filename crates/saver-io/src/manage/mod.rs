@@ -92,6 +92,32 @@ struct InFlight {
 }
 
 /// A training job's checkpoints in one root (local or `s3://…`): see the module docs.
+///
+/// ```
+/// use std::sync::Arc;
+/// use saver_core::{Dtype, EmbeddingTable, KeyDtype, SaveInput, SlotSpec};
+/// use saver_io::{CheckpointManager, LoadOptions, Policy, SaveOptions};
+///
+/// # let dir = tempfile::tempdir()?;
+/// let table = Arc::new(EmbeddingTable::new("item", KeyDtype::I64, vec![SlotSpec::new("w", Dtype::F32, vec![4])])?);
+/// let mut policy = Policy::default();
+/// policy.every_steps = 100;
+/// policy.full_every = 1; // every save full (the default saves deltas between full ones)
+/// policy.retention.keep_latest = 2;
+/// let manager = CheckpointManager::open(dir.path(), policy)?;
+/// for step in 0..=400 {
+///     table.upsert(step, |row| row.slot_mut::<f32>(0).fill(step as f32)); // a training step
+///     if manager.is_due(step) {
+///         manager.save_async(step, SaveInput::new().table(Arc::clone(&table)), &SaveOptions::default())?;
+///     }
+/// }
+/// manager.wait()?;
+/// let kept: Vec<u64> = manager.steps()?.iter().map(|s| s.step).collect();
+/// assert_eq!(kept, [300, 400]);
+/// let (step, restored) = manager.restore_latest(&LoadOptions::default())?.expect("a step");
+/// assert_eq!((step, restored.shards[0].tables[0].len()), (400, 401));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct CheckpointManager {
     root: Root,
     policy: Policy,

@@ -32,6 +32,26 @@ use crate::save::pipeline::{save_prepared, storage_for_save};
 /// Saves a model into directory `dir` (created if needed). See [`save_to`].
 ///
 /// A save that fails into a directory it made removes the directory, if nothing else is in it.
+///
+/// ```
+/// use saver_core::{DenseTensor, Dtype, EmbeddingTable, KeyDtype, SaveInput, SlotSpec};
+/// use saver_io::{save, verify, SaveOptions, Status};
+///
+/// # let dir = tempfile::tempdir()?;
+/// let table = EmbeddingTable::new("item", KeyDtype::I64, vec![
+///     SlotSpec::new("embedding", Dtype::F32, vec![4]),
+///     SlotSpec::new("adagrad", Dtype::F32, vec![4]),
+/// ])?;
+/// table.upsert(7, |row| row.slot_mut::<f32>(0).fill(1.0));
+/// let mlp = [0.25f32; 16];
+/// let input = SaveInput::new()
+///     .table(&table)
+///     .dense(DenseTensor::from_f32("mlp.weight", vec![4, 4], &mlp)?);
+/// let report = save(dir.path(), input, &SaveOptions::default().with_step(1200))?;
+/// assert!(report.bytes_written > 0);
+/// assert_eq!(verify(dir.path(), 2)?.status, Status::Ok);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn save(dir: impl AsRef<Path>, input: SaveInput<'_>, opts: &SaveOptions) -> Result<SaveReport> {
     let dir = dir.as_ref();
     let made = !dir.exists();

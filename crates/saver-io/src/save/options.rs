@@ -75,12 +75,10 @@ pub struct SaveOptions {
     /// use std::sync::Arc;
     /// let percent = Arc::new(AtomicU64::new(0));
     /// let shown = Arc::clone(&percent);
-    /// let opts = saver_io::SaveOptions {
-    ///     progress: Some(Arc::new(move |p: saver_io::Progress| {
-    ///         shown.store(p.written * 100 / p.total.max(1), Ordering::Relaxed);
-    ///     })),
-    ///     ..Default::default()
-    /// };
+    /// let mut opts = saver_io::SaveOptions::default();
+    /// opts.progress = Some(Arc::new(move |p: saver_io::Progress| {
+    ///     shown.store(p.written * 100 / p.total.max(1), Ordering::Relaxed);
+    /// }));
     /// // ... save with `opts`, then read `percent.load(Ordering::Relaxed)`.
     /// ```
     pub progress: Option<Arc<ProgressFn>>,
@@ -114,7 +112,8 @@ impl SaveOptions {
     /// `shard.count`), in the save named `save_id`, the same in every process of the save.
     ///
     /// ```
-    /// use saver::{SaveOptions, Shard};
+    /// use saver_core::Shard;
+    /// use saver_io::SaveOptions;
     /// let opts = SaveOptions::for_shard(Shard { index: 3, count: 8 }, "run7-step1200").with_step(1200);
     /// assert_eq!((opts.plan.shard_num, opts.plan.shard_index), (8, Some(3)));
     /// ```

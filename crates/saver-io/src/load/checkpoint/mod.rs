@@ -82,6 +82,28 @@ pub(crate) fn relative_path(from: &Path, to: &Path) -> Result<String> {
 }
 
 /// A checkpoint and, if it is a delta, every link down to the full checkpoint it starts from.
+///
+/// ```
+/// use saver_core::{Dtype, EmbeddingTable, KeyDtype, SaveInput, Shard, SlotSpec};
+/// use saver_io::{save, Checkpoint, LoadOptions, SaveOptions};
+///
+/// # let dir = tempfile::tempdir()?;
+/// let table = EmbeddingTable::new("item", KeyDtype::I64, vec![SlotSpec::new("w", Dtype::F32, vec![4])])?;
+/// for id in 0..1000 {
+///     table.upsert(id, |row| row.slot_mut::<f32>(0).fill(id as f32));
+/// }
+/// save(dir.path(), SaveInput::new().table(&table), &SaveOptions::default())?;
+///
+/// // Saved as one shard, loaded as three: each worker reads only the bytes of its rows.
+/// let ckpt = Checkpoint::open(dir.path())?;
+/// let mut rows = 0;
+/// for index in 0..3 {
+///     let restored = ckpt.restore(&LoadOptions::for_shard(Shard { index, count: 3 }))?;
+///     rows += restored.shards[0].tables[0].len();
+/// }
+/// assert_eq!(rows, 1000);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct Checkpoint {
     /// Newest first.
