@@ -3,20 +3,15 @@
 //! threads). For serving systems and tools that want arrays rather than a hashtable, and the
 //! fastest way to take a checkpoint into memory.
 
-use std::time::Instant;
-
 use rayon::prelude::*;
 
-use saver_core::partition::BUCKETS;
-use saver_core::{KeyDtype, PartitionRule, SlotSpec};
+use saver_core::manifest::TableManifest;
+use saver_core::{KeyDtype, SlotSpec};
 
 use crate::error::{Error, Result};
 use crate::load::link::Link;
 use crate::load::pages::{prefault, zeroed_bytes, zeroed_u64s};
-use crate::load::restore::{
-    finish_report, globs, reader_pool, target_shards, LoadOptions, LoadReport, LoadedDense,
-    PieceCrc,
-};
+use crate::load::restore::{reader_pool, LoadOptions, LoadReport, LoadedDense, PieceCrc};
 
 /// One table as arrays. Rows are in checkpoint order (by source shard, bucket, id), not sorted.
 #[derive(Clone, Debug, PartialEq)]
@@ -58,39 +53,17 @@ struct Job<'a, 'm> {
 }
 
 impl Link {
-    /// Loads the selected tables (and dense tensors) into arrays: all rows, or with
-    /// `opts.shard_index = Some(j)`, the rows of shard `j` of `opts.shard_num`.
-    pub(crate) fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
-        let start = Instant::now();
-        let fetched = self.bytes_fetched();
-        let (tables, dense, mut report) =
-            self.with_dense(opts, || self.load_table_columns(opts))?;
-        report.load_seconds = start.elapsed().as_secs_f64();
-        report.bytes_read = self.bytes_fetched() - fetched;
-        finish_report(&mut report);
-        Ok(Columns {
-            tables,
-            dense,
-            report,
-        })
-    }
-
-    /// The tables of [`Self::load_columns`].
-    fn load_table_columns(&self, opts: &LoadOptions) -> Result<(Vec<TableColumns>, LoadReport)> {
-        // Validates shard_num and shard_index exactly as the hashtable restore does.
-        target_shards(opts)?;
-        let target = match opts.shard_index {
-            Some(j) => PartitionRule::bucket_range(j, opts.shard_num),
-            None => 0..BUCKETS,
-        };
-        let exclude = globs("exclude_slots", &opts.exclude_slots)?;
+    /// The arrays of the `wanted` tables (with the slots wanted of each) of this (full)
+    /// checkpoint within `target`, read
+    /// straight from the segments into their final place (for [`crate::Checkpoint::load_columns`],
+    /// which checked the selection).
+    pub(crate) fn load_table_columns(
+        &self,
+        wanted: Vec<(&TableManifest, Vec<SlotSpec>)>,
+        target: &std::ops::Range<u32>,
+        opts: &LoadOptions,
+    ) -> Result<(Vec<TableColumns>, LoadReport)> {
         let mut report = LoadReport::default();
-        let mut wanted = Vec::new();
-        for t in self.selected_tables(opts)? {
-            let slots = Self::kept_slots(t, &exclude);
-            self.check_target(t, t.key_dtype, &slots)?;
-            wanted.push((t, slots));
-        }
         let requests: Vec<_> = wanted
             .iter()
             .map(|(t, slots)| (*t, slots.as_slice(), target.clone()))
@@ -113,11 +86,7 @@ impl Link {
                     })
                     .collect::<Result<_>>()?;
                 Ok(TableColumns {
-                    name: opts
-                        .rename
-                        .get(&t.name)
-                        .cloned()
-                        .unwrap_or_else(|| t.name.clone()),
+                    name: t.name.clone(),
                     key_dtype: t.key_dtype,
                     slots: slots.clone(),
                     ids: zeroed_u64s(rows as usize, opts.huge_pages),

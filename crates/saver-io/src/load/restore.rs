@@ -371,7 +371,8 @@ pub(crate) struct PieceCrc {
 }
 
 impl Link {
-    /// The selected tables, in manifest order.
+    /// The tables of this link that `opts` selects, in manifest order (see
+    /// [`select_tables`]); a delta's are refused, as they are only what changed.
     pub(crate) fn selected_tables(&self, opts: &LoadOptions) -> Result<Vec<&TableManifest>> {
         if let Some(p) = &self.manifest().parent {
             // A delta's tables hold only what changed: read alone they would be a wrong model.
@@ -383,28 +384,7 @@ impl Link {
                 p.path
             )));
         }
-        let set = globs("tables", &opts.tables)?;
-        for r in &opts.required_tables {
-            if self.manifest().table(r).is_none() {
-                return Err(Error::Mismatch(format!(
-                    "required table {r:?} is not in the checkpoint {} (it has: {})",
-                    self.location(),
-                    self.manifest()
-                        .tables
-                        .iter()
-                        .map(|t| t.name.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )));
-            }
-        }
-        Ok(self
-            .manifest()
-            .tables
-            .iter()
-            .filter(|t| set.as_ref().is_none_or(|s| s.is_match(&t.name)))
-            .filter(|t| opts.table_filter.as_ref().is_none_or(|f| f(&t.name)))
-            .collect())
+        select_tables(self, opts)
     }
 
     /// Slots of `t` a restore keeps.
@@ -414,141 +394,6 @@ impl Link {
             .filter(|s| exclude.as_ref().is_none_or(|g| !g.is_match(&s.name)))
             .cloned()
             .collect()
-    }
-
-    /// Restores into fresh [`EmbeddingTable`]s: every target shard of `opts.shard_num`, or only
-    /// `opts.shard_index`. Either everything loads, or an error is returned and nothing is kept.
-    pub(crate) fn restore(&self, opts: &LoadOptions) -> Result<Restored> {
-        let fetched = self.bytes_fetched();
-        let exclude = globs("exclude_slots", &opts.exclude_slots)?;
-        let tables = self.selected_tables(opts)?;
-        let targets = target_shards(opts)?;
-        let mut shards = Vec::new();
-        for &j in &targets {
-            let mut ts = Vec::new();
-            for t in &tables {
-                let name = opts
-                    .rename
-                    .get(&t.name)
-                    .cloned()
-                    .unwrap_or_else(|| t.name.clone());
-                let rows = expected_rows(t, PartitionRule::bucket_range(j, opts.shard_num));
-                ts.push(tracked_if(
-                    EmbeddingTable::for_shard(
-                        name,
-                        t.key_dtype,
-                        Self::kept_slots(t, &exclude),
-                        Shard {
-                            index: j,
-                            count: opts.shard_num,
-                        },
-                        rows,
-                    )?,
-                    opts,
-                )?);
-            }
-            shards.push(RestoredShard {
-                shard: j,
-                tables: ts,
-            });
-        }
-        let sinks: Vec<(u32, &TableManifest, &dyn TableSink)> = shards
-            .iter()
-            .flat_map(|s| {
-                s.tables
-                    .iter()
-                    .zip(&tables)
-                    .map(move |(sink, t)| (s.shard, *t, sink as &dyn TableSink))
-            })
-            .collect();
-        let ((), dense, mut report) =
-            self.with_dense(opts, || Ok(((), self.load_sinks(&sinks, opts)?)))?;
-        set_baselines(&shards, opts, &self.manifest().save_id)?;
-        report.bytes_read = self.bytes_fetched() - fetched;
-        finish_report(&mut report);
-        Ok(Restored {
-            shards,
-            dense,
-            report,
-        })
-    }
-
-    /// Loads target shard `shard` of `opts.shard_num` into user sinks: `sink_for` returns the sink
-    /// for a checkpoint table (by manifest entry), or `None` to skip it. Dense tensors are not
-    /// loaded (see [`Self::load_dense_tensors`]). A sink may hold part of the rows if this fails:
-    /// load into a fresh table and swap it in on success, as [`Self::restore`] does.
-    pub(crate) fn load_into<'s>(
-        &self,
-        shard: u32,
-        opts: &LoadOptions,
-        sink_for: &dyn Fn(&TableManifest) -> Option<&'s dyn TableSink>,
-    ) -> Result<LoadReport> {
-        if shard >= opts.shard_num {
-            return Err(saver_core::Error::ShardOutOfRange {
-                index: shard,
-                num: opts.shard_num,
-            }
-            .into());
-        }
-        let fetched = self.bytes_fetched();
-        let tables = self.selected_tables(opts)?;
-        let sinks: Vec<(u32, &TableManifest, &dyn TableSink)> = tables
-            .iter()
-            .filter_map(|t| sink_for(t).map(|s| (shard, *t, s)))
-            .collect();
-        let mut report = self.load_sinks(&sinks, opts)?;
-        report.bytes_read = self.bytes_fetched() - fetched;
-        finish_report(&mut report);
-        Ok(report)
-    }
-
-    /// Runs `load`, a load of tables, and reads the dense tensors `opts` selects: on a remote
-    /// store beside it (both mostly wait on round trips, and the dense tensors' would otherwise
-    /// add to the end of the load), after it otherwise. Returns `load`'s value, the dense
-    /// tensors, and `load`'s report with the dense tensors' figures added.
-    pub(crate) fn with_dense<T>(
-        &self,
-        opts: &LoadOptions,
-        load: impl FnOnce() -> Result<(T, LoadReport)>,
-    ) -> Result<(T, Vec<LoadedDense>, LoadReport)> {
-        if !opts.load_dense {
-            let (t, report) = load()?;
-            return Ok((t, Vec::new(), report));
-        }
-        if !self.is_remote() {
-            let (t, mut report) = load()?;
-            let dense = self.load_dense(opts, &mut report)?;
-            return Ok((t, dense, report));
-        }
-        let (loaded, dense) = std::thread::scope(|s| {
-            let aside = s.spawn(|| {
-                let mut r = LoadReport::default();
-                self.load_dense(opts, &mut r).map(|d| (d, r))
-            });
-            let loaded = load();
-            let dense = aside
-                .join()
-                .unwrap_or_else(|p| std::panic::resume_unwind(p));
-            (loaded, dense)
-        });
-        let (t, mut report) = loaded?;
-        let (dense, of_dense) = dense?;
-        report.bytes_kept += of_dense.bytes_kept;
-        report.tensors_checked += of_dense.tensors_checked;
-        Ok((t, dense, report))
-    }
-
-    pub(crate) fn load_dense(
-        &self,
-        opts: &LoadOptions,
-        report: &mut LoadReport,
-    ) -> Result<Vec<LoadedDense>> {
-        let set = globs("dense", &opts.dense)?;
-        read_dense_refs(
-            self.manifest().dense.iter().map(|d| (self, d)),
-            &set,
-            report,
-        )
     }
 
     /// The entries of `seg`'s bucket index, read as `raw`: checked against its CRC32 and for
@@ -872,7 +717,7 @@ impl Link {
         gaps
     }
 
-    fn load_sinks(
+    pub(crate) fn load_sinks(
         &self,
         sinks: &[(u32, &TableManifest, &dyn TableSink)],
         opts: &LoadOptions,
@@ -880,8 +725,9 @@ impl Link {
         let start = Instant::now();
         let mut report = LoadReport::default();
         let mut requests = Vec::with_capacity(sinks.len());
+        // The sinks' slots were checked against the tables' by the load (see
+        // `Checkpoint::restore`).
         for &(j, t, sink) in sinks {
-            self.check_target(t, sink.wanted_key_dtype(), sink.wanted_slots())?;
             let target = PartitionRule::bucket_range(j, opts.shard_num);
             requests.push((t, sink.wanted_slots(), target));
         }
@@ -1025,6 +871,38 @@ pub(crate) fn slot_map(
             })
         })
         .collect()
+}
+
+/// The tables of `link`'s manifest that `opts` selects, in manifest order (the companion tables
+/// of removed ids are not tables): `opts.tables`' globs, then `opts.table_filter`, after
+/// checking that every `opts.required_tables` is there.
+pub(crate) fn select_tables<'l>(
+    link: &'l Link,
+    opts: &LoadOptions,
+) -> Result<Vec<&'l TableManifest>> {
+    let tables = || {
+        link.manifest()
+            .tables
+            .iter()
+            .filter(|t| saver_core::naming::removed_table_of(&t.name).is_none())
+    };
+    for r in &opts.required_tables {
+        if tables().all(|t| &t.name != r) {
+            return Err(Error::Mismatch(format!(
+                "required table {r:?} is not in the checkpoint {} (it has: {})",
+                link.location(),
+                tables()
+                    .map(|t| t.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+    }
+    let set = globs("tables", &opts.tables)?;
+    Ok(tables()
+        .filter(|t| set.as_ref().is_none_or(|s| s.is_match(&t.name)))
+        .filter(|t| opts.table_filter.as_ref().is_none_or(|f| f(&t.name)))
+        .collect())
 }
 
 /// Rows of `t` a target owning buckets `range` should receive: each saved partition's rows prorated

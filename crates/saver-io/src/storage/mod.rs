@@ -4,7 +4,7 @@
 //! durable commit by rename, exclusive creation (for the commit claim), listing and positional
 //! reads. [`LocalFs`] implements it on a local or shared POSIX filesystem; [`FaultyStorage`] wraps
 //! any storage and injects failures, to test that every failure path leaves no half-valid
-//! checkpoint behind. [`ObjectStorage`] (feature `s3`) keeps a checkpoint under a prefix of an
+//! checkpoint behind. `ObjectStorage` (feature `s3`) keeps a checkpoint under a prefix of an
 //! S3-compatible bucket. [`open_location`] and [`create_location`] take either: a path, or a
 //! URL (`s3://bucket/prefix`), which never silently becomes a local path.
 //!

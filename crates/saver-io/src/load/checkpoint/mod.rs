@@ -14,12 +14,12 @@
 //! load for shard `j` of `M`) reads only those buckets of every link.
 
 mod ahead;
+mod loads;
 mod table;
 
 pub use crate::load::link::read_latest;
 use ahead::Ahead;
 pub use table::ChainTable;
-use table::{Run, RunReader};
 
 use std::collections::HashSet;
 use std::ops::Range;
@@ -29,18 +29,10 @@ use rayon::prelude::*;
 
 use saver_core::manifest::{DenseManifest, ParentRef, TableManifest};
 use saver_core::naming::removed_table_of;
-use saver_core::partition::BUCKETS;
-use saver_core::{EmbeddingTable, PartitionRule, Shard, SparseTable};
 
 use crate::error::{io_err, Error, Result};
-use crate::load::arrays::{Columns, TableColumns};
 use crate::load::link::Link;
-use crate::load::pages::{zeroed_bytes, zeroed_u64s};
-use crate::load::restore::{
-    finish_report, globs, read_dense_refs, set_baselines, target_shards, tracked_if, LoadOptions,
-    LoadedDense, Restored, RestoredShard, TableSink,
-};
-use crate::load::rows::BucketRows;
+use crate::load::restore::{globs, read_dense_refs, LoadOptions, LoadedDense};
 
 /// Most links a chain may have, the full checkpoint at its root included. Each link is read by
 /// every load, so a longer chain is a sign that it should be compacted (`saver compact`).
@@ -350,339 +342,13 @@ impl Checkpoint {
             .collect()
     }
 
-    /// The dense tensors a load with `opts` wants, and its report, finished.
-    fn finish_load(
-        &self,
-        opts: &LoadOptions,
-        mut report: crate::LoadReport,
-        start: std::time::Instant,
-        fetched: u64,
-    ) -> Result<(Vec<LoadedDense>, crate::LoadReport)> {
-        let dense = if opts.load_dense {
-            self.dense_tensors(Some(opts), &mut report)?
-        } else {
-            Vec::new()
-        };
-        report.load_seconds = start.elapsed().as_secs_f64();
-        report.bytes_read = self.bytes_fetched() - fetched;
-        finish_report(&mut report);
-        Ok((dense, report))
-    }
-
     /// Bytes the links' files have delivered to reads so far: see [`Link::bytes_fetched`].
     pub fn bytes_fetched(&self) -> u64 {
         self.links().iter().map(Link::bytes_fetched).sum()
     }
-
-    /// The tables a load with `opts` reads.
-    fn selected(&self, opts: &LoadOptions) -> Result<Vec<ChainTable<'_>>> {
-        for r in &opts.required_tables {
-            if self.table_manifests().all(|t| &t.name != r) {
-                return Err(Error::Mismatch(format!(
-                    "required table {r:?} is not in the checkpoint {}",
-                    self.newest().location()
-                )));
-            }
-        }
-        Ok(self
-            .tables(&opts.tables, &opts.exclude_slots)?
-            .into_iter()
-            .filter(|t| opts.table_filter.as_ref().is_none_or(|f| f(t.name())))
-            .collect())
-    }
-
-    /// Loads the selected tables (and dense tensors) into arrays: all rows, or with
-    /// `opts.shard_index = Some(j)`, the rows of shard `j` of `opts.shard_num`, in (bucket, id
-    /// bits) order. A delta's rows are resolved over its chain, reading only the target's
-    /// buckets of every link.
-    pub fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
-        if !self.is_delta() {
-            // One full checkpoint: its segments are read straight into the arrays.
-            return self.newest().load_columns(opts);
-        }
-        let start = std::time::Instant::now();
-        let fetched = self.bytes_fetched();
-        target_shards(opts)?;
-        let target = match opts.shard_index {
-            Some(j) => PartitionRule::bucket_range(j, opts.shard_num),
-            None => 0..BUCKETS,
-        };
-        let tables = self.selected(opts)?;
-        let pool = crate::load::restore::reader_pool(crate::load::restore::reader_threads(
-            self.newest(),
-            opts.parallel,
-        ))?;
-        let _ahead = read_ahead(&pool, &tables, &target)?;
-        let mut out = Vec::new();
-        let mut report = crate::LoadReport::default();
-        for t in &tables {
-            let parts: Vec<Range<u32>> = t
-                .parts
-                .iter()
-                .map(|p| p.start.max(target.start)..p.end.min(target.end))
-                .filter(|r| !r.is_empty())
-                .collect();
-            // Each part resolved first (a merge of the links' ids: its live ids and the runs of
-            // link rows that hold their slots), so that each is then read straight into its own
-            // region of the final arrays.
-            let resolved: Vec<(Vec<u64>, Vec<Run>)> = pool.install(|| {
-                parts
-                    .par_iter()
-                    .map(|r| t.resolve(r.clone()))
-                    .collect::<Result<_>>()
-            })?;
-            let total: usize = resolved.iter().map(|r| r.0.len()).sum();
-            let widths: Vec<usize> = BucketRows::row_bytes(t)
-                .iter()
-                .map(|&w| w as usize)
-                .collect();
-            let mut ids = zeroed_u64s(total, opts.huge_pages);
-            let mut data: Vec<Vec<u8>> = widths
-                .iter()
-                .map(|&w| zeroed_bytes(total * w, opts.huge_pages))
-                .collect();
-            let mut regions: Vec<Region<'_>> = Vec::new();
-            {
-                let mut ids_rest = &mut ids[..];
-                let mut data_rest: Vec<&mut [u8]> =
-                    data.iter_mut().map(Vec::as_mut_slice).collect();
-                for (part_ids, runs) in resolved {
-                    let n = part_ids.len();
-                    let (here, rest) = std::mem::take(&mut ids_rest).split_at_mut(n);
-                    ids_rest = rest;
-                    let slots = data_rest
-                        .iter_mut()
-                        .zip(&widths)
-                        .map(|(d, &w)| {
-                            let (here, rest) = std::mem::take(d).split_at_mut(n * w);
-                            *d = rest;
-                            here
-                        })
-                        .collect();
-                    regions.push(Region {
-                        ids: here,
-                        slots,
-                        part_ids,
-                        runs,
-                    });
-                }
-            }
-            pool.install(|| {
-                regions
-                    .into_par_iter()
-                    .map(|mut r| {
-                        // The pages faulted in by one call each, as a compacted checkpoint's
-                        // load does, rather than one trap a page in the copies below.
-                        crate::load::pages::prefault(bytemuck::cast_slice_mut(r.ids));
-                        for s in r.slots.iter_mut() {
-                            crate::load::pages::prefault(s);
-                        }
-                        r.ids.copy_from_slice(&r.part_ids);
-                        drop(r.part_ids);
-                        RunReader::into_final_arrays().fill(t, &mut r.runs, &mut r.slots)
-                    })
-                    .collect::<Result<Vec<()>>>()
-            })?;
-            report.rows += ids.len() as u64;
-            report.bytes_kept += ids.len() as u64 * t.full_row_bytes();
-            out.push(TableColumns {
-                name: opts
-                    .rename
-                    .get(t.name())
-                    .cloned()
-                    .unwrap_or_else(|| t.name().to_string()),
-                key_dtype: t.key_dtype(),
-                slots: t.slots().to_vec(),
-                ids,
-                data,
-            });
-        }
-        // Every byte loaded covered by a checksum that was checked, before it is returned.
-        finish_all_checks(&pool, &tables)?;
-        report.tensors_checked = tables.iter().map(ChainTable::tensors_checked).sum();
-        let (dense, report) = pool.install(|| self.finish_load(opts, report, start, fetched))?;
-        Ok(Columns {
-            tables: out,
-            dense,
-            report,
-        })
-    }
-
-    /// Restores into fresh [`EmbeddingTable`]s: every target shard of `opts.shard_num`, or only
-    /// `opts.shard_index`, reading only the target's buckets (of every link, for a delta).
-    /// Either everything loads, or an error is returned and nothing is kept.
-    pub fn restore(&self, opts: &LoadOptions) -> Result<Restored> {
-        if !self.is_delta() {
-            return self.newest().restore(opts);
-        }
-        let start = std::time::Instant::now();
-        let fetched = self.bytes_fetched();
-        let tables = self.selected(opts)?;
-        let targets = target_shards(opts)?;
-        let mut shards = Vec::new();
-        for &j in &targets {
-            let mut ts = Vec::new();
-            for t in &tables {
-                let name = opts
-                    .rename
-                    .get(t.name())
-                    .cloned()
-                    .unwrap_or_else(|| t.name().to_string());
-                ts.push(tracked_if(
-                    EmbeddingTable::for_shard(
-                        name,
-                        t.key_dtype(),
-                        t.slots().to_vec(),
-                        Shard {
-                            index: j,
-                            count: opts.shard_num,
-                        },
-                        t.rows_at_most(PartitionRule::bucket_range(j, opts.shard_num)),
-                    )?,
-                    opts,
-                )?);
-            }
-            shards.push(RestoredShard {
-                shard: j,
-                tables: ts,
-            });
-        }
-        // One task per (target shard, table, part of the table that overlaps the target).
-        let mut work = Vec::new();
-        for (si, s) in shards.iter().enumerate() {
-            let target = PartitionRule::bucket_range(s.shard, opts.shard_num);
-            for (ti, t) in tables.iter().enumerate() {
-                for part in &t.parts {
-                    let r = part.start.max(target.start)..part.end.min(target.end);
-                    if !r.is_empty() {
-                        work.push((si, ti, r));
-                    }
-                }
-            }
-        }
-        let pool = crate::load::restore::reader_pool(crate::load::restore::reader_threads(
-            self.newest(),
-            opts.parallel,
-        ))?;
-        let _ahead = match opts.shard_index {
-            Some(j) => read_ahead(
-                &pool,
-                &tables,
-                &PartitionRule::bucket_range(j, opts.shard_num),
-            )?,
-            None => read_ahead(&pool, &tables, &(0..BUCKETS))?,
-        };
-        let done: Result<Vec<(u64, u64)>> = pool.install(|| {
-            work.par_iter()
-                .map(|(si, ti, r)| {
-                    let t = &tables[*ti];
-                    let sink = &shards[*si].tables[*ti];
-                    let mut rows = 0u64;
-                    let batch = (opts.chunk_bytes / t.full_row_bytes()).max(1) as usize;
-                    t.visit_buckets(r.clone(), batch, &mut |ids, slots| {
-                        rows += ids.len() as u64;
-                        sink.insert_chunk(ids, slots)?;
-                        Ok(())
-                    })?;
-                    Ok((rows, rows * t.full_row_bytes()))
-                })
-                .collect()
-        });
-        let done = done?;
-        // Every byte loaded covered by a checksum that was checked, before anything is returned.
-        finish_all_checks(&pool, &tables)?;
-        set_baselines(&shards, opts, &self.newest().manifest().save_id)?;
-        let report = crate::LoadReport {
-            rows: done.iter().map(|d| d.0).sum(),
-            bytes_kept: done.iter().map(|d| d.1).sum(),
-            tensors_checked: tables.iter().map(ChainTable::tensors_checked).sum(),
-            ..Default::default()
-        };
-        let (dense, report) = pool.install(|| self.finish_load(opts, report, start, fetched))?;
-        Ok(Restored {
-            shards,
-            dense,
-            report,
-        })
-    }
 }
 
 impl Checkpoint {
-    /// Loads target shard `shard` of `opts.shard_num` into user sinks: `sink_for` returns the
-    /// sink for a checkpoint table (by its manifest entry), or `None` to skip it. Dense tensors
-    /// are not loaded (see [`Self::load_dense_tensors`]). A sink may hold part of the rows if
-    /// this fails: load into a fresh table and swap it in on success, as [`Self::restore`] does.
-    pub fn load_into<'s>(
-        &self,
-        shard: u32,
-        opts: &LoadOptions,
-        sink_for: &dyn Fn(&TableManifest) -> Option<&'s dyn TableSink>,
-    ) -> Result<crate::LoadReport> {
-        if !self.is_delta() {
-            return self.newest().load_into(shard, opts, sink_for);
-        }
-        if shard >= opts.shard_num {
-            return Err(saver_core::Error::ShardOutOfRange {
-                index: shard,
-                num: opts.shard_num,
-            }
-            .into());
-        }
-        let start = std::time::Instant::now();
-        let fetched = self.bytes_fetched();
-        let tables = self.selected(opts)?;
-        let target = PartitionRule::bucket_range(shard, opts.shard_num);
-        let mut work = Vec::new();
-        for t in &tables {
-            let Some(m) = self.table_manifests().find(|m| m.name == t.name()) else {
-                continue;
-            };
-            let Some(sink) = sink_for(m) else {
-                continue;
-            };
-            for part in &t.parts {
-                let r = part.start.max(target.start)..part.end.min(target.end);
-                if !r.is_empty() {
-                    work.push((t, sink, r));
-                }
-            }
-        }
-        let pool = crate::load::restore::reader_pool(crate::load::restore::reader_threads(
-            self.newest(),
-            opts.parallel,
-        ))?;
-        let _ahead = read_ahead(&pool, &tables, &target)?;
-        let done: Vec<u64> = pool.install(|| {
-            work.par_iter()
-                .map(|(t, sink, r)| {
-                    let mut rows = 0u64;
-                    let batch = (opts.chunk_bytes / t.full_row_bytes()).max(1) as usize;
-                    t.visit_buckets(r.clone(), batch, &mut |ids, slots| {
-                        rows += ids.len() as u64;
-                        sink.insert_chunk(ids, slots)?;
-                        Ok(())
-                    })?;
-                    Ok(rows)
-                })
-                .collect::<Result<_>>()
-        })?;
-        finish_all_checks(&pool, &tables)?;
-        let mut report = crate::LoadReport {
-            rows: done.iter().sum(),
-            tensors_checked: tables.iter().map(ChainTable::tensors_checked).sum(),
-            ..Default::default()
-        };
-        report.bytes_kept = work
-            .iter()
-            .zip(&done)
-            .map(|((t, _, _), rows)| rows * t.full_row_bytes())
-            .sum();
-        report.load_seconds = start.elapsed().as_secs_f64();
-        report.bytes_read = self.bytes_fetched() - fetched;
-        finish_report(&mut report);
-        Ok(report)
-    }
-
     /// The dense tensors `opts.dense` selects (all when empty), CRC-checked: the newest state's,
     /// each read from the link that holds it.
     pub fn load_dense_tensors(&self, opts: &LoadOptions) -> Result<Vec<LoadedDense>> {
@@ -745,15 +411,6 @@ fn read_ahead<'c>(
 /// Checks what every table of a load read only in part, all tables at once on the load's `pool`:
 /// on a remote store each check waits on a round trip, and a thread a check would wait on them
 /// one or two at a time.
-fn finish_all_checks(pool: &rayon::ThreadPool, tables: &[ChainTable<'_>]) -> Result<()> {
+pub(super) fn finish_all_checks(pool: &rayon::ThreadPool, tables: &[ChainTable<'_>]) -> Result<()> {
     pool.install(|| tables.par_iter().try_for_each(ChainTable::finish_checks))
-}
-
-/// One part of a table as [`Checkpoint::load_columns`] reads it: its resolved ids and runs, and the
-/// region of the final arrays they go to.
-struct Region<'a> {
-    ids: &'a mut [u64],
-    slots: Vec<&'a mut [u8]>,
-    part_ids: Vec<u64>,
-    runs: Vec<Run>,
 }
