@@ -69,5 +69,5 @@ else
   namespaces="SKIPPED (needs root and iproute2)"
 fi
 echo "verdict: PASSED in $(elapsed) · rust: $(rust_counts "$logs/rust.log" "$logs/memory.log")" \
-  "(the ignored are child processes that their parent tests run) · python: $(python_counts "$logs/python.log")" \
+  "(ignored: child processes their parent tests run, and the memory test in the debug build, run by the memory step) · python: $(python_counts "$logs/python.log")" \
   "· interop: passed · object-store tests: $object_store · network-namespace tests: $namespaces"

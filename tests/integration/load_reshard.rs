@@ -246,11 +246,25 @@ fn reshard_keeps_every_row_dense_tensor_and_state() {
     assert_eq!(dense["mlp.0.weight"], &m.w1);
 }
 
+/// The same checks, and the same rows, whether the checkpoint is full or a delta (one load loop
+/// for both: a chain's load once skipped the checks of a caller's table).
 #[test]
 fn user_sinks_get_mismatches_named() {
     let dir = tempfile::tempdir().unwrap();
-    saved_model(dir.path(), 2);
-    let ck = Checkpoint::open(dir.path()).unwrap();
+    let m = saved_model(dir.path(), 2);
+    user_sinks_get_mismatches_named_in(&Checkpoint::open(dir.path()).unwrap());
+    let other = tempfile::tempdir().unwrap();
+    let delta = other.path().join("delta");
+    let mut o = save_opts(2);
+    o.save_id = Some("d1".into());
+    o.parent = Some(dir.path().to_path_buf());
+    save(&delta, m.input(), &o).unwrap();
+    let chain = Checkpoint::open(&delta).unwrap();
+    assert!(chain.is_delta());
+    user_sinks_get_mismatches_named_in(&chain);
+}
+
+fn user_sinks_get_mismatches_named_in(ck: &Checkpoint) {
     let wrong_dtype = EmbeddingTable::new(
         "user",
         KeyDtype::I64,
