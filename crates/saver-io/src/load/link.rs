@@ -355,6 +355,21 @@ impl Link {
         &self.index
     }
 
+    /// Whether this link's directory now commits another save than the one it was opened on
+    /// (a save replaced it since): its files may be gone, so what failed reading it says nothing
+    /// of the checkpoint there now. An index that cannot be read is no replacement.
+    pub(crate) fn was_replaced(&self) -> bool {
+        self.storage
+            .get(INDEX_FILE, MAX_JSON_BYTES)
+            .ok()
+            .and_then(|b| Index::parse(&b, INDEX_FILE).ok())
+            .is_some_and(|now| {
+                now.metadata.saver_manifest != self.index().metadata.saver_manifest
+                    || now.metadata.saver_manifest_crc32
+                        != self.index().metadata.saver_manifest_crc32
+            })
+    }
+
     /// Where the checkpoint is.
     pub fn location(&self) -> String {
         self.storage.location()

@@ -82,7 +82,15 @@ impl Checkpoint {
     /// Restores into fresh [`EmbeddingTable`]s: every target shard of `opts.shard_num`, or only
     /// `opts.shard_index`, reading only the target's buckets (of every link, for a delta).
     /// Either everything loads, or an error is returned and nothing is kept.
+    ///
+    /// A checkpoint replaced while it is read (a save overwrote it, and removed its files after
+    /// its commit) is read again as it is now, as every load of a `Checkpoint` is: see
+    /// [`Self::on_latest`].
     pub fn restore(&self, opts: &LoadOptions) -> Result<Restored> {
+        self.on_latest(|c| c.restore_once(opts))
+    }
+
+    fn restore_once(&self, opts: &LoadOptions) -> Result<Restored> {
         let (start, fetched) = (Instant::now(), self.bytes_fetched());
         let selected = self.select(opts)?;
         let targets = target_shards(opts)?;
@@ -134,7 +142,20 @@ impl Checkpoint {
     /// Dense tensors are not loaded (see [`Self::load_dense_tensors`]). A sink may hold part of
     /// the rows if this fails: load into a fresh table and swap it in on success, as
     /// [`Self::restore`] does.
+    ///
+    /// A checkpoint replaced while it is read is read again as it is now (see
+    /// [`Self::on_latest`]); the sinks then hold some rows of the old checkpoint too, so load into
+    /// fresh tables.
     pub fn load_into<'s>(
+        &self,
+        shard: u32,
+        opts: &LoadOptions,
+        sink_for: &dyn Fn(&TableManifest) -> Option<&'s dyn TableSink>,
+    ) -> Result<LoadReport> {
+        self.on_latest(|c| c.load_into_once(shard, opts, sink_for))
+    }
+
+    fn load_into_once<'s>(
         &self,
         shard: u32,
         opts: &LoadOptions,
@@ -167,7 +188,14 @@ impl Checkpoint {
     /// `opts.shard_index = Some(j)`, the rows of shard `j` of `opts.shard_num`, in (bucket, id
     /// bits) order within each saved partition. A delta's rows are resolved over its chain,
     /// reading only the target's buckets of every link.
+    ///
+    /// A checkpoint replaced while it is read is read again as it is now (see
+    /// [`Self::on_latest`]).
     pub fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
+        self.on_latest(|c| c.load_columns_once(opts))
+    }
+
+    fn load_columns_once(&self, opts: &LoadOptions) -> Result<Columns> {
         let (start, fetched) = (Instant::now(), self.bytes_fetched());
         let selected = self.select(opts)?;
         target_shards(opts)?;
@@ -203,6 +231,23 @@ impl Checkpoint {
             dense,
             report: self.finished(report, start, fetched),
         })
+    }
+
+    /// Runs `read` on this checkpoint; if it fails and the checkpoint was replaced meanwhile, runs
+    /// it on the checkpoint there now, opened again from the same location, and so on (see
+    /// [`read_latest`](crate::load::link::read_latest), up to 32 times). A save that replaces a
+    /// checkpoint removes the old one's files after its commit, and an object store, unlike a
+    /// local directory, keeps no removed object readable for whoever opened it: so a reader
+    /// racing an overwrite returns the old or the new checkpoint's rows, never a missing-file
+    /// error about a checkpoint that was never broken. A failure on a checkpoint that was not
+    /// replaced stands.
+    pub fn on_latest<T>(&self, read: impl Fn(&Checkpoint) -> Result<T>) -> Result<T> {
+        let first = read(self);
+        if first.is_ok() || !self.newest().was_replaced() {
+            return first;
+        }
+        let dir = &self.dirs()[0];
+        crate::load::link::read_latest(dir, || read(&Checkpoint::open(dir)?))
     }
 
     /// Runs `load`, a load of tables, and reads the dense tensors `opts` selects: on a remote

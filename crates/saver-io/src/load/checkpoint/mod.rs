@@ -108,10 +108,16 @@ impl Checkpoint {
     /// committed, and be the save its child names (save id and manifest checksum); the chain
     /// must end in a full checkpoint within [`MAX_CHAIN_LINKS`] links and never come back to a
     /// link. Each failure is one error naming the link.
+    ///
+    /// A checkpoint replaced while it is opened (its files removed by the save that replaced it)
+    /// is opened again as it is now (see [`read_latest`]); so are its loads (see
+    /// [`Self::on_latest`]).
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        let first = Opened::open(crate::storage::open_location(&dir)?, &dir, Vec::new())?;
-        Self::follow(first, dir)
+        read_latest(&dir, || {
+            let first = Opened::open(crate::storage::open_location(&dir)?, &dir, Vec::new())?;
+            Self::follow(first, dir.clone())
+        })
     }
 
     /// Opens the checkpoint in `storage`, as [`Self::open`] does; a delta's parents are found
