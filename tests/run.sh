@@ -59,7 +59,7 @@ python_counts() {
 # The optional suites run where their tools are (and must, where .ci/run requires them).
 garage_bin="${SAVER_GARAGE_BIN:-$(command -v garage || echo "$HOME/.cargo/bin/garage")}"
 if [ -x "$garage_bin" ]; then
-  object_store="ran (garage $("$garage_bin" --version 2>/dev/null | awk '{print $2}'))"
+  object_store="ran (garage $("$garage_bin" --version 2>/dev/null | grep -oE '[0-9]+\.[0-9]+\.[0-9]+' | head -1))"
 else
   object_store="SKIPPED (no garage binary)"
 fi
