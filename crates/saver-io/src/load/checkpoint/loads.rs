@@ -126,8 +126,9 @@ impl Checkpoint {
                 })
             })
             .collect();
-        let (report, dense) =
-            self.with_dense(opts, || engine.fill(self, &selected, &sinks, opts))?;
+        let ((), report, dense) = self.with_dense(opts, || {
+            Ok(((), engine.fill(self, &selected, &sinks, opts)?))
+        })?;
         set_baselines(&shards, opts, &self.newest().manifest().save_id)?;
         Ok(Restored {
             shards,
@@ -203,12 +204,8 @@ impl Checkpoint {
             Some(j) => PartitionRule::bucket_range(j, opts.shard_num),
             None => 0..BUCKETS,
         };
-        for s in &selected {
-            self.newest()
-                .check_target(s.manifest, s.manifest.key_dtype, &s.slots)?;
-        }
         let engine = self.engine(&selected)?;
-        let (tables, dense) = self.with_dense(opts, || {
+        let (tables, report, dense) = self.with_dense(opts, || {
             let (mut tables, report) = match &engine {
                 Engine::Full(link) => link.load_table_columns(
                     selected
@@ -225,7 +222,6 @@ impl Checkpoint {
             }
             Ok((tables, report))
         })?;
-        let (tables, report) = tables;
         Ok(Columns {
             tables,
             dense,
@@ -252,15 +248,16 @@ impl Checkpoint {
 
     /// Runs `load`, a load of tables, and reads the dense tensors `opts` selects: on a remote
     /// store beside it (both mostly wait on round trips, and the dense tensors' would otherwise
-    /// add to the end of the load), after it otherwise. Returns `load`'s value with the dense
-    /// tensors' figures added to its report, and the dense tensors.
-    fn with_dense<T: WithReport>(
+    /// add to the end of the load), after it otherwise. Returns `load`'s value, its report with
+    /// the dense tensors' figures added, and the dense tensors.
+    fn with_dense<T>(
         &self,
         opts: &LoadOptions,
-        load: impl FnOnce() -> Result<T>,
-    ) -> Result<(T, Vec<LoadedDense>)> {
+        load: impl FnOnce() -> Result<(T, LoadReport)>,
+    ) -> Result<(T, LoadReport, Vec<LoadedDense>)> {
         if !opts.load_dense {
-            return Ok((load()?, Vec::new()));
+            let (t, report) = load()?;
+            return Ok((t, report, Vec::new()));
         }
         let dense_of = || {
             let mut r = LoadReport::default();
@@ -279,12 +276,11 @@ impl Checkpoint {
             let loaded = load();
             (loaded, dense_of())
         };
-        let mut loaded = loaded?;
+        let (t, mut report) = loaded?;
         let (dense, of_dense) = dense?;
-        let report = loaded.report_mut();
         report.bytes_kept += of_dense.bytes_kept;
         report.tensors_checked += of_dense.tensors_checked;
-        Ok((loaded, dense))
+        Ok((t, report, dense))
     }
 
     /// `report` with the load's duration, the bytes it read and its read amplification.
@@ -293,23 +289,6 @@ impl Checkpoint {
         report.bytes_read = self.bytes_fetched() - fetched;
         finish_report(&mut report);
         report
-    }
-}
-
-/// What a load of tables returns, with its report (for [`Checkpoint::with_dense`]).
-trait WithReport {
-    fn report_mut(&mut self) -> &mut LoadReport;
-}
-
-impl WithReport for LoadReport {
-    fn report_mut(&mut self) -> &mut LoadReport {
-        self
-    }
-}
-
-impl<T> WithReport for (T, LoadReport) {
-    fn report_mut(&mut self) -> &mut LoadReport {
-        &mut self.1
     }
 }
 
