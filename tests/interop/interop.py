@@ -8,6 +8,11 @@
 4. `saver export --quantize` writes, byte for byte, what an independent numpy implementation of
    FBGEMM's row-wise conversions computes, for every bit rate and layout and for odd dims; the
    rows dequantize to within half a step of the originals.
+5. A reader written from docs/FORMAT.md alone, sharing no code with saver (`read_checkpoint`),
+   reads checkpoints of every format version: full (1), delta (2: removed ids, dense tensors kept
+   from the parent, a chain of three), compressed (3) and compressed delta (4: zstd frames, every
+   filter), checking every CRC-32 and every bucket index; what it reads has saver's digest and,
+   for the models saved from plain inputs, is exactly the model saved.
 
 Usage: python interop.py SAVER_BINARY WORK_DIR
 """
@@ -341,8 +346,223 @@ def hugging_face_loaders_read_checkpoint_files():
                 check(np.array_equal(state[name].numpy(), f.get_tensor(name)), f"huggingface_hub reads {name}")
 
 
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64,
+          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32,
+          "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def unfilter(raw, filt):
+    """Undoes a frame's filter (docs/FORMAT.md, "Compressed checkpoints")."""
+    if filt == "plain":
+        return raw
+    n = {"shuffle2": 2, "shuffle4": 4, "shuffle8": 8, "delta8": 8}[filt]
+    # Byte planes back into elements.
+    out = np.frombuffer(raw, dtype=np.uint8).reshape(n, len(raw) // n).T.tobytes()
+    if filt == "delta8":
+        # Each 64-bit integer was its wrapping difference from the one before, the first from 0.
+        with np.errstate(over="ignore"):
+            out = np.cumsum(np.frombuffer(out, dtype=np.uint64), dtype=np.uint64).tobytes()
+    return out
+
+
+def tensor_bytes(directory, ref, seen_codecs):
+    """A tensor's raw bytes, found by its manifest ref alone and checked against its CRC-32."""
+    codec = ref.get("codec")
+    with open(os.path.join(directory, ref["file"]), "rb") as f:
+        f.seek(ref["offset"])
+        stored = f.read(codec["stored"] if codec else ref["len"])
+    if not codec:
+        data = stored
+    else:
+        import zstandard
+
+        check(codec["name"] == "zstd", f"{ref['name']}: codec zstd")
+        seen_codecs.add(codec["filter"])
+        # Frames of the CRC blocks' size (the whole tensor without blocks), the last the rest.
+        frame_raw = ref["blocks"]["bytes"] if ref.get("blocks") else ref["len"]
+        frames = codec["frames"]
+        lengths = [int(frames[i:i + 8], 16) for i in range(0, len(frames), 8)]
+        check(sum(lengths) == codec["stored"], f"{ref['name']}: frames sum to the stored bytes")
+        out, at, left = [], 0, ref["len"]
+        for stored_len in lengths:
+            raw_len = min(frame_raw, left)
+            frame = stored[at:at + stored_len]
+            if stored_len == raw_len:
+                out.append(frame)  # zstd did not shrink it: kept raw, unfiltered
+            else:
+                raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=raw_len)
+                out.append(unfilter(raw, codec["filter"]))
+            at += stored_len
+            left -= raw_len
+        data = b"".join(out)
+    if len(data) != ref["len"] or zlib.crc32(data) != ref["crc32"]:
+        raise AssertionError(f"{ref['name']} in {directory}: not the bytes its CRC-32 names")
+    return data
+
+
+def tensor_array(directory, ref, seen_codecs):
+    return np.frombuffer(tensor_bytes(directory, ref, seen_codecs), dtype=DTYPES[ref["dtype"]]).reshape(ref["shape"])
+
+
+def manifest_of(directory):
+    """The manifest the index commits, checked against the CRC-32 the index records."""
+    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    with open(os.path.join(directory, index["metadata"]["saver_manifest"]), "rb") as f:
+        raw = f.read()
+    check(zlib.crc32(raw) == index["metadata"]["saver_manifest_crc32"], f"manifest of {directory}")
+    return json.loads(raw)
+
+
+def link_rows(directory, table, seen_codecs):
+    """One link's table as {id: [row of each slot]}, from its partitions' segments."""
+    rows = {}
+    for p in table["partitions"]:
+        for seg in p["segments"]:
+            ids = tensor_array(directory, seg["ids"], seen_codecs)
+            slots = [tensor_array(directory, r, seen_codecs) for r in seg["slots"]]
+            # The bucket index: ascending (bucket << 48) | first_row, each naming the first row
+            # of its bucket, the first entry the segment's first non-empty bucket.
+            index = tensor_array(directory, seg["bucket_index"], seen_codecs)
+            buckets = bucket(ids).astype(np.int64)
+            check(len(ids) == 0 or (len(index) > 0 and int(index[0]) >> 48 == buckets[0]), "bucket index starts at the first bucket")
+            check(bool(np.all(np.diff(index.astype(np.uint64)) > 0)), "bucket index ascending")
+            rows_at = (index & np.uint64((1 << 48) - 1)).astype(np.int64)
+            at_bucket = (index >> np.uint64(48)).astype(np.int64)
+            check(bool(np.all(buckets[rows_at] == at_bucket)), "bucket index entries name their buckets' rows")
+            check(bool(np.all((rows_at == 0) | (buckets[np.maximum(rows_at - 1, 0)] < at_bucket))), "...their first rows")
+            for i, x in enumerate(ids.tolist()):
+                rows[x] = [s[i] for s in slots]
+    return rows
+
+
+def read_checkpoint(directory, seen_codecs):
+    """The model a checkpoint of any format version holds (a delta through its chain), read from
+    its files by docs/FORMAT.md alone, sharing no code with saver: ({table: (ids, {slot: rows})},
+    {dense name: array})."""
+    links = []  # (directory, manifest), newest first
+    d = directory
+    while True:
+        m = manifest_of(d)
+        check(m["format_version"] in (1, 2, 3, 4), f"{d}: a known format version")
+        check((m["format_version"] in (2, 4)) == bool(m.get("parent")), f"{d}: version and parent agree")
+        links.append((d, m))
+        if not m.get("parent"):
+            break
+        parent = m["parent"]
+        d = os.path.normpath(os.path.join(d, parent["path"]))
+        check(manifest_of(d)["save_id"] == parent["save_id"], f"{d}: the parent the delta names")
+    newest = links[0][1]
+    tables = {}
+    for t in newest["tables"]:
+        if t["name"].endswith(":removed"):
+            continue
+        # Newest link first: the first link that holds an id as a row or a removal decides.
+        resolved, decided = {}, set()
+        for d, m in links:
+            here = {x["name"]: x for x in m["tables"]}
+            if t["name"] not in here:
+                break
+            for x, row in link_rows(d, here[t["name"]], seen_codecs).items():
+                if x not in decided:
+                    resolved[x] = row
+                    decided.add(x)
+            if t["name"] + ":removed" in here:
+                decided.update(link_rows(d, here[t["name"] + ":removed"], seen_codecs))
+        ids = np.array(list(resolved), dtype=DTYPES[t["key_dtype"]])
+        slots = {}
+        for k, s in enumerate(t["slots"]):
+            rows = [resolved[x][k] for x in resolved]
+            shape = [len(ids)] + s["shape"]
+            slots[s["name"]] = np.array(rows, dtype=DTYPES[s["dtype"]]).reshape(shape)
+        tables[t["name"]] = (ids, slots)
+    dense = {e["tensor"]["name"]: tensor_array(links[0][0], e["tensor"], seen_codecs) for e in newest["dense"]}
+    for name in newest.get("dense_in_parent", []):
+        for d, m in links[1:]:
+            e = next((x for x in m["dense"] if x["tensor"]["name"] == name), None)
+            if e is not None:
+                dense[name] = tensor_array(d, e["tensor"], seen_codecs)
+                break
+        check(name in dense, f"dense tensor {name} kept from a parent is in a link of the chain")
+    return tables, dense
+
+
+def every_format_version_reads_by_the_spec():
+    """A reader written from docs/FORMAT.md alone reads checkpoints of every format version: full
+    (1), delta (2, with removed ids and dense tensors kept from the parent), compressed (3) and
+    compressed delta (4), in a chain of three, and finds the model saver says is there (its
+    digest) and, for the plain inputs, the very model that was saved."""
+    rng = np.random.default_rng(11)
+    n = 20000
+    ids = rng.permutation(np.arange(-n, n, 2, dtype=np.int64) * 7919)
+    base = {
+        "user/ids": ids,
+        # Low-entropy values, as trained embeddings' exponents are: zstd shrinks them.
+        "user/embedding": np.round(rng.standard_normal((len(ids), 8)), 1).astype(np.float32),
+        "user/clicks": rng.integers(0, 50, size=len(ids), dtype=np.int64),
+        "tower.w": rng.standard_normal((64, 64)).astype(np.float32),
+        "tower.b": np.arange(4096, dtype=np.int64),
+    }
+
+    def changed(model, seed):
+        """Some rows changed, some removed, new ids added, tower.w changed, tower.b kept."""
+        r = np.random.default_rng(seed)
+        ids = model["user/ids"]
+        keep = r.random(len(ids)) > 0.05
+        new = r.integers(10**12, 10**13, size=500, dtype=np.int64) + seed * 10**13
+        out = {"user/ids": np.concatenate([ids[keep], new])}
+        emb = np.concatenate([model["user/embedding"][keep], np.ones((500, 8), np.float32)])
+        clicks = np.concatenate([model["user/clicks"][keep], np.zeros(500, np.int64)])
+        touched = r.random(len(emb)) < 0.1
+        emb[touched] += 1
+        clicks[touched] += 1
+        out["user/embedding"], out["user/clicks"] = emb, clicks
+        out["tower.w"] = model["tower.w"] * 2
+        out["tower.b"] = model["tower.b"]
+        return out
+
+    def as_tables(model):
+        return (
+            {"user": (model["user/ids"], {"embedding": model["user/embedding"], "clicks": model["user/clicks"]})},
+            {"tower.w": model["tower.w"], "tower.b": model["tower.b"]},
+        )
+
+    models = [base, changed(base, 1)]
+    models.append(changed(models[1], 2))
+    dirs = []
+    for k, model in enumerate(models):
+        src = os.path.join(WORK, f"versions-in{k}")
+        os.makedirs(src, exist_ok=True)
+        save_file(model, os.path.join(src, "model.safetensors"))
+        out = os.path.join(WORK, f"versions-{k}")
+        args = ["save", "--from", src, "--out", out, "--shards", str(2 + k), "--no-fsync"]
+        if k > 0:
+            args += ["--parent", dirs[-1]]
+        if k == 2:
+            args += ["--compress", "zstd"]
+        saver(*args)
+        dirs.append(out)
+    synthetic = os.path.join(WORK, "versions-synthetic-zstd")
+    # One shard of 100,000 rows: its bucket indexes are large enough to be compressed (delta8).
+    saver("save", "--synthetic", "small,rows=100000", "--shards", "1", "--compress", "zstd", "--out", synthetic, "--no-fsync")
+    versions = set()
+    seen_codecs = set()
+    for k, d in enumerate(dirs + [synthetic]):
+        version = manifest_of(d)["format_version"]
+        versions.add(version)
+        tables, dense = read_checkpoint(d, seen_codecs)
+        check(digest(tables, dense) == saver("digest", d).strip(), f"{d} (version {version}) reads as saver reads it")
+        if k < len(models):
+            check(digest(tables, dense) == digest(*as_tables(models[k])), f"{d} holds the model saved into it")
+    check(manifest_of(dirs[1]).get("dense_in_parent") == ["tower.b"], "the delta keeps tower.b from its parent")
+    check(any(t["name"] == "user:removed" for t in manifest_of(dirs[1])["tables"]), "the delta removes ids")
+    check(versions == {1, 2, 3, 4}, f"every format version read: {sorted(versions)}")
+    check({"delta8", "shuffle8", "shuffle4"} <= seen_codecs, f"filters decoded: {sorted(seen_codecs)}")
+
+
 saver_files_hold_the_manifest_bytes()
 plain_input_round_trips()
+every_format_version_reads_by_the_spec()
 quantized_exports_match_fbgemm()
 if os.environ.get("SAVER_INTEROP_HF"):
     hugging_face_loaders_read_checkpoint_files()
