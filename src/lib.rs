@@ -88,3 +88,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
+
+#[doc = include_str!("../docs/GUIDE.md")]
+#[cfg(doctest)]
+pub struct GuideDoctests;

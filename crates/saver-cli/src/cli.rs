@@ -119,7 +119,7 @@ pub struct VerifyArgs {
 #[derive(Args, Debug, Clone, Copy)]
 pub struct CompressFlags {
     /// Compress each tensor where it pays: ids, mostly-zero rows and low-precision values
-    /// shrink, fp32 embeddings hardly do (see README). Files stay safetensors, compressed
+    /// shrink, fp32 embeddings hardly do (see docs/GUIDE.md). Files stay safetensors, compressed
     /// tensors stored as U8; the format version becomes 3 (4 for a delta), which earlier saver
     /// builds refuse rather than misread.
     #[arg(long, value_enum)]
