@@ -114,10 +114,13 @@ impl Checkpoint {
     /// [`Self::on_latest`]).
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        read_latest(&dir, || {
+        let open = || {
             let first = Opened::open(crate::storage::open_location(&dir)?, &dir, Vec::new())?;
             Self::follow(first, dir.clone())
-        })
+        };
+        // Only a failed opening pays for the look at whether the checkpoint was replaced (on an
+        // object store, a round trip or two): an opening that succeeds reads nothing more.
+        open().or_else(|_| read_latest(&dir, open))
     }
 
     /// Opens the checkpoint in `storage`, as [`Self::open`] does; a delta's parents are found
