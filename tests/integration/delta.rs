@@ -1126,3 +1126,27 @@ fn inspect_sums_up_a_delta_and_its_chain() {
         full.files.iter().map(|f| f.bytes).sum::<u64>()
     );
 }
+
+/// A delta decides first, as a full save does: options that cannot hold are named before its
+/// parent is opened or a row compared (here the parent does not even exist).
+#[test]
+fn a_delta_with_bad_options_is_refused_before_its_parent_is_read() {
+    let root = tempfile::tempdir().unwrap();
+    let t = EmbeddingTable::new("emb", KeyDtype::I64, slots()).unwrap();
+    // A multi-process save without a save id.
+    let mut o = SaveOptions::default().with_parent(root.path().join("no-such-parent"));
+    o.plan.shard_num = 2;
+    o.plan.shard_index = Some(0);
+    let e = saver::save(root.path().join("d"), SaveInput::new().table(&t), &o)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("save id") && !e.contains("no-such-parent"), "{e}");
+    // A directory that holds a checkpoint, without --overwrite.
+    let full = root.path().join("full");
+    saver::save(&full, SaveInput::new().table(&t), &SaveOptions::default()).unwrap();
+    let o = SaveOptions::default().with_parent(root.path().join("no-such-parent"));
+    let e = saver::save(&full, SaveInput::new().table(&t), &o)
+        .unwrap_err()
+        .to_string();
+    assert!(!e.contains("no-such-parent"), "{e}");
+}

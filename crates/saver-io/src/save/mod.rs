@@ -1,12 +1,15 @@
 //! Saving: the options and report of a save, its pipeline (plan, write, commit), deltas, and the
 //! background save.
 //!
-//! [`save`] and [`save_to`] decide what a save is from its options: a delta when
-//! [`SaveOptions::parent`] is set (`delta`), a full checkpoint otherwise (`pipeline`).
+//! A save goes one way, for a full checkpoint and a delta alike: it decides (its name, what it
+//! replaces, that its options hold: `decide`), then a delta finds its changes against its parent
+//! (`delta`, when [`SaveOptions::parent`] is set), then the shards are claimed, planned, written
+//! and committed (`pipeline`, `commit`).
 
 pub(crate) mod background;
 pub(crate) mod commit;
 mod compressing;
+pub(crate) mod decide;
 pub(crate) mod delta;
 mod options;
 pub(crate) mod pipeline;
@@ -116,8 +119,11 @@ pub(crate) fn save_on_this_thread(
     joined
         .tables
         .extend(workers.iter().map(|w| TableRef::Borrowed(w)));
+    // Decided first, for a full save and a delta alike: the save's name, what it replaces, and
+    // that its options hold, before a row is read or compared.
+    let decided = decide::decide(storage, &joined, opts, opts.parent.is_some())?;
     if opts.parent.is_some() {
-        return crate::save::delta::save_delta_of_input(storage, joined, opts);
+        return crate::save::delta::save_delta_of_input(storage, joined, opts, decided);
     }
-    save_prepared(storage, joined, opts, None)
+    save_prepared(storage, joined, opts, decided, None)
 }

@@ -5,12 +5,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use rayon::prelude::*;
 
 use saver_core::manifest::{format_version_of, CheckpointRef, ParentRef, TableGiven, WriterInfo};
-use saver_core::naming::{check_save_id, shard_manifest_name, INDEX_FILE};
+use saver_core::naming::shard_manifest_name;
 use saver_core::plan::{plan_with_spill, tables_past_budget, ChunkBuffer, TensorCrc};
 use saver_core::table::TableSemantics;
 use saver_core::ChangeTracking;
@@ -19,10 +19,11 @@ use saver_core::{PlanOptions, SaveInput, SavePlan};
 use crate::error::{Error, Result};
 use crate::load::documents::committed;
 use crate::save::commit::{
-    check_not_rejected, claim_shard, commit_under, files_left_alone, reclaim_ended_saves,
-    remove_own, wait_for_commit, CommitState, Leftovers,
+    claim_shard, commit_under, files_left_alone, reclaim_ended_saves, remove_own, wait_for_commit,
+    CommitState, Leftovers,
 };
 use crate::save::compressing::CompressedFile;
+use crate::save::decide::{plan_options, Decided};
 use crate::save::schedule::{Claimer, FileQueues};
 use crate::save::sink::{combine_crcs, FileSink, Files, PieceCrc};
 use crate::storage::at_once::{all_at_once, calls_at_once, each_at_once, STORE_CALLS_AT_ONCE};
@@ -46,17 +47,6 @@ pub(crate) fn storage_for_save(dir: &Path, opts: &SaveOptions) -> Result<Arc<dyn
     Ok(Arc::new(storage.with_direct_io(direct)))
 }
 
-fn random_save_id() -> String {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    format!(
-        "{}-{:08x}",
-        now.as_secs(),
-        crate::storage::identity::random_u64() as u32
-    )
-}
-
 /// The tables every process of a save must be given alike, as this process was given them.
 fn tables_given(input: &SaveInput<'_>) -> Vec<TableGiven> {
     input
@@ -68,18 +58,6 @@ fn tables_given(input: &SaveInput<'_>) -> Vec<TableGiven> {
             slots: t.slots().to_vec(),
         })
         .collect()
-}
-
-/// The committed checkpoint, with a clear error where the index is not saver's.
-fn committed_before_save(storage: &dyn Storage) -> Result<Option<CheckpointRef>> {
-    committed(storage).map_err(|e| match e {
-        Error::Corrupt { .. } | Error::UnsupportedVersion { .. } => Error::Mismatch(format!(
-            "{} holds a {INDEX_FILE} that saver cannot read as a checkpoint's ({e}); a save would \
-             replace it, so save into another directory or move that file away",
-            storage.location()
-        )),
-        e => e,
-    })
 }
 
 /// What makes a save a delta: its parent, the dense tensors of the new state it does not write
@@ -129,71 +107,12 @@ pub(crate) fn save_prepared(
     storage: &dyn Storage,
     input: SaveInput<'_>,
     opts: &SaveOptions,
+    decided: Decided,
     delta: Option<DeltaOf<'_>>,
 ) -> Result<SaveReport> {
     let t0 = Instant::now();
-    saver_core::manifest::check_user_metadata(&opts.user_metadata)?;
-    if delta.is_none() {
-        // The companion tables of removed ids belong to deltas: in a full checkpoint a reader
-        // refuses them.
-        if let Some(t) = input
-            .all_tables()
-            .find(|t| saver_core::naming::removed_table_of(t.name()).is_some())
-        {
-            return Err(saver_core::Error::InvalidName {
-                what: "table",
-                name: t.name().to_string(),
-                why: "'/' and ':' are reserved".into(),
-            }
-            .into());
-        }
-    }
-    let save_id =
-        match (&opts.save_id, opts.plan.shard_index) {
-            (Some(id), _) => id.clone(),
-            (None, None) => random_save_id(),
-            (None, Some(_)) => return Err(Error::InvalidOption {
-                option: "save_id",
-                why: "a multi-process save (shard_index set) needs an explicit save id, the same \
-                      in every process of that save and used by no other save or retry (for \
-                      example run7-step1200-a1); one derived from the model could join shards of \
-                      two different runs"
-                    .into(),
-            }),
-        };
-    check_save_id(&save_id)?;
-    // The plan's own save id is the save's to set: one set by the caller would be overwritten
-    // unseen, so it is refused (the default is the only value the caller may leave there).
-    if opts.plan.save_id != PlanOptions::default().save_id && opts.plan.save_id != save_id {
-        return Err(Error::InvalidOption {
-            option: "plan.save_id",
-            why: format!(
-                "a save names itself from SaveOptions::save_id ({save_id}), never from \
-                 plan.save_id ({}): set save_id instead",
-                opts.plan.save_id
-            ),
-        });
-    }
-    let mut plan_opts = opts.plan.clone();
-    plan_opts.save_id = save_id.clone();
-    plan_opts.validate()?;
-
-    let seen = committed_before_save(storage)?;
-    if let Some(existing) = &seen {
-        if existing.save_id == save_id {
-            return Err(Error::Mismatch(format!(
-                "{} already holds the committed save {save_id}; use another save id",
-                storage.location()
-            )));
-        }
-        if !opts.overwrite {
-            return Err(Error::Exists {
-                dir: storage.location().into(),
-                save_id: existing.save_id.clone(),
-            });
-        }
-    }
-    check_not_rejected(storage, &save_id)?;
+    let Decided { save_id, replaces } = decided;
+    let plan_opts = plan_options(opts, &save_id);
     // Best effort: a store that fails here fails the save's own requests just after, with the
     // error that matters.
     let mut cleaned_up = storage.clean_ended_writers().unwrap_or_default();
@@ -237,7 +156,7 @@ pub(crate) fn save_prepared(
             &plan_opts,
             Shared {
                 writer,
-                replaces: seen,
+                replaces,
                 delta,
                 t0,
             },

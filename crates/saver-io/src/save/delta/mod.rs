@@ -37,6 +37,7 @@ use saver_core::{ChangeTracking, DenseTensor, PartitionRule, SaveInput, SlotSpec
 use crate::error::{Error, Result};
 use crate::load::checkpoint::{ChainTable, Checkpoint};
 use crate::load::rows::BucketRows;
+use crate::save::decide::Decided;
 use crate::save::options::SaveOptions;
 use crate::save::pipeline::{save_prepared, DeltaOf};
 use crate::save::report::{DeltaMethod, SaveReport};
@@ -58,6 +59,7 @@ pub(crate) fn save_delta_of_input(
     storage: &dyn Storage,
     mut input: SaveInput<'_>,
     opts: &SaveOptions,
+    decided: Decided,
 ) -> Result<SaveReport> {
     // The moment is the tables' snapshots below, not the plan of the changed rows found after
     // them: the hook is told then, so that a background save returns before the comparisons.
@@ -164,7 +166,11 @@ pub(crate) fn save_delta_of_input(
         .into_iter()
         .map(|c| c.unwrap_or_else(|| sorted.next().expect("one sorted table each")))
         .collect();
-    let found = Found { methods, tokens };
+    let found = Found {
+        methods,
+        tokens,
+        decided,
+    };
     ctx.save(storage, &refs, tracked, dense, opts, found)
         .map_err(|e| ctx.explain(e))
 }
@@ -222,11 +228,13 @@ fn tracked_since<'m>(
     }
 }
 
-/// How a delta found each table's changes, and the tables to tell of its commit.
-#[derive(Default)]
+/// How a delta found each table's changes, the tables to tell of its commit, and what the save
+/// decided before.
 struct Found<'t> {
     methods: BTreeMap<String, DeltaMethod>,
     tokens: Vec<(&'t dyn ChangeTracking, u64)>,
+    /// What the save decided before the delta was found (its name, what it replaces).
+    decided: Decided,
 }
 
 /// A delta save's parent chain and where the delta goes.
@@ -448,7 +456,7 @@ impl Delta {
             tracking: found.tokens,
             parent_dir: self.chain.dirs()[0].clone(),
         };
-        save_prepared(storage, input, &opts, Some(delta))
+        save_prepared(storage, input, &opts, found.decided, Some(delta))
     }
 }
 
