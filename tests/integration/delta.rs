@@ -1140,7 +1140,10 @@ fn a_delta_with_bad_options_is_refused_before_its_parent_is_read() {
     let e = saver::save(root.path().join("d"), SaveInput::new().table(&t), &o)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("save id") && !e.contains("no-such-parent"), "{e}");
+    assert!(
+        e.contains("save id") && !e.contains("no-such-parent"),
+        "{e}"
+    );
     // A directory that holds a checkpoint, without --overwrite.
     let full = root.path().join("full");
     saver::save(&full, SaveInput::new().table(&t), &SaveOptions::default()).unwrap();
