@@ -71,12 +71,15 @@ impl Checkpoint {
         if !self.is_delta() {
             return Ok(Engine::Full(self.newest()));
         }
-        Ok(Engine::Chain(
-            selected
-                .iter()
-                .map(|s| ChainTable::new(self, &s.manifest.name, s.slots.clone()))
-                .collect::<Result<_>>()?,
-        ))
+        Ok(Engine::Chain(self.chain_tables(selected)?))
+    }
+
+    /// `selected`, each resolved over the chain.
+    pub(crate) fn chain_tables(&self, selected: &[Selected<'_>]) -> Result<Vec<ChainTable<'_>>> {
+        selected
+            .iter()
+            .map(|s| ChainTable::new(self, &s.manifest.name, s.slots.clone()))
+            .collect()
     }
 
     /// Restores into fresh [`EmbeddingTable`]s: every target shard of `opts.shard_num`, or only
@@ -359,14 +362,9 @@ fn fill_from_chain(
     }
     let pool = reader_pool(reader_threads(ckpt.newest(), opts.parallel))?;
     // What every sink's target reads whole, read ahead at once (on a remote store).
-    let hull = targets
-        .iter()
-        .fold(None::<Range<u32>>, |h, t| match h {
-            None => Some(t.clone()),
-            Some(h) => Some(h.start.min(t.start)..h.end.max(t.end)),
-        })
-        .unwrap_or(0..0);
-    let _ahead: Ahead<'_> = read_ahead(&pool, tables, &hull)?;
+    let lowest = targets.iter().map(|t| t.start).min().unwrap_or(0);
+    let highest = targets.iter().map(|t| t.end).max().unwrap_or(0);
+    let _ahead: Ahead<'_> = read_ahead(&pool, tables, &(lowest..highest))?;
     let done: Vec<(u64, u64)> = pool.install(|| {
         work.par_iter()
             .map(|(k, r)| {

@@ -343,12 +343,12 @@ impl Checkpoint {
         tables: &[String],
         exclude_slots: &[String],
     ) -> Result<Vec<ChainTable<'_>>> {
-        let set = globs("tables", tables)?;
-        let exclude = globs("exclude_slots", exclude_slots)?;
-        self.table_manifests()
-            .filter(|t| set.as_ref().is_none_or(|s| s.is_match(&t.name)))
-            .map(|t| ChainTable::new(self, &t.name, Link::kept_slots(t, &exclude)))
-            .collect()
+        let opts = LoadOptions {
+            tables: tables.to_vec(),
+            exclude_slots: exclude_slots.to_vec(),
+            ..LoadOptions::default()
+        };
+        self.chain_tables(&self.select(&opts)?)
     }
 
     /// Bytes the links' files have delivered to reads so far: see [`Link::bytes_fetched`].
