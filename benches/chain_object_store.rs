@@ -20,8 +20,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::io::source::Source;
-use saver::io::tools::digest::source_digest;
+use saver::io::tools::digest::{Content, DigestVersion};
 use saver::io::tools::reshard::reshard;
 use saver::{save, Checkpoint, LoadOptions, SaveOptions};
 
@@ -41,11 +40,11 @@ fn opts(parent: Option<&str>) -> SaveOptions {
 
 /// The content digest of the checkpoint or chain at `url`, as `saver digest` computes it.
 fn digest(url: &str) -> String {
-    let path = Path::new(url);
-    let source = Source::open(path).unwrap();
-    let tables = source.tables(path, 2).unwrap();
-    let dense = source.dense().unwrap();
-    source_digest(&tables, &dense).unwrap()
+    let at = Content::At {
+        path: Path::new(url),
+        parallel: 2,
+    };
+    saver::io::tools::digest::digest(at, DigestVersion::V2).unwrap()
 }
 
 /// Loads the checkpoint or chain at `url` into tables; returns the rows loaded.

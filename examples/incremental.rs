@@ -8,8 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use saver::core::partition::fmix64;
-use saver::io::source::Source;
-use saver::io::tools::digest::source_digest;
+use saver::io::tools::digest::{Content, DigestVersion};
 use saver::io::tools::reshard::reshard;
 use saver::{
     save, Checkpoint, Dtype, EmbeddingTable, KeyDtype, LoadOptions, SaveInput, SaveOptions,
@@ -36,9 +35,11 @@ fn train(t: &EmbeddingTable, step: u64) {
 }
 
 fn digest(dir: &Path) -> String {
-    let source = Source::open(dir).unwrap();
-    let tables = source.tables(dir, 2).unwrap();
-    source_digest(&tables, &source.dense().unwrap()).unwrap()
+    let at = Content::At {
+        path: dir,
+        parallel: 2,
+    };
+    saver::io::tools::digest::digest(at, DigestVersion::V2).unwrap()
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -8,7 +8,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use numpy::{PyArray1, PyReadonlyArray1};
@@ -21,8 +21,7 @@ use saver_core::{
     ColumnTable, DenseTensor, Dtype, KeyDtype, SaveInput, SlotSpec, SparseTable, TableRef,
 };
 use saver_io::load::checkpoint::read_latest;
-use saver_io::source::Source;
-use saver_io::tools::digest::source_digest;
+use saver_io::tools::digest::{Content, DigestVersion};
 use saver_io::{Checkpoint, LoadOptions, SaveOptions};
 
 create_exception!(
@@ -631,12 +630,13 @@ fn verify<'py>(py: Python<'py>, path: PathBuf, parallel: usize) -> PyResult<Boun
 #[pyo3(signature = (path, parallel))]
 fn digest(py: Python<'_>, path: PathBuf, parallel: usize) -> PyResult<String> {
     py.detach(|| {
-        let path: &Path = &path;
-        read_latest(path, || {
-            let source = Source::open(path)?;
-            let tables = source.tables(&std::env::temp_dir(), parallel.max(1))?;
-            source_digest(&tables, &source.dense()?)
-        })
+        saver_io::tools::digest::digest(
+            Content::At {
+                path: &path,
+                parallel,
+            },
+            DigestVersion::V2,
+        )
     })
     .map_err(err)
 }

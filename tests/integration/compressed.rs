@@ -7,9 +7,9 @@ use crate::common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use crate::common::restored_digest;
 use common::{rows_of, table, Model};
 use proptest::prelude::*;
-use saver::io::tools::digest::restored_digest;
 use saver::{
     save, Checkpoint, Compression, DenseTensor, Dtype, EmbeddingTable, KeyDtype, LoadOptions,
     PlanOptions, SaveOptions, SlotSpec, Status,

@@ -13,10 +13,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::common::restored_digest;
 use saver::core::partition::fmix64;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver::io::storage::{CommitLock, LocalFs, ReadHandle, Storage, WriteHandle};
-use saver::io::tools::digest::restored_digest;
 use saver::io::{save_to, Error, Result};
 use saver::{save, Checkpoint, ForeignRows, LoadOptions, SaveOptions, Status};
 

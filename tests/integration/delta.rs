@@ -10,10 +10,10 @@ use std::process::Command;
 
 use crate::common;
 
+use crate::common::{restored_digest, source_digest};
 use proptest::prelude::*;
 use saver::core::ScalarCondition;
 use saver::io::source::Source;
-use saver::io::tools::digest::{restored_digest, source_digest};
 use saver::io::tools::export::export;
 use saver::io::tools::reshard::reshard;
 use saver::{
@@ -1014,9 +1014,12 @@ fn a_corrupt_byte_in_any_link_is_refused_by_every_read_and_never_laundered() {
             check("restore shard 1 of 2", restored(&shard(1)), &intact[1]);
             // Shard 0 of 2 does not read the bad tensor, and gets the right rows.
             assert_eq!(restored(&shard(0)).unwrap(), intact[2]);
-            let arrays = chain
-                .load_columns(&LoadOptions::default())
-                .and_then(|c| saver::io::tools::digest::columns_digest(&c));
+            let arrays = chain.load_columns(&LoadOptions::default()).and_then(|c| {
+                saver::io::tools::digest::digest(
+                    (&c).into(),
+                    saver::io::tools::digest::DigestVersion::V2,
+                )
+            });
             check("arrays", arrays, &intact[3]);
             check("digest", chain_digest(&tip), &intact[3]);
             // What a rewrite commits must be the intact chain's rows, or nothing.

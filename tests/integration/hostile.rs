@@ -8,10 +8,10 @@ use crate::common;
 
 use std::path::{Path, PathBuf};
 
+use crate::common::restored_digest;
 use proptest::prelude::*;
 use saver::core::partition::fmix64;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver::io::tools::digest::restored_digest;
 use saver::io::Error;
 use saver::{save, Checkpoint, LoadOptions, SaveOptions, Status};
 

@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use crate::common::source_digest;
 use saver::io::load::restore::LoadedDense;
 use saver::io::source::{save_input, PlainInput, Source, SourceTables};
-use saver::io::tools::digest::source_digest;
 use saver::io::{save, Checkpoint, SaveOptions};
 
 /// Writes a plain input of one table `t0` of `rows` rows in no useful order (ids, two slots of

@@ -233,8 +233,8 @@ fn reshard_keeps_every_row_dense_tensor_and_state() {
     let all = LoadOptions::default();
     let (a, b) = (ck.restore(&all).unwrap(), new.restore(&all).unwrap());
     assert_eq!(
-        saver::io::tools::digest::restored_digest(&a).unwrap(),
-        saver::io::tools::digest::restored_digest(&b).unwrap()
+        crate::common::restored_digest(&a).unwrap(),
+        crate::common::restored_digest(&b).unwrap()
     );
     let tables = &b.shards[0].tables;
     let user = tables

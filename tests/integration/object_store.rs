@@ -11,10 +11,10 @@ use std::time::Duration;
 use crate::common;
 use crate::common::garage;
 
+use crate::common::restored_digest;
 use saver::core::plan::ForeignRows;
 use saver::core::PartitionRule;
 use saver::io::storage::{LocalFs, ObjectStorage, Storage, MIN_PART_SIZE};
-use saver::io::tools::digest::restored_digest;
 use saver::{save, verify, Checkpoint, LoadOptions, SaveOptions, Status};
 
 /// Deterministic bytes for a test file.

@@ -13,11 +13,11 @@ use std::path::Path;
 use std::sync::Barrier;
 use std::time::Duration;
 
+use crate::common::restored_digest;
 use saver::core::partition::fmix64;
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
 use saver::io::save::{try_commit, CommitState};
 use saver::io::storage::{Fault, FaultyStorage, LocalFs};
-use saver::io::tools::digest::restored_digest;
 use saver::io::{save_to, Error, SaveReport};
 use saver::{
     save, Checkpoint, DenseTensor, Dtype, ForeignRows, LoadOptions, SaveInput, SaveOptions, Status,

@@ -5,11 +5,12 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use crate::common::{restored_digest, source_digest};
 use proptest::prelude::*;
 use saver::core::{Dtype, SaveInput, SparseTable};
 use saver::io::source::import::read_plain;
 use saver::io::source::{save_input, Source, SourceTables};
-use saver::io::tools::digest::{restored_digest, source_digest, tables_digest};
+use saver::io::tools::digest::{digest, Content, DigestVersion};
 use saver::io::tools::export::{export, ExportOptions};
 use saver::io::{save, Checkpoint, LoadOptions, SaveOptions};
 
@@ -158,7 +159,13 @@ proptest! {
             .iter()
             .map(|t| (SparseTable::name(t).to_string(), vec![t as &dyn SparseTable]))
             .collect();
-        let mem_digest = tables_digest(&mem_tables, &model.dense).unwrap();
+        let mem_digest = digest(
+            Content::Tables {
+                tables: &mem_tables,
+                dense: &model.dense,
+            },
+            DigestVersion::V2,
+        ).unwrap();
 
         // Streaming: the input distributed by bucket (small groups: many of them; in one pass
         // or in rounds), saved.
@@ -239,6 +246,57 @@ o
             .iter()
             .map(|t| (SparseTable::name(t).to_string(), vec![t as &dyn SparseTable]))
             .collect();
-        prop_assert_eq!(tables_digest(&back_tables, &back.dense).unwrap(), mem_digest);
+        prop_assert_eq!(digest(
+            Content::Tables {
+                tables: &back_tables,
+                dense: &back.dense,
+            },
+            DigestVersion::V2,
+        ).unwrap(), mem_digest);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    /// One digest of one content whatever holds it: the tables in memory, restored as any
+    /// number of shards, loaded as columns, read from the files (version 2); in both versions,
+    /// which differ from each other; and version 1 is refused where rows come from files.
+    #[test]
+    fn a_digest_is_the_same_whatever_holds_the_content(
+        ids in proptest::collection::btree_set(any::<u64>(), 0..400),
+        shards in 1u32..4,
+        key in prop_oneof![Just(saver::KeyDtype::I64), Just(saver::KeyDtype::U64)],
+    ) {
+        let d = tempfile::tempdir().unwrap();
+        let ids: Vec<u64> = ids.into_iter().collect();
+        let slots = vec![
+            saver::SlotSpec::new("w", Dtype::F32, vec![3]),
+            saver::SlotSpec::new("a", Dtype::U8, vec![2]),
+        ];
+        let t = crate::common::table("t", key, slots, &ids);
+        save(d.path(), SaveInput::new().table(&t), &SaveOptions::default()).unwrap();
+        let ck = Checkpoint::open(d.path()).unwrap();
+        let mut all_shards = LoadOptions::default();
+        all_shards.shard_num = shards;
+        let restored = ck.restore(&all_shards).unwrap();
+        let columns = ck.load_columns(&LoadOptions::default()).unwrap();
+        let tables: BTreeMap<String, Vec<&dyn SparseTable>> =
+            [("t".to_string(), vec![&t as &dyn SparseTable])].into_iter().collect();
+        let mut by_version = Vec::new();
+        for version in [DigestVersion::V1, DigestVersion::V2] {
+            let of_tables = digest(Content::Tables { tables: &tables, dense: &[] }, version).unwrap();
+            prop_assert_eq!(&digest((&restored).into(), version).unwrap(), &of_tables);
+            prop_assert_eq!(&digest((&columns).into(), version).unwrap(), &of_tables);
+            let at = digest(Content::At { path: d.path(), parallel: 2 }, version);
+            if version == DigestVersion::V2 {
+                prop_assert_eq!(&at.unwrap(), &of_tables);
+            } else {
+                let e = at.unwrap_err().to_string();
+                prop_assert!(e.contains("digest version"), "{}", e);
+            }
+            by_version.push(of_tables);
+        }
+        prop_assert_ne!(&by_version[0], &by_version[1]);
     }
 }

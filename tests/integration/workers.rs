@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
+use crate::common::source_digest;
 use saver::core::partition::fmix64;
 use saver::io::source::Source;
-use saver::io::tools::digest::source_digest;
 use saver::{
     save, save_async, DeltaMethod, Dtype, EmbeddingTable, KeyDtype, LoadOptions, PartitionRule,
     SaveInput, SaveOptions, SaveReport, SlotSpec,

@@ -158,3 +158,18 @@ pub fn reseal(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
     idx["metadata"]["saver_manifest_crc32"] = serde_json::json!(crc32fast::hash(&bytes));
     std::fs::write(&idx_path, serde_json::to_vec(&idx).unwrap()).unwrap();
 }
+
+/// The (version-2) digest of what a restore returned.
+pub fn restored_digest(r: &saver::Restored) -> saver::Result<String> {
+    use saver::io::tools::digest::{digest, Content, DigestVersion};
+    digest(Content::Restored(r), DigestVersion::V2)
+}
+
+/// The (version-2) digest of tables and dense tensors read from files.
+pub fn source_digest(
+    tables: &saver::io::source::SourceTables<'_>,
+    dense: &[saver::LoadedDense],
+) -> saver::Result<String> {
+    use saver::io::tools::digest::{digest, Content, DigestVersion};
+    digest(Content::Files { tables, dense }, DigestVersion::V2)
+}

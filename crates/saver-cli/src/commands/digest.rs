@@ -7,7 +7,7 @@ use saver_core::SparseTable;
 use saver_io::load::checkpoint::read_latest;
 use saver_io::source::import::read_model;
 use saver_io::source::Source;
-use saver_io::tools::digest::{content_digest, source_digest};
+use saver_io::tools::digest::{digest, Content, DigestVersion};
 
 use super::CmdResult;
 use crate::cli::DigestArgs;
@@ -30,12 +30,23 @@ pub fn run(args: DigestArgs) -> CmdResult {
                 for w in &model.warnings {
                     eprintln!("warning: {w}");
                 }
-                let tables: BTreeMap<String, Vec<&saver_core::EmbeddingTable>> = model
+                let tables: BTreeMap<String, Vec<&dyn SparseTable>> = model
                     .tables
                     .iter()
-                    .map(|t| (SparseTable::name(t).to_string(), vec![t]))
+                    .map(|t| {
+                        (
+                            SparseTable::name(t).to_string(),
+                            vec![t as &dyn SparseTable],
+                        )
+                    })
                     .collect();
-                content_digest(&tables, &model.dense)
+                digest(
+                    Content::Tables {
+                        tables: &tables,
+                        dense: &model.dense,
+                    },
+                    DigestVersion::V1,
+                )?
             } else {
                 // Opened again if it is replaced while it is read (see `read_latest`).
                 read_latest(path, || {
@@ -44,7 +55,13 @@ pub fn run(args: DigestArgs) -> CmdResult {
                         eprintln!("warning: {w}");
                     }
                     let tables = source.tables(&std::env::temp_dir(), parallel)?;
-                    source_digest(&tables, &source.dense()?)
+                    digest(
+                        Content::Files {
+                            tables: &tables,
+                            dense: &source.dense()?,
+                        },
+                        DigestVersion::V2,
+                    )
                 })?
             })
         },

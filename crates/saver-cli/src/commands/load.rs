@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use serde::Serialize;
 
 use saver_io::load::checkpoint::read_latest;
-use saver_io::tools::digest::{columns_digest, restored_digest};
+use saver_io::tools::digest::{digest, DigestVersion};
 use saver_io::{Checkpoint, LoadOptions, LoadReport};
 
 use super::CmdResult;
@@ -59,12 +59,16 @@ pub fn run(args: LoadArgs) -> CmdResult {
         Ok(match into {
             LoadTarget::Tables => {
                 let r = ck.restore(&opts)?;
-                let digest = (!no_digest).then(|| restored_digest(&r)).transpose()?;
+                let digest = (!no_digest)
+                    .then(|| digest((&r).into(), DigestVersion::V2))
+                    .transpose()?;
                 (tables, r.report, r.dense.len(), digest)
             }
             LoadTarget::Arrays => {
                 let c = ck.load_columns(&opts)?;
-                let digest = (!no_digest).then(|| columns_digest(&c)).transpose()?;
+                let digest = (!no_digest)
+                    .then(|| digest((&c).into(), DigestVersion::V2))
+                    .transpose()?;
                 (tables, c.report, c.dense.len(), digest)
             }
         })
