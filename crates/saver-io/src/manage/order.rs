@@ -14,8 +14,9 @@ use saver_core::Manifest;
 use crate::error::Result;
 use crate::load::documents::committed;
 use crate::manage::root::{parent_step, Root};
-use crate::save::commit::{CommitRule, COMMIT_LOCK_WAIT};
+use crate::save::commit::CommitRule;
 use crate::storage::CommitLock;
+use crate::storage::COMMIT_LOCK_WAIT;
 
 /// The rule of the save of `step` into `root`.
 pub(crate) struct StepOrder {

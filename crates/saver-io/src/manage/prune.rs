@@ -20,7 +20,7 @@ use saver_core::naming::{SaverFile, INDEX_FILE};
 use crate::error::Result;
 use crate::manage::policy::Retention;
 use crate::manage::root::{Root, StepInfo, PRUNE_MARKER};
-use crate::save::commit::COMMIT_LOCK_WAIT;
+use crate::storage::COMMIT_LOCK_WAIT;
 
 /// What [`PRUNE_MARKER`] holds: the step and the saves whose files are being removed.
 #[derive(Debug, Serialize, serde::Deserialize)]

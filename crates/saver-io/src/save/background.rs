@@ -18,9 +18,9 @@ use saver_core::SaveInput;
 
 use crate::error::{Error, Result};
 use crate::save::options::{Progress, SaveOptions};
-use crate::save::pipeline::storage_for_save;
 use crate::save::report::SaveReport;
 use crate::save::save_on_this_thread;
+use crate::save::storage_for_save;
 
 /// A save running in the background, started by [`save_async`].
 ///

@@ -1,18 +1,21 @@
-//! The first step of every save, full or delta: what it is called, what it replaces, and that
-//! its options hold, decided once and before a row is read. What follows (a delta's comparison
-//! with its parent, the claim of the shards, the plan, the writes, the commit) only reads the
-//! [`Decided`].
+//! The first step of every save, full or delta: what it is called, what it replaces, that its
+//! options hold, and, for a delta, its parent (opened, and checked to be one a delta may name),
+//! decided once and before a row is read. What follows (a delta's comparison with its parent,
+//! the claim of the shards, the plan, the writes, the commit) only reads the [`Decided`], and
+//! checks here, before the save's shard manifests, that its parent is still there.
 
+use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use saver_core::manifest::CheckpointRef;
+use saver_core::manifest::{CheckpointRef, ParentRef};
 use saver_core::naming::{check_save_id, removed_table_of, INDEX_FILE};
 use saver_core::{PlanOptions, SaveInput};
 
 use crate::error::{Error, Result};
+use crate::load::checkpoint::{Checkpoint, MAX_CHAIN_LINKS};
 use crate::load::documents::committed;
-use crate::save::commit::check_not_rejected;
 use crate::save::options::SaveOptions;
+use crate::save::rejection::check_not_rejected;
 use crate::storage::Storage;
 
 /// What a save decided before it reads a row.
@@ -23,16 +26,29 @@ pub(crate) struct Decided {
     /// commits only over it: one that another save overtook meanwhile fails instead of
     /// replacing it unseen.
     pub(crate) replaces: Option<CheckpointRef>,
+    /// A delta's parent ([`SaveOptions::parent`]), or `None` for a full save.
+    pub(crate) parent: Option<Parent>,
+}
+
+/// A delta's parent: the chain it ends, opened once, and how the delta names it.
+pub(crate) struct Parent {
+    /// The parent's chain, newest link first.
+    pub(crate) chain: Checkpoint,
+    /// Where the delta goes.
+    pub(crate) child_dir: PathBuf,
+    /// What the delta's manifests name as its parent.
+    pub(crate) parent_ref: ParentRef,
 }
 
 /// Checks `opts` and the directory for a save of `input` into `storage` (a delta when
-/// `delta`), and names the save.
+/// [`SaveOptions::parent`] is set: its parent is opened last, once the rest holds), and names
+/// the save.
 pub(crate) fn decide(
     storage: &dyn Storage,
     input: &SaveInput<'_>,
     opts: &SaveOptions,
-    delta: bool,
 ) -> Result<Decided> {
+    let delta = opts.parent.is_some();
     saver_core::manifest::check_user_metadata(&opts.user_metadata)?;
     if !delta {
         // The companion tables of removed ids belong to deltas: in a full checkpoint a reader
@@ -92,7 +108,121 @@ pub(crate) fn decide(
         }
     }
     check_not_rejected(storage, &save_id)?;
-    Ok(Decided { save_id, replaces })
+    let parent = opts
+        .parent
+        .as_deref()
+        .map(|p| Parent::open(storage, p))
+        .transpose()?;
+    Ok(Decided {
+        save_id,
+        replaces,
+        parent,
+    })
+}
+
+impl Parent {
+    /// Opens the chain of `parent` for a delta saved into `storage`, refusing a delta saved
+    /// over a link of its own chain, or one that would make the chain too long to read.
+    fn open(storage: &dyn Storage, parent: &Path) -> Result<Self> {
+        let child_dir = PathBuf::from(storage.location());
+        let chain = Checkpoint::open(parent).map_err(|e| match e {
+            e @ Error::Chain { .. } => e,
+            e => Error::Chain {
+                link: child_dir.display().to_string(),
+                message: format!("parent {} cannot be opened: {e}", parent.display()),
+            },
+        })?;
+        // Refused before anything is written: a longer chain would commit and then be unreadable.
+        if chain.links().len() >= MAX_CHAIN_LINKS {
+            return Err(Error::Chain {
+                link: child_dir.display().to_string(),
+                message: format!(
+                    "parent {}'s chain has {} links, the most a chain may have: compact it \
+                     (saver compact) and save the delta of the compacted checkpoint, or save a \
+                     full checkpoint",
+                    parent.display(),
+                    chain.links().len()
+                ),
+            });
+        }
+        if let Some(d) = chain
+            .dirs()
+            .iter()
+            .find(|d| crate::storage::same_location(d, &child_dir))
+        {
+            return Err(Error::Chain {
+                link: child_dir.display().to_string(),
+                message: format!(
+                    "{} is a link of the parent's chain: a delta saved over it would remove the \
+                     rows it depends on; save the delta into a directory of its own",
+                    d.display()
+                ),
+            });
+        }
+        // The same directory by another path (a bind mount, an NFS export, a second mount of a
+        // bucket): the checkpoint it holds is a link of the chain, by its save id.
+        if let Some(held) = committed(storage)? {
+            if let Some(link) = chain
+                .links()
+                .iter()
+                .position(|l| l.manifest().save_id == held.save_id)
+            {
+                return Err(Error::Chain {
+                    link: child_dir.display().to_string(),
+                    message: format!(
+                        "it holds save {}, a link of the parent's chain (link {}, {}): a delta \
+                         saved over it would remove the rows it depends on; save the delta into \
+                         a directory of its own",
+                        held.save_id,
+                        link,
+                        chain.dirs()[link].display()
+                    ),
+                });
+            }
+        }
+        let parent_ref = chain.parent_ref_for(&child_dir)?;
+        Ok(Self {
+            chain,
+            child_dir,
+            parent_ref,
+        })
+    }
+
+    /// `e`, or, when the parent was replaced while the delta was saved (an object store does
+    /// not keep a replaced checkpoint's objects readable, so its reads fail as not found), the
+    /// error that names the parent and what replaced it.
+    pub(crate) fn explain(&self, e: Error) -> Error {
+        if !e.is_about_the_checkpoint() {
+            return e;
+        }
+        match self.check_held() {
+            Err(replaced) => replaced,
+            Ok(()) => e,
+        }
+    }
+
+    /// An error naming the parent and what replaced it if its directory no longer commits it:
+    /// the delta would name a checkpoint that is gone, and no chain through it could be read.
+    /// Checked again before the delta's shard manifests are written.
+    pub(crate) fn check_held(&self) -> Result<()> {
+        let dir = &self.chain.dirs()[0];
+        let parent = &self.parent_ref;
+        let now = committed(&*crate::storage::open_location(dir)?)?;
+        if now.as_ref().is_some_and(|c| parent.names(c)) {
+            return Ok(());
+        }
+        Err(Error::Chain {
+            link: dir.display().to_string(),
+            message: format!(
+                "the parent {} was replaced{} while a delta of it was saved; save the delta \
+                 again against what the directory holds now",
+                parent.save_id,
+                now.map_or(" (it holds no checkpoint now)".into(), |c| format!(
+                    " by save {c}"
+                ))
+            ),
+        })
+    }
 }
 
 /// `opts.plan`, for the save named `save_id`.

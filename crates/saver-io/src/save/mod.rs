@@ -1,36 +1,46 @@
-//! Saving: the options and report of a save, its pipeline (plan, write, commit), deltas, and the
-//! background save.
+//! Saving: the options and report of a save, its one pass, deltas, and the background save.
 //!
-//! A save goes one way, for a full checkpoint and a delta alike: it decides (its name, what it
-//! replaces, that its options hold: `decide`), then a delta finds its changes against its parent
-//! (`delta`, when [`SaveOptions::parent`] is set), then the shards are claimed, planned, written
-//! and committed (`pipeline`, `commit`).
+//! A save goes one way, for a full checkpoint and a delta alike, each step in its module and
+//! entered once (`save_on_this_thread`, then `pipeline::save_prepared`, read as this list):
+//!
+//! 1. `decide`: its name, what it replaces, that its options hold, a delta's parent (opened);
+//! 2. `delta` (a delta only): its changes against the parent, spooled as tables;
+//! 3. `claim`: the shards claimed, so that it is their one writer;
+//! 4. `pipeline`: planned (saver-core's plan) and written, durable, with its shard manifests
+//!    (`schedule`, `sink`, `compressing` move the bytes);
+//! 5. `commit`: committed under the directory's lock; what it replaced removed.
+//!
+//! `rejection` is the marker of a save that can never commit, which the claim, the commit and
+//! the decision of a retry read.
 
 pub(crate) mod background;
+pub(crate) mod claim;
 pub(crate) mod commit;
 mod compressing;
 pub(crate) mod decide;
 pub(crate) mod delta;
 mod options;
 pub(crate) mod pipeline;
+pub(crate) mod rejection;
 mod report;
 mod schedule;
 mod sink;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use saver_core::plan::TableRef;
 use saver_core::SaveInput;
 
 use crate::error::{Error, Result};
-use crate::storage::Storage;
+use crate::storage::{LocalFs, Storage};
 
 pub use commit::{try_commit, CommitRule, CommitState};
 pub use options::{DirectIo, Progress, ProgressFn, SaveOptions};
 pub use pipeline::{write_plan, PlanWritten};
 pub use report::{DeltaMethod, SaveReport};
 
-use crate::save::pipeline::{save_prepared, storage_for_save};
+use crate::save::pipeline::save_prepared;
 
 /// Saves a model into directory `dir` (created if needed). See [`save_to`].
 ///
@@ -63,6 +73,21 @@ pub fn save(dir: impl AsRef<Path>, input: SaveInput<'_>, opts: &SaveOptions) -> 
             crate::storage::remove_dir_if_empty(dir);
         }
     })
+}
+
+/// Where a save into `dir` writes: the object-store prefix a URL names, or the local directory,
+/// created if needed, with direct I/O as `opts` says.
+pub(crate) fn storage_for_save(dir: &Path, opts: &SaveOptions) -> Result<Arc<dyn Storage>> {
+    if crate::storage::location_url(dir).is_some() {
+        return crate::storage::create_location(dir);
+    }
+    let storage = LocalFs::create_dir(dir)?;
+    let direct = match opts.direct_io {
+        DirectIo::Auto => opts.durable && storage.suits_direct_io(),
+        DirectIo::On => true,
+        DirectIo::Off => false,
+    };
+    Ok(Arc::new(storage.with_direct_io(direct)))
 }
 
 /// Saves a model into `storage`: plans, writes every planned shard in parallel, makes it durable,
@@ -119,11 +144,24 @@ pub(crate) fn save_on_this_thread(
     joined
         .tables
         .extend(workers.iter().map(|w| TableRef::Borrowed(w)));
-    // Decided first, for a full save and a delta alike: the save's name, what it replaces, and
-    // that its options hold, before a row is read or compared.
-    let decided = decide::decide(storage, &joined, opts, opts.parent.is_some())?;
-    if opts.parent.is_some() {
-        return crate::save::delta::save_delta_of_input(storage, joined, opts, decided);
-    }
-    save_prepared(storage, joined, opts, decided, None)
+    // One pass. Decided first, for a full save and a delta alike: the save's name, what it
+    // replaces, that its options hold, a delta's parent, before a row is read or compared.
+    let decided = decide::decide(storage, &joined, opts)?;
+    let Some(parent) = &decided.parent else {
+        // Claimed, planned, written, committed.
+        return save_prepared(storage, joined, opts, &decided, None);
+    };
+    // A delta: its changes found against the parent, then saved as any input is. An error on
+    // the way names the parent if it was replaced meanwhile.
+    let mut tables = joined;
+    let dense = std::mem::take(&mut tables.dense);
+    let delta::Changes {
+        rows,
+        dense,
+        delta,
+        opts,
+    } = delta::find(&tables, dense, opts, parent).map_err(|e| parent.explain(e))?;
+    let mut input = rows.input();
+    input.dense = dense;
+    save_prepared(storage, input, &opts, &decided, Some(delta)).map_err(|e| parent.explain(e))
 }

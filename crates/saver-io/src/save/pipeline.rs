@@ -1,15 +1,12 @@
 //! The save pipeline: plan, write every planned shard in parallel, make it durable, write the
 //! shard manifests, commit.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Instant;
 
 use rayon::prelude::*;
 
-use saver_core::manifest::{format_version_of, CheckpointRef, ParentRef, TableGiven, WriterInfo};
+use saver_core::manifest::{format_version_of, TableGiven, WriterInfo};
 use saver_core::naming::shard_manifest_name;
 use saver_core::plan::{plan_with_spill, tables_past_budget, ChunkBuffer, TensorCrc};
 use saver_core::table::TableSemantics;
@@ -17,35 +14,18 @@ use saver_core::ChangeTracking;
 use saver_core::{PlanOptions, SaveInput, SavePlan};
 
 use crate::error::{Error, Result};
-use crate::load::documents::committed;
-use crate::save::commit::{
-    claim_shard, commit_under, files_left_alone, reclaim_ended_saves, remove_own, wait_for_commit,
-    CommitState, Leftovers,
-};
+use crate::save::claim::{claim_shards, reclaim_ended_saves, remove_own, Leftovers};
+use crate::save::commit::{commit_under, files_left_alone, wait_for_commit, CommitState};
 use crate::save::compressing::CompressedFile;
 use crate::save::decide::{plan_options, Decided};
+use crate::save::delta::DeltaOf;
 use crate::save::schedule::{Claimer, FileQueues};
 use crate::save::sink::{combine_crcs, FileSink, Files, PieceCrc};
 use crate::storage::at_once::{all_at_once, calls_at_once, each_at_once, STORE_CALLS_AT_ONCE};
-use crate::storage::{LocalFs, Storage, WriteHandle};
+use crate::storage::{Storage, WriteHandle};
 
-use crate::save::options::{DirectIo, ProgressFn, SaveOptions};
-use crate::save::report::{DeltaMethod, SaveReport};
-
-/// Where a save into `dir` writes: the object-store prefix a URL names, or the local directory,
-/// created if needed, with direct I/O as `opts` says.
-pub(crate) fn storage_for_save(dir: &Path, opts: &SaveOptions) -> Result<Arc<dyn Storage>> {
-    if crate::storage::location_url(dir).is_some() {
-        return crate::storage::create_location(dir);
-    }
-    let storage = LocalFs::create_dir(dir)?;
-    let direct = match opts.direct_io {
-        DirectIo::Auto => opts.durable && storage.suits_direct_io(),
-        DirectIo::On => true,
-        DirectIo::Off => false,
-    };
-    Ok(Arc::new(storage.with_direct_io(direct)))
-}
+use crate::save::options::{ProgressFn, SaveOptions};
+use crate::save::report::SaveReport;
 
 /// The tables every process of a save must be given alike, as this process was given them.
 fn tables_given(input: &SaveInput<'_>) -> Vec<TableGiven> {
@@ -60,58 +40,17 @@ fn tables_given(input: &SaveInput<'_>) -> Vec<TableGiven> {
         .collect()
 }
 
-/// What makes a save a delta: its parent, the dense tensors of the new state it does not write
-/// because the parent's chain holds them unchanged, and how each table's changes were found.
-pub(crate) struct DeltaOf<'t> {
-    pub parent: ParentRef,
-    pub dense_in_parent: Vec<String>,
-    pub methods: BTreeMap<String, DeltaMethod>,
-    /// The tables whose changes the delta holds, with the token of the snapshot it read: told
-    /// when the delta is durable and when it commits, like the tables of a full save.
-    pub tracking: Vec<(&'t dyn ChangeTracking, u64)>,
-    /// Where the parent is: checked again before the delta commits.
-    pub parent_dir: PathBuf,
-}
-
-impl DeltaOf<'_> {
-    /// An error if the parent was replaced since the delta was found against it: the delta would
-    /// name a checkpoint that is gone, and no chain through it could be read.
-    fn check_parent(&self) -> Result<()> {
-        check_parent_held(&self.parent_dir, &self.parent)
-    }
-}
-
-/// An error naming the parent and what replaced it if `dir` no longer commits the save `parent`
-/// names.
-pub(crate) fn check_parent_held(dir: &Path, parent: &ParentRef) -> Result<()> {
-    let now = committed(&*crate::storage::open_location(dir)?)?;
-    if now.as_ref().is_some_and(|c| parent.names(c)) {
-        return Ok(());
-    }
-    Err(Error::Chain {
-        link: dir.display().to_string(),
-        message: format!(
-            "the parent {} was replaced{} while a delta of it was saved; save the delta again \
-             against what the directory holds now",
-            parent.save_id,
-            now.map_or(" (it holds no checkpoint now)".into(), |c| format!(
-                " by save {c}"
-            ))
-        ),
-    })
-}
-
 /// [`save_to`] of a model ready to be written: a full checkpoint, or a delta's changed rows and
 /// removed ids with the parent they are a delta of.
 pub(crate) fn save_prepared(
     storage: &dyn Storage,
     input: SaveInput<'_>,
     opts: &SaveOptions,
-    decided: Decided,
+    decided: &Decided,
     delta: Option<DeltaOf<'_>>,
 ) -> Result<SaveReport> {
     let t0 = Instant::now();
-    let Decided { save_id, replaces } = decided;
+    let save_id = decided.save_id.clone();
     let plan_opts = plan_options(opts, &save_id);
     // Best effort: a store that fails here fails the save's own requests just after, with the
     // error that matters.
@@ -122,25 +61,7 @@ pub(crate) fn save_prepared(
     };
     let single = plan_opts.shard_index.is_none();
     let writer = crate::storage::identity::current_writer();
-    // Several at once on an object store (a round trip each). The first refusal stops the
-    // claims after its batch, and those this call made are taken back.
-    let claimed = each_at_once(
-        shards.clone(),
-        calls_at_once(storage),
-        |s| (s, claim_shard(storage, &save_id, s, &writer)),
-        |(_, r)| r.is_ok(),
-    );
-    if claimed.iter().any(|(_, r)| r.is_err()) {
-        let made: Vec<u32> = claimed
-            .iter()
-            .filter(|(_, r)| r.is_ok())
-            .map(|&(s, _)| s)
-            .collect();
-        remove_own(storage, &save_id, &made, Leftovers::ShardsAndClaims);
-        if let Some(Err(e)) = claimed.into_iter().map(|(_, r)| r).find(Result::is_err) {
-            return Err(e);
-        }
-    }
+    claim_shards(storage, &save_id, &shards, &writer)?;
     // What saves that were killed or crashed left here, once their writers have provably
     // ended: removed now, not left to pile up under the checkpoint that will commit here. Best
     // effort, as above.
@@ -156,7 +77,7 @@ pub(crate) fn save_prepared(
             &plan_opts,
             Shared {
                 writer,
-                replaces,
+                decided,
                 delta,
                 t0,
             },
@@ -193,7 +114,7 @@ pub(crate) fn save_prepared(
 /// What a save call knows before it plans.
 struct Shared<'t> {
     writer: WriterInfo,
-    replaces: Option<CheckpointRef>,
+    decided: &'t Decided,
     delta: Option<DeltaOf<'t>>,
     t0: Instant,
 }
@@ -250,8 +171,8 @@ fn write_and_commit(
     // Before any shard manifest: a source whose bytes fail their checksums is never committed,
     // nor a delta whose parent is gone.
     plan.finish_reads()?;
-    if let Some(d) = &shared.delta {
-        d.check_parent()?;
+    if let Some(parent) = &shared.decided.parent {
+        parent.check_held()?;
     }
     // What the files hold as written, as their manifests record it: stored bytes where
     // compressed.
@@ -265,7 +186,7 @@ fn write_and_commit(
             opts.trainer_state.clone(),
         )?;
         m.writer = Some(shared.writer.clone());
-        m.replaces = shared.replaces.clone();
+        m.replaces = shared.decided.replaces.clone();
         m.step = opts.step;
         m.tables_given = tables_given.clone();
         m.dense_given = dense_given.clone();
@@ -345,9 +266,11 @@ fn write_and_commit(
         committed: matches!(state, CommitState::Committed | CommitState::CommittedHere),
         committed_here: state == CommitState::CommittedHere,
         replaced: shared
+            .decided
             .replaces
+            .as_ref()
             .filter(|_| state == CommitState::CommittedHere)
-            .map(|c| c.save_id),
+            .map(|c| c.save_id.clone()),
         left_alone,
         cleaned_up: Vec::new(),
         table_semantics,

@@ -303,6 +303,10 @@ pub struct FileVersion {
 /// Held while a process commits into a storage; dropping it releases the lock.
 pub trait CommitLock: Send {}
 
+/// How long a commit waits for another process's commit into the same directory to finish. The
+/// lock is held only to check the shards and write the manifest and index.
+pub const COMMIT_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// A directory of checkpoint files.
 pub trait Storage: Send + Sync + fmt::Debug {
     /// A description for messages (the directory path, a bucket URL, …).

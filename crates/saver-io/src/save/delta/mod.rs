@@ -22,7 +22,6 @@ pub mod spool;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::path::PathBuf;
 use std::sync::mpsc::sync_channel;
 use std::sync::{Mutex, PoisonError};
 
@@ -37,11 +36,9 @@ use saver_core::{ChangeTracking, DenseTensor, PartitionRule, SaveInput, SlotSpec
 use crate::error::{Error, Result};
 use crate::load::checkpoint::{ChainTable, Checkpoint};
 use crate::load::rows::BucketRows;
-use crate::save::decide::Decided;
+use crate::save::decide::Parent;
 use crate::save::options::SaveOptions;
-use crate::save::pipeline::{save_prepared, DeltaOf};
-use crate::save::report::{DeltaMethod, SaveReport};
-use crate::storage::Storage;
+use crate::save::report::DeltaMethod;
 pub use order::InMemoryOrder;
 use spool::{Spool, SpoolTable};
 
@@ -53,22 +50,20 @@ const BATCH_ROWS: usize = 1 << 14;
 /// removed ids directly (when the save has no row filter, which could drop rows the parent
 /// holds); a table read from files ([`SparseTable::in_bucket_order`]: a checkpoint's, a chain's,
 /// a plain input's) is compared as it is read, in bounded memory; any other is put in bucket
-/// order in memory ([`InMemoryOrder`]) and compared. What [`crate::save_to`] does when
-/// `opts.parent` is set.
-pub(crate) fn save_delta_of_input(
-    storage: &dyn Storage,
-    mut input: SaveInput<'_>,
+/// order in memory ([`InMemoryOrder`]) and compared. What [`crate::save_to`] does, after it
+/// decided, when `opts.parent` is set; the changes are then saved as any input is.
+pub(crate) fn find<'t>(
+    input: &'t SaveInput<'_>,
+    dense: Vec<DenseTensor<'t>>,
     opts: &SaveOptions,
-    decided: Decided,
-) -> Result<SaveReport> {
+    parent: &Parent,
+) -> Result<Changes<'t>> {
     // The moment is the tables' snapshots below, not the plan of the changed rows found after
     // them: the hook is told then, so that a background save returns before the comparisons.
     let mut opts = opts.clone();
     let on_moment = opts.plan.on_moment.take();
     let opts = &opts;
-    let dense = std::mem::take(&mut input.dense);
-    let ctx = Delta::open(storage, opts)?;
-    let parent_id = ctx.chain.newest().manifest().save_id.clone();
+    let parent_id = parent.chain.newest().manifest().save_id.clone();
     let mut ordered = Vec::new();
     let mut tracked = Vec::new();
     let mut methods = BTreeMap::new();
@@ -86,8 +81,13 @@ pub(crate) fn save_delta_of_input(
                     return Ok(Taken::InOrder);
                 }
                 let tracking = t.change_tracking();
-                let since =
-                    tracked_since(t, tracking, &parent_id, ctx.chain.table_manifests(), opts);
+                let since = tracked_since(
+                    t,
+                    tracking,
+                    &parent_id,
+                    parent.chain.table_manifests(),
+                    opts,
+                );
                 Ok(match (tracking, since) {
                     (Some(c), Ok(since)) => {
                         // The shards of one save, taken by several threads, share one moment.
@@ -166,13 +166,8 @@ pub(crate) fn save_delta_of_input(
         .into_iter()
         .map(|c| c.unwrap_or_else(|| sorted.next().expect("one sorted table each")))
         .collect();
-    let found = Found {
-        methods,
-        tokens,
-        decided,
-    };
-    ctx.save(storage, &refs, tracked, dense, opts, found)
-        .map_err(|e| ctx.explain(e))
+    let found = Found { methods, tokens };
+    changes(parent, &refs, tracked, dense, opts, found)
 }
 
 /// A table's snapshot for a delta, taken with the others' at one moment.
@@ -228,235 +223,183 @@ fn tracked_since<'m>(
     }
 }
 
-/// How a delta found each table's changes, the tables to tell of its commit, and what the save
-/// decided before.
+/// How a delta found each table's changes, and the tables to tell of its commit.
 struct Found<'t> {
     methods: BTreeMap<String, DeltaMethod>,
     tokens: Vec<(&'t dyn ChangeTracking, u64)>,
-    /// What the save decided before the delta was found (its name, what it replaces).
-    decided: Decided,
 }
 
-/// A delta save's parent chain and where the delta goes.
-struct Delta {
-    chain: Checkpoint,
-    child_dir: PathBuf,
-    parent_ref: saver_core::ParentRef,
-}
-
-impl Delta {
-    /// Opens the chain of `opts.parent` for a delta saved into `storage`, refusing a delta
-    /// saved over a link of its own chain.
-    fn open(storage: &dyn Storage, opts: &SaveOptions) -> Result<Self> {
-        let parent = opts.parent.as_ref().ok_or_else(|| Error::InvalidOption {
-            option: "parent",
-            why: "a delta save needs a parent".into(),
-        })?;
-        let child_dir = PathBuf::from(storage.location());
-        let chain = Checkpoint::open(parent).map_err(|e| match e {
-            e @ Error::Chain { .. } => e,
-            e => Error::Chain {
-                link: child_dir.display().to_string(),
-                message: format!("parent {} cannot be opened: {e}", parent.display()),
-            },
-        })?;
-        // Refused before anything is written: a longer chain would commit and then be unreadable.
-        if chain.links().len() >= crate::load::checkpoint::MAX_CHAIN_LINKS {
-            return Err(Error::Chain {
-                link: child_dir.display().to_string(),
-                message: format!(
-                    "parent {}'s chain has {} links, the most a chain may have: compact it \
-                     (saver compact) and save the delta of the compacted checkpoint, or save a \
-                     full checkpoint",
-                    parent.display(),
-                    chain.links().len()
-                ),
-            });
-        }
-        if let Some(d) = chain
-            .dirs()
-            .iter()
-            .find(|d| crate::storage::same_location(d, &child_dir))
-        {
-            return Err(Error::Chain {
-                link: child_dir.display().to_string(),
-                message: format!(
-                    "{} is a link of the parent's chain: a delta saved over it would remove the \
-                     rows it depends on; save the delta into a directory of its own",
-                    d.display()
-                ),
-            });
-        }
-        // The same directory by another path (a bind mount, an NFS export, a second mount of a
-        // bucket): the checkpoint it holds is a link of the chain, by its save id.
-        if let Some(held) = crate::load::documents::committed(storage)? {
-            if let Some(link) = chain
-                .links()
-                .iter()
-                .position(|l| l.manifest().save_id == held.save_id)
-            {
-                return Err(Error::Chain {
-                    link: child_dir.display().to_string(),
-                    message: format!(
-                        "it holds save {}, a link of the parent's chain (link {}, {}): a delta \
-                         saved over it would remove the rows it depends on; save the delta into \
-                         a directory of its own",
-                        held.save_id,
-                        link,
-                        chain.dirs()[link].display()
-                    ),
-                });
-            }
-        }
-        let parent_ref = chain.parent_ref_for(&child_dir)?;
-        Ok(Self {
-            chain,
-            child_dir,
-            parent_ref,
-        })
-    }
-
-    /// `e`, or, when the parent was replaced while the delta was saved (an object store does
-    /// not keep a replaced checkpoint's objects readable, so its reads fail as not found), the
-    /// error that names the parent and what replaced it.
-    fn explain(&self, e: Error) -> Error {
-        if !e.is_about_the_checkpoint() {
-            return e;
-        }
-        match crate::save::pipeline::check_parent_held(&self.chain.dirs()[0], &self.parent_ref) {
-            Err(replaced) => replaced,
-            Ok(()) => e,
-        }
-    }
-
-    /// Compares `ordered` with the chain, adds the `tracked` changes, and saves the delta.
-    fn save(
-        &self,
-        storage: &dyn Storage,
-        ordered: &[&dyn BucketRows],
-        tracked: Vec<TrackedChanges<'_>>,
-        dense: Vec<DenseTensor<'_>>,
-        opts: &SaveOptions,
-        found: Found<'_>,
-    ) -> Result<SaveReport> {
-        let plan = &opts.plan;
-        let shard = plan.shard_index.unwrap_or(0);
-        let range = match plan.shard_index {
-            Some(i) => PartitionRule::bucket_range(i, plan.shard_num),
-            None => 0..BUCKETS,
-        };
-        // The slots the save keeps of a table, or `None` if it drops the table.
-        let compared = |t: &dyn SparseTable| -> Option<Vec<usize>> {
-            let kept = |kind, slot: Option<&str>| {
-                plan.filters.keep_block(&BlockInfo {
-                    kind,
-                    table: Some(t.name()),
-                    slot,
-                    dense: None,
-                    shard,
-                })
-            };
-            kept(BlockKind::Ids, None).then(|| {
-                (0..t.slots().len())
-                    .filter(|&s| kept(BlockKind::Slot, Some(&t.slots()[s].name)))
-                    .collect()
+/// Compares `ordered` with the chain and adds the `tracked` changes: the delta's rows.
+fn changes<'t>(
+    parent: &Parent,
+    ordered: &[&dyn BucketRows],
+    tracked: Vec<TrackedChanges<'t>>,
+    dense: Vec<DenseTensor<'t>>,
+    opts: &SaveOptions,
+    found: Found<'t>,
+) -> Result<Changes<'t>> {
+    let plan = &opts.plan;
+    let shard = plan.shard_index.unwrap_or(0);
+    let range = match plan.shard_index {
+        Some(i) => PartitionRule::bucket_range(i, plan.shard_num),
+        None => 0..BUCKETS,
+    };
+    // The slots the save keeps of a table, or `None` if it drops the table.
+    let compared = |t: &dyn SparseTable| -> Option<Vec<usize>> {
+        let kept = |kind, slot: Option<&str>| {
+            plan.filters.keep_block(&BlockInfo {
+                kind,
+                table: Some(t.name()),
+                slot,
+                dense: None,
+                shard,
             })
         };
-        let mut spools: Vec<SpoolTable> = Vec::new();
-        for t in ordered {
-            let Some(compared) = compared(*t) else {
-                continue;
-            };
-            let parent_table = parent_slots(&self.chain, *t, &compared)?
-                .map(|slots| ChainTable::new(&self.chain, t.name(), slots))
-                .transpose()?;
-            let scratch = &crate::storage::scratch_dir(&self.child_dir);
-            let mut changed = Spool::new(scratch, t.slots())?;
-            let mut removed = Spool::new(scratch, &[])?;
-            diff_table(
-                *t,
-                parent_table.as_ref(),
-                &compared,
-                &plan.filters,
-                (range.clone(), plan.foreign_rows, shard),
-                &mut changed,
-                &mut removed,
-            )?;
-            // A delta found against bytes that fail their checksums would be wrong: refused.
-            if let Some(p) = &parent_table {
-                p.finish_checks()?;
-            }
-            t.finish_checks()?;
-            let name = t.name();
-            spools.push(changed.finish(name, t.key_dtype(), t.slots(), t.point_in_time())?);
-            spools.push(removed.finish(&removed_table_name(name), t.key_dtype(), &[], true)?);
+        kept(BlockKind::Ids, None).then(|| {
+            (0..t.slots().len())
+                .filter(|&s| kept(BlockKind::Slot, Some(&t.slots()[s].name)))
+                .collect()
+        })
+    };
+    let mut spools: Vec<SpoolTable> = Vec::new();
+    for t in ordered {
+        let Some(compared) = compared(*t) else {
+            continue;
+        };
+        let parent_table = parent_slots(&parent.chain, *t, &compared)?
+            .map(|slots| ChainTable::new(&parent.chain, t.name(), slots))
+            .transpose()?;
+        let scratch = &crate::storage::scratch_dir(&parent.child_dir);
+        let mut changed = Spool::new(scratch, t.slots())?;
+        let mut removed = Spool::new(scratch, &[])?;
+        diff_table(
+            *t,
+            parent_table.as_ref(),
+            &compared,
+            &plan.filters,
+            (range.clone(), plan.foreign_rows, shard),
+            &mut changed,
+            &mut removed,
+        )?;
+        // A delta found against bytes that fail their checksums would be wrong: refused.
+        if let Some(p) = &parent_table {
+            p.finish_checks()?;
         }
-        let mut kept_tracked = Vec::new();
-        for t in tracked {
-            let Some(compared) = compared(t.table) else {
-                continue;
-            };
-            parent_slots(&self.chain, t.table, &compared)?;
-            // A process of a multi-process save writes its own shard's removals.
-            let mut ids: Vec<(u32, u64)> = t
-                .removed
-                .iter()
-                .map(|&id| (PartitionRule::bucket_of(id), id))
-                .filter(|(b, _)| range.contains(b))
-                .collect();
-            ids.sort_unstable();
-            let mut removed = Spool::new(&crate::storage::scratch_dir(&self.child_dir), &[])?;
-            for (_, id) in ids {
-                removed.push(id, &[])?;
-            }
-            let name = removed_table_name(t.table.name());
-            spools.push(removed.finish(&name, t.table.key_dtype(), &[], true)?);
-            kept_tracked.push(t);
-        }
-        let mut input = SaveInput::new();
-        for s in &spools {
-            input.tables.push(TableRef::Borrowed(s));
-        }
-        for t in &kept_tracked {
-            input.tables.push(TableRef::Borrowed(t));
-        }
-        // Dense tensors the chain holds unchanged (same dtype, shape and CRC32) are named, not
-        // written.
-        let in_parent: std::collections::HashMap<&str, &saver_core::manifest::TensorRef> = self
-            .chain
-            .dense_refs()?
-            .into_iter()
-            .map(|(_, d)| (d.tensor.name.as_str(), &d.tensor))
+        t.finish_checks()?;
+        let name = t.name();
+        spools.push(changed.finish(name, t.key_dtype(), t.slots(), t.point_in_time())?);
+        spools.push(removed.finish(&removed_table_name(name), t.key_dtype(), &[], true)?);
+    }
+    let mut kept_tracked = Vec::new();
+    for t in tracked {
+        let Some(compared) = compared(t.table) else {
+            continue;
+        };
+        parent_slots(&parent.chain, t.table, &compared)?;
+        // A process of a multi-process save writes its own shard's removals.
+        let mut ids: Vec<(u32, u64)> = t
+            .removed
+            .iter()
+            .map(|&id| (PartitionRule::bucket_of(id), id))
+            .filter(|(b, _)| range.contains(b))
             .collect();
-        let mut dense_in_parent = Vec::new();
-        for d in dense {
-            let kept = plan.filters.keep_block(&BlockInfo {
-                kind: BlockKind::Dense,
-                table: None,
-                slot: None,
-                dense: Some(d.name()),
-                shard,
-            });
-            let same = in_parent.get(d.name()).is_some_and(|t| {
-                t.dtype == d.dtype() && t.shape == d.shape() && t.crc32 == crc32fast::hash(d.data())
-            });
-            if kept && same {
-                dense_in_parent.push(d.name().to_string());
-            } else {
-                input.dense.push(d);
-            }
+        ids.sort_unstable();
+        let mut removed = Spool::new(&crate::storage::scratch_dir(&parent.child_dir), &[])?;
+        for (_, id) in ids {
+            removed.push(id, &[])?;
         }
-        dense_in_parent.sort();
-        let mut opts = opts.clone();
-        opts.plan.filters = delta_filters(&plan.filters);
-        let delta = DeltaOf {
-            parent: self.parent_ref.clone(),
+        let name = removed_table_name(t.table.name());
+        spools.push(removed.finish(&name, t.table.key_dtype(), &[], true)?);
+        kept_tracked.push(t);
+    }
+    let mut written = Vec::new();
+    // Dense tensors the chain holds unchanged (same dtype, shape and CRC32) are named, not
+    // written.
+    let in_parent: std::collections::HashMap<&str, &saver_core::manifest::TensorRef> = parent
+        .chain
+        .dense_refs()?
+        .into_iter()
+        .map(|(_, d)| (d.tensor.name.as_str(), &d.tensor))
+        .collect();
+    let mut dense_in_parent = Vec::new();
+    for d in dense {
+        let kept = plan.filters.keep_block(&BlockInfo {
+            kind: BlockKind::Dense,
+            table: None,
+            slot: None,
+            dense: Some(d.name()),
+            shard,
+        });
+        let same = in_parent.get(d.name()).is_some_and(|t| {
+            t.dtype == d.dtype() && t.shape == d.shape() && t.crc32 == crc32fast::hash(d.data())
+        });
+        if kept && same {
+            dense_in_parent.push(d.name().to_string());
+        } else {
+            written.push(d);
+        }
+    }
+    dense_in_parent.sort();
+    let mut opts = opts.clone();
+    opts.plan.filters = delta_filters(&plan.filters);
+    Ok(Changes {
+        rows: ChangedRows {
+            spools,
+            tracked: kept_tracked,
+        },
+        dense: written,
+        delta: DeltaOf {
+            parent: parent.parent_ref.clone(),
             dense_in_parent,
             methods: found.methods,
             tracking: found.tokens,
-            parent_dir: self.chain.dirs()[0].clone(),
-        };
-        save_prepared(storage, input, &opts, found.decided, Some(delta))
+        },
+        opts,
+    })
+}
+
+/// What makes a save a delta: its parent, the dense tensors of the new state it does not write
+/// because the parent's chain holds them unchanged, and how each table's changes were found.
+pub(crate) struct DeltaOf<'t> {
+    pub parent: saver_core::ParentRef,
+    pub dense_in_parent: Vec<String>,
+    pub methods: BTreeMap<String, DeltaMethod>,
+    /// The tables whose changes the delta holds, with the token of the snapshot it read: told
+    /// when the delta is durable and when it commits, like the tables of a full save.
+    pub tracking: Vec<(&'t dyn ChangeTracking, u64)>,
+}
+
+/// A delta found against its parent, ready to be claimed, planned, written and committed like
+/// any save.
+pub(crate) struct Changes<'t> {
+    /// Its tables: changed rows and removed ids.
+    pub rows: ChangedRows<'t>,
+    /// The dense tensors the parent's chain does not hold unchanged.
+    pub dense: Vec<DenseTensor<'t>>,
+    /// What its manifests record of the parent.
+    pub delta: DeltaOf<'t>,
+    /// The save's options, with the filters of a delta's plan ([`delta_filters`]).
+    pub opts: SaveOptions,
+}
+
+/// A delta's tables: changed rows and removed ids spooled to temporary files, and the changes
+/// of tables that track them.
+pub(crate) struct ChangedRows<'t> {
+    spools: Vec<SpoolTable>,
+    tracked: Vec<TrackedChanges<'t>>,
+}
+
+impl ChangedRows<'_> {
+    /// The delta's tables as a save's input (without its dense tensors).
+    pub(crate) fn input(&self) -> SaveInput<'_> {
+        let mut input = SaveInput::new();
+        for s in &self.spools {
+            input.tables.push(TableRef::Borrowed(s));
+        }
+        for t in &self.tracked {
+            input.tables.push(TableRef::Borrowed(t));
+        }
+        input
     }
 }
 
