@@ -29,6 +29,7 @@ from . import _saver
 from ._saver import SaverError
 
 __all__ = [
+    "Bits",
     "Checkpoint",
     "InputError",
     "Loaded",
@@ -75,9 +76,66 @@ _TO_SAVER = {
     np.dtype(np.float64): "F64",
 }
 _TO_NUMPY = {name: dt for dt, name in _TO_SAVER.items()}
-# bfloat16 has no numpy dtype: its rows come back as their 16-bit patterns (`torch.from_numpy(a)
-# .view(torch.bfloat16)` reads them as bfloat16).
-_TO_NUMPY["BF16"] = np.dtype(np.uint16)
+
+# Dtypes numpy has no type for, by their width in bits: given and returned as their bit patterns
+# in a `Bits` array.
+_PATTERN_BITS = {
+    "BF16": 16,
+    "F8_E4M3": 8,
+    "F8_E5M2": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+}
+_PATTERN_TYPE = {16: np.dtype(np.uint16), 8: np.dtype(np.uint8)}
+
+# torch dtypes numpy cannot hold (their `.numpy()` raises), by name, and the saver dtype of each.
+_TORCH_PATTERNS = {
+    "torch.bfloat16": "BF16",
+    "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.float8_e5m2": "F8_E5M2",
+    "torch.float8_e8m0fnu": "F8_E8M0",
+    "torch.float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "torch.float8_e5m2fnuz": "F8_E5M2FNUZ",
+}
+# The same from the numpy dtypes of the ml_dtypes package (JAX's), by name.
+_ML_DTYPES_PATTERNS = {
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+}
+
+
+class Bits(np.ndarray):
+    """Values of a dtype numpy has no type for (bfloat16, the 8-bit floats), as their bit
+    patterns: a ``uint16`` or ``uint8`` array that knows its saver dtype (``.saver_dtype``).
+
+    A load returns such slots and tensors as ``Bits``, and a save stores a ``Bits`` array as its
+    dtype, so a model loaded and saved again keeps it. ``torch.bfloat16`` tensors and ml_dtypes
+    arrays are taken as they are; wrap 16-bit patterns of your own with ``Bits(a, "BF16")``.
+    ``torch.from_numpy(b).view(torch.bfloat16)`` reads a ``Bits`` of BF16 as bfloat16, no copy.
+    """
+
+    def __new__(cls, patterns: Any, dtype: str) -> "Bits":
+        bits = _PATTERN_BITS.get(dtype)
+        if bits is None:
+            raise InputError(f"Bits: dtype must be one of {sorted(_PATTERN_BITS)}, got {dtype!r}")
+        a = np.asarray(patterns)
+        if a.dtype.kind not in "ui" or a.dtype.itemsize * 8 != bits:
+            raise InputError(
+                f"Bits: {dtype} values are {bits}-bit patterns, given as uint{bits} or int{bits}; "
+                f"got {a.dtype}"
+            )
+        out = a.view(_PATTERN_TYPE[bits]).view(cls)
+        out.saver_dtype = dtype
+        return out
+
+    def __array_finalize__(self, obj: Any) -> None:
+        # Slices and views of a `Bits` array keep its dtype.
+        self.saver_dtype = getattr(obj, "saver_dtype", None)
 
 
 def _int(name: str, value: Any, low: int, high: int = (1 << 64) - 1, *, optional: bool = False):
@@ -108,7 +166,24 @@ def _array(value: ArrayLike, what: str) -> np.ndarray:
     tensor, one copy for a strided view."""
     if hasattr(value, "detach") and hasattr(value, "numpy"):
         # A torch tensor: `.numpy()` shares a CPU tensor's memory.
-        value = value.detach().cpu().numpy()
+        t = value.detach().cpu()
+        pattern = _TORCH_PATTERNS.get(str(t.dtype))
+        if pattern is not None:
+            # numpy has no type for it: its bit patterns, viewed (no copy) as a signed integer
+            # of its width, which `.numpy()` takes.
+            import torch
+
+            width = torch.int16 if _PATTERN_BITS[pattern] == 16 else torch.int8
+            t = t.contiguous().view(width)
+            value = Bits(t.numpy(), pattern)
+        else:
+            value = t.numpy()
+    elif getattr(getattr(value, "dtype", None), "name", None) in _ML_DTYPES_PATTERNS and not isinstance(value, Bits):
+        a = np.asarray(value)
+        pattern = _ML_DTYPES_PATTERNS[a.dtype.name]
+        value = Bits(a.view(_PATTERN_TYPE[_PATTERN_BITS[pattern]]), pattern)
+    if isinstance(value, Bits):
+        return value if value.flags.c_contiguous else Bits(np.ascontiguousarray(value), value.saver_dtype)
     try:
         a = np.asarray(value)
     except Exception as e:  # numpy's own errors name nothing of ours
@@ -120,10 +195,15 @@ def _array(value: ArrayLike, what: str) -> np.ndarray:
 
 
 def _dtype_name(a: np.ndarray, what: str) -> str:
+    if isinstance(a, Bits) and a.saver_dtype is not None:
+        return a.saver_dtype
     name = _TO_SAVER.get(a.dtype.newbyteorder("="))
     if name is None:
         supported = ", ".join(sorted(str(d) for d in _TO_SAVER))
-        raise InputError(f"{what}: dtype {a.dtype} is not supported (supported: {supported})")
+        raise InputError(
+            f"{what}: dtype {a.dtype} is not supported (supported: {supported}; and, as "
+            f"saver.Bits of their bit patterns, {', '.join(sorted(_PATTERN_BITS))})"
+        )
     return name
 
 
@@ -344,12 +424,21 @@ class Loaded:
     report: dict = field(default_factory=dict)
 
 
-def _rows(data: np.ndarray, dtype: str, shape: Sequence[int], rows: int) -> np.ndarray:
+def _typed(data: np.ndarray, dtype: str, shape: Sequence[int]) -> np.ndarray:
+    """Loaded bytes as an array of ``shape``: of its numpy dtype, or, for bfloat16 and the
+    8-bit floats, their bit patterns in a :class:`Bits` array; the raw bytes of any other."""
     numpy_dtype = _TO_NUMPY.get(dtype)
-    if numpy_dtype is None:
-        # A dtype numpy has no type for (8-bit floats, micro-scaling formats): its raw bytes.
-        return data.reshape((rows, -1)) if rows else data.reshape((0, 0))
-    return data.view(numpy_dtype).reshape((rows, *shape))
+    if numpy_dtype is not None:
+        return data.view(numpy_dtype).reshape(shape)
+    bits = _PATTERN_BITS.get(dtype)
+    if bits is not None:
+        return Bits(data.view(_PATTERN_TYPE[bits]).reshape(shape), dtype)
+    # A dtype without fixed-width elements numpy could hold (micro-scaling formats): its bytes.
+    return data.reshape((shape[0], -1)) if len(shape) and shape[0] else data.reshape((0, 0))
+
+
+def _rows(data: np.ndarray, dtype: str, shape: Sequence[int], rows: int) -> np.ndarray:
+    return _typed(data, dtype, (rows, *shape))
 
 
 def load(
@@ -389,8 +478,9 @@ def load(
             columns[slot] = _rows(data, dtype, shape, ids.shape[0])
         out.tables[name] = columns
     for name, dtype, shape, data in dense_out:
-        numpy_dtype = _TO_NUMPY.get(dtype)
-        out.dense[name] = data if numpy_dtype is None else data.view(numpy_dtype).reshape(shape)
+        out.dense[name] = (
+            _typed(data, dtype, shape) if dtype in _TO_NUMPY or dtype in _PATTERN_BITS else data
+        )
     return out
 
 

@@ -7,8 +7,11 @@ venv="${SAVER_PYTHON_VENV:-$root/target/python-venv}"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
+# torch is pinned (PyPI's build; its CUDA libraries come along and stay unused on this CPU-only
+# machine): a venv whose pins already match installs nothing, about a second; a fresh one takes
+# about a minute and 5.5 GB.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-  "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "safetensors>=0.4"
+  "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "safetensors>=0.4" "torch==2.14.1"
 cargo build --quiet -p saver-cli
 # A debug build into the venv, sharing the workspace's build directory (and so its compiled
 # crates) with `cargo test`.
