@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The Python package's tests: builds it with maturin into a venv of its own (target/python-venv,
-# made here) and runs pytest. The digest test compares with the `saver` binary built here.
+# The Python package's tests: builds it with maturin into a venv of their own (made here, kept
+# between runs; see below) and runs pytest. The digest test compares with the `saver` binary
+# built here.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
-venv="${SAVER_PYTHON_VENV:-$root/target/python-venv}"
+# What the suite runs on, pinned where a new release could change what is tested. torch comes
+# from PyPI (its CUDA libraries come along and stay unused on a CPU-only machine).
+pins=("maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "safetensors>=0.4" "torch==2.14.1")
+# The venv lives outside the clone, named by its pins, so that a fresh clone (CI's) reuses it
+# while the pins match: then pip installs nothing (about a second); a new venv takes about a
+# minute and 5.5 GB.
+key="$(printf '%s\n' "${pins[@]}" | sha256sum | cut -c1-12)"
+venv="${SAVER_PYTHON_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/saver/python-venv-$key}"
 if [ ! -x "$venv/bin/python" ]; then
+  mkdir -p "$(dirname "$venv")"
   python3 -m venv "$venv"
 fi
-# torch is pinned (PyPI's build; its CUDA libraries come along and stay unused on this CPU-only
-# machine): a venv whose pins already match installs nothing, about a second; a fresh one takes
-# about a minute and 5.5 GB.
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-  "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "safetensors>=0.4" "torch==2.14.1"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${pins[@]}"
 cargo build --quiet -p saver-cli
 # A debug build into the venv, sharing the workspace's build directory (and so its compiled
 # crates) with `cargo test`.
