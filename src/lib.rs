@@ -57,8 +57,8 @@ pub mod prelude {
     #[doc(no_inline)]
     pub use saver_core::{
         BlockKind, ColumnTable, Compression, DenseTensor, Dtype, EmbeddingTable, Filters,
-        ForeignRows, KeyDtype, PartitionRule, PlanOptions, RowView, SaveInput, Shard, SlotSpec,
-        SparseTable, TableRef, TableSnapshot,
+        ForeignRows, KeyDtype, PartitionRule, PlanOptions, RowRangeChunk, RowView, SaveInput,
+        Shard, SlotSpec, SparseTable, TableRef, TableSnapshot,
     };
     #[doc(no_inline)]
     pub use saver_io::manage::{
@@ -70,7 +70,7 @@ pub mod prelude {
     pub use saver_io::{
         save, save_async, verify, Checkpoint, CheckpointManager, DeltaMethod, DirectIo,
         LoadOptions, LoadReport, LoadedDense, Policy, Progress, Restored, RestoredShard, Retention,
-        SaveHandle, SaveOptions, SaveReport, Status, TableSink, VerifyReport,
+        RowsInto, RowsLoaded, SaveHandle, SaveOptions, SaveReport, Status, TableSink, VerifyReport,
     };
 }
 

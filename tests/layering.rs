@@ -33,6 +33,7 @@ const CORE_ROOMS: &[&str] = &[
     "prefetch",
     "table",
     "filter",
+    "row_range",
     "manifest",
     "plan",
     "synthetic",

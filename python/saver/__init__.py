@@ -31,6 +31,7 @@ from ._saver import SaverError
 __all__ = [
     "Bits",
     "Checkpoint",
+    "Chunk",
     "InputError",
     "Loaded",
     "Manager",
@@ -254,9 +255,66 @@ def _filtered(name, columns, keep):
     return {k: v[mask] if v.ndim and len(v) == n else v for k, v in arrays.items()}
 
 
+class Chunk:
+    """A piece of a row-range table's slot (a table whose ids are its row numbers: an
+    ``nn.Embedding`` weight, its optimizer state), at its place in the whole slot.
+
+    To save: ``Chunk(values, offset=(row, col), shape=(rows, cols))`` for rows
+    ``row..row + len(values)`` and columns ``col..col + values.shape[1]`` of a slot of ``shape``;
+    ``offset=(row,)`` and ``shape=(rows,)`` for a state of one value per row. Defaults: the
+    whole slot. A table of such slots is given as ``{slot: Chunk or [Chunk, ...]}`` (no
+    ``"ids"``); each process gives the chunks it holds, and together they must cover every slot
+    exactly, or the save fails naming it. The arrays are read in place (numpy arrays, CPU torch
+    tensors, bfloat16 included).
+
+    To load: ``saver.load(path, into={table: {slot: Chunk(buffer, offset=(row, col))}})`` fills
+    ``buffer`` in place with the slot's values at that place, whatever split they were saved in.
+    """
+
+    def __init__(self, values: ArrayLike, offset: Optional[Sequence[int]] = None,
+                 shape: Optional[Sequence[int]] = None):
+        self.values = values
+        self.offset = None if offset is None else tuple(int(o) for o in offset)
+        self.shape = None if shape is None else tuple(int(d) for d in shape)
+
+    def __repr__(self) -> str:
+        shape = getattr(self.values, "shape", None)
+        return f"Chunk(values of shape {tuple(shape) if shape is not None else '?'}, offset={self.offset}, shape={self.shape})"
+
+
+def _is_row_range(columns) -> bool:
+    """Whether a table's columns are chunks of a row-range table rather than hashed columns."""
+    return "ids" not in columns and any(
+        isinstance(v, Chunk) or (isinstance(v, (list, tuple)) and v and isinstance(v[0], Chunk))
+        for v in columns.values()
+    )
+
+
+def _chunk_arguments(name, columns):
+    """The native arguments of a row-range table's chunks."""
+    out = []
+    for slot, given in columns.items():
+        for c in given if isinstance(given, (list, tuple)) else [given]:
+            what = f"row-range table {name!r} slot {slot!r}"
+            if not isinstance(c, Chunk):
+                raise InputError(f"{what}: give saver.Chunk values (a table without 'ids' is a row-range table), got {type(c).__name__}")
+            a = _array(c.values, what)
+            if a.ndim not in (1, 2):
+                raise InputError(f"{what}: a chunk has one dimension (a value per row) or two (rows, columns), got shape {a.shape}")
+            offset = c.offset if c.offset is not None else (0,) * a.ndim
+            shape = c.shape if c.shape is not None else tuple(o + d for o, d in zip(offset, a.shape))
+            if len(offset) != a.ndim or len(shape) != a.ndim:
+                raise InputError(f"{what}: offset {offset} and shape {shape} need {a.ndim} entries, as the chunk {a.shape} has")
+            for v, arg in ((offset, "offset"), (shape, "shape")):
+                if any(x < 0 for x in v):
+                    raise InputError(f"{what}: {arg} {v} has a negative entry")
+            out.append((name, slot, _dtype_name(a, what), [int(d) for d in a.shape], list(offset), list(shape), _bytes(a)))
+    return out
+
+
 def _save_arguments(tables, dense, options):
     """The arguments of the native save: tables and dense tensors as flat bytes with their dtype
-    names and shapes, and the options as a dict."""
+    names and shapes, row-range chunks with their places, and the options as a dict."""
     _counts(options)
     row_filter = options.get("row_filter")
     if row_filter is not None:
@@ -266,9 +324,18 @@ def _save_arguments(tables, dense, options):
     if options["foreign_rows"] not in ("error", "skip"):
         raise InputError(f"foreign_rows: must be 'error' or 'skip', got {options['foreign_rows']!r}")
     tables_in = []
+    chunks_in = []
     for name, columns in (tables or {}).items():
+        if _is_row_range(columns):
+            if row_filter is not None:
+                raise InputError(f"row-range table {name!r}: row_filter applies to tables with ids only")
+            chunks_in.extend(_chunk_arguments(name, columns))
+            continue
         if "ids" not in columns:
-            raise InputError(f"table {name!r}: no 'ids' array among its columns {sorted(columns)}")
+            raise InputError(
+                f"table {name!r}: no 'ids' array among its columns {sorted(columns)} (a table whose "
+                f"ids are its row numbers is given as saver.Chunk values)"
+            )
         ids = _array(columns["ids"], f"table {name!r} ids")
         if ids.ndim != 1:
             raise InputError(f"table {name!r} ids: must be 1-D, got shape {ids.shape}")
@@ -302,7 +369,7 @@ def _save_arguments(tables, dense, options):
         args[key] = [given] if isinstance(given, str) else [str(g) for g in given]
     args["parent"] = None if args["parent"] is None else os.fspath(args["parent"])
     args["skip_foreign_rows"] = args.pop("foreign_rows") == "skip"
-    return tables_in, dense_in, args
+    return tables_in, dense_in, chunks_in, args
 
 
 def save(
@@ -450,6 +517,7 @@ def load(
     exclude_slots: Union[str, Sequence[str]] = (),
     dense: bool = True,
     parallel: Optional[int] = None,
+    into: Optional[Mapping[str, Mapping[str, "Chunk"]]] = None,
 ) -> Loaded:
     """Loads a checkpoint (or the newest link of a delta chain) at ``path`` into numpy arrays.
 
@@ -458,6 +526,13 @@ def load(
     ``tables``: the tables to load (default all; a named table that is missing is an error).
     ``exclude_slots``: glob patterns of slots not to load (``"adagrad*"`` for serving).
     ``dense=False`` leaves the dense tensors out.
+
+    Row-range tables (saved as :class:`Chunk` values): ``into={table: {slot: Chunk(buffer,
+    offset=(row, col))}}`` fills your buffers in place (a numpy array or a CPU torch tensor,
+    C-contiguous), reading only the bytes they take; those tables are then not returned. Any
+    other row-range table comes back whole, ``{slot: array}`` (with ``shard_index=j``: rows
+    ``rows * j // shards`` to ``rows * (j + 1) // shards``, their first row in
+    ``report["row_offsets"][table]``).
     """
     shards = _int("shards", shards, 1, (1 << 32) - 1)
     shard_index = _int("shard_index", shard_index, 0, shards - 1, optional=True)
@@ -472,6 +547,7 @@ def load(
         parallel,
     )
     out = Loaded(report=report)
+    _load_row_tables(os.fspath(path), out, shards, shard_index, tables, exclude_slots, into or {})
     for name, key, ids, slots in tables_out:
         columns = {"ids": ids.view(np.int64) if key == "I64" else ids}
         for slot, dtype, shape, data in slots:
@@ -482,6 +558,80 @@ def load(
             _typed(data, dtype, shape) if dtype in _TO_NUMPY or dtype in _PATTERN_BITS else data
         )
     return out
+
+
+def _load_row_tables(path, out, shards, shard_index, tables, exclude_slots, into) -> None:
+    """Fills ``into``'s buffers, and returns the other row-range tables in ``out``."""
+    import fnmatch
+
+    held = _saver.inspect(path)["row_tables"]
+    for name in into:
+        if name not in held:
+            raise InputError(f"into: {path} holds no row-range table {name!r} (it holds {sorted(held)})")
+    patterns = [exclude_slots] if isinstance(exclude_slots, str) else list(exclude_slots)
+    stats = out.report.setdefault("row_tables", {"bytes_wanted": 0, "bytes_read": 0, "chunks": 0})
+    offsets = out.report.setdefault("row_offsets", {})
+
+    def fill(name, slot, buffer, offset):
+        what = f"into[{name!r}][{slot!r}]"
+        shape = held[name]["slots"].get(slot)
+        if shape is None:
+            raise InputError(f"{what}: row-range table {name!r} has no slot {slot!r} (it has {sorted(held[name]['slots'])})")
+        a = _writable(buffer, what)
+        rank = len(shape[1])
+        offset = tuple(offset) if offset is not None else (0,) * rank
+        if a.ndim != rank or len(offset) != rank:
+            raise InputError(f"{what}: the slot has shape {tuple(shape[1])}; give a buffer and an offset of {rank} dimensions, got {a.shape} at {offset}")
+        cols = (offset[1], offset[1] + a.shape[1]) if rank == 2 else None
+        wanted, read, chunks = _saver.load_rows(
+            path, name, offset[0], offset[0] + a.shape[0], [(slot, cols, a.reshape(-1).view(np.uint8))]
+        )
+        stats["bytes_wanted"] += wanted
+        stats["bytes_read"] += read
+        stats["chunks"] += chunks
+
+    for name, slots in into.items():
+        for slot, target in slots.items():
+            if not isinstance(target, Chunk):
+                raise InputError(f"into[{name!r}][{slot!r}]: give a saver.Chunk(buffer, offset=...), got {type(target).__name__}")
+            fill(name, slot, target.values, target.offset)
+    for name, info in held.items():
+        if name in into or (tables is not None and name not in tables):
+            continue
+        rows = info["rows"]
+        start, end = (0, rows) if shard_index is None else (rows * shard_index // shards, rows * (shard_index + 1) // shards)
+        offsets[name] = start
+        columns = {}
+        for slot, (dtype, shape) in info["slots"].items():
+            if any(fnmatch.fnmatchcase(slot, p) for p in patterns):
+                continue
+            numpy_dtype = _TO_NUMPY.get(dtype) or _PATTERN_TYPE.get(_PATTERN_BITS.get(dtype, 0))
+            if numpy_dtype is None:
+                raise InputError(f"row-range table {name!r} slot {slot!r}: dtype {dtype} has no numpy type")
+            buffer = np.empty((end - start, *shape[1:]), dtype=numpy_dtype)
+            fill(name, slot, buffer, (start, 0)[: len(shape)])
+            columns[slot] = Bits(buffer, dtype) if dtype in _PATTERN_BITS else buffer
+        out.tables[name] = columns
+
+
+def _writable(value: Any, what: str) -> np.ndarray:
+    """``value`` as a writable C-contiguous numpy array over the caller's memory (a CPU torch
+    tensor shares it), or an :class:`InputError`: a load into a copy would be lost."""
+    if hasattr(value, "detach") and hasattr(value, "numpy"):
+        t = value.detach()
+        if t.device.type != "cpu":
+            raise InputError(f"{what}: a {t.device} tensor; load into a CPU tensor and copy it over")
+        pattern = _TORCH_PATTERNS.get(str(t.dtype))
+        if pattern is not None:
+            import torch
+
+            t = t.view(torch.int16 if _PATTERN_BITS[pattern] == 16 else torch.int8)
+        value = t.numpy()
+    if not isinstance(value, np.ndarray):
+        raise InputError(f"{what}: give a numpy array or a torch tensor to fill, got {type(value).__name__}")
+    if not value.flags.c_contiguous or not value.flags.writeable:
+        raise InputError(f"{what}: the buffer must be C-contiguous and writable (it is filled in place)")
+    return value
 
 
 def verify(path: PathLike, *, parallel: Optional[int] = None) -> dict:

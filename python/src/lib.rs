@@ -11,14 +11,15 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use numpy::{PyArray1, PyReadonlyArray1};
+use numpy::{PyArray1, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use saver_core::{
-    ColumnTable, DenseTensor, Dtype, KeyDtype, SaveInput, SlotSpec, SparseTable, TableRef,
+    ColumnTable, DenseTensor, Dtype, KeyDtype, RowRangeChunk, SaveInput, SlotSpec, SparseTable,
+    TableRef,
 };
 use saver_io::load::checkpoint::read_latest;
 use saver_io::tools::digest::{Content, DigestVersion};
@@ -80,6 +81,18 @@ type TableIn<'py> = (String, String, PyReadonlyArray1<'py, u64>, Vec<SlotIn<'py>
 
 /// One dense tensor from Python: name, dtype name, shape, bytes.
 type DenseIn<'py> = (String, String, Vec<u64>, PyReadonlyArray1<'py, u8>);
+
+/// One chunk of a row-range table from Python: table, slot, dtype name, the chunk's shape, its
+/// offset in the slot, the slot's whole shape, bytes.
+type ChunkIn<'py> = (
+    String,
+    String,
+    String,
+    Vec<u64>,
+    Vec<u64>,
+    Vec<u64>,
+    PyReadonlyArray1<'py, u8>,
+);
 
 /// How to save: the keyword arguments of `saver.save` (see its docstring), as a dict.
 #[derive(FromPyObject)]
@@ -172,17 +185,33 @@ fn dense_tensors<'a>(dense: &'a [DenseIn<'_>]) -> PyResult<Vec<DenseTensor<'a>>>
     Ok(tensors)
 }
 
-/// Runs `save` with the GIL released, on the tables and dense tensors given, read in place.
+/// The chunks of row-range tables of a save, over the caller's arrays.
+fn row_chunks<'a>(chunks: &'a [ChunkIn<'_>]) -> PyResult<Vec<RowRangeChunk<'a>>> {
+    chunks
+        .iter()
+        .map(|(table, slot, dt, shape, offset, whole, bytes)| {
+            let data = Cow::Borrowed(bytes.as_slice()?);
+            RowRangeChunk::new(table, slot, dtype(dt)?, shape.clone(), data)
+                .and_then(|c| c.at(offset, whole))
+                .map_err(err)
+        })
+        .collect()
+}
+
+/// Runs `save` with the GIL released, on the tables, dense tensors and row-range chunks given,
+/// read in place.
 fn in_place<R: Send>(
     py: Python<'_>,
     tables: &[TableIn<'_>],
     dense: &[DenseIn<'_>],
+    chunks: &[ChunkIn<'_>],
     save: impl FnOnce(SaveInput<'_>) -> saver_io::Result<R> + Send,
 ) -> PyResult<R> {
     let tables = borrowed_tables(tables)?;
     let dense = dense_tensors(dense)?;
+    let chunks = row_chunks(chunks)?;
     let refs = tables.iter().map(|t| TableRef::from(t as &dyn SparseTable));
-    py.detach(|| save(input(refs.collect(), dense)))
+    py.detach(|| save(input(refs.collect(), dense, chunks)))
         .map_err(err)
 }
 
@@ -195,6 +224,7 @@ fn copied<R: Send>(
     py: Python<'_>,
     tables: &[TableIn<'_>],
     dense: &[DenseIn<'_>],
+    chunks: &[ChunkIn<'_>],
     start: impl FnOnce(SaveInput<'static>) -> saver_io::Result<R> + Send,
 ) -> PyResult<R> {
     let tables: Vec<Arc<dyn SparseTable>> = borrowed_tables(tables)?
@@ -205,11 +235,25 @@ fn copied<R: Send>(
         .into_iter()
         .map(DenseTensor::into_owned)
         .collect();
-    py.detach(|| start(input(tables.iter().map(TableRef::from).collect(), dense)))
-        .map_err(err)
+    let chunks = row_chunks(chunks)?
+        .into_iter()
+        .map(RowRangeChunk::into_owned)
+        .collect();
+    py.detach(|| {
+        start(input(
+            tables.iter().map(TableRef::from).collect(),
+            dense,
+            chunks,
+        ))
+    })
+    .map_err(err)
 }
 
-fn input<'a>(tables: Vec<TableRef<'a>>, dense: Vec<DenseTensor<'a>>) -> SaveInput<'a> {
+fn input<'a>(
+    tables: Vec<TableRef<'a>>,
+    dense: Vec<DenseTensor<'a>>,
+    row_chunks: Vec<RowRangeChunk<'a>>,
+) -> SaveInput<'a> {
     let mut input = SaveInput::new();
     for t in tables {
         input = input.table(t);
@@ -217,6 +261,7 @@ fn input<'a>(tables: Vec<TableRef<'a>>, dense: Vec<DenseTensor<'a>>) -> SaveInpu
     for t in dense {
         input = input.dense(t);
     }
+    input.row_chunks = row_chunks;
     input
 }
 
@@ -255,10 +300,11 @@ fn save<'py>(
     path: PathBuf,
     tables: Vec<TableIn<'py>>,
     dense: Vec<DenseIn<'py>>,
+    chunks: Vec<ChunkIn<'py>>,
     args: SaveArgs,
 ) -> PyResult<Bound<'py, PyDict>> {
     let opts = args.options()?;
-    let report = in_place(py, &tables, &dense, |input| {
+    let report = in_place(py, &tables, &dense, &chunks, |input| {
         saver_io::save(&path, input, &opts)
     })?;
     report_dict(py, &report)
@@ -306,10 +352,11 @@ fn save_async<'py>(
     path: PathBuf,
     tables: Vec<TableIn<'py>>,
     dense: Vec<DenseIn<'py>>,
+    chunks: Vec<ChunkIn<'py>>,
     args: SaveArgs,
 ) -> PyResult<SaveHandle> {
     let opts = args.options()?;
-    let handle = copied(py, &tables, &dense, |input| {
+    let handle = copied(py, &tables, &dense, &chunks, |input| {
         saver_io::save_async(&path, input, opts)
     })?;
     Ok(SaveHandle {
@@ -384,10 +431,11 @@ impl Manager {
         step: u64,
         tables: Vec<TableIn<'py>>,
         dense: Vec<DenseIn<'py>>,
+        chunks: Vec<ChunkIn<'py>>,
         args: SaveArgs,
     ) -> PyResult<Bound<'py, PyDict>> {
         let opts = args.options()?;
-        let saved = in_place(py, &tables, &dense, |input| {
+        let saved = in_place(py, &tables, &dense, &chunks, |input| {
             self.inner.save(step, input, &opts)
         })?;
         managed_dict(py, &saved)
@@ -401,10 +449,11 @@ impl Manager {
         step: u64,
         tables: Vec<TableIn<'py>>,
         dense: Vec<DenseIn<'py>>,
+        chunks: Vec<ChunkIn<'py>>,
         args: SaveArgs,
     ) -> PyResult<Option<u64>> {
         let opts = args.options()?;
-        let started = copied(py, &tables, &dense, |input| {
+        let started = copied(py, &tables, &dense, &chunks, |input| {
             self.inner.save_async(step, input, &opts)
         })?;
         // The step still running when this one was skipped, if it was.
@@ -523,6 +572,7 @@ fn load<'py>(
     let (columns, step, metadata) = py
         .detach(|| {
             read_latest(&path, || {
+                // Row-range tables are read by `saver.load` through `load_rows`.
                 let ck = Checkpoint::open(&path)?;
                 let m = ck.manifest();
                 let (step, metadata) = (m.step, m.user_metadata.clone());
@@ -600,7 +650,55 @@ fn inspect<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> 
         )?;
     }
     d.set_item("dense", dense)?;
+    let rows = PyDict::new(py);
+    for t in &ckpt.manifest().row_tables {
+        let info = PyDict::new(py);
+        info.set_item("rows", t.rows)?;
+        let slots = PyDict::new(py);
+        for s in &t.slots {
+            slots.set_item(&s.name, (s.dtype.name(), s.shape.clone()))?;
+        }
+        info.set_item("slots", slots)?;
+        rows.set_item(&t.name, info)?;
+    }
+    d.set_item("row_tables", rows)?;
     Ok(d)
+}
+
+/// One slot a row-range load fills: slot, its columns (`None`: all), the caller's buffer as a
+/// flat writable view of its bytes.
+type RowsIntoIn<'py> = (String, Option<(u64, u64)>, PyReadwriteArray1<'py, u8>);
+
+/// Reads rows `start..end` of row-range table `table` into the caller's arrays, in place, with
+/// the GIL released: (bytes wanted, bytes read, chunks read).
+#[pyfunction]
+fn load_rows(
+    py: Python<'_>,
+    path: PathBuf,
+    table: String,
+    start: u64,
+    end: u64,
+    mut into: Vec<RowsIntoIn<'_>>,
+) -> PyResult<(u64, u64, u64)> {
+    let mut targets = Vec::with_capacity(into.len());
+    for (slot, cols, out) in &mut into {
+        let out = out
+            .as_slice_mut()
+            .map_err(|e| err(format!("slot {slot:?}: {e}")))?;
+        let mut t = saver_io::RowsInto::new(slot, out);
+        if let Some((a, b)) = *cols {
+            t = t.columns(a..b);
+        }
+        targets.push(t);
+    }
+    let loaded = py
+        .detach(|| {
+            read_latest(&path, || {
+                Checkpoint::open(&path)?.load_rows(&table, start..end, &mut targets)
+            })
+        })
+        .map_err(err)?;
+    Ok((loaded.bytes_wanted, loaded.bytes_read, loaded.chunks))
 }
 
 /// Reads every byte of a checkpoint (or chain) and checks it against its CRCs: the report as a
@@ -650,6 +748,7 @@ fn _saver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save_async, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(load_rows, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(digest, m)?)?;
     Ok(())

@@ -18,6 +18,7 @@ mod object_store_faults;
 mod point_in_time;
 mod prelude;
 mod races;
+mod row_range;
 mod save_commit;
 mod streaming;
 mod workers;

@@ -72,6 +72,7 @@ pub mod partition;
 pub mod plan;
 pub mod prefetch;
 pub mod quantize;
+pub mod row_range;
 pub mod synthetic;
 pub mod table;
 pub mod tensor;
@@ -87,6 +88,7 @@ pub use partition::{PartitionRule, Shard};
 pub use plan::{
     plan, Compression, ForeignRows, PlanOptions, SaveInput, SavePlan, Stored, TableRef, TensorCrc,
 };
+pub use row_range::RowRangeChunk;
 pub use table::{
     ChangeTracking, ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSchema,
     TableSnapshot,

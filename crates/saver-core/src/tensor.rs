@@ -102,6 +102,11 @@ impl<'a> DenseTensor<'a> {
         self.data.len() as u64
     }
 
+    /// The same tensor under another name.
+    pub(crate) fn renamed(self, name: String) -> Self {
+        Self { name, ..self }
+    }
+
     /// The same tensor over the same bytes, borrowed: no copy.
     pub fn view(&self) -> DenseTensor<'_> {
         DenseTensor {

@@ -55,6 +55,7 @@ pub fn run(args: LoadArgs) -> CmdResult {
     // Opened again if it is replaced while it is read (see `read_latest`).
     let (tables, load, dense, digest) = read_latest(&dir, || {
         let ck = Checkpoint::open(&dir)?;
+        ck.refuse_row_tables("saver load")?;
         let tables = ck.table_manifests().count();
         Ok(match into {
             LoadTarget::Tables => {

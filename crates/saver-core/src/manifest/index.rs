@@ -51,7 +51,11 @@ impl Index {
             metadata: IndexMetadata {
                 total_size: m.total_tensor_bytes(),
                 format: FORMAT_NAME.into(),
-                saver_format_version: format_version_of(m.parent.as_ref(), m.is_compressed()),
+                saver_format_version: format_version_of(
+                    m.parent.as_ref(),
+                    m.is_compressed(),
+                    !m.row_tables.is_empty(),
+                ),
                 saver_save_id: m.save_id.clone(),
                 saver_manifest: manifest_name(&m.save_id),
                 saver_manifest_crc32: manifest_crc32,

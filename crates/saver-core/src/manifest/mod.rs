@@ -58,10 +58,12 @@ macro_rules! sealed_document {
 
 mod index;
 mod parse;
+mod row_range;
 pub mod trainer_state;
 
 pub use index::{Index, IndexMetadata};
 pub use parse::{check_parent_path, MAX_DOCUMENT_BYTES};
+pub use row_range::{RowChunkManifest, RowSlotManifest, RowTableManifest};
 
 /// Value of the `format` field of every manifest.
 pub const FORMAT_NAME: &str = "saver";
@@ -78,15 +80,21 @@ pub const DELTA_FORMAT_VERSION: u32 = 2;
 pub const COMPRESSED_FORMAT_VERSION: u32 = 3;
 /// The format version of a delta some of whose tensors are compressed.
 pub const COMPRESSED_DELTA_FORMAT_VERSION: u32 = 4;
+/// The format version of a checkpoint with row-range tables ([`RowTableManifest`]), compressed
+/// or not: a build that knows only versions 1 to 4 refuses it instead of loading the checkpoint
+/// without those tables.
+pub const ROW_RANGE_FORMAT_VERSION: u32 = 5;
 /// The newest format version this build reads.
-pub const NEWEST_FORMAT_VERSION: u32 = COMPRESSED_DELTA_FORMAT_VERSION;
+pub const NEWEST_FORMAT_VERSION: u32 = ROW_RANGE_FORMAT_VERSION;
 
 /// The format version a checkpoint's manifest and index carry: [`FORMAT_VERSION`] for a full
 /// checkpoint, [`DELTA_FORMAT_VERSION`] for a delta, and [`COMPRESSED_FORMAT_VERSION`] or
 /// [`COMPRESSED_DELTA_FORMAT_VERSION`] when some tensor is compressed. A checkpoint that
-/// compresses nothing keeps the version older builds read.
-pub fn format_version_of(parent: Option<&ParentRef>, compressed: bool) -> u32 {
+/// compresses nothing keeps the version older builds read; [`ROW_RANGE_FORMAT_VERSION`] for one
+/// with row-range tables.
+pub fn format_version_of(parent: Option<&ParentRef>, compressed: bool, row_range: bool) -> u32 {
     match (parent.is_some(), compressed) {
+        _ if row_range => ROW_RANGE_FORMAT_VERSION,
         (false, false) => FORMAT_VERSION,
         (true, false) => DELTA_FORMAT_VERSION,
         (false, true) => COMPRESSED_FORMAT_VERSION,
@@ -229,10 +237,12 @@ pub struct Codec {
     pub frames: Vec<u32>,
 }
 
-/// Every tensor of `tables` and `dense`: sparse ones in table, partition and segment order.
+/// Every tensor of `tables`, `dense` and `rows`: sparse ones in table, partition and segment
+/// order, then dense ones, then the chunks of row-range tables.
 pub(crate) fn tensor_refs_of<'a>(
     tables: &'a [TableManifest],
     dense: &'a [DenseManifest],
+    rows: &'a [RowTableManifest],
 ) -> impl Iterator<Item = &'a TensorRef> {
     let sparse = tables.iter().flat_map(|t| {
         t.partitions.iter().flat_map(|p| {
@@ -243,7 +253,9 @@ pub(crate) fn tensor_refs_of<'a>(
             })
         })
     });
-    sparse.chain(dense.iter().map(|d| &d.tensor))
+    sparse
+        .chain(dense.iter().map(|d| &d.tensor))
+        .chain(rows.iter().flat_map(RowTableManifest::tensor_refs))
 }
 
 /// The compressor a [`Codec`] names.
@@ -571,13 +583,16 @@ pub struct ShardManifest parsed as RawShardManifest {
     /// chain holds them unchanged; equal in every shard of a save.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dense_in_parent: Vec<String>,
+    /// The chunks of row-range tables this shard wrote (format version 5).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub row_tables: Vec<RowTableManifest>,
 }
 }
 
 impl ShardManifest {
     /// Whether some tensor of this shard is compressed (format versions 3 and 4).
     pub fn is_compressed(&self) -> bool {
-        tensor_refs_of(&self.tables, &self.dense).any(|t| t.codec.is_some())
+        tensor_refs_of(&self.tables, &self.dense, &self.row_tables).any(|t| t.codec.is_some())
     }
 }
 
@@ -634,6 +649,9 @@ pub struct Manifest parsed as RawManifest {
     /// parent's chain holds them unchanged (found in the parent, or further up).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dense_in_parent: Vec<String>,
+    /// Row-range tables (format version 5): every chunk of every slot, which tile it exactly.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub row_tables: Vec<RowTableManifest>,
 }
 }
 
@@ -908,7 +926,12 @@ impl Manifest {
                 )));
             }
             if s.format != FORMAT_NAME
-                || s.format_version != format_version_of(s.parent.as_ref(), s.is_compressed())
+                || s.format_version
+                    != format_version_of(
+                        s.parent.as_ref(),
+                        s.is_compressed(),
+                        !s.row_tables.is_empty(),
+                    )
             {
                 return Err(mismatch(format!(
                     "shard {} has format {} version {}",
@@ -951,6 +974,18 @@ impl Manifest {
             });
         }
         check_dense_written_once(first, &dense)?;
+        let row_tables =
+            row_range::merge_row_tables(shards.iter().map(|s| (s.shard, s.row_tables.as_slice())))
+                .map_err(mismatch)?;
+        if let Some(t) = row_tables
+            .iter()
+            .find(|r| tables.iter().any(|t| t.name == r.name))
+        {
+            return Err(mismatch(format!(
+                "table {:?} is given both as a hashed table and as a row-range table",
+                t.name
+            )));
+        }
         tables.sort_by(|a, b| a.name.cmp(&b.name));
         dense.sort_by(|a: &DenseManifest, b| a.tensor.name.cmp(&b.tensor.name));
         Ok(Manifest {
@@ -958,6 +993,7 @@ impl Manifest {
             format_version: format_version_of(
                 first.parent.as_ref(),
                 shards.iter().any(ShardManifest::is_compressed),
+                !row_tables.is_empty(),
             ),
             save_id,
             partition: rule,
@@ -969,6 +1005,7 @@ impl Manifest {
             user_metadata: shards[0].user_metadata.clone(),
             parent: shards[0].parent.clone(),
             dense_in_parent: shards[0].dense_in_parent.clone(),
+            row_tables,
             replaces: None,
             step: shards[0].step,
             sealed: Sealed,
@@ -977,7 +1014,7 @@ impl Manifest {
 
     /// Every tensor the manifest references, with what it is.
     pub fn tensor_refs(&self) -> impl Iterator<Item = &TensorRef> {
-        tensor_refs_of(&self.tables, &self.dense)
+        tensor_refs_of(&self.tables, &self.dense, &self.row_tables)
     }
 
     /// Whether some tensor is compressed (format versions 3 and 4).

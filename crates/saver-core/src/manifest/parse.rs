@@ -26,8 +26,8 @@ use serde::Deserialize;
 use super::index::{Index, RawIndex};
 use super::{
     format_version_of, DenseManifest, FileManifest, Manifest, ParentRef, RawManifest,
-    RawShardManifest, ShardManifest, TableManifest, TensorRef, FORMAT_NAME, FORMAT_VERSION,
-    NEWEST_FORMAT_VERSION,
+    RawShardManifest, RowTableManifest, ShardManifest, TableManifest, TensorRef, FORMAT_NAME,
+    FORMAT_VERSION, NEWEST_FORMAT_VERSION,
 };
 use crate::error::{Error, Result};
 use crate::naming::{check_file_name, check_save_id, removed_table_of, INDEX_FILE};
@@ -87,6 +87,7 @@ struct Body<'a> {
     files: &'a [FileManifest],
     tables: &'a [TableManifest],
     dense: &'a [DenseManifest],
+    rows: &'a [RowTableManifest],
 }
 
 /// The [`Body`] of a manifest or a shard manifest: the fields have the same names in both.
@@ -101,6 +102,7 @@ macro_rules! body_of {
             files: &$m.files,
             tables: &$m.tables,
             dense: &$m.dense,
+            rows: &$m.row_tables,
         }
     };
 }
@@ -213,6 +215,7 @@ fn check_format(
     version: u32,
     parent: Option<&ParentRef>,
     compressed: bool,
+    row_range: bool,
     file: &str,
 ) -> Result<()> {
     if format != FORMAT_NAME {
@@ -221,13 +224,18 @@ fn check_format(
             format!("format is {format:?}, not {FORMAT_NAME:?}"),
         ));
     }
-    if version != format_version_of(parent, compressed) {
+    if version != format_version_of(parent, compressed, row_range) {
         return Err(corrupt(
             file,
             format!(
-                "format version {version} does not fit a {}{} checkpoint",
+                "format version {version} does not fit a {}{} checkpoint{}",
                 if compressed { "compressed " } else { "" },
-                if parent.is_some() { "delta" } else { "full" }
+                if parent.is_some() { "delta" } else { "full" },
+                if row_range {
+                    " with row-range tables"
+                } else {
+                    ""
+                }
             ),
         ));
     }
@@ -303,26 +311,56 @@ fn check_files_and_tables<'a>(
     Ok(refs)
 }
 
+/// Row-range tables consistent (see [`RowTableManifest`]), each named once and not like a hashed
+/// table. A shard manifest's chunks need not cover their slots; a manifest's do: that is checked
+/// where the manifest is checked whole ([`check_manifest`]).
+fn check_row_tables(rows: &[RowTableManifest], tables: &[TableManifest], file: &str) -> Result<()> {
+    for (i, r) in rows.iter().enumerate() {
+        if rows[..i].iter().any(|o| o.name == r.name) || tables.iter().any(|t| t.name == r.name) {
+            return Err(corrupt(file, format!("table {:?} is listed twice", r.name)));
+        }
+        r.check_consistency(false)
+            .map_err(|e| corrupt(file, e.to_string()))?;
+    }
+    Ok(())
+}
+
 /// Format and version, save id, partition rule, removed-ids tables, safe file names, tensors
 /// listed once in listed files, consistent tables.
 fn check_body(b: &Body<'_>, file: &str) -> Result<()> {
-    let compressed = crate::manifest::tensor_refs_of(b.tables, b.dense).any(|t| t.codec.is_some());
-    check_format(b.format, b.version, b.parent, compressed, file)?;
+    let compressed =
+        crate::manifest::tensor_refs_of(b.tables, b.dense, b.rows).any(|t| t.codec.is_some());
+    check_format(
+        b.format,
+        b.version,
+        b.parent,
+        compressed,
+        !b.rows.is_empty(),
+        file,
+    )?;
     check_save_id(b.save_id).map_err(|e| corrupt(file, e.to_string()))?;
     check_removed_tables(b.tables, b.parent.is_some(), file)?;
     b.partition.validate()?;
     check_files_and_tables(
         &b.files.iter().map(|f| f.name.as_str()).collect::<Vec<_>>(),
         b.tables,
-        b.dense.iter().map(|d| &d.tensor),
+        b.dense
+            .iter()
+            .map(|d| &d.tensor)
+            .chain(b.rows.iter().flat_map(RowTableManifest::tensor_refs)),
         file,
     )?;
+    check_row_tables(b.rows, b.tables, file)?;
     Ok(())
 }
 
 /// Internal consistency of a manifest.
 fn check_manifest(m: &Manifest, file: &str) -> Result<()> {
     check_body(&body_of!(m), file)?;
+    for r in &m.row_tables {
+        r.check_consistency(true)
+            .map_err(|e| corrupt(file, e.to_string()))?;
+    }
     if m.shard_num == 0 {
         return Err(corrupt(file, "zero shards"));
     }

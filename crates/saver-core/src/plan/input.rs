@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::plan::ForeignRows;
+use crate::row_range::RowRangeChunk;
 use crate::table::workers::WorkerTable;
 use crate::table::SparseTable;
 use crate::tensor::DenseTensor;
@@ -88,6 +89,9 @@ pub struct SaveInput<'a> {
     pub shard_tables: Vec<(u32, TableRef<'a>)>,
     /// Dense tensors: in a multi-process save, all of them in every process.
     pub dense: Vec<DenseTensor<'a>>,
+    /// Chunks of row-range tables ([`crate::row_range`]): in a multi-process save, each process
+    /// gives those it holds, and writes them in its shard; together they must tile every slot.
+    pub row_chunks: Vec<RowRangeChunk<'a>>,
 }
 
 impl std::fmt::Debug for SaveInput<'_> {
@@ -108,6 +112,14 @@ impl std::fmt::Debug for SaveInput<'_> {
             .field(
                 "dense",
                 &self.dense.iter().map(|d| d.name()).collect::<Vec<_>>(),
+            )
+            .field(
+                "row_chunks",
+                &self
+                    .row_chunks
+                    .iter()
+                    .map(|c| c.values().name())
+                    .collect::<Vec<_>>(),
             )
             .finish()
     }
@@ -139,6 +151,12 @@ impl<'a> SaveInput<'a> {
         self
     }
 
+    /// Adds a chunk of a row-range table.
+    pub fn row_chunk(mut self, chunk: RowRangeChunk<'a>) -> Self {
+        self.row_chunks.push(chunk);
+        self
+    }
+
     /// Every table given, as the save reads them: [`Self::tables`], then [`Self::shard_tables`].
     pub fn all_tables(&self) -> impl Iterator<Item = &(dyn SparseTable + 'a)> {
         self.tables
@@ -161,6 +179,7 @@ impl<'a> SaveInput<'a> {
                 .map(|(s, t)| (*s, TableRef::Borrowed(&**t)))
                 .collect(),
             dense: self.dense.iter().map(DenseTensor::view).collect(),
+            row_chunks: self.row_chunks.iter().map(RowRangeChunk::view).collect(),
         }
     }
 
@@ -189,6 +208,11 @@ impl<'a> SaveInput<'a> {
                 .dense
                 .into_iter()
                 .map(DenseTensor::into_owned)
+                .collect(),
+            row_chunks: self
+                .row_chunks
+                .into_iter()
+                .map(RowRangeChunk::into_owned)
                 .collect(),
         })
     }

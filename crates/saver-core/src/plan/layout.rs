@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::filter::{BlockInfo, BlockKind, Filters};
 use crate::naming::{data_file_name, sparse_tensor_name, BUCKET_INDEX, IDS};
 use crate::partition::PartitionRule;
+use crate::row_range::RowRangeChunk;
 use crate::tensor::DenseTensor;
 
 use super::header::{
@@ -43,6 +44,32 @@ pub(crate) fn assign_dense(dense: &[DenseTensor<'_>], shard_num: u32) -> Vec<u32
     let mut out = vec![0u32; dense.len()];
     for (k, bin) in pack(&sizes, bins).into_iter().enumerate() {
         out[by_name[k]] = bin as u32;
+    }
+    out
+}
+
+/// Assigns the row-range chunks of a save that writes every shard to shards, as dense tensors
+/// are: largest first onto the least-loaded shard, ties by table, slot and offset.
+pub(crate) fn assign_chunks(chunks: &[&RowRangeChunk<'_>], shard_num: u32) -> Vec<u32> {
+    let mut order: Vec<usize> = (0..chunks.len()).collect();
+    order.sort_by(|&a, &b| {
+        let key = |c: &RowRangeChunk<'_>| {
+            (
+                c.table().to_string(),
+                c.slot().to_string(),
+                c.offset().to_vec(),
+            )
+        };
+        key(chunks[a]).cmp(&key(chunks[b]))
+    });
+    let sizes: Vec<u64> = order
+        .iter()
+        .map(|&i| chunks[i].values().byte_len())
+        .collect();
+    let bins = (shard_num as usize).min(chunks.len().max(1));
+    let mut out = vec![0u32; chunks.len()];
+    for (k, bin) in pack(&sizes, bins).into_iter().enumerate() {
+        out[order[k]] = bin as u32;
     }
     out
 }
@@ -193,19 +220,31 @@ struct Block {
     what: BlockRef,
 }
 
+/// The tensors a save writes whole: its dense tensors, then the values of its row-range chunks.
+pub(crate) struct Dense<'p, 'a> {
+    /// Every one of them.
+    pub tensors: &'p [DenseTensor<'a>],
+    /// The shard of each.
+    pub shard_of: &'p [u32],
+    /// Where each chunk (`tensors[given + k]`) goes in its table.
+    pub chunks: &'p [super::ChunkPlace],
+    /// How many of `tensors` are dense tensors.
+    pub given: usize,
+}
+
 pub(crate) fn layout_shard(
     shard: u32,
     pos: usize,
     tables: &[ScannedTable<'_>],
-    dense: &[DenseTensor<'_>],
-    dense_shard: &[u32],
+    all_dense: Dense<'_, '_>,
     filters: &Filters,
     opts: &PlanOptions,
 ) -> Result<ShardPlan> {
     let range = PartitionRule::bucket_range(shard, opts.shard_num);
     // Partitions and the shard's byte estimate, to size segments for balance.
     let (mut partitions, mut estimate) = partitions_of(tables, pos, range);
-    let dense_here = dense_of(shard, dense, dense_shard, filters);
+    let dense_here = dense_of(shard, &all_dense, filters);
+    let dense = all_dense.tensors;
     estimate += dense_here.iter().map(|&d| dense[d].byte_len()).sum::<u64>();
     let (files_estimate, target_block) = block_target(estimate, opts);
 
@@ -279,23 +318,29 @@ fn partitions_of(
     (partitions, estimate)
 }
 
-/// The dense tensors shard `shard` writes: those assigned to it that the block filters keep.
-fn dense_of(
-    shard: u32,
-    dense: &[DenseTensor<'_>],
-    dense_shard: &[u32],
-    filters: &Filters,
-) -> Vec<usize> {
-    (0..dense.len())
-        .filter(|&d| dense_shard[d] == shard)
+/// The dense tensors and chunks shard `shard` writes: those assigned to it that the block
+/// filters keep (a chunk as a slot of its table).
+fn dense_of(shard: u32, dense: &Dense<'_, '_>, filters: &Filters) -> Vec<usize> {
+    (0..dense.tensors.len())
+        .filter(|&d| dense.shard_of[d] == shard)
         .filter(|&d| {
-            filters.keep_block(&BlockInfo {
-                kind: BlockKind::Dense,
-                table: None,
-                slot: None,
-                dense: Some(dense[d].name()),
-                shard,
-            })
+            let block = match d.checked_sub(dense.given).map(|k| &dense.chunks[k]) {
+                Some(c) => BlockInfo {
+                    kind: BlockKind::Slot,
+                    table: Some(&c.table),
+                    slot: Some(&c.slot),
+                    dense: None,
+                    shard,
+                },
+                None => BlockInfo {
+                    kind: BlockKind::Dense,
+                    table: None,
+                    slot: None,
+                    dense: Some(dense.tensors[d].name()),
+                    shard,
+                },
+            };
+            filters.keep_block(&block)
         })
         .collect()
 }

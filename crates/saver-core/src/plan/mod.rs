@@ -41,10 +41,12 @@ use crate::error::{Error, Result};
 use crate::filter::{BlockInfo, BlockKind, Filters};
 use crate::manifest::{
     format_version_of, BlockCrcs, Codec, DenseGiven, DenseManifest, FileManifest,
-    PartitionManifest, SegmentManifest, ShardManifest, TableManifest, TensorRef, FORMAT_NAME,
+    PartitionManifest, RowChunkManifest, RowSlotManifest, RowTableManifest, SegmentManifest,
+    ShardManifest, TableManifest, TensorRef, FORMAT_NAME,
 };
 use crate::naming::{check_dense_name, check_plan_table_name, check_save_id};
 use crate::partition::PartitionRule;
+use crate::row_range::{check_chunks, is_chunk_tensor_name_of, RowRangeChunk};
 use crate::table::moment::{self, MomentHook};
 use crate::table::SparseTable;
 use crate::tensor::DenseTensor;
@@ -317,10 +319,27 @@ pub struct ShardPlan {
 pub struct SavePlan<'a> {
     opts: PlanOptions,
     tables: Vec<ScannedTable<'a>>,
+    /// The dense tensors given, then the values of the row-range chunks given: both are written
+    /// whole, as one tensor each.
     dense: Vec<DenseTensor<'a>>,
-    /// The shard each dense tensor is assigned to, whether or not this process writes it.
+    /// The shard each dense tensor (and chunk) is assigned to, whether or not this process
+    /// writes it.
     dense_shard: Vec<u32>,
+    /// Where in the row-range tables each chunk of `dense` is (`dense[given_dense + k]` is
+    /// chunk `k`).
+    chunks: Vec<ChunkPlace>,
+    /// How many of `dense` are dense tensors given.
+    given_dense: usize,
     shards: Vec<ShardPlan>,
+}
+
+/// Where a row-range chunk goes in its table: what its manifest entry records.
+#[derive(Clone, Debug)]
+pub(crate) struct ChunkPlace {
+    pub table: String,
+    pub slot: String,
+    pub whole: Vec<u64>,
+    pub offset: Vec<u64>,
 }
 
 /// Checks names and cross-input collisions before anything is snapshotted.
@@ -335,9 +354,29 @@ fn validate_input(input: &SaveInput<'_>) -> Result<()> {
             });
         }
     }
+    check_chunks(&input.row_chunks)?;
+    let row_tables: HashSet<&str> = input.row_chunks.iter().map(|c| c.table()).collect();
+    if let Some(t) = row_tables.iter().find(|t| tables.contains(*t)) {
+        return Err(Error::NameCollision {
+            name: t.to_string(),
+            first: "a hashed table".into(),
+            second: "a row-range table".into(),
+        });
+    }
     let mut dense = HashSet::new();
     for d in &input.dense {
         check_dense_name(d.name())?;
+        // A dense tensor named like a chunk of a row-range table would collide in its file.
+        if let Some(t) = row_tables
+            .iter()
+            .find(|t| is_chunk_tensor_name_of(d.name(), t))
+        {
+            return Err(Error::NameCollision {
+                name: d.name().into(),
+                first: format!("row-range table {t:?}"),
+                second: "a dense tensor".into(),
+            });
+        }
         if !dense.insert(d.name()) {
             return Err(Error::DuplicateName {
                 what: "dense tensor",
@@ -465,13 +504,48 @@ pub fn plan_with_spill<'a>(
         })
         .collect::<Result<_>>()?;
     drop(buffers);
-    let dense: Vec<DenseTensor<'a>> = input.dense.iter().map(DenseTensor::view).collect();
-    let dense_shard = layout::assign_dense(&dense, opts.shard_num);
+    let mut dense: Vec<DenseTensor<'a>> = input.dense.iter().map(DenseTensor::view).collect();
+    let mut dense_shard = layout::assign_dense(&dense, opts.shard_num);
+    let given_dense = dense.len();
+    // A process's chunks are its shard's; a save of every shard spreads them by bytes. An empty
+    // chunk holds nothing to write.
+    let chunks_given: Vec<&RowRangeChunk<'_>> = input
+        .row_chunks
+        .iter()
+        .filter(|c| c.values().byte_len() > 0)
+        .collect();
+    let chunk_shard = match opts.shard_index {
+        Some(i) => vec![i; chunks_given.len()],
+        None => layout::assign_chunks(&chunks_given, opts.shard_num),
+    };
+    dense_shard.extend(chunk_shard);
+    let chunks: Vec<ChunkPlace> = chunks_given
+        .iter()
+        .map(|c| ChunkPlace {
+            table: c.table().to_string(),
+            slot: c.slot().to_string(),
+            whole: c.whole().to_vec(),
+            offset: c.offset().to_vec(),
+        })
+        .collect();
+    dense.extend(chunks_given.iter().map(|c| c.values().view()));
     let shard_plans = shards
         .par_iter()
         .enumerate()
         .map(|(pos, &s)| {
-            layout::layout_shard(s, pos, &tables, &dense, &dense_shard, &opts.filters, opts)
+            layout::layout_shard(
+                s,
+                pos,
+                &tables,
+                layout::Dense {
+                    tensors: &dense,
+                    shard_of: &dense_shard,
+                    chunks: &chunks,
+                    given: given_dense,
+                },
+                &opts.filters,
+                opts,
+            )
         })
         .collect::<Result<Vec<_>>>()?;
     for t in &mut tables {
@@ -482,6 +556,8 @@ pub fn plan_with_spill<'a>(
         tables,
         dense,
         dense_shard,
+        chunks,
+        given_dense,
         shards: shard_plans,
     })
 }
@@ -491,7 +567,7 @@ impl<'a> SavePlan<'a> {
     /// block filters keep it in the shard the plan assigns it to (whichever process writes that
     /// shard): what every process of a save must agree on, and what must be written once.
     pub fn dense_given(&self) -> Vec<DenseGiven> {
-        self.dense
+        self.dense[..self.given_dense]
             .par_iter()
             .zip(&self.dense_shard)
             .map(|(d, &shard)| DenseGiven {
@@ -699,6 +775,7 @@ impl<'a> SavePlan<'a> {
             dense: shard
                 .dense
                 .iter()
+                .filter(|d| d.dense < self.given_dense)
                 .map(|d| DenseManifest {
                     shard: shard.shard,
                     tensor: tref(d.loc),
@@ -728,9 +805,59 @@ impl<'a> SavePlan<'a> {
             dense_given: Vec::new(),
             parent: None,
             dense_in_parent: Vec::new(),
+            row_tables: self.row_tables_of(shard, tref),
             sealed: crate::manifest::Sealed,
         };
-        m.format_version = format_version_of(None, m.is_compressed());
+        m.format_version = format_version_of(None, m.is_compressed(), !m.row_tables.is_empty());
         Ok(m)
+    }
+
+    /// The row-range tables of the chunks `shard` writes, as its manifest records them.
+    fn row_tables_of(
+        &self,
+        shard: &ShardPlan,
+        tref: impl Fn(Loc) -> TensorRef,
+    ) -> Vec<RowTableManifest> {
+        let mut tables: Vec<RowTableManifest> = Vec::new();
+        for d in shard.dense.iter().filter(|d| d.dense >= self.given_dense) {
+            let place = &self.chunks[d.dense - self.given_dense];
+            let dtype = self.dense[d.dense].dtype();
+            let table = match tables.iter_mut().position(|t| t.name == place.table) {
+                Some(i) => &mut tables[i],
+                None => {
+                    tables.push(RowTableManifest {
+                        name: place.table.clone(),
+                        rows: place.whole[0],
+                        slots: Vec::new(),
+                    });
+                    tables.last_mut().expect("just pushed")
+                }
+            };
+            let slot = match table.slots.iter().position(|s| s.name == place.slot) {
+                Some(i) => &mut table.slots[i],
+                None => {
+                    table.slots.push(RowSlotManifest {
+                        name: place.slot.clone(),
+                        dtype,
+                        shape: place.whole.clone(),
+                        chunks: Vec::new(),
+                    });
+                    table.slots.last_mut().expect("just pushed")
+                }
+            };
+            slot.chunks.push(RowChunkManifest {
+                shard: shard.shard,
+                offset: place.offset.clone(),
+                tensor: tref(d.loc),
+            });
+        }
+        tables.sort_by(|a, b| a.name.cmp(&b.name));
+        for t in &mut tables {
+            t.slots.sort_by(|a, b| a.name.cmp(&b.name));
+            for s in &mut t.slots {
+                s.chunks.sort_by(|a, b| a.offset.cmp(&b.offset));
+            }
+        }
+        tables
     }
 }

@@ -403,6 +403,9 @@ impl CheckpointManager {
             .swap(false, std::sync::atomic::Ordering::Relaxed);
         let decided = match delta_parent(&chain, step, &self.policy) {
             _ if forced => Err("a full save was asked for".to_string()),
+            _ if !input.row_chunks.is_empty() => {
+                Err("row-range tables are saved in full checkpoints only".to_string())
+            }
             Ok(parent) => match self.schema_change(parent, input)? {
                 Some(change) => Err(format!(
                     "the tables changed since step {}: {change}",

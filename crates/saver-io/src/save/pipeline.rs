@@ -194,7 +194,11 @@ fn write_and_commit(
             m.parent = Some(d.parent.clone());
             m.dense_in_parent = d.dense_in_parent.clone();
         }
-        m.format_version = format_version_of(m.parent.as_ref(), m.is_compressed());
+        m.format_version = format_version_of(
+            m.parent.as_ref(),
+            m.is_compressed(),
+            !m.row_tables.is_empty(),
+        );
         bytes_written += m.files.iter().map(|f| f.bytes).sum::<u64>();
         let json = serde_json::to_vec_pretty(&m).expect("manifests serialize");
         manifests.push((

@@ -86,7 +86,10 @@ impl Source {
     pub fn open(path: &Path) -> Result<Self> {
         if path.is_dir() || crate::storage::location_url(path).is_some() {
             if is_checkpoint(path) {
-                return Ok(Self::Checkpoint(Box::new(Checkpoint::open(path)?)));
+                let ck = Checkpoint::open(path)?;
+                // A digest, an export or a save from it would leave them out.
+                ck.refuse_row_tables("reading a checkpoint as a source (digest, save --from)")?;
+                return Ok(Self::Checkpoint(Box::new(ck)));
             }
             let storage = crate::storage::open_location(path)?;
             if !storage.exists(INDEX_FILE)?

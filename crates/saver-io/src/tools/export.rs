@@ -164,6 +164,7 @@ const COLUMN_BUFFER_BYTES: usize = 4 << 20;
 /// export holds bounded buffers (about 100 MiB) plus the dense tensors, whatever the number of
 /// rows.
 pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
+    ckpt.refuse_row_tables("export")?;
     let read_dense = || ckpt.dense_tensors(None, &mut crate::LoadReport::default());
     if !ckpt.is_delta() {
         // One full checkpoint: its rows are read straight from their segments.

@@ -19,6 +19,7 @@ use crate::source::{save_input, SourceTables};
 /// files, so the rewrite holds what a save holds (`opts.plan`'s buffers) plus the dense tensors,
 /// whatever the number of rows. Every byte read is checked against its checksum.
 pub fn reshard(src: &Checkpoint, out: &Path, opts: &SaveOptions) -> Result<SaveReport> {
+    src.refuse_row_tables("reshard and compact")?;
     let tables = SourceTables::of_checkpoint(src)?;
     let dense = src.dense_tensors(None, &mut crate::LoadReport::default())?;
     rewrite(src.newest(), tables, dense, out, opts)

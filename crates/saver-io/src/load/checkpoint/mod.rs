@@ -15,10 +15,12 @@
 
 mod ahead;
 mod loads;
+mod row_range;
 mod table;
 
 pub use crate::load::link::read_latest;
 use ahead::Ahead;
+pub use row_range::{RowsInto, RowsLoaded};
 pub use table::ChainTable;
 
 use std::collections::HashSet;

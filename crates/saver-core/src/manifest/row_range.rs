@@ -1,0 +1,156 @@
+//! The manifest entries of row-range tables ([`crate::row_range`]): per table its rows, per slot
+//! its dtype, whole shape and chunks, each chunk a tensor of a data file at its offset.
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+use crate::manifest::TensorRef;
+use crate::naming::{check_slot_name, check_table_name};
+use crate::row_range::tiling_problem;
+
+/// One row-range table: ids `0..rows`, no ids tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowTableManifest {
+    /// Table name.
+    pub name: String,
+    /// Rows of the table (and of each of its slots).
+    pub rows: u64,
+    /// Its slots, by name.
+    pub slots: Vec<RowSlotManifest>,
+}
+
+/// One slot of a row-range table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowSlotManifest {
+    /// Slot name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// The whole slot's shape: `[rows]` (one value per row) or `[rows, cols]`.
+    pub shape: Vec<u64>,
+    /// The chunks that hold it, by offset: in a shard manifest those the shard wrote, in a
+    /// checkpoint's manifest all of them, which tile the slot exactly.
+    pub chunks: Vec<RowChunkManifest>,
+}
+
+/// One chunk of a slot: the rectangle of the slot at `offset` of its tensor's shape.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowChunkManifest {
+    /// The shard that wrote it.
+    pub shard: u32,
+    /// Its first row, and first column for a slot of two dimensions.
+    pub offset: Vec<u64>,
+    /// Where its values are (shape: the chunk's).
+    pub tensor: TensorRef,
+}
+
+impl RowTableManifest {
+    /// Structural checks, so that readers can size buffers from the entry: names, one row count
+    /// for every slot, chunks of the slot's dtype inside its shape, none overlapping; and, when
+    /// `complete` (a checkpoint's manifest), every element of every slot in some chunk.
+    pub(crate) fn check_consistency(&self, complete: bool) -> Result<()> {
+        let bad = |what: String| Error::Encoding {
+            what: format!("row-range table {:?}", self.name),
+            message: what,
+        };
+        check_table_name(&self.name).map_err(|e| bad(e.to_string()))?;
+        for (i, s) in self.slots.iter().enumerate() {
+            check_slot_name(&s.name).map_err(|e| bad(e.to_string()))?;
+            if self.slots[..i].iter().any(|o| o.name == s.name) {
+                return Err(bad(format!("slot {:?} is listed twice", s.name)));
+            }
+            if !(1..=2).contains(&s.shape.len()) || s.shape[0] != self.rows {
+                return Err(bad(format!(
+                    "slot {:?} has shape {:?} in a table of {} rows",
+                    s.name, s.shape, self.rows
+                )));
+            }
+            for c in &s.chunks {
+                let t = &c.tensor;
+                let len = crate::tensor::byte_len(&t.name, t.dtype, &t.shape).ok();
+                if t.dtype != s.dtype || len != Some(t.len) {
+                    return Err(bad(format!(
+                        "slot {:?}: tensor {:?} is not {} values of shape {:?}",
+                        s.name, t.name, s.dtype, t.shape
+                    )));
+                }
+                if let Some(b) = &t.blocks {
+                    b.check(t.len)
+                        .map_err(|why| bad(format!("tensor {:?} {why}", t.name)))?;
+                }
+            }
+            let pieces: Vec<(&[u64], &[u64])> = s
+                .chunks
+                .iter()
+                .map(|c| (c.offset.as_slice(), c.tensor.shape.as_slice()))
+                .collect();
+            if let Some(why) = tiling_problem(&s.shape, &pieces, complete) {
+                return Err(bad(format!("slot {:?}: {why}", s.name)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every chunk's tensor.
+    pub fn tensor_refs(&self) -> impl Iterator<Item = &TensorRef> {
+        self.slots
+            .iter()
+            .flat_map(|s| s.chunks.iter().map(|c| &c.tensor))
+    }
+}
+
+/// The row-range tables of a checkpoint from those of its shards: one entry per table, its
+/// slots' chunks from every shard, which must agree on rows, dtypes and shapes and tile each
+/// slot exactly. The error says what does not hold: the save is then refused.
+pub(crate) fn merge_row_tables<'a>(
+    shards: impl Iterator<Item = (u32, &'a [RowTableManifest])>,
+) -> std::result::Result<Vec<RowTableManifest>, String> {
+    let mut tables: Vec<RowTableManifest> = Vec::new();
+    for (shard, given) in shards {
+        for t in given {
+            let m = match tables.iter_mut().find(|m| m.name == t.name) {
+                Some(m) => m,
+                None => {
+                    tables.push(RowTableManifest {
+                        name: t.name.clone(),
+                        rows: t.rows,
+                        slots: Vec::new(),
+                    });
+                    tables.last_mut().expect("just pushed")
+                }
+            };
+            if m.rows != t.rows {
+                return Err(format!(
+                    "row-range table {:?} has {} rows in shard {shard} but {} before",
+                    t.name, t.rows, m.rows
+                ));
+            }
+            for s in &t.slots {
+                match m.slots.iter_mut().find(|x| x.name == s.name) {
+                    Some(x) if x.dtype != s.dtype || x.shape != s.shape => {
+                        return Err(format!(
+                            "row-range table {:?} slot {:?} is {} of shape {:?} in shard \
+                             {shard} but {} of shape {:?} before",
+                            t.name, s.name, s.dtype, s.shape, x.dtype, x.shape
+                        ))
+                    }
+                    Some(x) => x.chunks.extend(s.chunks.iter().cloned()),
+                    None => m.slots.push(s.clone()),
+                }
+            }
+        }
+    }
+    tables.sort_by(|a, b| a.name.cmp(&b.name));
+    for t in &mut tables {
+        t.slots.sort_by(|a, b| a.name.cmp(&b.name));
+        for s in &mut t.slots {
+            s.chunks.sort_by(|a, b| a.offset.cmp(&b.offset));
+        }
+        t.check_consistency(true).map_err(|e| match e {
+            Error::Encoding { what, message } => format!("{what}: {message}"),
+            e => e.to_string(),
+        })?;
+    }
+    Ok(tables)
+}

@@ -1,0 +1,85 @@
+"""Row-range tables from Python: a model's embedding tables (a tensor whose row number is the
+id) saved as chunks at their global offsets, by one process or several, and loaded for any split
+straight into the caller's arrays and tensors."""
+
+import numpy as np
+import pytest
+import torch
+
+import saver
+
+
+def values(rows, cols, seed):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((rows, cols)).astype(np.float32)
+
+
+def test_row_and_column_chunks_from_two_writers_load_into_three_buffers_in_place(tmp_path):
+    rows, cols = 1000, 16
+    weight = values(rows, cols, 1)
+    momentum = np.arange(rows, dtype=np.float32)
+    # Two processes: one holds columns 0..8 of every row, the other columns 8..16; the row-wise
+    # state is cut by rows.
+    halves = [
+        {"weight": saver.Chunk(weight[:, :8].copy(), offset=(0, 0), shape=(rows, cols)),
+         "momentum": saver.Chunk(momentum[:400], offset=(0,), shape=(rows,))},
+        {"weight": saver.Chunk(weight[:, 8:].copy(), offset=(0, 8), shape=(rows, cols)),
+         "momentum": saver.Chunk(momentum[400:], offset=(400,), shape=(rows,))},
+    ]
+    for j, mine in enumerate(halves):
+        saver.save(tmp_path / "c", tables={"item": mine}, shards=2, shard_index=j, save_id="rr-1")
+    # Three workers, row-wise: each fills its own preallocated arrays (a torch tensor included).
+    for j in range(3):
+        a, b = rows * j // 3, rows * (j + 1) // 3
+        w = torch.empty((b - a, cols), dtype=torch.float32)
+        m = np.empty(b - a, dtype=np.float32)
+        loaded = saver.load(tmp_path / "c", into={"item": {
+            "weight": saver.Chunk(w, offset=(a, 0)),
+            "momentum": saver.Chunk(m, offset=(a,)),
+        }})
+        np.testing.assert_array_equal(w.numpy(), weight[a:b])
+        np.testing.assert_array_equal(m, momentum[a:b])
+        assert "item" not in loaded.tables
+        assert loaded.report["row_tables"]["bytes_wanted"] == (b - a) * (cols + 1) * 4
+    # Without into: the whole table, as arrays.
+    whole = saver.load(tmp_path / "c").tables["item"]
+    np.testing.assert_array_equal(whole["weight"], weight)
+    np.testing.assert_array_equal(whole["momentum"], momentum)
+    assert saver.verify(tmp_path / "c")["status"] == "ok"
+
+
+def test_a_bf16_embedding_round_trips_and_a_sharded_load_gets_its_rows(tmp_path):
+    emb = torch.randn(301, 8).to(torch.bfloat16)
+    saver.save(tmp_path / "c", tables={"e": {"weight": saver.Chunk(emb)}})
+    got = saver.load(tmp_path / "c").tables["e"]["weight"]
+    assert isinstance(got, saver.Bits) and got.saver_dtype == "BF16"
+    assert torch.equal(torch.from_numpy(np.asarray(got)).view(torch.bfloat16), emb)
+    part = saver.load(tmp_path / "c", shards=3, shard_index=2)
+    start = part.report["row_offsets"]["e"]
+    assert start == 301 * 2 // 3
+    assert torch.equal(torch.from_numpy(np.asarray(part.tables["e"]["weight"])).view(torch.bfloat16), emb[start:])
+    # Into a bf16 tensor of ours, in place.
+    mine = torch.zeros(10, 8, dtype=torch.bfloat16)
+    saver.load(tmp_path / "c", into={"e": {"weight": saver.Chunk(mine, offset=(100, 0))}})
+    assert torch.equal(mine, emb[100:110])
+
+
+def test_chunks_that_do_not_cover_the_table_or_bad_buffers_are_refused_by_name(tmp_path):
+    w = values(100, 4, 2)
+    with pytest.raises(saver.SaverError, match='"weight".*overlap'):
+        saver.save(tmp_path / "o", tables={"t": {"weight": [
+            saver.Chunk(w[:60], offset=(0, 0), shape=(100, 4)),
+            saver.Chunk(w[50:], offset=(50, 0), shape=(100, 4)),
+        ]}})
+    with pytest.raises(saver.SaverError, match="cover"):
+        saver.save(tmp_path / "g", tables={"t": {"weight": saver.Chunk(w[:60], offset=(0, 0), shape=(100, 4))}})
+    saver.save(tmp_path / "c", tables={"t": {"weight": saver.Chunk(w)}})
+    with pytest.raises(saver.InputError, match="no slot 'bias'"):
+        saver.load(tmp_path / "c", into={"t": {"bias": saver.Chunk(np.empty((1, 4), np.float32))}})
+    with pytest.raises(saver.InputError, match="C-contiguous"):
+        saver.load(tmp_path / "c", into={"t": {"weight": saver.Chunk(np.empty((4, 10), np.float32).T)}})
+    with pytest.raises(saver.SaverError, match="rows"):
+        saver.load(tmp_path / "c", into={"t": {"weight": saver.Chunk(np.empty((10, 4), np.float32), offset=(95, 0))}})
+    # Commands that do not carry row-range tables yet say so.
+    with pytest.raises(saver.SaverError, match="row-range tables"):
+        saver.digest(tmp_path / "c")

@@ -1,0 +1,350 @@
+//! Row-range tables: chunks given by any number of processes, any mix of row and column splits,
+//! committed only when they tile every slot, and read back for any range straight into the
+//! caller's buffers, reading only about the bytes asked for.
+
+use std::ops::Range;
+
+use proptest::prelude::*;
+use saver::core::row_range::chunk_tensor_name;
+use saver::{
+    save, verify, Checkpoint, Dtype, Error, RowRangeChunk, RowsInto, SaveInput, SaveOptions, Shard,
+    Status,
+};
+
+/// The value of row `r`, column `c` of slot `s`: every element distinct.
+fn value(s: u64, r: u64, c: u64) -> f32 {
+    (s * 1_000_000 + r * 100 + c) as f32
+}
+
+/// Chunk `rows × cols` of slot `slot` (whole shape `whole`) with its values.
+fn chunk(slot: &str, whole: &[u64], rows: Range<u64>, cols: Range<u64>) -> RowRangeChunk<'static> {
+    let s = u64::from(slot == "state");
+    let mut v = Vec::new();
+    for r in rows.clone() {
+        for c in cols.clone() {
+            v.push(value(s, r, c));
+        }
+    }
+    let bytes: Vec<u8> = bytemuck::cast_slice(&v).to_vec();
+    let (shape, offset) = if whole.len() == 1 {
+        (vec![rows.end - rows.start], vec![rows.start])
+    } else {
+        (
+            vec![rows.end - rows.start, cols.end - cols.start],
+            vec![rows.start, cols.start],
+        )
+    };
+    RowRangeChunk::new("emb", slot, Dtype::F32, shape, bytes)
+        .unwrap()
+        .at(&offset, whole)
+        .unwrap()
+}
+
+/// Cuts `0..n` at `cuts` (taken modulo n + 1).
+fn ranges(n: u64, cuts: &[u64]) -> Vec<Range<u64>> {
+    let mut e: Vec<u64> = cuts.iter().map(|c| c % (n + 1)).collect();
+    e.extend([0, n]);
+    e.sort_unstable();
+    e.dedup();
+    e.windows(2).map(|w| w[0]..w[1]).collect()
+}
+
+/// Saves a table `emb` of `rows` rows: slot `weight` of `cols` columns cut into a grid at
+/// `row_cuts` × `col_cuts`, slot `state` (one value per row) cut at `row_cuts`; the chunks dealt
+/// to `writers` processes, each saving its shard; returns when committed.
+fn save_split(
+    dir: &std::path::Path,
+    rows: u64,
+    cols: u64,
+    row_cuts: &[u64],
+    col_cuts: &[u64],
+    writers: u32,
+) {
+    let mut chunks: Vec<RowRangeChunk<'static>> = Vec::new();
+    for r in ranges(rows, row_cuts) {
+        for c in ranges(cols, col_cuts) {
+            chunks.push(chunk("weight", &[rows, cols], r.clone(), c));
+        }
+        chunks.push(chunk("state", &[rows], r, 0..1));
+    }
+    let mut per: Vec<Vec<RowRangeChunk<'static>>> = (0..writers).map(|_| Vec::new()).collect();
+    for (i, c) in chunks.into_iter().enumerate() {
+        per[i % writers as usize].push(c);
+    }
+    let id = format!("rr{writers}-{}", row_cuts.len() * 10 + col_cuts.len());
+    std::thread::scope(|s| {
+        for (w, mine) in per.into_iter().enumerate() {
+            let id = id.clone();
+            s.spawn(move || {
+                let mut input = SaveInput::new();
+                input.row_chunks = mine;
+                let opts = SaveOptions::for_shard(
+                    Shard {
+                        index: w as u32,
+                        count: writers,
+                    },
+                    id,
+                );
+                save(dir, input, &opts).unwrap();
+            });
+        }
+    });
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Any save split (1 to 3 writers, any mix of row and column chunks) reads back exactly for
+    /// any load split (ranges of rows and columns), reading no more than the bytes asked for
+    /// plus, per chunk read, what completes its checked blocks.
+    #[test]
+    fn any_save_split_reads_back_exactly_for_any_load_split(
+        rows in 1u64..300, cols in 1u64..12,
+        row_cuts in proptest::collection::vec(0u64..320, 0..4),
+        col_cuts in proptest::collection::vec(0u64..14, 0..3),
+        writers in 1u32..4,
+        loads in proptest::collection::vec((0u64..320, 0u64..320, 0u64..14, 0u64..14), 1..5),
+    ) {
+        let d = tempfile::tempdir().unwrap();
+        save_split(d.path(), rows, cols, &row_cuts, &col_cuts, writers);
+        let ck = Checkpoint::open(d.path()).unwrap();
+        let t = ck.row_table("emb").expect("committed with its table");
+        prop_assert_eq!(t.rows, rows);
+        for (a, b, x, y) in loads {
+            let (a, b) = (a.min(b) % (rows + 1), a.max(b) % (rows + 1));
+            let (a, b) = (a.min(b), a.max(b));
+            let (x, y) = (x.min(y) % (cols + 1), x.max(y) % (cols + 1));
+            let (x, y) = (x.min(y), x.max(y));
+            let mut w = vec![0f32; ((b - a) * (y - x)) as usize];
+            let mut st = vec![0f32; (b - a) as usize];
+            let loaded = ck.load_rows("emb", a..b, &mut [
+                RowsInto::new("weight", bytemuck::cast_slice_mut(&mut w)).columns(x..y),
+                RowsInto::new("state", bytemuck::cast_slice_mut(&mut st)),
+            ]).unwrap();
+            for r in a..b {
+                for c in x..y {
+                    prop_assert_eq!(w[((r - a) * (y - x) + (c - x)) as usize], value(0, r, c));
+                }
+                prop_assert_eq!(st[(r - a) as usize], value(1, r, 0));
+            }
+            prop_assert_eq!(loaded.bytes_wanted, ((b - a) * (y - x) + (b - a)) * 4);
+            prop_assert!(loaded.bytes_read >= loaded.bytes_wanted);
+        }
+        prop_assert_eq!(verify(d.path(), 2).unwrap().status, Status::Ok);
+    }
+}
+
+/// Whole-row loads of a large table read what they ask for (the checked blocks' edges aside):
+/// a resharding load from 2 row shards to 3 reads at most 1.05 times the bytes it keeps.
+#[test]
+fn a_resharding_load_reads_about_the_bytes_it_keeps() {
+    let d = tempfile::tempdir().unwrap();
+    let (rows, cols) = (60_000u64, 64u64);
+    save_split(d.path(), rows, cols, &[rows / 2], &[], 2);
+    let ck = Checkpoint::open(d.path()).unwrap();
+    let (mut wanted, mut read) = (0, 0);
+    for j in 0..3u64 {
+        let r = rows * j / 3..rows * (j + 1) / 3;
+        let mut w = vec![0f32; ((r.end - r.start) * cols) as usize];
+        let mut st = vec![0f32; (r.end - r.start) as usize];
+        let l = ck
+            .load_rows(
+                "emb",
+                r.clone(),
+                &mut [
+                    RowsInto::new("weight", bytemuck::cast_slice_mut(&mut w)),
+                    RowsInto::new("state", bytemuck::cast_slice_mut(&mut st)),
+                ],
+            )
+            .unwrap();
+        assert_eq!(w[0], value(0, r.start, 0));
+        assert_eq!(*w.last().unwrap(), value(0, r.end - 1, cols - 1));
+        wanted += l.bytes_wanted;
+        read += l.bytes_read;
+    }
+    assert!(
+        read as f64 <= 1.05 * wanted as f64,
+        "read {read} for {wanted}"
+    );
+}
+
+/// Chunks that overlap, or leave rows that no process gave, never commit: the commit names the
+/// slot and what is wrong. Overlap within one process is refused before anything is written.
+#[test]
+fn overlapping_or_gapped_chunks_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let (rows, cols) = (100, 4);
+    let two = |dir: &std::path::Path,
+               id: &str,
+               a: Range<u64>,
+               b: Range<u64>|
+     -> Vec<Result<saver::SaveReport, Error>> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = [a, b]
+                .into_iter()
+                .enumerate()
+                .map(|(w, r)| {
+                    let id = id.to_string();
+                    s.spawn(move || {
+                        let input =
+                            SaveInput::new().row_chunk(chunk("weight", &[rows, cols], r, 0..cols));
+                        save(
+                            dir,
+                            input,
+                            &SaveOptions::for_shard(
+                                Shard {
+                                    index: w as u32,
+                                    count: 2,
+                                },
+                                id,
+                            ),
+                        )
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let overlap = two(&d.path().join("o"), "ov", 0..60, 50..100);
+    let e = overlap
+        .iter()
+        .find_map(|r| r.as_ref().err())
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("\"weight\"") && e.contains("overlap"), "{e}");
+    assert!(!Checkpoint::open(d.path().join("o")).is_ok_and(|c| c.row_table("emb").is_some()));
+    let gap = two(&d.path().join("g"), "gp", 0..40, 50..100);
+    let e = gap
+        .iter()
+        .find_map(|r| r.as_ref().err())
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("\"weight\"") && e.contains("cover"), "{e}");
+
+    let input = SaveInput::new()
+        .row_chunk(chunk("weight", &[rows, cols], 0..60, 0..cols))
+        .row_chunk(chunk("weight", &[rows, cols], 40..100, 0..cols));
+    let e = save(d.path().join("one"), input, &SaveOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("overlap"), "{e}");
+    assert!(!d.path().join("one").exists());
+}
+
+/// A chunk whose bytes changed on disk fails the load of any range that reads it, naming the
+/// tensor, and fails verify; ranges that do not touch it still load.
+#[test]
+fn a_corrupt_chunk_is_named_by_load_and_verify() {
+    let d = tempfile::tempdir().unwrap();
+    let (rows, cols) = (2000u64, 16u64);
+    save_split(d.path(), rows, cols, &[1000], &[], 1);
+    let ck = Checkpoint::open(d.path()).unwrap();
+    let slot = &ck
+        .row_table("emb")
+        .unwrap()
+        .slots
+        .iter()
+        .find(|s| s.name == "weight")
+        .unwrap()
+        .clone();
+    let second = slot.chunks.iter().find(|c| c.offset == [1000, 0]).unwrap();
+    assert_eq!(
+        second.tensor.name,
+        chunk_tensor_name("emb", "weight", &[1000, 0])
+    );
+    let file = d.path().join(&second.tensor.file);
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[(second.tensor.offset + 4 * 16 * 700) as usize] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+    let mut w = vec![0f32; (10 * cols) as usize];
+    let e = ck
+        .load_rows(
+            "emb",
+            1695..1705,
+            &mut [RowsInto::new("weight", bytemuck::cast_slice_mut(&mut w))],
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+    assert!(e.to_string().contains(&second.tensor.name), "{e}");
+    ck.load_rows(
+        "emb",
+        10..20,
+        &mut [RowsInto::new("weight", bytemuck::cast_slice_mut(&mut w))],
+    )
+    .unwrap();
+    let report = verify(d.path(), 2).unwrap();
+    assert_ne!(report.status, Status::Ok);
+}
+
+/// A checkpoint of both kinds: the hashed tables and dense tensors restore as ever, the
+/// row-range table loads by range; what does not carry row-range tables yet says so.
+#[test]
+fn a_checkpoint_of_both_kinds_loads_each_and_refuses_what_would_drop_rows() {
+    let d = tempfile::tempdir().unwrap();
+    let hashed = crate::common::table(
+        "users",
+        saver::KeyDtype::I64,
+        vec![saver::SlotSpec::new("e", Dtype::F32, vec![2])],
+        &[1, 2, 3],
+    );
+    let mlp = [0.5f32; 6];
+    let input = SaveInput::new()
+        .table(&hashed)
+        .dense(saver::DenseTensor::from_f32("mlp", vec![2, 3], &mlp).unwrap())
+        .row_chunk(chunk("weight", &[50, 3], 0..50, 0..3));
+    save(d.path(), input, &SaveOptions::default()).unwrap();
+    let ck = Checkpoint::open(d.path()).unwrap();
+    assert_eq!(
+        ck.manifest().format_version,
+        saver::core::manifest::ROW_RANGE_FORMAT_VERSION
+    );
+    let r = ck.restore(&saver::LoadOptions::default()).unwrap();
+    assert_eq!(r.shards[0].tables.len(), 1);
+    assert_eq!(r.dense.len(), 1);
+    let mut w = vec![0f32; 3];
+    ck.load_rows(
+        "emb",
+        49..50,
+        &mut [RowsInto::new("weight", bytemuck::cast_slice_mut(&mut w))],
+    )
+    .unwrap();
+    assert_eq!(w, [value(0, 49, 0), value(0, 49, 1), value(0, 49, 2)]);
+    let refused = |e: Error| assert!(e.to_string().contains("row-range tables [\"emb\"]"), "{e}");
+    refused(
+        saver::io::tools::digest::digest(
+            saver::io::tools::digest::Content::At {
+                path: d.path(),
+                parallel: 1,
+            },
+            saver::io::tools::digest::DigestVersion::V2,
+        )
+        .unwrap_err(),
+    );
+    refused(
+        saver::export(
+            &ck,
+            &d.path().join("x.safetensors"),
+            &saver::ExportOptions::default(),
+        )
+        .unwrap_err(),
+    );
+    refused(
+        saver::io::tools::reshard::reshard(&ck, &d.path().join("r"), &SaveOptions::default())
+            .unwrap_err(),
+    );
+    // A delta of row-range tables, or of a checkpoint that holds them, is refused.
+    let e = save(
+        d.path().join("delta"),
+        SaveInput::new().row_chunk(chunk("weight", &[50, 3], 0..50, 0..3)),
+        &SaveOptions::default().with_parent(d.path()),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("row-range"), "{e}");
+    let e = save(
+        d.path().join("delta2"),
+        SaveInput::new().table(&hashed),
+        &SaveOptions::default().with_parent(d.path()),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("row-range"), "{e}");
+}
