@@ -11,8 +11,9 @@
 5. A reader written from docs/FORMAT.md alone, sharing no code with saver (`read_checkpoint`),
    reads checkpoints of every format version: full (1), delta (2: removed ids, dense tensors kept
    from the parent, a chain of three), compressed (3) and compressed delta (4: zstd frames, every
-   filter), checking every CRC-32 and every bucket index; what it reads has saver's digest and,
-   for the models saved from plain inputs, is exactly the model saved.
+   filter) and row-range tables (5: chunks that must tile each slot, raw and compressed),
+   checking every CRC-32 and every bucket index; what it reads has saver's digest and, for the
+   models saved from plain inputs, is exactly the model saved.
 
 Usage: python interop.py SAVER_BINARY WORK_DIR
 """
@@ -117,9 +118,10 @@ def bucket(ids):
     return k >> np.uint64(48)
 
 
-def digest(tables, dense, version=2):
+def digest(tables, dense, version=2, row_tables=None):
     """The content digest of docs/FORMAT.md, computed independently: version 2 orders a table's
-    rows by (bucket, id bits), version 1 by id."""
+    rows by (bucket, id bits), version 1 by id; row-range tables ({name: (rows, {slot: whole
+    array})}) follow the hashed ones."""
     h = hashlib.sha256(b"saver-digest-v%d\n" % version)
 
     def put_str(s):
@@ -152,6 +154,17 @@ def digest(tables, dense, version=2):
             h.update(ids[i].tobytes())
             for sname in sorted(slots):
                 h.update(slots[sname][i].tobytes())
+    for tname in sorted(row_tables or {}):
+        rows, slots = row_tables[tname]
+        h.update(b"rowtable\0")
+        put_str(tname)
+        h.update(struct.pack("<QI", rows, len(slots)))
+        for sname in sorted(slots):
+            put_str(sname)
+            put_str(names[slots[sname].dtype])
+            put_shape(slots[sname].shape)
+        for sname in sorted(slots):
+            h.update(np.ascontiguousarray(slots[sname]).tobytes())
     for dname in sorted(dense):
         a = dense[dname]
         h.update(b"dense\0")
@@ -439,12 +452,13 @@ def link_rows(directory, table, seen_codecs):
 def read_checkpoint(directory, seen_codecs):
     """The model a checkpoint of any format version holds (a delta through its chain), read from
     its files by docs/FORMAT.md alone, sharing no code with saver: ({table: (ids, {slot: rows})},
-    {dense name: array})."""
+    {dense name: array}, {row-range table: (rows, {slot: whole array})})."""
     links = []  # (directory, manifest), newest first
     d = directory
     while True:
         m = manifest_of(d)
-        check(m["format_version"] in (1, 2, 3, 4), f"{d}: a known format version")
+        check(m["format_version"] in (1, 2, 3, 4, 5), f"{d}: a known format version")
+        check((m["format_version"] == 5) == bool(m.get("row_tables")), f"{d}: version 5 if and only if row-range tables")
         check((m["format_version"] in (2, 4)) == bool(m.get("parent")), f"{d}: version and parent agree")
         links.append((d, m))
         if not m.get("parent"):
@@ -484,7 +498,22 @@ def read_checkpoint(directory, seen_codecs):
                 dense[name] = tensor_array(d, e["tensor"], seen_codecs)
                 break
         check(name in dense, f"dense tensor {name} kept from a parent is in a link of the chain")
-    return tables, dense
+    row_tables = {}
+    for t in newest.get("row_tables", []):
+        slots = {}
+        for s in t["slots"]:
+            check(s["shape"][0] == t["rows"], f"{t['name']}/{s['name']}: the table's rows")
+            whole = np.zeros(s["shape"], dtype=DTYPES[s["dtype"]])
+            covered = np.zeros(s["shape"], dtype=np.int64)
+            for c in s["chunks"]:
+                a = tensor_array(links[0][0], c["tensor"], seen_codecs)
+                at = tuple(slice(o, o + n) for o, n in zip(c["offset"], a.shape))
+                whole[at] = a
+                covered[at] += 1
+            check(bool(np.all(covered == 1)), f"{t['name']}/{s['name']}: the chunks tile the slot")
+            slots[s["name"]] = whole
+        row_tables[t["name"]] = (t["rows"], slots)
+    return tables, dense, row_tables
 
 
 def every_format_version_reads_by_the_spec():
@@ -545,18 +574,24 @@ def every_format_version_reads_by_the_spec():
     synthetic = os.path.join(WORK, "versions-synthetic-zstd")
     # One shard of 100,000 rows: its bucket indexes are large enough to be compressed (delta8).
     saver("save", "--synthetic", "small,rows=100000", "--shards", "1", "--compress", "zstd", "--out", synthetic, "--no-fsync")
+    # Row-range tables (version 5), raw and compressed, written as three shards' row chunks.
+    row_range = []
+    for compress in ([], ["--compress", "zstd"]):
+        out = os.path.join(WORK, f"versions-rows{len(row_range)}")
+        saver("save", "--synthetic", "tiny,kind=rows,rows=30001,dim=12", "--shards", "3", "--out", out, "--no-fsync", *compress)
+        row_range.append(out)
     versions = set()
     seen_codecs = set()
-    for k, d in enumerate(dirs + [synthetic]):
+    for k, d in enumerate(dirs + [synthetic] + row_range):
         version = manifest_of(d)["format_version"]
         versions.add(version)
-        tables, dense = read_checkpoint(d, seen_codecs)
-        check(digest(tables, dense) == saver("digest", d).strip(), f"{d} (version {version}) reads as saver reads it")
+        tables, dense, rows = read_checkpoint(d, seen_codecs)
+        check(digest(tables, dense, row_tables=rows) == saver("digest", d).strip(), f"{d} (version {version}) reads as saver reads it")
         if k < len(models):
             check(digest(tables, dense) == digest(*as_tables(models[k])), f"{d} holds the model saved into it")
     check(manifest_of(dirs[1]).get("dense_in_parent") == ["tower.b"], "the delta keeps tower.b from its parent")
     check(any(t["name"] == "user:removed" for t in manifest_of(dirs[1])["tables"]), "the delta removes ids")
-    check(versions == {1, 2, 3, 4}, f"every format version read: {sorted(versions)}")
+    check(versions == {1, 2, 3, 4, 5}, f"every format version read: {sorted(versions)}")
     check({"delta8", "shuffle8", "shuffle4"} <= seen_codecs, f"filters decoded: {sorted(seen_codecs)}")
 
 

@@ -49,6 +49,9 @@ pub struct SyntheticSpec {
     pub seed: u64,
     /// Multiplies rows and dense bytes.
     pub scale: f64,
+    /// Row-range tables (`kind=rows`: ids `0..rows`, each slot a dense matrix) instead of hashed
+    /// ones (`kind=hashed`, the default).
+    pub row_range: bool,
 }
 
 fn bad(spec: &str, why: impl Into<String>) -> Error {
@@ -90,6 +93,7 @@ impl SyntheticSpec {
                 dense_bytes: 64 << 10,
                 seed: 7,
                 scale: 1.0,
+                row_range: false,
             },
             "small" => Self {
                 rows: vec![100_000; 4],
@@ -98,6 +102,7 @@ impl SyntheticSpec {
                 dense_bytes: 16 << 20,
                 seed: 7,
                 scale: 1.0,
+                row_range: false,
             },
             "criteo-kaggle" => Self {
                 rows: CRITEO_KAGGLE_ROWS.to_vec(),
@@ -106,6 +111,7 @@ impl SyntheticSpec {
                 dense_bytes: 4 << 20,
                 seed: 7,
                 scale: 1.0,
+                row_range: false,
             },
             _ => return None,
         })
@@ -132,11 +138,13 @@ impl SyntheticSpec {
 
     /// Approximate bytes of the generated model (ids, slots and dense).
     pub fn model_bytes(&self) -> u64 {
-        let row: u64 = 8 + self
-            .slot_specs()
-            .iter()
-            .map(|s| s.row_bytes().unwrap_or(0))
-            .sum::<u64>();
+        let ids = if self.row_range { 0 } else { 8 };
+        let row: u64 = ids
+            + self
+                .slot_specs()
+                .iter()
+                .map(|s| s.row_bytes().unwrap_or(0))
+                .sum::<u64>();
         self.table_rows().iter().sum::<u64>() * row + (self.dense_bytes as f64 * self.scale) as u64
     }
 }
@@ -177,6 +185,15 @@ impl FromStr for SyntheticSpec {
                 "rows" => rows = Some(num(v)?),
                 "dim" => spec.dim = num(v)?,
                 "seed" => spec.seed = num(v)?,
+                "kind" => {
+                    spec.row_range = match v {
+                        "rows" => true,
+                        "hashed" => false,
+                        _ => {
+                            return Err(bad(s, format!("kind={v}: give kind=hashed or kind=rows")))
+                        }
+                    }
+                }
                 "dense" => {
                     spec.dense_bytes =
                         parse_size(v).ok_or_else(|| bad(s, format!("dense={v} is not a size")))?
@@ -229,8 +246,11 @@ impl FromStr for SyntheticSpec {
 
 /// A generated model, owning its tables and dense tensors.
 pub struct SyntheticModel {
-    /// Tables `t0`, `t1`, …
+    /// Tables `t0`, `t1`, … (hashed ones; none for `kind=rows`).
     pub tables: Vec<EmbeddingTable>,
+    /// Row-range tables `t0`, `t1`, … (`kind=rows`): per table, its rows and each slot's name,
+    /// dtype, whole shape and values (row-major).
+    pub row_tables: Vec<RowTableValues>,
     /// Dense tensors `dense.0`, `dense.1`, … as (name, shape, f32 little-endian bytes).
     pub dense: Vec<(String, Vec<u64>, Vec<u8>)>,
 }
@@ -239,8 +259,21 @@ impl SyntheticModel {
     /// Generates the model of `spec`, in parallel.
     pub fn generate(spec: &SyntheticSpec) -> Result<Self> {
         let specs = spec.slot_specs();
-        let tables = spec
-            .table_rows()
+        let row_tables = if spec.row_range {
+            spec.table_rows()
+                .into_iter()
+                .enumerate()
+                .map(|(t, rows)| (format!("t{t}"), rows, row_slots(&specs, rows)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let hashed = if spec.row_range {
+            Vec::new()
+        } else {
+            spec.table_rows()
+        };
+        let tables = hashed
             .into_iter()
             .enumerate()
             .map(|(t, rows)| {
@@ -283,7 +316,44 @@ impl SyntheticModel {
                 .collect();
             dense.push((format!("dense.{i}.weight"), vec![n], bytes));
         }
-        Ok(Self { tables, dense })
+        Ok(Self {
+            tables,
+            row_tables,
+            dense,
+        })
+    }
+
+    /// The row-range tables as chunks: each table's rows cut into `parts` equal row ranges
+    /// (every slot alike), all of them, or only part `part` (what process `part` of a save of
+    /// `parts` shards holds).
+    pub fn row_chunks(
+        &self,
+        parts: u32,
+        part: Option<u32>,
+    ) -> Result<Vec<crate::RowRangeChunk<'_>>> {
+        let parts = u64::from(parts.max(1));
+        let mut out = Vec::new();
+        for (name, rows, slots) in &self.row_tables {
+            for p in 0..parts {
+                if part.is_some_and(|q| u64::from(q) != p) {
+                    continue;
+                }
+                let (a, b) = (rows * p / parts, rows * (p + 1) / parts);
+                for (slot, dtype, whole, bytes) in slots {
+                    let row_bytes = bytes.len() as u64 / (*rows).max(1);
+                    let mut shape = whole.clone();
+                    shape[0] = b - a;
+                    let mut offset = vec![0; whole.len()];
+                    offset[0] = a;
+                    let data = &bytes[(a * row_bytes) as usize..(b * row_bytes) as usize];
+                    out.push(
+                        crate::RowRangeChunk::new(name, slot, *dtype, shape, data)?
+                            .at(&offset, whole)?,
+                    );
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// The model as save input.
@@ -300,6 +370,44 @@ impl SyntheticModel {
         }
         input
     }
+}
+
+/// A row-range table of a synthetic model: name, rows, and each slot's name, dtype, whole shape
+/// and values.
+pub type RowTableValues = (String, u64, Vec<(String, Dtype, Vec<u64>, Vec<u8>)>);
+
+/// The slots of a row-range table of `rows` rows: row `r`'s values are what a hashed table's
+/// row of id `r` would hold.
+fn row_slots(specs: &[SlotSpec], rows: u64) -> Vec<(String, Dtype, Vec<u64>, Vec<u8>)> {
+    specs
+        .iter()
+        .enumerate()
+        .map(|(s, slot)| {
+            let width = slot.shape.first().copied().unwrap_or(1);
+            let whole = if slot.shape.is_empty() {
+                vec![rows]
+            } else {
+                vec![rows, width]
+            };
+            let el = slot.dtype.bits() as usize / 8;
+            let mut bytes = vec![0u8; rows as usize * width as usize * el];
+            bytes
+                .par_chunks_mut(width as usize * el)
+                .enumerate()
+                .for_each(|(r, row)| {
+                    let h = fmix64(r as u64 ^ (s as u64 + 1));
+                    if slot.dtype == Dtype::I64 {
+                        row.copy_from_slice(&((h % 100) as i64).to_le_bytes());
+                    } else {
+                        for (i, v) in row.chunks_mut(4).enumerate() {
+                            let x = (fmix64(h ^ i as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                            v.copy_from_slice(&x.to_le_bytes());
+                        }
+                    }
+                });
+            (slot.name.clone(), slot.dtype, whole, bytes)
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -26,6 +26,10 @@ pub fn run(args: DigestArgs) -> CmdResult {
         "reading",
         || -> Result<String, Box<dyn std::error::Error>> {
             Ok(if version == 1 {
+                // Version 1 holds the model in memory, where row-range tables are not read.
+                if let Ok(ck) = saver_io::Checkpoint::open(path) {
+                    ck.refuse_row_tables("digest version 1")?;
+                }
                 let model = read_model(path, parallel)?;
                 for w in &model.warnings {
                     eprintln!("warning: {w}");
@@ -54,11 +58,10 @@ pub fn run(args: DigestArgs) -> CmdResult {
                     for w in source.warnings() {
                         eprintln!("warning: {w}");
                     }
-                    let tables = source.tables(&std::env::temp_dir(), parallel)?;
                     digest(
-                        Content::Files {
-                            tables: &tables,
-                            dense: &source.dense()?,
+                        Content::Source {
+                            source: &source,
+                            parallel,
                         },
                         DigestVersion::V2,
                     )

@@ -31,7 +31,9 @@ pub fn run(args: InspectArgs) -> CmdResult {
         report.partition_rule.kind,
         report.partition_rule.buckets
     );
-    println!("tables:");
+    if !report.tables.is_empty() || report.row_tables.is_empty() {
+        println!("tables:");
+    }
     for t in &report.tables {
         let slots: Vec<String> = t
             .slots
@@ -52,6 +54,23 @@ pub fn run(args: InspectArgs) -> CmdResult {
             t.key_dtype,
             slots.join(", ")
         );
+    }
+    if !report.row_tables.is_empty() {
+        println!("row-range tables (ids are row numbers):");
+        for t in &report.row_tables {
+            let slots: Vec<String> = t
+                .slots
+                .iter()
+                .map(|s| format!("{} {}{:?} in {} chunks", s.name, s.dtype, s.shape, s.chunks))
+                .collect();
+            println!(
+                "  {:<24} {:>12} rows  {:>10}  slots: {}",
+                t.name,
+                t.rows,
+                output::size(t.bytes),
+                slots.join(", ")
+            );
+        }
     }
     if !report.dense.is_empty() {
         println!("dense:");

@@ -120,10 +120,16 @@ pub fn run(args: SaveArgs) -> CmdResult {
             }
             let spec: SyntheticSpec = spec.parse()?;
             synthetic = SyntheticModel::generate(&spec)?;
-            synthetic.input()
+            // Row-range tables (kind=rows): each process holds the rows of its shard.
+            let mut input = synthetic.input();
+            input.row_chunks = synthetic.row_chunks(opts.plan.shard_num, opts.plan.shard_index)?;
+            input
         }
         (None, Some(path)) => {
             source = Source::open(path)?;
+            if let Some(c) = source.checkpoint() {
+                c.refuse_row_tables("save --from")?;
+            }
             for w in source.warnings() {
                 eprintln!("warning: {w}");
             }

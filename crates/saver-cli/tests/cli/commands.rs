@@ -1617,3 +1617,97 @@ fn compressed_checkpoints_through_every_command() {
     assert!(err.contains("compress-level"), "{err}");
     assert!(!path("bad").join("model.safetensors.index.json").exists());
 }
+
+/// Row-range tables through the binary: N processes each write the rows of their shard, one
+/// commit; `inspect` lists the tables with their chunks, `verify` checks them, `digest` is the
+/// same for every split; the commands that do not carry them yet refuse, naming them, and
+/// write nothing.
+#[test]
+fn row_range_tables_through_every_command() {
+    let d = tempfile::tempdir().unwrap();
+    let spec = "tiny,kind=rows,rows=20000,dim=16";
+    let out = d.path().join("mp");
+    let o = p(&out).to_string();
+    let children: Vec<_> = (0..3)
+        .map(|i| {
+            Command::new(env!("CARGO_BIN_EXE_saver"))
+                .args([
+                    "save",
+                    "--out",
+                    &o,
+                    "--synthetic",
+                    spec,
+                    "--shards",
+                    "3",
+                    "--shard-index",
+                    &i.to_string(),
+                    "--save-id",
+                    "rows1",
+                    "--wait-seconds",
+                    "60",
+                    "--json",
+                ])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in children {
+        let c = c.wait_with_output().unwrap();
+        assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stderr));
+    }
+    let inspected = json(&["inspect", &o]);
+    assert_eq!(inspected["format_version"], 5);
+    let t0 = &inspected["row_tables"][0];
+    assert_eq!(
+        (t0["name"].as_str(), t0["rows"].as_u64()),
+        (Some("t0"), Some(20000))
+    );
+    assert!(
+        t0["slots"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["chunks"] == 3),
+        "{t0}"
+    );
+    assert_eq!(json(&["verify", &o])["status"], "ok");
+    let single = d.path().join("single");
+    ok(&[
+        "save",
+        "--out",
+        p(&single),
+        "--synthetic",
+        spec,
+        "--shards",
+        "1",
+        "--compress",
+        "zstd",
+    ]);
+    assert_eq!(ok(&["digest", &o]), ok(&["digest", p(&single)]));
+    for args in [
+        vec!["export", &o, "--out", p(&d.path().join("x.safetensors"))],
+        vec![
+            "reshard",
+            &o,
+            "--out",
+            p(&d.path().join("r")),
+            "--shards",
+            "2",
+        ],
+        vec!["compact", &o, "--out", p(&d.path().join("c"))],
+        vec!["save", "--from", &o, "--out", p(&d.path().join("s"))],
+        vec!["load", &o],
+        vec!["digest", "--digest-version", "1", &o],
+    ] {
+        let (_, err) = fails(&args);
+        assert!(
+            err.contains("row-range tables [\"t0\", \"t1\", \"t2\"]"),
+            "{args:?}: {err}"
+        );
+    }
+    for left in ["x.safetensors", "r", "c", "s"] {
+        assert!(!d.path().join(left).exists(), "{left} was written");
+    }
+}

@@ -1,6 +1,7 @@
 //! The save pipeline: plan, write every planned shard in parallel, make it durable, write the
 //! shard manifests, commit.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -250,7 +251,8 @@ fn write_and_commit(
         .iter()
         .flat_map(|s| &s.partitions)
         .map(|p| p.rows.len() as u64)
-        .sum();
+        .sum::<u64>()
+        + row_range_rows(&input.row_chunks);
     if matches!(state, CommitState::Committed | CommitState::CommittedHere) {
         for (c, token) in tokens {
             c.committed(whole.then_some(save_id.as_str()), token);
@@ -281,6 +283,20 @@ fn write_and_commit(
         delta_tables: shared.delta.map(|d| d.methods).unwrap_or_default(),
         copy_on_write_peak_bytes,
     })
+}
+
+/// The rows of row-range tables given: per table, those of the chunks of its first slot.
+fn row_range_rows(chunks: &[saver_core::RowRangeChunk<'_>]) -> u64 {
+    let mut first: BTreeMap<&str, &str> = BTreeMap::new();
+    for c in chunks {
+        let slot = first.entry(c.table()).or_insert(c.slot());
+        *slot = (*slot).min(c.slot());
+    }
+    chunks
+        .iter()
+        .filter(|c| first.get(c.table()) == Some(&c.slot()))
+        .map(|c| c.rows().end - c.rows().start)
+        .sum()
 }
 
 /// What [`write_plan`] wrote.

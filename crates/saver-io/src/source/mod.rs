@@ -86,10 +86,7 @@ impl Source {
     pub fn open(path: &Path) -> Result<Self> {
         if path.is_dir() || crate::storage::location_url(path).is_some() {
             if is_checkpoint(path) {
-                let ck = Checkpoint::open(path)?;
-                // A digest, an export or a save from it would leave them out.
-                ck.refuse_row_tables("reading a checkpoint as a source (digest, save --from)")?;
-                return Ok(Self::Checkpoint(Box::new(ck)));
+                return Ok(Self::Checkpoint(Box::new(Checkpoint::open(path)?)));
             }
             let storage = crate::storage::open_location(path)?;
             if !storage.exists(INDEX_FILE)?
@@ -153,6 +150,15 @@ impl Source {
         match self {
             Self::Checkpoint(c) => c.manifest().user_metadata.clone(),
             Self::Plain(p) => p.user_metadata.clone(),
+        }
+    }
+
+    /// The checkpoint, when the source is one: what holds its row-range tables, which
+    /// [`SourceTables`] does not.
+    pub fn checkpoint(&self) -> Option<&Checkpoint> {
+        match self {
+            Self::Checkpoint(c) => Some(c),
+            Self::Plain(_) => None,
         }
     }
 

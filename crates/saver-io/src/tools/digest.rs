@@ -98,6 +98,15 @@ pub enum Content<'a> {
         /// The dense tensors ([`crate::source::Source::dense`]).
         dense: &'a [LoadedDense],
     },
+    /// A checkpoint (with its row-range tables) or plain input, opened: its tables and dense
+    /// tensors read as [`Content::Files`] with up to `parallel` threads, then its row-range
+    /// tables row by row (version 2 only).
+    Source {
+        /// What is read.
+        source: &'a crate::source::Source,
+        /// Threads that read a plain model's groups.
+        parallel: usize,
+    },
     /// The checkpoint, chain or plain safetensors model at `path` (a directory, a file or an
     /// object-store URL), read from its files as [`Content::Files`] (version 2 only), with up
     /// to `parallel` threads; opened again if it is replaced while it is read
@@ -183,47 +192,110 @@ pub fn digest(content: Content<'_>, version: DigestVersion) -> Result<String> {
         Content::At { path, parallel } => {
             return crate::load::checkpoint::read_latest(path, || {
                 let source = crate::source::Source::open(path)?;
-                let tables = source.tables(&std::env::temp_dir(), parallel.max(1))?;
-                let dense = source.dense()?;
                 digest(
-                    Content::Files {
-                        tables: &tables,
-                        dense: &dense,
+                    Content::Source {
+                        source: &source,
+                        parallel,
                     },
                     version,
                 )
             });
         }
+        Content::Source { source, parallel } => {
+            let tables = source.tables(&std::env::temp_dir(), parallel.max(1))?;
+            let dense = source.dense()?;
+            if version != DigestVersion::V2 {
+                return Err(files_refuse_v1());
+            }
+            hash_files(&mut h, version, &tables)?;
+            if let Some(ck) = source.checkpoint() {
+                hash_row_tables(&mut h, ck)?;
+            }
+            return Ok(hash_dense(h, &dense));
+        }
         Content::Files { tables, dense } => {
             if version != DigestVersion::V2 {
-                return Err(Error::InvalidOption {
-                    option: "digest version",
-                    why: "version 1 orders rows by id, which a read from files does not give: \
-                          load the tables into memory (saver digest --digest-version 1 does)"
-                        .into(),
-                });
+                return Err(files_refuse_v1());
             }
-            let mut tables = tables.as_bucket_rows();
-            tables.sort_by(|a, b| a.name().cmp(b.name()));
-            for t in tables {
-                let step =
-                    (READ_ROWS_BYTES / (8 + t.row_bytes().iter().sum::<u64>())).max(1) as usize;
-                hash_table(
-                    &mut h,
-                    version,
-                    t.name(),
-                    t.key_dtype(),
-                    t.slots(),
-                    t.rows(),
-                    Box::new(move |visit| Ok(t.visit_in_bucket_order(step, visit)?)),
-                )?;
-                // No digest of bytes that fail their checksums.
-                t.finish_checks()?;
-            }
+            hash_files(&mut h, version, tables)?;
             dense
         }
     };
     Ok(hash_dense(h, dense))
+}
+
+/// Version 1 of content read from files: refused.
+fn files_refuse_v1() -> Error {
+    Error::InvalidOption {
+        option: "digest version",
+        why: "version 1 orders rows by id, which a read from files does not give: load the \
+              tables into memory (saver digest --digest-version 1 does)"
+            .into(),
+    }
+}
+
+/// Hashes the tables of a checkpoint or plain input, read from files in digest order.
+fn hash_files(h: &mut Sha256, version: DigestVersion, tables: &SourceTables<'_>) -> Result<()> {
+    let mut tables = tables.as_bucket_rows();
+    tables.sort_by(|a, b| a.name().cmp(b.name()));
+    for t in tables {
+        let step = (READ_ROWS_BYTES / (8 + t.row_bytes().iter().sum::<u64>())).max(1) as usize;
+        hash_table(
+            h,
+            version,
+            t.name(),
+            t.key_dtype(),
+            t.slots(),
+            t.rows(),
+            Box::new(move |visit| Ok(t.visit_in_bucket_order(step, visit)?)),
+        )?;
+        // No digest of bytes that fail their checksums.
+        t.finish_checks()?;
+    }
+    Ok(())
+}
+
+/// Hashes the row-range tables of `ck` (see docs/FORMAT.md): by name, each its header, then
+/// each slot's values by name, row-major, read a bounded batch of rows at a time.
+fn hash_row_tables(h: &mut Sha256, ck: &crate::Checkpoint) -> Result<()> {
+    let mut tables: Vec<&saver_core::manifest::RowTableManifest> =
+        ck.manifest().row_tables.iter().collect();
+    tables.sort_by(|a, b| a.name.cmp(&b.name));
+    for t in tables {
+        let mut slots: Vec<_> = t.slots.iter().collect();
+        slots.sort_by(|a, b| a.name.cmp(&b.name));
+        h.update(b"rowtable\0");
+        put_str(h, &t.name);
+        h.update(t.rows.to_le_bytes());
+        h.update((slots.len() as u32).to_le_bytes());
+        for s in &slots {
+            put_str(h, &s.name);
+            put_str(h, s.dtype.name());
+            put_shape(h, &s.shape);
+        }
+        for s in &slots {
+            let row_bytes = s
+                .dtype
+                .byte_len(s.shape.get(1).copied().unwrap_or(1))
+                .unwrap_or(0)
+                .max(1);
+            let step = (READ_ROWS_BYTES / row_bytes).max(1);
+            let mut buf = Vec::new();
+            let mut at = 0;
+            while at < t.rows {
+                let end = (at + step).min(t.rows);
+                buf.resize(((end - at) * row_bytes) as usize, 0);
+                ck.load_rows(
+                    &t.name,
+                    at..end,
+                    &mut [crate::RowsInto::new(&s.name, &mut buf)],
+                )?;
+                h.update(&buf);
+                at = end;
+            }
+        }
+    }
+    Ok(())
 }
 
 fn put_str(h: &mut Sha256, s: &str) {

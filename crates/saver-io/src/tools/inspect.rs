@@ -43,6 +43,34 @@ pub struct TableSummary {
     pub stored_bytes: u64,
 }
 
+/// One row-range table.
+#[derive(Clone, Debug, Serialize)]
+pub struct RowTableSummary {
+    /// Table name.
+    pub name: String,
+    /// Its rows (its ids are `0..rows`).
+    pub rows: u64,
+    /// Its slots, each with its number of chunks.
+    pub slots: Vec<RowSlotSummary>,
+    /// Bytes of its values.
+    pub bytes: u64,
+    /// Bytes its chunks take in the files (less when compressed).
+    pub stored_bytes: u64,
+}
+
+/// One slot of a row-range table in a [`Summary`].
+#[derive(Clone, Debug, Serialize)]
+pub struct RowSlotSummary {
+    /// Slot name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// The whole slot's shape: `[rows]` or `[rows, cols]`.
+    pub shape: Vec<u64>,
+    /// How many chunks hold it.
+    pub chunks: usize,
+}
+
 /// One dense tensor.
 #[derive(Clone, Debug, Serialize)]
 pub struct DenseSummary {
@@ -105,6 +133,9 @@ pub struct Summary {
     pub tables: Vec<TableSummary>,
     /// Its dense tensors.
     pub dense: Vec<DenseSummary>,
+    /// Its row-range tables (format version 5).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub row_tables: Vec<RowTableSummary>,
     /// Its data files.
     pub files: Vec<FileSummary>,
     /// Bytes of its data files.
@@ -185,6 +216,26 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
                     bytes,
                     stored_bytes,
                 }
+            })
+            .collect(),
+        row_tables: m
+            .row_tables
+            .iter()
+            .map(|t| RowTableSummary {
+                name: t.name.clone(),
+                rows: t.rows,
+                slots: t
+                    .slots
+                    .iter()
+                    .map(|s| RowSlotSummary {
+                        name: s.name.clone(),
+                        dtype: s.dtype,
+                        shape: s.shape.clone(),
+                        chunks: s.chunks.len(),
+                    })
+                    .collect(),
+                bytes: t.tensor_refs().map(|x| x.len).sum(),
+                stored_bytes: t.tensor_refs().map(|x| x.stored_len()).sum(),
             })
             .collect(),
         dense: m
