@@ -537,17 +537,27 @@ def load(
     shards = _int("shards", shards, 1, (1 << 32) - 1)
     shard_index = _int("shard_index", shard_index, 0, shards - 1, optional=True)
     parallel = _int("parallel", parallel, 1, 4096, optional=True)
-    tables_out, dense_out, report = _saver.load(
-        os.fspath(path),
-        shards,
-        shard_index,
-        None if tables is None else [str(t) for t in tables],
-        [exclude_slots] if isinstance(exclude_slots, str) else [str(g) for g in exclude_slots],
-        dense,
-        parallel,
-    )
+    held = _saver.inspect(os.fspath(path))
+    if tables is not None:
+        tables = [str(t) for t in tables]
+        for t in tables:
+            if t not in held["tables"] and t not in held["row_tables"]:
+                raise InputError(f"tables: {os.fspath(path)} holds no table {t!r} (it holds {sorted(held['tables']) + sorted(held['row_tables'])})")
+    hashed = None if tables is None else [t for t in tables if t in held["tables"]]
+    tables_out, dense_out, report = [], [], {}
+    # The hashed tables and dense tensors, unless none are wanted.
+    if dense or (held["tables"] and (hashed is None or hashed)):
+        tables_out, dense_out, report = _saver.load(
+            os.fspath(path),
+            shards,
+            shard_index,
+            hashed,
+            [exclude_slots] if isinstance(exclude_slots, str) else [str(g) for g in exclude_slots],
+            dense,
+            parallel,
+        )
     out = Loaded(report=report)
-    _load_row_tables(os.fspath(path), out, shards, shard_index, tables, exclude_slots, into or {})
+    _load_row_tables(os.fspath(path), held["row_tables"], out, shards, shard_index, tables, exclude_slots, into or {})
     for name, key, ids, slots in tables_out:
         columns = {"ids": ids.view(np.int64) if key == "I64" else ids}
         for slot, dtype, shape, data in slots:
@@ -560,11 +570,11 @@ def load(
     return out
 
 
-def _load_row_tables(path, out, shards, shard_index, tables, exclude_slots, into) -> None:
-    """Fills ``into``'s buffers, and returns the other row-range tables in ``out``."""
+def _load_row_tables(path, held, out, shards, shard_index, tables, exclude_slots, into) -> None:
+    """Fills ``into``'s buffers, and returns the other row-range tables (``held``, from the
+    manifest) in ``out``: every request in one native call, which opens the checkpoint once."""
     import fnmatch
 
-    held = _saver.inspect(path)["row_tables"]
     for name in into:
         if name not in held:
             raise InputError(f"into: {path} holds no row-range table {name!r} (it holds {sorted(held)})")
@@ -583,12 +593,10 @@ def _load_row_tables(path, out, shards, shard_index, tables, exclude_slots, into
         if a.ndim != rank or len(offset) != rank:
             raise InputError(f"{what}: the slot has shape {tuple(shape[1])}; give a buffer and an offset of {rank} dimensions, got {a.shape} at {offset}")
         cols = (offset[1], offset[1] + a.shape[1]) if rank == 2 else None
-        wanted, read, chunks = _saver.load_rows(
-            path, name, offset[0], offset[0] + a.shape[0], [(slot, cols, a.reshape(-1).view(np.uint8))]
-        )
-        stats["bytes_wanted"] += wanted
-        stats["bytes_read"] += read
-        stats["chunks"] += chunks
+        rows = (offset[0], offset[0] + a.shape[0])
+        requests.setdefault((name, rows), []).append((slot, cols, a.reshape(-1).view(np.uint8)))
+
+    requests = {}
 
     for name, slots in into.items():
         for slot, target in slots.items():
@@ -612,6 +620,13 @@ def _load_row_tables(path, out, shards, shard_index, tables, exclude_slots, into
             fill(name, slot, buffer, (start, 0)[: len(shape)])
             columns[slot] = Bits(buffer, dtype) if dtype in _PATTERN_BITS else buffer
         out.tables[name] = columns
+    if requests:
+        wanted, read, chunks = _saver.load_rows(
+            path, [(name, a, b, targets) for (name, (a, b)), targets in requests.items()]
+        )
+        stats["bytes_wanted"] += wanted
+        stats["bytes_read"] += read
+        stats["chunks"] += chunks
 
 
 def _writable(value: Any, what: str) -> np.ndarray:

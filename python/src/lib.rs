@@ -669,36 +669,50 @@ fn inspect<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> 
 /// flat writable view of its bytes.
 type RowsIntoIn<'py> = (String, Option<(u64, u64)>, PyReadwriteArray1<'py, u8>);
 
-/// Reads rows `start..end` of row-range table `table` into the caller's arrays, in place, with
-/// the GIL released: (bytes wanted, bytes read, chunks read).
+/// One row-range table a load fills: table, first and end row, its slots' targets.
+type RowsLoadIn<'py> = (String, u64, u64, Vec<RowsIntoIn<'py>>);
+
+/// Reads rows of row-range tables into the caller's arrays, in place, with the GIL released,
+/// from the checkpoint opened once: (bytes wanted, bytes read, chunks read).
 #[pyfunction]
 fn load_rows(
     py: Python<'_>,
     path: PathBuf,
-    table: String,
-    start: u64,
-    end: u64,
-    mut into: Vec<RowsIntoIn<'_>>,
+    mut tables: Vec<RowsLoadIn<'_>>,
 ) -> PyResult<(u64, u64, u64)> {
-    let mut targets = Vec::with_capacity(into.len());
-    for (slot, cols, out) in &mut into {
-        let out = out
-            .as_slice_mut()
-            .map_err(|e| err(format!("slot {slot:?}: {e}")))?;
-        let mut t = saver_io::RowsInto::new(slot, out);
-        if let Some((a, b)) = *cols {
-            t = t.columns(a..b);
+    let mut requests = Vec::with_capacity(tables.len());
+    for (table, start, end, into) in &mut tables {
+        let mut targets = Vec::with_capacity(into.len());
+        for (slot, cols, out) in into.iter_mut() {
+            let out = out
+                .as_slice_mut()
+                .map_err(|e| err(format!("table {table:?} slot {slot:?}: {e}")))?;
+            let mut t = saver_io::RowsInto::new(slot, out);
+            if let Some((a, b)) = *cols {
+                t = t.columns(a..b);
+            }
+            targets.push(t);
         }
-        targets.push(t);
+        requests.push((table.as_str(), *start..*end, targets));
     }
     let loaded = py
         .detach(|| {
             read_latest(&path, || {
-                Checkpoint::open(&path)?.load_rows(&table, start..end, &mut targets)
+                let ck = Checkpoint::open(&path)?;
+                let mut sum = (0, 0, 0);
+                for (table, rows, targets) in requests.iter_mut() {
+                    let l = ck.load_rows(table, rows.clone(), targets)?;
+                    sum = (
+                        sum.0 + l.bytes_wanted,
+                        sum.1 + l.bytes_read,
+                        sum.2 + l.chunks,
+                    );
+                }
+                Ok(sum)
             })
         })
         .map_err(err)?;
-    Ok((loaded.bytes_wanted, loaded.bytes_read, loaded.chunks))
+    Ok(loaded)
 }
 
 /// Reads every byte of a checkpoint (or chain) and checks it against its CRCs: the report as a

@@ -9,6 +9,8 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use saver_core::manifest::{RowSlotManifest, RowTableManifest, TensorRef};
 
 use super::Checkpoint;
@@ -156,23 +158,35 @@ impl Checkpoint {
                 ),
             });
         }
-        let mut loaded = RowsLoaded::default();
-        for target in into.iter_mut() {
-            let slot = t
-                .slots
-                .iter()
-                .find(|s| s.name == target.slot)
-                .ok_or_else(|| Error::InvalidOption {
-                    option: "slot",
-                    why: format!(
-                        "row-range table {table:?} has no slot {:?} (it has {:?})",
-                        target.slot,
-                        t.slots.iter().map(|s| s.name.as_str()).collect::<Vec<_>>()
-                    ),
-                })?;
-            fill_slot(link, table, slot, &rows, target, &mut loaded)?;
-        }
-        Ok(loaded)
+        let slots = into
+            .iter()
+            .map(|target| {
+                t.slots
+                    .iter()
+                    .find(|s| s.name == target.slot)
+                    .ok_or_else(|| Error::InvalidOption {
+                        option: "slot",
+                        why: format!(
+                            "row-range table {table:?} has no slot {:?} (it has {:?})",
+                            target.slot,
+                            t.slots.iter().map(|s| s.name.as_str()).collect::<Vec<_>>()
+                        ),
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // Each target is its own buffer: they are filled at once, a slot's chunks in turn.
+        let parts = into
+            .par_iter_mut()
+            .zip(slots)
+            .map(|(target, slot)| fill_slot(link, table, slot, &rows, target))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(parts
+            .into_iter()
+            .fold(RowsLoaded::default(), |a, b| RowsLoaded {
+                bytes_wanted: a.bytes_wanted + b.bytes_wanted,
+                bytes_read: a.bytes_read + b.bytes_read,
+                chunks: a.chunks + b.chunks,
+            }))
     }
 }
 
@@ -183,8 +197,9 @@ fn fill_slot(
     slot: &RowSlotManifest,
     rows: &Range<u64>,
     target: &mut RowsInto<'_>,
-    loaded: &mut RowsLoaded,
-) -> Result<()> {
+) -> Result<RowsLoaded> {
+    let mut loaded = RowsLoaded::default();
+    let loaded = &mut loaded;
     let width = slot.shape.get(1).copied().unwrap_or(1);
     let cols = target.cols.clone().unwrap_or(0..width);
     let invalid = |why: String| Error::InvalidOption {
@@ -248,7 +263,7 @@ fn fill_slot(
         };
         read_checked(link, table, t, &pieces_of, target.out, loaded)?;
     }
-    Ok(())
+    Ok(std::mem::take(loaded))
 }
 
 /// Reads `spans` (tensor offset, `out` offset, length; increasing and disjoint in `out`) of `t`
