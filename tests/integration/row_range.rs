@@ -447,3 +447,72 @@ fn a_manager_saves_row_range_tables_in_full_checkpoints() {
         .unwrap();
     assert_eq!(st[9], value(1, 299, 0));
 }
+
+/// A reader trusts no manifest: re-sealed with chunks that overlap, leave a gap, fall outside
+/// their slot or disagree with their tensor, or with a version that does not say "row-range
+/// tables", the checkpoint is refused as corrupt, naming what is wrong, before a byte is read.
+#[test]
+fn a_resealed_manifest_whose_chunks_do_not_tile_is_refused() {
+    type Edit = fn(&mut serde_json::Value);
+    let cases: [(&str, Edit); 5] = [
+        ("overlap", |m| {
+            m["row_tables"][0]["slots"][1]["chunks"][1]["offset"][0] = serde_json::json!(100);
+        }),
+        ("cover", |m| {
+            let c = m["row_tables"][0]["slots"][1]["chunks"]
+                .as_array_mut()
+                .unwrap();
+            c.pop();
+        }),
+        ("outside", |m| {
+            m["row_tables"][0]["slots"][1]["chunks"][1]["offset"][1] = serde_json::json!(7);
+        }),
+        ("is not", |m| {
+            m["row_tables"][0]["slots"][1]["chunks"][0]["tensor"]["dtype"] =
+                serde_json::json!("F64");
+        }),
+        ("format version", |m| {
+            m["format_version"] = serde_json::json!(1);
+        }),
+    ];
+    for (want, edit) in cases {
+        let d = tempfile::tempdir().unwrap();
+        // Chunks of "weight" at rows 0 and 250.
+        save_split(d.path(), 500, 8, &[250], &[], 1);
+        crate::common::reseal(d.path(), edit);
+        let e = match Checkpoint::open(d.path()) {
+            Ok(_) => panic!("{want}: opened"),
+            Err(e) => e,
+        };
+        assert!(matches!(e, Error::Corrupt { .. }), "{want}: {e}");
+        assert!(e.to_string().contains(want), "{want}: {e}");
+    }
+}
+
+/// A background save of row-range chunks is of the moment it returns: the caller's buffers may
+/// change at once, and the checkpoint holds what they held.
+#[test]
+fn a_background_save_of_row_range_chunks_holds_the_moment_it_returned() {
+    let d = tempfile::tempdir().unwrap();
+    let mut values: Vec<f32> = (0..4000).map(|v| v as f32).collect();
+    // Borrowed: the background save copies it before it returns.
+    let chunk = RowRangeChunk::from_f32("emb", "weight", vec![1000, 4], &values).unwrap();
+    let handle = saver::save_async(
+        d.path(),
+        SaveInput::new().row_chunk(chunk),
+        SaveOptions::default(),
+    )
+    .unwrap();
+    values.iter_mut().for_each(|v| *v = -1.0);
+    handle.wait().unwrap();
+    let mut back = vec![0f32; 4000];
+    Checkpoint::open(d.path())
+        .unwrap()
+        .load_rows(
+            "emb",
+            0..1000,
+            &mut [RowsInto::new("weight", bytemuck::cast_slice_mut(&mut back))],
+        )
+        .unwrap();
+    assert!(back.iter().enumerate().all(|(i, &v)| v == i as f32));
+}
