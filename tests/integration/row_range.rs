@@ -310,14 +310,18 @@ fn a_checkpoint_of_both_kinds_loads_each_and_refuses_what_would_drop_rows() {
     .unwrap();
     assert_eq!(w, [value(0, 49, 0), value(0, 49, 1), value(0, 49, 2)]);
     let refused = |e: Error| assert!(e.to_string().contains("row-range tables [\"emb\"]"), "{e}");
-    refused(
-        saver::export(
-            &ck,
-            &d.path().join("x.safetensors"),
-            &saver::ExportOptions::default(),
-        )
-        .unwrap_err(),
+    // An export writes each slot of a row-range table as one tensor of its whole shape.
+    let x = d.path().join("x");
+    saver::export(&ck, &x, &saver::ExportOptions::default()).unwrap();
+    let exported = exported_tensors(&x);
+    let (dtype, shape, bytes) = &exported["emb/weight"];
+    assert_eq!(
+        (*dtype, shape.as_slice()),
+        (safetensors::Dtype::F32, &[50usize, 3][..])
     );
+    let values: Vec<f32> = bytemuck::cast_slice(bytes).to_vec();
+    assert_eq!(values[49 * 3 + 2], value(0, 49, 2));
+    assert!(exported.contains_key("users/ids") && exported.contains_key("mlp"));
     refused(
         saver::io::tools::reshard::reshard(&ck, &d.path().join("r"), &SaveOptions::default())
             .unwrap_err(),
@@ -515,4 +519,84 @@ fn a_background_save_of_row_range_chunks_holds_the_moment_it_returned() {
         )
         .unwrap();
     assert!(back.iter().enumerate().all(|(i, &v)| v == i as f32));
+}
+
+/// Every tensor of the export in `dir`: name -> (dtype, shape, bytes).
+fn exported_tensors(
+    dir: &std::path::Path,
+) -> std::collections::BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)> {
+    let mut out = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_some_and(|x| x == "safetensors") {
+            let bytes = std::fs::read(&path).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (name, t) in st.tensors() {
+                out.insert(name, (t.dtype(), t.shape().to_vec(), t.data().to_vec()));
+            }
+        }
+    }
+    out
+}
+
+/// An export of a row-range table split in rows and columns by three writers gives the whole
+/// slot, cast to f16 when asked, or quantized row-wise (int8, fused) like a table's slot: each
+/// row's values within half a step of the saved ones.
+#[test]
+fn an_export_consolidates_a_row_range_table_cast_or_quantized() {
+    let d = tempfile::tempdir().unwrap();
+    let (rows, cols) = (3000u64, 8u64);
+    save_split(d.path(), rows, cols, &[700, 2100], &[3], 3);
+    let ck = Checkpoint::open(d.path()).unwrap();
+    let mut o = saver::ExportOptions::default();
+    o.dtype = Some(Dtype::F16);
+    saver::export(&ck, &d.path().join("f16"), &o).unwrap();
+    let t = exported_tensors(&d.path().join("f16"));
+    let (dtype, shape, bytes) = &t["emb/weight"];
+    assert_eq!(
+        (*dtype, shape.as_slice()),
+        (safetensors::Dtype::F16, &[3000usize, 8][..])
+    );
+    let whole: Vec<f32> = (0..rows)
+        .flat_map(|r| (0..cols).map(move |c| value(0, r, c)))
+        .collect();
+    let want =
+        saver::core::cast::cast(bytemuck::cast_slice(&whole), Dtype::F32, Dtype::F16).unwrap();
+    assert!(
+        bytes == &want,
+        "the f16 export is the cast of every saved value"
+    );
+    assert_eq!(t["emb/state"].1, vec![3000]);
+    let mut q = saver::ExportOptions::default();
+    q.quantize = Some(saver::core::quantize::Quantization {
+        bits: saver::core::quantize::QuantBits::Int8,
+        layout: saver::core::quantize::QuantLayout::Fused,
+    });
+    q.quantize_slots = vec!["weight".into()];
+    saver::export(&ck, &d.path().join("q"), &q).unwrap();
+    let t = exported_tensors(&d.path().join("q"));
+    let (dtype, shape, fused) = &t["emb/weight"];
+    assert_eq!(
+        (*dtype, shape.as_slice()),
+        (safetensors::Dtype::U8, &[3000usize, 16][..])
+    );
+    // FBGEMM's 8-bit rows: 8 values, then scale and bias (f32).
+    for r in [0u64, 699, 700, 2999] {
+        let row = &fused[(r * 16) as usize..(r * 16 + 16) as usize];
+        let scale = f32::from_le_bytes(row[8..12].try_into().unwrap());
+        let bias = f32::from_le_bytes(row[12..16].try_into().unwrap());
+        for c in 0..cols {
+            let got = f32::from(row[c as usize]) * scale + bias;
+            // Half a step, and the rounding of f32 arithmetic at these magnitudes (~7e4).
+            let v = value(0, r, c);
+            assert!(
+                (got - v).abs() <= scale / 2.0 + v.abs() * 1e-6,
+                "row {r} col {c}: {got}"
+            );
+        }
+    }
+    // The unquantized slot stays as it was.
+    let (_, _, state) = &t["emb/state"];
+    let state: Vec<f32> = bytemuck::cast_slice(state).to_vec();
+    assert!((0..rows).all(|r| state[r as usize] == value(1, r, 0)));
 }

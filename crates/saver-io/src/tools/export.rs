@@ -136,10 +136,27 @@ struct OutTensor {
     file: usize,
     offset: u64,
     /// The table (in export order) and the column of it (0 the ids, `k` slot `k - 1`) whose rows
-    /// it holds; `None` for a dense tensor.
+    /// it holds; `None` for a dense tensor or a row-range table's slot.
     source: Option<(usize, usize)>,
+    /// The row-range table (in export order) and the slot whose values it holds, whole.
+    row_source: Option<(usize, usize)>,
     /// Set on the tensors of a quantized slot.
     quantized: Option<QuantPart>,
+}
+
+/// A column of the export: tensor name, slot name (`None` for ids), dtype, shape of a row, rows,
+/// and where its values come from.
+type ColumnOut<'a> = (String, Option<&'a str>, Dtype, Vec<u64>, u64, Src);
+
+/// Where an output tensor's values come from.
+#[derive(Clone, Copy)]
+enum Src {
+    /// Column `c` of table `t` (0 the ids, `k` slot `k - 1`).
+    Column(usize, usize),
+    /// Slot `s` of row-range table `t`, whole.
+    Row(usize, usize),
+    /// A dense tensor.
+    Dense,
 }
 
 /// Which tensor of a quantized slot.
@@ -164,21 +181,57 @@ const COLUMN_BUFFER_BYTES: usize = 4 << 20;
 /// export holds bounded buffers (about 100 MiB) plus the dense tensors, whatever the number of
 /// rows.
 pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
-    ckpt.refuse_row_tables("export")?;
     let read_dense = || ckpt.dense_tensors(None, &mut crate::LoadReport::default());
+    let rows = RowTables::of(ckpt, opts)?;
     if !ckpt.is_delta() {
         // One full checkpoint: its rows are read straight from their segments.
         let tables = StoredTable::all(ckpt.newest(), &opts.tables, &opts.exclude_slots)?;
         let tables = tables.iter().map(|t| t as &dyn BucketRows).collect();
-        return export_tables(tables, read_dense, out, opts);
+        return export_tables(tables, rows, read_dense, out, opts);
     }
     let tables = ckpt.tables(&opts.tables, &opts.exclude_slots)?;
     let tables = tables.iter().map(|t| t as &dyn BucketRows).collect();
-    export_tables(tables, read_dense, out, opts)
+    export_tables(tables, rows, read_dense, out, opts)
+}
+
+/// The row-range tables an export writes, each slot as one consolidated tensor
+/// `<table>/<slot>` of its whole shape, read from the checkpoint a batch of rows at a time.
+struct RowTables<'c> {
+    ckpt: &'c Checkpoint,
+    /// Per table (by name): its name, rows, and its kept slots (name, dtype, whole shape).
+    tables: Vec<RowTableOut>,
+}
+
+/// A row-range table an export writes: name, rows, kept slots (name, dtype, whole shape).
+type RowTableOut = (String, u64, Vec<(String, Dtype, Vec<u64>)>);
+
+impl<'c> RowTables<'c> {
+    fn of(ckpt: &'c Checkpoint, opts: &ExportOptions) -> Result<Self> {
+        let wanted = crate::load::restore::globs("tables", &opts.tables)?;
+        let excluded = crate::load::restore::globs("exclude_slots", &opts.exclude_slots)?;
+        let mut tables: Vec<RowTableOut> = ckpt
+            .manifest()
+            .row_tables
+            .iter()
+            .filter(|t| wanted.as_ref().is_none_or(|g| g.is_match(&t.name)))
+            .map(|t| {
+                let slots = t
+                    .slots
+                    .iter()
+                    .filter(|s| excluded.as_ref().is_none_or(|g| !g.is_match(&s.name)))
+                    .map(|s| (s.name.clone(), s.dtype, s.shape.clone()))
+                    .collect();
+                (t.name.clone(), t.rows, slots)
+            })
+            .collect();
+        tables.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(Self { ckpt, tables })
+    }
 }
 
 fn export_tables(
     mut tables: Vec<&dyn BucketRows>,
+    rows: RowTables<'_>,
     read_dense: impl FnOnce() -> Result<Vec<LoadedDense>>,
     out: &Path,
     opts: &ExportOptions,
@@ -198,12 +251,15 @@ fn export_tables(
     }
     tables.sort_by(|a, b| a.name().cmp(b.name()));
     let dense = read_dense()?;
-    let mut tensors = out_tensors(&tables, &dense, opts)?;
+    let mut tensors = out_tensors(&tables, &rows, &dense, opts)?;
     let files = into_files(&tensors, opts.max_file_size);
     let (names, handles, written) = create_files(&*storage, &files, &mut tensors, opts.quantize)?;
     let filled = crate::load::restore::reader_pool(opts.parallel)
         .and_then(|pool| {
-            pool.install(|| fill(&tables, &dense, &tensors, &handles, out, opts.sort_memory))
+            pool.install(|| {
+                fill(&tables, &dense, &tensors, &handles, out, opts.sort_memory)?;
+                fill_row_tables(&rows, &tensors, &handles)
+            })
         })
         // An export of bytes that fail their checksums is never committed.
         .and_then(|()| {
@@ -274,6 +330,7 @@ fn check_options(opts: &ExportOptions) -> Result<()> {
 /// in the split layout as `<slot>`, `<slot>_qscale` and `<slot>_qbias`.
 fn out_tensors(
     tables: &[&dyn BucketRows],
+    rows: &RowTables<'_>,
     dense: &[LoadedDense],
     opts: &ExportOptions,
 ) -> Result<Vec<OutTensor>> {
@@ -290,10 +347,15 @@ fn out_tensors(
                    from: Dtype,
                    dtype: Dtype,
                    shape: Vec<u64>,
-                   source: Option<(usize, usize)>,
+                   src: Src,
                    quantized: Option<QuantPart>|
      -> Result<()> {
         let len = saver_core::tensor::byte_len(&name, dtype, &shape)?;
+        let (source, row_source) = match src {
+            Src::Column(t, c) => (Some((t, c)), None),
+            Src::Row(t, s) => (None, Some((t, s))),
+            Src::Dense => (None, None),
+        };
         tensors.push(OutTensor {
             name,
             from,
@@ -303,89 +365,95 @@ fn out_tensors(
             file: 0,
             offset: 0,
             source,
+            row_source,
             quantized,
         });
         Ok(())
     };
-    let mut any_quantized = false;
+    // Every column, in the order of the files: each table's ids and slots (tables by name),
+    // then each row-range table's slots whole: (tensor, slot name or `None` for ids, dtype,
+    // shape of a row, rows, where its values come from).
+    let mut columns: Vec<ColumnOut<'_>> = Vec::new();
     for (ti, t) in tables.iter().enumerate() {
-        let name = t.name();
-        let rows = t.rows();
+        let (name, rows) = (t.name(), t.rows());
         let ids = t.key_dtype().dtype();
-        add(
+        columns.push((
             format!("{name}/ids"),
-            ids,
-            ids,
-            vec![rows],
-            Some((ti, 0)),
             None,
-        )?;
+            ids,
+            Vec::new(),
+            rows,
+            Src::Column(ti, 0),
+        ));
         for (k, spec) in t.slots().iter().enumerate() {
-            let tensor = format!("{name}/{}", spec.name);
-            let source = Some((ti, k + 1));
-            let q = match (opts.quantize, &quantized) {
-                (Some(q), Some(globs)) if globs.is_match(&spec.name) => q,
-                _ => {
-                    let mut shape = vec![rows];
-                    shape.extend_from_slice(&spec.shape);
-                    add(
-                        tensor,
-                        spec.dtype,
-                        out_dtype(spec.dtype),
-                        shape,
-                        source,
-                        None,
-                    )?;
-                    continue;
-                }
-            };
-            let dim = match spec.shape[..] {
-                [dim] if spec.dtype.is_float() && dim > 0 => dim as usize,
-                _ => {
-                    return Err(Error::InvalidOption {
-                        option: "quantize_slots",
-                        why: format!(
-                            "{tensor} has rows of {} {:?}; only rows of one dimension of f32, \
-                             f16 or bf16 can be quantized",
-                            spec.dtype, spec.shape
-                        ),
-                    })
-                }
-            };
-            any_quantized = true;
-            let how = Some(QuantPart::Rows(q, dim));
-            if q.layout == QuantLayout::Split {
-                let packed = q.bits.packed_bytes(dim) as u64;
-                add(
-                    tensor.clone(),
-                    spec.dtype,
-                    Dtype::U8,
-                    vec![rows, packed],
-                    source,
-                    how,
-                )?;
-                for (part, which) in [("qscale", QuantPart::Scales), ("qbias", QuantPart::Biases)] {
-                    let name = format!("{tensor}_{part}");
-                    add(
-                        name,
-                        spec.dtype,
-                        Dtype::F16,
-                        vec![rows, 1],
-                        source,
-                        Some(which),
-                    )?;
-                }
-            } else {
-                let width = q.fused_row_bytes(dim) as u64;
-                add(
-                    tensor,
-                    spec.dtype,
-                    Dtype::U8,
-                    vec![rows, width],
-                    source,
-                    how,
-                )?;
+            columns.push((
+                format!("{name}/{}", spec.name),
+                Some(&spec.name),
+                spec.dtype,
+                spec.shape.clone(),
+                rows,
+                Src::Column(ti, k + 1),
+            ));
+        }
+    }
+    for (ri, (name, rows, slots)) in rows.tables.iter().enumerate() {
+        for (si, (slot, dtype, whole)) in slots.iter().enumerate() {
+            columns.push((
+                format!("{name}/{slot}"),
+                Some(slot),
+                *dtype,
+                whole[1..].to_vec(),
+                *rows,
+                Src::Row(ri, si),
+            ));
+        }
+    }
+    let mut any_quantized = false;
+    for (tensor, slot, dtype, row_shape, rows, source) in columns {
+        let mut shape = vec![rows];
+        shape.extend_from_slice(&row_shape);
+        let Some(slot) = slot else {
+            add(tensor, dtype, dtype, shape, source, None)?;
+            continue;
+        };
+        let q = match (opts.quantize, &quantized) {
+            (Some(q), Some(globs)) if globs.is_match(slot) => q,
+            _ => {
+                add(tensor, dtype, out_dtype(dtype), shape, source, None)?;
+                continue;
             }
+        };
+        let dim = match row_shape[..] {
+            [dim] if dtype.is_float() && dim > 0 => dim as usize,
+            _ => {
+                return Err(Error::InvalidOption {
+                    option: "quantize_slots",
+                    why: format!(
+                        "{tensor} has rows of {dtype} {row_shape:?}; only rows of one dimension \
+                         of f32, f16 or bf16 can be quantized"
+                    ),
+                })
+            }
+        };
+        any_quantized = true;
+        let how = Some(QuantPart::Rows(q, dim));
+        if q.layout == QuantLayout::Split {
+            let packed = q.bits.packed_bytes(dim) as u64;
+            add(
+                tensor.clone(),
+                dtype,
+                Dtype::U8,
+                vec![rows, packed],
+                source,
+                how,
+            )?;
+            for (part, which) in [("qscale", QuantPart::Scales), ("qbias", QuantPart::Biases)] {
+                let name = format!("{tensor}_{part}");
+                add(name, dtype, Dtype::F16, vec![rows, 1], source, Some(which))?;
+            }
+        } else {
+            let width = q.fused_row_bytes(dim) as u64;
+            add(tensor, dtype, Dtype::U8, vec![rows, width], source, how)?;
         }
     }
     if opts.quantize.is_some() && !any_quantized {
@@ -404,7 +472,7 @@ fn out_tensors(
             d.dtype,
             out_dtype(d.dtype),
             shape,
-            None,
+            Src::Dense,
             None,
         )?;
     }
@@ -672,7 +740,9 @@ fn fill(
             behind.finish_after(produced)
         })?;
     }
-    let dense_tensors = tensors.iter().filter(|t| t.source.is_none());
+    let dense_tensors = tensors
+        .iter()
+        .filter(|t| t.source.is_none() && t.row_source.is_none());
     for (d, tensor) in dense.iter().zip(dense_tensors) {
         let bytes = if tensor.dtype != tensor.from {
             cast(&d.data, tensor.from, tensor.dtype)?
@@ -680,6 +750,72 @@ fn fill(
             d.data.clone()
         };
         handles[tensor.file].write_at(tensor.offset, &bytes)?;
+    }
+    Ok(())
+}
+
+/// Rows of a row-range table read at a time for an export.
+const ROW_BATCH_BYTES: u64 = 4 << 20;
+
+/// Writes every row-range table's slots, each as its whole tensor (cast or quantized as a
+/// table's column is), a bounded batch of rows at a time.
+fn fill_row_tables(
+    rows: &RowTables<'_>,
+    tensors: &[OutTensor],
+    handles: &[Box<dyn WriteHandle>],
+) -> Result<()> {
+    for (ri, (name, count, slots)) in rows.tables.iter().enumerate() {
+        for (si, (slot, dtype, whole)) in slots.iter().enumerate() {
+            std::thread::scope(|scope| {
+                let behind = WriteBehind::new(scope);
+                let mut column = Column {
+                    outs: tensors
+                        .iter()
+                        .filter(|x| x.row_source == Some((ri, si)))
+                        .map(|tensor| Out {
+                            tensor,
+                            handle: handles[tensor.file].as_ref(),
+                            at: 0,
+                        })
+                        .collect(),
+                    behind: &behind,
+                    buf: Vec::new(),
+                    rows: 0,
+                };
+                let row_bytes = dtype
+                    .byte_len(whole.get(1).copied().unwrap_or(1))
+                    .unwrap_or(0)
+                    .max(1);
+                let step = (ROW_BATCH_BYTES / row_bytes).max(1);
+                let mut batch = Vec::new();
+                let produced = (|| -> Result<()> {
+                    let mut at = 0;
+                    while at < *count {
+                        let end = (at + step).min(*count);
+                        batch.resize(((end - at) * row_bytes) as usize, 0);
+                        rows.ckpt.load_rows(
+                            name,
+                            at..end,
+                            &mut [crate::RowsInto::new(slot, &mut batch)],
+                        )?;
+                        column.push(&batch)?;
+                        at = end;
+                    }
+                    column.flush()?;
+                    for out in &column.outs {
+                        if out.at != out.tensor.len {
+                            return Err(Error::Mismatch(format!(
+                                "export of {:?} wrote {} bytes, {} expected",
+                                out.tensor.name, out.at, out.tensor.len
+                            )));
+                        }
+                    }
+                    Ok(())
+                })();
+                drop(column);
+                behind.finish_after(produced)
+            })?;
+        }
     }
     Ok(())
 }

@@ -68,9 +68,9 @@ impl Checkpoint {
     }
 
     /// An error naming `what` when the checkpoint holds row-range tables: for the operations
-    /// that do not carry them yet (an export, a reshard, a compaction, a save from it, a delta of
-    /// it, `saver load`, a digest of version 1), which would otherwise give or write the
-    /// checkpoint without them.
+    /// that do not carry them yet (a reshard, a compaction, a save from it, a delta of it, `saver
+    /// load`, a digest of version 1), which would otherwise give or write the checkpoint without
+    /// them.
     pub fn refuse_row_tables(&self, what: &str) -> Result<()> {
         let names: Vec<&str> = self
             .manifest()
