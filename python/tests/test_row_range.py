@@ -84,3 +84,19 @@ def test_chunks_that_do_not_cover_the_table_or_bad_buffers_are_refused_by_name(t
     saver.save(tmp_path / "d", tables={"t": {"weight": [saver.Chunk(w[:, :1].copy(), offset=(0, 0), shape=(100, 4)),
                                                        saver.Chunk(w[:, 1:].copy(), offset=(0, 1), shape=(100, 4))]}})
     assert saver.digest(tmp_path / "c") == saver.digest(tmp_path / "d")
+
+
+def test_a_background_save_of_a_row_range_table_holds_its_moment_and_a_manager_keeps_it(tmp_path):
+    w = torch.arange(4000, dtype=torch.float32).reshape(1000, 4)
+    h = saver.save_async(tmp_path / "bg", tables={"e": {"weight": saver.Chunk(w)}})
+    w.fill_(-1.0)  # the save copied the moment before it returned
+    h.wait()
+    got = saver.load(tmp_path / "bg").tables["e"]["weight"]
+    np.testing.assert_array_equal(got, np.arange(4000, dtype=np.float32).reshape(1000, 4))
+
+    m = saver.Manager(tmp_path / "run")
+    for step in (10, 20):
+        m.save(step, tables={"e": {"weight": saver.Chunk(torch.full((100, 4), float(step)))}})
+    step, loaded = m.load_latest()
+    assert step == 20
+    np.testing.assert_array_equal(loaded.tables["e"]["weight"], np.full((100, 4), 20.0, np.float32))
