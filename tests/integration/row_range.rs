@@ -348,19 +348,12 @@ fn a_checkpoint_of_both_kinds_loads_each_and_refuses_what_would_drop_rows() {
 #[test]
 fn the_digest_of_a_row_range_table_depends_on_its_values_not_its_split() {
     let d = tempfile::tempdir().unwrap();
-    let at = |p: &std::path::Path| {
-        saver::io::tools::digest::digest(
-            saver::io::tools::digest::Content::At {
-                path: p,
-                parallel: 1,
-            },
-            saver::io::tools::digest::DigestVersion::V2,
-        )
-        .unwrap()
-    };
     save_split(&d.path().join("a"), 500, 8, &[100, 300], &[4], 3);
     save_split(&d.path().join("b"), 500, 8, &[250], &[], 1);
-    assert_eq!(at(&d.path().join("a")), at(&d.path().join("b")));
+    assert_eq!(
+        digest_at(&d.path().join("a")),
+        digest_at(&d.path().join("b"))
+    );
     let one = chunk("weight", &[500, 8], 0..500, 0..8);
     let mut v: Vec<f32> = bytemuck::cast_slice(one.values().data()).to_vec();
     v[7] += 1.0;
@@ -378,7 +371,10 @@ fn the_digest_of_a_row_range_table_depends_on_its_values_not_its_split() {
         .row_chunk(changed)
         .row_chunk(chunk("state", &[500], 0..500, 0..1));
     save(d.path().join("c"), input, &SaveOptions::default()).unwrap();
-    assert_ne!(at(&d.path().join("a")), at(&d.path().join("c")));
+    assert_ne!(
+        digest_at(&d.path().join("a")),
+        digest_at(&d.path().join("c"))
+    );
 }
 
 /// On the object store (a real Garage server) as on a disk: three writers' chunks, one commit,
@@ -409,17 +405,7 @@ fn row_range_tables_round_trip_through_the_object_store() {
         }
     }
     assert_eq!(verify(remote, 2).unwrap().status, Status::Ok);
-    let at = |p: &std::path::Path| {
-        saver::io::tools::digest::digest(
-            saver::io::tools::digest::Content::At {
-                path: p,
-                parallel: 1,
-            },
-            saver::io::tools::digest::DigestVersion::V2,
-        )
-        .unwrap()
-    };
-    assert_eq!(at(remote), at(local.path()));
+    assert_eq!(digest_at(remote), digest_at(local.path()));
 }
 
 /// A checkpoint manager saves a model with row-range tables in full checkpoints (its policy
@@ -519,6 +505,12 @@ fn a_background_save_of_row_range_chunks_holds_the_moment_it_returned() {
         )
         .unwrap();
     assert!(back.iter().enumerate().all(|(i, &v)| v == i as f32));
+}
+
+/// What `saver digest PATH` prints for `path`.
+fn digest_at(path: &std::path::Path) -> String {
+    use saver::io::tools::digest::{digest, Content, DigestVersion};
+    digest(Content::At { path, parallel: 1 }, DigestVersion::V2).unwrap()
 }
 
 /// Every tensor of the export in `dir`: name -> (dtype, shape, bytes).

@@ -675,6 +675,20 @@ impl Column<'_, '_> {
         Ok(())
     }
 
+    /// Writes what is left, and checks that every output tensor got all its bytes.
+    fn finish(&mut self) -> Result<()> {
+        self.flush()?;
+        for out in &self.outs {
+            if out.at != out.tensor.len {
+                return Err(Error::Mismatch(format!(
+                    "export of {:?} wrote {} bytes, {} expected",
+                    out.tensor.name, out.at, out.tensor.len
+                )));
+            }
+        }
+        Ok(())
+    }
+
     fn push(&mut self, bytes: &[u8]) -> Result<()> {
         self.buf.extend_from_slice(bytes);
         if self.buf.len() >= COLUMN_BUFFER_BYTES {
@@ -722,20 +736,7 @@ fn fill(
                 }
                 Ok(())
             })
-            .and_then(|()| {
-                for c in &mut columns {
-                    c.flush()?;
-                    for out in &c.outs {
-                        if out.at != out.tensor.len {
-                            return Err(Error::Mismatch(format!(
-                                "export of {:?} wrote {} bytes, {} expected",
-                                out.tensor.name, out.at, out.tensor.len
-                            )));
-                        }
-                    }
-                }
-                Ok(())
-            });
+            .and_then(|()| columns.iter_mut().try_for_each(Column::finish));
             drop(columns);
             behind.finish_after(produced)
         })?;
@@ -801,16 +802,7 @@ fn fill_row_tables(
                         column.push(&batch)?;
                         at = end;
                     }
-                    column.flush()?;
-                    for out in &column.outs {
-                        if out.at != out.tensor.len {
-                            return Err(Error::Mismatch(format!(
-                                "export of {:?} wrote {} bytes, {} expected",
-                                out.tensor.name, out.at, out.tensor.len
-                            )));
-                        }
-                    }
-                    Ok(())
+                    column.finish()
                 })();
                 drop(column);
                 behind.finish_after(produced)
