@@ -424,7 +424,24 @@ fn a_manager_saves_row_range_tables_in_full_checkpoints() {
             assert!(why.contains("row-range"), "{why}");
         }
     }
-    let latest = m.latest().unwrap().expect("a step");
+    // A next step without them is full too: a delta of step 200 would leave them out.
+    let users = crate::common::table(
+        "users",
+        saver::KeyDtype::I64,
+        vec![saver::SlotSpec::new("e", Dtype::F32, vec![2])],
+        &[1, 2, 3],
+    );
+    let saved = m
+        .save(300, SaveInput::new().table(&users), &SaveOptions::default())
+        .unwrap();
+    let why = saved.full_because.expect("a full save");
+    assert!(why.contains("step 200 holds row-range table"), "{why}");
+    let latest = m
+        .steps()
+        .unwrap()
+        .into_iter()
+        .find(|s| s.step == 200)
+        .expect("step 200");
     assert_eq!((latest.step, latest.links), (200, 1));
     let mut st = vec![0f32; 10];
     Checkpoint::open(&latest.path)

@@ -406,11 +406,8 @@ impl CheckpointManager {
             _ if !input.row_chunks.is_empty() => {
                 Err("row-range tables are saved in full checkpoints only".to_string())
             }
-            Ok(parent) => match self.schema_change(parent, input)? {
-                Some(change) => Err(format!(
-                    "the tables changed since step {}: {change}",
-                    parent.step
-                )),
+            Ok(parent) => match self.why_not_a_delta_of(parent, input)? {
+                Some(why) => Err(why),
                 None => Ok(parent),
             },
             Err(why) => Err(why),
@@ -424,28 +421,45 @@ impl CheckpointManager {
         })
     }
 
-    /// How `input`'s tables differ from those of step `parent` in what a delta needs alike (key
-    /// dtype, each slot's dtype and shape), or `None`.
-    fn schema_change(&self, parent: &StepInfo, input: &SaveInput<'_>) -> Result<Option<String>> {
+    /// Why `input` cannot be saved as a delta of step `parent`: the step holds row-range tables
+    /// (which a delta would leave out), or `input`'s tables differ from its in what a delta needs
+    /// alike (key dtype, each slot's dtype and shape); `None` if it can.
+    fn why_not_a_delta_of(
+        &self,
+        parent: &StepInfo,
+        input: &SaveInput<'_>,
+    ) -> Result<Option<String>> {
         let (_, manifest) =
             crate::load::link::load_manifest(&*self.root.step_storage(parent.step)?)?;
+        if let Some(t) = manifest.row_tables.first() {
+            return Ok(Some(format!(
+                "step {} holds row-range table {:?}, which a delta of it would leave out",
+                parent.step, t.name
+            )));
+        }
+        let changed = |change: String| {
+            Ok(Some(format!(
+                "the tables changed since step {}: {change}",
+                parent.step
+            )))
+        };
         for t in input.all_tables() {
             let Some(was) = manifest.tables.iter().find(|m| m.name == t.name()) else {
                 continue;
             };
             if was.key_dtype != t.key_dtype() {
-                return Ok(Some(format!(
+                return changed(format!(
                     "table {:?} has {} ids, {} before",
                     t.name(),
                     t.key_dtype(),
                     was.key_dtype
-                )));
+                ));
             }
             for s in t.slots() {
                 match was.slots.iter().find(|w| w.name == s.name) {
                     Some(w) if w == s => {}
                     Some(w) => {
-                        return Ok(Some(format!(
+                        return changed(format!(
                             "slot {:?} of table {:?} is {} {:?}, {} {:?} before",
                             s.name,
                             t.name(),
@@ -453,14 +467,10 @@ impl CheckpointManager {
                             s.shape,
                             w.dtype,
                             w.shape
-                        )))
+                        ))
                     }
                     None => {
-                        return Ok(Some(format!(
-                            "table {:?} has a new slot {:?}",
-                            t.name(),
-                            s.name
-                        )))
+                        return changed(format!("table {:?} has a new slot {:?}", t.name(), s.name))
                     }
                 }
             }
