@@ -581,22 +581,22 @@ def _load_row_tables(path, held, out, shards, shard_index, tables, exclude_slots
     patterns = [exclude_slots] if isinstance(exclude_slots, str) else list(exclude_slots)
     stats = out.report.setdefault("row_tables", {"bytes_wanted": 0, "bytes_read": 0, "chunks": 0})
     offsets = out.report.setdefault("row_offsets", {})
+    # (table, (first row, end row)) -> [(slot, columns, the buffer's bytes)]: one native call.
+    requests = {}
 
     def fill(name, slot, buffer, offset):
         what = f"into[{name!r}][{slot!r}]"
-        shape = held[name]["slots"].get(slot)
-        if shape is None:
+        spec = held[name]["slots"].get(slot)
+        if spec is None:
             raise InputError(f"{what}: row-range table {name!r} has no slot {slot!r} (it has {sorted(held[name]['slots'])})")
+        whole = tuple(spec[1])
         a = _writable(buffer, what)
-        rank = len(shape[1])
-        offset = tuple(offset) if offset is not None else (0,) * rank
-        if a.ndim != rank or len(offset) != rank:
-            raise InputError(f"{what}: the slot has shape {tuple(shape[1])}; give a buffer and an offset of {rank} dimensions, got {a.shape} at {offset}")
-        cols = (offset[1], offset[1] + a.shape[1]) if rank == 2 else None
+        offset = tuple(offset) if offset is not None else (0,) * len(whole)
+        if a.ndim != len(whole) or len(offset) != len(whole):
+            raise InputError(f"{what}: the slot has shape {whole}; give a buffer and an offset of {len(whole)} dimensions, got {a.shape} at {offset}")
+        cols = (offset[1], offset[1] + a.shape[1]) if len(whole) == 2 else None
         rows = (offset[0], offset[0] + a.shape[0])
         requests.setdefault((name, rows), []).append((slot, cols, a.reshape(-1).view(np.uint8)))
-
-    requests = {}
 
     for name, slots in into.items():
         for slot, target in slots.items():
