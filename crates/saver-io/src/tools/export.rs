@@ -622,7 +622,30 @@ struct Column<'a, 'b> {
     rows: u64,
 }
 
-impl Column<'_, '_> {
+impl<'a, 'b> Column<'a, 'b> {
+    /// The column whose output tensors are those of `tensors` that `of` picks, in their files.
+    fn new(
+        tensors: &'a [OutTensor],
+        handles: &'a [Box<dyn WriteHandle>],
+        behind: &'b WriteBehind<'a>,
+        of: impl Fn(&OutTensor) -> bool,
+    ) -> Self {
+        Column {
+            outs: tensors
+                .iter()
+                .filter(|x| of(x))
+                .map(|tensor| Out {
+                    tensor,
+                    handle: handles[tensor.file].as_ref(),
+                    at: 0,
+                })
+                .collect(),
+            behind,
+            buf: Vec::new(),
+            rows: 0,
+        }
+    }
+
     /// The bytes of each output tensor for the rows in `buf`.
     fn convert(&mut self) -> Result<Vec<Vec<u8>>> {
         let t = self.outs[0].tensor;
@@ -711,20 +734,7 @@ fn fill(
         std::thread::scope(|scope| {
             let behind = WriteBehind::new(scope);
             let mut columns: Vec<Column<'_, '_>> = (0..=t.slots().len())
-                .map(|c| Column {
-                    outs: tensors
-                        .iter()
-                        .filter(|x| x.source == Some((ti, c)))
-                        .map(|tensor| Out {
-                            tensor,
-                            handle: handles[tensor.file].as_ref(),
-                            at: 0,
-                        })
-                        .collect(),
-                    behind: &behind,
-                    buf: Vec::new(),
-                    rows: 0,
-                })
+                .map(|c| Column::new(tensors, handles, &behind, |x| x.source == Some((ti, c))))
                 .collect();
             let produced = visit_by_id(*t, scratch, sort_memory, &mut |ids, slots| {
                 let (id_col, slot_cols) = columns.split_first_mut().expect("an ids column");
@@ -769,20 +779,9 @@ fn fill_row_tables(
         for (si, (slot, dtype, whole)) in slots.iter().enumerate() {
             std::thread::scope(|scope| {
                 let behind = WriteBehind::new(scope);
-                let mut column = Column {
-                    outs: tensors
-                        .iter()
-                        .filter(|x| x.row_source == Some((ri, si)))
-                        .map(|tensor| Out {
-                            tensor,
-                            handle: handles[tensor.file].as_ref(),
-                            at: 0,
-                        })
-                        .collect(),
-                    behind: &behind,
-                    buf: Vec::new(),
-                    rows: 0,
-                };
+                let mut column = Column::new(tensors, handles, &behind, |x| {
+                    x.row_source == Some((ri, si))
+                });
                 let row_bytes = dtype
                     .byte_len(whole.get(1).copied().unwrap_or(1))
                     .unwrap_or(0)
