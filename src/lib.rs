@@ -69,8 +69,9 @@ pub mod prelude {
     #[doc(no_inline)]
     pub use saver_io::{
         save, save_async, verify, Checkpoint, CheckpointManager, DeltaMethod, DirectIo,
-        LoadOptions, LoadReport, LoadedDense, Policy, Progress, Restored, RestoredShard, Retention,
-        RowsInto, RowsLoaded, SaveHandle, SaveOptions, SaveReport, Status, TableSink, VerifyReport,
+        LoadOptions, LoadReport, LoadedDense, LoadedRowSlot, LoadedRowTable, Policy, Progress,
+        Restored, RestoredShard, Retention, RowsInto, RowsLoaded, SaveHandle, SaveOptions,
+        SaveReport, Status, TableSink, VerifyReport,
     };
 }
 

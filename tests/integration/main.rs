@@ -19,6 +19,7 @@ mod point_in_time;
 mod prelude;
 mod races;
 mod row_range;
+mod row_range_delta;
 mod save_commit;
 mod streaming;
 mod workers;

@@ -277,9 +277,9 @@ fn a_corrupt_chunk_is_named_by_load_and_verify() {
 }
 
 /// A checkpoint of both kinds: the hashed tables and dense tensors restore as ever, the
-/// row-range table loads by range; what does not carry row-range tables yet says so.
+/// row-range table loads by range; a reshard and a delta carry both.
 #[test]
-fn a_checkpoint_of_both_kinds_loads_each_and_refuses_what_would_drop_rows() {
+fn a_checkpoint_of_both_kinds_loads_reshards_and_takes_deltas() {
     let d = tempfile::tempdir().unwrap();
     let hashed = crate::common::table(
         "users",
@@ -322,25 +322,37 @@ fn a_checkpoint_of_both_kinds_loads_each_and_refuses_what_would_drop_rows() {
     let values: Vec<f32> = bytemuck::cast_slice(bytes).to_vec();
     assert_eq!(values[49 * 3 + 2], value(0, 49, 2));
     assert!(exported.contains_key("users/ids") && exported.contains_key("mlp"));
-    refused(
-        saver::io::tools::reshard::reshard(&ck, &d.path().join("r"), &SaveOptions::default())
-            .unwrap_err(),
+    // Resharded, and a delta of it: both kinds carried.
+    let mut two = SaveOptions::default();
+    two.plan.shard_num = 2;
+    let r = d.path().join("r");
+    saver::io::tools::reshard::reshard(&ck, &r, &two).unwrap();
+    assert_eq!(digest_at(&r), digest_at(d.path()));
+    let delta = d.path().join("delta");
+    let more = crate::common::table(
+        "users",
+        saver::KeyDtype::I64,
+        vec![saver::SlotSpec::new("e", Dtype::F32, vec![2])],
+        &[1, 2, 3, 4],
     );
-    // A delta of row-range tables, or of a checkpoint that holds them, is refused.
-    let e = save(
-        d.path().join("delta"),
-        SaveInput::new().row_chunk(chunk("weight", &[50, 3], 0..50, 0..3)),
-        &SaveOptions::default().with_parent(d.path()),
+    let input = SaveInput::new()
+        .table(&more)
+        .dense(saver::DenseTensor::from_f32("mlp", vec![2, 3], &mlp).unwrap())
+        .row_chunk(chunk("weight", &[50, 3], 0..50, 0..3));
+    save(&delta, input, &SaveOptions::default().with_parent(d.path())).unwrap();
+    let ck = Checkpoint::open(&delta).unwrap();
+    assert_eq!(ck.links().len(), 2);
+    let r = ck.restore(&saver::LoadOptions::default()).unwrap();
+    assert_eq!(r.shards[0].tables[0].len(), 4);
+    let mut w = vec![0f32; 3];
+    ck.load_rows(
+        "emb",
+        49..50,
+        &mut [RowsInto::new("weight", bytemuck::cast_slice_mut(&mut w))],
     )
-    .unwrap_err();
-    assert!(e.to_string().contains("row-range"), "{e}");
-    let e = save(
-        d.path().join("delta2"),
-        SaveInput::new().table(&hashed),
-        &SaveOptions::default().with_parent(d.path()),
-    )
-    .unwrap_err();
-    assert!(e.to_string().contains("row-range"), "{e}");
+    .unwrap();
+    assert_eq!(w, [value(0, 49, 0), value(0, 49, 1), value(0, 49, 2)]);
+    refused(ck.refuse_row_tables("digest version 1").unwrap_err());
 }
 
 /// The digest covers row-range tables: equal for one content saved by any split and any number
@@ -408,10 +420,10 @@ fn row_range_tables_round_trip_through_the_object_store() {
     assert_eq!(digest_at(remote), digest_at(local.path()));
 }
 
-/// A checkpoint manager saves a model with row-range tables in full checkpoints (its policy
-/// would make deltas), says why, and its newest step loads by range.
+/// A checkpoint manager saves a model with row-range tables as its policy says, deltas
+/// included, and its newest step loads by range; a step without them holds none.
 #[test]
-fn a_manager_saves_row_range_tables_in_full_checkpoints() {
+fn a_manager_saves_row_range_tables_in_deltas_too() {
     let d = tempfile::tempdir().unwrap();
     let m = saver::CheckpointManager::open(d.path(), saver::Policy::default()).unwrap();
     for step in [100, 200] {
@@ -420,29 +432,16 @@ fn a_manager_saves_row_range_tables_in_full_checkpoints() {
             .row_chunk(chunk("state", &[300], 0..300, 0..1));
         let saved = m.save(step, input, &SaveOptions::default()).unwrap();
         if step == 200 {
-            let why = saved.full_because.expect("a full save");
-            assert!(why.contains("row-range"), "{why}");
+            assert_eq!(saved.full_because, None);
         }
     }
-    // A next step without them is full too: a delta of step 200 would leave them out.
-    let users = crate::common::table(
-        "users",
-        saver::KeyDtype::I64,
-        vec![saver::SlotSpec::new("e", Dtype::F32, vec![2])],
-        &[1, 2, 3],
-    );
-    let saved = m
-        .save(300, SaveInput::new().table(&users), &SaveOptions::default())
-        .unwrap();
-    let why = saved.full_because.expect("a full save");
-    assert!(why.contains("step 200 holds row-range table"), "{why}");
     let latest = m
         .steps()
         .unwrap()
         .into_iter()
         .find(|s| s.step == 200)
         .expect("step 200");
-    assert_eq!((latest.step, latest.links), (200, 1));
+    assert_eq!((latest.step, latest.links), (200, 2));
     let mut st = vec![0f32; 10];
     Checkpoint::open(&latest.path)
         .unwrap()
@@ -453,6 +452,25 @@ fn a_manager_saves_row_range_tables_in_full_checkpoints() {
         )
         .unwrap();
     assert_eq!(st[9], value(1, 299, 0));
+    let users = crate::common::table(
+        "users",
+        saver::KeyDtype::I64,
+        vec![saver::SlotSpec::new("e", Dtype::F32, vec![2])],
+        &[1, 2, 3],
+    );
+    m.save(300, SaveInput::new().table(&users), &SaveOptions::default())
+        .unwrap();
+    let step = m
+        .steps()
+        .unwrap()
+        .into_iter()
+        .find(|s| s.step == 300)
+        .unwrap();
+    assert!(Checkpoint::open(&step.path)
+        .unwrap()
+        .manifest()
+        .row_tables
+        .is_empty());
 }
 
 /// A reader trusts no manifest: re-sealed with chunks that overlap, leave a gap, fall outside
@@ -461,7 +479,7 @@ fn a_manager_saves_row_range_tables_in_full_checkpoints() {
 #[test]
 fn a_resealed_manifest_whose_chunks_do_not_tile_is_refused() {
     type Edit = fn(&mut serde_json::Value);
-    let cases: [(&str, Edit); 5] = [
+    let cases: [(&str, Edit); 6] = [
         ("overlap", |m| {
             m["row_tables"][0]["slots"][1]["chunks"][1]["offset"][0] = serde_json::json!(100);
         }),
@@ -480,6 +498,14 @@ fn a_resealed_manifest_whose_chunks_do_not_tile_is_refused() {
         }),
         ("format version", |m| {
             m["format_version"] = serde_json::json!(1);
+        }),
+        // A chunk made a patch (of no changed rows): a full checkpoint has no parent.
+        ("changed rows of a parent", |m| {
+            let slot = &mut m["row_tables"][0]["slots"][1];
+            let c = slot["chunks"].as_array_mut().unwrap().pop().unwrap();
+            slot["patches"] = serde_json::json!([{
+                "shard": c["shard"], "offset": c["offset"], "shape": c["tensor"]["shape"],
+            }]);
         }),
     ];
     for (want, edit) in cases {

@@ -39,6 +39,15 @@ pub struct RowRangeChunk<'a> {
     whole: Vec<u64>,
     offset: Vec<u64>,
     values: DenseTensor<'a>,
+    /// Set when the chunk holds only some rows of its rectangle ([`Self::only_rows`]).
+    changed: Option<ChangedRows>,
+}
+
+/// The rows of a chunk's rectangle that a delta holds, and the rectangle's shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct ChangedRows {
+    rows: Vec<u64>,
+    shape: Vec<u64>,
 }
 
 impl<'a> RowRangeChunk<'a> {
@@ -71,6 +80,7 @@ impl<'a> RowRangeChunk<'a> {
             whole: values.shape().to_vec(),
             offset: vec![0; rank],
             values,
+            changed: None,
         })
     }
 
@@ -89,6 +99,16 @@ impl<'a> RowRangeChunk<'a> {
     /// whose whole shape is `whole` (its rows are the table's rows), or an error naming the
     /// chunk if it does not fit there.
     pub fn at(mut self, offset: &[u64], whole: &[u64]) -> Result<Self> {
+        if self.changed.is_some() {
+            return Err(Error::InvalidOption {
+                option: "row-range chunk",
+                why: format!(
+                    "table {:?} slot {:?}: a chunk is placed before it is reduced to its \
+                     changed rows",
+                    self.table, self.slot
+                ),
+            });
+        }
         let shape = self.values.shape();
         let fits = offset.len() == shape.len()
             && whole.len() == shape.len()
@@ -115,6 +135,62 @@ impl<'a> RowRangeChunk<'a> {
         Ok(self)
     }
 
+    /// The chunk reduced to rows `rows` of its rectangle (global row numbers, increasing, within
+    /// [`Self::rows`]), `values` their values (row-major, all of the chunk's columns): what a
+    /// delta holds of a chunk whose other rows did not change since its parent. A delta's save
+    /// makes these from the chunks it is given, by comparing them with the parent; a full save
+    /// refuses them.
+    pub fn only_rows(self, rows: Vec<u64>, values: impl Into<Cow<'a, [u8]>>) -> Result<Self> {
+        let shape = self.shape().to_vec();
+        let span = self.rows();
+        let invalid = |why: String| Error::InvalidOption {
+            option: "row-range chunk",
+            why: format!("table {:?} slot {:?}: {why}", self.table, self.slot),
+        };
+        if self.changed.is_some() {
+            return Err(invalid(
+                "the chunk is reduced to its changed rows already".into(),
+            ));
+        }
+        if let Some(w) = rows.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(invalid(format!(
+                "changed rows {} and {} are not increasing",
+                w[0], w[1]
+            )));
+        }
+        if let Some(r) = rows.iter().find(|r| !span.contains(r)) {
+            return Err(invalid(format!(
+                "changed row {r} is outside the chunk's rows {span:?}"
+            )));
+        }
+        let mut kept = shape.clone();
+        kept[0] = rows.len() as u64;
+        let values = DenseTensor::new(
+            patch_tensor_names(&self.table, &self.slot, &self.offset).1,
+            self.values.dtype(),
+            kept,
+            values,
+        )?;
+        Ok(Self {
+            values,
+            changed: Some(ChangedRows { rows, shape }),
+            ..self
+        })
+    }
+
+    /// The rows of its rectangle the chunk holds, when it holds only some ([`Self::only_rows`]).
+    pub fn changed_rows(&self) -> Option<&[u64]> {
+        self.changed.as_ref().map(|c| c.rows.as_slice())
+    }
+
+    /// The shape of the chunk's rectangle of its slot.
+    pub fn shape(&self) -> &[u64] {
+        match &self.changed {
+            Some(c) => &c.shape,
+            None => self.values.shape(),
+        }
+    }
+
     /// The table's name.
     pub fn table(&self) -> &str {
         &self.table
@@ -137,11 +213,11 @@ impl<'a> RowRangeChunk<'a> {
 
     /// The table rows the chunk holds.
     pub fn rows(&self) -> std::ops::Range<u64> {
-        self.offset[0]..self.offset[0] + self.values.shape()[0]
+        self.offset[0]..self.offset[0] + self.shape()[0]
     }
 
     /// The chunk's values, as the tensor the checkpoint stores (named by
-    /// [`chunk_tensor_name`]).
+    /// [`chunk_tensor_name`]; by [`patch_tensor_names`] when it holds only some rows).
     pub fn values(&self) -> &DenseTensor<'a> {
         &self.values
     }
@@ -154,6 +230,7 @@ impl<'a> RowRangeChunk<'a> {
             whole: self.whole.clone(),
             offset: self.offset.clone(),
             values: self.values.view(),
+            changed: self.changed.clone(),
         }
     }
 
@@ -165,6 +242,7 @@ impl<'a> RowRangeChunk<'a> {
             whole: self.whole,
             offset: self.offset,
             values: self.values.into_owned(),
+            changed: self.changed,
         }
     }
 }
@@ -180,12 +258,24 @@ pub fn chunk_tensor_name(table: &str, slot: &str, offset: &[u64]) -> String {
     }
 }
 
+/// The names of the two tensors that hold a delta's changed rows of the chunk of `table`'s
+/// `slot` at `offset` ([`RowRangeChunk::only_rows`]): the chunk's name ([`chunk_tensor_name`])
+/// with `.rows` (their row numbers) and `.values` (their values).
+pub fn patch_tensor_names(table: &str, slot: &str, offset: &[u64]) -> (String, String) {
+    let chunk = chunk_tensor_name(table, slot, offset);
+    (format!("{chunk}.rows"), format!("{chunk}.values"))
+}
+
 /// Whether `name` has the form of a chunk tensor's name ([`chunk_tensor_name`]) of table
-/// `table`.
+/// `table`, or of a delta's changed rows of one ([`patch_tensor_names`]).
 pub fn is_chunk_tensor_name_of(name: &str, table: &str) -> bool {
     let Some(rest) = name.strip_prefix(table).and_then(|r| r.strip_prefix('/')) else {
         return false;
     };
+    let rest = rest
+        .strip_suffix(".rows")
+        .or_else(|| rest.strip_suffix(".values"))
+        .unwrap_or(rest);
     let Some((_, at)) = rest.rsplit_once(':') else {
         return false;
     };
@@ -306,7 +396,7 @@ pub fn check_chunks(chunks: &[RowRangeChunk<'_>]) -> Result<()> {
                 ),
             ));
         }
-        entry.2.push((&c.offset, c.values.shape()));
+        entry.2.push((&c.offset, c.shape()));
     }
     for ((table, slot), (_, whole, pieces)) in &slots {
         if let Some(why) = tiling_problem(whole, pieces, false) {
@@ -381,6 +471,9 @@ mod tests {
         assert!(!is_chunk_tensor_name_of("t/w:s0.1", "t"));
         assert!(!is_chunk_tensor_name_of("t/w:r", "t"));
         assert!(!is_chunk_tensor_name_of("u/w:r1", "t"));
+        let (rows, values) = patch_tensor_names("t", "w", &[10, 4]);
+        assert!(is_chunk_tensor_name_of(&rows, "t") && is_chunk_tensor_name_of(&values, "t"));
+        assert!(!is_chunk_tensor_name_of("t/w:r10.c4.other", "t"));
     }
 
     #[test]

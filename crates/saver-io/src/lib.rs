@@ -37,7 +37,9 @@ pub mod storage;
 pub mod tools;
 
 pub use error::{Error, Result};
-pub use load::checkpoint::{ChainTable, Checkpoint, RowsInto, RowsLoaded};
+pub use load::checkpoint::{
+    ChainTable, Checkpoint, LoadedRowSlot, LoadedRowTable, RowsInto, RowsLoaded,
+};
 pub use load::link::Link;
 pub use load::restore::{LoadOptions, LoadReport, LoadedDense, Restored, RestoredShard, TableSink};
 pub use manage::{CheckpointManager, Policy, Retention};

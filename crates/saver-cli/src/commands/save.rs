@@ -127,9 +127,15 @@ pub fn run(args: SaveArgs) -> CmdResult {
         }
         (None, Some(path)) => {
             source = Source::open(path)?;
-            if let Some(c) = source.checkpoint() {
-                c.refuse_row_tables("save --from")?;
-            }
+            // A checkpoint's row-range tables: this process's shard of rows of each.
+            let row_chunks = match source.checkpoint() {
+                Some(c) => saver_io::tools::reshard::row_chunks(
+                    c,
+                    opts.plan.shard_num,
+                    opts.plan.shard_index,
+                )?,
+                None => Vec::new(),
+            };
             for w in source.warnings() {
                 eprintln!("warning: {w}");
             }
@@ -153,7 +159,9 @@ pub fn run(args: SaveArgs) -> CmdResult {
             let rounds = args.import_rounds.map(|r| r as usize);
             tables = source.tables_in_rounds(&scratch, args.parallel, rounds)?;
             dense = source.dense()?;
-            save_input(&tables, &dense)?
+            let mut input = save_input(&tables, &dense)?;
+            input.row_chunks = row_chunks;
+            input
         }
         (None, None) => return Err("one of --synthetic or --from is required".into()),
     };

@@ -63,7 +63,9 @@ pub mod trainer_state;
 
 pub use index::{Index, IndexMetadata};
 pub use parse::{check_parent_path, MAX_DOCUMENT_BYTES};
-pub use row_range::{RowChunkManifest, RowSlotManifest, RowTableManifest};
+pub use row_range::{
+    ChangedRowsManifest, RowChunkManifest, RowPatchManifest, RowSlotManifest, RowTableManifest,
+};
 
 /// Value of the `format` field of every manifest.
 pub const FORMAT_NAME: &str = "saver";
@@ -84,16 +86,21 @@ pub const COMPRESSED_DELTA_FORMAT_VERSION: u32 = 4;
 /// or not: a build that knows only versions 1 to 4 refuses it instead of loading the checkpoint
 /// without those tables.
 pub const ROW_RANGE_FORMAT_VERSION: u32 = 5;
+/// The format version of a delta with row-range tables, whose slots may hold patches (only the
+/// rows changed since the parent, [`RowPatchManifest`]): a build that knows only versions 1 to 5
+/// refuses it instead of taking a patch's rows for the whole slot.
+pub const ROW_RANGE_DELTA_FORMAT_VERSION: u32 = 6;
 /// The newest format version this build reads.
-pub const NEWEST_FORMAT_VERSION: u32 = ROW_RANGE_FORMAT_VERSION;
+pub const NEWEST_FORMAT_VERSION: u32 = ROW_RANGE_DELTA_FORMAT_VERSION;
 
 /// The format version a checkpoint's manifest and index carry: [`FORMAT_VERSION`] for a full
 /// checkpoint, [`DELTA_FORMAT_VERSION`] for a delta, and [`COMPRESSED_FORMAT_VERSION`] or
 /// [`COMPRESSED_DELTA_FORMAT_VERSION`] when some tensor is compressed. A checkpoint that
 /// compresses nothing keeps the version older builds read; [`ROW_RANGE_FORMAT_VERSION`] for one
-/// with row-range tables.
+/// with row-range tables, [`ROW_RANGE_DELTA_FORMAT_VERSION`] for a delta with them.
 pub fn format_version_of(parent: Option<&ParentRef>, compressed: bool, row_range: bool) -> u32 {
     match (parent.is_some(), compressed) {
+        (true, _) if row_range => ROW_RANGE_DELTA_FORMAT_VERSION,
         _ if row_range => ROW_RANGE_FORMAT_VERSION,
         (false, false) => FORMAT_VERSION,
         (true, false) => DELTA_FORMAT_VERSION,

@@ -351,6 +351,18 @@ fn check_body(b: &Body<'_>, file: &str) -> Result<()> {
         file,
     )?;
     check_row_tables(b.rows, b.tables, file)?;
+    if b.parent.is_none() {
+        if let Some(t) = b.rows.iter().find(|t| t.has_patches()) {
+            return Err(corrupt(
+                file,
+                format!(
+                    "row-range table {:?} holds changed rows of a parent, but the checkpoint has \
+                     none",
+                    t.name
+                ),
+            ));
+        }
+    }
     Ok(())
 }
 

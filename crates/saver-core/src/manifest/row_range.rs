@@ -1,5 +1,6 @@
 //! The manifest entries of row-range tables ([`crate::row_range`]): per table its rows, per slot
-//! its dtype, whole shape and chunks, each chunk a tensor of a data file at its offset.
+//! its dtype, whole shape and chunks, each chunk a tensor of a data file at its offset; in a
+//! delta, also patches: rectangles of which only the rows changed since the parent are held.
 
 use serde::{Deserialize, Serialize};
 
@@ -30,8 +31,36 @@ pub struct RowSlotManifest {
     /// The whole slot's shape: `[rows]` (one value per row) or `[rows, cols]`.
     pub shape: Vec<u64>,
     /// The chunks that hold it, by offset: in a shard manifest those the shard wrote, in a
-    /// checkpoint's manifest all of them, which tile the slot exactly.
+    /// checkpoint's manifest all of them, which with its patches tile the slot exactly.
     pub chunks: Vec<RowChunkManifest>,
+    /// In a delta, the rectangles of which it holds only the rows that changed since its parent
+    /// (by offset); the rest of each is the parent's. None in a full checkpoint.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub patches: Vec<RowPatchManifest>,
+}
+
+/// One rectangle of a slot in a delta of which only the rows changed since the parent are held.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowPatchManifest {
+    /// The shard that wrote it.
+    pub shard: u32,
+    /// Its first row, and first column for a slot of two dimensions.
+    pub offset: Vec<u64>,
+    /// Its shape: rows, and columns for a slot of two dimensions.
+    pub shape: Vec<u64>,
+    /// Its changed rows; none when no row of it changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changed: Option<ChangedRowsManifest>,
+}
+
+/// The rows of a patch that changed: their row numbers and their values.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChangedRowsManifest {
+    /// `U64` of shape `[k]`: table row numbers, increasing, within the patch's rows.
+    pub rows: TensorRef,
+    /// The slot's dtype, of shape `[k]` or `[k, columns of the patch]`: row `i` of it is the
+    /// patch's columns of table row `rows[i]`.
+    pub values: TensorRef,
 }
 
 /// One chunk of a slot: the rectangle of the slot at `offset` of its tensor's shape.
@@ -47,8 +76,9 @@ pub struct RowChunkManifest {
 
 impl RowTableManifest {
     /// Structural checks, so that readers can size buffers from the entry: names, one row count
-    /// for every slot, chunks of the slot's dtype inside its shape, none overlapping; and, when
-    /// `complete` (a checkpoint's manifest), every element of every slot in some chunk.
+    /// for every slot, chunks and patches of the slot's dtype inside its shape, none
+    /// overlapping; and, when `complete` (a checkpoint's manifest), every element of every slot
+    /// in some chunk or patch.
     pub(crate) fn check_consistency(&self, complete: bool) -> Result<()> {
         let bad = |what: String| Error::Encoding {
             what: format!("row-range table {:?}", self.name),
@@ -80,10 +110,48 @@ impl RowTableManifest {
                         .map_err(|why| bad(format!("tensor {:?} {why}", t.name)))?;
                 }
             }
+            for p in &s.patches {
+                let Some(c) = &p.changed else { continue };
+                let k = c.rows.shape.first().copied().unwrap_or(0);
+                let mut values_shape = p.shape.clone();
+                if let Some(r) = values_shape.first_mut() {
+                    *r = k;
+                }
+                let rows_len =
+                    crate::tensor::byte_len(&c.rows.name, Dtype::U64, &c.rows.shape).ok();
+                let values_len =
+                    crate::tensor::byte_len(&c.values.name, s.dtype, &values_shape).ok();
+                if c.rows.dtype != Dtype::U64
+                    || c.rows.shape.len() != 1
+                    || rows_len != Some(c.rows.len)
+                    || c.values.dtype != s.dtype
+                    || c.values.shape != values_shape
+                    || values_len != Some(c.values.len)
+                    || k == 0
+                    || k > p.shape.first().copied().unwrap_or(0)
+                {
+                    return Err(bad(format!(
+                        "slot {:?}: the changed rows at {:?} are not k row numbers and k rows of \
+                         {} of the patch's columns",
+                        s.name, p.offset, s.dtype
+                    )));
+                }
+                for t in [&c.rows, &c.values] {
+                    if let Some(b) = &t.blocks {
+                        b.check(t.len)
+                            .map_err(|why| bad(format!("tensor {:?} {why}", t.name)))?;
+                    }
+                }
+            }
             let pieces: Vec<(&[u64], &[u64])> = s
                 .chunks
                 .iter()
                 .map(|c| (c.offset.as_slice(), c.tensor.shape.as_slice()))
+                .chain(
+                    s.patches
+                        .iter()
+                        .map(|p| (p.offset.as_slice(), p.shape.as_slice())),
+                )
                 .collect();
             if let Some(why) = tiling_problem(&s.shape, &pieces, complete) {
                 return Err(bad(format!("slot {:?}: {why}", s.name)));
@@ -92,11 +160,21 @@ impl RowTableManifest {
         Ok(())
     }
 
-    /// Every chunk's tensor.
+    /// Every tensor of its chunks and patches.
     pub fn tensor_refs(&self) -> impl Iterator<Item = &TensorRef> {
-        self.slots
-            .iter()
-            .flat_map(|s| s.chunks.iter().map(|c| &c.tensor))
+        self.slots.iter().flat_map(|s| {
+            s.chunks.iter().map(|c| &c.tensor).chain(
+                s.patches
+                    .iter()
+                    .filter_map(|p| p.changed.as_ref())
+                    .flat_map(|c| [&c.rows, &c.values]),
+            )
+        })
+    }
+
+    /// Whether some slot holds patches: rows of a delta's parent are read with it.
+    pub fn has_patches(&self) -> bool {
+        self.slots.iter().any(|s| !s.patches.is_empty())
     }
 }
 
@@ -135,7 +213,10 @@ pub(crate) fn merge_row_tables<'a>(
                             t.name, s.name, s.dtype, s.shape, x.dtype, x.shape
                         ))
                     }
-                    Some(x) => x.chunks.extend(s.chunks.iter().cloned()),
+                    Some(x) => {
+                        x.chunks.extend(s.chunks.iter().cloned());
+                        x.patches.extend(s.patches.iter().cloned());
+                    }
                     None => m.slots.push(s.clone()),
                 }
             }
@@ -146,6 +227,7 @@ pub(crate) fn merge_row_tables<'a>(
         t.slots.sort_by(|a, b| a.name.cmp(&b.name));
         for s in &mut t.slots {
             s.chunks.sort_by(|a, b| a.offset.cmp(&b.offset));
+            s.patches.sort_by(|a, b| a.offset.cmp(&b.offset));
         }
         t.check_consistency(true).map_err(|e| match e {
             Error::Encoding { what, message } => format!("{what}: {message}"),

@@ -40,9 +40,9 @@ use scan::ScannedTable;
 use crate::error::{Error, Result};
 use crate::filter::{BlockInfo, BlockKind, Filters};
 use crate::manifest::{
-    format_version_of, BlockCrcs, Codec, DenseGiven, DenseManifest, FileManifest,
-    PartitionManifest, RowChunkManifest, RowSlotManifest, RowTableManifest, SegmentManifest,
-    ShardManifest, TableManifest, TensorRef, FORMAT_NAME,
+    format_version_of, BlockCrcs, ChangedRowsManifest, Codec, DenseGiven, DenseManifest,
+    FileManifest, PartitionManifest, RowChunkManifest, RowPatchManifest, RowSlotManifest,
+    RowTableManifest, SegmentManifest, ShardManifest, TableManifest, TensorRef, FORMAT_NAME,
 };
 use crate::naming::{check_dense_name, check_plan_table_name, check_save_id};
 use crate::partition::PartitionRule;
@@ -326,20 +326,53 @@ pub struct SavePlan<'a> {
     /// writes it.
     dense_shard: Vec<u32>,
     /// Where in the row-range tables each chunk of `dense` is (`dense[given_dense + k]` is
-    /// chunk `k`).
+    /// chunk `k`'s).
     chunks: Vec<ChunkPlace>,
+    /// A delta's chunks of which no row changed, by the shard that records them: they cover
+    /// their rectangles without a tensor.
+    unchanged: Vec<(u32, ChunkPlace)>,
     /// How many of `dense` are dense tensors given.
     given_dense: usize,
     shards: Vec<ShardPlan>,
 }
 
-/// Where a row-range chunk goes in its table: what its manifest entry records.
+/// Where a tensor of a row-range chunk goes in its table: what its manifest entry records.
 #[derive(Clone, Debug)]
 pub(crate) struct ChunkPlace {
     pub table: String,
     pub slot: String,
     pub whole: Vec<u64>,
     pub offset: Vec<u64>,
+    /// The chunk's rectangle.
+    pub shape: Vec<u64>,
+    /// The slot's dtype.
+    pub dtype: crate::Dtype,
+    pub part: ChunkPart,
+}
+
+/// Which tensor of a chunk a [`ChunkPlace`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ChunkPart {
+    /// A whole chunk's values.
+    Values,
+    /// A delta's changed rows of the chunk: their row numbers.
+    ChangedRows,
+    /// Their values.
+    ChangedValues,
+}
+
+impl ChunkPlace {
+    fn of(c: &RowRangeChunk<'_>, part: ChunkPart) -> Self {
+        Self {
+            table: c.table().to_string(),
+            slot: c.slot().to_string(),
+            whole: c.whole().to_vec(),
+            offset: c.offset().to_vec(),
+            shape: c.shape().to_vec(),
+            dtype: c.values().dtype(),
+            part,
+        }
+    }
 }
 
 /// Checks names and cross-input collisions before anything is snapshotted.
@@ -508,27 +541,43 @@ pub fn plan_with_spill<'a>(
     let mut dense_shard = layout::assign_dense(&dense, opts.shard_num);
     let given_dense = dense.len();
     // A process's chunks are its shard's; a save of every shard spreads them by bytes. An empty
-    // chunk holds nothing to write.
+    // chunk covers nothing; a delta's chunk of no changed rows holds nothing to write, but
+    // covers its rectangle.
     let chunks_given: Vec<&RowRangeChunk<'_>> = input
         .row_chunks
         .iter()
-        .filter(|c| c.values().byte_len() > 0)
+        .filter(|c| !c.shape().contains(&0))
         .collect();
     let chunk_shard = match opts.shard_index {
         Some(i) => vec![i; chunks_given.len()],
         None => layout::assign_chunks(&chunks_given, opts.shard_num),
     };
-    dense_shard.extend(chunk_shard);
-    let chunks: Vec<ChunkPlace> = chunks_given
-        .iter()
-        .map(|c| ChunkPlace {
-            table: c.table().to_string(),
-            slot: c.slot().to_string(),
-            whole: c.whole().to_vec(),
-            offset: c.offset().to_vec(),
-        })
-        .collect();
-    dense.extend(chunks_given.iter().map(|c| c.values().view()));
+    let mut chunks: Vec<ChunkPlace> = Vec::new();
+    let mut unchanged = Vec::new();
+    for (c, shard) in chunks_given.iter().zip(chunk_shard) {
+        match c.changed_rows() {
+            None => {
+                chunks.push(ChunkPlace::of(c, ChunkPart::Values));
+                dense.push(c.values().view());
+                dense_shard.push(shard);
+            }
+            Some([]) => unchanged.push((shard, ChunkPlace::of(c, ChunkPart::ChangedRows))),
+            Some(rows) => {
+                let names = crate::row_range::patch_tensor_names(c.table(), c.slot(), c.offset());
+                let ids: Vec<u8> = rows.iter().flat_map(|r| r.to_le_bytes()).collect();
+                chunks.push(ChunkPlace::of(c, ChunkPart::ChangedRows));
+                dense.push(DenseTensor::new(
+                    names.0,
+                    crate::Dtype::U64,
+                    vec![rows.len() as u64],
+                    ids,
+                )?);
+                chunks.push(ChunkPlace::of(c, ChunkPart::ChangedValues));
+                dense.push(c.values().view());
+                dense_shard.extend([shard, shard]);
+            }
+        }
+    }
     let shard_plans = shards
         .par_iter()
         .enumerate()
@@ -557,6 +606,7 @@ pub fn plan_with_spill<'a>(
         dense,
         dense_shard,
         chunks,
+        unchanged,
         given_dense,
         shards: shard_plans,
     })
@@ -821,7 +871,7 @@ impl<'a> SavePlan<'a> {
         let mut tables: Vec<RowTableManifest> = Vec::new();
         for d in shard.dense.iter().filter(|d| d.dense >= self.given_dense) {
             let place = &self.chunks[d.dense - self.given_dense];
-            let dtype = self.dense[d.dense].dtype();
+            let dtype = place.dtype;
             let table = match tables.iter_mut().position(|t| t.name == place.table) {
                 Some(i) => &mut tables[i],
                 None => {
@@ -841,14 +891,71 @@ impl<'a> SavePlan<'a> {
                         dtype,
                         shape: place.whole.clone(),
                         chunks: Vec::new(),
+                        patches: Vec::new(),
                     });
                     table.slots.last_mut().expect("just pushed")
                 }
             };
-            slot.chunks.push(RowChunkManifest {
+            match place.part {
+                ChunkPart::Values => slot.chunks.push(RowChunkManifest {
+                    shard: shard.shard,
+                    offset: place.offset.clone(),
+                    tensor: tref(d.loc),
+                }),
+                // Its two tensors lie in one shard, rows first.
+                ChunkPart::ChangedRows => slot.patches.push(RowPatchManifest {
+                    shard: shard.shard,
+                    offset: place.offset.clone(),
+                    shape: place.shape.clone(),
+                    changed: Some(ChangedRowsManifest {
+                        rows: tref(d.loc),
+                        values: tref(d.loc),
+                    }),
+                }),
+                ChunkPart::ChangedValues => {
+                    if let Some(c) = slot
+                        .patches
+                        .iter_mut()
+                        .rev()
+                        .find(|p| p.offset == place.offset)
+                        .and_then(|p| p.changed.as_mut())
+                    {
+                        c.values = tref(d.loc);
+                    }
+                }
+            }
+        }
+        for (_, place) in self.unchanged.iter().filter(|(s, _)| *s == shard.shard) {
+            let dtype = place.dtype;
+            let table = match tables.iter_mut().position(|t| t.name == place.table) {
+                Some(i) => &mut tables[i],
+                None => {
+                    tables.push(RowTableManifest {
+                        name: place.table.clone(),
+                        rows: place.whole[0],
+                        slots: Vec::new(),
+                    });
+                    tables.last_mut().expect("just pushed")
+                }
+            };
+            let slot = match table.slots.iter().position(|s| s.name == place.slot) {
+                Some(i) => &mut table.slots[i],
+                None => {
+                    table.slots.push(RowSlotManifest {
+                        name: place.slot.clone(),
+                        dtype,
+                        shape: place.whole.clone(),
+                        chunks: Vec::new(),
+                        patches: Vec::new(),
+                    });
+                    table.slots.last_mut().expect("just pushed")
+                }
+            };
+            slot.patches.push(RowPatchManifest {
                 shard: shard.shard,
                 offset: place.offset.clone(),
-                tensor: tref(d.loc),
+                shape: place.shape.clone(),
+                changed: None,
             });
         }
         tables.sort_by(|a, b| a.name.cmp(&b.name));
@@ -856,6 +963,7 @@ impl<'a> SavePlan<'a> {
             t.slots.sort_by(|a, b| a.name.cmp(&b.name));
             for s in &mut t.slots {
                 s.chunks.sort_by(|a, b| a.offset.cmp(&b.offset));
+                s.patches.sort_by(|a, b| a.offset.cmp(&b.offset));
             }
         }
         tables

@@ -403,9 +403,6 @@ impl CheckpointManager {
             .swap(false, std::sync::atomic::Ordering::Relaxed);
         let decided = match delta_parent(&chain, step, &self.policy) {
             _ if forced => Err("a full save was asked for".to_string()),
-            _ if !input.row_chunks.is_empty() => {
-                Err("row-range tables are saved in full checkpoints only".to_string())
-            }
             Ok(parent) => match self.why_not_a_delta_of(parent, input)? {
                 Some(why) => Err(why),
                 None => Ok(parent),
@@ -421,9 +418,9 @@ impl CheckpointManager {
         })
     }
 
-    /// Why `input` cannot be saved as a delta of step `parent`: the step holds row-range tables
-    /// (which a delta would leave out), or `input`'s tables differ from its in what a delta needs
-    /// alike (key dtype, each slot's dtype and shape); `None` if it can.
+    /// Why `input` cannot be saved as a delta of step `parent`: `input`'s tables differ from its
+    /// in what a delta needs alike (key dtype, each slot's dtype and shape); `None` if it can. (A
+    /// row-range slot whose shape or dtype changed is held whole by the delta.)
     fn why_not_a_delta_of(
         &self,
         parent: &StepInfo,
@@ -431,12 +428,6 @@ impl CheckpointManager {
     ) -> Result<Option<String>> {
         let (_, manifest) =
             crate::load::link::load_manifest(&*self.root.step_storage(parent.step)?)?;
-        if let Some(t) = manifest.row_tables.first() {
-            return Ok(Some(format!(
-                "step {} holds row-range table {:?}, which a delta of it would leave out",
-                parent.step, t.name
-            )));
-        }
         let changed = |change: String| {
             Ok(Some(format!(
                 "the tables changed since step {}: {change}",

@@ -50,13 +50,19 @@ pub(crate) fn decide(
 ) -> Result<Decided> {
     let delta = opts.parent.is_some();
     saver_core::manifest::check_user_metadata(&opts.user_metadata)?;
-    if delta && !input.row_chunks.is_empty() {
-        return Err(Error::InvalidOption {
-            option: "parent",
-            why: "a delta of row-range tables is not supported yet: save them in a full \
-                  checkpoint (leave SaveOptions::parent unset)"
-                .into(),
-        });
+    if !delta {
+        // A chunk reduced to its changed rows stands for rows of a parent.
+        if let Some(c) = input.row_chunks.iter().find(|c| c.changed_rows().is_some()) {
+            return Err(Error::InvalidOption {
+                option: "row-range chunk",
+                why: format!(
+                    "table {:?} slot {:?}: a chunk of changed rows only (only_rows) belongs to a \
+                     delta; a full save holds whole chunks (or set SaveOptions::parent)",
+                    c.table(),
+                    c.slot()
+                ),
+            });
+        }
     }
     if !delta {
         // The companion tables of removed ids belong to deltas: in a full checkpoint a reader
@@ -188,9 +194,6 @@ impl Parent {
                 });
             }
         }
-        // A delta holds hashed tables' changes only: its chain would lose the parent's
-        // row-range tables.
-        chain.refuse_row_tables("a delta of it")?;
         let parent_ref = chain.parent_ref_for(&child_dir)?;
         Ok(Self {
             chain,

@@ -158,10 +158,12 @@ pub(crate) fn save_on_this_thread(
     let delta::Changes {
         rows,
         dense,
+        row_chunks,
         delta,
         opts,
     } = delta::find(&tables, dense, opts, parent).map_err(|e| parent.explain(e))?;
     let mut input = rows.input();
     input.dense = dense;
+    input.row_chunks = row_chunks;
     save_prepared(storage, input, &opts, &decided, Some(delta)).map_err(|e| parent.explain(e))
 }

@@ -121,6 +121,16 @@ pub enum Content<'a> {
     Restored(&'a Restored),
     /// A columnar load (its tables must have distinct names).
     Columns(&'a Columns),
+    /// A load's tables and dense tensors (`content`: [`Content::Restored`] or
+    /// [`Content::Columns`]) with its row-range tables
+    /// ([`crate::Checkpoint::load_row_tables`]): a load of all of them gives the digest of the
+    /// checkpoint.
+    WithRowTables {
+        /// The tables and dense tensors.
+        content: Box<Content<'a>>,
+        /// The row-range tables.
+        row_tables: &'a [crate::LoadedRowTable],
+    },
 }
 
 impl<'a> From<&'a Restored> for Content<'a> {
@@ -166,6 +176,13 @@ impl<'a> From<&'a Columns> for Content<'a> {
 pub fn digest(content: Content<'_>, version: DigestVersion) -> Result<String> {
     let mut h = Sha256::new();
     h.update(version.tag());
+    let (content, loaded_rows) = match content {
+        Content::WithRowTables {
+            content,
+            row_tables,
+        } => (*content, row_tables),
+        content => (content, &[][..]),
+    };
     let dense = match content {
         Content::Tables { tables, dense } => {
             for (name, parts) in tables {
@@ -220,8 +237,52 @@ pub fn digest(content: Content<'_>, version: DigestVersion) -> Result<String> {
             hash_files(&mut h, version, tables)?;
             dense
         }
+        Content::WithRowTables { .. } => {
+            return Err(Error::InvalidOption {
+                option: "content",
+                why: "row-range tables are given once, around a load's tables".into(),
+            })
+        }
     };
+    let mut loaded: Vec<&crate::LoadedRowTable> = loaded_rows.iter().collect();
+    loaded.sort_by(|a, b| a.name.cmp(&b.name));
+    for t in loaded {
+        let mut slots: Vec<&crate::LoadedRowSlot> = t.slots.iter().collect();
+        slots.sort_by(|a, b| a.name.cmp(&b.name));
+        let rows = t.rows.end - t.rows.start;
+        let header: Vec<(&str, saver_core::Dtype, Vec<u64>)> = slots
+            .iter()
+            .map(|s| {
+                let mut shape = s.shape.clone();
+                shape[0] = rows;
+                (s.name.as_str(), s.dtype, shape)
+            })
+            .collect();
+        hash_row_table_header(&mut h, &t.name, rows, &header);
+        for s in slots {
+            h.update(&s.values);
+        }
+    }
     Ok(hash_dense(h, dense))
+}
+
+/// What the digest hashes of a row-range table before its values: its name, rows, and each
+/// slot's name, dtype and shape, slots by name.
+fn hash_row_table_header(
+    h: &mut Sha256,
+    name: &str,
+    rows: u64,
+    slots: &[(&str, saver_core::Dtype, Vec<u64>)],
+) {
+    h.update(b"rowtable\0");
+    put_str(h, name);
+    h.update(rows.to_le_bytes());
+    h.update((slots.len() as u32).to_le_bytes());
+    for (name, dtype, shape) in slots {
+        put_str(h, name);
+        put_str(h, dtype.name());
+        put_shape(h, shape);
+    }
 }
 
 /// Version 1 of content read from files: refused.
@@ -264,15 +325,11 @@ fn hash_row_tables(h: &mut Sha256, ck: &crate::Checkpoint) -> Result<()> {
     for t in tables {
         let mut slots: Vec<_> = t.slots.iter().collect();
         slots.sort_by(|a, b| a.name.cmp(&b.name));
-        h.update(b"rowtable\0");
-        put_str(h, &t.name);
-        h.update(t.rows.to_le_bytes());
-        h.update((slots.len() as u32).to_le_bytes());
-        for s in &slots {
-            put_str(h, &s.name);
-            put_str(h, s.dtype.name());
-            put_shape(h, &s.shape);
-        }
+        let header: Vec<(&str, saver_core::Dtype, Vec<u64>)> = slots
+            .iter()
+            .map(|s| (s.name.as_str(), s.dtype, s.shape.clone()))
+            .collect();
+        hash_row_table_header(h, &t.name, t.rows, &header);
         for s in &slots {
             let row_bytes = s
                 .dtype

@@ -3,6 +3,8 @@
 
 use std::path::Path;
 
+use saver_core::RowRangeChunk;
+
 use crate::error::Result;
 use crate::load::checkpoint::Checkpoint;
 use crate::load::link::Link;
@@ -15,14 +17,52 @@ use crate::source::{save_input, SourceTables};
 /// kept; trainer state is per worker and does not map onto a new worker count, so shard 0's state
 /// is given to every new shard.
 ///
-/// Streams: the rows are read from `src` as the save writes them, in the order they lie in its
-/// files, so the rewrite holds what a save holds (`opts.plan`'s buffers) plus the dense tensors,
-/// whatever the number of rows. Every byte read is checked against its checksum.
+/// Row-range tables are cut anew into one chunk of rows per new shard (all their columns), their
+/// deltas' changed rows put over their parents'.
+///
+/// Memory: the rows of hashed tables are read from `src` as the save writes them, in the order
+/// they lie in its files, so the rewrite holds what a save holds (`opts.plan`'s buffers) plus the
+/// dense tensors and the row-range tables, whatever the number of hashed rows. Every byte read is
+/// checked against its checksum.
 pub fn reshard(src: &Checkpoint, out: &Path, opts: &SaveOptions) -> Result<SaveReport> {
-    src.refuse_row_tables("reshard and compact")?;
     let tables = SourceTables::of_checkpoint(src)?;
     let dense = src.dense_tensors(None, &mut crate::LoadReport::default())?;
-    rewrite(src.newest(), tables, dense, out, opts)
+    let chunks = row_chunks(src, opts.plan.shard_num, None)?;
+    rewrite(src.newest(), tables, dense, chunks, out, opts)
+}
+
+/// The row-range tables of `src` (resolved over its chain) as chunks of rows for `shards`
+/// shards: table rows cut into `shards` even ranges ([`Checkpoint::load_row_tables`]), each
+/// range of every slot (all its columns) one chunk; only shard `only`'s when given, for a process
+/// of a multi-process save.
+pub fn row_chunks(
+    src: &Checkpoint,
+    shards: u32,
+    only: Option<u32>,
+) -> Result<Vec<RowRangeChunk<'static>>> {
+    let mut chunks = Vec::new();
+    for index in (0..shards.max(1)).filter(|i| only.is_none_or(|o| o == *i)) {
+        let shard = saver_core::Shard {
+            index,
+            count: shards.max(1),
+        };
+        for t in src.load_row_tables(Some(shard))?.0 {
+            for s in t.slots {
+                let mut shape = s.shape.clone();
+                shape[0] = t.rows.end - t.rows.start;
+                if shape[0] == 0 {
+                    continue;
+                }
+                let mut offset = vec![0; s.shape.len()];
+                offset[0] = t.rows.start;
+                chunks.push(
+                    RowRangeChunk::new(&t.name, &s.name, s.dtype, shape, s.values)?
+                        .at(&offset, &s.shape)?,
+                );
+            }
+        }
+    }
+    Ok(chunks)
 }
 
 /// Compacts the checkpoint in `dir` (a delta and its chain) into `out`: one full checkpoint
@@ -33,15 +73,17 @@ pub fn compact(dir: &Path, out: &Path, opts: &SaveOptions) -> Result<SaveReport>
     crate::load::link::read_latest(dir, || reshard(&Checkpoint::open(dir)?, out, opts))
 }
 
-/// Saves `tables` and `dense` with `src`'s trainer state and user metadata.
+/// Saves `tables`, `dense` and `chunks` with `src`'s trainer state and user metadata.
 fn rewrite(
     src: &Link,
     tables: SourceTables<'_>,
     dense: Vec<crate::LoadedDense>,
+    chunks: Vec<RowRangeChunk<'static>>,
     out: &Path,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    let input = save_input(&tables, &dense)?;
+    let mut input = save_input(&tables, &dense)?;
+    input.row_chunks = chunks;
     let mut opts = opts.clone();
     opts.plan.shard_index = None;
     opts.parent = None;

@@ -20,7 +20,7 @@ mod table;
 
 pub use crate::load::link::read_latest;
 use ahead::Ahead;
-pub use row_range::{RowsInto, RowsLoaded};
+pub use row_range::{LoadedRowSlot, LoadedRowTable, RowsInto, RowsLoaded};
 pub use table::ChainTable;
 
 use std::collections::HashSet;

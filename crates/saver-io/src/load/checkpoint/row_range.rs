@@ -6,12 +6,17 @@
 //! a chunk's columns is one read per row. What a read leaves of a checksummed block is read
 //! beside it, to be hashed (`crate::load::pieces`): a load of a few rows of a large chunk reads
 //! up to a block more at each end, one of some columns reads the rest of every block it touches.
+//!
+//! In a chain, a delta's slot holds chunks and patches (the rows of a rectangle changed since its
+//! parent). A range that overlaps a patch is read from the parent first, then the patch's
+//! changed rows in the range are put over it: the links the range needs are read oldest first.
+//! A patch's row numbers are read whole, its values only for the rows in the range.
 
 use std::ops::Range;
 
 use rayon::prelude::*;
 
-use saver_core::manifest::{RowSlotManifest, RowTableManifest, TensorRef};
+use saver_core::manifest::{RowPatchManifest, RowSlotManifest, RowTableManifest, TensorRef};
 
 use super::Checkpoint;
 use crate::error::{Error, Result};
@@ -60,17 +65,90 @@ pub struct RowsLoaded {
     pub chunks: u64,
 }
 
+/// One row-range table's rows as [`Checkpoint::load_row_tables`] read them, into memory of
+/// their own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadedRowTable {
+    /// The table's name.
+    pub name: String,
+    /// The rows read.
+    pub rows: Range<u64>,
+    /// Its slots, by name: each the values of those rows, all columns.
+    pub slots: Vec<LoadedRowSlot>,
+}
+
+/// One slot of a [`LoadedRowTable`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadedRowSlot {
+    /// The slot's name.
+    pub name: String,
+    /// Its dtype.
+    pub dtype: saver_core::Dtype,
+    /// The whole slot's shape: `[rows]` or `[rows, cols]`.
+    pub shape: Vec<u64>,
+    /// The rows read, row-major, little-endian.
+    pub values: Vec<u8>,
+}
+
 impl Checkpoint {
+    /// Every row-range table's rows for `shard` (all of them for `None`): rows
+    /// `rows·j/M..rows·(j+1)/M` of shard `j` of `M`, the cut `saver load` and the Python
+    /// package use, each slot whole into memory of its own. To fill buffers of the caller's,
+    /// use [`Self::load_rows`].
+    pub fn load_row_tables(
+        &self,
+        shard: Option<saver_core::Shard>,
+    ) -> Result<(Vec<LoadedRowTable>, RowsLoaded)> {
+        let mut tables = Vec::new();
+        let mut total = RowsLoaded::default();
+        for t in &self.manifest().row_tables {
+            let rows = match shard {
+                Some(s) => {
+                    let (j, m) = (u64::from(s.index), u64::from(s.count.max(1)));
+                    t.rows * j / m..t.rows * (j + 1) / m
+                }
+                None => 0..t.rows,
+            };
+            let mut slots: Vec<LoadedRowSlot> = t
+                .slots
+                .iter()
+                .map(|s| {
+                    let width = s.shape.get(1).copied().unwrap_or(1);
+                    let row = s.dtype.byte_len(width).unwrap_or(0);
+                    LoadedRowSlot {
+                        name: s.name.clone(),
+                        dtype: s.dtype,
+                        shape: s.shape.clone(),
+                        values: vec![0u8; ((rows.end - rows.start) * row) as usize],
+                    }
+                })
+                .collect();
+            let mut into: Vec<RowsInto<'_>> = slots
+                .iter_mut()
+                .map(|s| RowsInto::new(&s.name, &mut s.values))
+                .collect();
+            let loaded = self.load_rows(&t.name, rows.clone(), &mut into)?;
+            total.bytes_wanted += loaded.bytes_wanted;
+            total.bytes_read += loaded.bytes_read;
+            total.chunks += loaded.chunks;
+            tables.push(LoadedRowTable {
+                name: t.name.clone(),
+                rows,
+                slots,
+            });
+        }
+        Ok((tables, total))
+    }
+
     /// The row-range table `name`, as the checkpoint holds it: rows, slots (dtype, shape) and
     /// chunks. `None` if it holds none of that name.
     pub fn row_table(&self, name: &str) -> Option<&RowTableManifest> {
         self.manifest().row_tables.iter().find(|t| t.name == name)
     }
 
-    /// An error naming `what` when the checkpoint holds row-range tables: for the operations
-    /// that do not carry them yet (a reshard, a compaction, a save from it, a delta of it, `saver
-    /// load`, a digest of version 1), which would otherwise give or write the checkpoint without
-    /// them.
+    /// An error naming `what` when the checkpoint holds row-range tables: for what does not
+    /// carry them (a digest of version 1, which holds the model in memory as hashed tables), and
+    /// would otherwise give the checkpoint without them.
     pub fn refuse_row_tables(&self, what: &str) -> Result<()> {
         let names: Vec<&str> = self
             .manifest()
@@ -133,7 +211,6 @@ impl Checkpoint {
         rows: Range<u64>,
         into: &mut [RowsInto<'_>],
     ) -> Result<RowsLoaded> {
-        let link = self.newest();
         let Some(t) = self.row_table(table) else {
             let held: Vec<&str> = self
                 .manifest()
@@ -178,7 +255,7 @@ impl Checkpoint {
         let parts = into
             .par_iter_mut()
             .zip(slots)
-            .map(|(target, slot)| fill_slot(link, table, slot, &rows, target))
+            .map(|(target, slot)| self.fill_slot(table, slot, &rows, target))
             .collect::<Result<Vec<_>>>()?;
         Ok(parts
             .into_iter()
@@ -188,65 +265,161 @@ impl Checkpoint {
                 chunks: a.chunks + b.chunks,
             }))
     }
+
+    /// Fills one target: from the chunks of `slot` (the newest link's) that rows `rows`
+    /// overlap and, where it holds patches there, from its parent's first.
+    fn fill_slot(
+        &self,
+        table: &str,
+        slot: &RowSlotManifest,
+        rows: &Range<u64>,
+        target: &mut RowsInto<'_>,
+    ) -> Result<RowsLoaded> {
+        let width = slot.shape.get(1).copied().unwrap_or(1);
+        let cols = target.cols.clone().unwrap_or(0..width);
+        let invalid = |why: String| Error::InvalidOption {
+            option: "into",
+            why: format!("row-range table {table:?} slot {:?}: {why}", slot.name),
+        };
+        if cols.start > cols.end || cols.end > width {
+            return Err(invalid(format!(
+                "columns {cols:?} are not within its {width} columns"
+            )));
+        }
+        let el = slot
+            .dtype
+            .byte_len(1)
+            .filter(|_| slot.dtype.bits().is_multiple_of(8))
+            .ok_or_else(|| invalid(format!("{} has no whole bytes per value", slot.dtype)))?;
+        let out_row = (cols.end - cols.start) * el;
+        let want = (rows.end - rows.start)
+            .checked_mul(out_row)
+            .ok_or_else(|| invalid("the range is too large".into()))?;
+        if target.out.len() as u64 != want {
+            return Err(invalid(format!(
+                "the buffer has {} bytes; {} rows of columns {cols:?} of {} take {want}",
+                target.out.len(),
+                rows.end - rows.start,
+                slot.dtype
+            )));
+        }
+        // The links the range needs, newest first: a link's patches there need its parent.
+        let mut needed: Vec<(&Link, &RowSlotManifest)> = Vec::new();
+        for (i, link) in self.links.iter().enumerate() {
+            let s = if i == 0 {
+                slot
+            } else {
+                let held = link
+                    .manifest()
+                    .row_tables
+                    .iter()
+                    .find(|t| t.name == table)
+                    .and_then(|t| t.slots.iter().find(|s| s.name == slot.name));
+                match held {
+                    Some(s) if s.dtype == slot.dtype && s.shape == slot.shape => s,
+                    _ => {
+                        return Err(Error::Chain {
+                            link: self.dirs[i].display().to_string(),
+                            message: format!(
+                                "its child patches row-range table {table:?} slot {:?} ({} of \
+                                 shape {:?}), which it does not hold so",
+                                slot.name, slot.dtype, slot.shape
+                            ),
+                        })
+                    }
+                }
+            };
+            needed.push((link, s));
+            let patched = s
+                .patches
+                .iter()
+                .any(|p| !overlap(&p.offset, &p.shape, rows, &cols).0.is_empty());
+            if !patched {
+                break;
+            }
+            if i + 1 == self.links.len() {
+                return Err(Error::Chain {
+                    link: self.dirs[i].display().to_string(),
+                    message: format!(
+                        "row-range table {table:?} slot {:?} holds changed rows of a parent, but \
+                         the chain ends here",
+                        slot.name
+                    ),
+                });
+            }
+        }
+        let mut loaded = RowsLoaded {
+            bytes_wanted: want,
+            ..RowsLoaded::default()
+        };
+        let at = Target {
+            rows,
+            cols: &cols,
+            el,
+            out_row,
+        };
+        for (link, s) in needed.into_iter().rev() {
+            fill_from_chunks(link, table, s, &at, target.out, &mut loaded)?;
+            for p in &s.patches {
+                apply_patch(link, table, p, &at, target.out, &mut loaded)?;
+            }
+        }
+        Ok(loaded)
+    }
 }
 
-/// Fills one target from the chunks of `slot` that rows `rows` overlap.
-fn fill_slot(
+/// Where a load puts values: rows `rows`, columns `cols` of `el`-byte values, `out_row` bytes a
+/// row in the caller's buffer.
+struct Target<'r> {
+    rows: &'r Range<u64>,
+    cols: &'r Range<u64>,
+    el: u64,
+    out_row: u64,
+}
+
+/// The rows and columns a rectangle at `offset` of `shape` shares with `rows` × `cols`; and the
+/// rectangle's first column and width.
+fn overlap(
+    offset: &[u64],
+    shape: &[u64],
+    rows: &Range<u64>,
+    cols: &Range<u64>,
+) -> (Range<u64>, Range<u64>, u64, u64) {
+    let (c0, width) = match (offset.get(1), shape.get(1)) {
+        (Some(&o), Some(&w)) => (o, w),
+        _ => (0, 1),
+    };
+    let r = rows.start.max(offset[0])..rows.end.min(offset[0] + shape[0]);
+    let x = cols.start.max(c0)..cols.end.min(c0 + width);
+    if r.is_empty() || x.is_empty() {
+        return (0..0, 0..0, c0, width);
+    }
+    (r, x, c0, width)
+}
+
+/// Fills `out` from the chunks of `slot` in `link` that the target overlaps.
+fn fill_from_chunks(
     link: &Link,
     table: &str,
     slot: &RowSlotManifest,
-    rows: &Range<u64>,
-    target: &mut RowsInto<'_>,
-) -> Result<RowsLoaded> {
-    let mut loaded = RowsLoaded::default();
-    let loaded = &mut loaded;
-    let width = slot.shape.get(1).copied().unwrap_or(1);
-    let cols = target.cols.clone().unwrap_or(0..width);
-    let invalid = |why: String| Error::InvalidOption {
-        option: "into",
-        why: format!("row-range table {table:?} slot {:?}: {why}", slot.name),
-    };
-    if cols.start > cols.end || cols.end > width {
-        return Err(invalid(format!(
-            "columns {cols:?} are not within its {width} columns"
-        )));
-    }
-    let el = slot
-        .dtype
-        .byte_len(1)
-        .filter(|_| slot.dtype.bits().is_multiple_of(8))
-        .ok_or_else(|| invalid(format!("{} has no whole bytes per value", slot.dtype)))?;
-    let out_row = (cols.end - cols.start) * el;
-    let want = (rows.end - rows.start)
-        .checked_mul(out_row)
-        .ok_or_else(|| invalid("the range is too large".into()))?;
-    if target.out.len() as u64 != want {
-        return Err(invalid(format!(
-            "the buffer has {} bytes; {} rows of columns {cols:?} of {} take {want}",
-            target.out.len(),
-            rows.end - rows.start,
-            slot.dtype
-        )));
-    }
-    loaded.bytes_wanted += want;
+    at: &Target<'_>,
+    out: &mut [u8],
+    loaded: &mut RowsLoaded,
+) -> Result<()> {
+    let (rows, cols, el, out_row) = (at.rows, at.cols, at.el, at.out_row);
     for chunk in &slot.chunks {
         let t = &chunk.tensor;
-        let c_rows = chunk.offset[0]..chunk.offset[0] + t.shape[0];
-        let (c0, c_width) = match (chunk.offset.get(1), t.shape.get(1)) {
-            (Some(&o), Some(&w)) => (o, w),
-            _ => (0, 1),
-        };
-        let r = rows.start.max(c_rows.start)..rows.end.min(c_rows.end);
-        let x = cols.start.max(c0)..cols.end.min(c0 + c_width);
-        if r.is_empty() || x.is_empty() {
+        let (r, x, c0, c_width) = overlap(&chunk.offset, &t.shape, rows, cols);
+        if r.is_empty() {
             continue;
         }
+        let c_row0 = chunk.offset[0];
         loaded.chunks += 1;
         // (offset in the chunk's tensor, offset in `out`, length): whole rows of both at once.
-        let whole_rows = x.start == c0 && x.end == c0 + c_width && x == cols;
+        let whole_rows = x.start == c0 && x.end == c0 + c_width && x == *cols;
         let pieces_of: Vec<(u64, u64, u64)> = if whole_rows {
             vec![(
-                (r.start - c_rows.start) * c_width * el,
+                (r.start - c_row0) * c_width * el,
                 (r.start - rows.start) * out_row,
                 (r.end - r.start) * out_row,
             )]
@@ -254,16 +427,80 @@ fn fill_slot(
             r.clone()
                 .map(|row| {
                     (
-                        ((row - c_rows.start) * c_width + (x.start - c0)) * el,
+                        ((row - c_row0) * c_width + (x.start - c0)) * el,
                         (row - rows.start) * out_row + (x.start - cols.start) * el,
                         (x.end - x.start) * el,
                     )
                 })
                 .collect()
         };
-        read_checked(link, table, t, &pieces_of, target.out, loaded)?;
+        read_checked(link, table, t, &pieces_of, out, loaded)?;
     }
-    Ok(std::mem::take(loaded))
+    Ok(())
+}
+
+/// Puts the changed rows of patch `p` (of `link`) that the target overlaps over `out`.
+fn apply_patch(
+    link: &Link,
+    table: &str,
+    p: &RowPatchManifest,
+    at: &Target<'_>,
+    out: &mut [u8],
+    loaded: &mut RowsLoaded,
+) -> Result<()> {
+    let (rows, cols, el, out_row) = (at.rows, at.cols, at.el, at.out_row);
+    let (r, x, c0, p_width) = overlap(&p.offset, &p.shape, rows, cols);
+    let Some(changed) = p.changed.as_ref().filter(|_| !r.is_empty()) else {
+        return Ok(());
+    };
+    let mut ids_bytes = vec![0u8; changed.rows.len as usize];
+    read_checked(
+        link,
+        table,
+        &changed.rows,
+        &[(0, 0, changed.rows.len)],
+        &mut ids_bytes,
+        loaded,
+    )?;
+    let ids: Vec<u64> = ids_bytes
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .collect();
+    let patch_rows = p.offset[0]..p.offset[0] + p.shape[0];
+    if ids.windows(2).any(|w| w[0] >= w[1]) || ids.iter().any(|r| !patch_rows.contains(r)) {
+        return Err(Error::Corrupt {
+            file: changed.rows.file.clone(),
+            what: format!(
+                "tensor {:?} (changed rows of row-range table {table:?}) is not increasing row \
+                 numbers within {patch_rows:?}",
+                changed.rows.name
+            ),
+        });
+    }
+    let lo = ids.partition_point(|&id| id < r.start);
+    let hi = ids.partition_point(|&id| id < r.end);
+    if lo == hi {
+        return Ok(());
+    }
+    let p_row = p_width * el;
+    let mut values = vec![0u8; ((hi - lo) as u64 * p_row) as usize];
+    read_checked(
+        link,
+        table,
+        &changed.values,
+        &[(lo as u64 * p_row, 0, values.len() as u64)],
+        &mut values,
+        loaded,
+    )?;
+    let len = ((x.end - x.start) * el) as usize;
+    let from = ((x.start - c0) * el) as usize;
+    let to = ((x.start - cols.start) * el) as usize;
+    for (i, &row) in ids[lo..hi].iter().enumerate() {
+        let src = i * p_row as usize + from;
+        let dst = ((row - rows.start) * out_row) as usize + to;
+        out[dst..dst + len].copy_from_slice(&values[src..src + len]);
+    }
+    Ok(())
 }
 
 /// Reads `spans` (tensor offset, `out` offset, length; increasing and disjoint in `out`) of `t`

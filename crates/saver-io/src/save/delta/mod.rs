@@ -18,6 +18,7 @@
 //! by sorting its ids and row handles in memory (16 bytes a row, [`InMemoryOrder`]).
 
 mod order;
+mod row_range;
 pub mod spool;
 
 use std::collections::BTreeMap;
@@ -166,8 +167,11 @@ pub(crate) fn find<'t>(
         .into_iter()
         .map(|c| c.unwrap_or_else(|| sorted.next().expect("one sorted table each")))
         .collect();
+    let row_chunks = row_range::changed_chunks(&input.row_chunks, &parent.chain, &mut methods)?;
     let found = Found { methods, tokens };
-    changes(parent, &refs, tracked, dense, opts, found)
+    let mut changes = changes(parent, &refs, tracked, dense, opts, found)?;
+    changes.row_chunks = row_chunks;
+    Ok(changes)
 }
 
 /// A table's snapshot for a delta, taken with the others' at one moment.
@@ -348,6 +352,7 @@ fn changes<'t>(
             tracked: kept_tracked,
         },
         dense: written,
+        row_chunks: Vec::new(),
         delta: DeltaOf {
             parent: parent.parent_ref.clone(),
             dense_in_parent,
@@ -376,6 +381,8 @@ pub(crate) struct Changes<'t> {
     pub rows: ChangedRows<'t>,
     /// The dense tensors the parent's chain does not hold unchanged.
     pub dense: Vec<DenseTensor<'t>>,
+    /// What it holds of the row-range chunks given: their changed rows, or whole chunks.
+    pub row_chunks: Vec<saver_core::RowRangeChunk<'t>>,
     /// What its manifests record of the parent.
     pub delta: DeltaOf<'t>,
     /// The save's options, with the filters of a delta's plan ([`delta_filters`]).
