@@ -11,7 +11,8 @@
 5. A reader written from docs/FORMAT.md alone, sharing no code with saver (`read_checkpoint`),
    reads checkpoints of every format version: full (1), delta (2: removed ids, dense tensors kept
    from the parent, a chain of three), compressed (3) and compressed delta (4: zstd frames, every
-   filter) and row-range tables (5: chunks that must tile each slot, raw and compressed),
+   filter), row-range tables (5: chunks that must tile each slot, raw and compressed) and deltas
+   of them (6: patches of changed rows over the parent's),
    checking every CRC-32 and every bucket index; what it reads has saver's digest and, for the
    models saved from plain inputs, is exactly the model saved.
 
@@ -457,9 +458,9 @@ def read_checkpoint(directory, seen_codecs):
     d = directory
     while True:
         m = manifest_of(d)
-        check(m["format_version"] in (1, 2, 3, 4, 5), f"{d}: a known format version")
-        check((m["format_version"] == 5) == bool(m.get("row_tables")), f"{d}: version 5 if and only if row-range tables")
-        check((m["format_version"] in (2, 4)) == bool(m.get("parent")), f"{d}: version and parent agree")
+        check(m["format_version"] in (1, 2, 3, 4, 5, 6), f"{d}: a known format version")
+        check((m["format_version"] in (5, 6)) == bool(m.get("row_tables")), f"{d}: versions 5 and 6 if and only if row-range tables")
+        check((m["format_version"] in (2, 4, 6)) == bool(m.get("parent")), f"{d}: version and parent agree")
         links.append((d, m))
         if not m.get("parent"):
             break
@@ -503,17 +504,44 @@ def read_checkpoint(directory, seen_codecs):
         slots = {}
         for s in t["slots"]:
             check(s["shape"][0] == t["rows"], f"{t['name']}/{s['name']}: the table's rows")
-            whole = np.zeros(s["shape"], dtype=DTYPES[s["dtype"]])
-            covered = np.zeros(s["shape"], dtype=np.int64)
-            for c in s["chunks"]:
-                a = tensor_array(links[0][0], c["tensor"], seen_codecs)
-                at = tuple(slice(o, o + n) for o, n in zip(c["offset"], a.shape))
-                whole[at] = a
-                covered[at] += 1
-            check(bool(np.all(covered == 1)), f"{t['name']}/{s['name']}: the chunks tile the slot")
-            slots[s["name"]] = whole
+            slots[s["name"]] = resolve_row_slot(links, t["name"], s, seen_codecs)
         row_tables[t["name"]] = (t["rows"], slots)
     return tables, dense, row_tables
+
+
+def resolve_row_slot(links, table, slot, seen_codecs):
+    """Slot `slot` of row-range table `table` of the newest link, as a whole array: its chunks
+    and its patches (version 6) tile it; a patch's rows are its parent's, with its changed rows
+    put over them."""
+    d, _ = links[0]
+    whole = np.zeros(slot["shape"], dtype=DTYPES[slot["dtype"]])
+    covered = np.zeros(slot["shape"], dtype=np.int64)
+    for c in slot["chunks"]:
+        a = tensor_array(d, c["tensor"], seen_codecs)
+        at = tuple(slice(o, o + n) for o, n in zip(c["offset"], a.shape))
+        whole[at] = a
+        covered[at] += 1
+    patches = slot.get("patches", [])
+    if patches:
+        check(len(links) > 1, f"{table}/{slot['name']}: a patch has a parent")
+        parent = next(s for t in links[1][1]["row_tables"] if t["name"] == table for s in t["slots"] if s["name"] == slot["name"])
+        check(parent["dtype"] == slot["dtype"] and parent["shape"] == slot["shape"], f"{table}/{slot['name']}: the parent's slot alike")
+        before = resolve_row_slot(links[1:], table, parent, seen_codecs)
+    for p in patches:
+        at = tuple(slice(o, o + n) for o, n in zip(p["offset"], p["shape"]))
+        whole[at] = before[at]
+        covered[at] += 1
+        if "changed" in p:
+            rows = tensor_array(d, p["changed"]["rows"], seen_codecs)
+            values = tensor_array(d, p["changed"]["values"], seen_codecs)
+            check(bool(np.all(np.diff(rows.astype(np.int64)) > 0)), f"{table}/{slot['name']}: changed rows increase")
+            cols = slice(p["offset"][1], p["offset"][1] + p["shape"][1]) if len(p["shape"]) == 2 else None
+            if cols is None:
+                whole[rows] = values
+            else:
+                whole[rows, cols] = values
+    check(bool(np.all(covered == 1)), f"{table}/{slot['name']}: the chunks and patches tile the slot")
+    return whole
 
 
 def every_format_version_reads_by_the_spec():
@@ -574,12 +602,19 @@ def every_format_version_reads_by_the_spec():
     synthetic = os.path.join(WORK, "versions-synthetic-zstd")
     # One shard of 100,000 rows: its bucket indexes are large enough to be compressed (delta8).
     saver("save", "--synthetic", "small,rows=100000", "--shards", "1", "--compress", "zstd", "--out", synthetic, "--no-fsync")
-    # Row-range tables (version 5), raw and compressed, written as three shards' row chunks.
+    # Row-range tables (version 5), raw and compressed, written as three shards' row chunks; then
+    # deltas of them (version 6) with 3% and 60% of their rows touched, as two and one shards.
     row_range = []
+    spec = "tiny,kind=rows,rows=30001,dim=12"
     for compress in ([], ["--compress", "zstd"]):
         out = os.path.join(WORK, f"versions-rows{len(row_range)}")
-        saver("save", "--synthetic", "tiny,kind=rows,rows=30001,dim=12", "--shards", "3", "--out", out, "--no-fsync", *compress)
+        saver("save", "--synthetic", spec, "--shards", "3", "--out", out, "--no-fsync", *compress)
         row_range.append(out)
+    for touched, shards in ((3, 2), (60, 1)):
+        out = os.path.join(WORK, f"versions-rows{len(row_range)}")
+        saver("save", "--synthetic", f"{spec},touched={touched}", "--shards", str(shards), "--out", out, "--parent", row_range[-1], "--no-fsync", "--compress", "zstd")
+        row_range.append(out)
+    check(any(s.get("patches") for t in manifest_of(row_range[2])["row_tables"] for s in t["slots"]), "a delta of few touched rows holds patches")
     versions = set()
     seen_codecs = set()
     for k, d in enumerate(dirs + [synthetic] + row_range):
@@ -591,7 +626,7 @@ def every_format_version_reads_by_the_spec():
             check(digest(tables, dense) == digest(*as_tables(models[k])), f"{d} holds the model saved into it")
     check(manifest_of(dirs[1]).get("dense_in_parent") == ["tower.b"], "the delta keeps tower.b from its parent")
     check(any(t["name"] == "user:removed" for t in manifest_of(dirs[1])["tables"]), "the delta removes ids")
-    check(versions == {1, 2, 3, 4, 5}, f"every format version read: {sorted(versions)}")
+    check(versions == {1, 2, 3, 4, 5, 6}, f"every format version read: {sorted(versions)}")
     check({"delta8", "shuffle8", "shuffle4"} <= seen_codecs, f"filters decoded: {sorted(seen_codecs)}")
 
 

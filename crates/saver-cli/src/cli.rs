@@ -383,7 +383,9 @@ pub struct SaveArgs {
     pub full: bool,
     #[command(flatten)]
     pub policy: PolicyArgs,
-    /// Generate the model: a preset (tiny, small, criteo-kaggle) and/or key=value pairs.
+    /// Generate the model: a preset (tiny, small, criteo-kaggle) and/or key=value pairs (tables,
+    /// rows, dim, slots, dense, seed, scale; kind=rows for row-range tables, and touched=P to
+    /// change P percent of their rows, a model to save as a delta of the untouched one).
     #[arg(long, conflicts_with = "from", required_unless_present = "from")]
     pub synthetic: Option<String>,
     /// Read the model from a plain safetensors file/directory or a saver checkpoint.

@@ -52,6 +52,9 @@ pub struct SyntheticSpec {
     /// Row-range tables (`kind=rows`: ids `0..rows`, each slot a dense matrix) instead of hashed
     /// ones (`kind=hashed`, the default).
     pub row_range: bool,
+    /// Percent of each row-range table's rows changed (`touched=P`), as a step of training
+    /// would: a model to save as a delta of the untouched one.
+    pub touched: u64,
 }
 
 fn bad(spec: &str, why: impl Into<String>) -> Error {
@@ -94,6 +97,7 @@ impl SyntheticSpec {
                 seed: 7,
                 scale: 1.0,
                 row_range: false,
+                touched: 0,
             },
             "small" => Self {
                 rows: vec![100_000; 4],
@@ -103,6 +107,7 @@ impl SyntheticSpec {
                 seed: 7,
                 scale: 1.0,
                 row_range: false,
+                touched: 0,
             },
             "criteo-kaggle" => Self {
                 rows: CRITEO_KAGGLE_ROWS.to_vec(),
@@ -112,6 +117,7 @@ impl SyntheticSpec {
                 seed: 7,
                 scale: 1.0,
                 row_range: false,
+                touched: 0,
             },
             _ => return None,
         })
@@ -185,6 +191,12 @@ impl FromStr for SyntheticSpec {
                 "rows" => rows = Some(num(v)?),
                 "dim" => spec.dim = num(v)?,
                 "seed" => spec.seed = num(v)?,
+                "touched" => {
+                    spec.touched = num(v)?;
+                    if spec.touched > 100 {
+                        return Err(bad(s, format!("touched={v} is not a percent")));
+                    }
+                }
                 "kind" => {
                     spec.row_range = match v {
                         "rows" => true,
@@ -263,7 +275,7 @@ impl SyntheticModel {
             spec.table_rows()
                 .into_iter()
                 .enumerate()
-                .map(|(t, rows)| (format!("t{t}"), rows, row_slots(&specs, rows)))
+                .map(|(t, rows)| (format!("t{t}"), rows, row_slots(&specs, rows, spec.touched)))
                 .collect()
         } else {
             Vec::new()
@@ -378,7 +390,11 @@ pub type RowTableValues = (String, u64, Vec<(String, Dtype, Vec<u64>, Vec<u8>)>)
 
 /// The slots of a row-range table of `rows` rows: row `r`'s values are what a hashed table's
 /// row of id `r` would hold.
-fn row_slots(specs: &[SlotSpec], rows: u64) -> Vec<(String, Dtype, Vec<u64>, Vec<u8>)> {
+fn row_slots(
+    specs: &[SlotSpec],
+    rows: u64,
+    touched: u64,
+) -> Vec<(String, Dtype, Vec<u64>, Vec<u8>)> {
     specs
         .iter()
         .enumerate()
@@ -403,6 +419,10 @@ fn row_slots(specs: &[SlotSpec], rows: u64) -> Vec<(String, Dtype, Vec<u64>, Vec
                             let x = (fmix64(h ^ i as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
                             v.copy_from_slice(&x.to_le_bytes());
                         }
+                    }
+                    // A touched row: its first value's lowest bit flipped, in every slot.
+                    if fmix64(r as u64 ^ (0x7 << 60)) % 100 < touched {
+                        row[0] ^= 1;
                     }
                 });
             (slot.name.clone(), slot.dtype, whole, bytes)
