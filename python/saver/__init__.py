@@ -685,6 +685,11 @@ class Checkpoint:
         return self._info["delta"]
 
     @property
+    def format_version(self) -> int:
+        """The format version of docs/FORMAT.md it is written in."""
+        return self._info["format_version"]
+
+    @property
     def metadata(self) -> dict:
         return dict(self._info["metadata"])
 
@@ -697,6 +702,12 @@ class Checkpoint:
     def dense(self) -> dict:
         """Per dense tensor: (dtype, shape)."""
         return self._info["dense"]
+
+    @property
+    def row_tables(self) -> dict:
+        """Per row-range table: ``rows``, ``slots`` (name -> (dtype, whole shape)) and ``bytes``
+        (what this checkpoint holds of it: a delta, only its changed rows)."""
+        return self._info["row_tables"]
 
     def load(self, **kwargs: Any) -> Loaded:
         """:func:`load` of this checkpoint."""

@@ -628,6 +628,7 @@ fn inspect<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> 
     d.set_item("shards", m.shard_num)?;
     d.set_item("step", m.step)?;
     d.set_item("delta", ckpt.is_delta())?;
+    d.set_item("format_version", m.format_version)?;
     d.set_item("metadata", &m.user_metadata)?;
     let tables = PyDict::new(py);
     for t in ckpt.table_manifests() {
@@ -654,6 +655,8 @@ fn inspect<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> 
     for t in &ckpt.manifest().row_tables {
         let info = PyDict::new(py);
         info.set_item("rows", t.rows)?;
+        // What this checkpoint holds of it: a delta's patches hold only the changed rows.
+        info.set_item("bytes", t.tensor_refs().map(|x| x.len).sum::<u64>())?;
         let slots = PyDict::new(py);
         for s in &t.slots {
             slots.set_item(&s.name, (s.dtype.name(), s.shape.clone()))?;

@@ -100,3 +100,32 @@ def test_a_background_save_of_a_row_range_table_holds_its_moment_and_a_manager_k
     step, loaded = m.load_latest()
     assert step == 20
     np.testing.assert_array_equal(loaded.tables["e"]["weight"], np.full((100, 4), 20.0, np.float32))
+
+
+def test_a_delta_of_a_row_range_table_holds_the_changed_rows_and_loads_in_place(tmp_path):
+    w = torch.tensor(values(20000, 16, 5))
+    state = torch.zeros(20000)
+    tables = lambda: {"e": {"weight": saver.Chunk(w), "state": saver.Chunk(state)}}
+    saver.save(tmp_path / "base", tables=tables())
+    # A step of training touches a few rows.
+    touched = torch.tensor([3, 17, 4096, 19999])
+    w[touched] += 1.0
+    state[touched] += 0.5
+    saver.save(tmp_path / "delta", tables=tables(), parent=tmp_path / "base")
+    info = saver.Checkpoint(tmp_path / "delta")
+    assert info.is_delta and info.format_version == 6
+    # Four rows of each slot, with their row numbers: not the table.
+    assert info.row_tables["e"]["bytes"] == 4 * (16 * 4 + 8) + 4 * (4 + 8)
+    w_back, state_back = torch.empty_like(w), torch.empty_like(state)
+    saver.load(tmp_path / "delta", into={"e": {"weight": saver.Chunk(w_back), "state": saver.Chunk(state_back)}})
+    assert torch.equal(w_back, w) and torch.equal(state_back, state)
+
+    # A manager saves the next steps as deltas of the first.
+    m = saver.Manager(tmp_path / "run")
+    for step in (1, 2, 3):
+        w[step * 100] = float(step)
+        m.save(step, tables=tables())
+    assert [s["links"] for s in m.steps()] == [1, 2, 3]
+    back = torch.empty_like(w)
+    step, _ = m.load_latest(into={"e": {"weight": saver.Chunk(back)}})
+    assert step == 3 and torch.equal(back, w)
