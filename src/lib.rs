@@ -57,8 +57,8 @@ pub mod prelude {
     #[doc(no_inline)]
     pub use saver_core::{
         BlockKind, ColumnTable, Compression, DenseTensor, Dtype, EmbeddingTable, Filters,
-        ForeignRows, KeyDtype, PartitionRule, PlanOptions, RowRangeChunk, RowView, SaveInput,
-        Shard, SlotSpec, SparseTable, TableRef, TableSnapshot,
+        ForeignRows, KeyDtype, PartitionRule, PlanOptions, RowRangeChunk, RowRangeTable, RowView,
+        RowsMut, SaveInput, Shard, SlotSpec, SparseTable, TableRef, TableSnapshot,
     };
     #[doc(no_inline)]
     pub use saver_io::manage::{

@@ -20,6 +20,7 @@ mod prelude;
 mod races;
 mod row_range;
 mod row_range_delta;
+mod row_range_table;
 mod save_commit;
 mod streaming;
 mod workers;

@@ -88,7 +88,7 @@ pub use partition::{PartitionRule, Shard};
 pub use plan::{
     plan, Compression, ForeignRows, PlanOptions, SaveInput, SavePlan, Stored, TableRef, TensorCrc,
 };
-pub use row_range::RowRangeChunk;
+pub use row_range::{RowRangeChunk, RowRangeTable, RowsMut};
 pub use table::{
     ChangeTracking, ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSchema,
     TableSnapshot,

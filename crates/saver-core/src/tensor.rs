@@ -1,6 +1,7 @@
 //! Shapes and dense tensors.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
@@ -31,13 +32,32 @@ pub fn byte_len(name: &str, dtype: Dtype, shape: &[u64]) -> Result<u64> {
 /// A dense tensor to save: MLP weights, dense optimizer state, anything that is not a sparse table.
 ///
 /// The bytes are borrowed when the trainer can keep them alive for the duration of the save (no
-/// copy), or owned. They are little-endian, row-major, as safetensors stores them.
+/// copy), owned, or shared with their holder ([`Self::shared`]: a block of a
+/// [`crate::RowRangeTable`], which copies it before it changes it). They are little-endian,
+/// row-major, as safetensors stores them.
 #[derive(Clone, Debug)]
 pub struct DenseTensor<'a> {
     name: String,
     dtype: Dtype,
     shape: Vec<u64>,
-    data: Cow<'a, [u8]>,
+    data: Bytes<'a>,
+}
+
+/// A tensor's bytes: borrowed, owned, or shared.
+#[derive(Clone, Debug)]
+enum Bytes<'a> {
+    Cow(Cow<'a, [u8]>),
+    Shared(Arc<Vec<u8>>),
+}
+
+impl std::ops::Deref for Bytes<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Cow(c) => c,
+            Bytes::Shared(s) => s,
+        }
+    }
 }
 
 impl<'a> DenseTensor<'a> {
@@ -48,8 +68,22 @@ impl<'a> DenseTensor<'a> {
         shape: Vec<u64>,
         data: impl Into<Cow<'a, [u8]>>,
     ) -> Result<Self> {
-        let name = name.into();
-        let data = data.into();
+        Self::checked(name.into(), dtype, shape, Bytes::Cow(data.into()))
+    }
+
+    /// A tensor over bytes shared with their holder: no copy, now or when a background save
+    /// takes it; the holder must not change them (it copies them first, as
+    /// [`crate::RowRangeTable`] does).
+    pub fn shared(
+        name: impl Into<String>,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        data: Arc<Vec<u8>>,
+    ) -> Result<DenseTensor<'static>> {
+        DenseTensor::checked(name.into(), dtype, shape, Bytes::Shared(data))
+    }
+
+    fn checked(name: String, dtype: Dtype, shape: Vec<u64>, data: Bytes<'a>) -> Result<Self> {
         let expected = byte_len(&name, dtype, &shape)?;
         if expected != data.len() as u64 {
             return Err(Error::LengthMismatch {
@@ -113,22 +147,23 @@ impl<'a> DenseTensor<'a> {
             name: self.name.clone(),
             dtype: self.dtype,
             shape: self.shape.clone(),
-            data: Cow::Borrowed(&self.data),
+            data: Bytes::Cow(Cow::Borrowed(&self.data)),
         }
     }
 
     /// The tensor with bytes of its own: a copy where it borrowed them, so that the caller may
-    /// change its buffers at once (what a background save needs).
+    /// change its buffers at once (what a background save needs); shared bytes stay shared.
     pub fn into_owned(self) -> DenseTensor<'static> {
         let data = match self.data {
-            Cow::Borrowed(b) => copy_on_every_core(b),
-            Cow::Owned(v) => v,
+            Bytes::Cow(Cow::Borrowed(b)) => Bytes::Cow(Cow::Owned(copy_on_every_core(b))),
+            Bytes::Cow(Cow::Owned(v)) => Bytes::Cow(Cow::Owned(v)),
+            Bytes::Shared(s) => Bytes::Shared(s),
         };
         DenseTensor {
             name: self.name,
             dtype: self.dtype,
             shape: self.shape,
-            data: Cow::Owned(data),
+            data,
         }
     }
 }

@@ -157,6 +157,13 @@ impl<'a> SaveInput<'a> {
         self
     }
 
+    /// Adds `table` as it is now ([`crate::RowRangeTable::moment`]): its blocks shared, not copied, so
+    /// that a background save of it copies nothing at its call.
+    pub fn row_table(mut self, table: &crate::row_range::RowRangeTable) -> Result<Self> {
+        self.row_chunks.extend(table.moment()?);
+        Ok(self)
+    }
+
     /// Every table given, as the save reads them: [`Self::tables`], then [`Self::shard_tables`].
     pub fn all_tables(&self) -> impl Iterator<Item = &(dyn SparseTable + 'a)> {
         self.tables

@@ -140,6 +140,73 @@ impl Checkpoint {
         Ok((tables, total))
     }
 
+    /// Fills `table` (a [`saver_core::RowRangeTable`] of the trainer's) with its rows from the
+    /// checkpoint's row-range table of its name: each block of each slot read straight into the
+    /// table's memory. Every slot of `table` must be in the checkpoint, of the same dtype and row
+    /// shape, in a table of the same rows.
+    pub fn load_into_table(&self, table: &saver_core::RowRangeTable) -> Result<RowsLoaded> {
+        let held = self
+            .row_table(table.name())
+            .ok_or_else(|| Error::InvalidOption {
+                option: "table",
+                why: format!(
+                    "{} holds no row-range table {:?}",
+                    self.dirs()[0].display(),
+                    table.name()
+                ),
+            })?;
+        if held.rows != table.table_rows() {
+            return Err(Error::InvalidOption {
+                option: "table",
+                why: format!(
+                    "row-range table {:?} has {} rows in the checkpoint, {} in the table given",
+                    table.name(),
+                    held.rows,
+                    table.table_rows()
+                ),
+            });
+        }
+        let mut total = RowsLoaded::default();
+        let mut failed = None;
+        let filled = table.fill(|spec, rows, out| {
+            let saved = held.slots.iter().find(|s| s.name == spec.name);
+            if !saved.is_some_and(|s| s.dtype == spec.dtype && s.shape[1..] == spec.shape[..]) {
+                return Err(saver_core::Error::InvalidOption {
+                    option: "table",
+                    why: format!(
+                        "row-range table {:?} slot {:?} of {} rows of {:?} is not in the \
+                         checkpoint so",
+                        table.name(),
+                        spec.name,
+                        spec.dtype,
+                        spec.shape
+                    ),
+                });
+            }
+            // The load's own error (corrupt, not found, ...) is returned whole, below.
+            match self.load_rows(table.name(), rows, &mut [RowsInto::new(&spec.name, out)]) {
+                Ok(loaded) => {
+                    total.bytes_wanted += loaded.bytes_wanted;
+                    total.bytes_read += loaded.bytes_read;
+                    total.chunks += loaded.chunks;
+                    Ok(())
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    Err(saver_core::Error::InvalidOption {
+                        option: "checkpoint",
+                        why: "the load failed".into(),
+                    })
+                }
+            }
+        });
+        match (failed, filled) {
+            (Some(e), _) => Err(e),
+            (None, Err(e)) => Err(e.into()),
+            (None, Ok(())) => Ok(total),
+        }
+    }
+
     /// The row-range table `name`, as the checkpoint holds it: rows, slots (dtype, shape) and
     /// chunks. `None` if it holds none of that name.
     pub fn row_table(&self, name: &str) -> Option<&RowTableManifest> {

@@ -18,6 +18,9 @@ use crate::error::{Error, Result};
 use crate::naming::{check_slot_name, check_table_name};
 use crate::tensor::DenseTensor;
 
+mod table;
+pub use table::{RowRangeTable, RowsMut};
+
 /// One rectangle of one slot of a row-range table, as a process holds it: rows
 /// `offset[0]..offset[0] + shape[0]` (and, for a slot of two dimensions, columns
 /// `offset[1]..offset[1] + shape[1]`) of a slot whose whole shape is `whole`.
@@ -64,6 +67,27 @@ impl<'a> RowRangeChunk<'a> {
         check_table_name(table)?;
         check_slot_name(slot)?;
         let values = DenseTensor::new(chunk_tensor_name(table, slot, &[0, 0]), dtype, shape, data)?;
+        Self::of_values(table, slot, values)
+    }
+
+    /// A chunk over bytes shared with their holder (see [`DenseTensor::shared`]): what a
+    /// [`RowRangeTable`]'s moment gives, with no copy.
+    pub fn shared(
+        table: &str,
+        slot: &str,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        data: std::sync::Arc<Vec<u8>>,
+    ) -> Result<RowRangeChunk<'static>> {
+        check_table_name(table)?;
+        check_slot_name(slot)?;
+        let values =
+            DenseTensor::shared(chunk_tensor_name(table, slot, &[0, 0]), dtype, shape, data)?;
+        RowRangeChunk::of_values(table, slot, values)
+    }
+
+    fn of_values(table: &str, slot: &str, values: DenseTensor<'a>) -> Result<Self> {
+        let dtype = values.dtype();
         let rank = values.shape().len();
         if !(1..=2).contains(&rank) {
             return Err(Error::BadShape {
