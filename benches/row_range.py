@@ -17,7 +17,10 @@ each as a ratio to the limit measured in the same rounds:
   file evicted from its page cache is often still in the host's, so "cold" reads here run at
   2-3 GB/s rather than at the disk's speed;
 - a resharding load, saved by 2 writers' row halves and read by 3 workers' row thirds: the bytes
-  read over the bytes kept.
+  read over the bytes kept;
+- a step that changed 1 % of the rows (weight and sum), saved as a delta of the step before
+  against a full save of it: seconds and bytes on disk; and the warm restore of the chain
+  against that of the full checkpoint.
 
 Usage (from the repository root; python/tests/run.sh makes the venv, with torch, and builds the
 package; `maturin develop --release` in python/ for figures worth keeping):
@@ -210,6 +213,58 @@ def reshard(tables, path):
     return read / wanted
 
 
+def dir_bytes(path):
+    return sum(os.path.getsize(f) for f in files_under(path))
+
+
+def deltas(tables, work, rounds):
+    """A step that changed 1 % of every table's rows (weight and sum), saved as a delta of the
+    step before (read from the disk, evicted from the page cache first, as a save with direct
+    I/O leaves it) and as a full checkpoint, alternated; then restored warm from each: seconds
+    and bytes on disk."""
+    base = os.path.join(work, "delta-base")
+    saver_save(tables, base)
+    g = torch.Generator().manual_seed(9)
+    changed = {}
+    for name, t in tables.items():
+        rows = next(iter(t.values())).shape[0]
+        idx = torch.randint(rows, (max(1, rows // 100),), generator=g)
+        changed[name] = {}
+        for s, a in t.items():
+            c = a.clone()
+            c[idx] += 1.0
+            changed[name][s] = c
+    full, delta = os.path.join(work, "delta-full"), os.path.join(work, "delta")
+    got = {"full_save": [], "delta_save": [], "full_load": [], "delta_load": []}
+    for r in range(rounds + 1):
+        t_full = saver_save(changed, full)
+        shutil.rmtree(delta, ignore_errors=True)
+        # The parent as a trainer's last save leaves it: written with direct I/O, not cached.
+        evict([base])
+        t0 = time.perf_counter()
+        saver.save(delta, tables={n: {s: saver.Chunk(a) for s, a in t.items()} for n, t in changed.items()}, parent=base)
+        t_delta = time.perf_counter() - t0
+        for p in (base, full, delta):
+            for f in files_under(p):
+                with open(f, "rb", buffering=0) as fh:
+                    while fh.read(64 * MIB):
+                        pass
+        l_full, _ = saver_load(changed, full)
+        l_delta, loaded = saver_load(changed, delta)
+        if r == 0:
+            for name, t in changed.items():
+                for s, a in t.items():
+                    assert torch.equal(loaded[name][s], a), (name, s)
+        del loaded
+        if r > 0:
+            for k, v in (("full_save", t_full), ("delta_save", t_delta), ("full_load", l_full), ("delta_load", l_delta)):
+                got[k].append(v)
+        print(f"delta round {r}: full save {t_full:.3f}s, delta save {t_delta:.3f}s, full load {l_full:.3f}s, chain load {l_delta:.3f}s", file=sys.stderr)
+    med = {k: statistics.median(v) for k, v in got.items()}
+    med["full_bytes"], med["delta_bytes"] = dir_bytes(full), dir_bytes(delta)
+    return med
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
@@ -265,6 +320,7 @@ def main():
                 times[k].append(v)
         print(f"round {r}{' (warm-up)' if r == 0 else ''}: " + ", ".join(f"{k} {v:.3f}s" for k, v in got.items()), file=sys.stderr)
     amplification = reshard(tables, os.path.join(args.work, "reshard"))
+    delta = deltas(tables, args.work, args.rounds)
     med = {k: statistics.median(v) for k, v in times.items()}
     gib = n / (1 << 30)
     rows = [
@@ -278,9 +334,16 @@ def main():
     for what, _, s, lim, lim_name, peer, peer_name in rows:
         print(f"| {what} | {s:.3f} s | {lim:.3f} s ({lim_name}) | {lim / s:.2f} | {peer:.3f} s ({peer_name}) | {peer / s:.2f} |")
     print(f"| resharding load 2 -> 3 workers | bytes read / bytes kept: {amplification:.4f} | | | | |")
+    print()
+    print("A step that changed 1 % of the rows, as a delta of the step before and as a full save:")
+    print("| | delta | full | delta / full |")
+    print("| --- | --- | --- | --- |")
+    print(f"| durable save | {delta['delta_save']:.3f} s | {delta['full_save']:.3f} s | {delta['delta_save'] / delta['full_save']:.3f} |")
+    print(f"| bytes on disk | {delta['delta_bytes'] / MIB:.1f} MiB | {delta['full_bytes'] / MIB:.1f} MiB | {delta['delta_bytes'] / delta['full_bytes']:.4f} |")
+    print(f"| restore, warm (the chain of 2 / one checkpoint) | {delta['delta_load']:.3f} s | {delta['full_load']:.3f} s | {delta['delta_load'] / delta['full_load']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bytes": n, "medians": med, "rounds": times, "reshard_read_amplification": amplification}, f, indent=1)
+            json.dump({"bytes": n, "medians": med, "rounds": times, "reshard_read_amplification": amplification, "delta": delta}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,17 @@ pub fn run(args: InspectArgs) -> CmdResult {
             let slots: Vec<String> = t
                 .slots
                 .iter()
-                .map(|s| format!("{} {}{:?} in {} chunks", s.name, s.dtype, s.shape, s.chunks))
+                .map(|s| {
+                    let mut line =
+                        format!("{} {}{:?} in {} chunks", s.name, s.dtype, s.shape, s.chunks);
+                    if s.patches > 0 {
+                        line += &format!(
+                            " and {} patches of {} changed rows",
+                            s.patches, s.changed_rows
+                        );
+                    }
+                    line
+                })
                 .collect();
             println!(
                 "  {:<24} {:>12} rows  {:>10}  slots: {}",

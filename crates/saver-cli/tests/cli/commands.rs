@@ -1709,7 +1709,13 @@ fn row_range_tables_through_every_command() {
         "--parent",
         &o,
     ]);
-    assert_eq!(json(&["inspect", p(&delta)])["format_version"], 6);
+    let inspected = json(&["inspect", p(&delta)]);
+    assert_eq!(inspected["format_version"], 6);
+    let slot = &inspected["row_tables"][0]["slots"][0];
+    assert!(
+        slot["patches"].as_u64().unwrap() > 0 && slot["changed_rows"] == 0,
+        "{slot}"
+    );
     for dir in [&r, &c, &s, &delta] {
         assert_eq!(ok(&["digest", p(dir)]), digest, "{}", dir.display());
     }

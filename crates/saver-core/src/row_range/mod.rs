@@ -19,7 +19,7 @@ use crate::naming::{check_slot_name, check_table_name};
 use crate::tensor::DenseTensor;
 
 mod table;
-pub use table::{RowRangeTable, RowsMut};
+pub use table::{RowRangeTable, RowsMut, DEFAULT_BLOCK_ROWS};
 
 /// One rectangle of one slot of a row-range table, as a process holds it: rows
 /// `offset[0]..offset[0] + shape[0]` (and, for a slot of two dimensions, columns

@@ -67,8 +67,13 @@ pub struct RowSlotSummary {
     pub dtype: Dtype,
     /// The whole slot's shape: `[rows]` or `[rows, cols]`.
     pub shape: Vec<u64>,
-    /// How many chunks hold it.
+    /// How many chunks hold it (in a delta, those held whole).
     pub chunks: usize,
+    /// In a delta, how many patches (rectangles of which only changed rows are held) hold the
+    /// rest, and the rows they hold.
+    pub patches: usize,
+    /// Rows the patches hold.
+    pub changed_rows: u64,
 }
 
 /// One dense tensor.
@@ -232,6 +237,13 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
                         dtype: s.dtype,
                         shape: s.shape.clone(),
                         chunks: s.chunks.len(),
+                        patches: s.patches.len(),
+                        changed_rows: s
+                            .patches
+                            .iter()
+                            .filter_map(|p| p.changed.as_ref())
+                            .map(|c| c.rows.shape.first().copied().unwrap_or(0))
+                            .sum(),
                     })
                     .collect(),
                 bytes: t.tensor_refs().map(|x| x.len).sum(),
