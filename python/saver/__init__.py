@@ -887,6 +887,15 @@ def _options(given: Mapping[str, Any]) -> dict:
     return options
 
 
+def __getattr__(name: str):
+    # `saver.torch` without importing torch for those who do not use it.
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'saver' has no attribute {name!r}")
+
+
 def open(path: PathLike) -> Checkpoint:  # noqa: A001 - the package's verb, as in `saver.open`
     """Opens the committed checkpoint at ``path`` (refused, naming the file, if there is none or
     it is damaged)."""

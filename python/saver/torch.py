@@ -1,0 +1,357 @@
+"""PyTorch models and optimizers in three lines.
+
+>>> import saver.torch
+>>> saver.torch.save("/ckpt/step-100", model, optimizer, step=100, extra={"epoch": 3})
+>>> extra = saver.torch.load("/ckpt/step-100", model, optimizer)   # fills them in place
+
+What goes where (names follow the model, so a checkpoint reads into any split of it):
+
+- every ``nn.Embedding`` / ``nn.EmbeddingBag`` weight (and any 2-D parameter named in
+  ``tables=``) is a **row-range table** named by its parameter (``"emb.weight"``): slot
+  ``"param"`` holds its values, and each optimizer state of its shape, or of one value per row,
+  is a slot of the same table (``"state.sum"`` for Adagrad, ``"state.exp_avg"`` and
+  ``"state.exp_avg_sq"`` for Adam), so that it is saved, loaded and resharded with its rows;
+- every other parameter and buffer of ``model.state_dict()`` is a **dense tensor** of its name,
+  and its optimizer state is ``"optimizer/<parameter>/<state>"`` (a scalar state of a table,
+  Adam's ``step``, too);
+- the optimizer's param groups (hyperparameters, with parameters by name), its class, ``step``
+  and ``extra`` (anything JSON can hold) are in the checkpoint's metadata.
+
+Under ``torch.distributed`` (initialized, world size above 1) every rank calls the same function
+with its own replica: rank ``r`` writes rows ``rows·r/W .. rows·(r+1)/W`` of every table and the
+ranks share the dense tensors, one save id agreed through the process group and one commit; a
+load fills every rank's replica whole. The same with a :class:`saver.Manager` in place of the
+path: the step is saved (a delta of the step before when its policy says so) and ``load`` reads
+the newest committed step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any, Iterable, Optional, Union
+
+import numpy as np
+import torch
+
+import saver as _s
+
+#: Metadata key of what this module stores beside the tensors.
+META_KEY = "saver.torch"
+#: Version of that metadata.
+META_VERSION = 1
+
+_EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def _table_params(model: torch.nn.Module, tables: Optional[Iterable[str]]) -> dict:
+    """{parameter name: parameter} of the parameters saved as row-range tables."""
+    named = dict(model.named_parameters())
+    out = {}
+    for mod_name, m in model.named_modules():
+        if isinstance(m, _EMBEDDINGS) and m.weight is not None:
+            out[f"{mod_name}.weight" if mod_name else "weight"] = m.weight
+    for name in tables or ():
+        if name not in named:
+            raise _s.InputError(f"tables: the model has no parameter {name!r}")
+        if named[name].dim() != 2:
+            raise _s.InputError(f"tables: parameter {name!r} has shape {tuple(named[name].shape)}; a table has rows and columns")
+        out[name] = named[name]
+    for name, p in out.items():
+        if p.device.type != "cpu":
+            raise _s.InputError(f"parameter {name!r} is on {p.device}; saver.torch saves CPU tensors (move the model, or copy it, to the CPU)")
+    return out
+
+
+def _param_names(model: torch.nn.Module) -> dict:
+    """{id(parameter): name}, shared parameters under their first name."""
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def _optimizer_state(model, optimizer):
+    """[(parameter name, parameter, {state key: value})] and the param groups by name."""
+    if optimizer is None:
+        return [], []
+    names = _param_names(model)
+    groups, states = [], []
+    for g in optimizer.param_groups:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        params = []
+        for p in g["params"]:
+            name = names.get(id(p))
+            if name is None:
+                raise _s.InputError("optimizer: it updates a parameter the model does not have")
+            params.append(name)
+            st = optimizer.state.get(p)
+            if st:
+                states.append((name, p, st))
+        try:
+            json.dumps(hyper)
+        except TypeError as e:
+            raise _s.InputError(f"optimizer: a param group's hyperparameters are not JSON ({e})") from None
+        groups.append({"hyper": hyper, "params": params})
+    return states, groups
+
+
+def _world():
+    """(rank, world size) under an initialized torch.distributed of more than one rank, else
+    (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agreed(value):
+    """Rank 0's `value`, on every rank."""
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _collect(model, optimizer, tables, step, extra, rank, world):
+    """The save's tables, dense tensors and metadata for this rank."""
+    table_params = _table_params(model, tables)
+    states, groups = _optimizer_state(model, optimizer)
+    by_table = {}
+    dense = {}
+    for name, t in model.state_dict().items():
+        if name in table_params:
+            continue
+        if t.device.type != "cpu":
+            raise _s.InputError(f"state {name!r} is on {t.device}; saver.torch saves CPU tensors")
+        dense[name] = t.detach()
+    for name, p in table_params.items():
+        by_table[name] = {"param": p.detach()}
+    for name, p, st in states:
+        for key, value in st.items():
+            if not torch.is_tensor(value):
+                value = torch.tensor(value)
+            value = value.detach()
+            rows_of_table = name in table_params and value.dim() >= 1 and value.shape[0] == p.shape[0] and value.dim() <= 2
+            if rows_of_table:
+                by_table[name][f"state.{key}"] = value
+            else:
+                dense[f"optimizer/{name}/{key}"] = value
+    try:
+        json.dumps(extra)
+    except TypeError as e:
+        raise _s.InputError(f"extra: must be what JSON holds (numbers, strings, lists, dicts): {e}") from None
+    meta = {
+        "version": META_VERSION,
+        "optimizer": None if optimizer is None else type(optimizer).__name__,
+        "param_groups": groups,
+        "tables": sorted(table_params),
+        "step": step,
+        "extra": extra,
+    }
+    out_tables = {}
+    for name, slots in by_table.items():
+        rows = next(iter(slots.values())).shape[0]
+        a, b = rows * rank // world, rows * (rank + 1) // world
+        out_tables[name] = {
+            slot: _s.Chunk(v[a:b], offset=(a,) + (0,) * (v.dim() - 1), shape=tuple(v.shape))
+            for slot, v in slots.items()
+        }
+    return out_tables, dense, {META_KEY: json.dumps(meta)}
+
+
+def _save(target, model, optimizer, step, extra, tables, background, options):
+    rank, world = _world()
+    out_tables, dense, metadata = _collect(model, optimizer, tables, step, extra, rank, world)
+    if "metadata" in options:
+        metadata = {**options.pop("metadata"), **metadata}
+    if isinstance(target, _s.Manager):
+        if step is None:
+            raise _s.InputError("step: a Manager saves steps; give step=")
+        if world > 1:
+            raise _s.InputError("a Manager under torch.distributed is not supported yet; give each step's path")
+        call = target.save_async if background else target.save
+        return call(step, tables=out_tables, dense=dense, metadata=metadata, **options)
+    path = os.fspath(target)
+    if world > 1:
+        if background:
+            raise _s.InputError("save_async under torch.distributed is not supported yet; use save")
+        save_id = _agreed(options.pop("save_id", None) or f"torch-{uuid.uuid4().hex[:16]}")
+        return _save_ranks(path, out_tables, dense, metadata, step, save_id, rank, world, options)
+    call = _s.save_async if background else _s.save
+    return call(path, tables=out_tables, dense=dense, step=step, metadata=metadata, **options)
+
+
+def _save_ranks(path, tables, dense, metadata, step, save_id, rank, world, options):
+    """One rank's share of a save of `world` ranks, then the ranks' outcome agreed: every rank
+    raises if one failed, and returns once the checkpoint is committed."""
+    import torch.distributed as dist
+
+    report, failure = None, None
+    try:
+        report = _s.save(path, tables=tables, dense=dense, shards=world, shard_index=rank,
+                         save_id=save_id, step=step, metadata=metadata, **options)
+    except Exception as e:  # noqa: BLE001 - told to every rank, then raised
+        failure = f"rank {rank}: {e}"
+    outcomes = [None] * world
+    dist.all_gather_object(outcomes, failure)
+    failed = [f for f in outcomes if f]
+    if failed:
+        raise _s.SaverError("; ".join(failed))
+    return report
+
+
+def save(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
+         optimizer: Optional[torch.optim.Optimizer] = None, *, step: Optional[int] = None,
+         extra: Any = None, tables: Optional[Iterable[str]] = None, **options: Any):
+    """Saves ``model`` (its ``state_dict()``) and ``optimizer`` at ``target`` (a path, or a
+    :class:`saver.Manager`, which needs ``step``), committed when this returns. ``extra``:
+    anything JSON holds, given back by :func:`load`. ``tables``: parameter names of 2-D
+    parameters to save as row-range tables beside the embeddings found. Other options as
+    :func:`saver.save` (``compress``, ``parent``, ``durable``...). Tensors are read in place: none
+    may change until this returns."""
+    return _save(target, model, optimizer, step, extra, tables, False, options)
+
+
+def save_async(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
+               optimizer: Optional[torch.optim.Optimizer] = None, *, step: Optional[int] = None,
+               extra: Any = None, tables: Optional[Iterable[str]] = None, **options: Any):
+    """:func:`save` in the background: returns a handle once the model and optimizer state are
+    copied (every core copies), so that training may go on at once; ``handle.wait()`` returns
+    the report."""
+    return _save(target, model, optimizer, step, extra, tables, True, options)
+
+
+def _meta(path) -> dict:
+    ck = _s.Checkpoint(path)
+    raw = ck.metadata.get(META_KEY)
+    if raw is None:
+        raise _s.InputError(f"{os.fspath(path)} was not saved by saver.torch (no {META_KEY!r} metadata)")
+    meta = json.loads(raw)
+    if meta.get("version") != META_VERSION:
+        raise _s.InputError(f"{os.fspath(path)}: saver.torch metadata version {meta.get('version')}, this package reads {META_VERSION}")
+    return meta, ck
+
+
+def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
+         optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True) -> Any:
+    """Fills ``model``'s parameters and buffers and ``optimizer``'s state and hyperparameters in
+    place from the checkpoint at ``source`` (a path, or a :class:`saver.Manager`: its newest
+    committed step), and returns the ``extra`` saved with them. Row-range tables are read
+    straight into the parameters and states, whatever split they were saved by. ``strict``: a
+    tensor of the model the checkpoint lacks, or one it holds the model lacks, is an error (a
+    shape or dtype that differs always is)."""
+    if isinstance(source, _s.Manager):
+        latest = source.latest()
+        if latest is None:
+            raise _s.InputError(f"{source.root} holds no committed step")
+        source = latest["path"]
+    path = os.fspath(source)
+    meta, ck = _meta(path)
+    by_name = dict(model.named_parameters())
+    # The model's embeddings, and the 2-D parameters the save was told to take as tables.
+    table_params = _table_params(model, [t for t in meta["tables"] if t in by_name and by_name[t].dim() == 2])
+    names = _param_names(model)
+    held_tables = ck.row_tables
+    into = {}
+    # Optimizer state of tables: existing tensors filled in place, missing ones made.
+    made = {}
+    for name, p in table_params.items():
+        held = held_tables.get(name)
+        if held is None:
+            if strict:
+                raise _s.InputError(f"{path} holds no table {name!r} (it holds {sorted(held_tables)})")
+            continue
+        dtype, shape = held["slots"].get("param", (None, None))
+        if shape is None or tuple(shape) != tuple(p.shape) or _torch_dtype(dtype, name) != p.dtype:
+            raise _s.InputError(f"{name}: the checkpoint holds {dtype} of shape {None if shape is None else tuple(shape)}, the model {p.dtype} of shape {tuple(p.shape)}")
+        slots = {"param": _s.Chunk(p.data)}
+        for slot, (dtype, shape) in held["slots"].items():
+            if not slot.startswith("state.") or optimizer is None:
+                continue
+            key = slot[len("state."):]
+            st = optimizer.state.setdefault(p, {})
+            t = st.get(key)
+            if not (torch.is_tensor(t) and tuple(t.shape) == tuple(shape)):
+                t = torch.empty(tuple(shape), dtype=_torch_dtype(dtype, f"{name}/{slot}"))
+                made[(name, key)] = t
+            slots[slot] = _s.Chunk(t)
+        into[name] = slots
+    loaded = _s.load(path, into=into, tables=list(into) or None)
+    for (name, key), t in made.items():
+        optimizer.state[by_name[name]][key] = t
+    state = model.state_dict(keep_vars=True)
+    wanted = {k for k in state if k not in table_params}
+    held_dense = {k for k in loaded.dense if not k.startswith("optimizer/")}
+    if strict:
+        missing, unexpected = sorted(wanted - held_dense), sorted(held_dense - wanted)
+        if missing or unexpected:
+            raise _s.InputError(f"{path}: the model's tensors and the checkpoint's differ: missing {missing}, unexpected {unexpected}")
+    for k in wanted & held_dense:
+        _copy_into(state[k], loaded.dense[k], k)
+    if optimizer is not None:
+        _load_optimizer(optimizer, meta, loaded.dense, by_name, names, path)
+    return meta["extra"]
+
+
+def _torch_dtype(name: str, what: str):
+    table = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+             "U8": torch.uint8, "BOOL": torch.bool}
+    if name not in table:
+        raise _s.InputError(f"{what}: dtype {name} has no torch type here")
+    return table[name]
+
+
+def _as_tensor(array, dtype=None):
+    """A loaded array as a tensor over its memory (16-bit and 8-bit float patterns viewed as
+    `dtype`). A 0-d array stays 0-d (numpy's ascontiguousarray would make it 1-d)."""
+    a = np.asarray(array)
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a).reshape(array.shape)
+    if isinstance(array, _s.Bits):
+        raw = torch.from_numpy(a.view(np.uint8).reshape(-1))
+        return raw.view(dtype).reshape(array.shape) if dtype is not None else raw
+    return torch.from_numpy(a).reshape(array.shape)
+
+
+def _copy_into(target, array, name):
+    """Copies a loaded array into `target` (a tensor of the model), shape and dtype checked."""
+    src = _as_tensor(array, target.dtype)
+    if tuple(src.shape) != tuple(target.shape) or src.dtype != target.dtype:
+        raise _s.InputError(f"{name}: the checkpoint holds {src.dtype} of shape {tuple(src.shape)}, the model {target.dtype} of shape {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(src)
+
+
+def _load_optimizer(optimizer, meta, dense, by_name, names, path):
+    """Hyperparameters by param group, and the dense optimizer state, put back."""
+    if meta["optimizer"] is not None and meta["optimizer"] != type(optimizer).__name__:
+        raise _s.InputError(f"{path} holds the state of a {meta['optimizer']}, not of a {type(optimizer).__name__}")
+    groups = meta["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise _s.InputError(f"{path} holds {len(groups)} param groups; the optimizer has {len(optimizer.param_groups)}")
+    for saved, group in zip(groups, optimizer.param_groups):
+        mine = [names.get(id(p)) for p in group["params"]]
+        if mine != saved["params"]:
+            raise _s.InputError(f"{path}: a param group holds {saved['params']}, the optimizer's {mine}")
+        for k, v in saved["hyper"].items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+    for key, value in dense.items():
+        if not key.startswith("optimizer/"):
+            continue
+        name, _, state_key = key[len("optimizer/"):].rpartition("/")
+        p = by_name.get(name)
+        if p is None:
+            raise _s.InputError(f"{path}: optimizer state {key!r} of a parameter the model does not have")
+        st = optimizer.state.setdefault(p, {})
+        src = _as_tensor(value, p.dtype)
+        t = st.get(state_key)
+        if torch.is_tensor(t) and tuple(t.shape) == tuple(src.shape) and t.dtype == src.dtype:
+            with torch.no_grad():
+                t.copy_(src)
+        else:
+            st[state_key] = src.clone()
