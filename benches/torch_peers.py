@@ -1,0 +1,294 @@
+"""saver.torch against what a PyTorch user would pick instead, on one model, in one run.
+
+The model is the DLRM-like one of benches/row_range.py as a plain PyTorch module: 6
+`nn.EmbeddingBag` tables, 3.76 M rows of dimension 32 in all, a small MLP, and
+`torch.optim.Adagrad` (its `sum` state as large as the weights): 0.9 GiB of weights and state.
+Every round runs every operation once, in turn (a noisy minute hits all alike); figures are
+medians over the rounds.
+
+- blocking save, timed as the trainer waits: `saver.torch.save` (durable: fsync), `torch.save`
+  of `{"model": state_dict, "optim": state_dict}` followed by an fsync of its file (the same
+  durability), and `dcp.save` of the same through `get_state_dict` (its writer fsyncs);
+- background save, the trainer's stall: the time `saver.torch.save_async` and `dcp.async_save`
+  take to return (the rest runs meanwhile; waited for, untimed, before the next operation);
+- restore into a freshly made model and optimizer (made before the timer): `saver.torch.load`,
+  `torch.load` + `load_state_dict` (both), and `dcp.load` + `set_state_dict`, with the files in
+  the page cache (warm) and evicted from it (cold: posix_fadvise DONTNEED; on this VM the host
+  often still caches them);
+- peak memory: for each operation, in a process of its own that made the model first, the
+  growth of its peak resident set (VmHWM, reset after the model is made) during the operation.
+
+Usage (from the repository root; python/tests/run.sh makes the venv, `maturin develop --release`
+in python/ for figures worth keeping):
+
+    $VENV/bin/python benches/torch_peers.py --rounds 5 [--scale 0.1] [--json out.json]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import saver
+import saver.torch
+
+TABLE_ROWS = [1_500_000, 1_000_000, 600_000, 400_000, 200_000, 60_000]
+DIM = 32
+MIB = 1 << 20
+
+
+class Dlrm(torch.nn.Module):
+    def __init__(self, scale, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.tables = torch.nn.ModuleList(
+            torch.nn.EmbeddingBag(max(1, int(r * scale)), DIM, mode="sum") for r in TABLE_ROWS
+        )
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM * 6, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+
+def make(scale, seed=5):
+    model = Dlrm(scale, seed)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            opt.state[p]["sum"].copy_(torch.rand(p.shape, generator=g))
+    return model, opt
+
+
+def nbytes(model, opt):
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    return n + sum(s["sum"].numel() * 4 for s in opt.state.values())
+
+
+def files_under(path):
+    if os.path.isfile(path):
+        return [path]
+    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+
+
+def fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def evict(paths):
+    for p in paths:
+        for f in files_under(p):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def warm(paths):
+    for p in paths:
+        for f in files_under(p):
+            with open(f, "rb", buffering=0) as fh:
+                while fh.read(64 * MIB):
+                    pass
+
+
+# The operations: each returns the seconds the trainer waits.
+
+def saver_save(model, opt, path):
+    shutil.rmtree(path, ignore_errors=True)
+    t0 = time.perf_counter()
+    saver.torch.save(path, model, opt)
+    return time.perf_counter() - t0
+
+
+def saver_save_async(model, opt, path):
+    shutil.rmtree(path, ignore_errors=True)
+    t0 = time.perf_counter()
+    h = saver.torch.save_async(path, model, opt)
+    stall = time.perf_counter() - t0
+    h.wait()
+    return stall
+
+
+def torch_save(model, opt, path):
+    t0 = time.perf_counter()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+    fsync_path(path)
+    return time.perf_counter() - t0
+
+
+def dcp_state(model, opt):
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def dcp_save(model, opt, path):
+    shutil.rmtree(path, ignore_errors=True)
+    t0 = time.perf_counter()
+    dcp.save(dcp_state(model, opt), checkpoint_id=path, no_dist=True)
+    return time.perf_counter() - t0
+
+
+def dcp_async_save(model, opt, path):
+    shutil.rmtree(path, ignore_errors=True)
+    t0 = time.perf_counter()
+    f = dcp.async_save(dcp_state(model, opt), checkpoint_id=path, no_dist=True)
+    stall = time.perf_counter() - t0
+    f.result()
+    return stall
+
+
+def saver_load(model, opt, path):
+    t0 = time.perf_counter()
+    saver.torch.load(path, model, opt)
+    return time.perf_counter() - t0
+
+
+def torch_load(model, opt, path):
+    t0 = time.perf_counter()
+    state = torch.load(path)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    return time.perf_counter() - t0
+
+
+def dcp_load(model, opt, path):
+    t0 = time.perf_counter()
+    state = dcp_state(model, opt)
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return time.perf_counter() - t0
+
+
+SAVES = {"saver": saver_save, "torch": torch_save, "dcp": dcp_save}
+ASYNC = {"saver": saver_save_async, "dcp": dcp_async_save}
+LOADS = {"saver": saver_load, "torch": torch_load, "dcp": dcp_load}
+
+
+def paths_in(work):
+    return {"saver": os.path.join(work, "saver"), "torch": os.path.join(work, "model.pt"), "dcp": os.path.join(work, "dcp")}
+
+
+def peak_of(kind, who, scale, work):
+    """Peak RSS growth of one operation, in a process of its own (see --memory-of)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-of", f"{kind}:{who}", "--scale", str(scale), "--work", work],
+        capture_output=True, text=True, check=True,
+    )
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def memory_of(spec, scale, work):
+    kind, who = spec.split(":")
+    model, opt = make(scale, seed=11 if kind == "load" else 5)
+    paths = paths_in(work)
+
+    def hwm():
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def rss():
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    base = rss()
+    {"save": SAVES, "async": ASYNC, "load": LOADS}[kind][who](model, opt, paths[who] if kind != "async" else paths[who] + "-async")
+    print(hwm() - base)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--work", default=os.path.join("target", "bench-scratch", "torch-peers"))
+    ap.add_argument("--json")
+    ap.add_argument("--memory-of")
+    args = ap.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    if args.memory_of:
+        return memory_of(args.memory_of, args.scale, args.work)
+    model, opt = make(args.scale)
+    n = nbytes(model, opt)
+    paths = paths_in(args.work)
+    times = {}
+
+    def keep(r, key, v):
+        if r > 0:
+            times.setdefault(key, []).append(v)
+
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for who, f in SAVES.items():
+            keep(r, f"save {who}", f(model, opt, paths[who]))
+        for who, f in ASYNC.items():
+            keep(r, f"async {who}", f(model, opt, paths[who] + "-async"))
+        for cache in ("warm", "cold"):
+            for who, f in LOADS.items():
+                fresh, fresh_opt = make(args.scale, seed=11)
+                if cache == "warm":
+                    warm([paths[who]])
+                else:
+                    evict([paths[who]])
+                keep(r, f"load {who} {cache}", f(fresh, fresh_opt, paths[who]))
+                if r == 0:
+                    for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+                        assert torch.equal(a, b), (who, k)
+                    for p, q in zip(model.parameters(), fresh.parameters()):
+                        assert torch.equal(opt.state[p]["sum"], fresh_opt.state[q]["sum"]), who
+                del fresh, fresh_opt
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()) if r else f"round 0 (warm-up)", file=sys.stderr)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    peaks = {}
+    for kind, ops in (("save", SAVES), ("load", LOADS)):
+        for who in ops:
+            peaks[f"{kind} {who}"] = peak_of(kind, who, args.scale, args.work)
+    gib = n / (1 << 30)
+    print(f"model: {gib:.2f} GiB of weights and Adagrad state, {args.rounds} rounds, medians")
+    print("| operation | saver | torch | dcp | saver / torch | saver / dcp |")
+    print("| --- | --- | --- | --- | --- | --- |")
+
+    def row(what, s, t, d):
+        ts = f"{t:.3f} s" if t is not None else "-"
+        ds = f"{d:.3f} s" if d is not None else "-"
+        rt = f"{s / t:.3f}" if t else "-"
+        rd = f"{s / d:.3f}" if d else "-"
+        print(f"| {what} | {s:.3f} s | {ts} | {ds} | {rt} | {rd} |")
+
+    row("blocking save (stall)", med["save saver"], med["save torch"], med["save dcp"])
+    row("background save (stall: the call)", med["async saver"], None, med["async dcp"])
+    for cache in ("warm", "cold"):
+        row(f"restore, {cache}", med[f"load saver {cache}"], med[f"load torch {cache}"], med[f"load dcp {cache}"])
+    print("| peak memory of a save | " + " | ".join(f"{peaks[f'save {w}'] / MIB:.0f} MiB" for w in ("saver", "torch", "dcp"))
+          + f" | {peaks['save saver'] / max(peaks['save torch'], 1):.3f} | {peaks['save saver'] / max(peaks['save dcp'], 1):.3f} |")
+    print("| peak memory of a restore | " + " | ".join(f"{peaks[f'load {w}'] / MIB:.0f} MiB" for w in ("saver", "torch", "dcp"))
+          + f" | {peaks['load saver'] / max(peaks['load torch'], 1):.3f} | {peaks['load saver'] / max(peaks['load dcp'], 1):.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bytes": n, "medians": med, "rounds": times, "peaks": peaks}, f, indent=1)
+    # Five copies of the model: gone with the run.
+    shutil.rmtree(args.work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
