@@ -599,10 +599,11 @@ def _load_row_tables(path, held, out, shards, shard_index, tables, exclude_slots
         requests.setdefault((name, rows), []).append((slot, cols, a.reshape(-1).view(np.uint8)))
 
     for name, slots in into.items():
-        for slot, target in slots.items():
-            if not isinstance(target, Chunk):
-                raise InputError(f"into[{name!r}][{slot!r}]: give a saver.Chunk(buffer, offset=...), got {type(target).__name__}")
-            fill(name, slot, target.values, target.offset)
+        for slot, given in slots.items():
+            for target in given if isinstance(given, (list, tuple)) else [given]:
+                if not isinstance(target, Chunk):
+                    raise InputError(f"into[{name!r}][{slot!r}]: give a saver.Chunk(buffer, offset=...) or a list of them, got {type(target).__name__}")
+                fill(name, slot, target.values, target.offset)
     for name, info in held.items():
         if name in into or (tables is not None and name not in tables):
             continue

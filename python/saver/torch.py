@@ -97,6 +97,50 @@ def _optimizer_state(model, optimizer):
     return states, groups
 
 
+def _sharded_type():
+    """torch's ShardedTensor class (what TorchRec's DistributedModelParallel gives for a sharded
+    table), or None."""
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover - every torch this package supports has it
+        return None
+    return ShardedTensor
+
+
+def _is_sharded(t) -> bool:
+    cls = _sharded_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def _chunks_of(t, what):
+    """The local shards of ShardedTensor `t` as chunks at their global offsets: [] when this
+    rank holds none of it."""
+    shape = tuple(t.size())
+    if len(shape) not in (1, 2):
+        raise _s.InputError(f"{what}: a sharded tensor of shape {shape}; a table has rows, and columns")
+    out = []
+    for shard in t.local_shards():
+        if shard.tensor.device.type != "cpu":
+            raise _s.InputError(f"{what}: a shard on {shard.tensor.device}; saver.torch saves CPU tensors")
+        out.append(_s.Chunk(shard.tensor.detach(), offset=tuple(shard.metadata.shard_offsets), shape=shape))
+    return out
+
+
+def _fused_state(model):
+    """TorchRec's fused optimizer state (a DistributedModelParallel's `fused_optimizer`):
+    {table parameter: {state name: tensor}} (the tensors of the state dict returned last), its
+    param groups, the optimizer and that state dict; ({}, None, None, None) without one."""
+    fused = getattr(model, "fused_optimizer", None)
+    if fused is None:
+        return {}, None, None, None
+    sd = fused.state_dict()
+    out = {}
+    for param, states in sd.get("state", {}).items():
+        table = param.split(".")[-2] if param.endswith(".weight") else param
+        out[param] = {k[len(table) + 1:] if k.startswith(table + ".") else k: v for k, v in states.items()}
+    return out, sd.get("param_groups"), fused, sd
+
+
 def _world():
     """(rank, world size) under an initialized torch.distributed of more than one rank, else
     (0, 1)."""
@@ -122,7 +166,22 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
     states, groups = _optimizer_state(model, optimizer)
     by_table = {}
     dense = {}
+    # Tables sharded by TorchRec: each rank's local shards at their global offsets, with the
+    # fused optimizer's state of the same shapes as slots.
+    sharded = {}
+    fused, fused_groups, _, _ = _fused_state(model)
     for name, t in model.state_dict().items():
+        if _is_sharded(t):
+            slots = {"param": _chunks_of(t, name)}
+            for key, st in fused.get(name, {}).items():
+                if _is_sharded(st) and tuple(st.size())[0] == tuple(t.size())[0] and st.dim() <= 2:
+                    slots[f"state.{key}"] = _chunks_of(st, f"{name} {key}")
+                elif torch.is_tensor(st) and not _is_sharded(st):
+                    dense[f"fused/{name}/{key}"] = st.detach()
+                else:
+                    raise _s.InputError(f"{name}: fused optimizer state {key!r} of shape {tuple(st.size())} is not one row per table row; not supported yet")
+            sharded[name] = slots
+            continue
         if name in table_params:
             continue
         if t.device.type != "cpu":
@@ -148,7 +207,9 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
         "version": META_VERSION,
         "optimizer": None if optimizer is None else type(optimizer).__name__,
         "param_groups": groups,
+        "fused_param_groups": _jsonable(fused_groups),
         "tables": sorted(table_params),
+        "sharded": sorted(sharded),
         "step": step,
         "extra": extra,
     }
@@ -160,7 +221,18 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
             slot: _s.Chunk(v[a:b], offset=(a,) + (0,) * (v.dim() - 1), shape=tuple(v.shape))
             for slot, v in slots.items()
         }
+    for name, slots in sharded.items():
+        held = {slot: chunks for slot, chunks in slots.items() if chunks}
+        if held:
+            out_tables[name] = held
     return out_tables, dense, {META_KEY: json.dumps(meta)}
+
+
+def _jsonable(value):
+    """`value` with what JSON cannot hold (tensors, tuples) turned into what it can."""
+    if value is None:
+        return None
+    return json.loads(json.dumps(value, default=lambda v: v.tolist() if torch.is_tensor(v) else str(v)))
 
 
 def _save(target, model, optimizer, step, extra, tables, background, options):
@@ -280,12 +352,43 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
                 made[(name, key)] = t
             slots[slot] = _s.Chunk(t)
         into[name] = slots
+    # Tables sharded by TorchRec: each local shard (and each of its fused optimizer state)
+    # filled from whatever split saved it; then given back to the model and the fused
+    # optimizer through their own load_state_dict.
+    state_sd = model.state_dict()
+    fused, _, fused_opt, fused_sd = _fused_state(model)
+    sharded = {k: t for k, t in state_sd.items() if _is_sharded(t)}
+    for name, t in sharded.items():
+        held = held_tables.get(name)
+        if held is None:
+            raise _s.InputError(f"{path} holds no table {name!r} (it holds {sorted(held_tables)})")
+        dtype, shape = held["slots"]["param"]
+        if tuple(shape) != tuple(t.size()):
+            raise _s.InputError(f"{name}: the checkpoint holds shape {tuple(shape)}, the model {tuple(t.size())}")
+        slots = {"param": _chunks_of(t, name)}
+        for key, st in fused.get(name, {}).items():
+            if f"state.{key}" in held["slots"] and _is_sharded(st):
+                slots[f"state.{key}"] = _chunks_of(st, f"{name} {key}")
+        slots = {k: v for k, v in slots.items() if v}
+        if slots:
+            into[name] = slots
     loaded = _s.load(path, into=into, tables=list(into) or None)
+    if sharded:
+        model.load_state_dict(state_sd, strict=False)
+    if fused_sd is not None:
+        for param, states in fused_sd.get("state", {}).items():
+            table = param.split(".")[-2] if param.endswith(".weight") else param
+            for k in states:
+                short = k[len(table) + 1:] if k.startswith(table + ".") else k
+                key = f"fused/{param}/{short}"
+                if key in loaded.dense and not _is_sharded(states[k]):
+                    states[k] = _as_tensor(loaded.dense[key], states[k].dtype)
+        fused_opt.load_state_dict(fused_sd)
     for (name, key), t in made.items():
         optimizer.state[by_name[name]][key] = t
     state = model.state_dict(keep_vars=True)
-    wanted = {k for k in state if k not in table_params}
-    held_dense = {k for k in loaded.dense if not k.startswith("optimizer/")}
+    wanted = {k for k in state if k not in table_params and k not in sharded}
+    held_dense = {k for k in loaded.dense if not k.startswith(("optimizer/", "fused/"))}
     if strict:
         missing, unexpected = sorted(wanted - held_dense), sorted(held_dense - wanted)
         if missing or unexpected:
