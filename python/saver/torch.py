@@ -17,6 +17,16 @@ What goes where (names follow the model, so a checkpoint reads into any split of
 - the optimizer's param groups (hyperparameters, with parameters by name), its class, ``step``
   and ``extra`` (anything JSON can hold) are in the checkpoint's metadata.
 
+TorchRec: under ``DistributedModelParallel`` a sharded table is a ShardedTensor; each rank gives
+its local shards at their global offsets (table-wise, row-wise, column-wise, grid alike) and a
+load fills the local shards of whatever plan and world size the model has now, then hands them
+to the model's and the fused optimizer's ``load_state_dict``. The fused optimizer's state of the
+table's shape is a slot of the table. A row-wise state (row-wise Adagrad's ``momentum1``: one
+value per row per column shard) is a ``[rows, column shards]`` slot with the column ranges in the
+metadata; loaded into the same column cut it is exact, and a column shard of another cut gets
+the mean of the saved shards it overlaps, each weighted by the columns they share (a table-wise
+plan: the mean over all of them).
+
 Under ``torch.distributed`` (initialized, world size above 1) every rank calls the same function
 with its own replica: rank ``r`` writes rows ``rows·r/W .. rows·(r+1)/W`` of every table and the
 ranks share the dense tensors, one save id agreed through the process group and one commit; a
@@ -126,6 +136,59 @@ def _chunks_of(t, what):
     return out
 
 
+def _column_ranges(t):
+    """The column ranges [a, b) a 2-D ShardedTensor is cut into, in order (one for a table
+    sharded by rows or whole)."""
+    shape = tuple(t.size())
+    if len(shape) != 2:
+        return [(0, 1)]
+    ranges = {(m.shard_offsets[1], m.shard_offsets[1] + m.shard_sizes[1]) for m in t.metadata().shards_metadata}
+    return sorted(ranges)
+
+
+def _rowwise_chunks(st, rows, what):
+    """A row-wise state of a table cut into k column ranges (TorchRec's: one value per row per
+    column shard, a 1-D ShardedTensor of rows·k values, column shard j's rows at j·rows) as
+    chunks of a [rows, k] slot."""
+    out = []
+    for shard in st.local_shards():
+        o, n = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+        j, r = divmod(o, rows)
+        if r + n > rows:
+            raise _s.InputError(f"{what}: a shard of the row-wise state crosses column shards; not supported")
+        total = tuple(st.size())[0] // rows
+        out.append(_s.Chunk(shard.tensor.detach().reshape(n, 1), offset=(r, j), shape=(rows, total)))
+    return out
+
+
+def _rowwise_targets(st, t, saved, what, means):
+    """Chunks that fill the local shards of row-wise state `st` of table `t` from a [rows, k]
+    slot saved for column ranges `saved`: a shard whose column range was saved is read
+    straight into; any other gets the mean of the saved ranges it overlaps, each weighted by
+    the columns they share (buffers read here, the mean taken after the load: `means`)."""
+    rows = tuple(t.size())[0]
+    ranges = _column_ranges(t)
+    out = []
+    for shard in st.local_shards():
+        o, n = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+        j, r = divmod(o, rows)
+        if r + n > rows:
+            raise _s.InputError(f"{what}: a shard of the row-wise state crosses column shards; not supported")
+        a, b = ranges[j]
+        if (a, b) in saved:
+            out.append(_s.Chunk(shard.tensor.reshape(n, 1), offset=(r, saved.index((a, b)))))
+            continue
+        parts = []
+        for k, (sa, sb) in enumerate(saved):
+            w = min(b, sb) - max(a, sa)
+            if w > 0:
+                buf = torch.empty(n, 1, dtype=shard.tensor.dtype)
+                out.append(_s.Chunk(buf, offset=(r, k)))
+                parts.append((w, buf))
+        means.append((shard.tensor, parts))
+    return out
+
+
 def _fused_state(model):
     """TorchRec's fused optimizer state (a DistributedModelParallel's `fused_optimizer`):
     {table parameter: {state name: tensor}} (the tensors of the state dict returned last), its
@@ -169,12 +232,19 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
     # Tables sharded by TorchRec: each rank's local shards at their global offsets, with the
     # fused optimizer's state of the same shapes as slots.
     sharded = {}
+    rowwise = {}
     fused, fused_groups, _, _ = _fused_state(model)
     for name, t in model.state_dict().items():
         if _is_sharded(t):
             slots = {"param": _chunks_of(t, name)}
+            rows = tuple(t.size())[0]
             for key, st in fused.get(name, {}).items():
-                if _is_sharded(st) and tuple(st.size())[0] == tuple(t.size())[0] and st.dim() <= 2:
+                if _is_sharded(st) and st.dim() == 1 and len(tuple(t.size())) == 2 and tuple(st.size())[0] == rows * len(_column_ranges(t)):
+                    # Row-wise (one value per row per column shard): a [rows, column shards]
+                    # slot, the column ranges in the metadata; see `load` for another plan.
+                    slots[f"state.{key}"] = _rowwise_chunks(st, rows, f"{name} {key}")
+                    rowwise.setdefault(name, {})[key] = _column_ranges(t)
+                elif _is_sharded(st) and tuple(st.size()) == tuple(t.size()):
                     slots[f"state.{key}"] = _chunks_of(st, f"{name} {key}")
                 elif torch.is_tensor(st) and not _is_sharded(st):
                     dense[f"fused/{name}/{key}"] = st.detach()
@@ -210,6 +280,7 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
         "fused_param_groups": _jsonable(fused_groups),
         "tables": sorted(table_params),
         "sharded": sorted(sharded),
+        "rowwise": rowwise,
         "step": step,
         "extra": extra,
     }
@@ -225,7 +296,7 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
         held = {slot: chunks for slot, chunks in slots.items() if chunks}
         if held:
             out_tables[name] = held
-    return out_tables, dense, {META_KEY: json.dumps(meta)}
+    return out_tables, dense, meta
 
 
 def _jsonable(value):
@@ -237,7 +308,17 @@ def _jsonable(value):
 
 def _save(target, model, optimizer, step, extra, tables, background, options):
     rank, world = _world()
-    out_tables, dense, metadata = _collect(model, optimizer, tables, step, extra, rank, world)
+    out_tables, dense, meta = _collect(model, optimizer, tables, step, extra, rank, world)
+    if world > 1:
+        # Each rank sees the row-wise state of the shards it holds: the metadata, which every
+        # rank must give alike, takes them all.
+        import torch.distributed as dist
+
+        seen = [None] * world
+        dist.all_gather_object(seen, meta["rowwise"])
+        meta["rowwise"] = {k: v for r in seen for k, v in r.items()}
+        meta["rowwise"] = dict(sorted(meta["rowwise"].items()))
+    metadata = {META_KEY: json.dumps(meta)}
     if "metadata" in options:
         metadata = {**options.pop("metadata"), **metadata}
     if isinstance(target, _s.Manager):
@@ -358,6 +439,7 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     state_sd = model.state_dict()
     fused, _, fused_opt, fused_sd = _fused_state(model)
     sharded = {k: t for k, t in state_sd.items() if _is_sharded(t)}
+    means = []  # (target, [(weight, buffer)]): row-wise state converted to another column cut
     for name, t in sharded.items():
         held = held_tables.get(name)
         if held is None:
@@ -367,12 +449,21 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
             raise _s.InputError(f"{name}: the checkpoint holds shape {tuple(shape)}, the model {tuple(t.size())}")
         slots = {"param": _chunks_of(t, name)}
         for key, st in fused.get(name, {}).items():
-            if f"state.{key}" in held["slots"] and _is_sharded(st):
+            if f"state.{key}" not in held["slots"] or not _is_sharded(st):
+                continue
+            saved_ranges = meta.get("rowwise", {}).get(name, {}).get(key)
+            if saved_ranges is None:
                 slots[f"state.{key}"] = _chunks_of(st, f"{name} {key}")
+            else:
+                slots[f"state.{key}"] = _rowwise_targets(st, t, [tuple(r) for r in saved_ranges], f"{name} {key}", means)
         slots = {k: v for k, v in slots.items() if v}
         if slots:
             into[name] = slots
     loaded = _s.load(path, into=into, tables=list(into) or None)
+    for target, parts in means:
+        total = sum(w for w, _ in parts)
+        with torch.no_grad():
+            target.copy_(sum(w * b for w, b in parts).reshape(target.shape) / total)
     if sharded:
         model.load_state_dict(state_sd, strict=False)
     if fused_sd is not None:

@@ -29,17 +29,18 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _model(world, plan_kinds, seed):
+def _model(world, plan_kinds, seed, rowwise=False, min_partition=32):
     torch.manual_seed(seed)
     configs = [
         torchrec.EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
         for n, r, d in TABLES
     ]
     ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": 0.1})
+    optimizer = torchrec.optim.RowWiseAdagrad if rowwise else torch.optim.Adagrad
+    apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": 0.1})
     # A column-wise table of dimension d is cut into d / min_partition shards at most.
     constraints = {
-        n: ParameterConstraints(sharding_types=[k], min_partition=32 if k == "column_wise" else None)
+        n: ParameterConstraints(sharding_types=[k], min_partition=min_partition if k == "column_wise" else None)
         for (n, _, _), k in zip(TABLES, plan_kinds)
     }
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)
@@ -93,11 +94,11 @@ def _whole(dumps):
     return whole
 
 
-def _run(rank, world, port, kinds, path, out, save):
+def _run(rank, world, port, kinds, path, out, save, rowwise=False, min_partition=32):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = _model(world, kinds, seed=1 if save else 2)
+        model = _model(world, kinds, seed=1 if save else 2, rowwise=rowwise, min_partition=min_partition)
         if save:
             _train(model, rank, 2)
             saver.torch.save(path, model, step=2, extra={"plan": kinds})
@@ -116,9 +117,9 @@ def kinds_saved(path):
     return saver.torch._meta(path)[0]["extra"]["plan"]
 
 
-def _ranks(world, kinds, path, out, save):
+def _ranks(world, kinds, path, out, save, rowwise=False, min_partition=32):
     os.makedirs(out, exist_ok=True)
-    mp.spawn(_run, args=(world, _free_port(), kinds, path, out, save), nprocs=world, join=True)
+    mp.spawn(_run, args=(world, _free_port(), kinds, path, out, save, rowwise, min_partition), nprocs=world, join=True)
     return _whole([torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)])
 
 
@@ -137,3 +138,34 @@ def test_a_torchrec_model_saved_in_one_plan_loads_bit_for_bit_in_others(tmp_path
         for k, v in saved.items():
             match = [g for gk, g in got.items() if gk.split(":")[0] == k.split(":")[0] and gk.split(":")[-1].split(".")[-1] == k.split(":")[-1].split(".")[-1]]
             assert match and torch.equal(match[0], v), (world, kinds, k)
+
+
+def test_row_wise_adagrad_state_follows_its_table_across_column_cuts_by_the_documented_rule(tmp_path):
+    """Fused row-wise Adagrad keeps one value per row per column shard. Saved with t2 cut into 4
+    column shards: loaded in the same plan it is exact; into another column cut, each new shard
+    gets the mean of the saved shards it overlaps, weighted by the columns they share (docs:
+    saver.torch); table-wise, the mean of all four."""
+    path = str(tmp_path / "ck")
+    kinds = ["table_wise", "table_wise", "column_wise"]
+    saved = _ranks(2, kinds, path, str(tmp_path / "saved"), save=True, rowwise=True)
+    key = next(k for k in saved if k.startswith("embedding_bags.t2.weight:"))
+    rows = 80
+    per_shard = saved[key].reshape(4, rows)  # 4 saved column shards of 32 columns
+    assert torch.count_nonzero(per_shard), "training left row-wise state"
+    # The same cut: exact, weights and state.
+    same = _ranks(2, kinds, path, str(tmp_path / "same"), save=False, rowwise=True)
+    for k, v in saved.items():
+        assert torch.equal(same[k], v), k
+    # Two column shards of 64: each the mean of two saved ones.
+    two = _ranks(2, kinds, path, str(tmp_path / "two"), save=False, rowwise=True, min_partition=64)
+    got = two[key].reshape(-1, rows)
+    assert got.shape[0] == 2
+    assert torch.allclose(got[0], (per_shard[0] + per_shard[1]) / 2, rtol=0, atol=1e-6)
+    assert torch.allclose(got[1], (per_shard[2] + per_shard[3]) / 2, rtol=0, atol=1e-6)
+    assert torch.equal(two["embedding_bags.t2.weight"], saved["embedding_bags.t2.weight"])
+    # Table-wise at one rank: the mean of all four; the other tables' state exact.
+    one = _ranks(1, ["table_wise"] * 3, path, str(tmp_path / "one"), save=False, rowwise=True)
+    assert torch.allclose(one[key], per_shard.mean(0), rtol=0, atol=1e-6)
+    for k, v in saved.items():
+        if not k.startswith("embedding_bags.t2.weight:"):
+            assert torch.equal(one[k], v), k
