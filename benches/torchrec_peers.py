@@ -1,0 +1,171 @@
+"""saver.torch against DCP on a TorchRec model, in one run: the DLRM-like tables of
+benches/row_range.py (6 tables, 3.76 M rows of dimension 32 at scale 1) in an
+EmbeddingBagCollection under DistributedModelParallel on CPU (gloo, 2 ranks, table-wise), with
+fused row-wise Adagrad.
+
+Each operation is timed on every rank between two barriers (the slowest rank's time is the
+job's), once per round, in turn; medians over the rounds:
+
+- blocking save: `saver.torch.save(path, model)` against TorchRec's DCP recipe, `dcp.save` of
+  `{"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}`;
+- restore into the same model, warm (files read once before) and cold (evicted first):
+  `saver.torch.load` against `dcp.load` of the same dict, then `load_state_dict` of both;
+- resharding load: the checkpoints saved by 2 ranks loaded by 3 ranks (a plan of 3).
+
+Usage (from the repository root, with the Python suite's venv, which has TorchRec):
+
+    $VENV/bin/python benches/torchrec_peers.py --rounds 3 [--scale 0.25]
+"""
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+import torchrec
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+import saver
+import saver.torch
+
+TABLE_ROWS = [1_500_000, 1_000_000, 600_000, 400_000, 200_000, 60_000]
+DIM = 32
+MIB = 1 << 20
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model(world, scale):
+    configs = [
+        torchrec.EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=max(1, int(r * scale)), feature_names=[f"f{i}"])
+        for i, r in enumerate(TABLE_ROWS)
+    ]
+    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, ebc.parameters(), {"lr": 0.1})
+    constraints = {f"t{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(len(TABLE_ROWS))}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)
+    plan = planner.collective_plan(ebc, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
+    return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan)
+
+
+def files_under(path):
+    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+
+
+def warm(path):
+    for f in files_under(path):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(64 * MIB):
+                pass
+
+
+def evict(path):
+    for f in files_under(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed(f):
+    dist.barrier()
+    t0 = time.perf_counter()
+    f()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def dcp_state(m):
+    return {"model": m.state_dict(), "optim": m.fused_optimizer.state_dict()}
+
+
+def dcp_restore(m, path):
+    sd = dcp_state(m)
+    dcp.load(sd, checkpoint_id=path)
+    m.load_state_dict(sd["model"])
+    m.fused_optimizer.load_state_dict(sd["optim"])
+
+
+def rank_main(rank, world, port, args, phase, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    times = {}
+    try:
+        m = model(world, args.scale)
+        work = args.work
+        s_path, d_path = os.path.join(work, "saver"), os.path.join(work, "dcp")
+        if phase == "main":
+            for r in range(args.rounds + 1):
+                got = {}
+                if rank == 0:
+                    shutil.rmtree(s_path, ignore_errors=True)
+                    shutil.rmtree(d_path, ignore_errors=True)
+                got["save saver"] = timed(lambda: saver.torch.save(s_path, m))
+                got["save dcp"] = timed(lambda: dcp.save(dcp_state(m), checkpoint_id=d_path))
+                for cache in ("warm", "cold"):
+                    for who, path, f in (("saver", s_path, lambda: saver.torch.load(s_path, m)), ("dcp", d_path, lambda: dcp_restore(m, d_path))):
+                        if rank == 0:
+                            (warm if cache == "warm" else evict)(path)
+                        got[f"load {who} {cache}"] = timed(f)
+                if r > 0:
+                    for k, v in got.items():
+                        times.setdefault(k, []).append(v)
+        else:  # a plan of `world` ranks reads what 2 ranks saved
+            for r in range(args.rounds + 1):
+                got = {}
+                for who, path, f in (("saver", s_path, lambda: saver.torch.load(s_path, m)), ("dcp", d_path, lambda: dcp_restore(m, d_path))):
+                    if rank == 0:
+                        warm(path)
+                    got[f"reshard {who}"] = timed(f)
+                if r > 0:
+                    for k, v in got.items():
+                        times.setdefault(k, []).append(v)
+        if rank == 0:
+            torch.save(times, out)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--work", default=os.path.join("target", "bench-scratch", "torchrec-peers"))
+    args = ap.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    out = os.path.join(args.work, "times.pt")
+    mp.spawn(rank_main, args=(2, free_port(), args, "main", out), nprocs=2, join=True)
+    times = torch.load(out)
+    mp.spawn(rank_main, args=(3, free_port(), args, "reshard", out), nprocs=3, join=True)
+    times.update(torch.load(out))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = sum(max(1, int(r * args.scale)) for r in TABLE_ROWS)
+    print(f"TorchRec DMP, 2 ranks (gloo, CPU), table-wise, fused row-wise Adagrad: {rows} rows of dim {DIM}, "
+          f"{rows * (DIM + 1) * 4 / (1 << 30):.2f} GiB; {args.rounds} rounds, medians (the slowest rank)")
+    print("| operation | saver.torch | DCP | saver / DCP |")
+    print("| --- | --- | --- | --- |")
+    for label, a, b in (("blocking save", "save saver", "save dcp"), ("restore, warm", "load saver warm", "load dcp warm"),
+                        ("restore, cold", "load saver cold", "load dcp cold"), ("resharding load 2 -> 3 ranks, warm", "reshard saver", "reshard dcp")):
+        print(f"| {label} | {med[a]:.3f} s | {med[b]:.3f} s | {med[a] / med[b]:.3f} |")
+    shutil.rmtree(args.work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
