@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 import saver
+from page_cache import evict, files_under, fsync_path, warm
 
 MIB = 1 << 20
 TABLE_ROWS = [1_500_000, 1_000_000, 600_000, 400_000, 200_000, 60_000]
@@ -62,32 +63,6 @@ def model(scale):
 
 def nbytes(tables):
     return sum(a.numel() * a.element_size() for t in tables.values() for a in t.values())
-
-
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def files_under(path):
-    if os.path.isfile(path):
-        return [path]
-    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-
-
-def evict(paths):
-    """Drops the files' pages from the page cache (they are clean: written and fsynced)."""
-    for p in paths:
-        for f in files_under(p):
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 THREADS = os.cpu_count() or 1
@@ -244,11 +219,7 @@ def deltas(tables, work, rounds):
         t0 = time.perf_counter()
         saver.save(delta, tables={n: {s: saver.Chunk(a) for s, a in t.items()} for n, t in changed.items()}, parent=base)
         t_delta = time.perf_counter() - t0
-        for p in (base, full, delta):
-            for f in files_under(p):
-                with open(f, "rb", buffering=0) as fh:
-                    while fh.read(64 * MIB):
-                        pass
+        warm([base, full, delta])
         l_full, _ = saver_load(changed, full)
         l_delta, loaded = saver_load(changed, delta)
         if r == 0:
@@ -293,11 +264,7 @@ def main():
             if cache == "warm":
                 # Saves written with direct I/O leave nothing in the page cache: read every
                 # file once, untimed, so that every reader finds all of its bytes there.
-                for p in paths.values():
-                    for f in files_under(p):
-                        with open(f, "rb", buffering=0) as fh:
-                            while fh.read(64 * MIB):
-                                pass
+                warm(paths.values())
             if cache == "cold":
                 evict(paths.values())
             got[f"limit_read_{cache}"] = limit_read(paths["limit"], n)

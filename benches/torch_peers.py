@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import saver
 import saver.torch
+from page_cache import evict, fsync_path, warm
 
 TABLE_ROWS = [1_500_000, 1_000_000, 600_000, 400_000, 200_000, 60_000]
 DIM = 32
@@ -71,39 +72,6 @@ def make(scale, seed=5):
 def nbytes(model, opt):
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     return n + sum(s["sum"].numel() * 4 for s in opt.state.values())
-
-
-def files_under(path):
-    if os.path.isfile(path):
-        return [path]
-    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-
-
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def evict(paths):
-    for p in paths:
-        for f in files_under(p):
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def warm(paths):
-    for p in paths:
-        for f in files_under(p):
-            with open(f, "rb", buffering=0) as fh:
-                while fh.read(64 * MIB):
-                    pass
 
 
 # The operations: each returns the seconds the trainer waits.

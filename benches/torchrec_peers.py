@@ -37,10 +37,10 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 import saver
 import saver.torch
+from page_cache import evict, warm
 
 TABLE_ROWS = [1_500_000, 1_000_000, 600_000, 400_000, 200_000, 60_000]
 DIM = 32
-MIB = 1 << 20
 
 
 def free_port():
@@ -60,27 +60,6 @@ def model(world, scale):
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)
     plan = planner.collective_plan(ebc, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
     return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan)
-
-
-def files_under(path):
-    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-
-
-def warm(path):
-    for f in files_under(path):
-        with open(f, "rb", buffering=0) as fh:
-            while fh.read(64 * MIB):
-                pass
-
-
-def evict(path):
-    for f in files_under(path):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def timed(f):
@@ -121,7 +100,7 @@ def rank_main(rank, world, port, args, phase, out):
                 for cache in ("warm", "cold"):
                     for who, path, f in (("saver", s_path, lambda: saver.torch.load(s_path, m)), ("dcp", d_path, lambda: dcp_restore(m, d_path))):
                         if rank == 0:
-                            (warm if cache == "warm" else evict)(path)
+                            (warm if cache == "warm" else evict)([path])
                         got[f"load {who} {cache}"] = timed(f)
                 if r > 0:
                     for k, v in got.items():
@@ -131,7 +110,7 @@ def rank_main(rank, world, port, args, phase, out):
                 got = {}
                 for who, path, f in (("saver", s_path, lambda: saver.torch.load(s_path, m)), ("dcp", d_path, lambda: dcp_restore(m, d_path))):
                     if rank == 0:
-                        warm(path)
+                        warm([path])
                     got[f"reshard {who}"] = timed(f)
                 if r > 0:
                     for k, v in got.items():

@@ -361,6 +361,39 @@ pub(crate) enum ChunkPart {
     ChangedValues,
 }
 
+/// The entry of `place`'s slot in `tables`, its table's and its own made if missing.
+fn slot_entry<'t>(
+    tables: &'t mut Vec<RowTableManifest>,
+    place: &ChunkPlace,
+) -> &'t mut RowSlotManifest {
+    let t = match tables.iter().position(|t| t.name == place.table) {
+        Some(i) => i,
+        None => {
+            tables.push(RowTableManifest {
+                name: place.table.clone(),
+                rows: place.whole[0],
+                slots: Vec::new(),
+            });
+            tables.len() - 1
+        }
+    };
+    let slots = &mut tables[t].slots;
+    let s = match slots.iter().position(|s| s.name == place.slot) {
+        Some(i) => i,
+        None => {
+            slots.push(RowSlotManifest {
+                name: place.slot.clone(),
+                dtype: place.dtype,
+                shape: place.whole.clone(),
+                chunks: Vec::new(),
+                patches: Vec::new(),
+            });
+            slots.len() - 1
+        }
+    };
+    &mut slots[s]
+}
+
 impl ChunkPlace {
     fn of(c: &RowRangeChunk<'_>, part: ChunkPart) -> Self {
         Self {
@@ -871,31 +904,7 @@ impl<'a> SavePlan<'a> {
         let mut tables: Vec<RowTableManifest> = Vec::new();
         for d in shard.dense.iter().filter(|d| d.dense >= self.given_dense) {
             let place = &self.chunks[d.dense - self.given_dense];
-            let dtype = place.dtype;
-            let table = match tables.iter_mut().position(|t| t.name == place.table) {
-                Some(i) => &mut tables[i],
-                None => {
-                    tables.push(RowTableManifest {
-                        name: place.table.clone(),
-                        rows: place.whole[0],
-                        slots: Vec::new(),
-                    });
-                    tables.last_mut().expect("just pushed")
-                }
-            };
-            let slot = match table.slots.iter().position(|s| s.name == place.slot) {
-                Some(i) => &mut table.slots[i],
-                None => {
-                    table.slots.push(RowSlotManifest {
-                        name: place.slot.clone(),
-                        dtype,
-                        shape: place.whole.clone(),
-                        chunks: Vec::new(),
-                        patches: Vec::new(),
-                    });
-                    table.slots.last_mut().expect("just pushed")
-                }
-            };
+            let slot = slot_entry(&mut tables, place);
             match place.part {
                 ChunkPart::Values => slot.chunks.push(RowChunkManifest {
                     shard: shard.shard,
@@ -926,31 +935,7 @@ impl<'a> SavePlan<'a> {
             }
         }
         for (_, place) in self.unchanged.iter().filter(|(s, _)| *s == shard.shard) {
-            let dtype = place.dtype;
-            let table = match tables.iter_mut().position(|t| t.name == place.table) {
-                Some(i) => &mut tables[i],
-                None => {
-                    tables.push(RowTableManifest {
-                        name: place.table.clone(),
-                        rows: place.whole[0],
-                        slots: Vec::new(),
-                    });
-                    tables.last_mut().expect("just pushed")
-                }
-            };
-            let slot = match table.slots.iter().position(|s| s.name == place.slot) {
-                Some(i) => &mut table.slots[i],
-                None => {
-                    table.slots.push(RowSlotManifest {
-                        name: place.slot.clone(),
-                        dtype,
-                        shape: place.whole.clone(),
-                        chunks: Vec::new(),
-                        patches: Vec::new(),
-                    });
-                    table.slots.last_mut().expect("just pushed")
-                }
-            };
+            let slot = slot_entry(&mut tables, place);
             slot.patches.push(RowPatchManifest {
                 shard: shard.shard,
                 offset: place.offset.clone(),
