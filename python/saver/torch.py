@@ -225,7 +225,10 @@ def _agreed(value):
 
 def _collect(model, optimizer, tables, step, extra, rank, world):
     """The save's tables, dense tensors and metadata for this rank."""
-    table_params = _table_params(model, tables)
+    model_state = model.state_dict()
+    table_params = {
+        k: p for k, p in _table_params(model, tables).items() if not _is_sharded(model_state.get(k))
+    }
     states, groups = _optimizer_state(model, optimizer)
     by_table = {}
     dense = {}
@@ -234,7 +237,7 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
     sharded = {}
     rowwise = {}
     fused, fused_groups, _, _ = _fused_state(model)
-    for name, t in model.state_dict().items():
+    for name, t in model_state.items():
         if _is_sharded(t):
             slots = {"param": _chunks_of(t, name)}
             rows = tuple(t.size())[0]
@@ -405,8 +408,11 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     path = os.fspath(source)
     meta, ck = _meta(path)
     by_name = dict(model.named_parameters())
-    # The model's embeddings, and the 2-D parameters the save was told to take as tables.
-    table_params = _table_params(model, [t for t in meta["tables"] if t in by_name and by_name[t].dim() == 2])
+    # The model's embeddings, and the 2-D parameters the save was told to take as tables; not
+    # those TorchRec shards (read below, by their shards), whatever plan saved them.
+    sharded_names = {k for k, t in model.state_dict().items() if _is_sharded(t)}
+    table_params = _table_params(model, [t for t in meta["tables"] if t in by_name and by_name[t].dim() == 2 and t not in sharded_names])
+    table_params = {k: p for k, p in table_params.items() if k not in sharded_names}
     names = _param_names(model)
     held_tables = ck.row_tables
     into = {}

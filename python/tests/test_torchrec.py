@@ -169,3 +169,30 @@ def test_row_wise_adagrad_state_follows_its_table_across_column_cuts_by_the_docu
     for k, v in saved.items():
         if not k.startswith("embedding_bags.t2.weight:"):
             assert torch.equal(one[k], v), k
+
+
+def _plain_ebc(seed):
+    """The same tables in an EmbeddingBagCollection on the CPU, without DMP."""
+    torch.manual_seed(seed)
+    configs = [
+        torchrec.EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
+        for n, r, d in TABLES
+    ]
+    return torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+
+
+def test_an_unsharded_collection_and_a_sharded_plan_read_each_other(tmp_path):
+    """Names follow the model: an EmbeddingBagCollection without DMP saves its tables under the
+    names DMP gives them, so either reads the other's weights."""
+    plain = _plain_ebc(seed=3)
+    saver.torch.save(tmp_path / "plain", plain, extra={"plan": "plain"})
+    got = _ranks(2, ["column_wise", "table_wise", "column_wise"], str(tmp_path / "plain"), str(tmp_path / "w2"), save=False)
+    for name, t in plain.state_dict().items():
+        assert torch.equal(got[name], t), name
+    # And back: a DMP checkpoint into the plain collection.
+    path = str(tmp_path / "dmp")
+    saved = _ranks(2, ["table_wise", "column_wise", "column_wise"], path, str(tmp_path / "saved"), save=True)
+    back = _plain_ebc(seed=4)
+    saver.torch.load(path, back)
+    for name, t in back.state_dict().items():
+        assert torch.equal(saved[name], t), name
