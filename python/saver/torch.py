@@ -146,19 +146,25 @@ def _column_ranges(t):
     return sorted(ranges)
 
 
-def _rowwise_chunks(st, rows, what):
-    """A row-wise state of a table cut into k column ranges (TorchRec's: one value per row per
-    column shard, a 1-D ShardedTensor of rows·k values, column shard j's rows at j·rows) as
-    chunks of a [rows, k] slot."""
-    out = []
+def _rowwise_shards(st, rows, what):
+    """The local shards of a row-wise state of a table cut into column ranges (TorchRec's: one
+    value per row per column shard, a 1-D ShardedTensor of rows·k values, column shard j's rows
+    at j·rows): (tensor, rows n, column shard j, first row r) each."""
     for shard in st.local_shards():
         o, n = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
         j, r = divmod(o, rows)
         if r + n > rows:
             raise _s.InputError(f"{what}: a shard of the row-wise state crosses column shards; not supported")
-        total = tuple(st.size())[0] // rows
-        out.append(_s.Chunk(shard.tensor.detach().reshape(n, 1), offset=(r, j), shape=(rows, total)))
-    return out
+        yield shard.tensor, n, j, r
+
+
+def _rowwise_chunks(st, rows, what):
+    """A row-wise state (see `_rowwise_shards`) as chunks of a [rows, k] slot."""
+    total = tuple(st.size())[0] // rows
+    return [
+        _s.Chunk(tensor.detach().reshape(n, 1), offset=(r, j), shape=(rows, total))
+        for tensor, n, j, r in _rowwise_shards(st, rows, what)
+    ]
 
 
 def _rowwise_targets(st, t, saved, what, means):
@@ -166,26 +172,21 @@ def _rowwise_targets(st, t, saved, what, means):
     slot saved for column ranges `saved`: a shard whose column range was saved is read
     straight into; any other gets the mean of the saved ranges it overlaps, each weighted by
     the columns they share (buffers read here, the mean taken after the load: `means`)."""
-    rows = tuple(t.size())[0]
     ranges = _column_ranges(t)
     out = []
-    for shard in st.local_shards():
-        o, n = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
-        j, r = divmod(o, rows)
-        if r + n > rows:
-            raise _s.InputError(f"{what}: a shard of the row-wise state crosses column shards; not supported")
+    for tensor, n, j, r in _rowwise_shards(st, tuple(t.size())[0], what):
         a, b = ranges[j]
         if (a, b) in saved:
-            out.append(_s.Chunk(shard.tensor.reshape(n, 1), offset=(r, saved.index((a, b)))))
+            out.append(_s.Chunk(tensor.reshape(n, 1), offset=(r, saved.index((a, b)))))
             continue
         parts = []
         for k, (sa, sb) in enumerate(saved):
             w = min(b, sb) - max(a, sa)
             if w > 0:
-                buf = torch.empty(n, 1, dtype=shard.tensor.dtype)
+                buf = torch.empty(n, 1, dtype=tensor.dtype)
                 out.append(_s.Chunk(buf, offset=(r, k)))
                 parts.append((w, buf))
-        means.append((shard.tensor, parts))
+        means.append((tensor, parts))
     return out
 
 
