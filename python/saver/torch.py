@@ -411,9 +411,12 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     by_name = dict(model.named_parameters())
     # The model's embeddings, and the 2-D parameters the save was told to take as tables; not
     # those TorchRec shards (read below, by their shards), whatever plan saved them.
-    sharded_names = {k for k, t in model.state_dict().items() if _is_sharded(t)}
-    table_params = _table_params(model, [t for t in meta["tables"] if t in by_name and by_name[t].dim() == 2 and t not in sharded_names])
-    table_params = {k: p for k, p in table_params.items() if k not in sharded_names}
+    # One state dict, whose sharded tensors are filled below and handed back (each call of a
+    # DistributedModelParallel's builds them anew).
+    state_sd = model.state_dict()
+    sharded = {k: t for k, t in state_sd.items() if _is_sharded(t)}
+    table_params = _table_params(model, [t for t in meta["tables"] if t in by_name and by_name[t].dim() == 2])
+    table_params = {k: p for k, p in table_params.items() if k not in sharded}
     names = _param_names(model)
     held_tables = ck.row_tables
     into = {}
@@ -443,9 +446,7 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     # Tables sharded by TorchRec: each local shard (and each of its fused optimizer state)
     # filled from whatever split saved it; then given back to the model and the fused
     # optimizer through their own load_state_dict.
-    state_sd = model.state_dict()
     fused, _, fused_opt, fused_sd = _fused_state(model)
-    sharded = {k: t for k, t in state_sd.items() if _is_sharded(t)}
     means = []  # (target, [(weight, buffer)]): row-wise state converted to another column cut
     for name, t in sharded.items():
         held = held_tables.get(name)

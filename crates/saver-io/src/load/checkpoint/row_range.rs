@@ -65,6 +65,15 @@ pub struct RowsLoaded {
     pub chunks: u64,
 }
 
+impl std::ops::AddAssign for RowsLoaded {
+    /// Adds another load's figures: those of several loads together.
+    fn add_assign(&mut self, other: Self) {
+        self.bytes_wanted += other.bytes_wanted;
+        self.bytes_read += other.bytes_read;
+        self.chunks += other.chunks;
+    }
+}
+
 /// One row-range table's rows as [`Checkpoint::load_row_tables`] read them, into memory of
 /// their own.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -127,10 +136,7 @@ impl Checkpoint {
                 .iter_mut()
                 .map(|s| RowsInto::new(&s.name, &mut s.values))
                 .collect();
-            let loaded = self.load_rows(&t.name, rows.clone(), &mut into)?;
-            total.bytes_wanted += loaded.bytes_wanted;
-            total.bytes_read += loaded.bytes_read;
-            total.chunks += loaded.chunks;
+            total += self.load_rows(&t.name, rows.clone(), &mut into)?;
             tables.push(LoadedRowTable {
                 name: t.name.clone(),
                 rows,
@@ -186,9 +192,7 @@ impl Checkpoint {
             // The load's own error (corrupt, not found, ...) is returned whole, below.
             match self.load_rows(table.name(), rows, &mut [RowsInto::new(&spec.name, out)]) {
                 Ok(loaded) => {
-                    total.bytes_wanted += loaded.bytes_wanted;
-                    total.bytes_read += loaded.bytes_read;
-                    total.chunks += loaded.chunks;
+                    total += loaded;
                     Ok(())
                 }
                 Err(e) => {
@@ -326,10 +330,9 @@ impl Checkpoint {
             .collect::<Result<Vec<_>>>()?;
         Ok(parts
             .into_iter()
-            .fold(RowsLoaded::default(), |a, b| RowsLoaded {
-                bytes_wanted: a.bytes_wanted + b.bytes_wanted,
-                bytes_read: a.bytes_read + b.bytes_read,
-                chunks: a.chunks + b.chunks,
+            .fold(RowsLoaded::default(), |mut all, part| {
+                all += part;
+                all
             }))
     }
 
