@@ -54,6 +54,24 @@ META_VERSION = 1
 
 _EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
+#: Adagrad's accumulated squares go by two names: ``torch.optim.Adagrad`` calls them ``sum``,
+#: TorchRec's fused Adagrad ``momentum1`` (its first state, whatever the optimizer). A table
+#: whose plan moves it between the two (data-parallel, trained by the dense optimizer, and
+#: sharded, trained by the fused one) keeps its state by reading the other name.
+_ALIASES = {"sum": "momentum1", "momentum1": "sum"}
+
+
+def _held_slot(held_slots, key, shape):
+    """The checkpoint's slot of a table holding optimizer state `key` of `shape`: its own name,
+    else its alias (see `_ALIASES`) when that is the table's only state of that shape; None."""
+    if f"state.{key}" in held_slots:
+        return f"state.{key}"
+    alias = _ALIASES.get(key)
+    same_shape = [s for s, (_, sh) in held_slots.items() if s.startswith("state.") and tuple(sh) == tuple(shape)]
+    if alias is not None and same_shape == [f"state.{alias}"]:
+        return same_shape[0]
+    return None
+
 
 def _table_params(model: torch.nn.Module, tables: Optional[Iterable[str]]) -> dict:
     """{parameter name: parameter} of the parameters saved as row-range tables."""
@@ -62,6 +80,11 @@ def _table_params(model: torch.nn.Module, tables: Optional[Iterable[str]]) -> di
     for mod_name, m in model.named_modules():
         if isinstance(m, _EMBEDDINGS) and m.weight is not None:
             out[f"{mod_name}.weight" if mod_name else "weight"] = m.weight
+    # A table TorchRec holds in a batched kernel is a slice of it: whole on every rank when its
+    # plan is data-parallel (sharded ones are read by their shards, elsewhere).
+    for name, p in named.items():
+        if type(p).__name__ == "TableBatchedEmbeddingSlice" and p.dim() == 2:
+            out[name] = p
     for name in tables or ():
         if name not in named:
             raise _s.InputError(f"tables: the model has no parameter {name!r}")
@@ -432,16 +455,24 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
         if shape is None or tuple(shape) != tuple(p.shape) or _torch_dtype(dtype, name) != p.dtype:
             raise _s.InputError(f"{name}: the checkpoint holds {dtype} of shape {None if shape is None else tuple(shape)}, the model {p.dtype} of shape {tuple(p.shape)}")
         slots = {"param": _s.Chunk(p.data)}
-        for slot, (dtype, shape) in held["slots"].items():
-            if not slot.startswith("state.") or optimizer is None:
-                continue
-            key = slot[len("state."):]
+        if optimizer is not None and _updates(optimizer, p):
             st = optimizer.state.setdefault(p, {})
-            t = st.get(key)
-            if not (torch.is_tensor(t) and tuple(t.shape) == tuple(shape)):
-                t = torch.empty(tuple(shape), dtype=_torch_dtype(dtype, f"{name}/{slot}"))
-                made[(name, key)] = t
-            slots[slot] = _s.Chunk(t)
+            # The state the optimizer has (Adagrad makes its own at once) is filled by its
+            # names or their aliases; an optimizer that makes it at its first step gets the
+            # checkpoint's by their names.
+            have = {k: t for k, t in st.items() if torch.is_tensor(t) and t.dim() >= 1}
+            if have:
+                wanted = {_held_slot(held["slots"], k, t.shape): k for k, t in have.items()}
+                wanted.pop(None, None)
+            else:
+                wanted = {slot: slot[len("state."):] for slot in held["slots"] if slot.startswith("state.")}
+            for slot, key in wanted.items():
+                dtype, shape = held["slots"][slot]
+                t = st.get(key)
+                if not (torch.is_tensor(t) and tuple(t.shape) == tuple(shape)):
+                    t = torch.empty(tuple(shape), dtype=_torch_dtype(dtype, f"{name}/{slot}"))
+                    made[(name, key)] = t
+                slots[slot] = _s.Chunk(t)
         into[name] = slots
     # Tables sharded by TorchRec: each local shard (and each of its fused optimizer state)
     # filled from whatever split saved it; then given back to the model and the fused
@@ -457,13 +488,19 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
             raise _s.InputError(f"{name}: the checkpoint holds shape {tuple(shape)}, the model {tuple(t.size())}")
         slots = {"param": _chunks_of(t, name)}
         for key, st in fused.get(name, {}).items():
-            if f"state.{key}" not in held["slots"] or not _is_sharded(st):
+            if not _is_sharded(st):
                 continue
             saved_ranges = meta.get("rowwise", {}).get(name, {}).get(key)
             if saved_ranges is None:
-                slots[f"state.{key}"] = _chunks_of(st, f"{name} {key}")
-            else:
+                slot = _held_slot(held["slots"], key, tuple(st.size()))
+                if slot is None:
+                    _missing_state(path, name, held["slots"], key, strict)
+                    continue
+                slots[slot] = _chunks_of(st, f"{name} {key}")
+            elif f"state.{key}" in held["slots"]:
                 slots[f"state.{key}"] = _rowwise_targets(st, t, [tuple(r) for r in saved_ranges], f"{name} {key}", means)
+            else:
+                _missing_state(path, name, held["slots"], key, strict)
         slots = {k: v for k, v in slots.items() if v}
         if slots:
             into[name] = slots
@@ -495,8 +532,26 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     for k in wanted & held_dense:
         _copy_into(state[k], loaded.dense[k], k)
     if optimizer is not None:
-        _load_optimizer(optimizer, meta, loaded.dense, by_name, names, path)
+        _load_optimizer(optimizer, meta, loaded.dense, by_name, names, set(table_params) | set(sharded), path)
     return meta["extra"]
+
+
+def _updates(optimizer, p) -> bool:
+    """Whether `optimizer` updates parameter `p`."""
+    return any(q is p for g in optimizer.param_groups for q in g["params"])
+
+
+def _missing_state(path, table, held_slots, key, strict):
+    """A fused optimizer state the checkpoint does not hold for `table`. Saved by another
+    optimizer (the table holds other state): an error when strict. Saved without one (weights
+    only): the state keeps its value, and a warning says so."""
+    message = f"{path} holds no optimizer state {key!r} of table {table!r}"
+    others = sorted(s[len("state."):] for s in held_slots if s.startswith("state."))
+    if strict and others:
+        raise _s.InputError(f"{message}, only {others} (load with strict=False to keep the optimizer's own)")
+    import warnings
+
+    warnings.warn(message + "; it keeps the optimizer's own", stacklevel=3)
 
 
 def _torch_dtype(name: str, what: str):
@@ -529,18 +584,27 @@ def _copy_into(target, array, name):
         target.copy_(src)
 
 
-def _load_optimizer(optimizer, meta, dense, by_name, names, path):
-    """Hyperparameters by param group, and the dense optimizer state, put back."""
+def _load_optimizer(optimizer, meta, dense, by_name, names, tables_here, path):
+    """Hyperparameters by param group, and the dense optimizer state, put back. A table another
+    plan trains by the other optimizer (data-parallel: the dense one; sharded: the fused one)
+    is in the param groups of one save and not of the other: groups are matched by their other
+    parameters, and a group whose tables differ keeps the hyperparameters it was built with."""
     if meta["optimizer"] is not None and meta["optimizer"] != type(optimizer).__name__:
         raise _s.InputError(f"{path} holds the state of a {meta['optimizer']}, not of a {type(optimizer).__name__}")
-    groups = meta["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise _s.InputError(f"{path} holds {len(groups)} param groups; the optimizer has {len(optimizer.param_groups)}")
-    for saved, group in zip(groups, optimizer.param_groups):
-        mine = [names.get(id(p)) for p in group["params"]]
-        if mine != saved["params"]:
-            raise _s.InputError(f"{path}: a param group holds {saved['params']}, the optimizer's {mine}")
-        for k, v in saved["hyper"].items():
+    tables = set(meta["tables"]) | set(meta["sharded"]) | set(tables_here)
+
+    def others(params):
+        return [n for n in params if n not in tables]
+
+    saved_groups = meta["param_groups"]
+    mine_groups = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+    saved_others = [others(g["params"]) for g in saved_groups if others(g["params"])]
+    mine_others = [others(g) for g in mine_groups if others(g)]
+    if saved_others != mine_others:
+        raise _s.InputError(f"{path}: the param groups hold {[g['params'] for g in saved_groups]}, the optimizer's {mine_groups}")
+    for mine, group in zip(mine_groups, optimizer.param_groups):
+        saved = next((g for g in saved_groups if g["params"] == mine), None)
+        for k, v in (saved or {}).get("hyper", {}).items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
     for key, value in dense.items():
         if not key.startswith("optimizer/"):
@@ -549,6 +613,8 @@ def _load_optimizer(optimizer, meta, dense, by_name, names, path):
         p = by_name.get(name)
         if p is None:
             raise _s.InputError(f"{path}: optimizer state {key!r} of a parameter the model does not have")
+        if not _updates(optimizer, p):
+            continue  # trained by another optimizer in this plan (a table TorchRec shards)
         st = optimizer.state.setdefault(p, {})
         src = _as_tensor(value, p.dtype)
         t = st.get(state_key)
