@@ -130,32 +130,57 @@ def _optimizer_state(model, optimizer):
     return states, groups
 
 
-def _sharded_type():
-    """torch's ShardedTensor class (what TorchRec's DistributedModelParallel gives for a sharded
-    table), or None."""
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:  # pragma: no cover - every torch this package supports has it
-        return None
-    return ShardedTensor
+def _sharded_types():
+    """torch's classes of a tensor sharded over ranks: ShardedTensor (what TorchRec's
+    DistributedModelParallel gives for a sharded table) and DTensor."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    return ShardedTensor, DTensor
 
 
 def _is_sharded(t) -> bool:
-    cls = _sharded_type()
-    return cls is not None and isinstance(t, cls)
+    return isinstance(t, _sharded_types())
 
 
-def _chunks_of(t, what):
-    """The local shards of ShardedTensor `t` as chunks at their global offsets: [] when this
-    rank holds none of it."""
+def _is_dtensor(t) -> bool:
+    return isinstance(t, _sharded_types()[1])
+
+
+def _local_parts(t):
+    """[(tensor, global offset)] of the part of sharded tensor `t` this rank writes and reads:
+    a ShardedTensor's local shards; a DTensor's local tensor, unless it is a replica another
+    rank writes (a DTensor replicated over a mesh dimension is written by that dimension's
+    first rank, and read by every rank)."""
+    if not _is_dtensor(t):
+        return [(shard.tensor, tuple(shard.metadata.shard_offsets)) for shard in t.local_shards()]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = t.to_local()
+    if local.numel() == 0:
+        return []
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return [(local, tuple(offset))]
+
+
+def _chunks_of(t, what, reading=False):
+    """The local shards of sharded tensor `t` as chunks at their global offsets: [] when this
+    rank holds none of it. A DTensor replica is written once (`_local_parts`) and read by all
+    (`reading`)."""
     shape = tuple(t.size())
     if len(shape) not in (1, 2):
         raise _s.InputError(f"{what}: a sharded tensor of shape {shape}; a table has rows, and columns")
     out = []
-    for shard in t.local_shards():
-        if shard.tensor.device.type != "cpu":
-            raise _s.InputError(f"{what}: a shard on {shard.tensor.device}; saver.torch saves CPU tensors")
-        out.append(_s.Chunk(shard.tensor.detach(), offset=tuple(shard.metadata.shard_offsets), shape=shape))
+    for tensor, offset in _local_parts(t):
+        if tensor.device.type != "cpu":
+            raise _s.InputError(f"{what}: a shard on {tensor.device}; saver.torch saves CPU tensors")
+        out.append(_s.Chunk(tensor.detach(), offset=offset, shape=shape))
+    if not reading and _is_dtensor(t) and out:
+        from torch.distributed.tensor import Replicate
+
+        coordinate = t.device_mesh.get_coordinate() or []
+        if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coordinate)):
+            return []
     return out
 
 
@@ -266,7 +291,7 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
             slots = {"param": _chunks_of(t, name)}
             rows = tuple(t.size())[0]
             for key, st in fused.get(name, {}).items():
-                if _is_sharded(st) and st.dim() == 1 and len(tuple(t.size())) == 2 and tuple(st.size())[0] == rows * len(_column_ranges(t)):
+                if _is_sharded(st) and not _is_dtensor(t) and not _is_dtensor(st) and st.dim() == 1 and len(tuple(t.size())) == 2 and tuple(st.size())[0] == rows * len(_column_ranges(t)):
                     # Row-wise (one value per row per column shard): a [rows, column shards]
                     # slot, the column ranges in the metadata; see `load` for another plan.
                     slots[f"state.{key}"] = _rowwise_chunks(st, rows, f"{name} {key}")
@@ -486,7 +511,7 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
         dtype, shape = held["slots"]["param"]
         if tuple(shape) != tuple(t.size()):
             raise _s.InputError(f"{name}: the checkpoint holds shape {tuple(shape)}, the model {tuple(t.size())}")
-        slots = {"param": _chunks_of(t, name)}
+        slots = {"param": _chunks_of(t, name, reading=True)}
         for key, st in fused.get(name, {}).items():
             if not _is_sharded(st):
                 continue
@@ -496,7 +521,9 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
                 if slot is None:
                     _missing_state(path, name, held["slots"], key, strict)
                     continue
-                slots[slot] = _chunks_of(st, f"{name} {key}")
+                slots[slot] = _chunks_of(st, f"{name} {key}", reading=True)
+            elif _is_dtensor(st):
+                raise _s.InputError(f"{name}: the checkpoint holds row-wise state {key!r} by column shards; reading it into a DTensor is not supported")
             elif f"state.{key}" in held["slots"]:
                 slots[f"state.{key}"] = _rowwise_targets(st, t, [tuple(r) for r in saved_ranges], f"{name} {key}", means)
             else:
