@@ -44,6 +44,7 @@ __all__ = [
     "open",
     "save",
     "save_async",
+    "shard_of",
     "verify",
 ]
 
@@ -222,6 +223,9 @@ class SaveReport:
     files: int
     rows: int
     bytes_written: int
+    #: Rows given to this process that belong to other processes' shards, left out because
+    #: ``foreign_rows="skip"`` (0 otherwise: such rows are refused).
+    skipped_rows: int
     plan_seconds: float
     write_seconds: float
     commit_seconds: float
@@ -648,6 +652,26 @@ def _writable(value: Any, what: str) -> np.ndarray:
     if not value.flags.c_contiguous or not value.flags.writeable:
         raise InputError(f"{what}: the buffer must be C-contiguous and writable (it is filled in place)")
     return value
+
+
+def shard_of(ids: ArrayLike, shards: int) -> np.ndarray:
+    """The shard of ``shards`` that owns each id (a 1-D int64 or uint64 array, or a torch
+    tensor): a uint32 array of shard indices, by the partition rule every save follows. A
+    multi-process save of a hashed table wants each process to give the rows of its own shard
+    (``shard_index``); route rows with this, for example in the all-to-all that exchanges them::
+
+        owner = saver.shard_of(ids, world_size)
+        mine = owner == rank
+    """
+    shards = _int("shards", shards, 1, (1 << 32) - 1)
+    a = _array(ids, "ids")
+    if a.ndim != 1:
+        raise InputError(f"ids: must be 1-D, got shape {a.shape}")
+    if a.dtype == np.int64:
+        a = a.view(np.uint64)
+    elif a.dtype != np.uint64:
+        raise InputError(f"ids: must be int64 or uint64 (the dtypes of a table's ids), got {a.dtype}")
+    return _saver.shard_of(a, shards)
 
 
 def verify(path: PathLike, *, parallel: Optional[int] = None) -> dict:

@@ -275,6 +275,7 @@ fn report_dict<'py>(
     d.set_item("files", report.files)?;
     d.set_item("rows", report.rows)?;
     d.set_item("bytes_written", report.bytes_written)?;
+    d.set_item("skipped_rows", report.skipped_rows)?;
     d.set_item("plan_seconds", report.plan_seconds)?;
     d.set_item("write_seconds", report.write_seconds)?;
     d.set_item("commit_seconds", report.commit_seconds)?;
@@ -756,6 +757,29 @@ fn digest(py: Python<'_>, path: PathBuf, parallel: usize) -> PyResult<String> {
     .map_err(err)
 }
 
+/// The shard of `shards` that owns each id (given as its 64 bits: an int64 id as its two's
+/// complement), by the partition rule every save uses: where a trainer routes a row so that
+/// the process writing that shard holds it.
+#[pyfunction]
+fn shard_of<'py>(
+    py: Python<'py>,
+    ids: PyReadonlyArray1<'py, u64>,
+    shards: u32,
+) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    if shards == 0 {
+        return Err(err("shard_of: shards must be at least 1"));
+    }
+    let ids = ids
+        .as_slice()
+        .map_err(|e| err(format!("shard_of: ids: {e}")))?;
+    let owners: Vec<u32> = py.detach(|| {
+        ids.iter()
+            .map(|&id| saver_core::PartitionRule::shard_of(id, shards))
+            .collect()
+    });
+    Ok(PyArray1::from_vec(py, owners))
+}
+
 #[pymodule]
 fn _saver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SaverError", m.py().get_type::<SaverError>())?;
@@ -768,5 +792,6 @@ fn _saver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_rows, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(digest, m)?)?;
+    m.add_function(wrap_pyfunction!(shard_of, m)?)?;
     Ok(())
 }

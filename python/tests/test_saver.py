@@ -108,9 +108,13 @@ def test_a_multi_process_save_commits_when_its_last_shard_is_written(tmp_path):
         saver.save(tmp_path / "x", tables={"t": {"ids": np.arange(100, dtype=np.int64)}}, shards=3, shard_index=0, foreign_rows="skip")
     ids = np.arange(3000, dtype=np.int64)
     emb = np.repeat(ids[:, None], 4, axis=1).astype(np.float32)
+    owner = saver.shard_of(ids, 3)
+    assert owner.dtype == np.uint32 and set(owner.tolist()) == {0, 1, 2}
+    np.testing.assert_array_equal(saver.shard_of(torch_like(ids), 3), owner)
     for j in range(3):
-        # Every process holds the whole table here, and writes its shard's rows.
-        saver.save(
+        # Every process holds the whole table here, and writes its shard's rows: the others'
+        # are left out, and the report counts them.
+        report = saver.save(
             tmp_path / "c",
             tables={"t": {"ids": ids, "emb": emb}},
             shards=3,
@@ -118,11 +122,32 @@ def test_a_multi_process_save_commits_when_its_last_shard_is_written(tmp_path):
             save_id="run1",
             foreign_rows="skip",
         )
+        assert report.rows == int((owner == j).sum()) and report.skipped_rows == int((owner != j).sum())
+        # Routed by shard_of, a process's rows are its shard's: nothing is foreign.
+        mine = owner == j
+        routed = saver.save(tmp_path / "r", tables={"t": {"ids": ids[mine], "emb": emb[mine]}},
+                            shards=3, shard_index=j, save_id="run2")
+        assert routed.rows == int(mine.sum()) and routed.skipped_rows == 0
         if j < 2:
             with pytest.raises(saver.SaverError):
                 saver.open(tmp_path / "c")  # not committed before its last shard
-    got = by_id(saver.load(tmp_path / "c").tables["t"])
-    np.testing.assert_array_equal(got["emb"], emb)
+    for c in ("c", "r"):
+        got = by_id(saver.load(tmp_path / c).tables["t"])
+        np.testing.assert_array_equal(got["emb"], emb)
+        for j in range(3):
+            part = saver.load(tmp_path / c, shards=3, shard_index=j).tables["t"]["ids"]
+            np.testing.assert_array_equal(np.sort(part), ids[owner == j])
+    with pytest.raises(saver.InputError, match="shards"):
+        saver.shard_of(ids, 0)
+    with pytest.raises(saver.InputError, match="int64 or uint64"):
+        saver.shard_of(ids.astype(np.int32), 2)
+
+
+def torch_like(ids):
+    """`ids` as a torch tensor when torch is installed (saver.shard_of takes tensors too)."""
+    import torch
+
+    return torch.from_numpy(ids)
 
 
 def test_digests_equal_the_binarys_save_of_the_same_arrays(tmp_path):

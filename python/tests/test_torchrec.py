@@ -152,7 +152,7 @@ def test_a_torchrec_model_saved_in_one_plan_loads_bit_for_bit_in_others(tmp_path
     assert set(ck.row_tables) == {f"embedding_bags.{n}.weight" for n, _, _ in TABLES}
     assert "state.momentum1" in ck.row_tables["embedding_bags.t2.weight"]["slots"]
     assert any(torch.count_nonzero(v) for k, v in saved.items() if ":" in k), "training left optimizer state"
-    for world, kinds in ((2, ["column_wise", "table_wise", "table_wise"]), (3, ["table_wise", "column_wise", "column_wise"]), (1, ["table_wise"] * 3)):
+    for world, kinds in ((2, ["column_wise", "table_wise", "table_column_wise"]), (3, ["table_wise", "column_wise", "column_wise"]), (1, ["table_wise"] * 3)):
         got = _ranks(world, kinds, path, str(tmp_path / f"w{world}"), save=False)
         # State keys differ by plan only in their names' shard suffixes: compare by table.
         assert {k.split(":")[0] for k in got} == {k.split(":")[0] for k in saved}
@@ -243,5 +243,62 @@ def test_data_parallel_and_sharded_plans_read_each_other_with_their_adagrad_stat
     for world, kinds in ((3, ["table_wise", "data_parallel", "data_parallel"]), (1, ["column_wise", "data_parallel", "table_wise"])):
         got = _by_table(_ranks(world, kinds, path, str(tmp_path / f"w{world}"), save=False))
         assert got.keys() == saved.keys(), (world, kinds)
+        for k, v in saved.items():
+            assert torch.equal(got[k], v), (world, kinds, k)
+
+
+#: An EmbeddingCollection's tables share one dimension; 64 makes two column shards of 32.
+EC_TABLES = [("t0", 100, 64), ("t1", 250, 64), ("t2", 80, 64)]
+
+
+def _ec_run(rank, world, port, kinds, path, out, save):
+    """An EmbeddingCollection (sequence embeddings) under DMP, its tables trained by TorchRec's
+    fused SGD (no state): saved, or loaded and dumped."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(1 if save else 2)
+        configs = [torchrec.EmbeddingConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"]) for n, r, d in EC_TABLES]
+        ec = torchrec.EmbeddingCollection(tables=configs, device=torch.device("meta"))
+        apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": 0.5})
+        constraints = {n: ParameterConstraints(sharding_types=[k], min_partition=32 if k == "column_wise" else None) for (n, _, _), k in zip(EC_TABLES, kinds)}
+        planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)
+        plan = planner.collective_plan(ec, [EmbeddingCollectionSharder()], dist.GroupMember.WORLD)
+        model = DistributedModelParallel(ec, device=torch.device("cpu"), plan=plan)
+        if save:
+            g = torch.Generator().manual_seed(100 + rank)
+            keys = [f"f_{n}" for n, _, _ in EC_TABLES]
+            lengths = torch.randint(1, 4, (len(keys) * 8,), generator=g)
+            values = torch.cat([torch.randint(0, EC_TABLES[i // 8][1], (int(l),), generator=g) for i, l in enumerate(lengths)])
+            out_ = model(KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths))
+            sum(jt.values().sum() for jt in out_.values()).backward()
+            saver.torch.save(path, model, step=1)
+        else:
+            saver.torch.load(path, model)
+        torch.save(_dump(model), os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _ec_ranks(world, kinds, path, out, save):
+    os.makedirs(out, exist_ok=True)
+    mp.spawn(_ec_run, args=(world, _free_port(), kinds, path, out, save), nprocs=world, join=True)
+    return _whole([torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)])
+
+
+def test_an_embedding_collection_with_fused_sgd_reads_into_other_plans(tmp_path):
+    """EmbeddingCollection's tables are named `embeddings.<table>.weight`; trained by fused SGD
+    they carry no optimizer state. Saved table-wise and column-wise at 2 ranks (after a step,
+    so the weights moved from their seed), loaded into other plans at 3 ranks and 1."""
+    path = str(tmp_path / "ck")
+    saved = _ec_ranks(2, ["table_wise", "column_wise", "column_wise"], path, str(tmp_path / "saved"), save=True)
+    assert set(saver.Checkpoint(path).row_tables) == {f"embeddings.{n}.weight" for n, _, _ in EC_TABLES}
+    assert all(set(t["slots"]) == {"param"} for t in saver.Checkpoint(path).row_tables.values())
+    for world, kinds in ((3, ["column_wise", "table_wise", "table_wise"]), (1, ["table_wise"] * 3)):
+        got = _ec_ranks(world, kinds, path, str(tmp_path / f"w{world}"), save=False)
+        assert got.keys() == saved.keys()
         for k, v in saved.items():
             assert torch.equal(got[k], v), (world, kinds, k)

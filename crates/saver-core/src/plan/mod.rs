@@ -710,6 +710,12 @@ impl<'a> SavePlan<'a> {
         self.tables.iter().try_for_each(|t| t.snapshot.finish())
     }
 
+    /// Rows of other shards' this process left out of its shard, over all tables
+    /// ([`ForeignRows::Skip`]; with [`ForeignRows::Error`] they are refused).
+    pub fn skipped_rows(&self) -> u64 {
+        self.tables.iter().map(|t| t.skipped).sum()
+    }
+
     /// Rows of the tables that wait in the spill store rather than memory.
     pub fn spilled_rows(&self) -> u64 {
         self.tables

@@ -38,6 +38,8 @@ pub(crate) struct ScannedTable<'a> {
     pub row_count: u64,
     /// For each planned shard (in plan order): whether its ids block is kept, and which slots.
     pub kept: Vec<Option<Vec<usize>>>,
+    /// Rows of shards this process does not plan, left out ([`ForeignRows::Skip`]).
+    pub skipped: u64,
 }
 
 impl ScannedTable<'_> {
@@ -413,6 +415,7 @@ pub(crate) fn scan_table<'a>(
         row_count: bucket_start[bucket_start.len() - 1],
         bucket_start: BucketStarts::new(bucket_start),
         kept,
+        skipped: foreign_count,
     })
 }
 

@@ -266,6 +266,7 @@ fn write_and_commit(
         rows,
         bytes_written,
         spilled_rows: plan.spilled_rows(),
+        skipped_rows: plan.skipped_rows(),
         plan_seconds,
         write_seconds,
         commit_seconds: t2.elapsed().as_secs_f64(),

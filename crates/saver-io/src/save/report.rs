@@ -25,6 +25,9 @@ pub struct SaveReport {
     /// Rows whose place in the plan waited in the spill file rather than memory
     /// (`PlanOptions::plan_memory`).
     pub spilled_rows: u64,
+    /// Rows given to this process that belong to shards it does not write, left out because
+    /// `PlanOptions::foreign_rows` is `ForeignRows::Skip` (another process writes them).
+    pub skipped_rows: u64,
     /// Seconds spent snapshotting and planning.
     pub plan_seconds: f64,
     /// Seconds spent writing data and making it durable.
