@@ -363,6 +363,33 @@ fn failed_writes_leave_no_temporary_files_and_no_checkpoint() {
     }
 }
 
+#[test]
+fn a_process_that_skips_other_shards_rows_reports_how_many() {
+    let m = Model::new(3000);
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = opts(3, 2);
+    o.plan.foreign_rows = ForeignRows::Skip;
+    let all: Vec<u64> = [&m.user, &m.item]
+        .iter()
+        .flat_map(|t| common::rows_of(t).into_keys())
+        .collect();
+    for shard in 0..3 {
+        o.plan.shard_index = Some(shard);
+        let r = save(dir.path(), m.input(), &o).unwrap();
+        let mine = all
+            .iter()
+            .filter(|&&id| saver::PartitionRule::shard_of(id, 3) == shard)
+            .count() as u64;
+        assert_eq!((r.rows, r.skipped_rows), (mine, all.len() as u64 - mine));
+    }
+    // A process that is refused foreign rows skips none when it saves every shard.
+    o.plan.shard_index = None;
+    o.plan.foreign_rows = ForeignRows::Error;
+    let whole = tempfile::tempdir().unwrap();
+    let r = save(whole.path(), m.input(), &o).unwrap();
+    assert_eq!((r.rows, r.skipped_rows), (all.len() as u64, 0));
+}
+
 /// Child mode of the multi-process test: save one shard and exit.
 #[test]
 #[ignore = "a child process of a test: that test runs it, with --ignored"]
