@@ -572,3 +572,33 @@ def test_errors_speak_python_and_a_failed_save_leaves_nothing(tmp_path):
     assert 'foreign_rows="skip"' in str(e.value), str(e.value)
     assert "ForeignRows" not in str(e.value) and "PartitionRule" not in str(e.value)
     assert not (tmp_path / "d").exists(), os.listdir(tmp_path / "d")
+
+
+def test_errors_speak_python_and_name_what_was_wrong(tmp_path):
+    """The native layer's messages, as a Python caller sees them: they name the path, table or
+    argument, and say what to pass in this package's terms, never a Rust type or a flag of the
+    binary."""
+    ids = np.arange(100, dtype=np.int64)
+    emb = np.ones((100, 4), np.float32)
+    table = {"t": {"ids": ids, "emb": emb}}
+    saver.save(tmp_path / "a", tables=table)
+    m = saver.Manager(tmp_path / "m")
+    m.save(5, tables=table)
+    calls = [
+        (lambda: saver.save(tmp_path / "a", tables=table), "overwrite=True"),
+        (lambda: saver.save(tmp_path / "b", tables=table, shards=2, shard_index=0, save_id="x"), 'foreign_rows="skip"'),
+        (lambda: saver.save(tmp_path / "c", tables=table, parent=tmp_path / "none"), "none"),
+        (lambda: saver.load(tmp_path / "a", tables=["zz"]), "'zz'"),
+        (lambda: saver.save(tmp_path / "f", tables={"r": {"p": saver.Chunk(emb[:50], offset=(0, 0), shape=(100, 4))}}), '"r"'),
+        (lambda: m.save(3, tables=table), "overwrite=True"),
+        (lambda: saver.load(tmp_path / "a", shards=2, shard_index=5), "shard_index"),
+        (lambda: saver.save(tmp_path / "g", tables=table, save_id="../x"), "save_id"),
+        (lambda: saver.shard_of(np.zeros((2, 2), np.int64), 2), "ids"),
+    ]
+    for call, named in calls:
+        with pytest.raises(saver.SaverError) as e:
+            call()
+        message = str(e.value)
+        assert named in message, message
+        for rust in ("::", "--", "SaveOptions", "ForeignRows", "Some(", "Vec<"):
+            assert rust not in message, message
