@@ -360,45 +360,56 @@ def _jsonable(value):
 
 def _save(target, model, optimizer, step, extra, tables, background, options):
     rank, world = _world()
-    out_tables, dense, meta = _collect(model, optimizer, tables, step, extra, rank, world)
-    if world > 1:
+    if world == 1:
+        out_tables, dense, meta = _collect(model, optimizer, tables, step, extra, rank, world)
+    else:
         # Each rank sees the row-wise state of the shards it holds: the metadata, which every
-        # rank must give alike, takes them all.
+        # rank must give alike, takes them all. A rank that cannot give its share says so
+        # here, and every rank raises (rather than wait for it).
         import torch.distributed as dist
 
+        failure, rowwise = None, {}
+        try:
+            out_tables, dense, meta = _collect(model, optimizer, tables, step, extra, rank, world)
+            rowwise = meta["rowwise"]
+        except Exception as e:  # noqa: BLE001 - told to every rank, then raised
+            failure = f"rank {rank}: {e}"
         seen = [None] * world
-        dist.all_gather_object(seen, meta["rowwise"])
-        meta["rowwise"] = {k: v for r in seen for k, v in r.items()}
-        meta["rowwise"] = dict(sorted(meta["rowwise"].items()))
+        dist.all_gather_object(seen, (failure, rowwise))
+        failed = [f for f, _ in seen if f]
+        if failed:
+            raise _s.InputError("; ".join(failed))
+        meta["rowwise"] = dict(sorted({k: v for _, r in seen for k, v in r.items()}.items()))
     metadata = {META_KEY: json.dumps(meta)}
     if "metadata" in options:
         metadata = {**options.pop("metadata"), **metadata}
+    if world > 1:
+        # One save of `world` shards: rank r writes shard r (its rows of every table and its
+        # share of the dense tensors), under the save id rank 0 drew.
+        save_id = _agreed(options.pop("save_id", None) or f"torch-{uuid.uuid4().hex[:16]}")
+        options = {**options, "shards": world, "shard_index": rank, "save_id": save_id}
     if isinstance(target, _s.Manager):
         if step is None:
             raise _s.InputError("step: a Manager saves steps; give step=")
-        if world > 1:
-            raise _s.InputError("a Manager under torch.distributed is not supported yet; give each step's path")
-        call = target.save_async if background else target.save
-        return call(step, tables=out_tables, dense=dense, metadata=metadata, **options)
-    path = os.fspath(target)
-    if world > 1:
         if background:
-            raise _s.InputError("save_async under torch.distributed is not supported yet; use save")
-        save_id = _agreed(options.pop("save_id", None) or f"torch-{uuid.uuid4().hex[:16]}")
-        return _save_ranks(path, out_tables, dense, metadata, step, save_id, rank, world, options)
-    call = _s.save_async if background else _s.save
-    return call(path, tables=out_tables, dense=dense, step=step, metadata=metadata, **options)
+            return target.save_async(step, tables=out_tables, dense=dense, metadata=metadata, **options)
+        return _agree(lambda: target.save(step, tables=out_tables, dense=dense, metadata=metadata, **options), rank, world)
+    path = os.fspath(target)
+    if background:
+        return _s.save_async(path, tables=out_tables, dense=dense, step=step, metadata=metadata, **options)
+    return _agree(lambda: _s.save(path, tables=out_tables, dense=dense, step=step, metadata=metadata, **options), rank, world)
 
 
-def _save_ranks(path, tables, dense, metadata, step, save_id, rank, world, options):
-    """One rank's share of a save of `world` ranks, then the ranks' outcome agreed: every rank
-    raises if one failed, and returns once the checkpoint is committed."""
+def _agree(call, rank, world):
+    """`call()` (one rank's share of a save), then, under torch.distributed, the ranks' outcome
+    agreed: every rank raises if one failed, and returns once the checkpoint is committed."""
+    if world == 1:
+        return call()
     import torch.distributed as dist
 
     report, failure = None, None
     try:
-        report = _s.save(path, tables=tables, dense=dense, shards=world, shard_index=rank,
-                         save_id=save_id, step=step, metadata=metadata, **options)
+        report = call()
     except Exception as e:  # noqa: BLE001 - told to every rank, then raised
         failure = f"rank {rank}: {e}"
     outcomes = [None] * world
@@ -426,7 +437,11 @@ def save_async(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Mo
                extra: Any = None, tables: Optional[Iterable[str]] = None, **options: Any):
     """:func:`save` in the background: returns a handle once the model and optimizer state are
     copied (every core copies), so that training may go on at once; ``handle.wait()`` returns
-    the report."""
+    the report, or raises the save's error. Under ``torch.distributed`` every rank calls it at
+    the same step (the ranks agree on the save id then) and each rank's handle reports its own
+    share: the checkpoint is committed by the last rank to finish, and a rank whose write fails
+    leaves it uncommitted (the other ranks' handles, of a Manager, wait for the commit until the
+    manager's wait ends, 10 minutes, and then raise)."""
     return _save(target, model, optimizer, step, extra, tables, True, options)
 
 
@@ -451,6 +466,9 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     shape or dtype that differs always is)."""
     if isinstance(source, _s.Manager):
         latest = source.latest()
+        if _world()[1] > 1:
+            # Every rank reads the step rank 0 found, whatever commits meanwhile.
+            latest = _agreed(latest)
         if latest is None:
             raise _s.InputError(f"{source.root} holds no committed step")
         source = latest["path"]

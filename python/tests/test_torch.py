@@ -172,13 +172,32 @@ def _rank_save(rank, world, path, port):
         _leave()
 
 
-def _rank_load(rank, world, path, port, out):
+def _rank_managed(rank, world, root, port):
+    """Steps 1-3 saved through a Manager (deltas by its policy), step 4 in the background."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = Dlrm(seed=4)
+        opt = optimizers(model)[0]
+        m = saver.Manager(root, full_every=2, keep_latest=2)
+        for step in range(1, 5):
+            train(model, opt, 1, start=step)
+            if step < 4:
+                report = saver.torch.save(m, model, opt, step=step, extra={"world": world})
+                assert report.committed
+            else:
+                saver.torch.save_async(m, model, opt, step=step, extra={"world": world}).wait()
+    finally:
+        _leave()
+
+
+def _rank_load(rank, world, path, port, out, managed=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = Dlrm(seed=7)
         opt = torch.optim.Adagrad([model.users.weight, model.items.weight, model.cats.weight], lr=0.05)
-        saver.torch.load(path, model, opt)
+        saver.torch.load(saver.Manager(path) if managed else path, model, opt)
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         _leave()
@@ -218,6 +237,32 @@ def test_two_gloo_ranks_save_one_checkpoint_that_one_and_three_ranks_load(tmp_pa
             back_opt = torch.optim.Adagrad([back.users.weight, back.items.weight, back.cats.weight], lr=0.05)
             back_opt.load_state_dict(got["opt"])
             assert_same_optimizer(ref_opt, back_opt)
+
+
+def test_gloo_ranks_save_steps_through_a_manager_and_other_ranks_restore_the_newest(tmp_path):
+    """Under torch.distributed a Manager's steps are one save of all ranks each (deltas by its
+    policy, retention after the commit), in the foreground and the background; three ranks
+    then restore the newest step through a Manager, bit for bit."""
+    root = str(tmp_path / "run")
+    mp.spawn(_rank_managed, args=(2, root, _free_port()), nprocs=2, join=True)
+    steps = saver.Manager(root).steps()
+    assert [s["step"] for s in steps] == [3, 4]
+    newest = saver.Checkpoint(saver.Manager(root).latest()["path"])
+    assert newest.step == 4 and newest.shards == 2 and newest.is_delta
+    reference = Dlrm(seed=4)
+    ref_opt = optimizers(reference)[0]
+    train(reference, ref_opt, 4, start=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_rank_load, args=(3, root, _free_port(), str(out), True), nprocs=3, join=True)
+    for r in range(3):
+        got = torch.load(out / f"rank{r}.pt")
+        back = Dlrm(seed=0)
+        back.load_state_dict(got["model"])
+        assert_same(reference, back)
+        back_opt = torch.optim.Adagrad([back.users.weight, back.items.weight, back.cats.weight], lr=0.05)
+        back_opt.load_state_dict(got["opt"])
+        assert_same_optimizer(ref_opt, back_opt)
 
 
 KILLED_TRAINER = r"""
