@@ -325,6 +325,8 @@ def _save_arguments(tables, dense, options):
         tables = {name: _filtered(name, columns, row_filter) for name, columns in (tables or {}).items()}
     if options.get("compress") not in (None, "zstd"):
         raise InputError(f"compress: must be None or 'zstd', got {options['compress']!r}")
+    if options.get("direct_io", "auto") not in ("auto", "on", "off"):
+        raise InputError(f"direct_io: must be 'auto', 'on' or 'off', got {options['direct_io']!r}")
     if options["foreign_rows"] not in ("error", "skip"):
         raise InputError(f"foreign_rows: must be 'error' or 'skip', got {options['foreign_rows']!r}")
     tables_in = []
@@ -395,6 +397,7 @@ def save(
     keep_rows: Union[str, Sequence[str]] = (),
     row_filter: Optional[Any] = None,
     compress: Optional[str] = None,
+    direct_io: str = "auto",
 ) -> SaveReport:
     """Saves sparse tables and dense tensors as a checkpoint at ``path`` (a directory or an
     ``s3://bucket/prefix`` location), committed when this returns.
@@ -422,7 +425,10 @@ def save(
     once), e.g. ``lambda c: (c["freq"] >= 3) & (np.abs(c["embedding"]).sum(axis=1) > 0)``.
     ``compress="zstd"`` compresses each tensor where it pays (ids, mostly-zero rows and
     low-precision values shrink; fp32 embeddings hardly do): the files stay safetensors, and
-    every reader of this package reads them.
+    every reader of this package reads them. ``direct_io``: ``"auto"`` (the default) writes a
+    durable save on local ext4 and XFS around the page cache, through about 40 MiB of aligned
+    staging buffers, the fastest here; ``"off"`` writes through the page cache straight from
+    the arrays (no staging memory, slower); ``"on"`` wherever the filesystem takes it.
 
     Every array is read in place (no copy), so none may change until this returns; other Python
     threads run meanwhile. :func:`save_async` copies them instead, and returns.
@@ -442,6 +448,7 @@ def save(
         keep_rows=keep_rows,
         row_filter=row_filter,
         compress=compress,
+        direct_io=direct_io,
     )
     report = _saver.save(os.fspath(path), *_save_arguments(tables, dense, options))
     return SaveReport(**report)
@@ -904,6 +911,7 @@ def _options(given: Mapping[str, Any]) -> dict:
         keep_rows=(),
         row_filter=None,
         compress=None,
+        direct_io="auto",
     )
     unknown = set(given) - set(options)
     if unknown:

@@ -359,6 +359,10 @@ def _jsonable(value):
 
 
 def _save(target, model, optimizer, step, extra, tables, background, options):
+    # A model's tensors are written whole from their own memory: through the page cache that is
+    # one copy (the kernel's), as fast here as direct I/O, which copies them into ~40 MiB of
+    # aligned staging buffers first (benches/torch_peers.py, docs/BENCHMARKS.md).
+    options.setdefault("direct_io", "off")
     rank, world = _world()
     if world == 1:
         out_tables, dense, meta = _collect(model, optimizer, tables, step, extra, rank, world)
@@ -427,8 +431,9 @@ def save(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     :class:`saver.Manager`, which needs ``step``), committed when this returns. ``extra``:
     anything JSON holds, given back by :func:`load`. ``tables``: parameter names of 2-D
     parameters to save as row-range tables beside the embeddings found. Other options as
-    :func:`saver.save` (``compress``, ``parent``, ``durable``...). Tensors are read in place: none
-    may change until this returns."""
+    :func:`saver.save` (``compress``, ``parent``, ``durable``...; ``direct_io`` is ``"off"`` here:
+    the tensors are written from their own memory through the page cache, with no staging
+    buffers). Tensors are read in place: none may change until this returns."""
     return _save(target, model, optimizer, step, extra, tables, False, options)
 
 

@@ -111,6 +111,7 @@ struct SaveArgs {
     exclude_slots: Vec<String>,
     keep_rows: Vec<String>,
     compress: Option<String>,
+    direct_io: String,
 }
 
 impl SaveArgs {
@@ -133,6 +134,16 @@ impl SaveArgs {
             opts.plan.parallel = p;
         }
         opts.parent = self.parent;
+        opts.direct_io = match self.direct_io.as_str() {
+            "auto" => saver_io::DirectIo::Auto,
+            "on" => saver_io::DirectIo::On,
+            "off" => saver_io::DirectIo::Off,
+            other => {
+                return Err(err(format!(
+                    "direct_io: must be 'auto', 'on' or 'off', got {other:?}"
+                )))
+            }
+        };
         opts.plan.compression = match self.compress.as_deref() {
             None => None,
             Some("zstd") => Some(saver_core::Compression::default()),

@@ -594,6 +594,7 @@ def test_errors_speak_python_and_name_what_was_wrong(tmp_path):
         (lambda: saver.load(tmp_path / "a", shards=2, shard_index=5), "shard_index"),
         (lambda: saver.save(tmp_path / "g", tables=table, save_id="../x"), "save_id"),
         (lambda: saver.shard_of(np.zeros((2, 2), np.int64), 2), "ids"),
+        (lambda: saver.save(tmp_path / "h", tables=table, direct_io="sometimes"), "direct_io"),
     ]
     for call, named in calls:
         with pytest.raises(saver.SaverError) as e:
