@@ -10,7 +10,10 @@ job's), once per round, in turn; medians over the rounds:
   `{"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}`;
 - restore into the same model, warm (files read once before) and cold (evicted first):
   `saver.torch.load` against `dcp.load` of the same dict, then `load_state_dict` of both;
-- resharding load: the checkpoints saved by 2 ranks loaded by 3 ranks (a plan of 3).
+- resharding load: the checkpoints saved by 2 ranks loaded by 3 ranks (a plan of 3);
+- peak memory: the growth of each rank's peak resident set during an operation, less the file
+  pages it mapped (a library's code used for the first time), the largest rank's: in round 0
+  (the first save and the first restore of the process) and in the rounds after (medians).
 
 Usage (from the repository root, with the Python suite's venv, which has TorchRec):
 
@@ -18,6 +21,7 @@ Usage (from the repository root, with the Python suite's venv, which has TorchRe
 """
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -62,12 +66,36 @@ def model(world, scale):
     return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan)
 
 
-def timed(f):
+def disk_bytes(path):
+    """Bytes of the files under `path`."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+MEMORY = {}  # the operation's name: this rank's memory growth (see `timed`)
+
+
+def timed(f, name):
+    """Seconds `f` takes on the slowest rank; the growth of this rank's peak resident set
+    (VmHWM, reset first) during it, less the file pages it mapped (a library's code used for the
+    first time), goes to MEMORY[name]."""
+    with open("/proc/self/clear_refs", "w") as c:
+        c.write("5")
+    base, files = status("VmRSS:"), status("RssFile:")
     dist.barrier()
     t0 = time.perf_counter()
     f()
     dist.barrier()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    MEMORY[name] = max(0, status("VmHWM:") - base - (status("RssFile:") - files))
+    return seconds
 
 
 def dcp_state(m):
@@ -95,27 +123,37 @@ def rank_main(rank, world, port, args, phase, out):
                 if rank == 0:
                     shutil.rmtree(s_path, ignore_errors=True)
                     shutil.rmtree(d_path, ignore_errors=True)
-                got["save saver"] = timed(lambda: saver.torch.save(s_path, m))
-                got["save dcp"] = timed(lambda: dcp.save(dcp_state(m), checkpoint_id=d_path))
+                got["save saver"] = timed(lambda: saver.torch.save(s_path, m), "save saver")
+                got["save dcp"] = timed(lambda: dcp.save(dcp_state(m), checkpoint_id=d_path), "save dcp")
                 for cache in ("warm", "cold"):
                     for who, path, f in (("saver", s_path, lambda: saver.torch.load(s_path, m)), ("dcp", d_path, lambda: dcp_restore(m, d_path))):
                         if rank == 0:
                             (warm if cache == "warm" else evict)([path])
-                        got[f"load {who} {cache}"] = timed(f)
+                        got[f"load {who} {cache}"] = timed(f, f"load {who} {cache}")
+                # Peak memory of the job: the largest rank's, first in the process and after.
+                grown = [None] * world
+                dist.all_gather_object(grown, dict(MEMORY))
+                for k in list(got):
+                    got[f"mem {k}" if r > 0 else f"first mem {k}"] = max(g[k] for g in grown)
                 if r > 0:
                     for k, v in got.items():
                         times.setdefault(k, []).append(v)
+                else:
+                    times.update({k: [v] for k, v in got.items() if k.startswith("first mem")})
         else:  # a plan of `world` ranks reads what 2 ranks saved
             for r in range(args.rounds + 1):
                 got = {}
                 for who, path, f in (("saver", s_path, lambda: saver.torch.load(s_path, m)), ("dcp", d_path, lambda: dcp_restore(m, d_path))):
                     if rank == 0:
                         warm([path])
-                    got[f"reshard {who}"] = timed(f)
+                    got[f"reshard {who}"] = timed(f, f"reshard {who}")
                 if r > 0:
                     for k, v in got.items():
                         times.setdefault(k, []).append(v)
         if rank == 0:
+            if phase == "main":
+                times["disk saver"] = [disk_bytes(s_path)]
+                times["disk dcp"] = [disk_bytes(d_path)]
             torch.save(times, out)
     finally:
         dist.barrier()
@@ -127,6 +165,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--work", default=os.path.join("target", "bench-scratch", "torchrec-peers"))
+    ap.add_argument("--json", help="also write the figures there")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     out = os.path.join(args.work, "times.pt")
@@ -143,6 +182,16 @@ def main():
     for label, a, b in (("blocking save", "save saver", "save dcp"), ("restore, warm", "load saver warm", "load dcp warm"),
                         ("restore, cold", "load saver cold", "load dcp cold"), ("resharding load 2 -> 3 ranks, warm", "reshard saver", "reshard dcp")):
         print(f"| {label} | {med[a]:.3f} s | {med[b]:.3f} s | {med[a] / med[b]:.3f} |")
+    mib = 1 << 20
+    for label, a, b in (("save", "save saver", "save dcp"), ("restore", "load saver warm", "load dcp warm")):
+        for when, prefix in (("first in a process", "first mem "), ("again", "mem ")):
+            x, y = med[prefix + a], med[prefix + b]
+            print(f"| peak memory of a {label} ({when}), the largest rank's | {x / mib:.2f} MiB | {y / mib:.2f} MiB | {x / max(y, 1):.3f} |")
+    print(f"| bytes on disk | {med['disk saver'] / mib:.1f} MiB | {med['disk dcp'] / mib:.1f} MiB | {med['disk saver'] / med['disk dcp']:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "dim": DIM, "bytes": rows * (DIM + 1) * 4, "world": 2, "reshard_world": 3,
+                       "rounds": args.rounds, "medians": med, "all": times}, f, indent=1)
     shutil.rmtree(args.work, ignore_errors=True)
 
 

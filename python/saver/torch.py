@@ -359,10 +359,12 @@ def _jsonable(value):
 
 
 def _save(target, model, optimizer, step, extra, tables, background, options):
-    # A model's tensors are written whole from their own memory: through the page cache that is
-    # one copy (the kernel's), as fast here as direct I/O, which copies them into ~40 MiB of
-    # aligned staging buffers first (benches/torch_peers.py, docs/BENCHMARKS.md).
-    options.setdefault("direct_io", "off")
+    # A blocking save writes the model's tensors whole from their own memory: through the page
+    # cache that is one copy (the kernel's), as fast here as direct I/O, which copies them into
+    # ~40 MiB of aligned staging buffers first. A background save writes its copy while the
+    # trainer runs: there the kernel's writeback competes with training and took 1.5-10 s
+    # where direct I/O took 0.8 s (benches/torch_peers.py, docs/BENCHMARKS.md).
+    options.setdefault("direct_io", "auto" if background else "off")
     rank, world = _world()
     if world == 1:
         out_tables, dense, meta = _collect(model, optimizer, tables, step, extra, rank, world)
@@ -433,7 +435,7 @@ def save(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     parameters to save as row-range tables beside the embeddings found. Other options as
     :func:`saver.save` (``compress``, ``parent``, ``durable``...; ``direct_io`` is ``"off"`` here:
     the tensors are written from their own memory through the page cache, with no staging
-    buffers). Tensors are read in place: none may change until this returns."""
+    buffers; :func:`save_async` keeps ``"auto"``). Tensors are read in place: none may change until this returns."""
     return _save(target, model, optimizer, step, extra, tables, False, options)
 
 
