@@ -1,4 +1,5 @@
-//! The figures of docs/BENCHMARKS.md: saver against the physical limit, on one model, in one run.
+//! The engine's figures (docs/benchmarks/summary.md): saver against the physical limit, on one
+//! model, in one run.
 //!
 //! `cargo bench --bench compare -- [--size 2GiB | --spec criteo-kaggle,scale=0.5] [--runs 3]
 //! [--memory-only] [--plan-memory 64MiB] [--direct-io auto|on|off] [--durable-pairs N]

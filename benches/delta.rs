@@ -1,4 +1,4 @@
-//! Incremental checkpoints against full ones, in one run (docs/BENCHMARKS.md, "Incremental
+//! Incremental checkpoints against full ones, in one run (docs/benchmarks/HISTORY.md, "Incremental
 //! checkpoints"):
 //!
 //! * a delta with 1 % of rows changed, 0.2 % removed and 0.5 % added: bytes and time against a

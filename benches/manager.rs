@@ -1,5 +1,5 @@
 //! The checkpoint manager's costs, each against a baseline in the same run
-//! (docs/BENCHMARKS.md, "Checkpoint manager"):
+//! (docs/benchmarks/HISTORY.md, "Checkpoint manager"):
 //!
 //! * `restore_latest` of a root kept by the default policy, at the longest chain the policy
 //!   leaves (a full checkpoint and three deltas of 1 % changed rows each), against restoring a

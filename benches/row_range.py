@@ -27,7 +27,7 @@ package; `maturin develop --release` in python/ for figures worth keeping):
 
     $VENV/bin/python benches/row_range.py --rounds 5 [--scale 0.1] [--json out.json]
 
-It prints a table; docs/BENCHMARKS.md records it with the command and the commit.
+It prints a table; docs/benchmarks/HISTORY.md records it with the command and the commit.
 """
 
 import argparse

@@ -17,7 +17,7 @@
 //! number of shards instead (phases as [whole, plan, write, commit]). Many of the requests of a
 //! save or an open take far longer than these: Garage writes its metadata durably, and answers a
 //! ranged GET (a data file's header) about 40 ms late on a connection kept from an earlier
-//! request (docs/BENCHMARKS.md, "Round trips of a save of many shards").
+//! request (docs/benchmarks/HISTORY.md, "Round trips of a save of many shards").
 //!
 //! Needs a `garage` binary on `PATH` or in `~/.cargo/bin` (`cargo install --locked garage`).
 

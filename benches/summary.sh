@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Reruns every headline figure of docs/BENCHMARKS.md, each a ratio to a baseline measured in the
-# same run, and writes them, with the commands and the commit, to docs/benchmarks/summary.md.
+# Reruns every headline figure of the engine (hashed tables, object storage, deltas, the manager),
+# each a ratio to a baseline measured in the same run, and writes them, with the commands and the
+# commit, to docs/benchmarks/summary.md (docs/BENCHMARKS.md, from benches/report, links to it).
 #
 #   bash benches/summary.sh [--quick]
 #

@@ -363,7 +363,7 @@ def _save(target, model, optimizer, step, extra, tables, background, options):
     # cache that is one copy (the kernel's), as fast here as direct I/O, which copies them into
     # ~40 MiB of aligned staging buffers first. A background save writes its copy while the
     # trainer runs: there the kernel's writeback competes with training and took 1.5-10 s
-    # where direct I/O took 0.8 s (benches/torch_peers.py, docs/BENCHMARKS.md).
+    # where direct I/O took 0.8 s (benches/torch_peers.py; docs/BENCHMARKS.md).
     options.setdefault("direct_io", "auto" if background else "off")
     rank, world = _world()
     if world == 1:

@@ -150,7 +150,7 @@ pub struct PlanOptions {
     ///
     /// Default 16 MiB (a million rows): a save then holds about 64 MiB + `parallel` ×
     /// `chunk_bytes` beyond the model, whatever its size. Spilling writes and reads 16 bytes a row
-    /// once more; on a local disk that took no measurable time (docs/BENCHMARKS.md). Raise it
+    /// once more; on a local disk that took no measurable time (docs/benchmarks/HISTORY.md). Raise it
     /// where that I/O costs more than memory, e.g. a checkpoint on a network filesystem.
     pub plan_memory: u64,
     /// The data section of every file starts at a multiple of this (a power of two, ≥ 8).

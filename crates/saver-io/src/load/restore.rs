@@ -83,7 +83,7 @@ pub struct LoadOptions {
     pub required_tables: Vec<String>,
     /// Ask the kernel for transparent huge pages for the arrays of [`crate::Checkpoint::load_columns`]:
     /// about twice as fast when huge pages are free, but a stall while the kernel compacts memory
-    /// when they are not (see `docs/BENCHMARKS.md`). Off by default.
+    /// when they are not (see `docs/benchmarks/HISTORY.md`). Off by default.
     pub huge_pages: bool,
     /// Restore into tables with change tracking on, whose baseline is the loaded checkpoint
     /// (the newest link of a chain): a delta saved next with that checkpoint as parent writes

@@ -24,7 +24,7 @@ pub struct Policy {
     pub full_every: u32,
     /// Most links a chain may have, its full checkpoint included: the save that would make a
     /// longer one is full. Kept small so that a restart reads little more than a full
-    /// checkpoint (docs/BENCHMARKS.md).
+    /// checkpoint (docs/benchmarks/HISTORY.md).
     pub max_chain_links: usize,
     /// The next save is full once the newest delta holds more than this fraction of the bytes
     /// of its chain's full checkpoint: a delta that large saves little.

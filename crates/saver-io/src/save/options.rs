@@ -154,7 +154,7 @@ impl SaveOptions {
 /// When a save writes its data files with direct I/O.
 ///
 /// Direct I/O skips the kernel's copy into the page cache and the writeback the fsync then waits
-/// for: durable saves took half the time in our measurements (docs/BENCHMARKS.md), and a large
+/// for: durable saves took half the time in our measurements (docs/benchmarks/HISTORY.md), and a large
 /// checkpoint no longer evicts the training data from the page cache. The checkpoint is then not
 /// in the page cache either, so a load right after a save on the same machine reads the disk.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 //! On an object store a creation, a commit, a read of a small document or a removal is a round
 //! trip that costs this process almost nothing but waits on the store (on Garage here, 20–45 ms
 //! during a save or an open): a save of 32 shards that read its shard manifests and writer
-//! claims one after the other spent 1.4 s of its commit waiting (docs/BENCHMARKS.md, "Round
+//! claims one after the other spent 1.4 s of its commit waiting (docs/benchmarks/HISTORY.md, "Round
 //! trips of a save of many shards"). On a local directory the same calls take microseconds, and
 //! run one at a time.
 

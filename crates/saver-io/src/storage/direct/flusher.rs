@@ -25,7 +25,7 @@ pub(super) const ALIGN: usize = 4096;
 /// Background writer threads. This disk wrote faster the more writes it had queued: with two
 /// threads, a save whose four writer threads wrote four files at once took 0.85-0.91 s for 1 GiB,
 /// with four 0.71 s, as fast as with the 512 KiB windows of the design before (`saver save
-/// --direct-io --parallel 4`, tables=8,rows=250045,dim=64; docs/BENCHMARKS.md). The threads
+/// --direct-io --parallel 4`, tables=8,rows=250045,dim=64; docs/benchmarks/HISTORY.md). The threads
 /// sleep in the disk's writes, so more of them cost little CPU.
 const WRITERS: usize = 4;
 
@@ -36,7 +36,7 @@ const WRITERS: usize = 4;
 /// 1.60 s (median of six rounds alternated with 4 MiB writes, which took 1.47 s; the disk's
 /// requests are at most 4 MiB here). The disk still has one write queued per thread: a piece
 /// larger than this is cut, and [`IN_FLIGHT`] holds four of these. With two threads, one write
-/// per piece of 4 MiB was slower (docs/BENCHMARKS.md, "Rows gathered straight into the memory
+/// per piece of 4 MiB was slower (docs/benchmarks/HISTORY.md, "Rows gathered straight into the memory
 /// the disk reads").
 const PART: usize = 4 << 20;
 

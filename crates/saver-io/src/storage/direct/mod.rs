@@ -17,7 +17,7 @@
 //! A piece given in the caller's memory ([`DirectWrites::write_at`]) is copied into lent memory
 //! first, or, under two pages, into the buffers of the pages it touches. An earlier design
 //! copied every piece into 512 KiB windows and wrote each window once complete: a second copy of
-//! every byte, a quarter of a save's CPU (docs/BENCHMARKS.md). Writing the shared pages through
+//! every byte, a quarter of a save's CPU (docs/benchmarks/HISTORY.md). Writing the shared pages through
 //! the page cache instead was tried and is slower: a buffered write takes the inode's lock
 //! exclusively, so the writer thread waited for the direct writes in flight.
 //!

@@ -35,14 +35,14 @@ use crate::storage::WriteHandle;
 
 /// Parts of one storage's uploads in flight at once, unless `SAVER_S3_UPLOADS` says otherwise.
 /// With four (32 MiB), a save's parts went up to Garage on loopback at about 0.94 of the rate of a
-/// plain upload keeping eight in flight (one traced run; docs/BENCHMARKS.md has the saves' figures);
+/// plain upload keeping eight in flight (one traced run; docs/benchmarks/HISTORY.md has the saves' figures);
 /// more would mostly hold more memory.
 pub const UPLOADS_IN_FLIGHT: usize = 4;
 
 /// Parts of one storage's uploads that fill in memory at once, unless `SAVER_S3_FILLING` says
 /// otherwise (0 to 64); the others being filled wait in temporary files. None by default, so a
 /// save's part buffers are the parts in flight alone. Filling in memory saves a write and a read
-/// through the page cache a byte, for about 24 MiB a writer thread more (docs/BENCHMARKS.md,
+/// through the page cache a byte, for about 24 MiB a writer thread more (docs/benchmarks/HISTORY.md,
 /// "Object storage at the limit", has both).
 pub const FILLING_IN_MEMORY: usize = 0;
 
