@@ -215,27 +215,57 @@ def _rowwise_chunks(st, rows, what):
     ]
 
 
+def _rowwise_fill(tensor, n, r, cut, saved, means):
+    """Chunks that fill `tensor`, rows r..r+n of a row-wise state for the table's columns `cut`
+    = (a, b), from a [rows, k] slot saved for column ranges `saved`: a cut that was saved is
+    read straight into; any other gets the mean of the saved ranges it overlaps, each weighted
+    by the columns they share (buffers read here, the mean taken after the load: `means`)."""
+    a, b = cut
+    if (a, b) in saved:
+        return [_s.Chunk(tensor.reshape(n, 1), offset=(r, saved.index((a, b))))]
+    out, parts = [], []
+    for k, (sa, sb) in enumerate(saved):
+        w = min(b, sb) - max(a, sa)
+        if w > 0:
+            buf = torch.empty(n, 1, dtype=tensor.dtype)
+            out.append(_s.Chunk(buf, offset=(r, k)))
+            parts.append((w, buf))
+    means.append((tensor, parts))
+    return out
+
+
 def _rowwise_targets(st, t, saved, what, means):
-    """Chunks that fill the local shards of row-wise state `st` of table `t` from a [rows, k]
-    slot saved for column ranges `saved`: a shard whose column range was saved is read
-    straight into; any other gets the mean of the saved ranges it overlaps, each weighted by
-    the columns they share (buffers read here, the mean taken after the load: `means`)."""
+    """Chunks that fill the local shards of row-wise state `st` of table `t` (see
+    `_rowwise_fill`)."""
     ranges = _column_ranges(t)
     out = []
     for tensor, n, j, r in _rowwise_shards(st, tuple(t.size())[0], what):
-        a, b = ranges[j]
-        if (a, b) in saved:
-            out.append(_s.Chunk(tensor.reshape(n, 1), offset=(r, saved.index((a, b)))))
-            continue
-        parts = []
-        for k, (sa, sb) in enumerate(saved):
-            w = min(b, sb) - max(a, sa)
-            if w > 0:
-                buf = torch.empty(n, 1, dtype=tensor.dtype)
-                out.append(_s.Chunk(buf, offset=(r, k)))
-                parts.append((w, buf))
-        means.append((tensor, parts))
+        out += _rowwise_fill(tensor, n, r, ranges[j], saved, means)
     return out
+
+
+def _is_rowwise(t, st) -> bool:
+    """Whether fused state `st` of sharded table `t` is row-wise: one value per row per column
+    shard (TorchRec's 1-D ShardedTensor of rows·k values)."""
+    return (_is_sharded(st) and not _is_dtensor(t) and not _is_dtensor(st) and st.dim() == 1
+            and len(tuple(t.size())) == 2 and tuple(st.size())[0] == tuple(t.size())[0] * len(_column_ranges(t)))
+
+
+def _saved_rowwise(meta, held_slots, name, key, cols):
+    """(slot, column ranges) of the checkpoint's row-wise state of table `name` that state `key`
+    reads, by its name or its alias: a [rows, k] slot whose ranges the metadata holds (a fused
+    optimizer's), or a [rows, 1] slot (a plain optimizer's, `torchrec.optim.RowWiseAdagrad`'s
+    `sum`: one range, all `cols` columns); None."""
+    rowwise = meta.get("rowwise", {}).get(name, {})
+    for k in (key, _ALIASES.get(key)):
+        if k is None or f"state.{k}" not in held_slots:
+            continue
+        shape = tuple(held_slots[f"state.{k}"][1])
+        if k in rowwise:
+            return f"state.{k}", [tuple(x) for x in rowwise[k]]
+        if len(shape) == 2 and shape[1] == 1 and cols > 1:
+            return f"state.{k}", [(0, cols)]
+    return None
 
 
 def _fused_state(model):
@@ -291,7 +321,7 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
             slots = {"param": _chunks_of(t, name)}
             rows = tuple(t.size())[0]
             for key, st in fused.get(name, {}).items():
-                if _is_sharded(st) and not _is_dtensor(t) and not _is_dtensor(st) and st.dim() == 1 and len(tuple(t.size())) == 2 and tuple(st.size())[0] == rows * len(_column_ranges(t)):
+                if _is_rowwise(t, st):
                     # Row-wise (one value per row per column shard): a [rows, column shards]
                     # slot, the column ranges in the metadata; see `load` for another plan.
                     slots[f"state.{key}"] = _rowwise_chunks(st, rows, f"{name} {key}")
@@ -493,6 +523,7 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     names = _param_names(model)
     held_tables = ck.row_tables
     into = {}
+    means = []  # (target, [(weight, buffer)]): row-wise state converted to another column cut
     # Optimizer state of tables: existing tensors filled in place, missing ones made.
     made = {}
     for name, p in table_params.items():
@@ -512,7 +543,15 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
             # checkpoint's by their names.
             have = {k: t for k, t in st.items() if torch.is_tensor(t) and t.dim() >= 1}
             if have:
-                wanted = {_held_slot(held["slots"], k, t.shape): k for k, t in have.items()}
+                wanted = {}
+                for k, t in have.items():
+                    # A row-wise state ([rows, 1]: `torchrec.optim.RowWiseAdagrad`'s `sum`) of a
+                    # checkpoint's state kept by column shard: by the rule of `_rowwise_fill`.
+                    found = _saved_rowwise(meta, held["slots"], name, k, p.shape[1]) if t.dim() == 2 and t.shape[1] == 1 and p.shape[1] > 1 else None
+                    if found is not None and tuple(held["slots"][found[0]][1]) != tuple(t.shape):
+                        slots.setdefault(found[0], []).extend(_rowwise_fill(t, t.shape[0], 0, (0, p.shape[1]), found[1], means))
+                        continue
+                    wanted[_held_slot(held["slots"], k, t.shape)] = k
                 wanted.pop(None, None)
             else:
                 wanted = {slot: slot[len("state."):] for slot in held["slots"] if slot.startswith("state.")}
@@ -528,7 +567,6 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     # filled from whatever split saved it; then given back to the model and the fused
     # optimizer through their own load_state_dict.
     fused, _, fused_opt, fused_sd = _fused_state(model)
-    means = []  # (target, [(weight, buffer)]): row-wise state converted to another column cut
     for name, t in sharded.items():
         held = held_tables.get(name)
         if held is None:
@@ -540,19 +578,20 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
         for key, st in fused.get(name, {}).items():
             if not _is_sharded(st):
                 continue
-            saved_ranges = meta.get("rowwise", {}).get(name, {}).get(key)
-            if saved_ranges is None:
-                slot = _held_slot(held["slots"], key, tuple(st.size()))
-                if slot is None:
+            if _is_rowwise(t, st):
+                found = _saved_rowwise(meta, held["slots"], name, key, tuple(t.size())[1])
+                if found is None:
                     _missing_state(path, name, held["slots"], key, strict)
                     continue
-                slots[slot] = _chunks_of(st, f"{name} {key}", reading=True)
-            elif _is_dtensor(st):
+                slots[found[0]] = _rowwise_targets(st, t, found[1], f"{name} {key}", means)
+                continue
+            if meta.get("rowwise", {}).get(name, {}).get(key) is not None:
                 raise _s.InputError(f"{name}: the checkpoint holds row-wise state {key!r} by column shards; reading it into a DTensor is not supported")
-            elif f"state.{key}" in held["slots"]:
-                slots[f"state.{key}"] = _rowwise_targets(st, t, [tuple(r) for r in saved_ranges], f"{name} {key}", means)
-            else:
+            slot = _held_slot(held["slots"], key, tuple(st.size()))
+            if slot is None:
                 _missing_state(path, name, held["slots"], key, strict)
+                continue
+            slots[slot] = _chunks_of(st, f"{name} {key}", reading=True)
         slots = {k: v for k, v in slots.items() if v}
         if slots:
             into[name] = slots

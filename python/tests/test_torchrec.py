@@ -302,3 +302,38 @@ def test_an_embedding_collection_with_fused_sgd_reads_into_other_plans(tmp_path)
         assert got.keys() == saved.keys()
         for k, v in saved.items():
             assert torch.equal(got[k], v), (world, kinds, k)
+
+
+def test_row_wise_adagrad_state_reads_between_the_fused_and_the_plain_optimizer(tmp_path):
+    """torchrec.optim.RowWiseAdagrad on an unsharded collection keeps one `sum` a row ([rows,
+    1], for all the columns); the fused one on DMP one `momentum1` a row per column shard. A
+    fused checkpoint (t2 in 4 column shards) loads into the plain optimizer by the documented
+    rule (the mean of the column shards, weighted by their columns; exact for a table kept
+    whole), and a plain checkpoint into any column cut (each shard gets the row's value)."""
+    path = str(tmp_path / "fused")
+    saved = _ranks(2, ["table_wise", "table_wise", "column_wise"], path, str(tmp_path / "saved"), save=True, rowwise=True)
+    plain = _plain_ebc(seed=5)
+    opt = torchrec.optim.RowWiseAdagrad(plain.parameters(), lr=0.1)
+    saver.torch.load(path, plain, opt)
+    for n, rows, _ in TABLES:
+        per_shard = next(v for k, v in saved.items() if k.startswith(f"embedding_bags.{n}.weight:")).reshape(-1, rows)
+        got = opt.state[plain.embedding_bags[n].weight]["sum"]
+        assert got.shape == (rows, 1)
+        if per_shard.shape[0] == 1:
+            assert torch.equal(got.reshape(-1), per_shard[0]), n
+        else:
+            assert torch.allclose(got.reshape(-1), per_shard.mean(0), rtol=0, atol=1e-6), n
+    # And back: the plain optimizer's state, after training, into a plan of column shards.
+    plain = _plain_ebc(seed=6)
+    opt = torchrec.optim.RowWiseAdagrad(plain.parameters(), lr=0.1)
+    _train(plain, 0, 2, opt)
+    saver.torch.save(tmp_path / "plain", plain, opt, extra={"plan": "plain"})
+    got = _ranks(2, ["table_wise", "column_wise", "column_wise"], str(tmp_path / "plain"), str(tmp_path / "w2"), save=False, rowwise=True, min_partition=8)
+    for n, rows, _ in TABLES:
+        want = opt.state[plain.embedding_bags[n].weight]["sum"].reshape(-1)
+        assert torch.count_nonzero(want), n
+        per_shard = next(v for k, v in got.items() if k.startswith(f"embedding_bags.{n}.weight:")).reshape(-1, rows)
+        assert n != "t2" or per_shard.shape[0] > 1, "t2 is cut into column shards"
+        for shard in per_shard:
+            assert torch.equal(shard, want), n
+        assert torch.equal(got[f"embedding_bags.{n}.weight"], plain.state_dict()[f"embedding_bags.{n}.weight"]), n
