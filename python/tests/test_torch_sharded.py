@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor import init_device_mesh
 
+import gloo_ranks
 import saver
 import saver.torch
 
@@ -94,6 +95,7 @@ def _free_port():
 def _run(rank, world, port, form, path, seed, save, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    ok = False
     try:
         model = RowWise(form, seed)
         if save:
@@ -101,9 +103,9 @@ def _run(rank, world, port, form, path, seed, save, out):
         else:
             assert saver.torch.load(path, model)["form"] in ("sharded", "dtensor", "replicate")
         torch.save((model.a, model.local.detach().clone(), model.local_state.clone()), os.path.join(out, f"{rank}.pt"))
+        ok = True
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        gloo_ranks.leave(ok)
 
 
 def _ranks(world, form, path, seed, save, out):

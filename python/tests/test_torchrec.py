@@ -17,6 +17,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+import gloo_ranks
 import saver
 import saver.torch
 
@@ -117,6 +118,7 @@ def _whole(dumps):
 def _run(rank, world, port, kinds, path, out, save, rowwise=False, min_partition=32):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    ok = False
     try:
         model = _model(world, kinds, seed=1 if save else 2, rowwise=rowwise, min_partition=min_partition)
         dense = _dense_optimizer(model)
@@ -129,9 +131,9 @@ def _run(rank, world, port, kinds, path, out, save, rowwise=False, min_partition
             after = _dump(model, dense)
             assert any(not torch.equal(before[k], after[k]) for k in before), "the load changed nothing"
         torch.save(_dump(model, dense), os.path.join(out, f"rank{rank}.pt"))
+        ok = True
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        gloo_ranks.leave(ok)
 
 
 def kinds_saved(path):
@@ -258,6 +260,7 @@ def _ec_run(rank, world, port, kinds, path, out, save):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    ok = False
     try:
         torch.manual_seed(1 if save else 2)
         configs = [torchrec.EmbeddingConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"]) for n, r, d in EC_TABLES]
@@ -278,9 +281,9 @@ def _ec_run(rank, world, port, kinds, path, out, save):
         else:
             saver.torch.load(path, model)
         torch.save(_dump(model), os.path.join(out, f"rank{rank}.pt"))
+        ok = True
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        gloo_ranks.leave(ok)
 
 
 def _ec_ranks(world, kinds, path, out, save):
