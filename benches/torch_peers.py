@@ -401,7 +401,7 @@ def main():
                     for p, q in zip(model.parameters(), fresh.parameters()):
                         assert torch.equal(opt.state[p]["sum"], fresh_opt.state[q]["sum"]), who
                 del fresh, fresh_opt
-        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()) if r else f"round 0 (warm-up)", file=sys.stderr)
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()) if r else "round 0 (warm-up)", file=sys.stderr)
     # Training lost to a background save, against the blocking save's stall: the model trains
     # (sparse Adagrad) from here on, so it runs after the timed rounds.
     for m in model.tables:

@@ -2,6 +2,7 @@
 
 import os
 import sys
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -20,3 +21,17 @@ def leave(ok):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+@contextmanager
+def group(rank, world, port):
+    """Rank `rank` of a gloo group of `world` on the loopback at `port`, for the body of the
+    `with`; then `leave`s it (exiting the process if the body succeeded)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        leave(ok)

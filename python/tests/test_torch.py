@@ -11,7 +11,6 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import gloo_ranks
@@ -154,25 +153,16 @@ def test_what_does_not_fit_is_refused_by_name(tmp_path):
 
 
 def _rank_save(rank, world, path, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    ok = False
-    try:
+    with gloo_ranks.group(rank, world, port):
         model = Dlrm(seed=4)
         opt = optimizers(model)[0]
         train(model, opt, 3)  # the same on every rank: a replica
         saver.torch.save(path, model, opt, step=3, extra={"world": world})
-        ok = True
-    finally:
-        gloo_ranks.leave(ok)
 
 
 def _rank_managed(rank, world, root, port):
     """Steps 1-3 saved through a Manager (deltas by its policy), step 4 in the background."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    ok = False
-    try:
+    with gloo_ranks.group(rank, world, port):
         model = Dlrm(seed=4)
         opt = optimizers(model)[0]
         m = saver.Manager(root, full_every=2, keep_latest=2)
@@ -183,23 +173,14 @@ def _rank_managed(rank, world, root, port):
                 assert report.committed
             else:
                 saver.torch.save_async(m, model, opt, step=step, extra={"world": world}).wait()
-        ok = True
-    finally:
-        gloo_ranks.leave(ok)
 
 
 def _rank_load(rank, world, path, port, out, managed=False):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    ok = False
-    try:
+    with gloo_ranks.group(rank, world, port):
         model = Dlrm(seed=7)
         opt = torch.optim.Adagrad([model.users.weight, model.items.weight, model.cats.weight], lr=0.05)
         saver.torch.load(saver.Manager(path) if managed else path, model, opt)
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, os.path.join(out, f"rank{rank}.pt"))
-        ok = True
-    finally:
-        gloo_ranks.leave(ok)
 
 
 def _free_port():

@@ -93,19 +93,13 @@ def _free_port():
 
 
 def _run(rank, world, port, form, path, seed, save, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    ok = False
-    try:
+    with gloo_ranks.group(rank, world, port):
         model = RowWise(form, seed)
         if save:
             saver.torch.save(path, model, extra={"form": form})
         else:
             assert saver.torch.load(path, model)["form"] in ("sharded", "dtensor", "replicate")
         torch.save((model.a, model.local.detach().clone(), model.local_state.clone()), os.path.join(out, f"{rank}.pt"))
-        ok = True
-    finally:
-        gloo_ranks.leave(ok)
 
 
 def _ranks(world, form, path, seed, save, out):

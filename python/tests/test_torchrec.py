@@ -116,10 +116,7 @@ def _whole(dumps):
 
 
 def _run(rank, world, port, kinds, path, out, save, rowwise=False, min_partition=32):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    ok = False
-    try:
+    with gloo_ranks.group(rank, world, port):
         model = _model(world, kinds, seed=1 if save else 2, rowwise=rowwise, min_partition=min_partition)
         dense = _dense_optimizer(model)
         if save:
@@ -131,9 +128,6 @@ def _run(rank, world, port, kinds, path, out, save, rowwise=False, min_partition
             after = _dump(model, dense)
             assert any(not torch.equal(before[k], after[k]) for k in before), "the load changed nothing"
         torch.save(_dump(model, dense), os.path.join(out, f"rank{rank}.pt"))
-        ok = True
-    finally:
-        gloo_ranks.leave(ok)
 
 
 def kinds_saved(path):
@@ -258,10 +252,7 @@ def _ec_run(rank, world, port, kinds, path, out, save):
     fused SGD (no state): saved, or loaded and dumped."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    ok = False
-    try:
+    with gloo_ranks.group(rank, world, port):
         torch.manual_seed(1 if save else 2)
         configs = [torchrec.EmbeddingConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"]) for n, r, d in EC_TABLES]
         ec = torchrec.EmbeddingCollection(tables=configs, device=torch.device("meta"))
@@ -281,9 +272,6 @@ def _ec_run(rank, world, port, kinds, path, out, save):
         else:
             saver.torch.load(path, model)
         torch.save(_dump(model), os.path.join(out, f"rank{rank}.pt"))
-        ok = True
-    finally:
-        gloo_ranks.leave(ok)
 
 
 def _ec_ranks(world, kinds, path, out, save):
