@@ -129,7 +129,7 @@ def test_a_background_save_holds_the_moment_and_a_manager_saves_steps_as_deltas(
         saver.torch.save(m, model, opt, step=step, extra={"step": step})
     assert [s["links"] for s in m.steps()] == [1, 2, 3]
     back, back_opt = Dlrm(seed=6), optimizers(Dlrm(seed=6))[0]
-    back_opt = torch.optim.Adagrad([back.users.weight, back.items.weight, back.cats.weight], lr=0.05)
+    back_opt = optimizers(back)[0]
     assert saver.torch.load(m, back, back_opt) == {"step": 30}
     assert_same(model, back)
     assert_same_optimizer(opt, back_opt)
@@ -178,7 +178,7 @@ def _rank_managed(rank, world, root, port):
 def _rank_load(rank, world, path, port, out, managed=False):
     with gloo_ranks.group(rank, world, port):
         model = Dlrm(seed=7)
-        opt = torch.optim.Adagrad([model.users.weight, model.items.weight, model.cats.weight], lr=0.05)
+        opt = optimizers(model)[0]
         saver.torch.load(saver.Manager(path) if managed else path, model, opt)
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, os.path.join(out, f"rank{rank}.pt"))
 
@@ -189,6 +189,19 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _assert_ranks_restored(out, world, reference, ref_opt):
+    """Each of `world` ranks' dumps in `out` (`_rank_load`'s) holds `reference` and its
+    optimizer's state, bit for bit."""
+    for r in range(world):
+        got = torch.load(out / f"rank{r}.pt")
+        back = Dlrm(seed=0)
+        back.load_state_dict(got["model"])
+        assert_same(reference, back)
+        back_opt = optimizers(back)[0]
+        back_opt.load_state_dict(got["opt"])
+        assert_same_optimizer(ref_opt, back_opt)
 
 
 def test_two_gloo_ranks_save_one_checkpoint_that_one_and_three_ranks_load(tmp_path):
@@ -204,19 +217,12 @@ def test_two_gloo_ranks_save_one_checkpoint_that_one_and_three_ranks_load(tmp_pa
         out.mkdir()
         if world == 1:
             model = Dlrm(seed=7)
-            opt = torch.optim.Adagrad([model.users.weight, model.items.weight, model.cats.weight], lr=0.05)
+            opt = optimizers(model)[0]
             assert saver.torch.load(path, model, opt) == {"world": 2}
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, out / "rank0.pt")
         else:
             mp.spawn(_rank_load, args=(world, path, _free_port(), str(out)), nprocs=world, join=True)
-        for r in range(world):
-            got = torch.load(out / f"rank{r}.pt")
-            back = Dlrm(seed=0)
-            back.load_state_dict(got["model"])
-            assert_same(reference, back)
-            back_opt = torch.optim.Adagrad([back.users.weight, back.items.weight, back.cats.weight], lr=0.05)
-            back_opt.load_state_dict(got["opt"])
-            assert_same_optimizer(ref_opt, back_opt)
+        _assert_ranks_restored(out, world, reference, ref_opt)
 
 
 def test_gloo_ranks_save_steps_through_a_manager_and_other_ranks_restore_the_newest(tmp_path):
@@ -235,14 +241,7 @@ def test_gloo_ranks_save_steps_through_a_manager_and_other_ranks_restore_the_new
     out = tmp_path / "out"
     out.mkdir()
     mp.spawn(_rank_load, args=(3, root, _free_port(), str(out), True), nprocs=3, join=True)
-    for r in range(3):
-        got = torch.load(out / f"rank{r}.pt")
-        back = Dlrm(seed=0)
-        back.load_state_dict(got["model"])
-        assert_same(reference, back)
-        back_opt = torch.optim.Adagrad([back.users.weight, back.items.weight, back.cats.weight], lr=0.05)
-        back_opt.load_state_dict(got["opt"])
-        assert_same_optimizer(ref_opt, back_opt)
+    _assert_ranks_restored(out, 3, reference, ref_opt)
 
 
 KILLED_TRAINER = r"""
@@ -281,7 +280,7 @@ def test_a_kill_during_a_background_save_leaves_the_newest_committed_step_to_res
         latest = m.latest()
         assert latest is not None and latest["step"] >= steps - 1, latest
         model = Dlrm(seed=0)
-        opt = torch.optim.Adagrad([model.users.weight, model.items.weight, model.cats.weight], lr=0.05)
+        opt = optimizers(model)[0]
         extra = saver.torch.load(m, model, opt)
         assert extra == {"step": latest["step"]}
         # The trainer's state at that step, recomputed: exactly what was restored.
