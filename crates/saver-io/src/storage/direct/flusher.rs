@@ -157,6 +157,27 @@ impl Drop for Pooled {
     }
 }
 
+/// The caller's memory, lent to the background writes of [`BufferPool::write_borrowed`] for
+/// as long as that call waits for them: it says it is done when the last of them lets go.
+pub(super) struct Borrowed {
+    ptr: *const u8,
+    len: usize,
+    done: Arc<(Mutex<bool>, Condvar)>,
+}
+
+// SAFETY: the memory is only read, and `write_borrowed` keeps it alive and unchanged until the
+// last holder drops it.
+unsafe impl Send for Borrowed {}
+unsafe impl Sync for Borrowed {}
+
+impl Drop for Borrowed {
+    fn drop(&mut self) {
+        let (done, cv) = &*self.done;
+        *lock(done) = true;
+        cv.notify_all();
+    }
+}
+
 /// Memory whose whole pages go to the disk.
 pub(super) enum Memory {
     /// A pool buffer ([`BufferPool::share`]).
@@ -164,6 +185,8 @@ pub(super) enum Memory {
     /// A page assembled from the ends of neighbouring pieces, in heap memory (its pages range
     /// is the aligned page within it).
     Page(Vec<u8>),
+    /// The caller's memory ([`BufferPool::write_borrowed`]).
+    Borrowed(Arc<Borrowed>),
 }
 
 impl Memory {
@@ -171,6 +194,8 @@ impl Memory {
         match self {
             Memory::Pooled(m) => m.map.as_deref().unwrap_or_default(),
             Memory::Page(v) => v,
+            // SAFETY: valid for `len` bytes while any holder lives (see `Borrowed`).
+            Memory::Borrowed(b) => unsafe { std::slice::from_raw_parts(b.ptr, b.len) },
         }
     }
 }
@@ -396,6 +421,31 @@ impl BufferPool {
         }))
     }
 
+    /// Has `bytes[pages]` (aligned) written at `offset` of `file` from the caller's memory by the
+    /// background threads, as [`Self::write_behind`] does, and returns once they are written
+    /// (their outcome goes to the file, as theirs does): no copy into a buffer of the pool.
+    pub(super) fn write_borrowed(
+        &self,
+        file: &Arc<DirectFile>,
+        offset: u64,
+        bytes: &[u8],
+        pages: Range<usize>,
+    ) {
+        let done = Arc::new((Mutex::new(false), Condvar::new()));
+        let borrowed = Borrowed {
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+            done: Arc::clone(&done),
+        };
+        self.write_behind(file, offset, Memory::Borrowed(Arc::new(borrowed)), pages);
+        // The writes hold the caller's memory: the call lasts until the last one let go of it.
+        let (written, cv) = &*done;
+        let mut written = lock(written);
+        while !*written {
+            written = cv.wait(written).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
     /// Has `buf[pages]` (aligned) written at `offset` of `file` by the background threads, in
     /// writes of at most [`PART`], then reused. Blocks while [`IN_FLIGHT`] bytes are handed over
     /// and not written. Where no thread can be started, writes here.
@@ -434,6 +484,7 @@ impl BufferPool {
                 // The last part takes `buf` itself; a page's heap memory is one page, never cut.
                 let mem = match (i == last, &buf) {
                     (false, Some(Memory::Pooled(m))) => Memory::Pooled(Arc::clone(m)),
+                    (false, Some(Memory::Borrowed(b))) => Memory::Borrowed(Arc::clone(b)),
                     _ => buf.take().expect("only the last part takes the buffer"),
                 };
                 Job {

@@ -45,6 +45,10 @@ use flusher::{DirectFile, Memory, ALIGN};
 /// they touch: a copy into lent memory would send at most a page or two straight to the disk.
 const SMALL: usize = 2 * ALIGN;
 
+/// Pieces at least this long, placed in the caller's memory as in the file, are written straight
+/// from it: shorter ones are copied, which costs less than waiting for their write.
+const BORROWED_FROM: usize = 64 << 10;
+
 /// A page of the file that pieces share, being assembled.
 struct SharedPage {
     /// Twice a page, so that an aligned page lies within it.
@@ -316,10 +320,15 @@ impl DirectWrites {
         Ok(())
     }
 
-    /// Writes `buf` at `offset`, from the caller's memory: copied into lent memory, or under two
-    /// pages into the pages it touches. Fails if an earlier piece of the file failed to be
+    /// Writes `buf` at `offset`, from the caller's memory: its whole pages straight from it where
+    /// it lies at the same place within a page as in the file (a background save's copy placed
+    /// so: `saver_core::moment_copy`), waiting for them; else copied into lent memory, or under
+    /// two pages into the pages it touches. Fails if an earlier piece of the file failed to be
     /// written.
     pub fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        if buf.len() >= BORROWED_FROM && buf.as_ptr() as usize % ALIGN == offset as usize % ALIGN {
+            return self.write_in_place(offset, buf);
+        }
         if buf.len() < SMALL {
             self.check(offset, buf.len())?;
             self.given(offset, buf.len());
@@ -328,6 +337,24 @@ impl DirectWrites {
         let mut lent = self.lend(offset, buf.len())?;
         lent.as_mut().copy_from_slice(buf);
         self.write_lent(lent)
+    }
+
+    /// [`DirectWrites::write_at`] of bytes placed in memory as in the file: the pages they cover
+    /// whole written from that memory, their ends shared with their neighbours' pages.
+    fn write_in_place(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        self.check(offset, buf.len())?;
+        self.given(offset, buf.len());
+        let a = ALIGN as u64;
+        let end = offset + buf.len() as u64;
+        let first = offset.next_multiple_of(a).min(end);
+        let last = (end / a * a).max(first);
+        let (head, tail) = ((first - offset) as usize, (last - offset) as usize);
+        self.share_all(offset, &buf[..head])?;
+        self.share_all(last, &buf[tail..])?;
+        if tail > head {
+            self.pool.write_borrowed(&self.file, first, buf, head..tail);
+        }
+        Ok(())
     }
 
     /// Waits for the file's pieces to be written, checks every byte was given once, and cuts
@@ -425,8 +452,17 @@ mod tests {
 
     /// Writes `data` as pieces cut at `cuts`, shuffled by `seed`, from two threads, some in
     /// lent memory and some in the caller's, with buffers that already held another file's
-    /// bytes.
-    fn write_in_pieces(data: &[u8], cuts: &[usize], seed: u64) -> Vec<u8> {
+    /// bytes. With `in_place`, the caller's memory lies at the same place within a page as the
+    /// file's bytes (as a background save's copy does), so its long pieces are written from it.
+    fn write_in_pieces(data: &[u8], cuts: &[usize], seed: u64, in_place: bool) -> Vec<u8> {
+        let mut placed = vec![0u8; data.len() + ALIGN];
+        let data = if in_place {
+            let at = placed.as_ptr().align_offset(ALIGN);
+            placed[at..at + data.len()].copy_from_slice(data);
+            &placed[at..at + data.len()]
+        } else {
+            data
+        };
         let pool = Arc::new(BufferPool::default());
         let stale = vec![0xA5; 3 * MIB as usize + 7];
         let (_d, buffered, direct) = open_file(stale.len() as u64, &pool);
@@ -503,9 +539,10 @@ mod tests {
             len in prop_oneof![1usize..10_000, 1_000_000usize..3_200_000],
             cuts in prop::collection::vec(any::<usize>(), 0..40),
             seed: u64,
+            in_place: bool,
         ) {
             let data: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
-            let read = write_in_pieces(&data, &cuts, seed);
+            let read = write_in_pieces(&data, &cuts, seed, in_place);
             prop_assert_eq!(read.len(), data.len());
             prop_assert!(read == data, "content differs");
         }
