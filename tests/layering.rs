@@ -27,6 +27,7 @@ const CORE_ROOMS: &[&str] = &[
     "cast",
     "naming",
     "partition",
+    "moment_copy",
     "tensor",
     "compress",
     "quantize",

@@ -39,9 +39,11 @@ __all__ = [
     "SaveReport",
     "SaverError",
     "SaverWarning",
+    "background_memory",
     "digest",
     "load",
     "open",
+    "release_background_memory",
     "save",
     "save_async",
     "shard_of",
@@ -486,7 +488,8 @@ def save_async(
     no Python code changes them meanwhile), so that training may change its arrays from then on;
     the checkpoint shows them as they were at the call. The save runs on threads of its own at a
     lower CPU priority. Options as :func:`save`. Errors found before the moment (bad arguments)
-    are raised here; later ones by :meth:`SaveHandle.wait`."""
+    are raised here; later ones by :meth:`SaveHandle.wait`. The copies' memory is kept for the
+    next background save (:func:`background_memory`)."""
     return SaveHandle(_saver.save_async(os.fspath(path), *_save_arguments(tables, dense, _options(options))))
 
 
@@ -679,6 +682,25 @@ def shard_of(ids: ArrayLike, shards: int) -> np.ndarray:
     elif a.dtype != np.uint64:
         raise InputError(f"ids: must be int64 or uint64 (the dtypes of a table's ids), got {a.dtype}")
     return _saver.shard_of(a, shards)
+
+
+def background_memory() -> int:
+    """Bytes of memory kept for the next background save's copy of the model.
+
+    A background save (:func:`save_async`, :func:`saver.torch.save_async`) copies the arrays it
+    cannot keep before it returns, and the trainer waits for that copy. Into fresh memory the
+    copy costs mostly the kernel's page faults (about 6 times the copy itself), so when a save
+    ends the memory of its large copies (1 MiB and more) is kept, and the next save copies the
+    same tensors into it, placed as their files place them so that they go to the disk straight
+    from it. At most one save's copies are kept: memory that the copies of the last save did not
+    use is freed when it ends. :func:`release_background_memory` frees it at once."""
+    return _saver.background_memory()
+
+
+def release_background_memory() -> None:
+    """Frees the memory kept for the next background save's copy (:func:`background_memory`);
+    a save under way gives its copies' memory back when it ends."""
+    _saver.release_background_memory()
 
 
 def verify(path: PathLike, *, parallel: Optional[int] = None) -> dict:

@@ -478,7 +478,9 @@ def save_async(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Mo
     the same step (the ranks agree on the save id then) and each rank's handle reports its own
     share: the checkpoint is committed by the last rank to finish, and a rank whose write fails
     leaves it uncommitted (the other ranks' handles, of a Manager, wait for the commit until the
-    manager's wait ends, 10 minutes, and then raise)."""
+    manager's wait ends, 10 minutes, and then raise). The copy's memory is kept for the next
+    background save, which copies into it at memory speed rather than the kernel's page-fault
+    speed and writes it to the disk from there (:func:`saver.background_memory`)."""
     return _save(target, model, optimizer, step, extra, tables, True, options)
 
 

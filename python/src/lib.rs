@@ -768,6 +768,18 @@ fn digest(py: Python<'_>, path: PathBuf, parallel: usize) -> PyResult<String> {
     .map_err(err)
 }
 
+/// Bytes of memory background saves keep for the next one's copy of the model.
+#[pyfunction]
+fn background_memory() -> u64 {
+    saver_core::moment_copy::kept_bytes()
+}
+
+/// Frees the memory background saves keep for the next one's copy of the model.
+#[pyfunction]
+fn release_background_memory() {
+    saver_core::moment_copy::release_kept()
+}
+
 /// The shard of `shards` that owns each id (given as its 64 bits: an int64 id as its two's
 /// complement), by the partition rule every save uses: where a trainer routes a row so that
 /// the process writing that shard holds it.
@@ -804,5 +816,7 @@ fn _saver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(digest, m)?)?;
     m.add_function(wrap_pyfunction!(shard_of, m)?)?;
+    m.add_function(wrap_pyfunction!(background_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(release_background_memory, m)?)?;
     Ok(())
 }

@@ -135,6 +135,32 @@ def test_a_background_save_holds_the_moment_and_a_manager_saves_steps_as_deltas(
     assert_same_optimizer(opt, back_opt)
 
 
+def test_background_saves_reuse_one_copys_memory_and_each_holds_its_moment(tmp_path):
+    rows = (40000, 300, 50)
+    model = Dlrm(seed=7, rows=rows)
+    opt = optimizers(model)[0]
+    saver.release_background_memory()
+    # The weights of `users` and Adagrad's sum of them are the only tensors of 1 MiB or more.
+    big = model.users.weight.numel() * 4
+    for k in range(3):
+        train(model, opt, 1, start=10 * k)
+        snapshot = Dlrm(seed=0, rows=rows)
+        snapshot.load_state_dict(model.state_dict())
+        snapshot_sum = opt.state[model.users.weight]["sum"].clone()
+        h = saver.torch.save_async(tmp_path / f"bg{k}", model, opt, step=k)
+        train(model, opt, 2, start=10 * k + 1)  # changes the tensors while the save writes
+        h.wait()
+        # One save's copies are kept, however many saves ran.
+        assert saver.background_memory() == 2 * big, k
+        back = Dlrm(seed=5, rows=rows)
+        back_opt = optimizers(back)[0]
+        saver.torch.load(tmp_path / f"bg{k}", back, back_opt)
+        assert_same(snapshot, back)
+        assert torch.equal(back_opt.state[back.users.weight]["sum"], snapshot_sum), k
+    saver.release_background_memory()
+    assert saver.background_memory() == 0
+
+
 def test_what_does_not_fit_is_refused_by_name(tmp_path):
     model = Dlrm(seed=3)
     saver.torch.save(tmp_path / "ck", model)

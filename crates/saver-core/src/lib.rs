@@ -67,6 +67,7 @@ pub mod dtype;
 pub mod error;
 pub mod filter;
 pub mod manifest;
+pub mod moment_copy;
 pub mod naming;
 pub mod partition;
 pub mod plan;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
+use crate::moment_copy::MomentCopy;
 
 /// Number of elements of a shape, refusing overflow.
 pub fn element_count(shape: &[u64]) -> Option<u64> {
@@ -48,6 +49,8 @@ pub struct DenseTensor<'a> {
 enum Bytes<'a> {
     Cow(Cow<'a, [u8]>),
     Shared(Arc<Vec<u8>>),
+    /// A background save's copy (see [`crate::moment_copy`]).
+    Copied(Arc<MomentCopy>),
 }
 
 impl std::ops::Deref for Bytes<'_> {
@@ -56,6 +59,7 @@ impl std::ops::Deref for Bytes<'_> {
         match self {
             Bytes::Cow(c) => c,
             Bytes::Shared(s) => s,
+            Bytes::Copied(c) => c,
         }
     }
 }
@@ -141,23 +145,39 @@ impl<'a> DenseTensor<'a> {
         Self { name, ..self }
     }
 
-    /// The same tensor over the same bytes, borrowed: no copy.
+    /// The same tensor over the same bytes, borrowed: no copy (a background save's copy is
+    /// shared, so that the plan can tell it where its file puts it).
     pub fn view(&self) -> DenseTensor<'_> {
+        let data = match &self.data {
+            Bytes::Copied(c) => Bytes::Copied(Arc::clone(c)),
+            _ => Bytes::Cow(Cow::Borrowed(&self.data)),
+        };
         DenseTensor {
             name: self.name.clone(),
             dtype: self.dtype,
             shape: self.shape.clone(),
-            data: Bytes::Cow(Cow::Borrowed(&self.data)),
+            data,
+        }
+    }
+
+    /// The background save's copy the bytes are, if they are one ([`Self::into_owned`]).
+    pub fn moment_copy(&self) -> Option<&MomentCopy> {
+        match &self.data {
+            Bytes::Copied(c) => Some(c),
+            _ => None,
         }
     }
 
     /// The tensor with bytes of its own: a copy where it borrowed them, so that the caller may
-    /// change its buffers at once (what a background save needs); shared bytes stay shared.
+    /// change its buffers at once (what a background save needs), made on every core into the
+    /// memory the last background save's copy of the same length left ([`crate::moment_copy`]);
+    /// shared bytes stay shared.
     pub fn into_owned(self) -> DenseTensor<'static> {
         let data = match self.data {
-            Bytes::Cow(Cow::Borrowed(b)) => Bytes::Cow(Cow::Owned(copy_on_every_core(b))),
+            Bytes::Cow(Cow::Borrowed(b)) => Bytes::Copied(Arc::new(MomentCopy::of(&self.name, b))),
             Bytes::Cow(Cow::Owned(v)) => Bytes::Cow(Cow::Owned(v)),
             Bytes::Shared(s) => Bytes::Shared(s),
+            Bytes::Copied(c) => Bytes::Copied(c),
         };
         DenseTensor {
             name: self.name,
@@ -168,48 +188,9 @@ impl<'a> DenseTensor<'a> {
     }
 }
 
-/// A copy of `src`, made by every core of the current rayon pool a piece each: what a
-/// background save copies while the trainer waits (its dense tensors, a Python caller's arrays)
-/// is copied at the machine's pace, not one core's, the new memory's pages faulted in by every
-/// core at once.
-pub fn copy_on_every_core<T: bytemuck::Pod + Send + Sync>(src: &[T]) -> Vec<T> {
-    use rayon::prelude::*;
-    // Bytes a piece: large enough that its bookkeeping is nothing beside its copy.
-    const PIECE: usize = 4 << 20;
-    let piece = (PIECE / std::mem::size_of::<T>().max(1)).max(1);
-    if src.len() <= piece {
-        return src.to_vec();
-    }
-    // Zeroed by the allocator, whose fresh pages cost nothing until a piece's copy faults them in.
-    let mut out: Vec<T> = bytemuck::zeroed_vec(src.len());
-    out.par_chunks_mut(piece)
-        .zip(src.par_chunks(piece))
-        .for_each(|(d, s)| d.copy_from_slice(s));
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The copy made by every core is the bytes of the source, at every size around a piece's.
-    #[test]
-    fn a_copy_on_every_core_is_a_copy() {
-        for len in [
-            0usize,
-            1,
-            7,
-            (4 << 20) - 1,
-            4 << 20,
-            (4 << 20) + 1,
-            (9 << 20) + 3,
-        ] {
-            let src: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
-            assert_eq!(copy_on_every_core(&src), src, "{len} bytes");
-        }
-        let ids: Vec<u64> = (0..(1u64 << 20) + 5).map(|i| i * 3).collect();
-        assert_eq!(copy_on_every_core(&ids), ids);
-    }
 
     #[test]
     fn dense_tensor_checks_length() {

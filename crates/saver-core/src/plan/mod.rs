@@ -633,6 +633,7 @@ pub fn plan_with_spill<'a>(
     for t in &mut tables {
         t.bucket_start = BucketStarts::Freed;
     }
+    place_moment_copies(&shard_plans, &dense);
     Ok(SavePlan {
         opts: opts.clone(),
         tables,
@@ -643,6 +644,21 @@ pub fn plan_with_spill<'a>(
         given_dense,
         shards: shard_plans,
     })
+}
+
+/// Tells each background save's copy where within a page its file puts it, so that the next
+/// save's copy of the tensor is placed alike and written straight from its memory
+/// ([`crate::moment_copy`]).
+fn place_moment_copies(shards: &[ShardPlan], dense: &[DenseTensor<'_>]) {
+    for shard in shards {
+        for dp in &shard.dense {
+            if let Some(copy) = dense[dp.dense].moment_copy() {
+                let file = &shard.files[dp.loc.file];
+                let at = file.data_start + file.tensors[dp.loc.tensor].start;
+                copy.place_in_page((at % crate::moment_copy::PAGE as u64) as usize);
+            }
+        }
+    }
 }
 
 impl<'a> SavePlan<'a> {

@@ -121,16 +121,16 @@ impl<'a> ColumnTable<'a> {
     }
 
     /// This table with its ids and rows copied (by every core: see
-    /// [`crate::tensor::copy_on_every_core`]), for a save that outlives the arrays it was given.
+    /// [`crate::moment_copy::copy_on_every_core`]), for a save that outlives the arrays it was given.
     pub fn copied(&self) -> ColumnTable<'static> {
         ColumnTable {
             schema: self.schema.clone(),
             slot_bytes: self.slot_bytes.clone(),
-            ids: Cow::Owned(crate::tensor::copy_on_every_core(&self.ids)),
+            ids: Cow::Owned(crate::moment_copy::copy_on_every_core(&self.ids)),
             data: self
                 .data
                 .iter()
-                .map(|d| Cow::Owned(crate::tensor::copy_on_every_core(d)))
+                .map(|d| Cow::Owned(crate::moment_copy::copy_on_every_core(d)))
                 .collect(),
             by_id: OnceLock::new(),
         }
