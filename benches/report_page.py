@@ -177,7 +177,9 @@ def main():
         "the save ended, less the same steps without a save: what the trainer loses, stall and "
         f"slowdown together. saver loses {m['lost saver'] / m['save saver']:.2f} × its blocking save's stall, DCP "
         f"{m['lost dcp'] / m['save dcp']:.2f} × its own; on 2 cores a background save's writing competes with "
-        "the training for the same cores.",
+        "the training for the same cores. Medians over the rounds after a warm-up round: a process's first "
+        "background save copies the model into fresh memory, which saver keeps for the next save, placed as "
+        "the files place it so that direct I/O writes it without another copy (docs/GUIDE.md, \"Python\").",
         "",
         f"![background saves]({rel}/plot-background.png)",
         "",
