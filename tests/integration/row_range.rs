@@ -276,6 +276,67 @@ fn a_corrupt_chunk_is_named_by_load_and_verify() {
     assert_ne!(report.status, Status::Ok);
 }
 
+/// A chunk of several read parts (a load of whole rows reads and checks 8 MiB of a tensor at a
+/// time on each thread): ranges across the parts' edges come back exact, and a corrupt byte in
+/// a middle part fails the loads that read it, not those that do not.
+#[test]
+fn a_large_chunk_reads_back_across_its_read_parts_and_its_corruption_is_found() {
+    let d = tempfile::tempdir().unwrap();
+    // 80 000 rows of 64 f32: 20 MB in one chunk, three parts.
+    let (rows, cols) = (80_000u64, 64u64);
+    save_split(d.path(), rows, cols, &[], &[], 1);
+    let ck = Checkpoint::open(d.path()).unwrap();
+    let row_bytes = cols * 4;
+    let part_rows = (8 << 20) / row_bytes;
+    let load = |ck: &Checkpoint, r: Range<u64>| {
+        let mut w = vec![0f32; ((r.end - r.start) * cols) as usize];
+        ck.load_rows(
+            "emb",
+            r.clone(),
+            &mut [RowsInto::new("weight", bytemuck::cast_slice_mut(&mut w))],
+        )
+        .map(|_| w)
+    };
+    for r in [
+        0..rows,
+        part_rows - 1..part_rows + 1,
+        7..2 * part_rows + 3,
+        part_rows..rows,
+        rows - 1..rows,
+    ] {
+        let w = load(&ck, r.clone()).unwrap();
+        let want: Vec<f32> = r
+            .clone()
+            .flat_map(|row| (0..cols).map(move |c| value(0, row, c)))
+            .collect();
+        assert!(w == want, "rows {r:?}");
+    }
+    let weight = ck
+        .row_table("emb")
+        .unwrap()
+        .slots
+        .iter()
+        .find(|s| s.name == "weight")
+        .unwrap()
+        .chunks[0]
+        .tensor
+        .clone();
+    let file = d.path().join(&weight.file);
+    let mut bytes = std::fs::read(&file).unwrap();
+    let bad_row = part_rows + part_rows / 2;
+    bytes[(weight.offset + bad_row * row_bytes + 5) as usize] ^= 0x10;
+    std::fs::write(&file, bytes).unwrap();
+    let ck = Checkpoint::open(d.path()).unwrap();
+    for r in [0..rows, bad_row..bad_row + 1, part_rows..2 * part_rows] {
+        let e = load(&ck, r.clone()).unwrap_err();
+        assert!(matches!(e, Error::Corrupt { .. }), "rows {r:?}: {e}");
+        assert!(e.to_string().contains(&weight.name), "{e}");
+    }
+    for r in [0..part_rows, 2 * part_rows..rows] {
+        load(&ck, r.clone()).unwrap_or_else(|e| panic!("rows {r:?}: {e}"));
+    }
+}
+
 /// A checkpoint of both kinds: the hashed tables and dense tensors restore as ever, the
 /// row-range table loads by range; a reshard and a delta carry both.
 #[test]

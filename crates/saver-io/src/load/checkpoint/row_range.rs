@@ -487,6 +487,14 @@ fn fill_from_chunks(
         loaded.chunks += 1;
         // (offset in the chunk's tensor, offset in `out`, length): whole rows of both at once.
         let whole_rows = x.start == c0 && x.end == c0 + c_width && x == *cols;
+        if whole_rows && t.codec.is_none() {
+            let from = (r.start - c_row0) * c_width * el;
+            let to = (r.start - rows.start) * out_row;
+            let len = (r.end - r.start) * out_row;
+            let dst = &mut out[to as usize..(to + len) as usize];
+            read_in_parts(link, table, t, from, dst, loaded)?;
+            continue;
+        }
         let pieces_of: Vec<(u64, u64, u64)> = if whole_rows {
             vec![(
                 (r.start - c_row0) * c_width * el,
@@ -569,6 +577,45 @@ fn apply_patch(
         let src = i * p_row as usize + from;
         let dst = ((row - rows.start) * out_row) as usize + to;
         out[dst..dst + len].copy_from_slice(&values[src..src + len]);
+    }
+    Ok(())
+}
+
+/// Bytes of a tensor a thread reads and checks at a time, in a load of whole rows: the reads of
+/// one thread are in flight while another checks what it read, so that the CRCs of a cold
+/// restore overlap its reads instead of following them (a multiple of every CRC block size).
+const READ_PART: u64 = 8 << 20;
+
+/// Reads `dst.len()` bytes of `t` from tensor offset `from` into `dst`, in parts of
+/// [`READ_PART`] (cut at multiples of it in the tensor) read and checked by the pool's threads
+/// at once.
+fn read_in_parts(
+    link: &Link,
+    table: &str,
+    t: &TensorRef,
+    from: u64,
+    dst: &mut [u8],
+    loaded: &mut RowsLoaded,
+) -> Result<()> {
+    let mut parts: Vec<(u64, &mut [u8])> = Vec::new();
+    let (mut at, mut rest) = (from, dst);
+    while !rest.is_empty() {
+        let end = ((at / READ_PART + 1) * READ_PART).min(at + rest.len() as u64);
+        let (part, tail) = std::mem::take(&mut rest).split_at_mut((end - at) as usize);
+        parts.push((at, part));
+        (at, rest) = (end, tail);
+    }
+    let read = parts
+        .into_par_iter()
+        .map(|(at, part)| {
+            let mut l = RowsLoaded::default();
+            let len = part.len() as u64;
+            read_checked(link, table, t, &[(at, 0, len)], part, &mut l)?;
+            Ok(l)
+        })
+        .collect::<Result<Vec<RowsLoaded>>>()?;
+    for l in read {
+        loaded.bytes_read += l.bytes_read;
     }
     Ok(())
 }
