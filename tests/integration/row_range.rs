@@ -233,20 +233,24 @@ fn overlapping_or_gapped_chunks_are_refused() {
 
 /// A chunk whose bytes changed on disk fails the load of any range that reads it, naming the
 /// tensor, and fails verify; ranges that do not touch it still load.
+/// Slot `weight` of table `emb`, as the checkpoint's manifest holds it.
+fn weight_slot(ck: &Checkpoint) -> saver::core::manifest::RowSlotManifest {
+    ck.row_table("emb")
+        .unwrap()
+        .slots
+        .iter()
+        .find(|s| s.name == "weight")
+        .unwrap()
+        .clone()
+}
+
 #[test]
 fn a_corrupt_chunk_is_named_by_load_and_verify() {
     let d = tempfile::tempdir().unwrap();
     let (rows, cols) = (2000u64, 16u64);
     save_split(d.path(), rows, cols, &[1000], &[], 1);
     let ck = Checkpoint::open(d.path()).unwrap();
-    let slot = &ck
-        .row_table("emb")
-        .unwrap()
-        .slots
-        .iter()
-        .find(|s| s.name == "weight")
-        .unwrap()
-        .clone();
+    let slot = &weight_slot(&ck);
     let second = slot.chunks.iter().find(|c| c.offset == [1000, 0]).unwrap();
     assert_eq!(
         second.tensor.name,
@@ -311,16 +315,7 @@ fn a_large_chunk_reads_back_across_its_read_parts_and_its_corruption_is_found() 
             .collect();
         assert!(w == want, "rows {r:?}");
     }
-    let weight = ck
-        .row_table("emb")
-        .unwrap()
-        .slots
-        .iter()
-        .find(|s| s.name == "weight")
-        .unwrap()
-        .chunks[0]
-        .tensor
-        .clone();
+    let weight = weight_slot(&ck).chunks[0].tensor.clone();
     let file = d.path().join(&weight.file);
     let mut bytes = std::fs::read(&file).unwrap();
     let bad_row = part_rows + part_rows / 2;
