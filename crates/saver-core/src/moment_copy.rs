@@ -5,8 +5,8 @@
 //! memory costs mostly the kernel's page faults, not the copy: 0.19 s for 0.9 GiB here against
 //! 0.03 s into memory already faulted in (benches/torch_peers.py's model, "background save"
 //! rows of docs/BENCHMARKS.md). So the memory of the large copies is kept when a save ends
-//! ([`MomentCopy`]'s drop) and reused by the next save's copies of the same lengths: a trainer
-//! saves the same tensors every time. What is kept is bounded by one moment: when the last copy
+//! ([`MomentCopy`]'s drop) and reused by the next save's copies of the same tensors (by name
+//! and length): a trainer saves the same tensors every time. What is kept is bounded by one moment: when the last copy
 //! in use ends, kept memory that no copy of the moment just ended took or gave back is freed (the
 //! model changed shape, or the copies were of another model), so between saves the process holds
 //! at most one model's copy, no more than each save holds while it runs. [`release_kept`] frees
@@ -87,7 +87,7 @@ fn with_kept<R>(pool: &Pool, f: impl FnOnce(&mut Kept) -> R) -> R {
 }
 
 /// A copy of the caller's bytes a background save holds ([`MomentCopy::of`]); its memory is kept
-/// for the next save's copy of the same length when it is dropped (see the module's text).
+/// for the next save's copy of the same tensor when it is dropped (see the module's text).
 pub struct MomentCopy {
     /// The copy is `mem[start..start + len]`; `mem` has a page more, room to place it.
     mem: Vec<u8>,
