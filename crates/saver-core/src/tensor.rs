@@ -170,7 +170,7 @@ impl<'a> DenseTensor<'a> {
 
     /// The tensor with bytes of its own: a copy where it borrowed them, so that the caller may
     /// change its buffers at once (what a background save needs), made on every core into the
-    /// memory the last background save's copy of the same length left ([`crate::moment_copy`]);
+    /// memory the last background save's copy of this tensor left ([`crate::moment_copy`]);
     /// shared bytes stay shared.
     pub fn into_owned(self) -> DenseTensor<'static> {
         let data = match self.data {

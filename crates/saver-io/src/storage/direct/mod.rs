@@ -49,6 +49,15 @@ const SMALL: usize = 2 * ALIGN;
 /// from it: shorter ones are copied, which costs less than waiting for their write.
 const BORROWED_FROM: usize = 64 << 10;
 
+/// The first and the last page boundary within the `len` bytes at `offset`: the pages between
+/// them are covered whole; the bytes before `first` and from `last` on share their pages.
+fn page_bounds(offset: u64, len: usize) -> (u64, u64) {
+    let a = ALIGN as u64;
+    let end = offset + len as u64;
+    let first = offset.next_multiple_of(a).min(end);
+    (first, (end / a * a).max(first))
+}
+
 /// A page of the file that pieces share, being assembled.
 struct SharedPage {
     /// Twice a page, so that an aligned page lies within it.
@@ -283,10 +292,7 @@ impl DirectWrites {
         self.check(offset, len)?;
         self.given(offset, len);
         let a = ALIGN as u64;
-        let end = offset + len as u64;
-        // The first and the last page boundary within the piece.
-        let first = offset.next_multiple_of(a).min(end);
-        let last = (end / a * a).max(first);
+        let (first, last) = page_bounds(offset, len);
         let (head, tail) = ((first - offset) as usize, (last - offset) as usize);
         // Where file offset `at` (within the piece's pages) is in `buf`: the piece's first page
         // starts at 0.
@@ -344,10 +350,7 @@ impl DirectWrites {
     fn write_in_place(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
         self.check(offset, buf.len())?;
         self.given(offset, buf.len());
-        let a = ALIGN as u64;
-        let end = offset + buf.len() as u64;
-        let first = offset.next_multiple_of(a).min(end);
-        let last = (end / a * a).max(first);
+        let (first, last) = page_bounds(offset, buf.len());
         let (head, tail) = ((first - offset) as usize, (last - offset) as usize);
         self.share_all(offset, &buf[..head])?;
         self.share_all(last, &buf[tail..])?;
