@@ -7,13 +7,14 @@
 //! 2. `delta` (a delta only): its changes against the parent, spooled as tables;
 //! 3. `claim`: the shards claimed, so that it is their one writer;
 //! 4. `pipeline`: planned (saver-core's plan) and written, durable, with its shard manifests
-//!    (`schedule`, `sink`, `compressing` move the bytes);
+//!    (`schedule`, `sink`, `compressing` move the bytes, `checksum` sums them);
 //! 5. `commit`: committed under the directory's lock; what it replaced removed.
 //!
 //! `rejection` is the marker of a save that can never commit, which the claim, the commit and
 //! the decision of a retry read.
 
 pub(crate) mod background;
+mod checksum;
 pub(crate) mod claim;
 pub(crate) mod commit;
 mod compressing;

@@ -15,13 +15,14 @@ use saver_core::ChangeTracking;
 use saver_core::{PlanOptions, SaveInput, SavePlan};
 
 use crate::error::{Error, Result};
+use crate::save::checksum::{combine_crcs, CrcRun};
 use crate::save::claim::{claim_shards, reclaim_ended_saves, remove_own, Leftovers};
 use crate::save::commit::{commit_under, files_left_alone, wait_for_commit, CommitState};
 use crate::save::compressing::CompressedFile;
 use crate::save::decide::{plan_options, Decided};
 use crate::save::delta::DeltaOf;
 use crate::save::schedule::{Claimer, FileQueues};
-use crate::save::sink::{combine_crcs, FileSink, Files, PieceCrc};
+use crate::save::sink::{FileSink, Files};
 use crate::storage::at_once::{all_at_once, calls_at_once, each_at_once, STORE_CALLS_AT_ONCE};
 use crate::storage::{Storage, WriteHandle};
 
@@ -385,7 +386,7 @@ pub fn write_plan(
         done: &AtomicU64::new(0),
         total: plan.data_bytes(),
     };
-    let written: Vec<Result<Vec<PieceCrc>>> = pool.broadcast(|_| {
+    let written: Vec<Result<Vec<CrcRun>>> = pool.broadcast(|_| {
         let mut buf = ChunkBuffer::default();
         let mut sink = FileSink::new(&files);
         let mut place = Claimer::default();
@@ -398,11 +399,11 @@ pub fn write_plan(
                 return Err(e);
             }
         }
-        Ok(sink.crcs)
+        Ok(sink.crcs.finish())
     });
-    let written: Result<Vec<Vec<PieceCrc>>> = written.into_iter().collect();
-    let finished = written.and_then(|pieces| {
-        let mut crcs = combine_crcs(plan, pieces.into_iter().flatten())?;
+    let written: Result<Vec<Vec<CrcRun>>> = written.into_iter().collect();
+    let finished = written.and_then(|runs| {
+        let mut crcs = combine_crcs(plan, runs.into_iter().flatten().collect())?;
         if let Some(files) = compressed {
             for ((shard_files, shard_crcs), (shard, hs)) in files
                 .into_iter()

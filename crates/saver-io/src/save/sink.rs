@@ -1,32 +1,22 @@
 //! Where a writer thread puts the pieces of the chunks it produces: into the files of the plan
-//! (straight, or through a compressed file), with a CRC of every piece and the save's progress.
+//! (straight, or through a compressed file), recording their CRCs (`checksum`) and the save's
+//! progress.
 //!
 //! Slot rows are gathered into memory the file lends where it has any ([`WriteHandle::lend`]:
 //! direct I/O writes from its own page-aligned buffers), so they are copied once, from the table
 //! into the memory the disk reads; elsewhere into this thread's own reusable buffers.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crc32fast::Hasher;
-
-use saver_core::manifest::BlockCrcs;
-use saver_core::plan::{crc_block_bytes, Loc, Piece, PieceSink, TensorCrc};
+use saver_core::plan::{crc_block_bytes, Loc, Piece, PieceSink};
 use saver_core::SavePlan;
 
 use crate::error::{Error, Result};
+use crate::save::checksum::CrcRuns;
 use crate::save::compressing::CompressedFile;
 use crate::save::options::{Progress, ProgressFn};
 use crate::storage::{Lent, WriteHandle};
-
-/// CRC of a piece, kept until all pieces of its tensor are known.
-pub(super) struct PieceCrc {
-    shard: usize,
-    loc: Loc,
-    offset: u64,
-    len: u64,
-    hasher: Hasher,
-}
 
 /// Memory a piece's rows are gathered into.
 pub(super) enum PieceMemory {
@@ -72,7 +62,7 @@ pub(super) struct Files<'a> {
 pub(super) struct FileSink<'a> {
     files: &'a Files<'a>,
     /// The CRCs of the pieces this thread wrote.
-    pub crcs: Vec<PieceCrc>,
+    pub crcs: CrcRuns,
     /// Buffers of this thread's own, for pieces no file lends memory for: taken from the front
     /// and given back to the back, so that each slot of a chunk gets the buffer the same slot
     /// had in the chunk before, already of its size.
@@ -83,7 +73,7 @@ impl<'a> FileSink<'a> {
     pub fn new(files: &'a Files<'a>) -> Self {
         Self {
             files,
-            crcs: Vec::new(),
+            crcs: CrcRuns::default(),
             spare: VecDeque::new(),
         }
     }
@@ -96,27 +86,11 @@ impl<'a> FileSink<'a> {
         (&**h, f.data_start + t.start + offset)
     }
 
-    /// Records the CRCs of a piece (one per part within a checksummed block, so that
-    /// [`combine_crcs`] can make the block CRCs as well as the tensor's) and reports progress.
+    /// Records the CRC of a piece and reports progress.
     fn record(&mut self, shard: usize, loc: Loc, offset: u64, bytes: &[u8]) {
         let t = &self.files.plan.shards()[shard].files[loc.file].tensors[loc.tensor];
         let block = crc_block_bytes(t.end - t.start).unwrap_or(u64::MAX);
-        let mut at = 0;
-        while at < bytes.len() {
-            let offset = offset + at as u64;
-            let block_end = (offset / block).saturating_add(1).saturating_mul(block);
-            let n = ((block_end - offset) as usize).min(bytes.len() - at);
-            let mut hasher = Hasher::new();
-            hasher.update(&bytes[at..at + n]);
-            self.crcs.push(PieceCrc {
-                shard,
-                loc,
-                offset,
-                len: n as u64,
-                hasher,
-            });
-            at += n;
-        }
+        self.crcs.record(shard, loc, offset, bytes, block);
         if let Some(p) = self.files.progress {
             let n = bytes.len() as u64;
             let written = self.files.done.fetch_add(n, Ordering::Relaxed) + n;
@@ -176,67 +150,4 @@ impl PieceSink for FileSink<'_> {
             }
         }
     }
-}
-
-/// Combines per-piece CRCs into per-tensor and per-block CRCs, in offset order, checking every
-/// byte of every tensor was produced exactly once. Pieces never straddle a block.
-pub(super) fn combine_crcs(
-    plan: &SavePlan<'_>,
-    pieces: impl Iterator<Item = PieceCrc>,
-) -> Result<Vec<Vec<Vec<TensorCrc>>>> {
-    let mut by_tensor: HashMap<(usize, usize, usize), Vec<PieceCrc>> = HashMap::new();
-    for p in pieces {
-        by_tensor
-            .entry((p.shard, p.loc.file, p.loc.tensor))
-            .or_default()
-            .push(p);
-    }
-    let mut out = Vec::with_capacity(plan.shards().len());
-    for (s, shard) in plan.shards().iter().enumerate() {
-        let mut files = Vec::with_capacity(shard.files.len());
-        for (f, file) in shard.files.iter().enumerate() {
-            let mut crcs = Vec::with_capacity(file.tensors.len());
-            for (t, tensor) in file.tensors.iter().enumerate() {
-                let len = tensor.end - tensor.start;
-                let block_bytes = crc_block_bytes(len);
-                let mut pieces = by_tensor.remove(&(s, f, t)).unwrap_or_default();
-                pieces.sort_by_key(|p| p.offset);
-                let mut whole = Hasher::new();
-                let mut blocks = Vec::new();
-                let mut block = Hasher::new();
-                let mut next = 0;
-                for p in pieces {
-                    if p.offset != next {
-                        return Err(Error::Mismatch(format!(
-                            "internal: tensor {} was produced with a gap or overlap at byte {next}",
-                            tensor.name
-                        )));
-                    }
-                    next += p.len;
-                    whole.combine(&p.hasher);
-                    block.combine(&p.hasher);
-                    if block_bytes.is_some_and(|b| next.is_multiple_of(b)) || next == len {
-                        blocks.push(std::mem::take(&mut block).finalize());
-                    }
-                }
-                if next != len {
-                    return Err(Error::Mismatch(format!(
-                        "internal: tensor {} was produced with {next} of {len} bytes",
-                        tensor.name,
-                    )));
-                }
-                crcs.push(TensorCrc {
-                    stored: None,
-                    crc32: whole.finalize(),
-                    blocks: block_bytes.map(|bytes| BlockCrcs {
-                        bytes,
-                        crc32: blocks,
-                    }),
-                });
-            }
-            files.push(crcs);
-        }
-        out.push(files);
-    }
-    Ok(out)
 }
