@@ -16,6 +16,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use rayon::prelude::*;
 
 use saver_core::{
     ColumnTable, DenseTensor, Dtype, KeyDtype, RowRangeChunk, SaveInput, SlotSpec, SparseTable,
@@ -714,16 +715,15 @@ fn load_rows(
         .detach(|| {
             read_latest(&path, || {
                 let ck = Checkpoint::open(&path)?;
-                let mut sum = (0, 0, 0);
-                for (table, rows, targets) in requests.iter_mut() {
-                    let l = ck.load_rows(table, rows.clone(), targets)?;
-                    sum = (
-                        sum.0 + l.bytes_wanted,
-                        sum.1 + l.bytes_read,
-                        sum.2 + l.chunks,
-                    );
-                }
-                Ok(sum)
+                // Every table at once, so that no core waits at the end of one table's reads
+                // while another table's are still to come.
+                requests
+                    .par_iter_mut()
+                    .map(|(table, rows, targets)| {
+                        let l = ck.load_rows(table, rows.clone(), targets)?;
+                        Ok((l.bytes_wanted, l.bytes_read, l.chunks))
+                    })
+                    .try_reduce(|| (0, 0, 0), |a, b| Ok((a.0 + b.0, a.1 + b.1, a.2 + b.2)))
             })
         })
         .map_err(err)?;
