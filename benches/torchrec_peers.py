@@ -11,6 +11,10 @@ job's), once per round, in turn; medians over the rounds:
 - restore into the same model, warm (files read once before) and cold (evicted first):
   `saver.torch.load` against `dcp.load` of the same dict, then `load_state_dict` of both;
 - resharding load: the checkpoints saved by 2 ranks loaded by 3 ranks (a plan of 3);
+- the limit of a restore (benches/plain_limit.py): each rank's own bytes (its shards of the
+  weights and of the fused optimizer's state) read from a plain file of its own into the same
+  tensors, a thread a core, warm and cold. (Saves have none here: saver's save of 2 ranks beat
+  the plain ways of benches/plain_limit.py, 0.14 s against 0.18 s, so they are no limit);
 - peak memory: the growth of each rank's peak resident set during an operation, less the file
   pages it mapped (a library's code used for the first time), the largest rank's: in round 0
   (the first save and the first restore of the process) and in the rounds after (medians).
@@ -34,11 +38,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torchrec
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+import plain_limit
 import saver
 import saver.torch
 from page_cache import evict, warm
@@ -98,6 +104,25 @@ def timed(f, name):
     return seconds
 
 
+def local_tensors(m):
+    """What a rank's save writes and its restore fills: its shards of the tables' weights and of
+    their fused optimizer state (views of the model's own memory)."""
+    out = []
+
+    def walk(v):
+        if isinstance(v, ShardedTensor):
+            out.extend(s.tensor for s in v.local_shards())
+        elif torch.is_tensor(v):
+            out.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+
+    walk(m.state_dict())
+    walk(m.fused_optimizer.state_dict()["state"])
+    return out
+
+
 def dcp_state(m):
     return {"model": m.state_dict(), "optim": m.fused_optimizer.state_dict()}
 
@@ -118,23 +143,31 @@ def rank_main(rank, world, port, args, phase, out):
         m = model(world, args.scale)
         work = args.work
         s_path, d_path = os.path.join(work, "saver"), os.path.join(work, "dcp")
+        # The limit of a restore: each rank's own bytes read from a plain file of its own.
+        l_dir = os.path.join(work, "limit")
+        l_path, local = os.path.join(l_dir, f"rank-{rank}.bin"), local_tensors(m)
         if phase == "main":
             for r in range(args.rounds + 1):
                 got = {}
                 if rank == 0:
                     shutil.rmtree(s_path, ignore_errors=True)
                     shutil.rmtree(d_path, ignore_errors=True)
+                    os.makedirs(l_dir, exist_ok=True)
                 got["save saver"] = timed(lambda: saver.torch.save(s_path, m), "save saver")
                 got["save dcp"] = timed(lambda: dcp.save(dcp_state(m), checkpoint_id=d_path), "save dcp")
+                if r == 0:
+                    # The file the limit reads: each rank's bytes, durable.
+                    plain_limit.write(local, l_path, ways=(False,))
                 for cache in ("warm", "cold"):
-                    for who, path, f in (("saver", s_path, lambda: saver.torch.load(s_path, m)), ("dcp", d_path, lambda: dcp_restore(m, d_path))):
+                    for who, path, f in (("saver", s_path, lambda: saver.torch.load(s_path, m)), ("dcp", d_path, lambda: dcp_restore(m, d_path)),
+                                         ("limit", l_dir, lambda: plain_limit.read(local, l_path))):
                         if rank == 0:
                             (warm if cache == "warm" else evict)([path])
                         got[f"load {who} {cache}"] = timed(f, f"load {who} {cache}")
                 # Peak memory of the job: the largest rank's, first in the process and after.
                 grown = [None] * world
                 dist.all_gather_object(grown, dict(MEMORY))
-                for k in list(got):
+                for k in [k for k in got if k in MEMORY]:
                     got[f"mem {k}" if r > 0 else f"first mem {k}"] = max(g[k] for g in grown)
                 if r > 0:
                     for k, v in got.items():
@@ -185,11 +218,13 @@ def main():
     rows = sum(max(1, int(r * args.scale)) for r in TABLE_ROWS)
     print(f"TorchRec DMP, 2 ranks (gloo, CPU), table-wise, fused row-wise Adagrad: {rows} rows of dim {DIM}, "
           f"{rows * (DIM + 1) * 4 / (1 << 30):.2f} GiB; {args.rounds} rounds, medians (the slowest rank)")
-    print("| operation | saver.torch | DCP | saver / DCP |")
-    print("| --- | --- | --- | --- |")
+    print("| operation | saver.torch | DCP | limit | saver / DCP | saver / limit |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for label, a, b in (("blocking save", "save saver", "save dcp"), ("restore, warm", "load saver warm", "load dcp warm"),
                         ("restore, cold", "load saver cold", "load dcp cold"), ("resharding load 2 -> 3 ranks, warm", "reshard saver", "reshard dcp")):
-        print(f"| {label} | {med[a]:.3f} s | {med[b]:.3f} s | {med[a] / med[b]:.3f} |")
+        limit = med.get(a.replace("saver", "limit"))
+        limits = (f"{limit:.3f} s", f"{med[a] / limit:.3f}") if limit else ("-", "-")
+        print(f"| {label} | {med[a]:.3f} s | {med[b]:.3f} s | {limits[0]} | {med[a] / med[b]:.3f} | {limits[1]} |")
     mib = 1 << 20
     for label, a, b in (("save", "save saver", "save dcp"), ("restore", "load saver warm", "load dcp warm")):
         for when, prefix in (("first in a process", "first mem "), ("again", "mem ")):
