@@ -17,7 +17,8 @@ What goes where (names follow the model, so a checkpoint reads into any split of
 - the optimizer's param groups (hyperparameters, with parameters by name), its class, ``step``
   and ``extra`` (anything JSON can hold) are in the checkpoint's metadata.
 
-TorchRec: under ``DistributedModelParallel`` a sharded table is a ShardedTensor; each rank gives
+TorchRec: under ``DistributedModelParallel`` a sharded table is a ShardedTensor (or, with
+``output_dtensor``, a DTensor holding the rank's shards); each rank gives
 its local shards at their global offsets (table-wise, row-wise, column-wise, grid alike) and a
 load fills the local shards of whatever plan and world size the model has now, then hands them
 to the model's and the fused optimizer's ``load_state_dict``. The fused optimizer's state of the
@@ -147,13 +148,27 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, _sharded_types()[1])
 
 
+def _shards_wrapper(t):
+    """The local shards of DTensor `t` when it holds them as TorchRec's DTensor form does (a
+    `LocalShardsWrapper`, TorchRec's class or torch's: any number of shards per rank, each at
+    its own offset, a table-wise table's on its one rank only, whatever its placements say),
+    else None."""
+    if not _is_dtensor(t):
+        return None
+    local = t.to_local()
+    return local if hasattr(local, "local_shards") and hasattr(local, "local_offsets") else None
+
+
 def _local_parts(t):
     """[(tensor, global offset)] of the part of sharded tensor `t` this rank writes and reads:
-    a ShardedTensor's local shards; a DTensor's local tensor, unless it is a replica another
-    rank writes (a DTensor replicated over a mesh dimension is written by that dimension's
-    first rank, and read by every rank)."""
+    a ShardedTensor's local shards, or a DTensor's held as TorchRec holds them; another
+    DTensor's local tensor, unless it is a replica another rank writes (a DTensor replicated
+    over a mesh dimension is written by that dimension's first rank, and read by every rank)."""
     if not _is_dtensor(t):
         return [(shard.tensor, tuple(shard.metadata.shard_offsets)) for shard in t.local_shards()]
+    wrapped = _shards_wrapper(t)
+    if wrapped is not None:
+        return [(x, tuple(o)) for x, o in zip(wrapped.local_shards(), wrapped.local_offsets())]
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local = t.to_local()
@@ -175,7 +190,7 @@ def _chunks_of(t, what, reading=False):
         if tensor.device.type != "cpu":
             raise _s.InputError(f"{what}: a shard on {tensor.device}; saver.torch saves CPU tensors")
         out.append(_s.Chunk(tensor.detach(), offset=offset, shape=shape))
-    if not reading and _is_dtensor(t) and out:
+    if not reading and _is_dtensor(t) and out and _shards_wrapper(t) is None:
         from torch.distributed.tensor import Replicate
 
         coordinate = t.device_mesh.get_coordinate() or []
@@ -186,24 +201,27 @@ def _chunks_of(t, what, reading=False):
 
 def _column_ranges(t):
     """The column ranges [a, b) a 2-D ShardedTensor is cut into, in order (one for a table
-    sharded by rows or whole)."""
+    sharded by rows or whole); of TorchRec's DTensor form, which knows only its own shards,
+    those of this rank's shards."""
     shape = tuple(t.size())
     if len(shape) != 2:
         return [(0, 1)]
+    if _is_dtensor(t):
+        return sorted({(o[1], o[1] + x.shape[1]) for x, o in _local_parts(t)})
     ranges = {(m.shard_offsets[1], m.shard_offsets[1] + m.shard_sizes[1]) for m in t.metadata().shards_metadata}
     return sorted(ranges)
 
 
 def _rowwise_shards(st, rows, what):
     """The local shards of a row-wise state of a table cut into column ranges (TorchRec's: one
-    value per row per column shard, a 1-D ShardedTensor of rows·k values, column shard j's rows
+    value per row per column shard, a 1-D sharded tensor of rows·k values, column shard j's rows
     at j·rows): (tensor, rows n, column shard j, first row r) each."""
-    for shard in st.local_shards():
-        o, n = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+    for tensor, offset in _local_parts(st):
+        o, n = offset[0], tensor.shape[0]
         j, r = divmod(o, rows)
         if r + n > rows:
             raise _s.InputError(f"{what}: a shard of the row-wise state crosses column shards; not supported")
-        yield shard.tensor, n, j, r
+        yield tensor, n, j, r
 
 
 def _rowwise_chunks(st, rows, what):
@@ -237,18 +255,31 @@ def _rowwise_fill(tensor, n, r, cut, saved, means):
 def _rowwise_targets(st, t, saved, what, means):
     """Chunks that fill the local shards of row-wise state `st` of table `t` (see
     `_rowwise_fill`)."""
+    shards = list(_rowwise_shards(st, tuple(t.size())[0], what))
     ranges = _column_ranges(t)
+    if _is_dtensor(t):
+        # This rank's column shards, in column order, are the column shards it holds state of,
+        # in order (TorchRec keeps a column shard's state with its rows).
+        held = sorted({j for _, _, j, _ in shards})
+        if len(held) != len(ranges):
+            raise _s.InputError(f"{what}: this rank holds state of {len(held)} column shards and rows of {len(ranges)}")
+        ranges = dict(zip(held, ranges))
     out = []
-    for tensor, n, j, r in _rowwise_shards(st, tuple(t.size())[0], what):
+    for tensor, n, j, r in shards:
         out += _rowwise_fill(tensor, n, r, ranges[j], saved, means)
     return out
 
 
 def _is_rowwise(t, st) -> bool:
     """Whether fused state `st` of sharded table `t` is row-wise: one value per row per column
-    shard (TorchRec's 1-D ShardedTensor of rows·k values)."""
-    return (_is_sharded(st) and not _is_dtensor(t) and not _is_dtensor(st) and st.dim() == 1
-            and len(tuple(t.size())) == 2 and tuple(st.size())[0] == tuple(t.size())[0] * len(_column_ranges(t)))
+    shard (TorchRec's 1-D ShardedTensor, or DTensor holding its shards, of rows·k values)."""
+    if not (_is_sharded(st) and st.dim() == 1 and len(tuple(t.size())) == 2):
+        return False
+    rows, values = tuple(t.size())[0], tuple(st.size())[0]
+    if _is_dtensor(t) or _is_dtensor(st):
+        return (_shards_wrapper(t) is not None and _shards_wrapper(st) is not None
+                and rows > 0 and values % rows == 0)
+    return values == rows * len(_column_ranges(t))
 
 
 def _saved_rowwise(meta, held_slots, name, key, cols):
@@ -415,7 +446,14 @@ def _save(target, model, optimizer, step, extra, tables, background, options):
         failed = [f for f, _ in seen if f]
         if failed:
             raise _s.InputError("; ".join(failed))
-        meta["rowwise"] = dict(sorted({k: v for _, r in seen for k, v in r.items()}.items()))
+        # The column ranges of each table's row-wise state: every rank's (a rank of TorchRec's
+        # DTensor form knows only its own).
+        merged = {}
+        for _, r in seen:
+            for table, keys in r.items():
+                for key, ranges in keys.items():
+                    merged.setdefault(table, {}).setdefault(key, set()).update(map(tuple, ranges))
+        meta["rowwise"] = {t: {k: sorted(v) for k, v in keys.items()} for t, keys in sorted(merged.items())}
     metadata = {META_KEY: json.dumps(meta)}
     if "metadata" in options:
         metadata = {**options.pop("metadata"), **metadata}
@@ -588,7 +626,7 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
                 slots[found[0]] = _rowwise_targets(st, t, found[1], f"{name} {key}", means)
                 continue
             if meta.get("rowwise", {}).get(name, {}).get(key) is not None:
-                raise _s.InputError(f"{name}: the checkpoint holds row-wise state {key!r} by column shards; reading it into a DTensor is not supported")
+                raise _s.InputError(f"{name}: the checkpoint holds row-wise state {key!r} by column shards; reading it into a DTensor other than TorchRec's form is not supported")
             slot = _held_slot(held["slots"], key, tuple(st.size()))
             if slot is None:
                 _missing_state(path, name, held["slots"], key, strict)

@@ -13,6 +13,7 @@ import torchrec
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -31,7 +32,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _model(world, plan_kinds, seed, rowwise=False, min_partition=32):
+def _model(world, plan_kinds, seed, rowwise=False, min_partition=32, dtensor=False):
     torch.manual_seed(seed)
     configs = [
         torchrec.EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
@@ -47,7 +48,10 @@ def _model(world, plan_kinds, seed, rowwise=False, min_partition=32):
     }
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)
     plan = planner.collective_plan(ebc, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
-    return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan)
+    # TorchRec's DTensor form (`output_dtensor`): its tables and their fused state are DTensors
+    # holding their local shards, any number a rank, in place of ShardedTensors.
+    env = ShardingEnv(world, dist.get_rank(), dist.GroupMember.WORLD, output_dtensor=dtensor)
+    return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, env=env)
 
 
 def _dense_optimizer(model):
@@ -64,10 +68,24 @@ def _train(model, rank, steps, dense=None):
         lengths = torch.randint(0, 4, (len(keys) * 8,), generator=g)
         values = torch.cat([torch.randint(0, TABLES[i // 8][1], (int(l),), generator=g) for i, l in enumerate(lengths)])
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
-        model(kjt).values().sum().backward()
+        # Each column weighted differently, so that a row's gradient differs by column and
+        # row-wise state differs by column shard (with a plain sum it would not).
+        out = model(kjt).values()
+        (out * torch.linspace(0.5, 2.0, out.shape[1])).sum().backward()
         if dense is not None:
             dense.step()
             dense.zero_grad()
+
+
+def _shards(t):
+    """[(offsets, tensor)] of this rank's shards of a ShardedTensor or of a DTensor in
+    TorchRec's form; None for another tensor."""
+    if hasattr(t, "local_shards"):
+        return [(tuple(s.metadata.shard_offsets), s.tensor) for s in t.local_shards()]
+    if hasattr(t, "to_local"):
+        local = t.to_local()
+        return [(tuple(o), x) for o, x in zip(local.local_offsets(), local.local_shards())]
+    return None
 
 
 def _dump(model, dense=None):
@@ -75,11 +93,12 @@ def _dump(model, dense=None):
     data-parallel table and its dense optimizer state: {(key, offsets): tensor}."""
     out = {}
     for k, t in model.state_dict().items():
-        if not hasattr(t, "local_shards"):
+        shards = _shards(t)
+        if shards is None:
             out[(k, (0,) * t.dim())] = t.clone()
             continue
-        for s in t.local_shards():
-            out[(k, tuple(s.metadata.shard_offsets))] = s.tensor.clone()
+        for offsets, x in shards:
+            out[(k, offsets)] = x.clone()
     names = {id(p): n for n, p in model.named_parameters()}
     for p, states in (dense.state.items() if dense is not None else ()):
         for k, t in states.items():
@@ -87,9 +106,8 @@ def _dump(model, dense=None):
                 out[(f"{names[id(p)]}:{k}", (0,) * t.dim())] = t.clone()
     for param, states in model.fused_optimizer.state_dict()["state"].items():
         for k, t in states.items():
-            if hasattr(t, "local_shards"):
-                for s in t.local_shards():
-                    out[(f"{param}:{k}", tuple(s.metadata.shard_offsets))] = s.tensor.clone()
+            for offsets, x in _shards(t) or []:
+                out[(f"{param}:{k}", offsets)] = x.clone()
     return out
 
 
@@ -115,9 +133,9 @@ def _whole(dumps):
     return whole
 
 
-def _run(rank, world, port, kinds, path, out, save, rowwise=False, min_partition=32):
+def _run(rank, world, port, kinds, path, out, save, rowwise=False, min_partition=32, dtensor=False):
     with gloo_ranks.group(rank, world, port):
-        model = _model(world, kinds, seed=1 if save else 2, rowwise=rowwise, min_partition=min_partition)
+        model = _model(world, kinds, seed=1 if save else 2, rowwise=rowwise, min_partition=min_partition, dtensor=dtensor)
         dense = _dense_optimizer(model)
         if save:
             _train(model, rank, 2, dense)
@@ -134,9 +152,9 @@ def kinds_saved(path):
     return saver.torch._meta(path)[0]["extra"]["plan"]
 
 
-def _ranks(world, kinds, path, out, save, rowwise=False, min_partition=32):
+def _ranks(world, kinds, path, out, save, rowwise=False, min_partition=32, dtensor=False):
     os.makedirs(out, exist_ok=True)
-    mp.spawn(_run, args=(world, _free_port(), kinds, path, out, save, rowwise, min_partition), nprocs=world, join=True)
+    mp.spawn(_run, args=(world, _free_port(), kinds, path, out, save, rowwise, min_partition, dtensor), nprocs=world, join=True)
     return _whole([torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)])
 
 
@@ -169,6 +187,7 @@ def test_row_wise_adagrad_state_follows_its_table_across_column_cuts_by_the_docu
     rows = 80
     per_shard = saved[key].reshape(4, rows)  # 4 saved column shards of 32 columns
     assert torch.count_nonzero(per_shard), "training left row-wise state"
+    assert all(not torch.equal(per_shard[0], s) for s in per_shard[1:]), "the column shards' state differs"
     # The same cut: exact, weights and state.
     same = _ranks(2, kinds, path, str(tmp_path / "same"), save=False, rowwise=True)
     for k, v in saved.items():
@@ -186,6 +205,44 @@ def test_row_wise_adagrad_state_follows_its_table_across_column_cuts_by_the_docu
     for k, v in saved.items():
         if not k.startswith("embedding_bags.t2.weight:"):
             assert torch.equal(one[k], v), k
+
+
+def test_torchrecs_dtensor_form_and_its_sharded_tensor_form_read_each_other(tmp_path):
+    """Under `output_dtensor`, TorchRec gives its tables and their fused state as DTensors that
+    hold a rank's shards (a table-wise table's on its one rank, whatever the placements say;
+    a rank may hold several column shards of a table, not side by side). Saved in that form at
+    2 ranks, with t2 in 4 column shards: the ShardedTensor form reads it at 3 ranks bit for bit,
+    weights and row-wise Adagrad state, and so does the DTensor form at 2 ranks; at 1 rank,
+    table-wise, it reads t2's state by the documented rule (the mean of its column shards). And the other way, with pointwise
+    Adagrad: a ShardedTensor checkpoint into the DTensor form at 3 ranks, bit for bit."""
+    path = str(tmp_path / "dt")
+    kinds = ["table_wise", "column_wise", "column_wise"]
+    saved = _ranks(2, kinds, path, str(tmp_path / "saved"), save=True, rowwise=True, dtensor=True)
+    key = next(k for k in saved if k.startswith("embedding_bags.t2.weight:"))
+    per_shard = saved[key].reshape(4, 80)
+    assert torch.count_nonzero(per_shard), "training left row-wise state"
+    assert all(not torch.equal(per_shard[0], s) for s in per_shard[1:]), "the column shards' state differs"
+    assert saver.torch._meta(path)[0]["rowwise"]["embedding_bags.t2.weight"]["momentum1"] == [[0, 32], [32, 64], [64, 96], [96, 128]]
+    got = _ranks(3, ["column_wise", "table_wise", "column_wise"], path, str(tmp_path / "st3"), save=False, rowwise=True)
+    assert got.keys() == saved.keys()
+    for k, v in saved.items():
+        assert torch.equal(got[k], v), k
+    # The DTensor form again, each rank holding two column shards of t2 that are not side by
+    # side: each reads its own shards' state.
+    again = _ranks(2, kinds, path, str(tmp_path / "dt2"), save=False, rowwise=True, dtensor=True)
+    for k, v in saved.items():
+        assert torch.equal(again[k], v), k
+    one = _ranks(1, ["table_wise"] * 3, path, str(tmp_path / "dt1"), save=False, rowwise=True, dtensor=True)
+    assert torch.allclose(one[key], per_shard.mean(0), rtol=0, atol=1e-6)
+    for k, v in saved.items():
+        if k != key:
+            assert torch.equal(one[k], v), k
+    path = str(tmp_path / "st")
+    saved = _ranks(2, kinds, path, str(tmp_path / "saved-st"), save=True)
+    got = _ranks(3, ["column_wise", "column_wise", "table_wise"], path, str(tmp_path / "dt3"), save=False, dtensor=True)
+    assert got.keys() == saved.keys()
+    for k, v in saved.items():
+        assert torch.equal(got[k], v), k
 
 
 def _plain_ebc(seed):
@@ -328,3 +385,4 @@ def test_row_wise_adagrad_state_reads_between_the_fused_and_the_plain_optimizer(
         for shard in per_shard:
             assert torch.equal(shard, want), n
         assert torch.equal(got[f"embedding_bags.{n}.weight"], plain.state_dict()[f"embedding_bags.{n}.weight"]), n
+
