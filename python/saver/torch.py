@@ -293,7 +293,10 @@ def _saved_rowwise(meta, held_slots, name, key, cols):
             continue
         shape = tuple(held_slots[f"state.{k}"][1])
         if k in rowwise:
-            return f"state.{k}", [tuple(x) for x in rowwise[k]]
+            ranges = [tuple(x) for x in rowwise[k]]
+            if len(shape) != 2 or shape[1] != len(ranges):
+                raise _s.InputError(f"{name}: the checkpoint's row-wise state {k!r} of shape {shape} has {len(ranges)} column ranges in its metadata")
+            return f"state.{k}", ranges
         if len(shape) == 2 and shape[1] == 1 and cols > 1:
             return f"state.{k}", [(0, cols)]
     return None

@@ -6,6 +6,7 @@ be installed (python/tests/run.sh installs it): a missing TorchRec fails here, i
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -386,3 +387,23 @@ def test_row_wise_adagrad_state_reads_between_the_fused_and_the_plain_optimizer(
             assert torch.equal(shard, want), n
         assert torch.equal(got[f"embedding_bags.{n}.weight"], plain.state_dict()[f"embedding_bags.{n}.weight"]), n
 
+
+def test_row_wise_state_whose_metadata_disagrees_with_its_shape_is_refused(tmp_path, monkeypatch):
+    """A row-wise state's slot holds one column per saved column shard, whose ranges the
+    metadata names: a checkpoint where the two disagree is refused by name, never read into
+    the wrong columns."""
+    plain = _plain_ebc(seed=7)
+    opt = torchrec.optim.RowWiseAdagrad(plain.parameters(), lr=0.1)
+    _train(plain, 0, 1, opt)
+    collect = saver.torch._collect
+
+    def three_ranges(*args, **kwargs):
+        tables, dense, meta = collect(*args, **kwargs)
+        meta["rowwise"] = {"embedding_bags.t2.weight": {"sum": [[0, 32], [32, 64], [64, 128]]}}
+        return tables, dense, meta
+
+    monkeypatch.setattr(saver.torch, "_collect", three_ranges)
+    saver.torch.save(tmp_path / "ck", plain, opt)
+    back = _plain_ebc(seed=8)
+    with pytest.raises(saver.InputError, match=r"embedding_bags\.t2\.weight: .*'sum' of shape \(80, 1\) has 3 column ranges"):
+        saver.torch.load(tmp_path / "ck", back, torchrec.optim.RowWiseAdagrad(back.parameters(), lr=0.1))
