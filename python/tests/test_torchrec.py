@@ -305,7 +305,7 @@ def test_data_parallel_and_sharded_plans_read_each_other_with_their_adagrad_stat
 EC_TABLES = [("t0", 100, 64), ("t1", 250, 64), ("t2", 80, 64)]
 
 
-def _ec_run(rank, world, port, kinds, path, out, save):
+def _ec_run(rank, world, port, kinds, path, out, save, dtensor=False):
     """An EmbeddingCollection (sequence embeddings) under DMP, its tables trained by TorchRec's
     fused SGD (no state): saved, or loaded and dumped."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -318,7 +318,8 @@ def _ec_run(rank, world, port, kinds, path, out, save):
         constraints = {n: ParameterConstraints(sharding_types=[k], min_partition=32 if k == "column_wise" else None) for (n, _, _), k in zip(EC_TABLES, kinds)}
         planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)
         plan = planner.collective_plan(ec, [EmbeddingCollectionSharder()], dist.GroupMember.WORLD)
-        model = DistributedModelParallel(ec, device=torch.device("cpu"), plan=plan)
+        env = ShardingEnv(world, rank, dist.GroupMember.WORLD, output_dtensor=dtensor)
+        model = DistributedModelParallel(ec, device=torch.device("cpu"), plan=plan, env=env)
         if save:
             g = torch.Generator().manual_seed(100 + rank)
             keys = [f"f_{n}" for n, _, _ in EC_TABLES]
@@ -332,22 +333,24 @@ def _ec_run(rank, world, port, kinds, path, out, save):
         torch.save(_dump(model), os.path.join(out, f"rank{rank}.pt"))
 
 
-def _ec_ranks(world, kinds, path, out, save):
+def _ec_ranks(world, kinds, path, out, save, dtensor=False):
     os.makedirs(out, exist_ok=True)
-    mp.spawn(_ec_run, args=(world, _free_port(), kinds, path, out, save), nprocs=world, join=True)
+    mp.spawn(_ec_run, args=(world, _free_port(), kinds, path, out, save, dtensor), nprocs=world, join=True)
     return _whole([torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)])
 
 
 def test_an_embedding_collection_with_fused_sgd_reads_into_other_plans(tmp_path):
     """EmbeddingCollection's tables are named `embeddings.<table>.weight`; trained by fused SGD
     they carry no optimizer state. Saved table-wise and column-wise at 2 ranks (after a step,
-    so the weights moved from their seed), loaded into other plans at 3 ranks and 1."""
+    so the weights moved from their seed), loaded into other plans at 3 ranks and 1, and at 3
+    in TorchRec's DTensor form."""
     path = str(tmp_path / "ck")
     saved = _ec_ranks(2, ["table_wise", "column_wise", "column_wise"], path, str(tmp_path / "saved"), save=True)
     assert set(saver.Checkpoint(path).row_tables) == {f"embeddings.{n}.weight" for n, _, _ in EC_TABLES}
     assert all(set(t["slots"]) == {"param"} for t in saver.Checkpoint(path).row_tables.values())
-    for world, kinds in ((3, ["column_wise", "table_wise", "table_wise"]), (1, ["table_wise"] * 3)):
-        got = _ec_ranks(world, kinds, path, str(tmp_path / f"w{world}"), save=False)
+    for world, kinds, dtensor in ((3, ["column_wise", "table_wise", "table_wise"], False), (1, ["table_wise"] * 3, False),
+                                  (3, ["table_wise", "column_wise", "column_wise"], True)):
+        got = _ec_ranks(world, kinds, path, str(tmp_path / f"w{world}-{dtensor}"), save=False, dtensor=dtensor)
         assert got.keys() == saved.keys()
         for k, v in saved.items():
             assert torch.equal(got[k], v), (world, kinds, k)
