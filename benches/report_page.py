@@ -206,7 +206,9 @@ def main():
         "The limit of a restore is each rank's own bytes read from a plain file into the same "
         "tensors, a thread a core, timed as a job like the others. Saves have none here: saver's "
         "save of 2 ranks was faster than both plain ways of writing each rank's bytes that the "
-        "plain model's limit takes the faster of, so they are no limit.",
+        "plain model's limit takes the faster of, so they are no limit (measured once, with each "
+        "way timed as a job, when this table was added at c569224: 0.137 s against 0.182 s; the "
+        "report does not rerun it).",
     ]
     lines += [
         "",

@@ -14,7 +14,7 @@ job's), once per round, in turn; medians over the rounds:
 - the limit of a restore (benches/plain_limit.py): each rank's own bytes (its shards of the
   weights and of the fused optimizer's state) read from a plain file of its own into the same
   tensors, a thread a core, warm and cold. (Saves have none here: saver's save of 2 ranks beat
-  the plain ways of benches/plain_limit.py, 0.14 s against 0.18 s, so they are no limit);
+  the plain ways of benches/plain_limit.py, so they are no limit; see docs/BENCHMARKS.md);
 - peak memory: the growth of each rank's peak resident set during an operation, less the file
   pages it mapped (a library's code used for the first time), the largest rank's: in round 0
   (the first save and the first restore of the process) and in the rounds after (medians).
