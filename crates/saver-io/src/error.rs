@@ -74,6 +74,15 @@ pub enum Error {
         /// How long it waited.
         waited: Duration,
     },
+    /// A commit lock whose lease ran out under its holder (paused, or cut off from the store)
+    /// and that another process may have taken since: the holder writes nothing more under it.
+    #[error("the commit lock {lock} is no longer this process's: {why}")]
+    LockLost {
+        /// The lock object.
+        lock: PathBuf,
+        /// What shows it (the process that took it over, when known).
+        why: String,
+    },
     /// A committed file's bytes or structure are wrong.
     #[error("corrupt checkpoint file {file}: {what}")]
     Corrupt {

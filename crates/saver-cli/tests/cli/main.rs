@@ -5,6 +5,7 @@
 mod garage;
 
 mod commands;
+mod lease;
 mod manage;
 mod many_hosts;
 mod memory;

@@ -138,7 +138,9 @@ pub fn prune(root: &Root, rules: &Retention, dry_run: bool) -> Result<PruneRepor
     for s in &removed {
         report.removed.push(s.step);
         report.bytes_removed += s.bytes;
-        if !dry_run {
+        if let Some(lock) = &lock {
+            // A pruner paused past its lock's lease decided on a listing that may be old now.
+            lock.check_held()?;
             report.files_removed += uncommit_step(root, s.step, &s.save_id)?;
         }
     }

@@ -30,8 +30,9 @@ use saver_core::naming::{
 use saver_core::{Index, Manifest};
 
 use crate::error::{Error, Result};
-use crate::load::documents::{committed, read_shard_manifest, MAX_JSON_BYTES};
+use crate::load::documents::{committed, get_if_exists, read_shard_manifest, MAX_JSON_BYTES};
 use crate::save::claim::read_claim;
+use crate::save::late;
 use crate::save::rejection::{check_not_rejected, is_committed, mark_rejected};
 use crate::storage::at_once::{all_at_once, calls_at_once};
 use crate::storage::{CommitLock, Storage, COMMIT_LOCK_WAIT};
@@ -94,9 +95,11 @@ pub(crate) fn commit_under(
     // The rule's lock first, always: a rule's lock is never taken under a directory's.
     let rule_lock = rule.map(CommitRule::lock).transpose()?;
     let lock = storage.lock_commit(COMMIT_LOCK_WAIT)?;
+    stop_point("locked");
     // Another process of this save may have committed it since the check above (under the lock
     // before ours, or, on an object store without conditional writes, with no lock at all): that
     // is this save's commit, not a rival's.
+    let index_now = get_if_exists(storage, INDEX_FILE, MAX_JSON_BYTES)?;
     let current = committed(storage)?;
     if current.as_ref().is_some_and(|c| c.save_id == save_id) {
         return Ok(CommitState::Committed);
@@ -116,13 +119,70 @@ pub(crate) fn commit_under(
     // meaning, so any change to it is detected (the index has no checksum of its own).
     let index = serde_json::to_vec(&Index::for_manifest(&manifest, crc32fast::hash(&json)))
         .expect("indexes serialize");
-    storage.put(INDEX_FILE, &index, durable)?;
+    // Fencing: the index is written only while both locks are still this process's, as a
+    // compare-and-swap of the index read under them; and checked again once written, since a
+    // holder paused between the check and the write may have lost them meanwhile.
+    let locks = [rule_lock.as_deref(), Some(&*lock)];
+    stop_point("checked");
+    let held_for = still_held(&locks).map_err(|e| match e {
+        Error::LockLost { lock, why } => Error::LockLost {
+            lock,
+            why: format!("{why}; save {save_id} was not committed"),
+        },
+        e => e,
+    })?;
+    let fenced = Instant::now();
+    stop_point("fenced");
+    let swapped = storage.put_if_unchanged(INDEX_FILE, &index, index_now.as_deref(), durable)?;
+    let landed = fenced.elapsed();
+    if !swapped {
+        let now = committed(storage)?.map_or("none".into(), |c| format!("save {c}"));
+        let why = format!(
+            "another save committed first: the directory now holds {now} (this save's commit \
+             lock ran out before its commit)"
+        );
+        return Err(mark_rejected(storage, save_id, &why)?);
+    }
+    stop_point("indexed");
+    // Written before the locks could run out: it stands, whatever happens to them from here
+    // (who takes them next sees this commit). Otherwise it may have come after another process
+    // took them, and is taken back if they were lost.
+    if landed >= held_for {
+        if let Err(lost) = still_held(&locks) {
+            drop(lock);
+            drop(rule_lock);
+            return Err(late::put_back(storage, save_id, &current, lost));
+        }
+    }
     drop(lock);
     drop(rule_lock);
     if let Some(old) = current {
         remove_replaced(storage, &old);
     }
     Ok(CommitState::CommittedHere)
+}
+
+/// How long from now all of `locks` are surely still held; fails if any may have been taken by
+/// another process since it was taken.
+fn still_held(locks: &[Option<&dyn CommitLock>]) -> Result<Duration> {
+    locks
+        .iter()
+        .flatten()
+        .try_fold(Duration::MAX, |held, l| Ok(held.min(l.check_held()?)))
+}
+
+/// Stops this process (SIGSTOP) at the commit's step `step` if `SAVER_STOP_AT` names it
+/// (`commit:locked`, `commit:checked`, `commit:fenced`, `commit:indexed`): how the tests pause
+/// a committer past its lock's lease at every step of its commit, as a frozen machine would.
+fn stop_point(step: &str) {
+    static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let at = AT.get_or_init(|| std::env::var("SAVER_STOP_AT").ok());
+    if at.as_deref().and_then(|a| a.strip_prefix("commit:")) == Some(step) {
+        // SAFETY: raise has no preconditions; the process goes on when it is continued.
+        unsafe {
+            libc::raise(libc::SIGSTOP);
+        }
+    }
 }
 
 /// Reads every shard manifest of `save_id` and checks they make one save that may replace

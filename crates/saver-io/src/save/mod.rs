@@ -20,6 +20,7 @@ pub(crate) mod commit;
 mod compressing;
 pub(crate) mod decide;
 pub(crate) mod delta;
+mod late;
 mod options;
 pub(crate) mod pipeline;
 pub(crate) mod rejection;

@@ -301,7 +301,41 @@ pub struct FileVersion {
 }
 
 /// Held while a process commits into a storage; dropping it releases the lock.
-pub trait CommitLock: Send {}
+pub trait CommitLock: Send {
+    /// How long from now the lock is surely still this process's; fails
+    /// ([`Error::LockLost`](crate::Error::LockLost)) if another process may have taken it since
+    /// this one took it: a lock whose lease ran out while its holder was paused or cut off from
+    /// the store. A holder checks it right before its commit point, and again after it if the
+    /// write took longer than that, and writes nothing more once it fails. A lock the operating
+    /// system holds for a live process (a local `flock`) is never lost.
+    fn check_held(&self) -> Result<std::time::Duration> {
+        Ok(std::time::Duration::MAX)
+    }
+}
+
+/// [`Storage::put_if_unchanged`] by a read, a comparison and a put: right where the commit lock
+/// keeps every other writer out (a local directory's `flock`).
+pub(crate) fn check_then_put(
+    storage: &(impl Storage + ?Sized),
+    name: &str,
+    bytes: &[u8],
+    expected: Option<&[u8]>,
+    durable: bool,
+) -> Result<bool> {
+    let limit = expected.map_or(0, |e| e.len() as u64) + 1;
+    let now = match storage.get(name, limit) {
+        Ok(now) => Some(now),
+        Err(e) if e.is_not_found() => None,
+        // Larger than what was expected: not it.
+        Err(Error::Corrupt { .. }) => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    if now.as_deref() != expected {
+        return Ok(false);
+    }
+    storage.put(name, bytes, durable)?;
+    Ok(true)
+}
 
 /// How long a commit waits for another process's commit into the same directory to finish. The
 /// lock is held only to check the shards and write the manifest and index.
@@ -326,6 +360,19 @@ pub trait Storage: Send + Sync + fmt::Debug {
             return Err(e);
         }
         h.commit(durable)
+    }
+    /// Writes `bytes` as `name` only if `name` now holds exactly `expected` (`None`: no such
+    /// file); `Ok(false)`, writing nothing, if it does not. The index's compare-and-swap: a
+    /// conditional write where the store has one, else a check then a put under the commit
+    /// lock.
+    fn put_if_unchanged(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        expected: Option<&[u8]>,
+        durable: bool,
+    ) -> Result<bool> {
+        check_then_put(self, name, bytes, expected, durable)
     }
     /// Creates `name` with `bytes` only if it does not exist; `Ok(false)` if it did. A reader
     /// never sees the file partly written (other processes read claims and rejection reasons

@@ -58,9 +58,11 @@ pub const MIN_PART_SIZE: u64 = 8 << 20;
 /// Most parts of one multipart upload (S3's limit).
 const MAX_PARTS: u64 = 10_000;
 
-/// How long a commit lock lasts if its holder neither releases it nor dies cleanly. Commits hold
-/// the lock for a few small requests, far less than this.
+/// How long a commit lock lasts if its holder neither releases it nor renews it (by default:
+/// `SAVER_S3_LEASE_SECONDS` sets another). Commits hold the lock for a few small requests, far
+/// less than this, and renew it every third of it while they hold it.
 pub const LEASE: Duration = Duration::from_secs(30);
+
 
 /// Timeout of one request (`SAVER_S3_TIMEOUT_SECONDS`); a request that takes longer is retried,
 /// within [`retry_for`].
@@ -356,6 +358,9 @@ pub struct ObjectStorage {
     conditional: Arc<OnceLock<bool>>,
     /// The parts in flight of every file this storage writes.
     uploads: Arc<UploadSlots>,
+    /// How long a lease of this storage's commit lock runs ([`LEASE`], or
+    /// `SAVER_S3_LEASE_SECONDS`).
+    lease: Duration,
 }
 
 /// A URL split into bucket and prefix, with `.` and `..` segments resolved (a chain names its
@@ -492,7 +497,16 @@ impl ObjectStorage {
             part_size: MIN_PART_SIZE,
             conditional: Arc::default(),
             uploads: Arc::new(UploadSlots::from_env()),
+            lease: seconds_from_env("SAVER_S3_LEASE_SECONDS", LEASE.as_secs()),
         }
+    }
+
+    /// Leases of `lease` for this storage's commit lock instead of [`LEASE`]. A holder renews
+    /// its lease every third of it while it holds the lock; one paused for longer than the
+    /// lease may lose the lock to another process, and then writes nothing more under it.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(100));
+        self
     }
 
     /// Uploads data files in parts of `bytes` (at least [`MIN_PART_SIZE`]; larger for files
@@ -538,17 +552,32 @@ impl ObjectStorage {
 
     /// PUT with `If-None-Match: *`; `Ok(false)` if the store said the object exists.
     fn put_if_absent(&self, key: &ObjectPath, bytes: Bytes) -> Result<bool> {
+        Ok(self.put_conditional(key, bytes, PutMode::Create)?.is_some())
+    }
+
+    /// PUT in `mode` (create, or update of a version): the version written, or `None` if the
+    /// store refused it (the object exists, or no longer holds the version named).
+    fn put_conditional(
+        &self,
+        key: &ObjectPath,
+        bytes: Bytes,
+        mode: PutMode,
+    ) -> Result<Option<UpdateVersion>> {
         let (c, k) = (self.client.clone(), key.clone());
         let opts = PutOptions {
-            mode: PutMode::Create,
+            mode,
             ..PutOptions::default()
         };
         match self.client.block(key, async move {
             c.store.put_opts(&k, bytes.into(), opts).await
         }) {
-            Ok(_) => Ok(true),
+            Ok(put) => Ok(Some(UpdateVersion {
+                e_tag: put.e_tag,
+                version: put.version,
+            })),
             Err(object_store::Error::AlreadyExists { .. })
-            | Err(object_store::Error::Precondition { .. }) => Ok(false),
+            | Err(object_store::Error::Precondition { .. })
+            | Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(self.client.err("create", key, e)),
         }
     }
@@ -681,6 +710,30 @@ impl Storage for ObjectStorage {
 
     fn put(&self, name: &str, bytes: &[u8], _durable: bool) -> Result<()> {
         self.put_bytes(&self.key(name)?, Bytes::copy_from_slice(bytes))
+    }
+
+    /// A conditional PUT of the version read, where the store honours it: a compare-and-swap
+    /// that no other writer can slip into.
+    fn put_if_unchanged(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        expected: Option<&[u8]>,
+        durable: bool,
+    ) -> Result<bool> {
+        if !self.honours_conditional_create()? {
+            return super::check_then_put(self, name, bytes, expected, durable);
+        }
+        let key = self.key(name)?;
+        let limit = expected.map_or(0, |e| e.len() as u64) + 1;
+        let mode = match self.get_versioned(&key, limit) {
+            Ok(None) if expected.is_none() => PutMode::Create,
+            Ok(Some((now, version))) if expected == Some(&now[..]) => PutMode::Update(version),
+            Ok(_) | Err(Error::Corrupt { .. }) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let put = self.put_conditional(&key, Bytes::copy_from_slice(bytes), mode)?;
+        Ok(put.is_some())
     }
 
     fn create_exclusive(&self, name: &str, bytes: &[u8]) -> Result<bool> {
