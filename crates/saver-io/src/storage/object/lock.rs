@@ -323,13 +323,22 @@ impl Held {
         Duration::from_millis(expires.saturating_sub(Lease::now_ms()))
     }
 
-    /// Gives the lock up: the flag and any mark beside it removed, or the lease object left
-    /// expired (only if it is still this holder's version, so that a holder that lost it never
-    /// releases another's).
+    /// Gives the lock up: the flag and any mark beside it removed; the lease object removed
+    /// while it is still this holder's with time left on it (nobody can take it over before it
+    /// runs out, so the removal cannot hit another's), else left expired by a conditional update
+    /// of this holder's version (a holder that lost it never releases another's).
     fn release(&self) {
         let kind = self.kind.lock().unwrap_or_else(PoisonError::into_inner);
         match &*kind {
             Kind::Lease(mine) => {
+                let ours = matches!(
+                    self.storage.get_versioned(&self.key, 4096),
+                    Ok(Some((_, now))) if same_version(&now, mine)
+                );
+                if ours && self.remaining() > self.lease / 2 {
+                    let _ = self.storage.delete(&self.key);
+                    return;
+                }
                 let mode = PutMode::Update(mine.clone());
                 let _ = self
                     .storage
@@ -365,16 +374,23 @@ impl Renewed {
             .spawn(move || {
                 let (stopped, wake) = &*s;
                 let mut stopped = stopped.lock().unwrap_or_else(PoisonError::into_inner);
-                loop {
-                    let (guard, _) = wake
-                        .wait_timeout(stopped, h.lease / 3)
-                        .unwrap_or_else(PoisonError::into_inner);
-                    stopped = guard;
+                let mut due = Instant::now() + h.lease / 3;
+                // Told to stop before it first waited, or while it waits: it ends at once.
+                while !*stopped {
+                    let left = due.saturating_duration_since(Instant::now());
+                    if !left.is_zero() {
+                        stopped = wake
+                            .wait_timeout(stopped, left)
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .0;
+                        continue;
+                    }
                     // A holder that lost the lock stops renewing it; its commit learns of the
                     // loss from `check_held`.
-                    if *stopped || h.renew().is_err() {
+                    if h.renew().is_err() {
                         return;
                     }
+                    due = Instant::now() + h.lease / 3;
                 }
             })
             .ok();
