@@ -25,8 +25,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _saver
-from ._saver import SaverError
+from ._native import SaverError
+from ._native import native as _saver
 
 __all__ = [
     "Bits",
@@ -605,6 +605,7 @@ def _load_row_tables(path, held, out, shards, shard_index, tables, exclude_slots
             raise InputError(f"{what}: row-range table {name!r} has no slot {slot!r} (it has {sorted(held[name]['slots'])})")
         whole = tuple(spec[1])
         a = _writable(buffer, what)
+        _check_target_dtype(a, spec[0], what)
         offset = tuple(offset) if offset is not None else (0,) * len(whole)
         if a.ndim != len(whole) or len(offset) != len(whole):
             raise InputError(f"{what}: the slot has shape {whole}; give a buffer and an offset of {len(whole)} dimensions, got {a.shape} at {offset}")
@@ -646,7 +647,8 @@ def _load_row_tables(path, held, out, shards, shard_index, tables, exclude_slots
 
 def _writable(value: Any, what: str) -> np.ndarray:
     """``value`` as a writable C-contiguous numpy array over the caller's memory (a CPU torch
-    tensor shares it), or an :class:`InputError`: a load into a copy would be lost."""
+    tensor shares it; a dtype numpy has no type for comes as a :class:`Bits` view of it), or an
+    :class:`InputError`: a load into a copy would be lost."""
     if hasattr(value, "detach") and hasattr(value, "numpy"):
         t = value.detach()
         if t.device.type != "cpu":
@@ -656,12 +658,34 @@ def _writable(value: Any, what: str) -> np.ndarray:
             import torch
 
             t = t.view(torch.int16 if _PATTERN_BITS[pattern] == 16 else torch.int8)
-        value = t.numpy()
+            value = Bits(t.numpy(), pattern)
+        else:
+            value = t.numpy()
+    elif getattr(getattr(value, "dtype", None), "name", None) in _ML_DTYPES_PATTERNS and not isinstance(value, Bits):
+        pattern = _ML_DTYPES_PATTERNS[value.dtype.name]
+        value = Bits(value.view(_PATTERN_TYPE[_PATTERN_BITS[pattern]]), pattern)
     if not isinstance(value, np.ndarray):
         raise InputError(f"{what}: give a numpy array or a torch tensor to fill, got {type(value).__name__}")
     if not value.flags.c_contiguous or not value.flags.writeable:
         raise InputError(f"{what}: the buffer must be C-contiguous and writable (it is filled in place)")
     return value
+
+
+def _check_target_dtype(a: np.ndarray, dtype: str, what: str) -> None:
+    """Refuses a buffer of another dtype than the slot's, naming both: the bytes would land as
+    they are, and mean other numbers (1.0 as F32 read by an int32 buffer is 1065353216). A dtype
+    numpy has no type for is filled into its :class:`Bits`, a torch or ml_dtypes array of it, or
+    a plain integer array of its width (bit patterns)."""
+    if isinstance(a, Bits) and a.saver_dtype is not None:
+        given = a.saver_dtype
+    else:
+        given = _TO_SAVER.get(a.dtype.newbyteorder("="), str(a.dtype))
+        bits = _PATTERN_BITS.get(dtype)
+        if bits is not None and a.dtype.kind in "ui" and a.dtype.itemsize * 8 == bits:
+            return
+    if given != dtype:
+        patterns = f" (or uint{_PATTERN_BITS[dtype]} bit patterns)" if dtype in _PATTERN_BITS else ""
+        raise InputError(f"{what}: the slot holds {dtype} values and the buffer is {given}; give a buffer of {dtype}{patterns}")
 
 
 def shard_of(ids: ArrayLike, shards: int) -> np.ndarray:

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use numpy::{PyArray1, PyReadonlyArray1, PyReadwriteArray1};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -682,8 +682,9 @@ fn inspect<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> 
 }
 
 /// One slot a row-range load fills: slot, its columns (`None`: all), the caller's buffer as a
-/// flat writable view of its bytes.
-type RowsIntoIn<'py> = (String, Option<(u64, u64)>, PyReadwriteArray1<'py, u8>);
+/// flat view of its bytes (borrowed writable below, where two targets over one memory are
+/// refused rather than let numpy's borrow checker panic).
+type RowsIntoIn<'py> = (String, Option<(u64, u64)>, Bound<'py, PyArray1<u8>>);
 
 /// One row-range table a load fills: table, first and end row, its slots' targets.
 type RowsLoadIn<'py> = (String, u64, u64, Vec<RowsIntoIn<'py>>);
@@ -696,10 +697,26 @@ fn load_rows(
     path: PathBuf,
     mut tables: Vec<RowsLoadIn<'_>>,
 ) -> PyResult<(u64, u64, u64)> {
+    // Every target borrowed before any is filled: one whose memory another target of this
+    // load also covers is refused here, naming it, with nothing written yet.
+    let mut borrowed: Vec<Vec<PyReadwriteArray1<'_, u8>>> = Vec::with_capacity(tables.len());
+    for (table, _, _, into) in &tables {
+        let mut views = Vec::with_capacity(into.len());
+        for (slot, _, out) in into {
+            views.push(out.try_readwrite().map_err(|_| {
+                err(format!(
+                    "into[{table:?}][{slot:?}]: its buffer shares memory with another target of \
+                     this load (the same array twice, or overlapping views of one); give each \
+                     target memory of its own"
+                ))
+            })?);
+        }
+        borrowed.push(views);
+    }
     let mut requests = Vec::with_capacity(tables.len());
-    for (table, start, end, into) in &mut tables {
+    for ((table, start, end, into), views) in tables.iter_mut().zip(&mut borrowed) {
         let mut targets = Vec::with_capacity(into.len());
-        for (slot, cols, out) in into.iter_mut() {
+        for ((slot, cols, _), out) in into.iter_mut().zip(views.iter_mut()) {
             let out = out
                 .as_slice_mut()
                 .map_err(|e| err(format!("table {table:?} slot {slot:?}: {e}")))?;

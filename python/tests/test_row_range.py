@@ -129,3 +129,41 @@ def test_a_delta_of_a_row_range_table_holds_the_changed_rows_and_loads_in_place(
     back = torch.empty_like(w)
     step, _ = m.load_latest(into={"e": {"weight": saver.Chunk(back)}})
     assert step == 3 and torch.equal(back, w)
+
+
+def test_targets_of_another_dtype_or_over_shared_memory_are_refused_before_any_byte_lands(tmp_path):
+    rows, cols = 40, 4
+    weight = values(rows, cols, 5)
+    emb = torch.randn(rows, cols).to(torch.bfloat16)
+    saver.save(tmp_path / "c", tables={"t": {"w": saver.Chunk(weight)}, "e": {"w": saver.Chunk(emb)}})
+    # A buffer of another dtype of the same width: refused naming both, left as it was (before,
+    # an int32 buffer got 1065353216 for 1.0, and float16 1.875 for bfloat16's 1.0).
+    for wrong, name in [(np.zeros((rows, cols), np.int32), "I32"), (torch.zeros(rows, cols, dtype=torch.float16), "F16")]:
+        with pytest.raises(saver.InputError, match=f"holds F32 values and the buffer is {name}"):
+            saver.load(tmp_path / "c", into={"t": {"w": saver.Chunk(wrong)}})
+        assert not np.asarray(wrong).any()
+    with pytest.raises(saver.InputError, match="holds BF16 values and the buffer is F16"):
+        saver.load(tmp_path / "c", into={"e": {"w": saver.Chunk(torch.zeros(rows, cols, dtype=torch.float16))}})
+    # The slot's own dtype, and BF16's bit patterns as a plain 16-bit integer array, are filled.
+    into_bf16 = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    bits = np.zeros((rows, cols), np.uint16)
+    saver.load(tmp_path / "c", into={"e": {"w": saver.Chunk(into_bf16)}})
+    saver.load(tmp_path / "c", into={"e": {"w": saver.Chunk(bits)}})
+    assert torch.equal(into_bf16, emb) and torch.equal(torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16), emb)
+    # Two targets over one memory: a SaverError naming the target (before, a Rust panic that
+    # `except Exception` did not catch), and nothing written.
+    buffer = np.zeros((rows, cols), np.float32)
+    for targets in (
+        [saver.Chunk(buffer[:24], offset=(0, 0)), saver.Chunk(buffer[16:], offset=(16, 0))],
+        [saver.Chunk(buffer, offset=(0, 0)), saver.Chunk(buffer, offset=(0, 0))],
+    ):
+        try:
+            saver.load(tmp_path / "c", into={"t": {"w": targets}})
+        except Exception as e:  # what a trainer catches
+            assert isinstance(e, saver.SaverError) and "shares memory with another target" in str(e), e
+        else:
+            raise AssertionError("targets over one memory were filled")
+        assert not buffer.any()
+    # Views of one buffer that do not overlap are two targets.
+    saver.load(tmp_path / "c", into={"t": {"w": [saver.Chunk(buffer[:20], offset=(0, 0)), saver.Chunk(buffer[20:], offset=(20, 0))]}})
+    np.testing.assert_array_equal(buffer, weight)
