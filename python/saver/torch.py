@@ -375,9 +375,16 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
         dense[name] = t.detach()
     for name, p in table_params.items():
         by_table[name] = {"param": p.detach()}
+    # Python numbers among the state (SparseAdam's integer `step`), by "<parameter>/<key>":
+    # given back as the same type, since an optimizer computes with them differently than with
+    # a 0-d tensor (SparseAdam's bias correction).
+    scalars = {}
     for name, p, st in states:
         for key, value in st.items():
             if not torch.is_tensor(value):
+                if not isinstance(value, (bool, int, float)):
+                    raise _s.InputError(f"optimizer: state {key!r} of {name!r} is a {type(value).__name__}; saver.torch saves tensors and numbers")
+                scalars[f"{name}/{key}"] = type(value).__name__
                 value = torch.tensor(value)
             value = value.detach()
             rows_of_table = name in table_params and value.dim() >= 1 and value.shape[0] == p.shape[0] and value.dim() <= 2
@@ -397,6 +404,7 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
         "tables": sorted(table_params),
         "sharded": sorted(sharded),
         "rowwise": rowwise,
+        "scalars": scalars,
         "step": step,
         "extra": extra,
     }
@@ -537,22 +545,67 @@ def _meta(path) -> dict:
 
 
 def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
-         optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True) -> Any:
+         optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True,
+         fallback: bool = False) -> Any:
     """Fills ``model``'s parameters and buffers and ``optimizer``'s state and hyperparameters in
     place from the checkpoint at ``source`` (a path, or a :class:`saver.Manager`: its newest
     committed step), and returns the ``extra`` saved with them. Row-range tables are read
     straight into the parameters and states, whatever split they were saved by. ``strict``: a
-    tensor of the model the checkpoint lacks, or one it holds the model lacks, is an error (a
-    shape or dtype that differs always is)."""
+    tensor or table of the model the checkpoint lacks, or one it holds the model lacks, is an
+    error (a shape or dtype that differs always is).
+
+    Every check that needs no data (shapes, dtypes, strictness, the optimizer's class and param
+    groups) runs before the first byte lands: a load refused by one leaves the model and the
+    optimizer as they were. A read that fails midway (a checksum) says which tables may already
+    hold part of the checkpoint; with a Manager and ``fallback=True`` the next older committed
+    step is then loaded into the same model and optimizer (a :class:`saver.SaverWarning` names
+    the step passed over), so that training never goes on from a mixture."""
     if isinstance(source, _s.Manager):
-        latest = source.latest()
-        if _world()[1] > 1:
-            # Every rank reads the step rank 0 found, whatever commits meanwhile.
-            latest = _agreed(latest)
-        if latest is None:
-            raise _s.InputError(f"{source.root} holds no committed step")
-        source = latest["path"]
-    path = os.fspath(source)
+        return _load_newest(source, model, optimizer, strict, fallback)
+    if fallback:
+        raise _s.InputError("fallback: a path is one checkpoint; give a saver.Manager to fall back to older steps")
+    return _load(os.fspath(source), model, optimizer, strict)
+
+
+def _load_newest(manager, model, optimizer, strict, fallback):
+    """`load` of a Manager's newest committed step, or, with `fallback`, of the newest one that
+    reads: every rank tries the same steps (rank 0's listing) and moves on together."""
+    import warnings
+
+    world = _world()[1]
+    steps = [(s["step"], s["path"]) for s in reversed(manager.steps())] if fallback else None
+    if not fallback:
+        latest = manager.latest()
+        steps = [] if latest is None else [(latest["step"], latest["path"])]
+    if world > 1:
+        # Every rank reads the steps rank 0 found, whatever commits meanwhile.
+        steps = _agreed(steps)
+    if not steps:
+        raise _s.InputError(f"{manager.root} holds no committed step")
+    for k, (step, path) in enumerate(steps):
+        last = k + 1 == len(steps)
+        if not fallback or last:
+            return _load(path, model, optimizer, strict)
+        failure = None
+        try:
+            extra = _load(path, model, optimizer, strict)
+        except _s.InputError:
+            raise  # the model does not fit the checkpoint: an older step would not fit either
+        except _s.SaverError as e:
+            failure = f"rank {_world()[0]}: {e}"
+        failures = [failure]
+        if world > 1:
+            import torch.distributed as dist
+
+            failures = [None] * world
+            dist.all_gather_object(failures, failure)
+        failed = [f for f in failures if f]
+        if not failed:
+            return extra
+        warnings.warn(f"step {step} does not load ({'; '.join(failed)}); falling back to step {steps[k + 1][0]}", _s.SaverWarning, stacklevel=3)
+
+
+def _load(path, model, optimizer, strict):
     meta, ck = _meta(path)
     by_name = dict(model.named_parameters())
     # The model's embeddings, and the 2-D parameters the save was told to take as tables; not
@@ -638,7 +691,31 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
         slots = {k: v for k, v in slots.items() if v}
         if slots:
             into[name] = slots
-    loaded = _s.load(path, into=into, tables=list(into) or None)
+    # Everything that needs no data, checked before the first byte lands in the model.
+    dense_wanted = {k: t for k, t in model.state_dict(keep_vars=True).items() if k not in table_params and k not in sharded}
+    held_dense = {k: v for k, v in ck.dense.items() if not k.startswith(("optimizer/", "fused/"))}
+    if strict:
+        missing, unexpected = sorted(set(dense_wanted) - set(held_dense)), sorted(set(held_dense) - set(dense_wanted))
+        missing_tables = sorted((set(table_params) | set(sharded)) - set(held_tables))
+        unexpected_tables = sorted(set(held_tables) - set(table_params) - set(sharded))
+        if missing or unexpected or missing_tables or unexpected_tables:
+            raise _s.InputError(f"{path}: the model's tensors and the checkpoint's differ: missing {missing + missing_tables}, unexpected {unexpected + unexpected_tables} (strict=False loads what both hold)")
+    for k in sorted(set(dense_wanted) & set(held_dense)):
+        _check_dense(dense_wanted[k], *held_dense[k], k)
+    if optimizer is not None:
+        _check_optimizer(optimizer, meta, ck.dense, by_name, names, set(table_params) | set(sharded), path)
+    try:
+        loaded = _s.load(path, into=into, tables=list(into) or None)
+    except _s.InputError:
+        raise  # refused before any byte was read into the model
+    except _s.SaverError as e:
+        filled = sorted(into)
+        raise _s.SaverError(
+            f"{e}; the load stopped while reading: {filled} (with their optimizer state) may hold "
+            "part of this checkpoint, and the rest of the model and optimizer is as it was: load "
+            "a good checkpoint before training (a Manager's older step: saver.torch.load(manager, "
+            "..., fallback=True))"
+        ) from e
     for target, parts in means:
         total = sum(w for w, _ in parts)
         with torch.no_grad():
@@ -658,15 +735,10 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
         optimizer.state[by_name[name]][key] = t
     state = model.state_dict(keep_vars=True)
     wanted = {k for k in state if k not in table_params and k not in sharded}
-    held_dense = {k for k in loaded.dense if not k.startswith(("optimizer/", "fused/"))}
-    if strict:
-        missing, unexpected = sorted(wanted - held_dense), sorted(held_dense - wanted)
-        if missing or unexpected:
-            raise _s.InputError(f"{path}: the model's tensors and the checkpoint's differ: missing {missing}, unexpected {unexpected}")
-    for k in wanted & held_dense:
+    for k in wanted & set(held_dense):
         _copy_into(state[k], loaded.dense[k], k)
     if optimizer is not None:
-        _load_optimizer(optimizer, meta, loaded.dense, by_name, names, set(table_params) | set(sharded), path)
+        _load_optimizer(optimizer, meta, loaded.dense, by_name, names, path)
     return meta["extra"]
 
 
@@ -709,6 +781,17 @@ def _as_tensor(array, dtype=None):
     return torch.from_numpy(a).reshape(array.shape)
 
 
+def _check_dense(target, dtype, shape, name):
+    """Refuses a tensor of the checkpoint (`dtype`, `shape` from its manifest) that does not fit
+    `target`, before anything is read."""
+    names = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+             "U8": torch.uint8, "BOOL": torch.bool}
+    held = names.get(dtype)
+    if tuple(shape) != tuple(target.shape) or (held is not None and held != target.dtype):
+        raise _s.InputError(f"{name}: the checkpoint holds {dtype} of shape {tuple(shape)}, the model {target.dtype} of shape {tuple(target.shape)}")
+
+
 def _copy_into(target, array, name):
     """Copies a loaded array into `target` (a tensor of the model), shape and dtype checked."""
     src = _as_tensor(array, target.dtype)
@@ -718,11 +801,17 @@ def _copy_into(target, array, name):
         target.copy_(src)
 
 
-def _load_optimizer(optimizer, meta, dense, by_name, names, tables_here, path):
-    """Hyperparameters by param group, and the dense optimizer state, put back. A table another
+def _groups(optimizer, meta, names):
+    """The saved param groups and the optimizer's, by parameter name."""
+    return meta["param_groups"], [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+
+
+def _check_optimizer(optimizer, meta, held_dense, by_name, names, tables_here, path):
+    """What `_load_optimizer` needs of the checkpoint, checked before anything is read: the
+    optimizer's class, its param groups, and a parameter for every dense state. A table another
     plan trains by the other optimizer (data-parallel: the dense one; sharded: the fused one)
     is in the param groups of one save and not of the other: groups are matched by their other
-    parameters, and a group whose tables differ keeps the hyperparameters it was built with."""
+    parameters."""
     if meta["optimizer"] is not None and meta["optimizer"] != type(optimizer).__name__:
         raise _s.InputError(f"{path} holds the state of a {meta['optimizer']}, not of a {type(optimizer).__name__}")
     tables = set(meta["tables"]) | set(meta["sharded"]) | set(tables_here)
@@ -730,12 +819,25 @@ def _load_optimizer(optimizer, meta, dense, by_name, names, tables_here, path):
     def others(params):
         return [n for n in params if n not in tables]
 
-    saved_groups = meta["param_groups"]
-    mine_groups = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+    saved_groups, mine_groups = _groups(optimizer, meta, names)
     saved_others = [others(g["params"]) for g in saved_groups if others(g["params"])]
     mine_others = [others(g) for g in mine_groups if others(g)]
     if saved_others != mine_others:
+        if meta["optimizer"] is None:
+            raise _s.InputError(f"{path} holds no optimizer state (it was saved without an optimizer): load it without one")
         raise _s.InputError(f"{path}: the param groups hold {[g['params'] for g in saved_groups]}, the optimizer's {mine_groups}")
+    for key in held_dense:
+        if key.startswith("optimizer/"):
+            name = key[len("optimizer/"):].rpartition("/")[0]
+            if name not in by_name:
+                raise _s.InputError(f"{path}: optimizer state {key!r} of a parameter the model does not have")
+
+
+def _load_optimizer(optimizer, meta, dense, by_name, names, path):
+    """Hyperparameters by param group, and the dense optimizer state, put back (after
+    `_check_optimizer`). A group whose tables differ from the saved one's keeps the
+    hyperparameters it was built with."""
+    saved_groups, mine_groups = _groups(optimizer, meta, names)
     for mine, group in zip(mine_groups, optimizer.param_groups):
         saved = next((g for g in saved_groups if g["params"] == mine), None)
         for k, v in (saved or {}).get("hyper", {}).items():
@@ -744,12 +846,17 @@ def _load_optimizer(optimizer, meta, dense, by_name, names, tables_here, path):
         if not key.startswith("optimizer/"):
             continue
         name, _, state_key = key[len("optimizer/"):].rpartition("/")
-        p = by_name.get(name)
-        if p is None:
-            raise _s.InputError(f"{path}: optimizer state {key!r} of a parameter the model does not have")
+        p = by_name[name]
         if not _updates(optimizer, p):
             continue  # trained by another optimizer in this plan (a table TorchRec shards)
         st = optimizer.state.setdefault(p, {})
+        number = meta.get("scalars", {}).get(f"{name}/{state_key}")
+        if number is not None:
+            kind = {"bool": bool, "int": int, "float": float}.get(number)
+            if kind is None:
+                raise _s.InputError(f"{path}: optimizer state {key!r} is of type {number!r} in the metadata, not a number")
+            st[state_key] = kind(np.asarray(value).item())
+            continue
         src = _as_tensor(value, p.dtype)
         t = st.get(state_key)
         if torch.is_tensor(t) and tuple(t.shape) == tuple(src.shape) and t.dtype == src.dtype:

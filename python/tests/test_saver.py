@@ -603,3 +603,25 @@ def test_errors_speak_python_and_name_what_was_wrong(tmp_path):
         assert named in message, message
         for rust in ("::", "--", "SaveOptions", "ForeignRows", "Some(", "Vec<"):
             assert rust not in message, message
+
+
+def test_a_panic_of_the_native_module_reaches_the_caller_as_a_saver_error(tmp_path):
+    from saver import _native
+
+    # What pyo3 raises when Rust code panics: a BaseException, which `except Exception` misses.
+    PanicException = type("PanicException", (BaseException,), {"__module__": "pyo3_runtime"})
+
+    def panics(*_):
+        raise PanicException("already borrowed")
+
+    try:
+        _native._guard(panics, "load_rows")()
+    except Exception as e:
+        assert isinstance(e, saver.SaverError), e
+        assert "native load_rows() failed unexpectedly" in str(e) and "already borrowed" in str(e)
+    else:
+        raise AssertionError("no error")
+    # Other errors pass as they are; what the module hands back is guarded too.
+    with pytest.raises(KeyboardInterrupt):
+        _native._guard(lambda: (_ for _ in ()).throw(KeyboardInterrupt()), "x")()
+    assert isinstance(saver.Manager(tmp_path / "root")._native, _native._Guarded)

@@ -1,0 +1,191 @@
+"""saver.torch never leaves a model half-filled: a load it refuses changes nothing, a load whose
+read fails midway says what it overwrote, and a Manager's load falls back to the step before;
+and every torch.optim optimizer resumes bit for bit, SparseAdam's integer step included."""
+
+import copy
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import saver
+import saver.torch
+from test_torch import Dlrm, assert_same, assert_same_optimizer, optimizers, train
+
+
+def snapshot(model, opt=None):
+    """Copies of everything a load could write: the model's tensors and the optimizer's state
+    dict (its tensors cloned)."""
+    return copy.deepcopy(model.state_dict()), None if opt is None else copy.deepcopy(opt.state_dict())
+
+
+def assert_untouched(model, opt, before):
+    state, opt_state = before
+    now = model.state_dict()
+    assert now.keys() == state.keys()
+    for k in state:
+        assert torch.equal(now[k], state[k]), f"{k} was written by a refused load"
+    if opt is not None:
+        got = opt.state_dict()
+        assert got["param_groups"] == opt_state["param_groups"]
+        assert got["state"].keys() == opt_state["state"].keys()
+        for i, st in opt_state["state"].items():
+            for k, v in st.items():
+                assert torch.equal(torch.as_tensor(got["state"][i][k]), torch.as_tensor(v)), (i, k)
+
+
+def _other_linear(model):
+    model.mlp[0] = torch.nn.Linear(40, 31)
+    model.mlp[2] = torch.nn.Linear(31, 1)
+
+
+def _no_norm(model):
+    model.norm = torch.nn.Identity()
+
+
+class _Zeros(torch.nn.Module):
+    """In place of an embedding of 8 columns: no table."""
+
+    def forward(self, ids):
+        return torch.zeros(*ids.shape, 8)
+
+
+def _no_cats(model):
+    model.cats = _Zeros()
+
+
+@pytest.mark.parametrize("case", ["linear of another shape", "module missing", "table missing", "another optimizer", "weights only"])
+def test_a_refused_load_leaves_the_model_and_the_optimizer_as_they_were(tmp_path, case):
+    saved = Dlrm(seed=1)
+    opt = optimizers(saved)[0]
+    train(saved, opt, 2)
+    weights_only = case == "weights only"
+    saver.torch.save(tmp_path / "ck", saved, None if weights_only else opt)
+    model = Dlrm(seed=2)
+    {"linear of another shape": _other_linear, "module missing": _no_norm, "table missing": _no_cats}.get(case, lambda m: None)(model)
+    if case == "another optimizer":
+        target_opt = torch.optim.Adam(model.parameters())
+    elif weights_only:
+        target_opt = torch.optim.Adagrad(model.parameters())
+    else:
+        target_opt = torch.optim.Adagrad([p for n, p in model.named_parameters() if not n.startswith("mlp")], lr=0.05)
+    train(model, target_opt, 1)
+    before = snapshot(model, target_opt)
+    expected = {
+        "linear of another shape": "mlp.0.bias: the checkpoint holds F32 of shape \\(32,\\)",
+        "module missing": "unexpected \\['norm.bias'",
+        "table missing": "unexpected \\['cats.weight'\\]",
+        "another optimizer": "Adagrad, not of a Adam",
+        "weights only": "saved without an optimizer",
+    }[case]
+    with pytest.raises(saver.InputError, match=expected):
+        saver.torch.load(tmp_path / "ck", model, target_opt)
+    assert_untouched(model, target_opt, before)
+
+
+def _flip_a_byte_of_the_largest_data_file(step_dir):
+    files = [os.path.join(step_dir, f) for f in os.listdir(step_dir) if f.endswith(".safetensors")]
+    largest = max(files, key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        f.seek(os.path.getsize(largest) * 2 // 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_a_read_that_fails_midway_names_what_it_overwrote_and_fallback_loads_the_step_before(tmp_path):
+    manager = saver.Manager(tmp_path / "run", full_every=1)
+    model = Dlrm(seed=1)
+    opt = optimizers(model)[0]
+    train(model, opt, 2)
+    saver.torch.save(manager, model, opt, step=2)
+    at_two = Dlrm(seed=0)
+    at_two.load_state_dict(model.state_dict())
+    opt_at_two = optimizers(at_two)[0]
+    opt_at_two.load_state_dict(copy.deepcopy(opt.state_dict()))
+    train(model, opt, 2, start=2)
+    saver.torch.save(manager, model, opt, step=4)
+    _flip_a_byte_of_the_largest_data_file(manager.latest()["path"])
+
+    fresh = Dlrm(seed=9)
+    fresh_opt = optimizers(fresh)[0]
+    with pytest.raises(saver.SaverError, match="may hold part of this checkpoint") as e:
+        saver.torch.load(manager, fresh, fresh_opt)
+    assert not isinstance(e.value, saver.InputError)
+    assert "users.weight" in str(e.value) and "fallback=True" in str(e.value)
+    # Into the same, partly overwritten model and optimizer: the step before, whole.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        saver.torch.load(manager, fresh, fresh_opt, fallback=True)
+    said = [str(w.message) for w in caught if issubclass(w.category, saver.SaverWarning)]
+    assert len(said) == 1 and said[0].startswith("step 4 does not load") and "falling back to step 2" in said[0], said
+    assert_same(at_two, fresh)
+    assert_same_optimizer(opt_at_two, fresh_opt)
+    with pytest.raises(saver.InputError, match="give a saver.Manager"):
+        saver.torch.load(manager.latest()["path"], fresh, fresh_opt, fallback=True)
+
+
+class Sparse(torch.nn.Module):
+    """What every optimizer trains: an embedding table (sparse gradients for SparseAdam) and,
+    for the others, a linear layer."""
+
+    def __init__(self, sparse, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.nn.Embedding(60, 8, sparse=sparse)
+        self.lin = None if sparse else torch.nn.Linear(8, 1)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, ids):
+        x = self.emb(ids).sum(1)
+        return x.sum(1) if self.lin is None else self.lin(x).squeeze(1)
+
+
+OPTIMIZERS = {
+    "SGD": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "Adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
+    "Adadelta": lambda ps: torch.optim.Adadelta(ps),
+    "Adamax": lambda ps: torch.optim.Adamax(ps, lr=0.01),
+    "NAdam": lambda ps: torch.optim.NAdam(ps, lr=0.01),
+    "RAdam": lambda ps: torch.optim.RAdam(ps, lr=0.01),
+    "ASGD": lambda ps: torch.optim.ASGD(ps, lr=0.01),
+    "Rprop": lambda ps: torch.optim.Rprop(ps, lr=0.01),
+    "SparseAdam": lambda ps: torch.optim.SparseAdam(list(ps), lr=0.01),
+}
+
+
+def _steps(model, opt, start, count):
+    for s in range(start, start + count):
+        g = torch.Generator().manual_seed(500 + s)
+        ids = torch.randint(60, (16, 3), generator=g)
+        y = torch.randn(16, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(ids), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizer_resumes_bit_for_bit(tmp_path, name):
+    sparse = name == "SparseAdam"
+    model = Sparse(sparse, seed=1)
+    opt = OPTIMIZERS[name](model.parameters())
+    _steps(model, opt, 0, 3)
+    saver.torch.save(tmp_path / "ck", model, opt, step=3)
+    back = Sparse(sparse, seed=2)
+    back_opt = OPTIMIZERS[name](back.parameters())
+    saver.torch.load(tmp_path / "ck", back, back_opt)
+    # The state's Python types come back too (SparseAdam's step is an int, not a 0-d tensor).
+    for p, q in zip(model.parameters(), back.parameters()):
+        for k, v in opt.state[p].items():
+            assert type(back_opt.state[q][k]) is type(v), (k, type(back_opt.state[q][k]), type(v))
+    _steps(model, opt, 3, 2)
+    _steps(back, back_opt, 3, 2)
+    for (n, p), q in zip(model.named_parameters(), back.parameters()):
+        assert torch.equal(p, q), f"{name}: {n} differs after resuming, by {(p - q).abs().max().item()}"
