@@ -329,6 +329,9 @@ def _save_arguments(tables, dense, options):
         raise InputError(f"compress: must be None or 'zstd', got {options['compress']!r}")
     if options.get("direct_io", "auto") not in ("auto", "on", "off"):
         raise InputError(f"direct_io: must be 'auto', 'on' or 'off', got {options['direct_io']!r}")
+    wait = options.get("wait")
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 86_400):
+        raise InputError(f"wait: must be a number of seconds from 0 to 86400, or None, got {wait!r}")
     if options["foreign_rows"] not in ("error", "skip"):
         raise InputError(f"foreign_rows: must be 'error' or 'skip', got {options['foreign_rows']!r}")
     tables_in = []
@@ -400,6 +403,7 @@ def save(
     row_filter: Optional[Any] = None,
     compress: Optional[str] = None,
     direct_io: str = "auto",
+    wait: Optional[float] = None,
 ) -> SaveReport:
     """Saves sparse tables and dense tensors as a checkpoint at ``path`` (a directory or an
     ``s3://bucket/prefix`` location), committed when this returns.
@@ -431,6 +435,10 @@ def save(
     durable save on local ext4 and XFS around the page cache, through about 40 MiB of aligned
     staging buffers, the fastest here; ``"off"`` writes through the page cache straight from
     the arrays (no staging memory, slower); ``"on"`` wherever the filesystem takes it.
+    ``wait``: with ``shard_index``, the seconds this process waits for the other shards and the
+    commit before it fails naming the missing shards (default: none, it returns once its shard
+    is written and the last process commits; a :class:`Manager`'s saves wait 600 s, so that
+    every process decides the next save from the same committed steps).
 
     Every array is read in place (no copy), so none may change until this returns; other Python
     threads run meanwhile. :func:`save_async` copies them instead, and returns.
@@ -451,6 +459,7 @@ def save(
         row_filter=row_filter,
         compress=compress,
         direct_io=direct_io,
+        wait=wait,
     )
     report = _saver.save(os.fspath(path), *_save_arguments(tables, dense, options))
     return SaveReport(**report)
@@ -484,9 +493,13 @@ def save_async(
     **options: Any,
 ) -> SaveHandle:
     """:func:`save` in the background: returns once the save's moment is fixed, that is once
-    every table's rows and every dense tensor are copied (one copy, taken holding the GIL, so that
-    no Python code changes them meanwhile), so that training may change its arrays from then on;
-    the checkpoint shows them as they were at the call. The save runs on threads of its own at a
+    every table's rows and every dense tensor are copied, so that training may change its arrays
+    from then on; the checkpoint shows them as they were at the call. The moment is exact for
+    arrays that nothing writes while the call runs: the copy is taken by several threads while it
+    holds the GIL, but numpy and torch release the GIL inside their own large writes, so a write
+    by another thread during the call may be in the copy or not, part by part (rows of two
+    values). Call it where the training loop itself writes, between its steps, and let no other
+    thread write the arrays until it returns. The save runs on threads of its own at a
     lower CPU priority. Options as :func:`save`. Errors found before the moment (bad arguments)
     are raised here; later ones by :meth:`SaveHandle.wait`. The copies' memory is kept for the
     next background save (:func:`background_memory`)."""
@@ -958,6 +971,7 @@ def _options(given: Mapping[str, Any]) -> dict:
         row_filter=None,
         compress=None,
         direct_io="auto",
+        wait=None,
     )
     unknown = set(given) - set(options)
     if unknown:

@@ -477,32 +477,81 @@ def _save(target, model, optimizer, step, extra, tables, background, options):
         if step is None:
             raise _s.InputError("step: a Manager saves steps; give step=")
         if background:
-            return target.save_async(step, tables=out_tables, dense=dense, metadata=metadata, **options)
+            # The previous background save, waited for by every rank together, so that a rank
+            # that died during it is learnt of here rather than by the next save's own wait.
+            _agree(target.wait, rank, world)
+            handle = target.save_async(step, tables=out_tables, dense=dense, metadata=metadata, **options)
+            return handle if world == 1 else RanksHandle(handle, rank, world)
         return _agree(lambda: target.save(step, tables=out_tables, dense=dense, metadata=metadata, **options), rank, world)
     path = os.fspath(target)
     if background:
-        return _s.save_async(path, tables=out_tables, dense=dense, step=step, metadata=metadata, **options)
+        handle = _s.save_async(path, tables=out_tables, dense=dense, step=step, metadata=metadata, **options)
+        return handle if world == 1 else RanksHandle(handle, rank, world)
     return _agree(lambda: _s.save(path, tables=out_tables, dense=dense, step=step, metadata=metadata, **options), rank, world)
 
 
+#: How often the ranks of a save tell each other how their shares go, in seconds.
+_TICK = 0.5
+
+
 def _agree(call, rank, world):
-    """`call()` (one rank's share of a save), then, under torch.distributed, the ranks' outcome
-    agreed: every rank raises if one failed, and returns once the checkpoint is committed."""
+    """`call()` (one rank's share of a save, or its wait), then, under torch.distributed, the
+    ranks' outcome agreed: every rank raises if one failed, and returns once every rank's call
+    returned. The call runs on a thread of its own while the ranks tell each other through the
+    process group, every `_TICK`, whether theirs has ended: a rank that dies (whose share never
+    comes, so that the others' calls would wait for it until their timeout) breaks the next
+    round, and every survivor raises within a tick."""
     if world == 1:
         return call()
+    import threading
+
     import torch.distributed as dist
 
-    report, failure = None, None
-    try:
-        report = call()
-    except Exception as e:  # noqa: BLE001 - told to every rank, then raised
-        failure = f"rank {rank}: {e}"
-    outcomes = [None] * world
-    dist.all_gather_object(outcomes, failure)
-    failed = [f for f in outcomes if f]
-    if failed:
-        raise _s.SaverError("; ".join(failed))
-    return report
+    box = {}
+
+    def share():
+        try:
+            box["report"] = call()
+        except Exception as e:  # noqa: BLE001 - told to every rank, then raised
+            box["failure"] = f"rank {rank}: {e}"
+
+    worker = threading.Thread(target=share, name="saver-rank-share", daemon=True)
+    worker.start()
+    while True:
+        worker.join(_TICK)
+        mine = "running" if worker.is_alive() else box.get("failure", "done")
+        seen = [None] * world
+        try:
+            dist.all_gather_object(seen, mine)
+        except Exception as e:  # noqa: BLE001 - a peer gone: this rank's error, whatever it was
+            raise _s.SaverError(f"rank {rank}: another rank left the save (died, or its process group ended): {e}") from e
+        failed = [f for f in seen if f not in ("running", "done")]
+        if failed:
+            raise _s.SaverError("; ".join(failed))
+        if all(f == "done" for f in seen):
+            return box["report"]
+
+
+class RanksHandle:
+    """A background save of every rank under torch.distributed (:func:`save_async`): each rank
+    holds one, and every rank calls :meth:`wait`."""
+
+    def __init__(self, handle, rank, world):
+        self._handle, self._rank, self._world = handle, rank, world
+
+    def done(self) -> bool:
+        """Whether **this rank's** share has ended: another rank's may end a step earlier or
+        later, so a trainer that branches on it can split its ranks' collectives; branch on
+        :meth:`wait`, which the ranks agree on."""
+        return self._handle.done()
+
+    def wait(self):
+        """Waits for every rank's share, agreed through the process group: this rank's report,
+        or, on every rank, the error of any rank that failed or died."""
+        return _agree(self._handle.wait, self._rank, self._world)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
 
 
 def save(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
@@ -524,10 +573,11 @@ def save_async(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Mo
     """:func:`save` in the background: returns a handle once the model and optimizer state are
     copied (every core copies), so that training may go on at once; ``handle.wait()`` returns
     the report, or raises the save's error. Under ``torch.distributed`` every rank calls it at
-    the same step (the ranks agree on the save id then) and each rank's handle reports its own
-    share: the checkpoint is committed by the last rank to finish, and a rank whose write fails
-    leaves it uncommitted (the other ranks' handles, of a Manager, wait for the commit until the
-    manager's wait ends, 10 minutes, and then raise). The copy's memory is kept for the next
+    the same step (the ranks agree on the save id then) and gets a :class:`RanksHandle`: every
+    rank calls its ``wait()``, which returns this rank's report once every rank's share has
+    ended, and raises on every rank if any failed or died (learnt through the process group
+    within a second, not when a Manager's wait for the commit ends); its ``done()`` is this
+    rank's alone. The copy's memory is kept for the next
     background save, which copies into it at memory speed rather than the kernel's page-fault
     speed and writes it to the disk from there (:func:`saver.background_memory`)."""
     return _save(target, model, optimizer, step, extra, tables, True, options)

@@ -113,6 +113,7 @@ struct SaveArgs {
     keep_rows: Vec<String>,
     compress: Option<String>,
     direct_io: String,
+    wait: Option<f64>,
 }
 
 impl SaveArgs {
@@ -135,6 +136,12 @@ impl SaveArgs {
             opts.plan.parallel = p;
         }
         opts.parent = self.parent;
+        if let Some(w) = self.wait {
+            opts.wait = Some(
+                std::time::Duration::try_from_secs_f64(w)
+                    .map_err(|_| err(format!("wait: must be a number of seconds, got {w}")))?,
+            );
+        }
         opts.direct_io = match self.direct_io.as_str() {
             "auto" => saver_io::DirectIo::Auto,
             "on" => saver_io::DirectIo::On,

@@ -4,11 +4,14 @@ and every torch.optim optimizer resumes bit for bit, SparseAdam's integer step i
 
 import copy
 import os
+import sys
+import time
 import warnings
 
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import saver
 import saver.torch
@@ -189,3 +192,51 @@ def test_every_optimizer_resumes_bit_for_bit(tmp_path, name):
     _steps(back, back_opt, 3, 2)
     for (n, p), q in zip(model.named_parameters(), back.parameters()):
         assert torch.equal(p, q), f"{name}: {n} differs after resuming, by {(p - q).abs().max().item()}"
+
+
+def _rank_of_a_save_one_dies_in(rank, world, root, port, out, background):
+    """Rank `world - 1` dies inside its share of a Manager's step (after the ranks agreed on the
+    save); the others write down how long their save took to raise, and what it said."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = Dlrm(seed=4)
+    opt = optimizers(model)[0]
+    manager = saver.Manager(root)
+    if rank == world - 1:
+        # Killed while its native save runs: its shard never comes.
+        manager.save = manager.save_async = lambda *a, **k: os._exit(9)
+    start = time.monotonic()
+    try:
+        if background:
+            saver.torch.save_async(manager, model, opt, step=1).wait()
+        else:
+            saver.torch.save(manager, model, opt, step=1)
+        said = "returned"
+    except Exception as e:  # noqa: BLE001 - what a trainer catches
+        said = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{time.monotonic() - start:.3f}\n{said}")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_when_a_rank_dies_in_a_managed_save_every_other_rank_raises_within_seconds(tmp_path, background):
+    from test_torch import _free_port
+
+    world, out = 3, tmp_path / "out"
+    out.mkdir()
+    ctx = mp.spawn(_rank_of_a_save_one_dies_in, args=(world, str(tmp_path / "run"), _free_port(), str(out), background),
+                   nprocs=world, join=False)
+    deadline = time.monotonic() + 120
+    for p in ctx.processes:
+        p.join(max(1, deadline - time.monotonic()))
+        assert not p.is_alive(), "a rank still waits"
+    for rank in range(world - 1):
+        took, said = (out / f"rank{rank}.txt").read_text().split("\n", 1)
+        # Before: 600 s, the Manager's wait for the dead rank's shard.
+        assert float(took) < 30, (rank, took, said)
+        assert said.startswith("SaverError:") and "another rank left the save" in said, said
+    assert saver.Manager(tmp_path / "run").latest() is None
