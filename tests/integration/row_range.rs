@@ -526,13 +526,20 @@ fn a_manager_saves_row_range_tables_in_deltas_too() {
         .is_empty());
 }
 
-/// A reader trusts no manifest: re-sealed with chunks that overlap, leave a gap, fall outside
-/// their slot or disagree with their tensor, or with a version that does not say "row-range
+/// A reader trusts no manifest: re-sealed with chunks that trade places, overlap, leave a gap,
+/// fall outside their slot or disagree with their tensor, or with a version that does not say "row-range
 /// tables", the checkpoint is refused as corrupt, naming what is wrong, before a byte is read.
 #[test]
 fn a_resealed_manifest_whose_chunks_do_not_tile_is_refused() {
     type Edit = fn(&mut serde_json::Value);
-    let cases: [(&str, Edit); 6] = [
+    let cases: [(&str, Edit); 7] = [
+        // Two chunks of one shape trade offsets: they still tile the slot.
+        ("whose name says another place", |m| {
+            let c = &mut m["row_tables"][0]["slots"][1]["chunks"];
+            let first = c[0]["offset"].clone();
+            c[0]["offset"] = c[1]["offset"].clone();
+            c[1]["offset"] = first;
+        }),
         ("overlap", |m| {
             m["row_tables"][0]["slots"][1]["chunks"][1]["offset"][0] = serde_json::json!(100);
         }),

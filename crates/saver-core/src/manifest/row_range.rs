@@ -8,7 +8,7 @@ use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::manifest::TensorRef;
 use crate::naming::{check_slot_name, check_table_name};
-use crate::row_range::tiling_problem;
+use crate::row_range::{chunk_tensor_name, patch_tensor_names, tiling_problem};
 
 /// One row-range table: ids `0..rows`, no ids tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,6 +155,29 @@ impl RowTableManifest {
                 .collect();
             if let Some(why) = tiling_problem(&s.shape, &pieces, complete) {
                 return Err(bad(format!("slot {:?}: {why}", s.name)));
+            }
+            // A tensor's name says its place too: two chunks that trade offsets in a resealed
+            // manifest would otherwise read as rows moved.
+            for c in &s.chunks {
+                let named = chunk_tensor_name(&self.name, &s.name, &c.offset);
+                if c.tensor.name != named {
+                    return Err(bad(format!(
+                        "slot {:?}: the chunk at {:?} is tensor {:?}, whose name says another \
+                         place (the chunk there is {named:?})",
+                        s.name, c.offset, c.tensor.name
+                    )));
+                }
+            }
+            for p in &s.patches {
+                let Some(c) = &p.changed else { continue };
+                let (rows, values) = patch_tensor_names(&self.name, &s.name, &p.offset);
+                if c.rows.name != rows || c.values.name != values {
+                    return Err(bad(format!(
+                        "slot {:?}: the changed rows at {:?} are tensors {:?} and {:?}, whose \
+                         names say another place",
+                        s.name, p.offset, c.rows.name, c.values.name
+                    )));
+                }
             }
         }
         Ok(())
