@@ -368,3 +368,108 @@ fn a_full_save_refuses_changed_rows_only() {
     .to_string();
     assert!(e.contains("only_rows") && e.contains("\"weight\""), "{e}");
 }
+
+/// The manifest of the checkpoint in `dir`, as JSON.
+fn manifest_json(dir: &Path) -> serde_json::Value {
+    let idx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join(saver::core::naming::INDEX_FILE)).unwrap())
+            .unwrap();
+    let name = idx["metadata"]["saver_manifest"].as_str().unwrap();
+    serde_json::from_slice(&std::fs::read(dir.join(name)).unwrap()).unwrap()
+}
+
+/// Reads every row of `emb` from `dir`: the error of the first read that refuses.
+fn read_all(dir: &Path, rows: u64, cols: u64) -> saver::Result<()> {
+    let mut w = vec![0f32; (rows * cols) as usize];
+    let mut st = vec![0f32; rows as usize];
+    Checkpoint::open(dir)?.load_rows(
+        "emb",
+        0..rows,
+        &mut [
+            RowsInto::new("weight", bytemuck::cast_slice_mut(&mut w)),
+            RowsInto::new("state", bytemuck::cast_slice_mut(&mut st)),
+        ],
+    )?;
+    Ok(())
+}
+
+/// Asserts that every read of `dir` and its verify refuse it, both naming `want`.
+fn refused_by_reads_and_verify(dir: &Path, want: &str) {
+    let read = read_all(dir, 100, 4).expect_err("read");
+    assert!(read.to_string().contains(want), "{want}: {read}");
+    let report = verify(dir, 1).unwrap();
+    assert_eq!(report.status, Status::Corrupt, "{want}: {report:?}");
+    assert!(
+        report.problems.iter().any(|p| p.detail.contains(want)),
+        "{want}: {report:?}"
+    );
+}
+
+/// What a read of a row-range delta refuses, verify refuses too, so that a manager's fallback
+/// passes such a step over rather than fail on it: changed-row numbers out of order, repeated or
+/// past their patch (their bytes rewritten and their CRC resealed), and a parent resealed into
+/// the chain whose slot has another shape. Before, verify said intact to each.
+#[test]
+fn what_a_read_of_a_row_range_delta_refuses_verify_refuses_too() {
+    for rows in [[10u64, 3, 40], [3, 3, 40], [3, 10, 140]] {
+        let d = tempfile::tempdir().unwrap();
+        let (base, delta) = (d.path().join("base"), d.path().join("delta"));
+        let mut m = Model::new(100, 4);
+        m.save(&base, &[], &[], 1, None);
+        m.change(&[3, 10, 40], 1.0);
+        m.save(&delta, &[], &[], 1, Some(&base));
+        assert_eq!(verify(&delta, 1).unwrap().status, Status::Ok);
+        let man = manifest_json(&delta);
+        let slot = man["row_tables"][0]["slots"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .position(|s| s["name"] == "weight")
+            .unwrap();
+        let t = man["row_tables"][0]["slots"][slot]["patches"][0]["changed"]["rows"].clone();
+        assert_eq!(t["len"], 24, "three changed rows");
+        let bytes: Vec<u8> = rows.iter().flat_map(|r| r.to_le_bytes()).collect();
+        {
+            use std::io::{Seek, SeekFrom, Write};
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(delta.join(t["file"].as_str().unwrap()))
+                .unwrap();
+            f.seek(SeekFrom::Start(t["offset"].as_u64().unwrap()))
+                .unwrap();
+            f.write_all(&bytes).unwrap();
+        }
+        let crc = crc32fast::hash(&bytes);
+        crate::common::reseal(&delta, |m| {
+            m["row_tables"][0]["slots"][slot]["patches"][0]["changed"]["rows"]["crc32"] =
+                serde_json::json!(crc);
+        });
+        refused_by_reads_and_verify(&delta, "is not increasing row numbers within 0..100");
+    }
+
+    // The parent replaced by a checkpoint whose slot has five columns, and the delta's
+    // reference to it resealed.
+    let d = tempfile::tempdir().unwrap();
+    let (base, delta, other) = (
+        d.path().join("base"),
+        d.path().join("delta"),
+        d.path().join("other"),
+    );
+    let mut m = Model::new(100, 4);
+    m.save(&base, &[], &[], 1, None);
+    m.change(&[3, 10, 40], 1.0);
+    m.save(&delta, &[], &[], 1, Some(&base));
+    Model::new(100, 5).save(&other, &[], &[], 1, None);
+    let ck = Checkpoint::open(&other).unwrap();
+    let (id, crc) = (ck.manifest().save_id.clone(), {
+        let idx: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(other.join(saver::core::naming::INDEX_FILE)).unwrap(),
+        )
+        .unwrap();
+        idx["metadata"]["saver_manifest_crc32"].as_u64().unwrap()
+    });
+    crate::common::reseal(&delta, |m| {
+        m["parent"] = serde_json::json!({"path": "../other", "save_id": id, "manifest_crc32": crc});
+    });
+    refused_by_reads_and_verify(&delta, "which it does not hold so");
+}

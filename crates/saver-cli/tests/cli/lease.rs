@@ -40,7 +40,10 @@ fn digest_of_model(g: &Garage, spec: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("ck");
     let out = out.to_str().unwrap();
-    ok(g, &["save", "--synthetic", spec, "--no-fsync", "--out", out]);
+    ok(
+        g,
+        &["save", "--synthetic", spec, "--no-fsync", "--out", out],
+    );
     ok(g, &["digest", out])
 }
 
@@ -48,7 +51,10 @@ fn digest_of_model(g: &Garage, spec: &str) -> String {
 fn is_stopped(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
-        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('T'))
+        })
         .unwrap_or(false)
 }
 
@@ -69,7 +75,10 @@ fn paused_at(g: &Garage, args: &[&str], step: &str) -> Child {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
-        assert!(start.elapsed() < Duration::from_secs(60), "never reached {step}");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "never reached {step}"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     child
@@ -105,14 +114,28 @@ fn overwrites_of_one_prefix(g: &Garage, step: &str, round: u64, digests: &[Strin
     ok(g, &["save", "--synthetic", "tiny,seed=1", "--out", &url]);
     let late = paused_at(
         g,
-        &["save", "--synthetic", "tiny,seed=2", "--overwrite", "--out", &url],
+        &[
+            "save",
+            "--synthetic",
+            "tiny,seed=2",
+            "--overwrite",
+            "--out",
+            &url,
+        ],
         step,
     );
     std::thread::sleep(past_the_lease(round));
     // Waits for the paused holder's lease, then commits (or finds the paused one's commit).
     let other = saver(
         g,
-        &["save", "--synthetic", "tiny,seed=3", "--overwrite", "--out", &url],
+        &[
+            "save",
+            "--synthetic",
+            "tiny,seed=3",
+            "--overwrite",
+            "--out",
+            &url,
+        ],
     )
     .output()
     .unwrap();
@@ -121,12 +144,20 @@ fn overwrites_of_one_prefix(g: &Garage, step: &str, round: u64, digests: &[Strin
     println!("{what}: {}", String::from_utf8_lossy(&late.stderr).trim());
     let now = ok(g, &["digest", &url]);
     ok(g, &["verify", &url]);
-    assert!(other.status.success(), "{what}: {}", String::from_utf8_lossy(&other.stderr));
+    assert!(
+        other.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&other.stderr)
+    );
     assert_eq!(now, digests[2], "{what}: the later commit was replaced");
     if step == "indexed" {
         // Its index was written within its lease: it stood, and the other save, which started
         // after it, replaced it.
-        assert!(late.status.success(), "{what}: {}", String::from_utf8_lossy(&late.stderr));
+        assert!(
+            late.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&late.stderr)
+        );
     } else {
         assert_refused_clearly(&late, &what, "another save committed first");
     }
@@ -155,7 +186,11 @@ fn a_delta_beside_a_replaced_step(g: &Garage, step: &str, round: u64, digests: &
     let args = managed("30", "tiny,seed=1", false);
     ok(g, &args.iter().map(String::as_str).collect::<Vec<_>>());
     let args = managed("30", "tiny,seed=2", true);
-    let late = paused_at(g, &args.iter().map(String::as_str).collect::<Vec<_>>(), step);
+    let late = paused_at(
+        g,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        step,
+    );
     std::thread::sleep(past_the_lease(round));
     // A delta of step 30 as it is (or as the paused save left it) saved as step 40.
     let args = managed("40", "tiny,seed=3", false);
@@ -168,16 +203,27 @@ fn a_delta_beside_a_replaced_step(g: &Garage, step: &str, round: u64, digests: &
     // Whatever committed reads, its parent with it.
     ok(g, &["verify", &step_dir(30)]);
     let thirty = ok(g, &["digest", &step_dir(30)]);
-    assert!(delta.status.success(), "{what}: {}", String::from_utf8_lossy(&delta.stderr));
+    assert!(
+        delta.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&delta.stderr)
+    );
     ok(g, &["verify", &step_dir(40)]);
     assert_eq!(ok(g, &["digest", &step_dir(40)]), digests[2], "{what}");
     if step == "indexed" {
         // Step 30 was replaced within the lease: the delta, started after, is a delta of it.
-        assert!(late.status.success(), "{what}: {}", String::from_utf8_lossy(&late.stderr));
+        assert!(
+            late.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&late.stderr)
+        );
         assert_eq!(thirty, digests[1], "{what}");
     } else {
         assert_refused_clearly(&late, &what, "step 40 (save ");
-        assert_eq!(thirty, digests[0], "{what}: step 30 was replaced under its delta");
+        assert_eq!(
+            thirty, digests[0],
+            "{what}: step 30 was replaced under its delta"
+        );
     }
 }
 

@@ -88,7 +88,10 @@ fn hidden(
         };
         // A rejected save's manifest (written before its compare-and-swap failed) was never
         // committed.
-        if save_id == late || *name != manifest_name(save_id) || names.contains(&rejected_name(save_id)) {
+        if save_id == late
+            || *name != manifest_name(save_id)
+            || names.contains(&rejected_name(save_id))
+        {
             continue;
         }
         // A manifest that does not read is no checkpoint's: it cannot have been committed.

@@ -5,10 +5,13 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use saver_core::manifest::TensorRef;
+use std::collections::HashMap;
+
+use saver_core::manifest::{RowPatchManifest, TensorRef};
 use saver_core::naming::INDEX_FILE;
 
 use crate::error::{Error, Result};
+use crate::load::checkpoint::{parent_lacks, parent_slot, ChangedRowsOrder};
 use crate::load::frames::FrameRead;
 use crate::load::link::{describe_incomplete, load_manifest, open_file};
 use crate::storage::{open_location, Storage};
@@ -74,6 +77,31 @@ pub fn verify(dir: impl AsRef<Path>, parallel: usize) -> Result<VerifyReport> {
         }
         Err(e) => return Err(e),
     };
+    // What a read of the chain refuses before it reads: a link's patches over a parent that
+    // does not hold their slot as they do, or over no parent at all.
+    for (i, (dir, ckpt)) in chain.dirs().iter().zip(chain.links()).enumerate() {
+        let parent = chain.links().get(i + 1).map(|l| l.manifest());
+        for t in &ckpt.manifest().row_tables {
+            for s in t.slots.iter().filter(|s| !s.patches.is_empty()) {
+                let lacks = match parent {
+                    Some(p) if parent_slot(p, &t.name, s).is_some() => continue,
+                    Some(_) => parent_lacks(&t.name, s),
+                    None => format!(
+                        "row-range table {:?} slot {:?} holds changed rows of a parent, but the \
+                         chain ends here",
+                        t.name, s.name
+                    ),
+                };
+                let at = chain.dirs().get(i + 1).unwrap_or(dir);
+                report.status = Status::Corrupt;
+                report.problems.push(Problem {
+                    file: at.join(INDEX_FILE).display().to_string(),
+                    tensor: None,
+                    detail: format!("checkpoint {}: {lacks}", at.display()),
+                });
+            }
+        }
+    }
     for (link, ckpt) in chain.dirs().iter().zip(chain.links()).skip(1) {
         let r = verify_storage(&*open_location(link)?, parallel)?;
         report
@@ -157,6 +185,19 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
         Err(e) => return Err(e),
     };
     report.save_id = Some(manifest.save_id.clone());
+    // The changed-row numbers of patches, checked as a read checks them, by tensor name.
+    let patch_rows: HashMap<&str, (&str, &RowPatchManifest)> = manifest
+        .row_tables
+        .iter()
+        .flat_map(|t| {
+            t.slots.iter().flat_map(move |s| {
+                s.patches.iter().filter_map(move |p| {
+                    let c = p.changed.as_ref()?;
+                    Some((c.rows.name.as_str(), (t.name.as_str(), p)))
+                })
+            })
+        })
+        .collect();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(parallel.max(1))
         .build()
@@ -185,6 +226,8 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
                 let mut buf = vec![0u8; 8 << 20];
                 for t in &refs {
                     let mut crcs = TensorCrcs::new(t);
+                    let changed = patch_rows.get(t.name.as_str());
+                    let mut order = changed.map(|(_, p)| ChangedRowsOrder::of(p));
                     let mut off = 0;
                     let mut failed = false;
                     // A compressed tensor is read a whole number of frames at a time.
@@ -221,6 +264,9 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
                             break;
                         }
                         crcs.update(&buf[..n]);
+                        if let Some(o) = &mut order {
+                            o.feed(&buf[..n]);
+                        }
                         off += n as u64;
                     }
                     bytes += off;
@@ -238,6 +284,11 @@ fn verify_once(storage: &dyn Storage, parallel: usize) -> Result<VerifyReport> {
                              checksums disagree with its bytes)",
                             t.name
                         )
+                    } else if let Some(Err(e)) = changed
+                        .zip(order.as_ref())
+                        .map(|((table, _), o)| o.check(table, t))
+                    {
+                        e.to_string()
                     } else {
                         continue;
                     };

@@ -20,6 +20,7 @@ mod table;
 
 pub use crate::load::link::read_latest;
 use ahead::Ahead;
+pub(crate) use row_range::{parent_lacks, parent_slot, ChangedRowsOrder};
 pub use row_range::{LoadedRowSlot, LoadedRowTable, RowsInto, RowsLoaded};
 pub use table::ChainTable;
 

@@ -379,22 +379,12 @@ impl Checkpoint {
             let s = if i == 0 {
                 slot
             } else {
-                let held = link
-                    .manifest()
-                    .row_tables
-                    .iter()
-                    .find(|t| t.name == table)
-                    .and_then(|t| t.slots.iter().find(|s| s.name == slot.name));
-                match held {
-                    Some(s) if s.dtype == slot.dtype && s.shape == slot.shape => s,
-                    _ => {
+                match parent_slot(link.manifest(), table, slot) {
+                    Some(s) => s,
+                    None => {
                         return Err(Error::Chain {
                             link: self.dirs[i].display().to_string(),
-                            message: format!(
-                                "its child patches row-range table {table:?} slot {:?} ({} of \
-                                 shape {:?}), which it does not hold so",
-                                slot.name, slot.dtype, slot.shape
-                            ),
+                            message: parent_lacks(table, slot),
                         })
                     }
                 }
@@ -517,6 +507,84 @@ fn fill_from_chunks(
     Ok(())
 }
 
+/// Slot `slot` of row-range table `table` as a link's parent (`parent`, its manifest) holds
+/// it, if it holds it as the child does (the same dtype and shape): what the child's patches of
+/// it are put over. `None` makes the chain unreadable there ([`parent_lacks`]).
+pub(crate) fn parent_slot<'m>(
+    parent: &'m saver_core::Manifest,
+    table: &str,
+    slot: &RowSlotManifest,
+) -> Option<&'m RowSlotManifest> {
+    parent
+        .row_tables
+        .iter()
+        .find(|t| t.name == table)
+        .and_then(|t| t.slots.iter().find(|s| s.name == slot.name))
+        .filter(|s| s.dtype == slot.dtype && s.shape == slot.shape)
+}
+
+/// Why a parent without [`parent_slot`] cannot be read under its child's patches.
+pub(crate) fn parent_lacks(table: &str, slot: &RowSlotManifest) -> String {
+    format!(
+        "its child patches row-range table {table:?} slot {:?} ({} of shape {:?}), which it does \
+         not hold so",
+        slot.name, slot.dtype, slot.shape
+    )
+}
+
+/// The check of a patch's changed-row numbers, given as their little-endian bytes cut anywhere:
+/// they must increase strictly within the patch's rows.
+pub(crate) struct ChangedRowsOrder {
+    rows: Range<u64>,
+    last: Option<u64>,
+    /// The bytes of a number cut by the end of what was fed.
+    carry: Vec<u8>,
+    bad: bool,
+}
+
+impl ChangedRowsOrder {
+    /// For the changed rows of patch `p`.
+    pub(crate) fn of(p: &RowPatchManifest) -> Self {
+        Self {
+            rows: p.offset[0]..p.offset[0] + p.shape[0],
+            last: None,
+            carry: Vec::new(),
+            bad: false,
+        }
+    }
+
+    /// The next bytes of the row numbers.
+    pub(crate) fn feed(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() && !self.bad {
+            let take = (8 - self.carry.len()).min(bytes.len());
+            self.carry.extend_from_slice(&bytes[..take]);
+            bytes = &bytes[take..];
+            if self.carry.len() < 8 {
+                return;
+            }
+            let row = u64::from_le_bytes(self.carry[..].try_into().expect("8 bytes"));
+            self.carry.clear();
+            self.bad = !self.rows.contains(&row) || self.last.is_some_and(|l| l >= row);
+            self.last = Some(row);
+        }
+    }
+
+    /// Fails, naming tensor `rows` of table `table`, unless every number fed was in order.
+    pub(crate) fn check(&self, table: &str, rows: &TensorRef) -> Result<()> {
+        if !self.bad && self.carry.is_empty() {
+            return Ok(());
+        }
+        Err(Error::Corrupt {
+            file: rows.file.clone(),
+            what: format!(
+                "tensor {:?} (changed rows of row-range table {table:?}) is not increasing row \
+                 numbers within {:?}",
+                rows.name, self.rows
+            ),
+        })
+    }
+}
+
 /// Puts the changed rows of patch `p` (of `link`) that the target overlaps over `out`.
 fn apply_patch(
     link: &Link,
@@ -544,17 +612,9 @@ fn apply_patch(
         .chunks_exact(8)
         .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
         .collect();
-    let patch_rows = p.offset[0]..p.offset[0] + p.shape[0];
-    if ids.windows(2).any(|w| w[0] >= w[1]) || ids.iter().any(|r| !patch_rows.contains(r)) {
-        return Err(Error::Corrupt {
-            file: changed.rows.file.clone(),
-            what: format!(
-                "tensor {:?} (changed rows of row-range table {table:?}) is not increasing row \
-                 numbers within {patch_rows:?}",
-                changed.rows.name
-            ),
-        });
-    }
+    let mut order = ChangedRowsOrder::of(p);
+    order.feed(&ids_bytes);
+    order.check(table, &changed.rows)?;
     let lo = ids.partition_point(|&id| id < r.start);
     let hi = ids.partition_point(|&id| id < r.end);
     if lo == hi {

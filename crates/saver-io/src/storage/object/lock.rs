@@ -302,7 +302,10 @@ impl Held {
         match &mut *kind {
             Kind::Lease(mine) => {
                 let mode = PutMode::Update(mine.clone());
-                match self.storage.put_conditional(&self.key, lease.to_bytes(), mode)? {
+                match self
+                    .storage
+                    .put_conditional(&self.key, lease.to_bytes(), mode)?
+                {
                     Some(version) => *mine = version,
                     None => return Err(self.lost("its lease ran out and another took it".into())),
                 }

@@ -63,7 +63,6 @@ const MAX_PARTS: u64 = 10_000;
 /// less than this, and renew it every third of it while they hold it.
 pub const LEASE: Duration = Duration::from_secs(30);
 
-
 /// Timeout of one request (`SAVER_S3_TIMEOUT_SECONDS`); a request that takes longer is retried,
 /// within [`retry_for`].
 fn request_timeout() -> Duration {
