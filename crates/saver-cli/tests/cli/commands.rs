@@ -754,6 +754,40 @@ fn import_keeps_file_metadata_and_warns_of_a_misspelled_table() {
     assert!(err.contains("--overwrite"), "{err}");
 }
 
+/// Tensors whose names are paths (`/ids`, `a/b/ids`, `a/b/w`) are dense tensors of a plain input,
+/// imported as such without a word, as before the table-name checks.
+#[test]
+fn paths_that_end_in_ids_import_as_dense_tensors() {
+    let d = tempfile::tempdir().unwrap();
+    let plain = d.path().join("plain.safetensors");
+    let ids: Vec<i64> = vec![3, 1, 2, 7];
+    let w: Vec<f32> = vec![0.25; 8];
+    let tensors = [
+        ("/ids", St::I64, vec![4], le(&ids, i64::to_le_bytes)),
+        ("a/b/ids", St::I64, vec![4], le(&ids, i64::to_le_bytes)),
+        ("a/b/w", St::F32, vec![4, 2], le(&w, f32::to_le_bytes)),
+    ];
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, t, s, b)| (n.to_string(), TensorView::new(*t, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &plain).unwrap();
+    let out = d.path().join("ck");
+    let o = saver(&["save", "--out", p(&out), "--from", p(&plain)]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(!err.contains("warning"), "{err}");
+    let v = json(&["inspect", p(&out)]);
+    let dense: Vec<&str> = v["dense"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(dense, ["/ids", "a/b/ids", "a/b/w"], "{v}");
+    assert!(v["tables"].as_array().unwrap().is_empty(), "{v}");
+}
+
 /// A plain input whose `X/ids` names a table no checkpoint can hold (too long, a control
 /// character) gets one error naming it, no contradictory warning that there is no `X/ids`.
 #[test]

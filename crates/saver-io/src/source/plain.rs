@@ -209,10 +209,10 @@ impl PlainInput {
         for t in order.iter().filter_map(|n| n.strip_suffix("/ids")) {
             match check_table_name(t) {
                 Ok(()) => table_names.push(t.to_string()),
-                // A nested name (`a/b/ids`) is a dense tensor's path; any other name that cannot
-                // be a table's (too long, control characters) is said at once, not half taken
-                // for a table and half for dense tensors.
-                Err(_) if t.contains(['/', ':']) => {}
+                // A nested name (`a/b/ids`, `/ids`) is a dense tensor's path; any other name
+                // that cannot be a table's (too long, control characters) is said at once, not
+                // half taken for a table and half for dense tensors.
+                Err(_) if t.is_empty() || t.contains(['/', ':']) => {}
                 Err(e) => {
                     return Err(Error::Mismatch(format!(
                         "tensor \"{}/ids\" names table {t:?}, which cannot be a table's name: \
@@ -1111,7 +1111,12 @@ fn misspelled_tables(
         };
         let e = &tensors[name].entry;
         let integer = matches!(e.dtype, Dtype::I64 | Dtype::U64 | Dtype::I32 | Dtype::U32);
-        if tables.iter().any(|t| t == prefix) || !integer || e.shape.len() != 1 {
+        // A prefix no table can be named (`a/b`, ``) is a path of dense tensors, not a table.
+        if tables.iter().any(|t| t == prefix)
+            || check_table_name(prefix).is_err()
+            || !integer
+            || e.shape.len() != 1
+        {
             continue;
         }
         let rows = e.shape[0];
