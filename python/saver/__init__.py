@@ -619,9 +619,11 @@ def _load_row_tables(path, held, out, shards, shard_index, tables, exclude_slots
         whole = tuple(spec[1])
         a = _writable(buffer, what)
         _check_target_dtype(a, spec[0], what)
-        offset = tuple(offset) if offset is not None else (0,) * len(whole)
+        offset = tuple(_int(f"{what} offset", o, 0) for o in offset) if offset is not None else (0,) * len(whole)
         if a.ndim != len(whole) or len(offset) != len(whole):
             raise InputError(f"{what}: the slot has shape {whole}; give a buffer and an offset of {len(whole)} dimensions, got {a.shape} at {offset}")
+        if any(o + n > w for o, n, w in zip(offset, a.shape, whole)):
+            raise InputError(f"{what}: a buffer of shape {a.shape} at {offset} reaches past the slot's shape {whole} (rows {offset[0]}..{offset[0] + a.shape[0]} of {whole[0]})")
         cols = (offset[1], offset[1] + a.shape[1]) if len(whole) == 2 else None
         rows = (offset[0], offset[0] + a.shape[0])
         requests.setdefault((name, rows), []).append((slot, cols, a.reshape(-1).view(np.uint8)))
@@ -913,15 +915,24 @@ class Manager:
         newest step that verifies (every checksum of every link; each step tried is read
         whole): a newer one that does not is passed over with a :class:`SaverWarning` saying
         why."""
-        if fallback:
-            latest, passed_over = self._native.latest_verified()
-            for step, why in passed_over:
-                warnings.warn(f"step {step} does not verify ({why}); falling back", SaverWarning, stacklevel=2)
-        else:
+        if not fallback:
             latest = self.latest()
-        if latest is None:
-            return None
-        return latest["step"], load(latest["path"], **kwargs)
+            return None if latest is None else (latest["step"], load(latest["path"], **kwargs))
+        latest, passed_over = self._native.latest_verified()
+        for step, why in passed_over:
+            warnings.warn(f"step {step} does not verify ({why}); falling back", SaverWarning, stacklevel=2)
+        # A step that verifies and still does not load (replaced meanwhile, a disk failing now)
+        # is passed over too: fallback means the newest step that loads.
+        while latest is not None:
+            try:
+                return latest["step"], load(latest["path"], **kwargs)
+            except InputError:
+                raise  # the arguments, not the step: an older step would be refused alike
+            except SaverError as e:
+                older = [s for s in self.steps() if s["step"] < latest["step"]]
+                warnings.warn(f"step {latest['step']} does not load ({e}); falling back", SaverWarning, stacklevel=2)
+                latest = older[-1] if older else None
+        return None
 
 
 class ManagedSaveHandle:

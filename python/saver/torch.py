@@ -583,15 +583,59 @@ def save_async(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Mo
     return _save(target, model, optimizer, step, extra, tables, True, options)
 
 
+#: What each entry of the metadata must be: a load trusts no checkpoint's metadata.
+_META_TYPES = {
+    "version": int, "optimizer": (str, type(None)), "param_groups": list, "fused_param_groups": (list, type(None)),
+    "tables": list, "sharded": list, "rowwise": dict, "scalars": dict, "step": (int, type(None)),
+}
+
+
 def _meta(path) -> dict:
     ck = _s.Checkpoint(path)
     raw = ck.metadata.get(META_KEY)
+    where = f"{os.fspath(path)}: the {META_KEY!r} metadata"
     if raw is None:
         raise _s.InputError(f"{os.fspath(path)} was not saved by saver.torch (no {META_KEY!r} metadata)")
-    meta = json.loads(raw)
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise _s.InputError(f"{where} is not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise _s.InputError(f"{where} is not an object")
     if meta.get("version") != META_VERSION:
         raise _s.InputError(f"{os.fspath(path)}: saver.torch metadata version {meta.get('version')}, this package reads {META_VERSION}")
+    # Entries later saves added: what a checkpoint without them meant.
+    meta.setdefault("scalars", {})
+    meta.setdefault("rowwise", {})
+    meta.setdefault("fused_param_groups", None)
+    for key, kind in _META_TYPES.items():
+        if key not in meta or not isinstance(meta[key], kind) or (isinstance(meta[key], bool) and kind is int):
+            raise _s.InputError(f"{where}: {key!r} is missing or not a {getattr(kind, '__name__', kind)}")
+    for g in meta["param_groups"]:
+        if not (isinstance(g, dict) and isinstance(g.get("hyper"), dict) and isinstance(g.get("params"), list)
+                and all(isinstance(n, str) for n in g["params"])):
+            raise _s.InputError(f"{where}: a param group is not {{'hyper': {{...}}, 'params': [names]}}")
+    for key in ("tables", "sharded"):
+        if not all(isinstance(n, str) for n in meta[key]):
+            raise _s.InputError(f"{where}: {key!r} is not a list of names")
+    if "extra" not in meta:
+        raise _s.InputError(f"{where}: 'extra' is missing")
     return meta, ck
+
+
+def _same_checkpoint(ck, path):
+    """Under torch.distributed, fails on every rank unless every rank opened the same save (a
+    rank given another path, or a path replaced between the ranks' opens, would load another
+    step silently)."""
+    rank, world = _world()
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    seen = [None] * world
+    dist.all_gather_object(seen, (ck.save_id, os.fspath(path)))
+    if len({s for s, _ in seen}) > 1:
+        raise _s.InputError("the ranks opened different checkpoints: " + ", ".join(f"rank {r} {p} (save {s})" for r, (s, p) in enumerate(seen)))
 
 
 def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
@@ -611,15 +655,29 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     step is then loaded into the same model and optimizer (a :class:`saver.SaverWarning` names
     the step passed over), so that training never goes on from a mixture."""
     if isinstance(source, _s.Manager):
-        return _load_newest(source, model, optimizer, strict, fallback)
+        latest = _load_newest(source, model, optimizer, strict, fallback)
+        if latest is None:
+            raise _s.InputError(f"{source.root} holds no committed step")
+        return latest[1]
     if fallback:
         raise _s.InputError("fallback: a path is one checkpoint; give a saver.Manager to fall back to older steps")
     return _load(os.fspath(source), model, optimizer, strict)
 
 
+def load_latest(manager: "_s.Manager", model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                *, strict: bool = True, fallback: bool = False):
+    """:func:`load` of ``manager``'s newest committed step (with ``fallback``, the newest that
+    loads): ``(step, extra)``, the step read and the ``extra`` saved with it, or ``None`` when
+    the root holds no step. Where a restarted job resumes, as :meth:`saver.Manager.load_latest`."""
+    if not isinstance(manager, _s.Manager):
+        raise _s.InputError(f"manager: give a saver.Manager, got {type(manager).__name__}")
+    return _load_newest(manager, model, optimizer, strict, fallback)
+
+
 def _load_newest(manager, model, optimizer, strict, fallback):
-    """`load` of a Manager's newest committed step, or, with `fallback`, of the newest one that
-    reads: every rank tries the same steps (rank 0's listing) and moves on together."""
+    """`(step, extra)` of a Manager's newest committed step loaded, or, with `fallback`, of the
+    newest one that loads; None if it holds none. Every rank tries the same steps (rank 0's
+    listing) and moves on together."""
     import warnings
 
     world = _world()[1]
@@ -631,11 +689,11 @@ def _load_newest(manager, model, optimizer, strict, fallback):
         # Every rank reads the steps rank 0 found, whatever commits meanwhile.
         steps = _agreed(steps)
     if not steps:
-        raise _s.InputError(f"{manager.root} holds no committed step")
+        return None
     for k, (step, path) in enumerate(steps):
         last = k + 1 == len(steps)
         if not fallback or last:
-            return _load(path, model, optimizer, strict)
+            return step, _load(path, model, optimizer, strict)
         failure = None
         try:
             extra = _load(path, model, optimizer, strict)
@@ -651,12 +709,29 @@ def _load_newest(manager, model, optimizer, strict, fallback):
             dist.all_gather_object(failures, failure)
         failed = [f for f in failures if f]
         if not failed:
-            return extra
+            return step, extra
         warnings.warn(f"step {step} does not load ({'; '.join(failed)}); falling back to step {steps[k + 1][0]}", _s.SaverWarning, stacklevel=3)
 
 
 def _load(path, model, optimizer, strict):
-    meta, ck = _meta(path)
+    failure = None
+    try:
+        meta, ck = _meta(path)
+    except _s.SaverError as e:
+        if _world()[1] == 1:
+            raise
+        failure = e
+    if _world()[1] > 1:
+        # Every rank learns whether every rank opened one and the same save.
+        import torch.distributed as dist
+
+        seen = [None] * _world()[1]
+        dist.all_gather_object(seen, None if failure is None else f"rank {_world()[0]}: {failure}")
+        failed = [f for f in seen if f]
+        if failed:
+            raise (failure if failure is not None else _s.SaverError("; ".join(failed)))
+        _same_checkpoint(ck, path)
+    _check_hyper(meta, optimizer, path)
     by_name = dict(model.named_parameters())
     # The model's embeddings, and the 2-D parameters the save was told to take as tables; not
     # those TorchRec shards (read below, by their shards), whatever plan saved them.
@@ -829,6 +904,20 @@ def _as_tensor(array, dtype=None):
         raw = torch.from_numpy(a.view(np.uint8).reshape(-1))
         return raw.view(dtype).reshape(array.shape) if dtype is not None else raw
     return torch.from_numpy(a).reshape(array.shape)
+
+
+def _check_hyper(meta, optimizer, path):
+    """A saved hyperparameter the optimizer holds as a number must be a number (`lr: "fast"`
+    would load as a string and fail at the first step)."""
+    if optimizer is None:
+        return
+    current = {k: v for g in optimizer.param_groups for k, v in g.items() if k != "params"}
+    for g in meta["param_groups"]:
+        for k, v in g["hyper"].items():
+            now = current.get(k)
+            number = (int, float)
+            if isinstance(now, number) and not isinstance(now, bool) and (not isinstance(v, number) or isinstance(v, bool)):
+                raise _s.InputError(f"{path}: hyperparameter {k!r} is {v!r} in the checkpoint, a number in the optimizer")
 
 
 def _check_dense(target, dtype, shape, name):

@@ -2,6 +2,8 @@
 id) saved as chunks at their global offsets, by one process or several, and loaded for any split
 straight into the caller's arrays and tensors."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -167,3 +169,49 @@ def test_targets_of_another_dtype_or_over_shared_memory_are_refused_before_any_b
     # Views of one buffer that do not overlap are two targets.
     saver.load(tmp_path / "c", into={"t": {"w": [saver.Chunk(buffer[:20], offset=(0, 0)), saver.Chunk(buffer[20:], offset=(20, 0))]}})
     np.testing.assert_array_equal(buffer, weight)
+
+
+def test_a_managers_fallback_passes_over_a_delta_whose_changed_rows_every_read_refuses(tmp_path):
+    import json
+    import warnings
+    import zlib
+
+    m = saver.Manager(tmp_path / "run", full_every=2)
+    w = values(100, 4, 7)
+    m.save(1, tables={"emb": {"weight": saver.Chunk(w)}})
+    w2 = w.copy()
+    w2[[3, 10, 40]] += 1
+    m.save(2, tables={"emb": {"weight": saver.Chunk(w2)}})
+    step2 = m.latest()["path"]
+    assert saver.Checkpoint(step2).is_delta
+    # The delta's changed-row numbers rewritten out of order, their CRC resealed.
+    index_path = os.path.join(step2, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    manifest_path = os.path.join(step2, index["metadata"]["saver_manifest"])
+    manifest = json.load(open(manifest_path))
+    rows = manifest["row_tables"][0]["slots"][0]["patches"][0]["changed"]["rows"]
+    patterns = np.array([10, 3, 40], dtype="<u8").tobytes()
+    with open(os.path.join(step2, rows["file"]), "r+b") as f:
+        f.seek(rows["offset"])
+        f.write(patterns)
+    rows["crc32"] = zlib.crc32(patterns)
+    body = json.dumps(manifest).encode()
+    open(manifest_path, "wb").write(body)
+    index["metadata"]["saver_manifest_crc32"] = zlib.crc32(body)
+    open(index_path, "w").write(json.dumps(index, separators=(",", ":")))
+    with pytest.raises(saver.SaverError, match="not increasing row numbers"):
+        m.load_latest()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, loaded = m.load_latest(fallback=True)
+    assert step == 1
+    np.testing.assert_array_equal(loaded.tables["emb"]["weight"], w)
+    assert any("step 2 does not verify" in str(c.message) for c in caught), [str(c.message) for c in caught]
+
+
+def test_offsets_out_of_range_are_refused_by_name(tmp_path):
+    saver.save(tmp_path / "c", tables={"t": {"w": saver.Chunk(values(10, 4, 1))}})
+    for offset, said in [((-1, 0), "offset: must be from 0"), ((1 << 64, 0), "offset: must be from 0"),
+                         (((1 << 64) - 1, 0), "reaches past the slot's shape"), ((8, 0), "reaches past the slot's shape")]:
+        with pytest.raises(saver.InputError, match=said):
+            saver.load(tmp_path / "c", into={"t": {"w": saver.Chunk(np.zeros((4, 4), np.float32), offset=offset)}})

@@ -240,3 +240,86 @@ def test_when_a_rank_dies_in_a_managed_save_every_other_rank_raises_within_secon
         assert float(took) < 30, (rank, took, said)
         assert said.startswith("SaverError:") and "another rank left the save" in said, said
     assert saver.Manager(tmp_path / "run").latest() is None
+
+
+def _rank_loading_its_own_path(rank, world, paths, port, out):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = Dlrm(seed=0)
+    try:
+        saver.torch.load(paths[rank], model)
+        said = "loaded"
+    except Exception as e:  # noqa: BLE001
+        said = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(said)
+    dist.barrier()
+    os._exit(0)
+
+
+def test_ranks_given_different_checkpoints_all_refuse_to_load(tmp_path):
+    from test_torch import _free_port
+
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for seed, path in enumerate(paths):
+        saver.torch.save(path, Dlrm(seed=seed))
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_rank_loading_its_own_path, args=(2, paths, _free_port(), str(out)), nprocs=2, join=True)
+    for rank in range(2):
+        said = (out / f"rank{rank}.txt").read_text()
+        assert said.startswith("InputError: the ranks opened different checkpoints: rank 0"), said
+
+
+def test_tampered_metadata_or_hyperparameters_are_refused_by_name(tmp_path):
+    import json
+    import zlib
+
+    model = Dlrm(seed=1)
+    opt = optimizers(model)[0]
+    saver.torch.save(tmp_path / "ck", model, opt)
+
+    def tamper(edit):
+        """The checkpoint's saver.torch metadata edited, and its manifest resealed."""
+        ck = tmp_path / "ck"
+        index = json.loads((ck / "model.safetensors.index.json").read_text())
+        manifest_path = ck / index["metadata"]["saver_manifest"]
+        manifest = json.loads(manifest_path.read_text())
+        manifest["user_metadata"][saver.torch.META_KEY] = edit(manifest["user_metadata"][saver.torch.META_KEY])
+        body = json.dumps(manifest).encode()
+        manifest_path.write_bytes(body)
+        index["metadata"]["saver_manifest_crc32"] = zlib.crc32(body)
+        (ck / "model.safetensors.index.json").write_text(json.dumps(index, separators=(",", ":")))
+
+    original = json.loads(saver.Checkpoint(tmp_path / "ck").metadata[saver.torch.META_KEY])
+    cases = [
+        (lambda raw: raw[:-3], "is not JSON"),
+        (lambda raw: json.dumps([1, 2]), "is not an object"),
+        (lambda raw: json.dumps({**original, "tables": "users.weight"}), "'tables' is missing or not a list"),
+        (lambda raw: json.dumps({**original, "param_groups": [{"params": 3}]}), "a param group is not"),
+        (lambda raw: json.dumps({**original, "param_groups": [{**g, "hyper": {**g["hyper"], "lr": "fast"}} for g in original["param_groups"]]}),
+         "hyperparameter 'lr' is 'fast' in the checkpoint"),
+    ]
+    for edit, said in cases:
+        tamper(lambda raw, edit=edit: edit(json.dumps(original)))
+        fresh = Dlrm(seed=2)
+        fresh_opt = optimizers(fresh)[0]
+        before = snapshot(fresh, fresh_opt)
+        with pytest.raises(saver.InputError, match=said):
+            saver.torch.load(tmp_path / "ck", fresh, fresh_opt)
+        assert_untouched(fresh, fresh_opt, before)
+
+
+def test_load_latest_says_which_step_it_read(tmp_path):
+    manager = saver.Manager(tmp_path / "run")
+    fresh = Dlrm(seed=3)
+    assert saver.torch.load_latest(manager, fresh) is None
+    model = Dlrm(seed=1)
+    for step in (5, 9):
+        saver.torch.save(manager, model, step=step, extra={"at": step})
+    assert saver.torch.load_latest(manager, fresh) == (9, {"at": 9})
+    assert_same(model, fresh)
+    with pytest.raises(saver.InputError, match="holds no committed step"):
+        saver.torch.load(saver.Manager(tmp_path / "empty"), fresh)
