@@ -323,3 +323,15 @@ def test_load_latest_says_which_step_it_read(tmp_path):
     assert_same(model, fresh)
     with pytest.raises(saver.InputError, match="holds no committed step"):
         saver.torch.load(saver.Manager(tmp_path / "empty"), fresh)
+
+
+def test_an_embedding_of_no_rows_or_no_columns_is_saved_and_loaded(tmp_path):
+    model = torch.nn.ModuleDict({"none": torch.nn.Embedding(0, 4), "narrow": torch.nn.Embedding(5, 0), "some": torch.nn.Embedding(3, 2)})
+    opt = torch.optim.Adagrad(model.parameters())
+    saver.torch.save(tmp_path / "ck", model, opt)
+    held = saver.Checkpoint(tmp_path / "ck").row_tables
+    assert tuple(held["none.weight"]["slots"]["param"][1]) == (0, 4) and tuple(held["narrow.weight"]["slots"]["param"][1]) == (5, 0)
+    back = torch.nn.ModuleDict({"none": torch.nn.Embedding(0, 4), "narrow": torch.nn.Embedding(5, 0), "some": torch.nn.Embedding(3, 2)})
+    back_opt = torch.optim.Adagrad(back.parameters())
+    saver.torch.load(tmp_path / "ck", back, back_opt)
+    assert_same(model, back)

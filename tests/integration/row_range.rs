@@ -695,3 +695,53 @@ fn an_export_consolidates_a_row_range_table_cast_or_quantized() {
     let state: Vec<f32> = bytemuck::cast_slice(state).to_vec();
     assert!((0..rows).all(|r| state[r as usize] == value(1, r, 0)));
 }
+
+/// A row-range table of 0 rows or 0 columns is a table: kept in the checkpoint with its slot's
+/// shape (before, dropped: a model with an `nn.Embedding(0, 4)` saved and then failed to load),
+/// read as nothing, verified, and a delta of it is a checkpoint too.
+#[test]
+fn empty_row_range_tables_are_kept() {
+    let d = tempfile::tempdir().unwrap();
+    let chunks = [
+        RowRangeChunk::from_f32("none", "weight", vec![0, 4], &[]).unwrap(),
+        RowRangeChunk::from_f32("narrow", "weight", vec![5, 0], &[]).unwrap(),
+        RowRangeChunk::from_f32("some", "weight", vec![2, 2], &[1.0, 2.0, 3.0, 4.0]).unwrap(),
+    ];
+    let mut input = SaveInput::new();
+    input.row_chunks = chunks.to_vec();
+    saver::save(d.path().join("full"), input, &SaveOptions::default()).unwrap();
+    let ck = Checkpoint::open(d.path().join("full")).unwrap();
+    for (table, shape) in [
+        ("none", vec![0, 4]),
+        ("narrow", vec![5, 0]),
+        ("some", vec![2, 2]),
+    ] {
+        let t = ck
+            .row_table(table)
+            .unwrap_or_else(|| panic!("{table} was dropped"));
+        assert_eq!(t.slots[0].shape, shape, "{table}");
+    }
+    let mut nothing: [u8; 0] = [];
+    ck.load_rows("narrow", 0..5, &mut [RowsInto::new("weight", &mut nothing)])
+        .unwrap();
+    ck.load_rows("none", 0..0, &mut [RowsInto::new("weight", &mut nothing)])
+        .unwrap();
+    assert_eq!(
+        saver::verify(d.path().join("full"), 1).unwrap().status,
+        saver::Status::Ok
+    );
+    let mut input = SaveInput::new();
+    input.row_chunks = chunks.to_vec();
+    saver::save(
+        d.path().join("delta"),
+        input,
+        &SaveOptions::default().with_parent(d.path().join("full")),
+    )
+    .unwrap();
+    let delta = Checkpoint::open(d.path().join("delta")).unwrap();
+    assert!(delta.row_table("none").is_some() && delta.row_table("narrow").is_some());
+    assert_eq!(
+        saver::verify(d.path().join("delta"), 1).unwrap().status,
+        saver::Status::Ok
+    );
+}

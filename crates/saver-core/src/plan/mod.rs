@@ -331,6 +331,9 @@ pub struct SavePlan<'a> {
     /// A delta's chunks of which no row changed, by the shard that records them: they cover
     /// their rectangles without a tensor.
     unchanged: Vec<(u32, ChunkPlace)>,
+    /// Chunks of no element, by the shard that records them: they cover nothing, but keep
+    /// their table and slot in the checkpoint (a table of 0 rows or 0 columns is a table).
+    empty: Vec<(u32, ChunkPlace)>,
     /// How many of `dense` are dense tensors given.
     given_dense: usize,
     shards: Vec<ShardPlan>,
@@ -585,6 +588,17 @@ pub fn plan_with_spill<'a>(
         Some(i) => vec![i; chunks_given.len()],
         None => layout::assign_chunks(&chunks_given, opts.shard_num),
     };
+    let empty: Vec<(u32, ChunkPlace)> = input
+        .row_chunks
+        .iter()
+        .filter(|c| c.shape().contains(&0))
+        .map(|c| {
+            (
+                opts.shard_index.unwrap_or(0),
+                ChunkPlace::of(c, ChunkPart::Values),
+            )
+        })
+        .collect();
     let mut chunks: Vec<ChunkPlace> = Vec::new();
     let mut unchanged = Vec::new();
     for (c, shard) in chunks_given.iter().zip(chunk_shard) {
@@ -641,6 +655,7 @@ pub fn plan_with_spill<'a>(
         dense_shard,
         chunks,
         unchanged,
+        empty,
         given_dense,
         shards: shard_plans,
     })
@@ -955,6 +970,9 @@ impl<'a> SavePlan<'a> {
                     }
                 }
             }
+        }
+        for (_, place) in self.empty.iter().filter(|(s, _)| *s == shard.shard) {
+            slot_entry(&mut tables, place);
         }
         for (_, place) in self.unchanged.iter().filter(|(s, _)| *s == shard.shard) {
             let slot = slot_entry(&mut tables, place);
