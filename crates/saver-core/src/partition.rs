@@ -64,6 +64,14 @@ impl Shard {
     /// The whole table: shard 0 of 1.
     pub const WHOLE: Shard = Shard { index: 0, count: 1 };
 
+    /// The rows of a row-range table of `rows` rows this shard holds: `rows·j/M .. rows·(j+1)/M`
+    /// for shard `j` of `M`, the row cut of the partition rule (docs/FORMAT.md).
+    pub fn rows_of(self, rows: u64) -> std::ops::Range<u64> {
+        let (j, m) = (u128::from(self.index), u128::from(self.count.max(1)));
+        let cut = |k: u128| (u128::from(rows) * k / m) as u64;
+        cut(j)..cut(j + 1)
+    }
+
     /// Checks that the shard exists: at least one shard, and `index` below their number.
     pub fn check(self) -> Result<Self> {
         PartitionRule::check_shard(self.index, self.count)?;

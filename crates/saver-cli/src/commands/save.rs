@@ -127,14 +127,12 @@ pub fn run(args: SaveArgs) -> CmdResult {
         }
         (None, Some(path)) => {
             source = Source::open(path)?;
-            // A checkpoint's row-range tables: this process's shard of rows of each.
-            let row_chunks = match source.checkpoint() {
-                Some(c) => saver_io::tools::reshard::row_chunks(
-                    c,
-                    opts.plan.shard_num,
-                    opts.plan.shard_index,
-                )?,
-                None => Vec::new(),
+            // The row-range tables (a checkpoint's, or a plain export's): this process's shard
+            // of rows of each.
+            let (shards, only) = (opts.plan.shard_num, opts.plan.shard_index);
+            let row_chunks = match &source {
+                Source::Checkpoint(c) => saver_io::tools::reshard::row_chunks(c, shards, only)?,
+                Source::Plain(p) => p.row_chunks(shards, only)?,
             };
             for w in source.warnings() {
                 eprintln!("warning: {w}");

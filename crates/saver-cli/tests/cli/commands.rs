@@ -1778,4 +1778,34 @@ fn row_range_tables_through_every_command() {
     for t in ["t0/embedding", "t0/adagrad", "t0/freq", "t2/embedding"] {
         assert!(index["weight_map"].get(t).is_some(), "{t}: {index}");
     }
+    // A plain export (no cast) has the checkpoint's digest, and a save from it holds the same
+    // row-range tables (before: its digest differed, and the tables came back as dense tensors).
+    let (plain, back) = (d.path().join("plain"), d.path().join("back"));
+    ok(&["export", &o, "--out", p(&plain)]);
+    assert_eq!(ok(&["digest", p(&plain)]), digest);
+    ok(&[
+        "save",
+        "--from",
+        p(&plain),
+        "--out",
+        p(&back),
+        "--shards",
+        "3",
+    ]);
+    assert_eq!(ok(&["digest", p(&back)]), digest);
+    let inspected = json(&["inspect", p(&back)]);
+    assert_eq!(
+        inspected["row_tables"].as_array().unwrap().len(),
+        3,
+        "{inspected}"
+    );
+    let names = |v: &serde_json::Value| -> Vec<String> {
+        v["dense"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["name"].to_string())
+            .collect()
+    };
+    assert_eq!(names(&inspected), names(&json(&["inspect", &o])));
 }

@@ -18,7 +18,7 @@ use std::path::Path;
 use saver_core::naming::{SaverFile, INDEX_FILE};
 use saver_core::{SaveInput, SparseTable};
 
-pub use plain::{PlainInput, PlainTable, PlainTableSpec, PlainTensor};
+pub use plain::{PlainInput, PlainTable, PlainTableSpec, PlainTensor, ROW_TABLES_KEY};
 
 use crate::error::{Error, Result};
 use crate::load::checkpoint::{ChainTable, Checkpoint};

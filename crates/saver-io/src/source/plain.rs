@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use saver_core::naming::{check_slot_name, check_table_name, INDEX_FILE};
 use saver_core::table::{validate_slots, RowChunk, TableSnapshot};
 use saver_core::TableSchema;
-use saver_core::{Dtype, KeyDtype, PartitionRule, SlotSpec, SparseTable};
+use saver_core::{Dtype, KeyDtype, PartitionRule, RowRangeChunk, SlotSpec, SparseTable};
 
 use crate::error::{Error, Result};
 use crate::load::documents::MAX_JSON_BYTES;
@@ -83,6 +83,9 @@ pub struct PlainInput {
     local: bool,
     /// Tables, in input order.
     pub tables: Vec<PlainTableSpec>,
+    /// Row-range tables (named by a file's `saver_row_tables` metadata, as a plain export
+    /// writes it).
+    pub row_tables: Vec<PlainRowTable>,
     /// Dense tensors, in input order.
     pub dense: Vec<PlainTensor>,
     /// Every input file's `__metadata__`, as `<file>:<key>`.
@@ -180,10 +183,22 @@ impl PlainInput {
         let mut opened: HashMap<String, (Arc<dyn ReadHandle>, Option<FileVersion>)> =
             HashMap::new();
         let mut user_metadata = BTreeMap::new();
+        let mut row_table_names = std::collections::BTreeSet::new();
         for f in &files {
             let h = storage.open(f)?;
             let header = read_header(h.as_ref(), f)?;
             for (k, v) in header.metadata {
+                if k == ROW_TABLES_KEY {
+                    let names: Vec<String> =
+                        serde_json::from_str(&v).map_err(|e| Error::Corrupt {
+                            file: f.clone(),
+                            what: format!(
+                                "metadata {ROW_TABLES_KEY:?} is not a list of table names: {e}"
+                            ),
+                        })?;
+                    row_table_names.extend(names);
+                    continue;
+                }
                 user_metadata.insert(format!("{f}:{k}"), v);
             }
             for t in header.tensors {
@@ -271,6 +286,8 @@ impl PlainInput {
                 slots,
             });
         }
+        let row_tables =
+            plain_row_tables(&row_table_names, &order, &tensors, &table_names, &mut used)?;
         let warnings = misspelled_tables(&order, &tensors, &table_names, &used);
         let dense = order
             .iter()
@@ -282,10 +299,45 @@ impl PlainInput {
             files: opened,
             local: crate::storage::location_url(path).is_none(),
             tables,
+            row_tables,
             dense,
             user_metadata,
             warnings,
         })
+    }
+
+    /// The row-range tables' chunks of shards `0..shards` (or of shard `only`): each slot's rows
+    /// of the shard (the partition rule's row cut), read whole into memory.
+    pub fn row_chunks(
+        &self,
+        shards: u32,
+        only: Option<u32>,
+    ) -> Result<Vec<RowRangeChunk<'static>>> {
+        let mut chunks = Vec::new();
+        for index in (0..shards.max(1)).filter(|i| only.is_none_or(|o| o == *i)) {
+            let shard = saver_core::Shard {
+                index,
+                count: shards.max(1),
+            };
+            for table in &self.row_tables {
+                let mine = shard.rows_of(table.rows);
+                for (slot, t) in &table.slots {
+                    let e = &t.entry;
+                    let row_bytes = e.len / table.rows.max(1);
+                    let mut values = vec![0u8; ((mine.end - mine.start) * row_bytes) as usize];
+                    self.read(t, mine.start * row_bytes, &mut values)?;
+                    let mut shape = e.shape.clone();
+                    shape[0] = mine.end - mine.start;
+                    let mut offset = vec![0; e.shape.len()];
+                    offset[0] = mine.start;
+                    chunks.push(
+                        RowRangeChunk::new(&table.name, slot, e.dtype, shape, values)?
+                            .at(&offset, &e.shape)?,
+                    );
+                }
+            }
+        }
+        Ok(chunks)
     }
 
     /// Where the input is.
@@ -1091,6 +1143,78 @@ impl TableSnapshot for PlainSnapshot<'_, '_> {
         }
         Ok(())
     }
+}
+
+/// A row-range table of a plain input: each slot a tensor `<table>/<slot>` of the whole slot.
+#[derive(Clone, Debug)]
+pub struct PlainRowTable {
+    /// The table's name.
+    pub name: String,
+    /// Its rows (every slot's first dimension).
+    pub rows: u64,
+    /// Its slots: name and tensor.
+    pub slots: Vec<(String, PlainTensor)>,
+}
+
+/// The header metadata key of a plain file that names the row-range tables of a plain export
+/// (a JSON list of names): their slots are tensors `<table>/<slot>` of the whole slot's shape.
+pub const ROW_TABLES_KEY: &str = "saver_row_tables";
+
+/// The row-range tables named in `names`, from the tensors `<table>/<slot>` not yet `used`
+/// (marked used here): each slot of one or two dimensions, all of one row count.
+fn plain_row_tables(
+    names: &std::collections::BTreeSet<String>,
+    order: &[String],
+    tensors: &BTreeMap<String, PlainTensor>,
+    hashed: &[String],
+    used: &mut HashSet<String>,
+) -> Result<Vec<PlainRowTable>> {
+    let mut tables = Vec::new();
+    for table in names {
+        check_table_name(table)?;
+        if hashed.contains(table) {
+            return Err(Error::Mismatch(format!(
+                "table {table:?} is named a row-range table by the input's metadata, and has a \
+                 {table}/ids tensor of a hashed table"
+            )));
+        }
+        let prefix = format!("{table}/");
+        let mut slots = Vec::new();
+        let mut rows = None;
+        for name in order {
+            let Some(slot) = name.strip_prefix(&prefix).filter(|s| !s.contains('/')) else {
+                continue;
+            };
+            if used.contains(name) {
+                continue;
+            }
+            check_slot_name(slot)?;
+            let t = &tensors[name];
+            let n = t.entry.shape.first().copied();
+            if !(1..=2).contains(&t.entry.shape.len()) || rows.is_some_and(|r| Some(r) != n) {
+                return Err(Error::Mismatch(format!(
+                    "tensor {name:?} of shape {:?} is no slot of row-range table {table:?}: a \
+                     slot is [rows] or [rows, columns], every slot of the same rows",
+                    t.entry.shape
+                )));
+            }
+            rows = n;
+            slots.push((slot.to_string(), t.clone()));
+            used.insert(name.clone());
+        }
+        let Some(rows) = rows else {
+            return Err(Error::Mismatch(format!(
+                "the input's metadata names row-range table {table:?}, but no tensor \
+                 {table}/<slot> is there"
+            )));
+        };
+        tables.push(PlainRowTable {
+            name: table.clone(),
+            rows,
+            slots,
+        });
+    }
+    Ok(tables)
 }
 
 /// Warnings for groups of would-be dense tensors `P/…` that look like a table whose ids tensor is

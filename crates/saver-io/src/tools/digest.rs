@@ -225,8 +225,9 @@ pub fn digest(content: Content<'_>, version: DigestVersion) -> Result<String> {
                 return Err(files_refuse_v1());
             }
             hash_files(&mut h, version, &tables)?;
-            if let Some(ck) = source.checkpoint() {
-                hash_row_tables(&mut h, ck)?;
+            match source {
+                crate::source::Source::Checkpoint(ck) => hash_row_tables(&mut h, ck)?,
+                crate::source::Source::Plain(p) => hash_plain_row_tables(&mut h, p)?,
             }
             return Ok(hash_dense(h, &dense));
         }
@@ -316,37 +317,79 @@ fn hash_files(h: &mut Sha256, version: DigestVersion, tables: &SourceTables<'_>)
     Ok(())
 }
 
-/// Hashes the row-range tables of `ck` (see docs/FORMAT.md): by name, each its header, then
-/// each slot's values by name, row-major, read a bounded batch of rows at a time.
+/// Hashes the row-range tables of `ck` (see docs/FORMAT.md).
 fn hash_row_tables(h: &mut Sha256, ck: &crate::Checkpoint) -> Result<()> {
-    let mut tables: Vec<&saver_core::manifest::RowTableManifest> =
-        ck.manifest().row_tables.iter().collect();
-    tables.sort_by(|a, b| a.name.cmp(&b.name));
-    for t in tables {
-        let mut slots: Vec<_> = t.slots.iter().collect();
-        slots.sort_by(|a, b| a.name.cmp(&b.name));
-        let header: Vec<(&str, saver_core::Dtype, Vec<u64>)> = slots
+    let tables: Vec<RowTableToHash<'_>> = ck
+        .manifest()
+        .row_tables
+        .iter()
+        .map(|t| {
+            let slots = t.slots.iter();
+            (
+                t.name.as_str(),
+                t.rows,
+                slots
+                    .map(|s| (s.name.as_str(), s.dtype, s.shape.clone()))
+                    .collect(),
+            )
+        })
+        .collect();
+    hash_row_tables_read(h, tables, |table, slot, rows, buf| {
+        ck.load_rows(table, rows, &mut [crate::RowsInto::new(slot, buf)])
+            .map(|_| ())
+    })
+}
+
+/// Hashes the row-range tables of a plain input (a plain export's): as a checkpoint's, so that
+/// an export has its checkpoint's digest.
+fn hash_plain_row_tables(h: &mut Sha256, p: &crate::source::PlainInput) -> Result<()> {
+    let tables: Vec<RowTableToHash<'_>> = p
+        .row_tables
+        .iter()
+        .map(|t| {
+            let slots = t.slots.iter();
+            let slots = slots.map(|(s, x)| (s.as_str(), x.entry.dtype, x.entry.shape.clone()));
+            (t.name.as_str(), t.rows, slots.collect())
+        })
+        .collect();
+    hash_row_tables_read(h, tables, |table, slot, rows, buf| {
+        let t = p
+            .row_tables
             .iter()
-            .map(|s| (s.name.as_str(), s.dtype, s.shape.clone()))
-            .collect();
-        hash_row_table_header(h, &t.name, t.rows, &header);
-        for s in &slots {
-            let row_bytes = s
-                .dtype
-                .byte_len(s.shape.get(1).copied().unwrap_or(1))
+            .find(|t| t.name == table)
+            .expect("listed");
+        let (_, x) = t.slots.iter().find(|s| s.0 == slot).expect("listed");
+        let row_bytes = x.entry.len / t.rows.max(1);
+        p.read(x, rows.start * row_bytes, buf)
+    })
+}
+
+/// A row-range table to hash: name, rows, slots (name, dtype, shape).
+type RowTableToHash<'a> = (&'a str, u64, Vec<(&'a str, saver_core::Dtype, Vec<u64>)>);
+
+/// Hashes row-range tables: by name, each its header, then each slot's values by name,
+/// row-major, `read(table, slot, rows, buffer)` a bounded batch of rows at a time.
+fn hash_row_tables_read(
+    h: &mut Sha256,
+    mut tables: Vec<RowTableToHash<'_>>,
+    read: impl Fn(&str, &str, std::ops::Range<u64>, &mut [u8]) -> Result<()>,
+) -> Result<()> {
+    tables.sort_by(|a, b| a.0.cmp(b.0));
+    for (name, rows, mut slots) in tables {
+        slots.sort_by(|a, b| a.0.cmp(b.0));
+        hash_row_table_header(h, name, rows, &slots);
+        for (slot, dtype, shape) in &slots {
+            let row_bytes = dtype
+                .byte_len(shape.get(1).copied().unwrap_or(1))
                 .unwrap_or(0)
                 .max(1);
             let step = (READ_ROWS_BYTES / row_bytes).max(1);
             let mut buf = Vec::new();
             let mut at = 0;
-            while at < t.rows {
-                let end = (at + step).min(t.rows);
+            while at < rows {
+                let end = (at + step).min(rows);
                 buf.resize(((end - at) * row_bytes) as usize, 0);
-                ck.load_rows(
-                    &t.name,
-                    at..end,
-                    &mut [crate::RowsInto::new(&s.name, &mut buf)],
-                )?;
+                read(name, slot, at..end, &mut buf)?;
                 h.update(&buf);
                 at = end;
             }

@@ -253,7 +253,9 @@ fn export_tables(
     let dense = read_dense()?;
     let mut tensors = out_tensors(&tables, &rows, &dense, opts)?;
     let files = into_files(&tensors, opts.max_file_size);
-    let (names, handles, written) = create_files(&*storage, &files, &mut tensors, opts.quantize)?;
+    let row_tables: Vec<&str> = rows.tables.iter().map(|t| t.0.as_str()).collect();
+    let (names, handles, written) =
+        create_files(&*storage, &files, &mut tensors, opts.quantize, &row_tables)?;
     let filled = crate::load::restore::reader_pool(opts.parallel)
         .and_then(|pool| {
             pool.install(|| {
@@ -538,7 +540,13 @@ fn create_files(
     files: &[Vec<usize>],
     tensors: &mut [OutTensor],
     quantize: Option<Quantization>,
+    row_tables: &[&str],
 ) -> Result<CreatedFiles> {
+    // Names the row-range tables, so that `save --from` the export reads them back as such
+    // (their slots would otherwise be dense tensors); a quantized export's are not its
+    // checkpoint's tables.
+    let row_tables = (!row_tables.is_empty() && quantize.is_none())
+        .then(|| serde_json::to_string(row_tables).expect("names serialize"));
     let n = files.len();
     let names: Vec<String> = (0..n)
         .map(|i| format!("model-{:05}-of-{n:05}.safetensors", i + 1))
@@ -563,6 +571,9 @@ fn create_files(
             })
             .collect();
         let mut metadata = vec![("format", "pt".to_string())];
+        if let Some(names) = &row_tables {
+            metadata.push((crate::source::ROW_TABLES_KEY, names.clone()));
+        }
         // The quantized tensors of this file: a quantized slot's tensor, and in the split
         // layout its scales and biases.
         let quantized: Vec<&str> = members

@@ -111,13 +111,7 @@ impl Checkpoint {
         let mut tables = Vec::new();
         let mut total = RowsLoaded::default();
         for t in &self.manifest().row_tables {
-            let rows = match shard {
-                Some(s) => {
-                    let (j, m) = (u64::from(s.index), u64::from(s.count.max(1)));
-                    t.rows * j / m..t.rows * (j + 1) / m
-                }
-                None => 0..t.rows,
-            };
+            let rows = shard.unwrap_or(saver_core::Shard::WHOLE).rows_of(t.rows);
             let mut slots: Vec<LoadedRowSlot> = t
                 .slots
                 .iter()
