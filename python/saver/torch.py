@@ -430,7 +430,51 @@ def _jsonable(value):
     return json.loads(json.dumps(value, default=lambda v: v.tolist() if torch.is_tensor(v) else str(v)))
 
 
+def _dense_part(model, optimizer):
+    """What of `optimizer` trains the model's dense parameters, as a torch optimizer: TorchRec's
+    own examples pass the model's fused optimizer (`dmp.fused_optimizer`), or a
+    `CombinedOptimizer` of it and a `KeyedOptimizerWrapper` of a torch optimizer. The fused part
+    is always taken from the model; None when nothing else is left."""
+    fused = _parts(getattr(model, "fused_optimizer", None))
+    if optimizer is None or id(optimizer) in fused:
+        return None
+    if _is_combined(optimizer):
+        rest = [_dense_part(model, o) for _, o in _children(optimizer)]
+        rest = [o for o in rest if o is not None]
+        if len(rest) > 1:
+            raise _s.InputError(f"optimizer: a CombinedOptimizer of {len(rest)} optimizers besides the model's fused one; give the one of the dense parameters")
+        return rest[0] if rest else None
+    inner = getattr(optimizer, "_optimizer", None)
+    if type(optimizer).__name__ == "KeyedOptimizerWrapper" and isinstance(inner, torch.optim.Optimizer):
+        return inner
+    return optimizer
+
+
+def _is_combined(optimizer) -> bool:
+    return type(optimizer).__name__ == "CombinedOptimizer" and hasattr(optimizer, "optimizers")
+
+
+def _children(optimizer) -> list:
+    """A CombinedOptimizer's (key, optimizer) pairs (a property in TorchRec, a method in some
+    releases)."""
+    parts = optimizer.optimizers
+    return list(parts() if callable(parts) else parts)
+
+
+def _parts(optimizer) -> set:
+    """The ids of `optimizer` and, for a TorchRec CombinedOptimizer (which takes the parts of
+    one it is given as its own), of every optimizer within it."""
+    if optimizer is None:
+        return set()
+    out = {id(optimizer)}
+    if _is_combined(optimizer):
+        for _, o in _children(optimizer):
+            out |= _parts(o)
+    return out
+
+
 def _save(target, model, optimizer, step, extra, tables, background, options):
+    optimizer = _dense_part(model, optimizer)
     # A blocking save writes the model's tensors whole from their own memory: through the page
     # cache that is one copy (the kernel's), as fast here as direct I/O, which copies them into
     # ~40 MiB of aligned staging buffers first. A background save writes its copy while the
@@ -714,6 +758,7 @@ def _load_newest(manager, model, optimizer, strict, fallback):
 
 
 def _load(path, model, optimizer, strict):
+    optimizer = _dense_part(model, optimizer)
     failure = None
     try:
         meta, ck = _meta(path)

@@ -410,3 +410,38 @@ def test_row_wise_state_whose_metadata_disagrees_with_its_shape_is_refused(tmp_p
     back = _plain_ebc(seed=8)
     with pytest.raises(saver.InputError, match=r"embedding_bags\.t2\.weight: .*'sum' of shape \(80, 1\) has 3 column ranges"):
         saver.torch.load(tmp_path / "ck", back, torchrec.optim.RowWiseAdagrad(back.parameters(), lr=0.1))
+
+
+def _run_with_torchrecs_optimizers(rank, world, port, path, out, save):
+    """Saves with the model's fused optimizer, and with a CombinedOptimizer of it, as TorchRec's
+    own examples pass them (the fused part is the model's: nothing else is left); or loads both
+    into fresh models with no optimizer."""
+    from torchrec.optim.keyed import CombinedOptimizer
+
+    kinds = ["table_wise", "table_wise", "column_wise"]
+    with gloo_ranks.group(rank, world, port):
+        model = _model(world, kinds, seed=1 if save else 2)
+        if save:
+            _train(model, rank, 2)
+            saver.torch.save(os.path.join(path, "fused"), model, model.fused_optimizer)
+            saver.torch.save(os.path.join(path, "combined"), model, CombinedOptimizer([("fused", model.fused_optimizer)]))
+            torch.save(_dump(model), os.path.join(out, f"rank{rank}.pt"))
+        else:
+            for kind in ("fused", "combined"):
+                saver.torch.load(os.path.join(path, kind), model, CombinedOptimizer([("fused", model.fused_optimizer)]))
+                torch.save(_dump(model), os.path.join(out, f"{kind}{rank}.pt"))
+
+
+def test_torchrecs_own_optimizers_are_accepted_the_fused_part_taken_from_the_model(tmp_path):
+    path, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    os.makedirs(path)
+    os.makedirs(out)
+    mp.spawn(_run_with_torchrecs_optimizers, args=(2, _free_port(), path, out, True), nprocs=2, join=True)
+    mp.spawn(_run_with_torchrecs_optimizers, args=(2, _free_port(), path, out, False), nprocs=2, join=True)
+    for rank in range(2):
+        saved = torch.load(os.path.join(out, f"rank{rank}.pt"))
+        for kind in ("fused", "combined"):
+            got = torch.load(os.path.join(out, f"{kind}{rank}.pt"))
+            assert saved.keys() == got.keys()
+            for k, v in saved.items():
+                assert torch.equal(got[k], v), (kind, k)
