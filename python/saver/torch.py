@@ -852,7 +852,12 @@ def _load(path, model, optimizer, strict):
                 slots[found[0]] = _rowwise_targets(st, t, found[1], f"{name} {key}", means)
                 continue
             if meta.get("rowwise", {}).get(name, {}).get(key) is not None:
-                raise _s.InputError(f"{name}: the checkpoint holds row-wise state {key!r} by column shards; reading it into a DTensor other than TorchRec's form is not supported")
+                if _is_dtensor(st) and _shards_wrapper(st) is None:
+                    raise _s.InputError(f"{name}: the checkpoint holds row-wise state {key!r} by column shards; reading it into a DTensor other than TorchRec's form is not supported")
+                raise _s.InputError(
+                    f"{name}: the checkpoint holds {key!r} row-wise (one value per row per column shard, as "
+                    f"RowWiseAdagrad keeps it), the model's fused optimizer of the table's shape {tuple(st.size())} "
+                    "(another optimizer): load it with the optimizer it was saved with")
             slot = _held_slot(held["slots"], key, tuple(st.size()))
             if slot is None:
                 _missing_state(path, name, held["slots"], key, strict)
@@ -923,8 +928,14 @@ def _missing_state(path, table, held_slots, key, strict):
     only): the state keeps its value, and a warning says so."""
     message = f"{path} holds no optimizer state {key!r} of table {table!r}"
     others = sorted(s[len("state."):] for s in held_slots if s.startswith("state."))
+    if f"state.{key}" in held_slots:
+        # Held, but not as the model's optimizer keeps it: another optimizer saved it.
+        message = (f"{path} holds optimizer state {key!r} of table {table!r} of shape "
+                   f"{tuple(held_slots[f'state.{key}'][1])}, not as the model's optimizer keeps it (another "
+                   "optimizer saved it: RowWiseAdagrad keeps one value per row, Adagrad one per element)")
     if strict and others:
-        raise _s.InputError(f"{message}, only {others} (load with strict=False to keep the optimizer's own)")
+        held = "" if f"state.{key}" in held_slots else f", only {others}"
+        raise _s.InputError(f"{message}{held} (load with strict=False to keep the optimizer's own)")
     import warnings
 
     warnings.warn(message + "; it keeps the optimizer's own", stacklevel=3)

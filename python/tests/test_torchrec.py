@@ -445,3 +445,29 @@ def test_torchrecs_own_optimizers_are_accepted_the_fused_part_taken_from_the_mod
             assert saved.keys() == got.keys()
             for k, v in saved.items():
                 assert torch.equal(got[k], v), (kind, k)
+
+
+def _run_load_other_optimizer(rank, world, port, path, out, rowwise):
+    with gloo_ranks.group(rank, world, port):
+        model = _model(world, ["table_wise", "table_wise", "column_wise"], seed=2, rowwise=rowwise)
+        try:
+            saver.torch.load(path, model, None)
+            said = "loaded"
+        except saver.InputError as e:
+            said = str(e)
+        with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+            f.write(said)
+
+
+def test_a_fused_state_of_another_optimizer_is_refused_in_one_line_that_says_so(tmp_path):
+    """Row-wise Adagrad's state into pointwise Adagrad and the other way: each refused saying
+    which optimizer keeps the state how (before: a message of DTensors, or "holds no optimizer
+    state 'momentum1', only ['momentum1']")."""
+    for saved_rowwise, said in ((True, "holds 'momentum1' row-wise"), (False, "not as the model's optimizer keeps it")):
+        path = str(tmp_path / f"ck-{saved_rowwise}")
+        _ranks(1, ["table_wise"] * 3, path, str(tmp_path / f"s-{saved_rowwise}"), save=True, rowwise=saved_rowwise)
+        out = str(tmp_path / f"o-{saved_rowwise}")
+        os.makedirs(out)
+        mp.spawn(_run_load_other_optimizer, args=(1, _free_port(), path, out, not saved_rowwise), nprocs=1, join=True)
+        got = open(os.path.join(out, "rank0.txt")).read()
+        assert said in got and "only [" not in got and "DTensor" not in got, got
