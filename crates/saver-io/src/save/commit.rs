@@ -100,7 +100,10 @@ pub(crate) fn commit_under(
     // before ours, or, on an object store without conditional writes, with no lock at all): that
     // is this save's commit, not a rival's.
     let index_now = get_if_exists(storage, INDEX_FILE, MAX_JSON_BYTES)?;
-    let current = committed(storage)?;
+    let current = index_now
+        .as_deref()
+        .map(|bytes| Index::parse(bytes, INDEX_FILE).map(|i| i.committed()))
+        .transpose()?;
     if current.as_ref().is_some_and(|c| c.save_id == save_id) {
         return Ok(CommitState::Committed);
     }
@@ -119,12 +122,37 @@ pub(crate) fn commit_under(
     // meaning, so any change to it is detected (the index has no checksum of its own).
     let index = serde_json::to_vec(&Index::for_manifest(&manifest, crc32fast::hash(&json)))
         .expect("indexes serialize");
-    // Fencing: the index is written only while both locks are still this process's, as a
-    // compare-and-swap of the index read under them; and checked again once written, since a
-    // holder paused between the check and the write may have lost them meanwhile.
     let locks = [rule_lock.as_deref(), Some(&*lock)];
+    let index_now = index_now.as_deref();
+    if let Some(lost) = write_index(storage, save_id, &index, index_now, &locks, durable)? {
+        // Its own locks go first: taking the index back takes the directory's lock anew.
+        drop(lock);
+        drop(rule_lock);
+        return Err(late::put_back(storage, save_id, &current, lost));
+    }
+    drop(lock);
+    drop(rule_lock);
+    if let Some(old) = current {
+        remove_replaced(storage, &old);
+    }
+    Ok(CommitState::CommittedHere)
+}
+
+/// Writes `index` (of `save_id`), fenced: only while `locks` are still this process's, as a
+/// compare-and-swap of `index_now` (the index read under them); and checked again once written,
+/// since a holder paused between the check and the write may have lost them meanwhile. `Some`
+/// (the error that shows it) when the index was written after the locks may have been taken
+/// by another process: the caller takes it back ([`late::put_back`]).
+fn write_index(
+    storage: &dyn Storage,
+    save_id: &str,
+    index: &[u8],
+    index_now: Option<&[u8]>,
+    locks: &[Option<&dyn CommitLock>],
+    durable: bool,
+) -> Result<Option<Error>> {
     stop_point("checked");
-    let held_for = still_held(&locks).map_err(|e| match e {
+    let held_for = still_held(locks).map_err(|e| match e {
         Error::LockLost { lock, why } => Error::LockLost {
             lock,
             why: format!("{why}; save {save_id} was not committed"),
@@ -133,7 +161,7 @@ pub(crate) fn commit_under(
     })?;
     let fenced = Instant::now();
     stop_point("fenced");
-    let swapped = storage.put_if_unchanged(INDEX_FILE, &index, index_now.as_deref(), durable)?;
+    let swapped = storage.put_if_unchanged(INDEX_FILE, index, index_now, durable)?;
     let landed = fenced.elapsed();
     if !swapped {
         let now = committed(storage)?.map_or("none".into(), |c| format!("save {c}"));
@@ -146,20 +174,11 @@ pub(crate) fn commit_under(
     stop_point("indexed");
     // Written before the locks could run out: it stands, whatever happens to them from here
     // (who takes them next sees this commit). Otherwise it may have come after another process
-    // took them, and is taken back if they were lost.
-    if landed >= held_for {
-        if let Err(lost) = still_held(&locks) {
-            drop(lock);
-            drop(rule_lock);
-            return Err(late::put_back(storage, save_id, &current, lost));
-        }
+    // took them.
+    if landed < held_for {
+        return Ok(None);
     }
-    drop(lock);
-    drop(rule_lock);
-    if let Some(old) = current {
-        remove_replaced(storage, &old);
-    }
-    Ok(CommitState::CommittedHere)
+    Ok(still_held(locks).err())
 }
 
 /// How long from now all of `locks` are surely still held; fails if any may have been taken by
