@@ -160,7 +160,11 @@ impl RowTableManifest {
             // manifest would otherwise read as rows moved.
             for c in &s.chunks {
                 let named = chunk_tensor_name(&self.name, &s.name, &c.offset);
-                if c.tensor.name != named {
+                // Before 2026-12, a chunk of one dimension saved where it was made (never placed)
+                // was named as if it had a column: `r<row>.c0` says the same place.
+                let legacy = (c.offset.len() == 1)
+                    .then(|| chunk_tensor_name(&self.name, &s.name, &[c.offset[0], 0]));
+                if c.tensor.name != named && Some(&c.tensor.name) != legacy.as_ref() {
                     return Err(bad(format!(
                         "slot {:?}: the chunk at {:?} is tensor {:?}, whose name says another \
                          place (the chunk there is {named:?})",
@@ -258,4 +262,63 @@ pub(crate) fn merge_row_tables<'a>(
         })?;
     }
     Ok(tables)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(chunk_names: &[(&str, u64)]) -> RowTableManifest {
+        let chunks = chunk_names
+            .iter()
+            .map(|&(name, row)| RowChunkManifest {
+                shard: 0,
+                offset: vec![row],
+                tensor: TensorRef {
+                    file: "f.safetensors".into(),
+                    name: name.into(),
+                    dtype: Dtype::F32,
+                    shape: vec![2],
+                    offset: 0,
+                    len: 8,
+                    crc32: 0,
+                    blocks: None,
+                    codec: None,
+                },
+            })
+            .collect();
+        RowTableManifest {
+            name: "t".into(),
+            rows: 4,
+            slots: vec![RowSlotManifest {
+                name: "s".into(),
+                dtype: Dtype::F32,
+                shape: vec![4],
+                chunks,
+                patches: Vec::new(),
+            }],
+        }
+    }
+
+    /// A chunk's tensor names its place; the name earlier saves gave a chunk of one dimension
+    /// never placed (`r0.c0`) still reads, and no name says another place.
+    #[test]
+    fn chunk_names_must_say_their_place() {
+        table(&[("t/s:r0", 0), ("t/s:r2", 2)])
+            .check_consistency(true)
+            .unwrap();
+        table(&[("t/s:r0.c0", 0), ("t/s:r2", 2)])
+            .check_consistency(true)
+            .unwrap();
+        for traded in [
+            [("t/s:r2", 0), ("t/s:r0", 2)],
+            [("t/s:r0", 0), ("t/s:r2.c1", 2)],
+        ] {
+            let e = table(&traded)
+                .check_consistency(true)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("whose name says another place"), "{e}");
+        }
+    }
 }

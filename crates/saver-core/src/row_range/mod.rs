@@ -66,7 +66,8 @@ impl<'a> RowRangeChunk<'a> {
     ) -> Result<Self> {
         check_table_name(table)?;
         check_slot_name(slot)?;
-        let values = DenseTensor::new(chunk_tensor_name(table, slot, &[0, 0]), dtype, shape, data)?;
+        let origin = vec![0; shape.len()];
+        let values = DenseTensor::new(chunk_tensor_name(table, slot, &origin), dtype, shape, data)?;
         Self::of_values(table, slot, values)
     }
 
@@ -81,8 +82,9 @@ impl<'a> RowRangeChunk<'a> {
     ) -> Result<RowRangeChunk<'static>> {
         check_table_name(table)?;
         check_slot_name(slot)?;
+        let origin = vec![0; shape.len()];
         let values =
-            DenseTensor::shared(chunk_tensor_name(table, slot, &[0, 0]), dtype, shape, data)?;
+            DenseTensor::shared(chunk_tensor_name(table, slot, &origin), dtype, shape, data)?;
         RowRangeChunk::of_values(table, slot, values)
     }
 
