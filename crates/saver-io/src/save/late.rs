@@ -74,7 +74,10 @@ fn take_back(storage: &dyn Storage, save_id: &str, replaced: &Option<CheckpointR
 
 /// What the late index hid: the checkpoint it replaced, or the last of the saves committed over
 /// that one meanwhile (each manifest names the checkpoint its save replaced), with its manifest
-/// and the manifest's CRC32. `None` where the directory held no checkpoint.
+/// and the manifest's CRC32. `None` where the directory held no checkpoint. A manifest is
+/// written only once its save passed every check of its commit, so one whose process died
+/// before its index is taken for committed here: the index then names a whole checkpoint that
+/// its process never reported.
 fn hidden(
     storage: &dyn Storage,
     late: &str,
