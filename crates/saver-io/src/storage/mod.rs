@@ -303,7 +303,7 @@ pub struct FileVersion {
 /// Held while a process commits into a storage; dropping it releases the lock.
 pub trait CommitLock: Send {
     /// How long from now the lock is surely still this process's; fails
-    /// ([`Error::LockLost`](crate::Error::LockLost)) if another process may have taken it since
+    /// ([`Error::LockLost`]) if another process may have taken it since
     /// this one took it: a lock whose lease ran out while its holder was paused or cut off from
     /// the store. A holder checks it right before its commit point, and again after it if the
     /// write took longer than that, and writes nothing more once it fails. A lock the operating
