@@ -2,8 +2,9 @@
 //! step of its commit, on a real S3-compatible server that ignores conditional writes (Garage),
 //! while another save takes the lock and commits: whatever exits 0 is committed and reads, what
 //! came too late fails with a clear error and leaves the other's commit as it was, and every
-//! checkpoint left verifies. Two shapes: two `--overwrite`s of one prefix, and a managed root
-//! whose newest step is replaced while a delta of it is saved as the next step.
+//! checkpoint left verifies. Three shapes: two `--overwrite`s of one prefix, a managed root whose
+//! newest step is replaced while a delta of it is saved as the next step, and a new step saved
+//! while a newer one commits.
 
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -227,6 +228,61 @@ fn a_delta_beside_a_replaced_step(g: &Garage, step: &str, round: u64, digests: &
     }
 }
 
+/// A new step 50 paused at `step` of its commit while step 60 commits: a root's steps only grow,
+/// so step 50 never stands beside step 60 unless it was committed first, within its lease.
+fn a_new_step_beside_a_newer_one(g: &Garage, step: &str, round: u64, digests: &[String; 3]) {
+    let root = g.url(&format!("lease/new-{step}-{round}"));
+    let save = |s: &str, spec: &str| {
+        let args = ["save", "--root", &root, "--step", s, "--synthetic", spec];
+        args.map(str::to_string)
+    };
+    let late = paused_at(
+        g,
+        &save("50", "tiny,seed=1").each_ref().map(String::as_str),
+        step,
+    );
+    std::thread::sleep(past_the_lease(round));
+    let newer = saver(g, &save("60", "tiny,seed=3").each_ref().map(String::as_str))
+        .output()
+        .unwrap();
+    let late = resume(late);
+    let what = format!("a new step paused at {step}, round {round}");
+    println!("{what}: {}", String::from_utf8_lossy(&late.stderr).trim());
+    assert!(
+        newer.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&newer.stderr)
+    );
+    ok(g, &["verify", &format!("{root}/step-{:020}", 60)]);
+    assert_eq!(
+        ok(g, &["digest", &format!("{root}/step-{:020}", 60)]),
+        digests[2],
+        "{what}"
+    );
+    let listed = ok(g, &["list", &root, "--json"]);
+    let steps: Vec<u64> = serde_json::from_str::<serde_json::Value>(&listed).unwrap()["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["step"].as_u64().unwrap())
+        .collect();
+    if step == "indexed" {
+        assert!(
+            late.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&late.stderr)
+        );
+        assert_eq!(steps, [50, 60], "{what}");
+    } else {
+        assert_refused_clearly(&late, &what, "step 60 (save ");
+        assert_eq!(
+            steps,
+            [60],
+            "{what}: step 50 stands beside the newer step 60"
+        );
+    }
+}
+
 #[test]
 fn a_committer_paused_past_its_lease_never_replaces_what_another_committed() {
     let Some(g) = Garage::start() else { return };
@@ -245,6 +301,13 @@ fn a_committer_paused_past_its_lease_never_replaces_what_another_committed() {
             for round in 0..rounds {
                 for step in STEPS {
                     a_delta_beside_a_replaced_step(g, step, round, digests);
+                }
+            }
+        });
+        s.spawn(move || {
+            for round in 0..rounds {
+                for step in STEPS {
+                    a_new_step_beside_a_newer_one(g, step, round, digests);
                 }
             }
         });
