@@ -72,6 +72,15 @@ impl Shard {
         cut(j)..cut(j + 1)
     }
 
+    /// Shards `0..count` (at least one), or only shard `only` of them: what a save of every
+    /// shard, or one process of a multi-process save, writes.
+    pub fn selected(count: u32, only: Option<u32>) -> impl Iterator<Item = Shard> {
+        let count = count.max(1);
+        (0..count)
+            .filter(move |i| only.is_none_or(|o| o == *i))
+            .map(move |index| Shard { index, count })
+    }
+
     /// Checks that the shard exists: at least one shard, and `index` below their number.
     pub fn check(self) -> Result<Self> {
         PartitionRule::check_shard(self.index, self.count)?;

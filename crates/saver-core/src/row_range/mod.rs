@@ -110,6 +110,25 @@ impl<'a> RowRangeChunk<'a> {
         })
     }
 
+    /// The chunk of rows `rows` (all their columns) of a slot of shape `whole`, holding
+    /// `values`: a shard's part of a whole slot.
+    pub fn of_rows(
+        table: &str,
+        slot: &str,
+        dtype: Dtype,
+        whole: &[u64],
+        rows: std::ops::Range<u64>,
+        values: Vec<u8>,
+    ) -> Result<RowRangeChunk<'static>> {
+        let mut shape = whole.to_vec();
+        let mut offset = vec![0; whole.len()];
+        if let (Some(n), Some(at)) = (shape.first_mut(), offset.first_mut()) {
+            *n = rows.end.saturating_sub(rows.start);
+            *at = rows.start;
+        }
+        RowRangeChunk::new(table, slot, dtype, shape, values)?.at(&offset, whole)
+    }
+
     /// A chunk of `f32` values, borrowed without copy where the platform is little-endian.
     pub fn from_f32(table: &str, slot: &str, shape: Vec<u64>, values: &'a [f32]) -> Result<Self> {
         Self::new(

@@ -314,11 +314,7 @@ impl PlainInput {
         only: Option<u32>,
     ) -> Result<Vec<RowRangeChunk<'static>>> {
         let mut chunks = Vec::new();
-        for index in (0..shards.max(1)).filter(|i| only.is_none_or(|o| o == *i)) {
-            let shard = saver_core::Shard {
-                index,
-                count: shards.max(1),
-            };
+        for shard in saver_core::Shard::selected(shards, only) {
             for table in &self.row_tables {
                 let mine = shard.rows_of(table.rows);
                 for (slot, t) in &table.slots {
@@ -326,14 +322,15 @@ impl PlainInput {
                     let row_bytes = e.len / table.rows.max(1);
                     let mut values = vec![0u8; ((mine.end - mine.start) * row_bytes) as usize];
                     self.read(t, mine.start * row_bytes, &mut values)?;
-                    let mut shape = e.shape.clone();
-                    shape[0] = mine.end - mine.start;
-                    let mut offset = vec![0; e.shape.len()];
-                    offset[0] = mine.start;
-                    chunks.push(
-                        RowRangeChunk::new(&table.name, slot, e.dtype, shape, values)?
-                            .at(&offset, &e.shape)?,
-                    );
+                    let name = &table.name;
+                    chunks.push(RowRangeChunk::of_rows(
+                        name,
+                        slot,
+                        e.dtype,
+                        &e.shape,
+                        mine.clone(),
+                        values,
+                    )?);
                 }
             }
         }

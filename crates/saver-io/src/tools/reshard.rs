@@ -41,22 +41,14 @@ pub fn row_chunks(
     only: Option<u32>,
 ) -> Result<Vec<RowRangeChunk<'static>>> {
     let mut chunks = Vec::new();
-    for index in (0..shards.max(1)).filter(|i| only.is_none_or(|o| o == *i)) {
-        let shard = saver_core::Shard {
-            index,
-            count: shards.max(1),
-        };
+    for shard in saver_core::Shard::selected(shards, only) {
         for t in src.load_row_tables(Some(shard))?.0 {
+            // A shard of no rows is a chunk too: it keeps a table of no rows in the copy.
             for s in t.slots {
-                // A shard of no rows is a chunk too: it keeps a table of no rows in the copy.
-                let mut shape = s.shape.clone();
-                shape[0] = t.rows.end - t.rows.start;
-                let mut offset = vec![0; s.shape.len()];
-                offset[0] = t.rows.start;
-                chunks.push(
-                    RowRangeChunk::new(&t.name, &s.name, s.dtype, shape, s.values)?
-                        .at(&offset, &s.shape)?,
-                );
+                let rows = t.rows.clone();
+                let chunk =
+                    RowRangeChunk::of_rows(&t.name, &s.name, s.dtype, &s.shape, rows, s.values);
+                chunks.push(chunk?);
             }
         }
     }
