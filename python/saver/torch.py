@@ -556,8 +556,8 @@ def _agree(call, rank, world):
     def share():
         try:
             box["report"] = call()
-        except Exception as e:  # noqa: BLE001 - told to every rank, then raised
-            box["failure"] = f"rank {rank}: {e}"
+        except BaseException as e:  # noqa: BLE001 - told to every rank, then raised
+            box["failure"] = f"rank {rank}: {type(e).__name__ if not str(e) else e}"
 
     worker = threading.Thread(target=share, name="saver-rank-share", daemon=True)
     worker.start()
