@@ -941,13 +941,16 @@ def _missing_state(path, table, held_slots, key, strict):
     warnings.warn(message + "; it keeps the optimizer's own", stacklevel=3)
 
 
+#: The torch dtype of each saver dtype a model's tensors are read into.
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                 "U8": torch.uint8, "BOOL": torch.bool}
+
+
 def _torch_dtype(name: str, what: str):
-    table = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-             "U8": torch.uint8, "BOOL": torch.bool}
-    if name not in table:
+    if name not in _TORCH_DTYPES:
         raise _s.InputError(f"{what}: dtype {name} has no torch type here")
-    return table[name]
+    return _TORCH_DTYPES[name]
 
 
 def _as_tensor(array, dtype=None):
@@ -979,10 +982,7 @@ def _check_hyper(meta, optimizer, path):
 def _check_dense(target, dtype, shape, name):
     """Refuses a tensor of the checkpoint (`dtype`, `shape` from its manifest) that does not fit
     `target`, before anything is read."""
-    names = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-             "U8": torch.uint8, "BOOL": torch.bool}
-    held = names.get(dtype)
+    held = _TORCH_DTYPES.get(dtype)
     if tuple(shape) != tuple(target.shape) or (held is not None and held != target.dtype):
         raise _s.InputError(f"{name}: the checkpoint holds {dtype} of shape {tuple(shape)}, the model {target.dtype} of shape {tuple(target.shape)}")
 
