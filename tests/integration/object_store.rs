@@ -838,3 +838,38 @@ fn library_readers_racing_overwrites_get_a_whole_saved_checkpoint() {
         seen.iter().collect::<std::collections::BTreeSet<_>>().len()
     );
 }
+
+/// A reader that reads one request in several loads opens the checkpoint pinned: once another
+/// save replaced it (and removed its objects, which an object store keeps readable for no one),
+/// a pinned load fails and says the checkpoint was replaced, where an unpinned one reads the
+/// new checkpoint. Neither ever mixes the two.
+#[test]
+fn a_pinned_checkpoint_reads_its_own_save_or_fails_saying_it_was_replaced() {
+    let Some(g) = garage::shared() else { return };
+    let (old, new) = (common::Model::new(5_000), common::Model::new(7_000));
+    let url = g.url("pinned/ck");
+    let dir = Path::new(&url);
+    let mut o = options(1);
+    o.overwrite = true;
+    save(dir, old.input(), &o).unwrap();
+    let digest = |ck: &Checkpoint| {
+        ck.restore(&LoadOptions::default())
+            .and_then(|r| restored_digest(&r))
+    };
+    let want_old = digest(&Checkpoint::open(dir).unwrap()).unwrap();
+    let pinned = Checkpoint::open(dir).unwrap().pinned();
+    let following = Checkpoint::open(dir).unwrap();
+    assert!(!pinned.was_replaced());
+    assert_eq!(
+        digest(&pinned).unwrap(),
+        want_old,
+        "a pinned read before any replacement"
+    );
+    save(dir, new.input(), &o).unwrap();
+    let want_new = digest(&Checkpoint::open(dir).unwrap()).unwrap();
+    assert_ne!(want_old, want_new);
+    assert!(pinned.was_replaced() && following.was_replaced());
+    let err = digest(&pinned).expect_err("the old save's objects are gone");
+    assert!(err.to_string().contains("pinned/ck"), "{err}");
+    assert_eq!(digest(&following).unwrap(), want_new);
+}

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 use crate::dtype::{Dtype, KeyDtype};
 use crate::error::{Error, Result};
-use crate::partition::fmix64;
+use crate::partition::{fmix64, Shard};
 use crate::table::{EmbeddingTable, SlotSpec};
 use crate::tensor::DenseTensor;
 
@@ -343,14 +343,10 @@ impl SyntheticModel {
         parts: u32,
         part: Option<u32>,
     ) -> Result<Vec<crate::RowRangeChunk<'_>>> {
-        let parts = u64::from(parts.max(1));
         let mut out = Vec::new();
         for (name, rows, slots) in &self.row_tables {
-            for p in 0..parts {
-                if part.is_some_and(|q| u64::from(q) != p) {
-                    continue;
-                }
-                let (a, b) = (rows * p / parts, rows * (p + 1) / parts);
+            for shard in Shard::selected(parts, part) {
+                let std::ops::Range { start: a, end: b } = shard.rows_of(*rows);
                 for (slot, dtype, whole, bytes) in slots {
                     let row_bytes = bytes.len() as u64 / (*rows).max(1);
                     let mut shape = whole.clone();

@@ -239,14 +239,22 @@ impl Checkpoint {
     /// local directory, keeps no removed object readable for whoever opened it: so a reader
     /// racing an overwrite returns the old or the new checkpoint's rows, never a missing-file
     /// error about a checkpoint that was never broken. A failure on a checkpoint that was not
-    /// replaced stands.
+    /// replaced stands, and so does any failure of a [`Self::pinned`] checkpoint.
     pub fn on_latest<T>(&self, read: impl Fn(&Checkpoint) -> Result<T>) -> Result<T> {
         let first = read(self);
-        if first.is_ok() || !self.newest().was_replaced() {
+        if first.is_ok() || !self.follows_replacement || !self.was_replaced() {
             return first;
         }
         let dir = &self.dirs()[0];
         crate::load::link::read_latest(dir, || read(&Checkpoint::open(dir)?))
+    }
+
+    /// Whether the location this checkpoint was opened from now holds another save (its index
+    /// names another manifest): the checkpoint was replaced since it was opened. A reader that
+    /// reads one request through this opening in several calls, and fails, asks this to tell
+    /// a replaced checkpoint (open it again, and start the request over) from a broken one.
+    pub fn was_replaced(&self) -> bool {
+        self.newest().was_replaced()
     }
 
     /// Runs `load`, a load of tables, and reads the dense tensors `opts` selects: on a remote

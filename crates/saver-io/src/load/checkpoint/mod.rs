@@ -104,6 +104,9 @@ pub struct Checkpoint {
     /// Newest first.
     links: Vec<Link>,
     dirs: Vec<PathBuf>,
+    /// Whether a load that fails on a replaced checkpoint runs again on the one there now
+    /// ([`Self::on_latest`]); not for a [`Self::pinned`] one.
+    follows_replacement: bool,
 }
 
 impl Checkpoint {
@@ -124,6 +127,16 @@ impl Checkpoint {
         // Only a failed opening pays for the look at whether the checkpoint was replaced (on an
         // object store, a round trip or two): an opening that succeeds reads nothing more.
         open().or_else(|_| read_latest(&dir, open))
+    }
+
+    /// This checkpoint, whose loads never move to a checkpoint that replaced it: a load that
+    /// fails because its files were removed by the replacing save fails
+    /// ([`Self::was_replaced`] then says so), where an unpinned one reads the new checkpoint.
+    /// For a reader that reads one request in several loads and must get one save from all
+    /// of them: it opens again and starts the whole request over.
+    pub fn pinned(mut self) -> Self {
+        self.follows_replacement = false;
+        self
     }
 
     /// Opens the checkpoint in `storage`, as [`Self::open`] does; a delta's parents are found
@@ -213,7 +226,11 @@ impl Checkpoint {
             links.push(parent);
             dirs.push(parent_dir);
         }
-        Ok(Self { links, dirs })
+        Ok(Self {
+            links,
+            dirs,
+            follows_replacement: true,
+        })
     }
 
     /// The newest link: the save that was opened.
