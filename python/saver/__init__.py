@@ -25,8 +25,15 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from ._native import SaverError
+from . import _host
+from ._dtypes import _PATTERN_BITS, _PATTERN_TYPE, _TO_NUMPY, _TO_SAVER, Bits
+from ._errors import InputError, ReplacedError, SaverError, SaverWarning
 from ._native import native as _saver
+
+# Defined in the package's parts, shown (in reprs, tracebacks and pickles) as the package's own.
+for _public in (Bits, InputError, ReplacedError, SaverWarning):
+    _public.__module__ = __name__
+del _public
 
 __all__ = [
     "Bits",
@@ -35,6 +42,7 @@ __all__ = [
     "InputError",
     "Loaded",
     "Manager",
+    "ReplacedError",
     "SaveHandle",
     "SaveReport",
     "SaverError",
@@ -44,6 +52,7 @@ __all__ = [
     "load",
     "open",
     "release_background_memory",
+    "row_cut",
     "save",
     "save_async",
     "shard_of",
@@ -52,94 +61,6 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 ArrayLike = Any
-
-
-class SaverWarning(UserWarning):
-    """Something a call did that the caller should know of, such as a restart that fell back to
-    an older step."""
-
-
-class InputError(SaverError, ValueError):
-    """An argument saver cannot take: an unsupported dtype, slots of another length than their
-    ids, ids that are not integers, a missing ``ids`` array. Raised before anything is written."""
-
-
-# numpy dtypes and the safetensors dtype names the core uses.
-_TO_SAVER = {
-    np.dtype(np.bool_): "BOOL",
-    np.dtype(np.uint8): "U8",
-    np.dtype(np.int8): "I8",
-    np.dtype(np.uint16): "U16",
-    np.dtype(np.int16): "I16",
-    np.dtype(np.uint32): "U32",
-    np.dtype(np.int32): "I32",
-    np.dtype(np.uint64): "U64",
-    np.dtype(np.int64): "I64",
-    np.dtype(np.float16): "F16",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.float64): "F64",
-}
-_TO_NUMPY = {name: dt for dt, name in _TO_SAVER.items()}
-
-# Dtypes numpy has no type for, by their width in bits: given and returned as their bit patterns
-# in a `Bits` array.
-_PATTERN_BITS = {
-    "BF16": 16,
-    "F8_E4M3": 8,
-    "F8_E5M2": 8,
-    "F8_E8M0": 8,
-    "F8_E4M3FNUZ": 8,
-    "F8_E5M2FNUZ": 8,
-}
-_PATTERN_TYPE = {16: np.dtype(np.uint16), 8: np.dtype(np.uint8)}
-
-# torch dtypes numpy cannot hold (their `.numpy()` raises), by name, and the saver dtype of each.
-_TORCH_PATTERNS = {
-    "torch.bfloat16": "BF16",
-    "torch.float8_e4m3fn": "F8_E4M3",
-    "torch.float8_e5m2": "F8_E5M2",
-    "torch.float8_e8m0fnu": "F8_E8M0",
-    "torch.float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "torch.float8_e5m2fnuz": "F8_E5M2FNUZ",
-}
-# The same from the numpy dtypes of the ml_dtypes package (JAX's), by name.
-_ML_DTYPES_PATTERNS = {
-    "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e8m0fnu": "F8_E8M0",
-    "float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ",
-}
-
-
-class Bits(np.ndarray):
-    """Values of a dtype numpy has no type for (bfloat16, the 8-bit floats), as their bit
-    patterns: a ``uint16`` or ``uint8`` array that knows its saver dtype (``.saver_dtype``).
-
-    A load returns such slots and tensors as ``Bits``, and a save stores a ``Bits`` array as its
-    dtype, so a model loaded and saved again keeps it. ``torch.bfloat16`` tensors and ml_dtypes
-    arrays are taken as they are; wrap 16-bit patterns of your own with ``Bits(a, "BF16")``.
-    ``torch.from_numpy(b).view(torch.bfloat16)`` reads a ``Bits`` of BF16 as bfloat16, no copy.
-    """
-
-    def __new__(cls, patterns: Any, dtype: str) -> "Bits":
-        bits = _PATTERN_BITS.get(dtype)
-        if bits is None:
-            raise InputError(f"Bits: dtype must be one of {sorted(_PATTERN_BITS)}, got {dtype!r}")
-        a = np.asarray(patterns)
-        if a.dtype.kind not in "ui" or a.dtype.itemsize * 8 != bits:
-            raise InputError(
-                f"Bits: {dtype} values are {bits}-bit patterns, given as uint{bits} or int{bits}; "
-                f"got {a.dtype}"
-            )
-        out = a.view(_PATTERN_TYPE[bits]).view(cls)
-        out.saver_dtype = dtype
-        return out
-
-    def __array_finalize__(self, obj: Any) -> None:
-        # Slices and views of a `Bits` array keep its dtype.
-        self.saver_dtype = getattr(obj, "saver_dtype", None)
 
 
 def _int(name: str, value: Any, low: int, high: int = (1 << 64) - 1, *, optional: bool = False):
@@ -163,39 +84,6 @@ def _counts(options: dict) -> None:
     )
     options["step"] = _int("step", options["step"], 0, optional=True)
     options["parallel"] = _int("parallel", options["parallel"], 1, 4096, optional=True)
-
-
-def _array(value: ArrayLike, what: str) -> np.ndarray:
-    """``value`` as a C-contiguous numpy array: no copy for a contiguous array or a CPU torch
-    tensor, one copy for a strided view."""
-    if hasattr(value, "detach") and hasattr(value, "numpy"):
-        # A torch tensor: `.numpy()` shares a CPU tensor's memory.
-        t = value.detach().cpu()
-        pattern = _TORCH_PATTERNS.get(str(t.dtype))
-        if pattern is not None:
-            # numpy has no type for it: its bit patterns, viewed (no copy) as a signed integer
-            # of its width, which `.numpy()` takes.
-            import torch
-
-            width = torch.int16 if _PATTERN_BITS[pattern] == 16 else torch.int8
-            t = t.contiguous().view(width)
-            value = Bits(t.numpy(), pattern)
-        else:
-            value = t.numpy()
-    elif getattr(getattr(value, "dtype", None), "name", None) in _ML_DTYPES_PATTERNS and not isinstance(value, Bits):
-        a = np.asarray(value)
-        pattern = _ML_DTYPES_PATTERNS[a.dtype.name]
-        value = Bits(a.view(_PATTERN_TYPE[_PATTERN_BITS[pattern]]), pattern)
-    if isinstance(value, Bits):
-        return value if value.flags.c_contiguous else Bits(np.ascontiguousarray(value), value.saver_dtype)
-    try:
-        a = np.asarray(value)
-    except Exception as e:  # numpy's own errors name nothing of ours
-        raise InputError(f"{what}: not an array ({e})") from None
-    if a.dtype.byteorder == ">":
-        raise InputError(f"{what}: big-endian arrays are not supported; use a.astype(a.dtype.newbyteorder('<'))")
-    # `ascontiguousarray` would make a 0-d array 1-d; a 0-d array is contiguous.
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def _dtype_name(a: np.ndarray, what: str) -> str:
@@ -245,7 +133,7 @@ def _filtered(name, columns, keep):
     """The rows of a table that ``keep`` keeps: called with a dict of column arrays (``"ids"``
     and every slot) for up to ``_FILTER_ROWS`` rows at a time, it returns a boolean array with one
     entry per row. The kept rows are copied out once."""
-    arrays = {k: _array(v, f"table {name!r} column {k!r}") for k, v in columns.items()}
+    arrays = {k: _host.readable(v, f"table {name!r} column {k!r}") for k, v in columns.items()}
     n = len(arrays["ids"]) if "ids" in arrays else 0
     masks = []
     for start in range(0, n, _FILTER_ROWS):
@@ -304,7 +192,7 @@ def _chunk_arguments(name, columns):
             what = f"row-range table {name!r} slot {slot!r}"
             if not isinstance(c, Chunk):
                 raise InputError(f"{what}: give saver.Chunk values (a table without 'ids' is a row-range table), got {type(c).__name__}")
-            a = _array(c.values, what)
+            a = _host.readable(c.values, what)
             if a.ndim not in (1, 2):
                 raise InputError(f"{what}: a chunk has one dimension (a value per row) or two (rows, columns), got shape {a.shape}")
             offset = c.offset if c.offset is not None else (0,) * a.ndim
@@ -347,7 +235,7 @@ def _save_arguments(tables, dense, options):
                 f"table {name!r}: no 'ids' array among its columns {sorted(columns)} (a table whose "
                 f"ids are its row numbers is given as saver.Chunk values)"
             )
-        ids = _array(columns["ids"], f"table {name!r} ids")
+        ids = _host.readable(columns["ids"], f"table {name!r} ids")
         if ids.ndim != 1:
             raise InputError(f"table {name!r} ids: must be 1-D, got shape {ids.shape}")
         if ids.dtype == np.int64:
@@ -361,7 +249,7 @@ def _save_arguments(tables, dense, options):
             if slot == "ids":
                 continue
             what = f"table {name!r} slot {slot!r}"
-            a = _array(value, what)
+            a = _host.readable(value, what)
             if a.ndim == 0 or a.shape[0] != ids.shape[0]:
                 rows = "a scalar" if a.ndim == 0 else f"{a.shape[0]} rows"
                 raise InputError(f"{what}: {rows} for {ids.shape[0]} ids")
@@ -370,7 +258,7 @@ def _save_arguments(tables, dense, options):
     dense_in = []
     for name, value in (dense or {}).items():
         what = f"dense tensor {name!r}"
-        a = _array(value, what)
+        a = _host.readable(value, what)
         dense_in.append((name, _dtype_name(a, what), [int(d) for d in a.shape], _bytes(a)))
     args = dict(options)
     args.pop("row_filter", None)
@@ -560,11 +448,41 @@ def load(
     other row-range table comes back whole, ``{slot: array}`` (with ``shard_index=j``: rows
     ``rows * j // shards`` to ``rows * (j + 1) // shards``, their first row in
     ``report["row_offsets"][table]``).
+
+    ``path`` may be a :class:`Checkpoint` (:func:`open`): the load reads through that opening.
+    Given a path, the load opens the checkpoint once and reads every table and tensor through
+    that one opening; a checkpoint replaced by another save while it is read is opened again
+    and the whole load starts over (up to 32 times), so that what comes back, ``into=``'s
+    buffers included, is one save, never a mixture of two.
     """
+    # The arguments are checked before the checkpoint is opened.
+    shards = _int("shards", shards, 1, (1 << 32) - 1)
+    options = dict(shards=shards, shard_index=_int("shard_index", shard_index, 0, shards - 1, optional=True),
+                   tables=tables, exclude_slots=exclude_slots, dense=dense,
+                   parallel=_int("parallel", parallel, 1, 4096, optional=True), into=into)
+    if isinstance(path, Checkpoint):
+        return path.load(**options)
+    for attempt in range(_REOPENS + 1):
+        ck = Checkpoint(path)
+        try:
+            return ck.load(**options)
+        except ReplacedError:
+            if attempt == _REOPENS:
+                raise
+
+
+#: How many times a load by path opens again a checkpoint replaced while it was read (as the
+#: library's own readers do).
+_REOPENS = 32
+
+
+def _load_opened(ck: "Checkpoint", shards, shard_index, tables, exclude_slots, dense, parallel, into) -> Loaded:
+    """:func:`load` through `ck`'s one opening."""
+    path = ck.path
     shards = _int("shards", shards, 1, (1 << 32) - 1)
     shard_index = _int("shard_index", shard_index, 0, shards - 1, optional=True)
     parallel = _int("parallel", parallel, 1, 4096, optional=True)
-    held = _saver.inspect(os.fspath(path))
+    held = ck._info
     if tables is not None:
         tables = [str(t) for t in tables]
         for t in tables:
@@ -574,8 +492,7 @@ def load(
     tables_out, dense_out, report = [], [], {}
     # The hashed tables and dense tensors, unless none are wanted.
     if dense or (held["tables"] and (hashed is None or hashed)):
-        tables_out, dense_out, report = _saver.load(
-            os.fspath(path),
+        tables_out, dense_out, report = ck._native.load(
             shards,
             shard_index,
             hashed,
@@ -584,7 +501,7 @@ def load(
             parallel,
         )
     out = Loaded(report=report)
-    _load_row_tables(os.fspath(path), held["row_tables"], out, shards, shard_index, tables, exclude_slots, into or {})
+    _load_row_tables(ck, held["row_tables"], out, shards, shard_index, tables, exclude_slots, into or {})
     for name, key, ids, slots in tables_out:
         columns = {"ids": ids.view(np.int64) if key == "I64" else ids}
         for slot, dtype, shape, data in slots:
@@ -597,11 +514,12 @@ def load(
     return out
 
 
-def _load_row_tables(path, held, out, shards, shard_index, tables, exclude_slots, into) -> None:
+def _load_row_tables(ck, held, out, shards, shard_index, tables, exclude_slots, into) -> None:
     """Fills ``into``'s buffers, and returns the other row-range tables (``held``, from the
-    manifest) in ``out``: every request in one native call, which opens the checkpoint once."""
+    manifest) in ``out``: every request in one native call through `ck`'s opening."""
     import fnmatch
 
+    path = ck.path
     for name in into:
         if name not in held:
             raise InputError(f"into: {path} holds no row-range table {name!r} (it holds {sorted(held)})")
@@ -617,7 +535,7 @@ def _load_row_tables(path, held, out, shards, shard_index, tables, exclude_slots
         if spec is None:
             raise InputError(f"{what}: row-range table {name!r} has no slot {slot!r} (it has {sorted(held[name]['slots'])})")
         whole = tuple(spec[1])
-        a = _writable(buffer, what)
+        a = _host.writable(buffer, what)
         _check_target_dtype(a, spec[0], what)
         offset = tuple(_int(f"{what} offset", o, 0) for o in offset) if offset is not None else (0,) * len(whole)
         if a.ndim != len(whole) or len(offset) != len(whole):
@@ -638,7 +556,7 @@ def _load_row_tables(path, held, out, shards, shard_index, tables, exclude_slots
         if name in into or (tables is not None and name not in tables):
             continue
         rows = info["rows"]
-        start, end = (0, rows) if shard_index is None else (rows * shard_index // shards, rows * (shard_index + 1) // shards)
+        start, end = (0, rows) if shard_index is None else row_cut(rows, shards, shard_index)
         offsets[name] = start
         columns = {}
         for slot, (dtype, shape) in info["slots"].items():
@@ -652,38 +570,12 @@ def _load_row_tables(path, held, out, shards, shard_index, tables, exclude_slots
             columns[slot] = Bits(buffer, dtype) if dtype in _PATTERN_BITS else buffer
         out.tables[name] = columns
     if requests:
-        wanted, read, chunks = _saver.load_rows(
-            path, [(name, a, b, targets) for (name, (a, b)), targets in requests.items()]
+        wanted, read, chunks = ck._native.load_rows(
+            [(name, a, b, targets) for (name, (a, b)), targets in requests.items()]
         )
         stats["bytes_wanted"] += wanted
         stats["bytes_read"] += read
         stats["chunks"] += chunks
-
-
-def _writable(value: Any, what: str) -> np.ndarray:
-    """``value`` as a writable C-contiguous numpy array over the caller's memory (a CPU torch
-    tensor shares it; a dtype numpy has no type for comes as a :class:`Bits` view of it), or an
-    :class:`InputError`: a load into a copy would be lost."""
-    if hasattr(value, "detach") and hasattr(value, "numpy"):
-        t = value.detach()
-        if t.device.type != "cpu":
-            raise InputError(f"{what}: a {t.device} tensor; load into a CPU tensor and copy it over")
-        pattern = _TORCH_PATTERNS.get(str(t.dtype))
-        if pattern is not None:
-            import torch
-
-            t = t.view(torch.int16 if _PATTERN_BITS[pattern] == 16 else torch.int8)
-            value = Bits(t.numpy(), pattern)
-        else:
-            value = t.numpy()
-    elif getattr(getattr(value, "dtype", None), "name", None) in _ML_DTYPES_PATTERNS and not isinstance(value, Bits):
-        pattern = _ML_DTYPES_PATTERNS[value.dtype.name]
-        value = Bits(value.view(_PATTERN_TYPE[_PATTERN_BITS[pattern]]), pattern)
-    if not isinstance(value, np.ndarray):
-        raise InputError(f"{what}: give a numpy array or a torch tensor to fill, got {type(value).__name__}")
-    if not value.flags.c_contiguous or not value.flags.writeable:
-        raise InputError(f"{what}: the buffer must be C-contiguous and writable (it is filled in place)")
-    return value
 
 
 def _check_target_dtype(a: np.ndarray, dtype: str, what: str) -> None:
@@ -713,7 +605,7 @@ def shard_of(ids: ArrayLike, shards: int) -> np.ndarray:
         mine = owner == rank
     """
     shards = _int("shards", shards, 1, (1 << 32) - 1)
-    a = _array(ids, "ids")
+    a = _host.readable(ids, "ids")
     if a.ndim != 1:
         raise InputError(f"ids: must be 1-D, got shape {a.shape}")
     if a.dtype == np.int64:
@@ -721,6 +613,16 @@ def shard_of(ids: ArrayLike, shards: int) -> np.ndarray:
     elif a.dtype != np.uint64:
         raise InputError(f"ids: must be int64 or uint64 (the dtypes of a table's ids), got {a.dtype}")
     return _saver.shard_of(a, shards)
+
+
+def row_cut(rows: int, shards: int, shard_index: int) -> tuple:
+    """The rows ``(start, end)`` of a row-range table of ``rows`` rows that shard
+    ``shard_index`` of ``shards`` holds: ``rows * j // shards`` to ``rows * (j + 1) // shards``,
+    the partition rule's row cut, which every save and load of row-range tables uses (the
+    counterpart of :func:`shard_of` for hashed tables)."""
+    rows = _int("rows", rows, 0)
+    shards = _int("shards", shards, 1, (1 << 32) - 1)
+    return tuple(_saver.row_cut(rows, shards, _int("shard_index", shard_index, 0, shards - 1)))
 
 
 def background_memory() -> int:
@@ -755,11 +657,20 @@ def digest(path: PathLike, *, parallel: Optional[int] = None) -> str:
 
 
 class Checkpoint:
-    """A committed checkpoint, opened: what it holds (from its manifest) and its operations."""
+    """A committed checkpoint (or delta chain), opened once (:func:`open`): what it holds, from
+    its manifest, and its loads, which all read through this one opening. They never move to
+    a checkpoint that replaced this one: a load that fails because the checkpoint was
+    replaced while it read raises :class:`ReplacedError` (open it again and start over;
+    :func:`load` by path does so itself)."""
 
     def __init__(self, path: PathLike):
         self.path = os.fspath(path)
-        self._info = _saver.inspect(self.path)
+        self._native = _saver.open(self.path)
+        self._info = self._native.inspect()
+
+    def replaced(self) -> bool:
+        """Whether another save has replaced this checkpoint since it was opened."""
+        return self._native.replaced()
 
     @property
     def save_id(self) -> str:
@@ -802,9 +713,27 @@ class Checkpoint:
         (what this checkpoint holds of it: a delta, only its changed rows)."""
         return self._info["row_tables"]
 
-    def load(self, **kwargs: Any) -> Loaded:
-        """:func:`load` of this checkpoint."""
-        return load(self.path, **kwargs)
+    def load(
+        self,
+        *,
+        shards: int = 1,
+        shard_index: Optional[int] = None,
+        tables: Optional[Sequence[str]] = None,
+        exclude_slots: Union[str, Sequence[str]] = (),
+        dense: bool = True,
+        parallel: Optional[int] = None,
+        into: Optional[Mapping[str, Mapping[str, "Chunk"]]] = None,
+    ) -> Loaded:
+        """:func:`load` through this opening: every table and tensor of this one save. Raises
+        :class:`ReplacedError` if the checkpoint was replaced and its read failed for it."""
+        try:
+            return _load_opened(self, shards, shard_index, tables, exclude_slots, dense, parallel, into)
+        except InputError:
+            raise
+        except SaverError as e:
+            if self.replaced():
+                raise ReplacedError(f"{e} ({self.path} was replaced by another save while it was read: open it again)") from e
+            raise
 
     def verify(self, **kwargs: Any) -> dict:
         """:func:`verify` of this checkpoint."""
@@ -1002,5 +931,6 @@ def __getattr__(name: str):
 
 def open(path: PathLike) -> Checkpoint:  # noqa: A001 - the package's verb, as in `saver.open`
     """Opens the committed checkpoint at ``path`` (refused, naming the file, if there is none or
-    it is damaged)."""
+    it is damaged): one opening, through which every load of the returned :class:`Checkpoint`
+    reads the same save."""
     return Checkpoint(path)

@@ -13,7 +13,7 @@ from . import _saver as _raw
 SaverError = _raw.SaverError
 
 # The native classes whose objects calls return: their methods are guarded too.
-_GUARDED_TYPES = (_raw.SaveHandle, _raw.Manager)
+_GUARDED_TYPES = (_raw.SaveHandle, _raw.Manager, _raw.Opened)
 
 
 def _is_panic(e: BaseException) -> bool:

@@ -22,7 +22,6 @@ use saver_core::{
     ColumnTable, DenseTensor, Dtype, KeyDtype, RowRangeChunk, SaveInput, SlotSpec, SparseTable,
     TableRef,
 };
-use saver_io::load::checkpoint::read_latest;
 use saver_io::tools::digest::{Content, DigestVersion};
 use saver_io::{Checkpoint, LoadOptions, SaveOptions};
 
@@ -557,135 +556,24 @@ type TableOut<'py> = (
 /// One loaded dense tensor: name, dtype name, shape, bytes.
 type DenseOut<'py> = (String, &'static str, Vec<u64>, Bound<'py, PyArray1<u8>>);
 
-/// Loads a checkpoint's tables (all rows, or shard `shard_index` of `shards`) and dense tensors
-/// into arrays that own the memory the core filled: handed to numpy without a copy.
-#[pyfunction]
-#[pyo3(signature = (path, shards, shard_index, tables, exclude_slots, load_dense, parallel))]
-#[allow(clippy::type_complexity, clippy::too_many_arguments)]
-fn load<'py>(
-    py: Python<'py>,
-    path: PathBuf,
-    shards: u32,
-    shard_index: Option<u32>,
-    tables: Option<Vec<String>>,
-    exclude_slots: Vec<String>,
-    load_dense: bool,
-    parallel: Option<usize>,
-) -> PyResult<(Vec<TableOut<'py>>, Vec<DenseOut<'py>>, Bound<'py, PyDict>)> {
-    let mut opts = {
-        let mut o = LoadOptions::default();
-        o.shard_num = shards;
-        o.shard_index = shard_index;
-        o.load_dense = load_dense;
-        o.exclude_slots = exclude_slots;
-        o
-    };
-    if let Some(t) = tables {
-        opts.required_tables = t.clone();
-        opts.tables = t;
-    }
-    if let Some(p) = parallel {
-        opts.parallel = p;
-    }
-    // The step and metadata of the checkpoint the columns come from (the one read_latest ended
-    // on, if it was replaced meanwhile).
-    let (columns, step, metadata) = py
-        .detach(|| {
-            read_latest(&path, || {
-                // Row-range tables are read by `saver.load` through `load_rows`.
-                let ck = Checkpoint::open(&path)?;
-                let m = ck.manifest();
-                let (step, metadata) = (m.step, m.user_metadata.clone());
-                Ok((ck.load_columns(&opts)?, step, metadata))
-            })
-        })
-        .map_err(err)?;
-    let mut out = Vec::with_capacity(columns.tables.len());
-    for t in columns.tables {
-        let slots = t
-            .slots
-            .iter()
-            .zip(t.data)
-            .map(|(s, data)| {
-                let array = PyArray1::from_vec(py, data);
-                (s.name.clone(), s.dtype.name(), s.shape.clone(), array)
-            })
-            .collect();
-        let ids = PyArray1::from_vec(py, t.ids);
-        out.push((t.name, t.key_dtype.dtype().name(), ids, slots));
-    }
-    let dense = columns
-        .dense
-        .into_iter()
-        .map(|d| {
-            let name = d.name;
-            (
-                name,
-                d.dtype.name(),
-                d.shape,
-                PyArray1::from_vec(py, d.data),
-            )
-        })
-        .collect();
-    let r = &columns.report;
-    let report = PyDict::new(py);
-    report.set_item("rows", r.rows)?;
-    report.set_item("bytes_read", r.bytes_read)?;
-    report.set_item("read_amplification", r.read_amplification)?;
-    report.set_item("load_seconds", r.load_seconds)?;
-    report.set_item("step", step)?;
-    report.set_item("metadata", metadata)?;
-    Ok((out, dense, report))
+/// A committed checkpoint (or chain) opened once (`saver.open`): every load of one request
+/// reads through this opening, so that a request never mixes two saves. Its loads do not move
+/// to a checkpoint that replaced this one: a load that fails on a replaced checkpoint says so
+/// (`replaced()`), and the caller opens the new one and starts its request over.
+#[pyclass(module = "saver._saver", frozen)]
+struct Opened {
+    ck: Checkpoint,
 }
 
-/// What a committed checkpoint holds, from its manifest: a dict.
+/// Opens the committed checkpoint at `path` (following a delta's parents), with the GIL
+/// released.
 #[pyfunction]
-fn inspect<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
-    let ckpt = py.detach(|| Checkpoint::open(&path)).map_err(err)?;
-    let m = ckpt.manifest();
-    let d = PyDict::new(py);
-    d.set_item("save_id", &m.save_id)?;
-    d.set_item("shards", m.shard_num)?;
-    d.set_item("step", m.step)?;
-    d.set_item("delta", ckpt.is_delta())?;
-    d.set_item("format_version", m.format_version)?;
-    d.set_item("metadata", &m.user_metadata)?;
-    let tables = PyDict::new(py);
-    for t in ckpt.table_manifests() {
-        let info = PyDict::new(py);
-        info.set_item("key_dtype", t.key_dtype.dtype().name())?;
-        info.set_item("rows", t.rows)?;
-        let slots = PyDict::new(py);
-        for s in &t.slots {
-            slots.set_item(&s.name, (s.dtype.name(), s.shape.clone()))?;
-        }
-        info.set_item("slots", slots)?;
-        tables.set_item(&t.name, info)?;
-    }
-    d.set_item("tables", tables)?;
-    let dense = PyDict::new(py);
-    for (_, t) in ckpt.dense_refs().map_err(err)? {
-        dense.set_item(
-            &t.tensor.name,
-            (t.tensor.dtype.name(), t.tensor.shape.clone()),
-        )?;
-    }
-    d.set_item("dense", dense)?;
-    let rows = PyDict::new(py);
-    for t in &ckpt.manifest().row_tables {
-        let info = PyDict::new(py);
-        info.set_item("rows", t.rows)?;
-        // What this checkpoint holds of it: a delta's patches hold only the changed rows.
-        info.set_item("bytes", t.tensor_refs().map(|x| x.len).sum::<u64>())?;
-        let slots = PyDict::new(py);
-        for s in &t.slots {
-            slots.set_item(&s.name, (s.dtype.name(), s.shape.clone()))?;
-        }
-        info.set_item("slots", slots)?;
-        rows.set_item(&t.name, info)?;
-    }
-    d.set_item("row_tables", rows)?;
-    Ok(d)
+fn open(py: Python<'_>, path: PathBuf) -> PyResult<Opened> {
+    // Pinned: a load through this opening reads this save or fails, never another save.
+    let ck = py
+        .detach(|| Checkpoint::open(&path).map(Checkpoint::pinned))
+        .map_err(err)?;
+    Ok(Opened { ck })
 }
 
 /// One slot a row-range load fills: slot, its columns (`None`: all), the caller's buffer as a
@@ -696,62 +584,187 @@ type RowsIntoIn<'py> = (String, Option<(u64, u64)>, Bound<'py, PyArray1<u8>>);
 /// One row-range table a load fills: table, first and end row, its slots' targets.
 type RowsLoadIn<'py> = (String, u64, u64, Vec<RowsIntoIn<'py>>);
 
-/// Reads rows of row-range tables into the caller's arrays, in place, with the GIL released,
-/// from the checkpoint opened once: (bytes wanted, bytes read, chunks read).
-#[pyfunction]
-fn load_rows(
-    py: Python<'_>,
-    path: PathBuf,
-    mut tables: Vec<RowsLoadIn<'_>>,
-) -> PyResult<(u64, u64, u64)> {
-    // Every target borrowed before any is filled: one whose memory another target of this
-    // load also covers is refused here, naming it, with nothing written yet.
-    let mut borrowed: Vec<Vec<PyReadwriteArray1<'_, u8>>> = Vec::with_capacity(tables.len());
-    for (table, _, _, into) in &tables {
-        let mut views = Vec::with_capacity(into.len());
-        for (slot, _, out) in into {
-            views.push(out.try_readwrite().map_err(|_| {
-                err(format!(
-                    "into[{table:?}][{slot:?}]: its buffer shares memory with another target of \
-                     this load (the same array twice, or overlapping views of one); give each \
-                     target memory of its own"
-                ))
-            })?);
-        }
-        borrowed.push(views);
+#[pymethods]
+impl Opened {
+    /// Whether the checkpoint was replaced since it was opened (its location now holds another
+    /// save).
+    fn replaced(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.ck.was_replaced())
     }
-    let mut requests = Vec::with_capacity(tables.len());
-    for ((table, start, end, into), views) in tables.iter_mut().zip(&mut borrowed) {
-        let mut targets = Vec::with_capacity(into.len());
-        for ((slot, cols, _), out) in into.iter_mut().zip(views.iter_mut()) {
-            let out = out
-                .as_slice_mut()
-                .map_err(|e| err(format!("table {table:?} slot {slot:?}: {e}")))?;
-            let mut t = saver_io::RowsInto::new(slot, out);
-            if let Some((a, b)) = *cols {
-                t = t.columns(a..b);
+
+    /// What the checkpoint holds, from its manifest: a dict.
+    fn inspect<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let ckpt = &self.ck;
+        let m = ckpt.manifest();
+        let d = PyDict::new(py);
+        d.set_item("save_id", &m.save_id)?;
+        d.set_item("shards", m.shard_num)?;
+        d.set_item("step", m.step)?;
+        d.set_item("delta", ckpt.is_delta())?;
+        d.set_item("format_version", m.format_version)?;
+        d.set_item("metadata", &m.user_metadata)?;
+        let tables = PyDict::new(py);
+        for t in ckpt.table_manifests() {
+            let info = PyDict::new(py);
+            info.set_item("key_dtype", t.key_dtype.dtype().name())?;
+            info.set_item("rows", t.rows)?;
+            let slots = PyDict::new(py);
+            for s in &t.slots {
+                slots.set_item(&s.name, (s.dtype.name(), s.shape.clone()))?;
             }
-            targets.push(t);
+            info.set_item("slots", slots)?;
+            tables.set_item(&t.name, info)?;
         }
-        requests.push((table.as_str(), *start..*end, targets));
+        d.set_item("tables", tables)?;
+        let dense = PyDict::new(py);
+        for (_, t) in ckpt.dense_refs().map_err(err)? {
+            dense.set_item(
+                &t.tensor.name,
+                (t.tensor.dtype.name(), t.tensor.shape.clone()),
+            )?;
+        }
+        d.set_item("dense", dense)?;
+        let rows = PyDict::new(py);
+        for t in &ckpt.manifest().row_tables {
+            let info = PyDict::new(py);
+            info.set_item("rows", t.rows)?;
+            // What this checkpoint holds of it: a delta's patches hold only the changed rows.
+            info.set_item("bytes", t.tensor_refs().map(|x| x.len).sum::<u64>())?;
+            let slots = PyDict::new(py);
+            for s in &t.slots {
+                slots.set_item(&s.name, (s.dtype.name(), s.shape.clone()))?;
+            }
+            info.set_item("slots", slots)?;
+            rows.set_item(&t.name, info)?;
+        }
+        d.set_item("row_tables", rows)?;
+        Ok(d)
     }
-    let loaded = py
-        .detach(|| {
-            read_latest(&path, || {
-                let ck = Checkpoint::open(&path)?;
-                // Every table at once, so that no core waits at the end of one table's reads
-                // while another table's are still to come.
-                requests
-                    .par_iter_mut()
-                    .map(|(table, rows, targets)| {
+
+    /// Loads the hashed tables (all rows, or shard `shard_index` of `shards`) and dense tensors
+    /// into arrays that own the memory the core filled: handed to numpy without a copy.
+    #[pyo3(signature = (shards, shard_index, tables, exclude_slots, load_dense, parallel))]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    fn load<'py>(
+        &self,
+        py: Python<'py>,
+        shards: u32,
+        shard_index: Option<u32>,
+        tables: Option<Vec<String>>,
+        exclude_slots: Vec<String>,
+        load_dense: bool,
+        parallel: Option<usize>,
+    ) -> PyResult<(Vec<TableOut<'py>>, Vec<DenseOut<'py>>, Bound<'py, PyDict>)> {
+        let mut opts = {
+            let mut o = LoadOptions::default();
+            o.shard_num = shards;
+            o.shard_index = shard_index;
+            o.load_dense = load_dense;
+            o.exclude_slots = exclude_slots;
+            o
+        };
+        if let Some(t) = tables {
+            opts.required_tables = t.clone();
+            opts.tables = t;
+        }
+        if let Some(p) = parallel {
+            opts.parallel = p;
+        }
+        // Row-range tables are read through `load_rows`.
+        let columns = py.detach(|| self.ck.load_columns(&opts)).map_err(err)?;
+        let m = self.ck.manifest();
+        let mut out = Vec::with_capacity(columns.tables.len());
+        for t in columns.tables {
+            let slots = t
+                .slots
+                .iter()
+                .zip(t.data)
+                .map(|(s, data)| {
+                    let array = PyArray1::from_vec(py, data);
+                    (s.name.clone(), s.dtype.name(), s.shape.clone(), array)
+                })
+                .collect();
+            let ids = PyArray1::from_vec(py, t.ids);
+            out.push((t.name, t.key_dtype.dtype().name(), ids, slots));
+        }
+        let dense = columns
+            .dense
+            .into_iter()
+            .map(|d| {
+                let name = d.name;
+                (
+                    name,
+                    d.dtype.name(),
+                    d.shape,
+                    PyArray1::from_vec(py, d.data),
+                )
+            })
+            .collect();
+        let r = &columns.report;
+        let report = PyDict::new(py);
+        report.set_item("rows", r.rows)?;
+        report.set_item("bytes_read", r.bytes_read)?;
+        report.set_item("read_amplification", r.read_amplification)?;
+        report.set_item("load_seconds", r.load_seconds)?;
+        report.set_item("step", m.step)?;
+        report.set_item("metadata", m.user_metadata.clone())?;
+        Ok((out, dense, report))
+    }
+
+    /// Reads rows of row-range tables into the caller's arrays, in place, with the GIL
+    /// released: (bytes wanted, bytes read, chunks read).
+    fn load_rows(
+        &self,
+        py: Python<'_>,
+        mut tables: Vec<RowsLoadIn<'_>>,
+    ) -> PyResult<(u64, u64, u64)> {
+        // Every target borrowed before any is filled: one whose memory another target of this
+        // load also covers is refused here, naming it, with nothing written yet.
+        let mut borrowed: Vec<Vec<PyReadwriteArray1<'_, u8>>> = Vec::with_capacity(tables.len());
+        for (table, _, _, into) in &tables {
+            let mut views = Vec::with_capacity(into.len());
+            for (slot, _, out) in into {
+                views.push(out.try_readwrite().map_err(|_| {
+                    err(format!(
+                        "into[{table:?}][{slot:?}]: its buffer shares memory with another target \
+                         of this load (the same array twice, or overlapping views of one); give \
+                         each target memory of its own"
+                    ))
+                })?);
+            }
+            borrowed.push(views);
+        }
+        let mut requests = Vec::with_capacity(tables.len());
+        for ((table, start, end, into), views) in tables.iter_mut().zip(&mut borrowed) {
+            let mut targets = Vec::with_capacity(into.len());
+            for ((slot, cols, _), out) in into.iter_mut().zip(views.iter_mut()) {
+                let out = out
+                    .as_slice_mut()
+                    .map_err(|e| err(format!("table {table:?} slot {slot:?}: {e}")))?;
+                let mut t = saver_io::RowsInto::new(slot, out);
+                if let Some((a, b)) = *cols {
+                    t = t.columns(a..b);
+                }
+                targets.push(t);
+            }
+            requests.push((table.as_str(), *start..*end, targets));
+        }
+        let ck = &self.ck;
+        py.detach(|| {
+            // Every table at once, so that no core waits at the end of one table's reads while
+            // another table's are still to come.
+            requests
+                .par_iter_mut()
+                .map(
+                    |(table, rows, targets)| -> saver_io::Result<(u64, u64, u64)> {
                         let l = ck.load_rows(table, rows.clone(), targets)?;
                         Ok((l.bytes_wanted, l.bytes_read, l.chunks))
-                    })
-                    .try_reduce(|| (0, 0, 0), |a, b| Ok((a.0 + b.0, a.1 + b.1, a.2 + b.2)))
-            })
+                    },
+                )
+                .try_reduce(|| (0, 0, 0), |a, b| Ok((a.0 + b.0, a.1 + b.1, a.2 + b.2)))
         })
-        .map_err(err)?;
-    Ok(loaded)
+        .map_err(err)
+    }
 }
 
 /// Reads every byte of a checkpoint (or chain) and checks it against its CRCs: the report as a
@@ -827,6 +840,23 @@ fn shard_of<'py>(
     Ok(PyArray1::from_vec(py, owners))
 }
 
+/// The rows `start..end` of a row-range table of `rows` rows that shard `index` of `shards`
+/// holds, by the partition rule's row cut (`saver_core::Shard::rows_of`).
+#[pyfunction]
+fn row_cut(rows: u64, shards: u32, index: u32) -> PyResult<(u64, u64)> {
+    if shards == 0 || index >= shards {
+        return Err(err(format!(
+            "row_cut: shard {index} of {shards}: give 0 <= index < shards"
+        )));
+    }
+    let r = saver_core::Shard {
+        index,
+        count: shards,
+    }
+    .rows_of(rows);
+    Ok((r.start, r.end))
+}
+
 #[pymodule]
 fn _saver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SaverError", m.py().get_type::<SaverError>())?;
@@ -834,12 +864,12 @@ fn _saver(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Manager>()?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(save_async, m)?)?;
-    m.add_function(wrap_pyfunction!(load, m)?)?;
-    m.add_function(wrap_pyfunction!(inspect, m)?)?;
-    m.add_function(wrap_pyfunction!(load_rows, m)?)?;
+    m.add_class::<Opened>()?;
+    m.add_function(wrap_pyfunction!(open, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(digest, m)?)?;
     m.add_function(wrap_pyfunction!(shard_of, m)?)?;
+    m.add_function(wrap_pyfunction!(row_cut, m)?)?;
     m.add_function(wrap_pyfunction!(background_memory, m)?)?;
     m.add_function(wrap_pyfunction!(release_background_memory, m)?)?;
     Ok(())

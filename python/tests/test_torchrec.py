@@ -398,14 +398,14 @@ def test_row_wise_state_whose_metadata_disagrees_with_its_shape_is_refused(tmp_p
     plain = _plain_ebc(seed=7)
     opt = torchrec.optim.RowWiseAdagrad(plain.parameters(), lr=0.1)
     _train(plain, 0, 1, opt)
-    collect = saver.torch._collect
+    collect = saver.torch._saving._collect
 
     def three_ranges(*args, **kwargs):
         tables, dense, meta = collect(*args, **kwargs)
         meta["rowwise"] = {"embedding_bags.t2.weight": {"sum": [[0, 32], [32, 64], [64, 128]]}}
         return tables, dense, meta
 
-    monkeypatch.setattr(saver.torch, "_collect", three_ranges)
+    monkeypatch.setattr(saver.torch._saving, "_collect", three_ranges)
     saver.torch.save(tmp_path / "ck", plain, opt)
     back = _plain_ebc(seed=8)
     with pytest.raises(saver.InputError, match=r"embedding_bags\.t2\.weight: .*'sum' of shape \(80, 1\) has 3 column ranges"):
@@ -471,3 +471,73 @@ def test_a_fused_state_of_another_optimizer_is_refused_in_one_line_that_says_so(
         mp.spawn(_run_load_other_optimizer, args=(1, _free_port(), path, out, not saved_rowwise), nprocs=1, join=True)
         got = open(os.path.join(out, "rank0.txt")).read()
         assert said in got and "only [" not in got and "DTensor" not in got, got
+
+
+def _run_move(rank, world, port, kinds, path, out, strict):
+    """Loads `path` into a model of plan `kinds` (fused RowWiseAdagrad on its sharded tables,
+    the dense Adagrad on its data-parallel ones), with `strict`: what it said and warned, and
+    the model's tables and states before and after."""
+    import warnings
+
+    with gloo_ranks.group(rank, world, port):
+        model = _model(world, kinds, seed=2, rowwise=True, min_partition=8)
+        dense = _dense_optimizer(model)
+        before = _dump(model, dense)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                saver.torch.load(path, model, dense, strict=strict)
+                said = None
+            except saver.InputError as e:
+                said = str(e)
+        warned = [str(w.message) for w in seen if issubclass(w.category, saver.SaverWarning)]
+        torch.save({"said": said, "warned": warned, "before": before, "after": _dump(model, dense)}, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_a_table_moving_between_the_fused_and_the_dense_optimizer_converts_its_adagrad_state_or_is_refused(tmp_path):
+    """The usual TorchRec pair: sharded tables trained by the fused RowWiseAdagrad (`momentum1`,
+    one value a row per column shard), data-parallel ones by the dense torch.optim.Adagrad
+    (`sum`, one value a row and column). Saved with t0 table-wise, t1 data-parallel and t2 in
+    column shards; loaded with t0 and t2 data-parallel and t1 in column shards. Under strict the
+    load is refused on every rank, naming the conversion, and the model is untouched (before:
+    t0's and t2's state silently fresh zeros). Without strict each state is converted by the
+    documented rule, with a warning: `momentum1` broadcast over the columns of its shard, `sum`
+    averaged over the columns of each new shard; the weights bit for bit."""
+    path = str(tmp_path / "ck")
+    saved = _by_table(_ranks(2, ["table_wise", "data_parallel", "column_wise"], path, str(tmp_path / "saved"), save=True, rowwise=True))
+    ranges = saver.torch._meta(path)[0]["rowwise"]["embedding_bags.t2.weight"]["momentum1"]
+    assert len(ranges) > 1, ranges
+    kinds = ["data_parallel", "column_wise", "data_parallel"]
+    for strict in (True, False):
+        out = str(tmp_path / f"strict-{strict}")
+        os.makedirs(out)
+        mp.spawn(_run_move, args=(2, _free_port(), kinds, path, out, strict), nprocs=2, join=True)
+        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+        if strict:
+            for r in ranks:
+                assert r["said"] is not None and "strict=False converts it" in r["said"], r["said"]
+                assert r["before"].keys() == r["after"].keys()
+                assert all(torch.equal(r["before"][k], v) for k, v in r["after"].items()), "a refused load changed the model"
+            continue
+        assert all(r["said"] is None for r in ranks), [r["said"] for r in ranks]
+        assert all(any("converted" in w for w in r["warned"]) for r in ranks), [r["warned"] for r in ranks]
+        got = _by_table(_whole([r["after"] for r in ranks]))
+        for n, rows, cols in TABLES:
+            table = f"embedding_bags.{n}.weight"
+            assert torch.equal(got[(table, "")], saved[(table, "")]), table
+        # Row-wise into element-wise: each saved column shard's value over its columns.
+        for n, cuts in (("t0", [[0, 16]]), ("t2", ranges)):
+            rows = dict((t, r) for t, r, _ in TABLES)[n]
+            per_shard = saved[(f"embedding_bags.{n}.weight", "momentum1")].reshape(-1, rows)
+            dense = got[(f"embedding_bags.{n}.weight", "momentum1")]
+            assert torch.count_nonzero(per_shard), n
+            for j, (a, b) in enumerate(cuts):
+                assert torch.equal(dense[:, a:b], per_shard[j].unsqueeze(1).expand(-1, b - a)), (n, a, b)
+        # Element-wise into row-wise: each row's mean over the columns of each new shard.
+        rows, cols = TABLES[1][1], TABLES[1][2]
+        elementwise = saved[("embedding_bags.t1.weight", "momentum1")]
+        per_shard = got[("embedding_bags.t1.weight", "momentum1")].reshape(-1, rows)
+        assert per_shard.shape[0] > 1, "t1 is cut into column shards"
+        width = cols // per_shard.shape[0]
+        for j, shard in enumerate(per_shard):
+            assert torch.allclose(shard, elementwise[:, j * width:(j + 1) * width].mean(1), rtol=1e-6, atol=0), j
