@@ -401,9 +401,9 @@ def test_row_wise_state_whose_metadata_disagrees_with_its_shape_is_refused(tmp_p
     collect = saver.torch._saving._collect
 
     def three_ranges(*args, **kwargs):
-        tables, dense, meta = collect(*args, **kwargs)
+        items, meta = collect(*args, **kwargs)
         meta["rowwise"] = {"embedding_bags.t2.weight": {"sum": [[0, 32], [32, 64], [64, 128]]}}
-        return tables, dense, meta
+        return items, meta
 
     monkeypatch.setattr(saver.torch._saving, "_collect", three_ranges)
     saver.torch.save(tmp_path / "ck", plain, opt)

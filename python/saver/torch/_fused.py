@@ -82,7 +82,7 @@ def _column_mean_fill(tensor, n, r, cut, dtype, after):
     over the columns of `cut` (the columns read here, the mean taken after the load)."""
     a, b = cut
     buf = torch.empty(n, b - a, dtype=dtype)
-    after.append(lambda: tensor.copy_(buf.mean(1).to(tensor.dtype).reshape(tensor.shape)))
+    after.append(lambda: tensor.copy_(buf.mean(1).reshape(tensor.shape)))
     return [_s.Chunk(buf, offset=(r, a))]
 
 
@@ -102,7 +102,7 @@ def _broadcast_fill(target, offset, saved, dtype, after):
 
     def broadcast():
         for a, b, buf in parts:
-            target[:, a:b] = buf.to(target.dtype)
+            target[:, a:b] = buf
 
     after.append(broadcast)
     return out

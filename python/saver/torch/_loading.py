@@ -13,7 +13,7 @@ from saver import _host
 
 from ._forms import _chunks_of, _is_dtensor, _is_sharded, _local_parts, _shards_wrapper
 from ._fused import _broadcast_fill, _column_mean_fill, _convert, _dense_part, _fused_state, _held_slot, _is_rowwise, _missing_state, _rowwise_fill, _rowwise_targets, _saved_rowwise
-from ._items import _table_params
+from ._items import _table_params, chunk_items, load_request
 from ._metadata import _meta
 from ._optim import _check_hyper, _check_optimizer, _check_optimizer_class, _load_optimizer, _param_names, _updates
 from ._ranks import _agreed, _same_checkpoint, _world
@@ -258,8 +258,10 @@ def _load_once(path, model, optimizer, strict):
         _check_dense(dense_wanted[k], *held_dense[k], k)
     if optimizer is not None:
         _check_optimizer(optimizer, meta, ck.dense, by_name, names, set(table_params) | set(sharded), path)
+    # The request: every piece of a table to fill, as items.
+    request = [it for name, slots in into.items() for it in chunk_items(name, slots, {k: v[1] for k, v in held_tables[name]["slots"].items()})]
     try:
-        loaded = ck.load(into=into, tables=list(into) or None)
+        loaded = ck.load(into=load_request(request), tables=list(into) or None)
     except _s.InputError:
         raise  # refused before any byte was read into the model
     except _s.ReplacedError:

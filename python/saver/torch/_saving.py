@@ -15,14 +15,14 @@ from saver import _host
 
 from ._forms import _chunks_of, _column_ranges, _is_sharded
 from ._fused import _dense_part, _fused_state, _is_rowwise, _rowwise_chunks
-from ._items import _table_params
+from ._items import _table_params, chunk_items, dense_item, save_arguments, table_item
 from ._metadata import META_KEY, META_VERSION, _jsonable
 from ._optim import _optimizer_state
 from ._ranks import RanksHandle, _agree, _agreed, _world
 
 
 def _collect(model, optimizer, tables, step, extra, rank, world):
-    """The save's tables, dense tensors and metadata for this rank."""
+    """The save's items (this rank's share of the tables, the dense tensors) and metadata."""
     model_state = model.state_dict()
     table_params = {
         k: p for k, p in _table_params(model, tables).items() if not _is_sharded(model_state.get(k))
@@ -92,19 +92,16 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
         "step": step,
         "extra": extra,
     }
-    out_tables = {}
+    items = []
     for name, slots in by_table.items():
         rows = next(iter(slots.values())).shape[0]
         a, b = _s.row_cut(rows, world, rank)
-        out_tables[name] = {
-            slot: _s.Chunk(v[a:b], offset=(a,) + (0,) * (v.dim() - 1), shape=tuple(v.shape))
-            for slot, v in slots.items()
-        }
+        items += [table_item(name, slot, v[a:b], (a,) + (0,) * (v.dim() - 1), tuple(v.shape)) for slot, v in slots.items()]
     for name, slots in sharded.items():
-        held = {slot: chunks for slot, chunks in slots.items() if chunks}
-        if held:
-            out_tables[name] = held
-    return out_tables, dense, meta
+        items += chunk_items(name, slots)
+    # Dense tensors after the tables, as saver.save's arguments put them.
+    items += [dense_item(k, v) for k, v in dense.items()]
+    return items, meta
 
 
 def _save(target, model, optimizer, step, extra, tables, background, options):
@@ -117,7 +114,7 @@ def _save(target, model, optimizer, step, extra, tables, background, options):
     options.setdefault("direct_io", "auto" if background else "off")
     rank, world = _world()
     if world == 1:
-        out_tables, dense, meta = _collect(model, optimizer, tables, step, extra, rank, world)
+        items, meta = _collect(model, optimizer, tables, step, extra, rank, world)
     else:
         # Each rank sees the row-wise state of the shards it holds: the metadata, which every
         # rank must give alike, takes them all. A rank that cannot give its share says so
@@ -126,7 +123,7 @@ def _save(target, model, optimizer, step, extra, tables, background, options):
 
         failure, rowwise = None, {}
         try:
-            out_tables, dense, meta = _collect(model, optimizer, tables, step, extra, rank, world)
+            items, meta = _collect(model, optimizer, tables, step, extra, rank, world)
             rowwise = meta["rowwise"]
         except Exception as e:  # noqa: BLE001 - told to every rank, then raised
             failure = f"rank {rank}: {e}"
@@ -143,6 +140,7 @@ def _save(target, model, optimizer, step, extra, tables, background, options):
                 for key, ranges in keys.items():
                     merged.setdefault(table, {}).setdefault(key, set()).update(map(tuple, ranges))
         meta["rowwise"] = {t: {k: sorted(v) for k, v in keys.items()} for t, keys in sorted(merged.items())}
+    out_tables, dense = save_arguments(items)
     metadata = {META_KEY: json.dumps(meta)}
     if "metadata" in options:
         metadata = {**options.pop("metadata"), **metadata}
