@@ -2,7 +2,10 @@
 //! compacted copy in the same store: the same rows, read through the links or from one
 //! checkpoint.
 //!
-//! `cargo bench --bench chain_object_store -- [--size 6MiB] [--links 3] [--runs 3]`
+//! `cargo bench --bench chain_object_store -- [--size 6MiB] [--links 3] [--shards 1] [--runs 3]`
+//!
+//! `--shards N` saves every link (and the compacted copy) in N shards. Besides the whole load,
+//! one worker's load of shard 1 of 2 (a resharding load: half the rows, from every shard).
 //!
 //! The base holds the model; each later link rewrites 30 % of every table's rows (a different
 //! 30 % each time). Every configuration runs once per round, interleaved, after a warm-up round;
@@ -27,7 +30,7 @@ use saver::{save, Checkpoint, LoadOptions, SaveOptions};
 /// One configuration: runs once, returns its timed seconds.
 type Run<'a> = Box<dyn Fn() -> f64 + 'a>;
 
-fn opts(parent: Option<&str>) -> SaveOptions {
+fn opts(parent: Option<&str>, shards: u32) -> SaveOptions {
     let mut o = {
         let mut o = SaveOptions::default();
         o.overwrite = true;
@@ -35,6 +38,7 @@ fn opts(parent: Option<&str>) -> SaveOptions {
         o
     };
     o.plan.parallel = 2;
+    o.plan.shard_num = shards;
     o
 }
 
@@ -47,10 +51,16 @@ fn digest(url: &str) -> String {
     saver::io::tools::digest::digest(at, DigestVersion::V2).unwrap()
 }
 
-/// Loads the checkpoint or chain at `url` into tables; returns the rows loaded.
-fn load(url: &str) -> u64 {
+/// Loads the checkpoint or chain at `url` into tables (all of it, or shard `part` of 2);
+/// returns the rows loaded.
+fn load(url: &str, part: Option<u32>) -> u64 {
     let chain = Checkpoint::open(Path::new(url)).unwrap();
-    let r = chain.restore(&LoadOptions::default()).unwrap();
+    let mut o = LoadOptions::default();
+    if let Some(j) = part {
+        o.shard_num = 2;
+        o.shard_index = Some(j);
+    }
+    let r = chain.restore(&o).unwrap();
     r.report.rows
 }
 
@@ -61,6 +71,9 @@ fn main() {
     let links: usize = common::arg("--links")
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
+    let shards: u32 = common::arg("--shards")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
     let runs: usize = common::arg("--runs")
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
@@ -90,7 +103,7 @@ fn main() {
         let r = save(
             Path::new(&url),
             model.input(),
-            &opts(urls.last().map(String::as_str)),
+            &opts(urls.last().map(String::as_str), shards),
         )
         .unwrap();
         bytes += r.bytes_written;
@@ -99,12 +112,12 @@ fn main() {
     let tip = urls.last().unwrap().clone();
     let compacted = g.url("chain/compacted");
     let chain = Checkpoint::open(Path::new(&tip)).unwrap();
-    reshard(&chain, Path::new(&compacted), &opts(None)).unwrap();
+    reshard(&chain, Path::new(&compacted), &opts(None, shards)).unwrap();
     drop(chain);
     assert_eq!(digest(&tip), digest(&compacted));
 
     println!(
-        "## A chain of {links} links on an object store (Garage on loopback), {} model, {} in all links\n",
+        "## A chain of {links} links on an object store (Garage on loopback), {} model in {shards} shard(s), {} in all links\n",
         human(spec.model_bytes()),
         human(bytes)
     );
@@ -133,7 +146,7 @@ fn main() {
             "load into tables, compacted",
             Box::new(|| {
                 let t = Instant::now();
-                load(&compacted);
+                load(&compacted, None);
                 t.elapsed().as_secs_f64()
             }),
         ),
@@ -141,7 +154,23 @@ fn main() {
             "load into tables, chain",
             Box::new(|| {
                 let t = Instant::now();
-                load(&tip);
+                load(&tip, None);
+                t.elapsed().as_secs_f64()
+            }),
+        ),
+        (
+            "load of shard 1 of 2, compacted",
+            Box::new(|| {
+                let t = Instant::now();
+                load(&compacted, Some(1));
+                t.elapsed().as_secs_f64()
+            }),
+        ),
+        (
+            "load of shard 1 of 2, chain",
+            Box::new(|| {
+                let t = Instant::now();
+                load(&tip, Some(1));
                 t.elapsed().as_secs_f64()
             }),
         ),
@@ -158,7 +187,10 @@ fn main() {
     }
     let times: Vec<f64> = times.into_iter().map(median).collect();
     println!("| read | compacted copy | chain | chain / copy |\n| --- | --- | --- | --- |");
-    for (i, what) in ["digest", "load into tables"].iter().enumerate() {
+    for (i, what) in ["digest", "load into tables", "load of shard 1 of 2"]
+        .iter()
+        .enumerate()
+    {
         let (copy, chain) = (times[2 * i], times[2 * i + 1]);
         println!(
             "| {what} | {copy:.2} s | {chain:.2} s | **{:.2}** |",

@@ -190,7 +190,9 @@ def main():
         "`saver.torch.save(path, model)` / `.load` against TorchRec's DCP recipe (`dcp.save` / `dcp.load` "
         "of the model's and the fused optimizer's state dicts, then `load_state_dict` of both). Each "
         f"operation is timed on the slowest rank. The resharding load reads the checkpoint of {r['world']} "
-        f"ranks into a plan of {r['reshard_world']}.",
+        f"ranks into a plan of {r['reshard_world']}, table-wise as well: each table moves whole to another "
+        "rank, its column cut unchanged (a load into another column cut reads each row's bytes and "
+        "scatters its columns, and is not measured here).",
         "",
         f"![seconds per operation]({rel}/plot-torchrec-times.png)",
         "",

@@ -16,6 +16,8 @@ each as a ratio to the limit measured in the same rounds:
   first (cold: posix_fadvise DONTNEED on every file of the three). On this virtual machine a
   file evicted from its page cache is often still in the host's, so "cold" reads here run at
   2-3 GB/s rather than at the disk's speed;
+- a load into another column cut: the same checkpoint read as 4 column shards (4 loads, as the
+  ranks of a column-wise plan read a table-wise checkpoint), warm, against the whole restore;
 - a resharding load, saved by 2 writers' row halves and read by 3 workers' row thirds: the bytes
   read over the bytes kept;
 - a step that changed 1 % of the rows (weight and sum), saved as a delta of the step before
@@ -151,6 +153,20 @@ def saver_load(tables, path):
     return seconds, fresh
 
 
+def saver_load_columns(tables, path, shards=4):
+    """The model's tables read as 4 column shards (as 4 ranks of a column-wise plan read a
+    table-wise checkpoint), one load each into fresh tensors, timed together: a column slice
+    reads its rows whole and scatters the columns."""
+    fresh = [{name: {s: torch.empty(a.shape[0], a.shape[1] // shards, dtype=a.dtype) for s, a in t.items()}
+              for name, t in tables.items()} for _ in range(shards)]
+    t0 = time.perf_counter()
+    for j, part in enumerate(fresh):
+        into = {name: {s: saver.Chunk(a, offset=(0, j * a.shape[1])) for s, a in t.items()} for name, t in part.items()}
+        saver.load(path, dense=False, into=into)
+    seconds = time.perf_counter() - t0
+    return seconds, fresh
+
+
 def torch_save(tables, path):
     state = {f"{name}.{s}": a for name, t in tables.items() for s, a in t.items()}
     t0 = time.perf_counter()
@@ -253,7 +269,7 @@ def main():
     }
     times = {k: [] for k in ["limit_write", "saver_save", "torch_save",
                              "limit_read_warm", "saver_load_warm", "torch_load_warm",
-                             "limit_read_cold", "saver_load_cold", "torch_load_cold"]}
+                             "limit_read_cold", "saver_load_cold", "torch_load_cold", "saver_load_columns_warm"]}
     for r in range(args.rounds + 1):  # the first round warms up and is not kept
         got = {
             "limit_write": limit_write(tables, paths["limit"]),
@@ -277,6 +293,14 @@ def main():
                     for s, a in t.items():
                         assert torch.equal(loaded[name][s], a), (name, s)
             del loaded
+            if cache == "warm":
+                seconds, parts = saver_load_columns(tables, paths["saver"])
+                got["saver_load_columns_warm"] = seconds
+                if r == 0:
+                    for name, t in tables.items():
+                        for s, a in t.items():
+                            assert torch.equal(torch.cat([p[name][s] for p in parts], dim=1), a), (name, s)
+                del parts
             if cache == "cold":
                 evict(paths.values())
             seconds, state = torch_load(paths["torch"])
@@ -301,6 +325,11 @@ def main():
     for what, _, s, lim, lim_name, peer, peer_name in rows:
         print(f"| {what} | {s:.3f} s | {lim:.3f} s ({lim_name}) | {lim / s:.2f} | {peer:.3f} s ({peer_name}) | {peer / s:.2f} |")
     print(f"| resharding load 2 -> 3 workers | bytes read / bytes kept: {amplification:.4f} | | | | |")
+    print()
+    print("A load into another column cut (4 column shards, 4 loads, warm) against the whole restore (warm):")
+    print("| | 4 column shards | whole | columns / whole |")
+    print("| --- | --- | --- | --- |")
+    print(f"| restore, warm | {med['saver_load_columns_warm']:.3f} s | {med['saver_load_warm']:.3f} s | {med['saver_load_columns_warm'] / med['saver_load_warm']:.2f} |")
     print()
     print("A step that changed 1 % of the rows, as a delta of the step before and as a full save:")
     print("| | delta | full | delta / full |")

@@ -52,10 +52,22 @@ impl<'s> SourceTables<'s> {
     /// Every table of `ckpt`: a full checkpoint's read straight from their segments, a delta's
     /// resolved over its chain.
     pub fn of_checkpoint(ckpt: &'s Checkpoint) -> Result<Self> {
+        Self::of_checkpoint_selected(ckpt, &[], &[])
+    }
+
+    /// The tables of `ckpt` that the globs `tables` select (all when empty), with the slots
+    /// `exclude_slots` leaves, read as [`Self::of_checkpoint`] reads them: the one place, with
+    /// the load loop's engine, where a reader of a checkpoint's rows chooses between one full
+    /// checkpoint and a chain.
+    pub fn of_checkpoint_selected(
+        ckpt: &'s Checkpoint,
+        tables: &[String],
+        exclude_slots: &[String],
+    ) -> Result<Self> {
         Ok(if ckpt.is_delta() {
-            Self::Chain(ckpt.tables(&[], &[])?)
+            Self::Chain(ckpt.tables(tables, exclude_slots)?)
         } else {
-            Self::Stored(StoredTable::all(ckpt.newest(), &[], &[])?)
+            Self::Stored(StoredTable::all(ckpt.newest(), tables, exclude_slots)?)
         })
     }
 

@@ -25,7 +25,6 @@ use crate::error::{Error, Result};
 use crate::load::checkpoint::Checkpoint;
 use crate::load::restore::LoadedDense;
 use crate::load::rows::BucketRows;
-use crate::load::stored::StoredTable;
 use crate::source::sorted::{visit_by_id, RUN_BYTES};
 use crate::storage::write_behind::WriteBehind;
 use crate::storage::{Storage, WriteHandle};
@@ -183,15 +182,12 @@ const COLUMN_BUFFER_BYTES: usize = 4 << 20;
 pub fn export(ckpt: &Checkpoint, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
     let read_dense = || ckpt.dense_tensors(None, &mut crate::LoadReport::default());
     let rows = RowTables::of(ckpt, opts)?;
-    if !ckpt.is_delta() {
-        // One full checkpoint: its rows are read straight from their segments.
-        let tables = StoredTable::all(ckpt.newest(), &opts.tables, &opts.exclude_slots)?;
-        let tables = tables.iter().map(|t| t as &dyn BucketRows).collect();
-        return export_tables(tables, rows, read_dense, out, opts);
-    }
-    let tables = ckpt.tables(&opts.tables, &opts.exclude_slots)?;
-    let tables = tables.iter().map(|t| t as &dyn BucketRows).collect();
-    export_tables(tables, rows, read_dense, out, opts)
+    let tables = crate::source::SourceTables::of_checkpoint_selected(
+        ckpt,
+        &opts.tables,
+        &opts.exclude_slots,
+    )?;
+    export_tables(tables.as_bucket_rows(), rows, read_dense, out, opts)
 }
 
 /// The row-range tables an export writes, each slot as one consolidated tensor

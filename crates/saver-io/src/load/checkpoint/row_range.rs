@@ -479,6 +479,19 @@ fn fill_from_chunks(
             read_in_parts(link, table, t, from, dst, loaded)?;
             continue;
         }
+        if !whole_rows && (c_width - (x.end - x.start)) * el <= COALESCE_BYTES {
+            scatter_columns(
+                link,
+                table,
+                t,
+                (&r, c_row0, c_width),
+                (&x, c0),
+                at,
+                out,
+                loaded,
+            )?;
+            continue;
+        }
         let pieces_of: Vec<(u64, u64, u64)> = if whole_rows {
             vec![(
                 (r.start - c_row0) * c_width * el,
@@ -498,6 +511,62 @@ fn fill_from_chunks(
         };
         read_checked(link, table, t, &pieces_of, out, loaded)?;
     }
+    Ok(())
+}
+
+/// A column slice whose rows' other columns are at most this many bytes: its rows are read
+/// whole, in long runs, and the columns scattered in memory, where a read a row waited on the
+/// device (or a round trip) for every row (1 M rows into 4 column shards: 3.7 s).
+const COALESCE_BYTES: u64 = 4096;
+
+/// Bytes of a chunk's whole rows read at a time for a column slice ([`scatter_columns`]).
+const SCATTER_WINDOW: u64 = 8 << 20;
+
+/// Fills columns `x` (the chunk's first column `c0`) of rows `r` of `out` from the chunk `t`
+/// (its first row `c_row0`, `c_width` columns): its rows read whole, [`SCATTER_WINDOW`] bytes
+/// at a time, their CRCs checked over all the windows together, the columns copied out.
+#[allow(clippy::too_many_arguments)]
+fn scatter_columns(
+    link: &Link,
+    table: &str,
+    t: &TensorRef,
+    (r, c_row0, c_width): (&Range<u64>, u64, u64),
+    (x, c0): (&Range<u64>, u64),
+    at: &Target<'_>,
+    out: &mut [u8],
+    loaded: &mut RowsLoaded,
+) -> Result<()> {
+    let el = at.el;
+    let row_bytes = c_width * el;
+    let window_rows = (SCATTER_WINDOW / row_bytes.max(1)).max(1);
+    let mut scratch = vec![0u8; (window_rows.min(r.end - r.start) * row_bytes) as usize];
+    let (len, from_col, to_col) = (
+        ((x.end - x.start) * el) as usize,
+        ((x.start - c0) * el) as usize,
+        ((x.start - at.cols.start) * el) as usize,
+    );
+    let mut ps = Vec::new();
+    let mut row = r.start;
+    while row < r.end {
+        let n = window_rows.min(r.end - row);
+        let from = (row - c_row0) * row_bytes;
+        let buf = &mut scratch[..(n * row_bytes) as usize];
+        link.read_tensor_ranges(&mut [(t, from, &mut *buf)])?;
+        pieces::push(t, from, buf, &mut ps);
+        for (k, src) in buf.chunks_exact(row_bytes as usize).enumerate() {
+            let dst = ((row + k as u64 - at.rows.start) * at.out_row) as usize + to_col;
+            out[dst..dst + len].copy_from_slice(&src[from_col..from_col + len]);
+        }
+        row += n;
+    }
+    let extra = pieces::check(link, t, ps)?.ok_or_else(|| Error::Corrupt {
+        file: t.file.clone(),
+        what: format!(
+            "tensor {:?} (a chunk of row-range table {table:?}) fails its CRC32 check",
+            t.name
+        ),
+    })?;
+    loaded.bytes_read += (r.end - r.start) * row_bytes + extra;
     Ok(())
 }
 
