@@ -40,6 +40,7 @@
 //! [`Checkpoint::open`] and [`Checkpoint::restore`]; [`verify()`](fn@verify) checks every byte.
 
 #![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
+#![warn(unreachable_pub, missing_debug_implementations)]
 
 pub use saver_core as core;
 pub use saver_io as io;

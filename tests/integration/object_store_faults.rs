@@ -332,8 +332,7 @@ fn a_short_ranged_read_is_an_error_naming_the_object() {
     store.inject(Op::ShortGet, 1, usize::MAX);
     let err = ck
         .load_columns(&LoadOptions::default())
-        .err()
-        .expect("a short read fails the load");
+        .expect_err("a short read fails the load");
     let msg = err.to_string();
     assert!(msg.contains("memory://faults/ck/model-"), "{msg}");
     assert_eq!(msg.lines().count(), 1, "{msg}");

@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 /// models (sparse embedding tables plus dense tensors) as sharded safetensors.
 #[derive(Parser, Debug)]
 #[command(name = "saver", version, propagate_version = true)]
-pub struct Cli {
+pub(crate) struct Cli {
     /// The command.
     #[command(subcommand)]
     pub command: Command,
@@ -16,7 +16,7 @@ pub struct Cli {
 
 /// Output options shared by every command.
 #[derive(Args, Debug, Clone, Copy)]
-pub struct Output {
+pub(crate) struct Output {
     /// Print one JSON object on stdout instead of text (no progress bars).
     #[arg(long)]
     pub json: bool,
@@ -24,7 +24,7 @@ pub struct Output {
 
 /// The commands.
 #[derive(Subcommand, Debug)]
-pub enum Command {
+pub(crate) enum Command {
     /// Save a checkpoint of a synthetic model or of an existing model (plain safetensors or a
     /// saver checkpoint of any shard count).
     #[command(after_help = "Examples:
@@ -96,7 +96,7 @@ pub enum Command {
 
 /// Flags of `saver inspect`.
 #[derive(Args, Debug)]
-pub struct InspectArgs {
+pub(crate) struct InspectArgs {
     /// Checkpoint directory.
     pub dir: PathBuf,
     #[command(flatten)]
@@ -105,7 +105,7 @@ pub struct InspectArgs {
 
 /// Flags of `saver verify`.
 #[derive(Args, Debug)]
-pub struct VerifyArgs {
+pub(crate) struct VerifyArgs {
     /// Checkpoint directory.
     pub dir: PathBuf,
     /// Reader threads.
@@ -117,7 +117,7 @@ pub struct VerifyArgs {
 
 /// Compression of the checkpoint a command writes.
 #[derive(Args, Debug, Clone, Copy)]
-pub struct CompressFlags {
+pub(crate) struct CompressFlags {
     /// Compress each tensor where it pays: ids, mostly-zero rows and low-precision values
     /// shrink, fp32 embeddings hardly do (see docs/GUIDE.md). Files stay safetensors, compressed
     /// tensors stored as U8; the format version becomes 3 (4 for a delta), which earlier saver
@@ -132,7 +132,7 @@ pub struct CompressFlags {
 
 impl CompressFlags {
     /// The plan's compression option.
-    pub fn compression(&self) -> Option<saver_core::Compression> {
+    pub(crate) fn compression(&self) -> Option<saver_core::Compression> {
         self.compress
             .map(|CompressWith::Zstd| saver_core::Compression {
                 level: self.compress_level,
@@ -142,14 +142,14 @@ impl CompressFlags {
 
 /// Values of `--compress`.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CompressWith {
+pub(crate) enum CompressWith {
     /// zstd, per frame of each tensor, after a filter chosen per tensor.
     Zstd,
 }
 
 /// How `saver reshard` and `saver compact` write the checkpoint they rewrite.
 #[derive(Args, Debug)]
-pub struct RewriteFlags {
+pub(crate) struct RewriteFlags {
     /// Writer threads.
     #[arg(long, default_value_t = default_parallel())]
     pub parallel: usize,
@@ -167,7 +167,7 @@ pub struct RewriteFlags {
 
 /// Flags of `saver reshard`.
 #[derive(Args, Debug)]
-pub struct ReshardArgs {
+pub(crate) struct ReshardArgs {
     /// Source checkpoint directory.
     pub src: PathBuf,
     /// Destination directory.
@@ -182,7 +182,7 @@ pub struct ReshardArgs {
 
 /// Flags of `saver compact`.
 #[derive(Args, Debug)]
-pub struct CompactArgs {
+pub(crate) struct CompactArgs {
     /// Source checkpoint directory (a delta, or a full checkpoint).
     pub src: PathBuf,
     /// Destination directory.
@@ -197,7 +197,7 @@ pub struct CompactArgs {
 
 /// Flags of `saver export`.
 #[derive(Args, Debug)]
-pub struct ExportArgs {
+pub(crate) struct ExportArgs {
     /// Source checkpoint directory.
     pub src: PathBuf,
     /// Destination directory.
@@ -240,7 +240,7 @@ pub struct ExportArgs {
 
 /// Flags of `saver digest`.
 #[derive(Args, Debug)]
-pub struct DigestArgs {
+pub(crate) struct DigestArgs {
     /// Checkpoint directory, plain safetensors directory or file.
     pub path: PathBuf,
     /// Reader threads.
@@ -257,7 +257,7 @@ pub struct DigestArgs {
 /// A managed root's policy, as `saver save --root` takes it: flags given override the policy the
 /// root keeps, and are kept.
 #[derive(Args, Debug, Default, Clone)]
-pub struct PolicyArgs {
+pub(crate) struct PolicyArgs {
     /// With --root: a full checkpoint every N saves, deltas between (1: every save full).
     #[arg(long)]
     pub full_every: Option<u32>,
@@ -270,7 +270,7 @@ pub struct PolicyArgs {
 
 /// What retention keeps, as `saver save --root` and `saver prune` take it.
 #[derive(Args, Debug, Default, Clone)]
-pub struct RetentionArgs {
+pub(crate) struct RetentionArgs {
     /// Keep the newest K committed steps (and every link their chains need).
     #[arg(long)]
     pub keep_latest: Option<usize>,
@@ -287,7 +287,7 @@ pub struct RetentionArgs {
 
 /// Flags of `saver list`.
 #[derive(Args, Debug)]
-pub struct ListArgs {
+pub(crate) struct ListArgs {
     /// The managed root.
     pub root: PathBuf,
     #[command(flatten)]
@@ -296,7 +296,7 @@ pub struct ListArgs {
 
 /// Flags of `saver latest`.
 #[derive(Args, Debug)]
-pub struct LatestArgs {
+pub(crate) struct LatestArgs {
     /// The managed root.
     pub root: PathBuf,
     #[command(flatten)]
@@ -305,7 +305,7 @@ pub struct LatestArgs {
 
 /// Flags of `saver prune`.
 #[derive(Args, Debug)]
-pub struct PruneArgs {
+pub(crate) struct PruneArgs {
     /// The managed root.
     pub root: PathBuf,
     #[command(flatten)]
@@ -319,7 +319,7 @@ pub struct PruneArgs {
 
 /// Flags of `saver clean`.
 #[derive(Args, Debug)]
-pub struct CleanArgs {
+pub(crate) struct CleanArgs {
     /// The managed root.
     pub root: PathBuf,
     /// Say what would be reclaimed, remove nothing.
@@ -331,7 +331,7 @@ pub struct CleanArgs {
 
 /// Flags of `saver load`.
 #[derive(Args, Debug)]
-pub struct LoadArgs {
+pub(crate) struct LoadArgs {
     /// Checkpoint directory, or a managed root with --step.
     pub dir: PathBuf,
     /// DIR is a managed root: load this step, or `latest` (the newest committed one).
@@ -369,7 +369,7 @@ pub struct LoadArgs {
 
 /// Flags of `saver save`.
 #[derive(Args, Debug)]
-pub struct SaveArgs {
+pub(crate) struct SaveArgs {
     /// Checkpoint directory to write.
     #[arg(long, required_unless_present = "root", conflicts_with = "root")]
     pub out: Option<PathBuf>,
@@ -467,7 +467,7 @@ pub struct SaveArgs {
 
 /// Values of `save --direct-io`.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DirectIoWhen {
+pub(crate) enum DirectIoWhen {
     /// Durable saves on local disk filesystems that do it well (ext4, XFS).
     Auto,
     /// Wherever the filesystem accepts O_DIRECT.
@@ -478,7 +478,7 @@ pub enum DirectIoWhen {
 
 /// Targets of `load --into`.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LoadTarget {
+pub(crate) enum LoadTarget {
     /// `EmbeddingTable`s, one per table and target shard.
     Tables,
     /// Contiguous arrays per table (ids and one array per slot).
@@ -487,7 +487,7 @@ pub enum LoadTarget {
 
 /// Cast targets of `export --dtype`.
 #[derive(ValueEnum, Clone, Copy, Debug)]
-pub enum CastDtype {
+pub(crate) enum CastDtype {
     /// 32-bit float.
     F32,
     /// IEEE half.
@@ -498,7 +498,7 @@ pub enum CastDtype {
 
 /// Bit rates of `export --quantize`.
 #[derive(ValueEnum, Clone, Copy, Debug)]
-pub enum QuantizeBits {
+pub(crate) enum QuantizeBits {
     /// 8 bits a value.
     Int8,
     /// 4 bits a value, two a byte.
@@ -509,7 +509,7 @@ pub enum QuantizeBits {
 
 /// Layouts of `export --quantize-layout`.
 #[derive(ValueEnum, Clone, Copy, Debug)]
-pub enum QuantizeLayout {
+pub(crate) enum QuantizeLayout {
     /// FBGEMM's fused rows: Fused8BitRowwiseQuantizedSBFloat at int8,
     /// FusedNBitRowwiseQuantizedSBHalf at int4 and int2.
     Fused,

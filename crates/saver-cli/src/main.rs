@@ -1,4 +1,5 @@
 //! The `saver` binary: a thin layer over `saver-core` and `saver-io`.
+#![warn(unreachable_pub)]
 
 mod cli;
 mod commands;

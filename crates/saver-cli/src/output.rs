@@ -8,12 +8,12 @@ use saver_io::save::ProgressFn;
 use serde::Serialize;
 
 /// Bytes as `1.5 GiB`.
-pub fn size(n: u64) -> String {
+pub(crate) fn size(n: u64) -> String {
     bytesize::ByteSize::b(n).display().iec().to_string()
 }
 
 /// Bytes per second as `1.2 GiB/s`.
-pub fn rate(bytes: u64, seconds: f64) -> String {
+pub(crate) fn rate(bytes: u64, seconds: f64) -> String {
     if seconds <= 0.0 {
         return "-".into();
     }
@@ -21,7 +21,7 @@ pub fn rate(bytes: u64, seconds: f64) -> String {
 }
 
 /// Prints `value` as one line of JSON on stdout.
-pub fn json<T: Serialize>(value: &T) {
+pub(crate) fn json<T: Serialize>(value: &T) {
     println!(
         "{}",
         serde_json::to_string(value).expect("reports serialize")
@@ -31,7 +31,7 @@ pub fn json<T: Serialize>(value: &T) {
 /// A spinner with the time so far on stderr while `work` runs, for a command that reads or writes
 /// a checkpoint and has no count of bytes to show; nothing when stderr is not a terminal or JSON
 /// is asked.
-pub fn while_working<T>(json: bool, what: &'static str, work: impl FnOnce() -> T) -> T {
+pub(crate) fn while_working<T>(json: bool, what: &'static str, work: impl FnOnce() -> T) -> T {
     if json || !std::io::stderr().is_terminal() {
         return work();
     }
@@ -48,7 +48,10 @@ pub fn while_working<T>(json: bool, what: &'static str, work: impl FnOnce() -> T
 
 /// A byte-progress bar on stderr (a percentage once the save knows its total), or nothing when
 /// stderr is not a terminal or JSON is asked.
-pub fn byte_progress(json: bool, what: &'static str) -> Option<(ProgressBar, Arc<ProgressFn>)> {
+pub(crate) fn byte_progress(
+    json: bool,
+    what: &'static str,
+) -> Option<(ProgressBar, Arc<ProgressFn>)> {
     if json || !std::io::stderr().is_terminal() {
         return None;
     }

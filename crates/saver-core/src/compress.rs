@@ -534,6 +534,17 @@ pub fn choose(
     Ok(best.filter(|b| b.ratio() >= MIN_RATIO))
 }
 
+impl std::fmt::Debug for FrameCompressor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrameCompressor")
+            .field(
+                "buffered",
+                &(self.filtered.capacity() + self.scratch.capacity()),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

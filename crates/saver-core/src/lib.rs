@@ -59,6 +59,9 @@
 //! is specified in `docs/FORMAT.md`.
 
 #![warn(missing_docs)]
+// What is `pub` is reachable by users (the rest is `pub(crate)`), and every type a user can
+// hold prints with `{:?}`.
+#![warn(unreachable_pub, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
 
 pub mod cast;

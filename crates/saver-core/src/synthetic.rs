@@ -257,6 +257,7 @@ impl FromStr for SyntheticSpec {
 }
 
 /// A generated model, owning its tables and dense tensors.
+#[derive(Debug)]
 pub struct SyntheticModel {
     /// Tables `t0`, `t1`, … (hashed ones; none for `kind=rows`).
     pub tables: Vec<EmbeddingTable>,

@@ -26,6 +26,9 @@
 //! All file access goes through the [`storage::Storage`] trait.
 
 #![warn(missing_docs)]
+// What is `pub` is reachable by users (the rest is `pub(crate)`), and every type a user can
+// hold prints with `{:?}`.
+#![warn(unreachable_pub, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
 
 pub mod error;

@@ -13,7 +13,7 @@ use super::CmdResult;
 use crate::cli::DigestArgs;
 use crate::output;
 
-pub fn run(args: DigestArgs) -> CmdResult {
+pub(super) fn run(args: DigestArgs) -> CmdResult {
     let DigestArgs {
         path,
         parallel,

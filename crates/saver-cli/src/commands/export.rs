@@ -13,7 +13,7 @@ use crate::cli::{CastDtype, ExportArgs, QuantizeBits, QuantizeLayout};
 use crate::output;
 
 #[allow(clippy::too_many_arguments)]
-pub fn run(args: ExportArgs) -> CmdResult {
+pub(super) fn run(args: ExportArgs) -> CmdResult {
     let ExportArgs {
         src,
         out,

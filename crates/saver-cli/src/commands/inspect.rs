@@ -8,7 +8,7 @@ use super::CmdResult;
 use crate::cli::InspectArgs;
 use crate::output;
 
-pub fn run(args: InspectArgs) -> CmdResult {
+pub(super) fn run(args: InspectArgs) -> CmdResult {
     let InspectArgs { dir, out } = args;
     let dir = dir.as_path();
     let report = inspect(dir)?;

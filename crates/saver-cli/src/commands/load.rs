@@ -30,7 +30,7 @@ struct Report<'a> {
     digest: Option<String>,
 }
 
-pub fn run(args: LoadArgs) -> CmdResult {
+pub(super) fn run(args: LoadArgs) -> CmdResult {
     let LoadArgs {
         dir,
         step,

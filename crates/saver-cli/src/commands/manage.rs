@@ -10,7 +10,7 @@ use crate::cli::{CleanArgs, LatestArgs, ListArgs, PolicyArgs, PruneArgs, Retenti
 use crate::output;
 
 /// `kept` (a root's policy) with the flags given applied.
-pub fn policy_with(kept: &Policy, flags: &PolicyArgs) -> Result<Policy, saver_io::Error> {
+pub(super) fn policy_with(kept: &Policy, flags: &PolicyArgs) -> Result<Policy, saver_io::Error> {
     let mut p = kept.clone();
     if let Some(n) = flags.full_every {
         p.full_every = n;
@@ -43,7 +43,7 @@ fn retention_with(kept: &Retention, flags: &RetentionArgs) -> Result<Retention, 
 /// The path of step `step` (`latest` or a number) of `root`: an error when the root holds no
 /// such committed step.
 /// Reads no policy: a restart must not depend on retention's settings.
-pub fn step_path(root: &Path, step: &str) -> Result<PathBuf, Box<dyn std::error::Error>> {
+pub(super) fn step_path(root: &Path, step: &str) -> Result<PathBuf, Box<dyn std::error::Error>> {
     let root = Root::open_existing(root)?;
     if step == "latest" {
         return match root.latest()? {
@@ -60,7 +60,7 @@ pub fn step_path(root: &Path, step: &str) -> Result<PathBuf, Box<dyn std::error:
 
 /// The newest step of `root` that verifies (`--fallback`, with `--step latest` only), saying on
 /// stderr which newer steps it passed over and why.
-pub fn verified_step_path(
+pub(super) fn verified_step_path(
     root: &Path,
     step: &str,
     parallel: usize,
@@ -103,7 +103,7 @@ fn writer_processes(writers: &[String]) -> String {
     seen.join(",")
 }
 
-pub fn list(args: ListArgs) -> CmdResult {
+pub(super) fn list(args: ListArgs) -> CmdResult {
     let listing = Root::open_existing(&args.root)?.list()?;
     if args.out.json {
         output::json(&listing);
@@ -136,7 +136,7 @@ pub fn list(args: ListArgs) -> CmdResult {
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn latest(args: LatestArgs) -> CmdResult {
+pub(super) fn latest(args: LatestArgs) -> CmdResult {
     // A root that does not exist is an error, not "no step yet" (exit 3): a restart script
     // must not start from scratch on a mistyped path.
     let latest = Root::open_existing(&args.root)?.latest()?;
@@ -159,7 +159,7 @@ pub fn latest(args: LatestArgs) -> CmdResult {
     }
 }
 
-pub fn prune(args: PruneArgs) -> CmdResult {
+pub(super) fn prune(args: PruneArgs) -> CmdResult {
     Root::open_existing(&args.root)?;
     let m = CheckpointManager::open_kept(&args.root)?;
     let retention = retention_with(&m.policy().retention, &args.retention)?;
@@ -183,7 +183,7 @@ pub fn prune(args: PruneArgs) -> CmdResult {
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn clean(args: CleanArgs) -> CmdResult {
+pub(super) fn clean(args: CleanArgs) -> CmdResult {
     // Reclaiming leftovers needs no policy.
     let root = Root::open_existing(&args.root)?;
     let r = saver_io::manage::clean::clean(&root, args.dry_run)?;

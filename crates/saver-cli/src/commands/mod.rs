@@ -14,10 +14,10 @@ use std::process::ExitCode;
 use crate::cli::Command;
 
 /// Any error a command reports: one line, no backtrace.
-pub type CmdResult = Result<ExitCode, Box<dyn std::error::Error>>;
+pub(crate) type CmdResult = Result<ExitCode, Box<dyn std::error::Error>>;
 
 /// Runs a command.
-pub fn run(cmd: Command) -> CmdResult {
+pub(crate) fn run(cmd: Command) -> CmdResult {
     match cmd {
         Command::Save(args) => save::run(*args),
         Command::Inspect(args) => inspect::run(args),

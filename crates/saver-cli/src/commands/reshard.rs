@@ -13,12 +13,12 @@ use crate::cli::{CompactArgs, ReshardArgs, RewriteFlags};
 use crate::output;
 
 /// `saver reshard`: a new shard count.
-pub fn reshard(args: ReshardArgs) -> CmdResult {
+pub(super) fn reshard(args: ReshardArgs) -> CmdResult {
     run(&args.src, &args.out, Some(args.shards), &args.write)
 }
 
 /// `saver compact`: the chain's shard count unless told otherwise.
-pub fn compact(args: CompactArgs) -> CmdResult {
+pub(super) fn compact(args: CompactArgs) -> CmdResult {
     run(&args.src, &args.out, args.shards, &args.write)
 }
 

@@ -50,7 +50,7 @@ fn filters(args: &SaveArgs) -> Result<Filters, Box<dyn std::error::Error>> {
     Ok(f)
 }
 
-pub fn run(args: SaveArgs) -> CmdResult {
+pub(super) fn run(args: SaveArgs) -> CmdResult {
     if args.shard_index.is_some() && args.save_id.is_none() {
         return Err(
             "--shard-index needs --save-id: the same id in every process of this save, \

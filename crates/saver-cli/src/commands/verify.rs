@@ -8,7 +8,7 @@ use super::CmdResult;
 use crate::cli::VerifyArgs;
 use crate::output;
 
-pub fn run(args: VerifyArgs) -> CmdResult {
+pub(super) fn run(args: VerifyArgs) -> CmdResult {
     let VerifyArgs { dir, parallel, out } = args;
     let dir = dir.as_path();
     let r = output::while_working(out.json, "verifying", || verify(dir, parallel))?;

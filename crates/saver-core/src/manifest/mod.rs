@@ -369,7 +369,7 @@ mod hex_crcs {
     use serde::de::Error as _;
     use serde::{Deserialize, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(crcs: &[u32], s: S) -> Result<S::Ok, S::Error> {
+    pub(super) fn serialize<S: Serializer>(crcs: &[u32], s: S) -> Result<S::Ok, S::Error> {
         let mut out = String::with_capacity(crcs.len() * 8);
         for c in crcs {
             out.push_str(&format!("{c:08x}"));
@@ -377,7 +377,7 @@ mod hex_crcs {
         s.serialize_str(&out)
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
         let hex = String::deserialize(d)?;
         if hex.len() % 8 != 0 || !hex.is_ascii() {
             return Err(D::Error::custom("block CRC32s must be 8 hex digits each"));

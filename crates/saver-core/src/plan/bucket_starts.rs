@@ -29,7 +29,7 @@ pub(crate) enum BucketStarts {
 impl BucketStarts {
     /// From the dense starts the scan computes (`BUCKETS + 1` entries), in whichever form is
     /// smaller.
-    pub fn new(dense: Vec<u64>) -> Self {
+    pub(super) fn new(dense: Vec<u64>) -> Self {
         debug_assert_eq!(dense.len(), BUCKETS as usize + 1);
         let nonempty = dense.windows(2).filter(|w| w[1] > w[0]).count();
         // 10 bytes per non-empty bucket against 8 per bucket.
@@ -52,7 +52,7 @@ impl BucketStarts {
     }
 
     /// The first row of bucket `b` (`b == BUCKETS`: the number of rows).
-    pub fn at(&self, b: u32) -> u64 {
+    pub(super) fn at(&self, b: u32) -> u64 {
         match self {
             Self::Freed => unreachable!("bucket starts read after the layout freed them"),
             Self::Dense(d) => d[b as usize],
@@ -68,7 +68,7 @@ impl BucketStarts {
     }
 
     /// Rows of each bucket of `range`, in order.
-    pub fn counts(&self, range: Range<u32>) -> impl Iterator<Item = u64> + '_ {
+    pub(super) fn counts(&self, range: Range<u32>) -> impl Iterator<Item = u64> + '_ {
         // Sparse: a cursor over the non-empty buckets, so a walk costs one search in all.
         let mut next = match self {
             Self::Sparse { buckets, .. } => {
@@ -97,7 +97,7 @@ impl BucketStarts {
 
     /// Bytes held, for tests and reports.
     #[cfg(test)]
-    pub fn heap_bytes(&self) -> usize {
+    pub(super) fn heap_bytes(&self) -> usize {
         match self {
             Self::Freed => 0,
             Self::Dense(d) => d.len() * 8,

@@ -95,7 +95,7 @@ pub trait PieceSink {
 }
 
 /// Reusable buffers of one writer thread.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct ChunkBuffer {
     ids: Vec<u64>,
     handles: Vec<u64>,

@@ -277,3 +277,13 @@ impl<'a> SaveInput<'a> {
             .collect()
     }
 }
+
+impl std::fmt::Debug for TableRef<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let how = match self {
+            TableRef::Borrowed(_) => "Borrowed",
+            TableRef::Shared(_) => "Shared",
+        };
+        f.debug_tuple(how).field(&self.schema().name).finish()
+    }
+}

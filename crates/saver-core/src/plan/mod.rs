@@ -994,3 +994,13 @@ impl<'a> SavePlan<'a> {
         tables
     }
 }
+
+impl std::fmt::Debug for SavePlan<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SavePlan")
+            .field("opts", &self.opts)
+            .field("tables", &self.tables.len())
+            .field("dense", &self.dense.len())
+            .finish_non_exhaustive()
+    }
+}

@@ -90,7 +90,7 @@ pub(crate) struct Spilled {
 }
 
 impl Spilled {
-    pub fn new(table: &str, spill: Arc<dyn Spill>) -> Self {
+    pub(super) fn new(table: &str, spill: Arc<dyn Spill>) -> Self {
         let threads = rayon::current_num_threads().max(1);
         Self {
             table: table.to_string(),
@@ -109,7 +109,7 @@ impl Spilled {
     }
 
     /// Buffers for one scanning thread, taken from `pool` when it has some of the right size.
-    pub fn buffer<'p>(&self, pool: &'p RunBufferPool) -> SpillBuffer<'_, 'p> {
+    pub(super) fn buffer<'p>(&self, pool: &'p RunBufferPool) -> SpillBuffer<'_, 'p> {
         SpillBuffer {
             to: self,
             runs: pool.take(256, self.run_rows),
@@ -175,7 +175,7 @@ impl SpillBuffer<'_, '_> {
     /// Moves rows out of `ids` and `handles` (one per id, or empty: handles are then zero, and
     /// the table is read by id) into the buffers. `buckets` holds each id's bucket, computed
     /// once by the scan for every use it has there.
-    pub fn take(
+    pub(super) fn take(
         &mut self,
         ids: &mut Vec<u64>,
         handles: &mut Vec<u64>,
@@ -195,7 +195,7 @@ impl SpillBuffer<'_, '_> {
     }
 
     /// Appends what is left, and gives the (empty) buffers back to the pool for the next part.
-    pub fn finish(self) -> Result<()> {
+    pub(super) fn finish(self) -> Result<()> {
         let SpillBuffer { to, mut runs, pool } = self;
         for h in 0..256 {
             if let Some(run) = runs.flush(to, h)? {
@@ -301,7 +301,7 @@ pub(crate) struct KeptBuckets(Vec<u64>);
 
 impl KeptBuckets {
     /// The buckets `keep` says yes to.
-    pub fn new(keep: impl Fn(u32) -> bool) -> Self {
+    pub(super) fn new(keep: impl Fn(u32) -> bool) -> Self {
         let mut bits = vec![0u64; BUCKETS as usize / 64];
         for b in 0..BUCKETS {
             if keep(b) {
@@ -366,7 +366,7 @@ impl TableRows {
     /// bucket counts; `with_handles` is false when some rows came without a handle. A spilled
     /// region of more than `unit_rows` rows is sorted in units of at most that many (see the
     /// module docs): [`unit_rows`] of the plan's `chunk_bytes`.
-    pub fn new(
+    pub(super) fn new(
         table: &str,
         key_dtype: KeyDtype,
         store: Store,
@@ -428,7 +428,7 @@ impl TableRows {
     }
 
     /// Whether the rows wait in a spill store.
-    pub fn spilled(&self) -> bool {
+    pub(super) fn spilled(&self) -> bool {
         matches!(self.store, Store::Spilled(_))
     }
 
@@ -437,7 +437,7 @@ impl TableRows {
     /// rows count as written: a unit is freed once all its rows are taken. Reading without
     /// taking never keeps a unit in memory. `snapshot` is the table's, which lists the rows of
     /// a [`Store::Relisted`] table.
-    pub fn copy(
+    pub(super) fn copy(
         &self,
         snapshot: &dyn TableSnapshot,
         range: Range<usize>,
@@ -616,7 +616,7 @@ impl TableRows {
 
     /// Rows of each unit, in order (tests check no unit is larger than it must be).
     #[cfg(test)]
-    pub fn unit_rows(&self) -> Vec<usize> {
+    pub(super) fn unit_rows(&self) -> Vec<usize> {
         self.unit_start.windows(2).map(|w| w[1] - w[0]).collect()
     }
 }

@@ -44,7 +44,7 @@ pub(crate) struct ScannedTable<'a> {
 
 impl ScannedTable<'_> {
     /// Bytes a row takes when saved with the slots `slots`: its id and those slots.
-    pub fn saved_row_bytes(&self, slots: &[usize]) -> u64 {
+    pub(super) fn saved_row_bytes(&self, slots: &[usize]) -> u64 {
         8 + slots
             .iter()
             .map(|&s| self.slot_bytes[s] as u64)
@@ -52,7 +52,7 @@ impl ScannedTable<'_> {
     }
 
     /// Rows (positions in `rows`) in buckets `range`.
-    pub fn rows_in(&self, range: Range<u32>) -> Range<usize> {
+    pub(super) fn rows_in(&self, range: Range<u32>) -> Range<usize> {
         self.bucket_start.at(range.start) as usize..self.bucket_start.at(range.end) as usize
     }
 }

@@ -392,6 +392,19 @@ impl RowRangeTable {
     }
 }
 
+impl std::fmt::Debug for RowsMut<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowsMut")
+            .field("first", &self.first)
+            .field("count", &self.count)
+            .field(
+                "slots",
+                &self.slots.iter().map(|s| &s.spec.name).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,6 +27,7 @@ const PREFETCH_AHEAD: usize = 16;
 /// A read-only table whose rows are in arrays: `ids[r]` is row `r`'s id and `data[s]` holds every
 /// row of slot `s` back to back (little-endian, row-major), as [`SparseTable`] for saving. The
 /// arrays are its own ([`Self::new`]) or borrowed for `'a` ([`Self::borrowed`]: saved in place).
+#[derive(Debug)]
 pub struct ColumnTable<'a> {
     schema: TableSchema,
     slot_bytes: Vec<usize>,

@@ -111,6 +111,7 @@ pub fn validate_slots(table: &str, slots: &[SlotSpec]) -> Result<Vec<usize>> {
 
 /// A bounded run of rows handed out by [`TableSnapshot::scan`]: ids, and when asked for, the
 /// matching rows of every slot.
+#[derive(Debug)]
 pub struct RowChunk<'a> {
     /// Raw id bits, one per row.
     pub ids: &'a [u64],
@@ -122,7 +123,7 @@ pub struct RowChunk<'a> {
 }
 
 /// One row as a row filter sees it.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 pub struct RowView<'a> {
     table: &'a str,
     key_dtype: KeyDtype,

@@ -361,3 +361,13 @@ impl TableSnapshot for WorkerSnapshot<'_> {
         self.members.iter().map(|m| m.copy_on_write_peak()).sum()
     }
 }
+
+impl std::fmt::Debug for WorkerTable<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerTable")
+            .field("table", &self.members.first().map(|t| &t.schema().name))
+            .field("members", &self.members.len())
+            .field("foreign", &self.foreign)
+            .finish()
+    }
+}

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::{PoisonError, RwLock};
 
 /// Most bytes a load reads ahead: the memory it holds beyond what it loads, for as long as it runs.
-pub const AHEAD_BYTES: u64 = 64 << 20;
+pub(crate) const AHEAD_BYTES: u64 = 64 << 20;
 
 /// Bytes read ahead, by (file, offset in the file).
 type Held = BTreeMap<(String, u64), Vec<u8>>;

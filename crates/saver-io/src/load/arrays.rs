@@ -29,6 +29,7 @@ pub struct TableColumns {
 }
 
 /// The result of [`crate::Checkpoint::load_columns`].
+#[derive(Debug)]
 pub struct Columns {
     /// Tables.
     pub tables: Vec<TableColumns>,

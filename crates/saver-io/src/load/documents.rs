@@ -14,7 +14,7 @@ use crate::storage::Storage;
 pub(crate) const MAX_JSON_BYTES: u64 = MAX_DOCUMENT_BYTES;
 
 /// The committed checkpoint in `storage`, if any.
-pub fn committed(storage: &dyn Storage) -> Result<Option<CheckpointRef>> {
+pub(crate) fn committed(storage: &dyn Storage) -> Result<Option<CheckpointRef>> {
     let Some(bytes) = get_if_exists(storage, INDEX_FILE, MAX_JSON_BYTES)? else {
         return Ok(None);
     };

@@ -21,7 +21,7 @@ pub(crate) struct FrameRead {
 impl FrameRead {
     /// The frames of `t` (which must have a codec that [`TensorRef::check_codec`] accepted)
     /// holding raw bytes `offset..offset + len`.
-    pub fn plan(t: &TensorRef, offset: u64, len: u64) -> Self {
+    pub(crate) fn plan(t: &TensorRef, offset: u64, len: u64) -> Self {
         let c = t.codec.as_ref().expect("a compressed tensor");
         let frame = t.frame_bytes();
         let first = (offset / frame) as usize;
@@ -48,7 +48,7 @@ impl FrameRead {
     }
 
     /// Decompresses the frames read into `out`, raw bytes `offset..offset + out.len()` of `t`.
-    pub fn decode(&self, t: &TensorRef, offset: u64, out: &mut [u8]) -> Result<()> {
+    pub(crate) fn decode(&self, t: &TensorRef, offset: u64, out: &mut [u8]) -> Result<()> {
         if out.is_empty() {
             // Planned with no frame (see `plan`).
             return Ok(());

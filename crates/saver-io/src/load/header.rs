@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::storage::ReadHandle;
 
 /// safetensors' own limit on the JSON header.
-pub use saver_core::plan::header::MAX_HEADER_BYTES;
+pub(crate) use saver_core::plan::header::MAX_HEADER_BYTES;
 
 /// One tensor of a parsed header.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,7 +36,7 @@ pub struct HeaderEntry {
 
 /// A parsed, validated header.
 #[derive(Clone, Debug)]
-pub struct Header {
+pub(crate) struct Header {
     /// Offset of the data section.
     pub data_start: u64,
     /// The `__metadata__` map.
@@ -79,7 +79,7 @@ struct RawTensor {
 }
 
 /// Reads and validates the header of `file`.
-pub fn read_header(h: &dyn ReadHandle, file: &str) -> Result<Header> {
+pub(crate) fn read_header(h: &dyn ReadHandle, file: &str) -> Result<Header> {
     let len = h.len();
     if len < 8 {
         return Err(Error::Corrupt {
@@ -103,7 +103,7 @@ pub fn read_header(h: &dyn ReadHandle, file: &str) -> Result<Header> {
 
 /// Validates a header already in memory: `prefix` starts at byte 0 of a file of `len` bytes and
 /// holds at least the length field and the JSON.
-pub fn parse_header(prefix: &[u8], len: u64, file: &str) -> Result<Header> {
+pub(crate) fn parse_header(prefix: &[u8], len: u64, file: &str) -> Result<Header> {
     let corrupt = |what: String| Error::Corrupt {
         file: file.to_string(),
         what,

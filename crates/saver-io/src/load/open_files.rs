@@ -72,7 +72,11 @@ pub(crate) struct DataFile {
 impl DataFile {
     /// Data file `name` of `storage`, just opened as `handle` and checked: kept open if the
     /// budget allows (or if it holds no descriptor), closed otherwise.
-    pub fn new(storage: Arc<dyn Storage>, name: &str, handle: Box<dyn ReadHandle>) -> Result<Self> {
+    pub(super) fn new(
+        storage: Arc<dyn Storage>,
+        name: &str,
+        handle: Box<dyn ReadHandle>,
+    ) -> Result<Self> {
         let version = handle.version()?;
         let remote = handle.is_remote();
         let kept = if remote {
@@ -90,13 +94,13 @@ impl DataFile {
     }
 
     /// Whether reads of the file wait on network round trips.
-    pub fn is_remote(&self) -> bool {
+    pub(super) fn is_remote(&self) -> bool {
         self.remote
     }
 
     /// A handle to read the file through: the kept one, or the file opened again (and kept if
     /// the budget now allows), checked to be the file that was opened first.
-    pub fn handle(&self) -> Result<Arc<dyn ReadHandle>> {
+    pub(super) fn handle(&self) -> Result<Arc<dyn ReadHandle>> {
         if let Some((h, _)) = &*self.open.lock().unwrap_or_else(PoisonError::into_inner) {
             return Ok(h.clone());
         }

@@ -222,6 +222,7 @@ impl LoadedDense {
 }
 
 /// The tables of one target shard.
+#[derive(Debug)]
 pub struct RestoredShard {
     /// Target shard index.
     pub shard: u32,
@@ -245,6 +246,7 @@ impl RestoredShard {
 }
 
 /// The result of an owning restore: fresh tables, so a failed restore leaves nothing half-loaded.
+#[derive(Debug)]
 pub struct Restored {
     /// Target shards, in order.
     pub shards: Vec<RestoredShard>,
@@ -306,13 +308,13 @@ enum RowOf {
 
 impl<'m> SegmentRead<'m> {
     /// Bytes of one row as delivered (id plus wanted slots).
-    pub fn row_bytes(&self) -> u64 {
+    pub(crate) fn row_bytes(&self) -> u64 {
         self.columns().map(|(_, width)| width).sum()
     }
 
     /// The tensors the read delivers, the ids and then the wanted slots in target order, each
     /// with its bytes per row.
-    pub fn columns(&self) -> impl Iterator<Item = (&'m TensorRef, u64)> + '_ {
+    pub(crate) fn columns(&self) -> impl Iterator<Item = (&'m TensorRef, u64)> + '_ {
         let rows = self.seg.rows.max(1);
         let slots = self.slot_map.iter().map(move |&k| {
             let t = &self.seg.slots[k];
@@ -322,7 +324,7 @@ impl<'m> SegmentRead<'m> {
     }
 
     /// The row range cut into runs of about `chunk_bytes`.
-    pub fn chunks(&self, chunk_bytes: u64) -> impl Iterator<Item = Range<u64>> + '_ {
+    pub(crate) fn chunks(&self, chunk_bytes: u64) -> impl Iterator<Item = Range<u64>> + '_ {
         let step = (chunk_bytes / self.row_bytes()).max(1);
         (self.rows.start..self.rows.end)
             .step_by(step as usize)
@@ -990,4 +992,24 @@ pub(crate) fn finish_report(r: &mut LoadReport) {
     } else {
         r.bytes_read as f64 / r.bytes_kept as f64
     };
+}
+
+impl std::fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("shard_num", &self.shard_num)
+            .field("shard_index", &self.shard_index)
+            .field("parallel", &self.parallel)
+            .field("chunk_bytes", &self.chunk_bytes)
+            .field("tables", &self.tables)
+            .field("table_filter", &self.table_filter.as_ref().map(|_| "<fn>"))
+            .field("exclude_slots", &self.exclude_slots)
+            .field("dense", &self.dense)
+            .field("load_dense", &self.load_dense)
+            .field("rename", &self.rename)
+            .field("required_tables", &self.required_tables)
+            .field("huge_pages", &self.huge_pages)
+            .field("change_tracking", &self.change_tracking)
+            .finish()
+    }
 }

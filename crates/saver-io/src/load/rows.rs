@@ -3,7 +3,7 @@
 
 use crate::error::Error;
 
-pub use saver_core::table::{BucketRows, VisitRows};
+pub(crate) use saver_core::table::{BucketRows, VisitRows};
 
 /// An error of reading table `table`'s rows, as a table snapshot returns it.
 pub(crate) fn core_error(table: &str, e: Error) -> saver_core::Error {

@@ -599,3 +599,13 @@ impl TableSnapshot for Snapshot<'_, '_> {
         Ok(())
     }
 }
+
+impl std::fmt::Debug for StoredTable<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoredTable")
+            .field("table", &self.schema.name)
+            .field("rows", &self.rows)
+            .field("segments", &self.segments.len())
+            .finish_non_exhaustive()
+    }
+}

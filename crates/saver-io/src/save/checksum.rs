@@ -61,7 +61,7 @@ pub(super) struct CrcRuns {
 impl CrcRuns {
     /// Adds the CRC of `bytes`, which lie at `offset` in tensor `loc` of `shard`, whose blocks
     /// are `block` bytes (`u64::MAX` for a tensor without blocks).
-    pub fn record(&mut self, shard: usize, loc: Loc, offset: u64, bytes: &[u8], block: u64) {
+    pub(super) fn record(&mut self, shard: usize, loc: Loc, offset: u64, bytes: &[u8], block: u64) {
         if bytes.is_empty() {
             return;
         }
@@ -106,7 +106,7 @@ impl CrcRuns {
     }
 
     /// The finished runs.
-    pub fn finish(mut self) -> Vec<CrcRun> {
+    pub(super) fn finish(mut self) -> Vec<CrcRun> {
         self.close_last();
         self.runs
     }

@@ -55,7 +55,7 @@ impl ClaimRecord {
     }
 
     /// Whether the writer is known to have ended: only a process of this pid namespace can be.
-    pub fn writer_has_ended(&self) -> bool {
+    pub(crate) fn writer_has_ended(&self) -> bool {
         match (&self.namespace, self.process_start) {
             (Some(ns), Some(start)) => {
                 crate::storage::identity::has_ended(ns, self.writer.pid, start)

@@ -102,7 +102,7 @@ pub(crate) struct CompressedFile<'h> {
 
 impl<'h> CompressedFile<'h> {
     /// File `file` of `shard`, written through `handle` at zstd `level`.
-    pub fn new(
+    pub(super) fn new(
         shard: &ShardPlan,
         file: usize,
         handle: &'h dyn WriteHandle,
@@ -168,7 +168,7 @@ impl<'h> CompressedFile<'h> {
 
     /// Takes bytes `offset..` of tensor `tensor` (its number in the file), and stores whatever
     /// they complete.
-    pub fn put(&self, tensor: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+    pub(super) fn put(&self, tensor: usize, offset: u64, bytes: &[u8]) -> Result<()> {
         let mut jobs = Vec::new();
         {
             let mut st = self.lock();
@@ -324,7 +324,7 @@ impl<'h> CompressedFile<'h> {
 
     /// Where each tensor was stored, in file order, and the data section's length; an error if
     /// some tensor was not produced whole.
-    pub fn finish(self) -> Result<(Vec<Stored>, u64)> {
+    pub(super) fn finish(self) -> Result<(Vec<Stored>, u64)> {
         let st = self
             .state
             .into_inner()

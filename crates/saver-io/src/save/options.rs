@@ -169,3 +169,25 @@ pub enum DirectIo {
     /// Never.
     Off,
 }
+
+impl std::fmt::Debug for SaveOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SaveOptions")
+            .field("plan", &self.plan)
+            .field("save_id", &self.save_id)
+            .field("step", &self.step)
+            .field("durable", &self.durable)
+            .field("overwrite", &self.overwrite)
+            .field("wait", &self.wait)
+            .field("user_metadata", &self.user_metadata)
+            .field(
+                "trainer_state",
+                &self.trainer_state.as_ref().map(String::len),
+            )
+            .field("direct_io", &self.direct_io)
+            .field("parent", &self.parent)
+            .field("progress", &self.progress.as_ref().map(|_| "<fn>"))
+            .field("commit_rule", &self.commit_rule.as_ref().map(|_| "<rule>"))
+            .finish()
+    }
+}

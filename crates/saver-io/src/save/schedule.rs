@@ -31,7 +31,7 @@ pub(crate) struct Claimer {
 impl<T> FileQueues<T> {
     /// Groups `work`, each item tagged with the file it writes into, keeping each file's items
     /// in their given order; files are started in key order.
-    pub fn new<K: Ord>(work: impl IntoIterator<Item = (K, T)>) -> Self {
+    pub(super) fn new<K: Ord>(work: impl IntoIterator<Item = (K, T)>) -> Self {
         let mut by_file: BTreeMap<K, Vec<T>> = BTreeMap::new();
         for (file, item) in work {
             by_file.entry(file).or_default().push(item);
@@ -52,7 +52,7 @@ impl<T> FileQueues<T> {
 
     /// The next item for the thread at `at`; `None` once every item is claimed. Every item is
     /// handed out exactly once over all threads.
-    pub fn claim(&self, at: &mut Claimer) -> Option<&T> {
+    pub(super) fn claim(&self, at: &mut Claimer) -> Option<&T> {
         loop {
             if let Some(f) = at.file {
                 if let Some(item) = self.files[f].get(self.next[f].fetch_add(1, Ordering::Relaxed))

@@ -70,7 +70,7 @@ pub(super) struct FileSink<'a> {
 }
 
 impl<'a> FileSink<'a> {
-    pub fn new(files: &'a Files<'a>) -> Self {
+    pub(super) fn new(files: &'a Files<'a>) -> Self {
         Self {
             files,
             crcs: CrcRuns::default(),

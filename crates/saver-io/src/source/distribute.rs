@@ -47,7 +47,7 @@ pub(super) struct InputColumn {
 
 impl InputColumn {
     /// Reads `buf.len()` bytes of the tensor from byte `offset` within it.
-    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+    pub(super) fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         if offset + buf.len() as u64 > self.len {
             return Err(Error::Mismatch(format!(
                 "read of {} bytes at {offset} is outside tensor {:?} ({} bytes)",
@@ -61,7 +61,7 @@ impl InputColumn {
 
     /// An error if the tensor's file changed since the input was opened: rows read before and
     /// after the change would be saved together.
-    pub fn check_unchanged(&self) -> Result<()> {
+    pub(super) fn check_unchanged(&self) -> Result<()> {
         let Some(opened) = self.opened else {
             return Ok(());
         };
@@ -93,7 +93,7 @@ pub(super) struct TableInput {
 impl TableInput {
     /// An error naming table `table` if any of its files changed since the input was opened
     /// ([`InputColumn::check_unchanged`]).
-    pub fn check_unchanged(&self, table: &str) -> Result<()> {
+    pub(super) fn check_unchanged(&self, table: &str) -> Result<()> {
         std::iter::once(&self.ids)
             .chain(&self.slots)
             .try_for_each(InputColumn::check_unchanged)
@@ -101,7 +101,7 @@ impl TableInput {
     }
 
     /// Reads rows `rows` of the input: ids, and every slot's rows unless `slots` is `None`.
-    pub fn read(
+    pub(super) fn read(
         &self,
         rows: Range<u64>,
         ids: &mut Vec<u8>,
@@ -123,7 +123,7 @@ impl TableInput {
     }
 
     /// The input's rows split into `parallel` contiguous parts, one per distributing thread.
-    pub fn parts(&self, parallel: usize) -> Vec<Range<u64>> {
+    pub(super) fn parts(&self, parallel: usize) -> Vec<Range<u64>> {
         let per = self.rows.div_ceil(parallel.max(1) as u64).max(1);
         (0..parallel.max(1) as u64)
             .map(|p| (p * per).min(self.rows)..((p + 1) * per).min(self.rows))
@@ -217,7 +217,7 @@ impl Pass<'_> {
     /// Runs the pass: every row of a group an output takes goes to that group's runs in the
     /// output's files, each part's rows in input order, the parts' runs in part order. Returns,
     /// per output, its files and, per group of the whole table (`groups.end` at least), its runs.
-    pub fn run(&self) -> Result<Vec<(TemporaryFiles, Runs)>> {
+    pub(super) fn run(&self) -> Result<Vec<(TemporaryFiles, Runs)>> {
         let io = |op, e| Error::Io {
             op,
             path: self.scratch.to_path_buf(),

@@ -19,6 +19,7 @@ use crate::load::restore::{LoadOptions, LoadedDense, Restored};
 use crate::source::{first_trainer_state, with_dense, PlainInput, Source};
 
 /// A model held in memory, ready to save.
+#[derive(Debug)]
 pub struct Model {
     /// Tables.
     pub tables: Vec<EmbeddingTable>,

@@ -39,6 +39,7 @@ pub enum Source {
 }
 
 /// The tables of a [`Source`], ready to be saved or hashed.
+#[derive(Debug)]
 pub enum SourceTables<'s> {
     /// A checkpoint's.
     Stored(Vec<StoredTable<'s>>),

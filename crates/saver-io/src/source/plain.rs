@@ -35,11 +35,11 @@ use super::distribute::{Content, InputColumn, Output, Pass, Runs, TableInput, Te
 use super::rounds::Rounds;
 
 /// Rows of a group about this many bytes; a table up to this size is one group.
-pub const GROUP_BYTES: u64 = 16 << 20;
+pub(super) const GROUP_BYTES: u64 = 16 << 20;
 
 /// Most groups a table is distributed into. Beyond `GROUP_BYTES × MAX_GROUPS` (64 GiB) groups
 /// grow with the table: a reading thread then holds `table / MAX_GROUPS`.
-pub const MAX_GROUPS: usize = 4096;
+pub(super) const MAX_GROUPS: usize = 4096;
 
 /// Rows a gather asks the CPU to load ahead of the one it copies: a group's rows are in no
 /// useful order, so each row read is a cache miss the hardware cannot foresee.
@@ -1263,4 +1263,12 @@ fn misspelled_tables(
         }
     }
     warnings
+}
+
+impl std::fmt::Debug for PlainTable<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlainTable")
+            .field("table", &self.schema.name)
+            .finish_non_exhaustive()
+    }
 }

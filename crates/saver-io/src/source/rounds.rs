@@ -148,7 +148,7 @@ impl Rounds {
     /// slot rows of its first [`AHEAD`] rounds, in one pass (the reads of the input are what
     /// rounds cost); then starts the thread that makes the other rounds. Returns the ids' files
     /// and, per group, their runs, and the rounds.
-    pub fn distribute(
+    pub(super) fn distribute(
         input: TableInput,
         table: &str,
         shift: u32,
@@ -262,7 +262,7 @@ impl Rounds {
     }
 
     /// The round that holds group `g`'s slot rows, made if it is not (waiting for it).
-    pub fn of_group(&self, g: usize) -> Result<Arc<RoundData>> {
+    pub(super) fn of_group(&self, g: usize) -> Result<Arc<RoundData>> {
         let s = &self.shared;
         let r = g / s.per_round;
         let mut state = s.lock();
@@ -288,7 +288,7 @@ impl Rounds {
 
     /// Records that `units` slot rows of group `g` were read (a row of two slots is two). Once
     /// every slot row of a round's groups was read, the round's files are let go.
-    pub fn served(&self, g: usize, units: u64) {
+    pub(super) fn served(&self, g: usize, units: u64) {
         let s = &self.shared;
         let Some(served) = s.served.get(g) else {
             return;

@@ -21,10 +21,10 @@ use crate::load::rows::{BucketRows, VisitRows};
 use crate::storage::write_behind::WriteBehind;
 
 /// Most bytes of rows sorted in memory at once.
-pub const RUN_BYTES: usize = 32 << 20;
+pub(crate) const RUN_BYTES: usize = 32 << 20;
 
 /// Bytes of read buffers the merge holds, over all runs (each at least one row).
-pub const MERGE_BYTES: usize = 32 << 20;
+pub(crate) const MERGE_BYTES: usize = 32 << 20;
 
 /// Rows handed to the visitor at a time, at most.
 const BATCH_ROWS: usize = 1 << 14;
@@ -32,7 +32,7 @@ const BATCH_ROWS: usize = 1 << 14;
 /// Visits every row of `t` in ascending id order (as its key dtype orders ids), at most a few
 /// thousand rows at a time: ids, and each kept slot's rows. Runs of at most `run_bytes` of rows
 /// ([`RUN_BYTES`] is a good size) go to a nameless temporary file in `scratch`.
-pub fn visit_by_id(
+pub(crate) fn visit_by_id(
     t: &dyn BucketRows,
     scratch: &Path,
     run_bytes: usize,

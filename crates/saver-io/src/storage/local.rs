@@ -291,6 +291,7 @@ pub(crate) fn open_regular(
 
 /// The commit lock of a [`LocalFs`] directory: an exclusive `flock` on its lock file, which the
 /// kernel releases when the holder's descriptor closes, whether it exits or is killed.
+#[derive(Debug)]
 pub struct LocalLock {
     _file: File,
 }

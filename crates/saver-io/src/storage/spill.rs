@@ -32,7 +32,7 @@ struct Stripe {
 }
 
 /// Most files one spill opens.
-pub const STRIPES: usize = 16;
+pub(crate) const STRIPES: usize = 16;
 
 /// Bits of an offset that hold the position in its stripe; the stripe is in the bits above.
 const POSITION_BITS: u32 = 56;

@@ -21,7 +21,7 @@ pub(crate) struct WriteBehind<'scope> {
 
 impl<'scope> WriteBehind<'scope> {
     /// Starts the thread in `scope`.
-    pub fn new<'env>(scope: &'scope Scope<'scope, 'env>) -> Self {
+    pub(crate) fn new<'env>(scope: &'scope Scope<'scope, 'env>) -> Self {
         let (tx, rx): (SyncSender<Job<'scope>>, Receiver<Job<'scope>>) = sync_channel(QUEUED);
         let thread = scope.spawn(move || {
             // On the first failure the queue is dropped, which stops the producer's next push.
@@ -38,7 +38,7 @@ impl<'scope> WriteBehind<'scope> {
 
     /// Queues `job`, waiting while [`QUEUED`] jobs are ahead of it. An error means the thread
     /// stopped; [`Self::finish`] says why, so end with [`Self::finish_after`].
-    pub fn push(&self, job: Job<'scope>) -> Result<()> {
+    pub(crate) fn push(&self, job: Job<'scope>) -> Result<()> {
         match self.tx.as_ref().map(|tx| tx.send(job)) {
             Some(Ok(())) => Ok(()),
             _ => Err(crate::error::Error::Mismatch(
@@ -48,7 +48,7 @@ impl<'scope> WriteBehind<'scope> {
     }
 
     /// Waits for the queued jobs; the failed job's error if one failed, else `produced`'s.
-    pub fn finish_after<T>(self, produced: Result<T>) -> Result<T> {
+    pub(crate) fn finish_after<T>(self, produced: Result<T>) -> Result<T> {
         let finished = self.finish();
         finished.and(produced)
     }

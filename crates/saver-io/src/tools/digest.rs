@@ -687,3 +687,23 @@ fn hash_table(
         Ok(())
     })
 }
+
+impl std::fmt::Debug for Content<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self {
+            Content::Tables { .. } => "Tables",
+            Content::Files { .. } => "Files",
+            Content::Source { .. } => "Source",
+            Content::At { path, .. } => {
+                return f
+                    .debug_struct("At")
+                    .field("path", path)
+                    .finish_non_exhaustive()
+            }
+            Content::Restored(_) => "Restored",
+            Content::Columns(_) => "Columns",
+            Content::WithRowTables { .. } => "WithRowTables",
+        };
+        f.write_str(what)
+    }
+}

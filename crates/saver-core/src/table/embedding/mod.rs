@@ -133,6 +133,7 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Mutable access to one row's slots, handed to update closures.
+#[derive(Debug)]
 pub struct RowMut<'a> {
     table: &'a EmbeddingTable,
     words: &'a mut [u64],
@@ -988,6 +989,17 @@ impl ChangeTracking for EmbeddingTable {
                     keep
                 });
             });
+    }
+}
+
+impl std::fmt::Debug for EmbeddingTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddingTable")
+            .field("schema", &self.schema)
+            .field("rows", &self.rows.len())
+            .field("buckets", &self.buckets)
+            .field("tracking", &self.tracking.is_some())
+            .finish_non_exhaustive()
     }
 }
 

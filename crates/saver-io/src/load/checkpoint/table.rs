@@ -680,3 +680,12 @@ impl TableSnapshot for ChainSnapshot<'_, '_> {
             .map_err(|e| core(&self.table.schema.name, e))
     }
 }
+
+impl std::fmt::Debug for ChainTable<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChainTable")
+            .field("table", &self.schema.name)
+            .field("links", &self.links.len())
+            .finish_non_exhaustive()
+    }
+}

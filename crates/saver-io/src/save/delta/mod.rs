@@ -19,7 +19,7 @@
 
 mod order;
 mod row_range;
-pub mod spool;
+pub(crate) mod spool;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -40,7 +40,7 @@ use crate::load::rows::BucketRows;
 use crate::save::decide::Parent;
 use crate::save::options::SaveOptions;
 use crate::save::report::DeltaMethod;
-pub use order::InMemoryOrder;
+pub(crate) use order::InMemoryOrder;
 use spool::{Spool, SpoolTable};
 
 /// Rows compared at a time on each side.

@@ -12,7 +12,7 @@ use crate::load::rows::{BucketRows, VisitRows};
 
 /// Any table put in (bucket, id bits) order: its snapshot's ids and row handles, sorted in
 /// memory (16 bytes a row), its rows read by handle a batch at a time.
-pub struct InMemoryOrder<'t> {
+pub(crate) struct InMemoryOrder<'t> {
     table: &'t dyn SparseTable,
     snapshot: Box<dyn TableSnapshot + 't>,
     /// (bucket, id, handle), sorted; no handle (`u64::MAX`) when the snapshot gives none.
@@ -23,7 +23,7 @@ pub struct InMemoryOrder<'t> {
 impl<'t> InMemoryOrder<'t> {
     /// Sorts the ids of `snapshot`, taken of `table` (with the other tables' of a save, at one
     /// moment).
-    pub fn of_snapshot(
+    pub(crate) fn of_snapshot(
         table: &'t dyn SparseTable,
         snapshot: Box<dyn TableSnapshot + 't>,
     ) -> Result<Self> {

@@ -33,7 +33,7 @@ enum Stored {
 }
 
 /// Rows being appended.
-pub struct Spool {
+pub(crate) struct Spool {
     /// Created when the rows first outgrow the write buffer.
     file: Option<File>,
     dir: PathBuf,
@@ -45,7 +45,7 @@ pub struct Spool {
 
 impl Spool {
     /// An empty spool of rows of `slots`, in memory or in a nameless temporary file in `dir`.
-    pub fn new(dir: &Path, slots: &[SlotSpec]) -> Result<Self> {
+    pub(crate) fn new(dir: &Path, slots: &[SlotSpec]) -> Result<Self> {
         let widths = slots
             .iter()
             .map(|s| s.row_bytes().map(|b| b as usize))
@@ -61,7 +61,7 @@ impl Spool {
     }
 
     /// Appends a row: its id and each slot's bytes.
-    pub fn push(&mut self, id: u64, slots: &[&[u8]]) -> Result<()> {
+    pub(crate) fn push(&mut self, id: u64, slots: &[&[u8]]) -> Result<()> {
         debug_assert_eq!(slots.len(), self.widths.len());
         self.buf.extend_from_slice(&id.to_le_bytes());
         for s in slots {
@@ -90,7 +90,7 @@ impl Spool {
     }
 
     /// The rows as table `name`.
-    pub fn finish(
+    pub(crate) fn finish(
         mut self,
         name: &str,
         key_dtype: KeyDtype,
@@ -117,7 +117,7 @@ impl Spool {
 }
 
 /// Spooled rows as a [`SparseTable`]; row handles are row numbers.
-pub struct SpoolTable {
+pub(crate) struct SpoolTable {
     schema: TableSchema,
     widths: Vec<usize>,
     width: usize,

@@ -117,7 +117,7 @@ fn hostile_headers_get_clear_errors_with_bounded_work() {
         let err = read_header(h.as_ref(), name).unwrap_err().to_string();
         assert!(err.contains(name) && err.contains(needle), "{name}: {err}");
         // The same file as `saver save --from` input.
-        let err = read_plain(&path).err().expect("refused").to_string();
+        let err = read_plain(&path).expect_err("refused").to_string();
         assert!(err.contains(name), "{name} via import: {err}");
         assert!(started.elapsed().as_secs() < 5, "{name}: bounded work");
         std::fs::remove_file(&path).unwrap();

@@ -95,7 +95,7 @@ impl Progress {
 }
 
 impl DirectFile {
-    pub fn new(direct: File, buffered: File) -> Self {
+    pub(super) fn new(direct: File, buffered: File) -> Self {
         Self {
             direct,
             buffered,
@@ -125,12 +125,12 @@ impl DirectFile {
 
     /// Fails if a piece of this file already failed to be written, so that a save stops at its
     /// next write rather than at commit.
-    pub fn check(&self) -> io::Result<()> {
+    pub(super) fn check(&self) -> io::Result<()> {
         lock(&self.progress).outcome()
     }
 
     /// Waits until every piece handed over is written; the first failure, if any.
-    pub fn settle(&self) -> io::Result<()> {
+    pub(super) fn settle(&self) -> io::Result<()> {
         let mut progress = lock(&self.progress);
         while progress.pending > 0 {
             progress = self
@@ -520,7 +520,7 @@ impl BufferPool {
 
     /// A pool whose background writes send at most `part` bytes (a multiple of [`ALIGN`]).
     #[cfg(test)]
-    pub fn with_part(part: usize) -> Self {
+    pub(crate) fn with_part(part: usize) -> Self {
         assert!(part > 0 && part.is_multiple_of(ALIGN));
         Self {
             buffers: Arc::default(),
@@ -531,7 +531,7 @@ impl BufferPool {
 
     /// Bytes handed to the background writers and not yet written, by their count.
     #[cfg(test)]
-    pub fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         lock(&self.flusher)
             .as_ref()
             .map_or(0, |f| lock(&f.shared.queue).in_flight)
@@ -539,7 +539,7 @@ impl BufferPool {
 
     /// The most bytes of buffers this pool ever held at once.
     #[cfg(test)]
-    pub fn peak_bytes(&self) -> usize {
+    pub(crate) fn peak_bytes(&self) -> usize {
         self.buffers.peak.load(Ordering::Relaxed)
     }
 }

@@ -124,7 +124,12 @@ impl DirectWrites {
     /// Opens `path` (already created as `buffered`, of final length `len`) for direct writes;
     /// `None` where the filesystem does not support them (tmpfs, some network filesystems), so
     /// the caller writes through the page cache instead.
-    pub fn open(path: &Path, buffered: &File, len: u64, pool: Arc<BufferPool>) -> Option<Self> {
+    pub(super) fn open(
+        path: &Path,
+        buffered: &File,
+        len: u64,
+        pool: Arc<BufferPool>,
+    ) -> Option<Self> {
         let direct = OpenOptions::new()
             .write(true)
             .custom_flags(libc::O_DIRECT)
@@ -236,7 +241,7 @@ impl DirectWrites {
 
     /// Ends the file at `len`, after its bytes up to `len` were given and none past it (a
     /// compressed save learns its files' lengths only at their end).
-    pub fn truncate(&self, len: u64) -> io::Result<()> {
+    pub(super) fn truncate(&self, len: u64) -> io::Result<()> {
         if len > self.len() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -266,7 +271,7 @@ impl DirectWrites {
 
     /// Page-aligned memory for the `len` bytes at `offset`, to fill and give back with
     /// [`DirectWrites::write_lent`].
-    pub fn lend(&self, offset: u64, len: usize) -> io::Result<Lent> {
+    pub(super) fn lend(&self, offset: u64, len: usize) -> io::Result<Lent> {
         self.check(offset, len)?;
         let start = offset as usize % ALIGN;
         Ok(Lent {
@@ -282,7 +287,7 @@ impl DirectWrites {
     /// page this piece makes whole is copied into the lent memory around the piece and written
     /// with it, so that shared pages cost no write of their own. Fails if an earlier piece of the
     /// file failed to be written.
-    pub fn write_lent(&self, lent: Lent) -> io::Result<()> {
+    pub(super) fn write_lent(&self, lent: Lent) -> io::Result<()> {
         let Lent {
             mut buf,
             start,
@@ -331,7 +336,7 @@ impl DirectWrites {
     /// so: `saver_core::moment_copy`), waiting for them; else copied into lent memory, or under
     /// two pages into the pages it touches. Fails if an earlier piece of the file failed to be
     /// written.
-    pub fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+    pub(super) fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
         if buf.len() >= BORROWED_FROM && buf.as_ptr() as usize % ALIGN == offset as usize % ALIGN {
             return self.write_in_place(offset, buf);
         }
@@ -362,7 +367,7 @@ impl DirectWrites {
 
     /// Waits for the file's pieces to be written, checks every byte was given once, and cuts
     /// the file to its length (the last page was written padded, or a truncate shortened it).
-    pub fn finish(&self, buffered: &File) -> io::Result<()> {
+    pub(super) fn finish(&self, buffered: &File) -> io::Result<()> {
         self.file.settle()?;
         {
             let shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
