@@ -340,9 +340,8 @@ fn negative_and_extreme_ids_are_planned() {
 fn bad_input_gets_named_errors() {
     let t = make_table("t", &[1, 2], 1);
     let t2 = make_table("t", &[1, 2], 1);
-    let err = |input: SaveInput<'_>, o: &PlanOptions| {
-        plan(&input, o).expect_err("must fail").to_string()
-    };
+    let err =
+        |input: SaveInput<'_>, o: &PlanOptions| plan(&input, o).expect_err("must fail").to_string();
     let o = PlanOptions::default();
     assert!(err(SaveInput::new().table(&t).table(&t2), &o).contains("duplicate table name \"t\""));
     assert!(err(SaveInput::new(), &{
