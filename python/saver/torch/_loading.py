@@ -141,7 +141,13 @@ def _load_once(path, model, optimizer, strict):
     # of the same class's.
     _check_optimizer_class(optimizer, meta, path)
     held_tables = ck.row_tables
-    into = {}
+    # The load's request: every piece of a table to fill, as items.
+    request = []
+
+    def to_fill(name, slots):
+        whole = {slot: shape for slot, (_, shape) in held_tables[name]["slots"].items()}
+        request.extend(chunk_items(name, slots, whole))
+
     # What is done once the bytes are in: row-wise state read into buffers and converted to
     # another column cut, or between row-wise and element-wise state.
     after = []
@@ -195,7 +201,7 @@ def _load_once(path, model, optimizer, strict):
                     t = torch.empty(tuple(shape), dtype=_host.torch_dtype(dtype, f"{name}/{slot}"))
                     made[(name, key)] = t
                 slots[slot] = _s.Chunk(t)
-        into[name] = slots
+        to_fill(name, slots)
     # Tables sharded by TorchRec: each local shard (and each of its fused optimizer state)
     # filled from whatever split saved it; then given back to the model and the fused
     # optimizer through their own load_state_dict.
@@ -244,7 +250,7 @@ def _load_once(path, model, optimizer, strict):
             slots[slot] = _chunks_of(st, f"{name} {key}", reading=True)
         slots = {k: v for k, v in slots.items() if v}
         if slots:
-            into[name] = slots
+            to_fill(name, slots)
     # Everything that needs no data, checked before the first byte lands in the model.
     dense_wanted = {k: t for k, t in model.state_dict(keep_vars=True).items() if k not in table_params and k not in sharded}
     held_dense = {k: v for k, v in ck.dense.items() if not k.startswith(("optimizer/", "fused/"))}
@@ -258,18 +264,16 @@ def _load_once(path, model, optimizer, strict):
         _check_dense(dense_wanted[k], *held_dense[k], k)
     if optimizer is not None:
         _check_optimizer(optimizer, meta, ck.dense, by_name, names, set(table_params) | set(sharded), path)
-    # The request: every piece of a table to fill, as items.
-    request = [it for name, slots in into.items() for it in chunk_items(name, slots, {k: v[1] for k, v in held_tables[name]["slots"].items()})]
+    filled = sorted({it.name for it in request})
     try:
-        loaded = ck.load(into=load_request(request), tables=list(into) or None)
+        loaded = ck.load(into=load_request(request), tables=filled or None)
     except _s.InputError:
         raise  # refused before any byte was read into the model
     except _s.ReplacedError:
         if _world()[1] == 1:
             raise  # read again, whole, from the checkpoint there now (`_load`)
-        raise _s.SaverError(f"{path} was replaced by another save while the ranks read it: {sorted(into)} (with their optimizer state) may hold part of it; load again") from None
+        raise _s.SaverError(f"{path} was replaced by another save while the ranks read it: {filled} (with their optimizer state) may hold part of it; load again") from None
     except _s.SaverError as e:
-        filled = sorted(into)
         raise _s.SaverError(
             f"{e}; the load stopped while reading: {filled} (with their optimizer state) may hold "
             "part of this checkpoint, and the rest of the model and optimizer is as it was: load "

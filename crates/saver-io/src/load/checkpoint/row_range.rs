@@ -559,13 +559,7 @@ fn scatter_columns(
         }
         row += n;
     }
-    let extra = pieces::check(link, t, ps)?.ok_or_else(|| Error::Corrupt {
-        file: t.file.clone(),
-        what: format!(
-            "tensor {:?} (a chunk of row-range table {table:?}) fails its CRC32 check",
-            t.name
-        ),
-    })?;
+    let extra = check_pieces(link, table, t, ps)?;
     loaded.bytes_read += (r.end - r.start) * row_bytes + extra;
     Ok(())
 }
@@ -768,13 +762,19 @@ fn read_checked(
     for (_, from, buf) in &reads {
         pieces::push(t, *from, buf, &mut ps);
     }
-    let extra = pieces::check(link, t, ps)?.ok_or_else(|| Error::Corrupt {
+    let extra = check_pieces(link, table, t, ps)?;
+    loaded.bytes_read += spans.iter().map(|s| s.2).sum::<u64>() + extra;
+    Ok(())
+}
+
+/// Checks the CRC32s of the blocks of `t` (a chunk of row-range table `table`) that pieces `ps`
+/// touch, reading what of them the pieces leave out: the bytes read for the check.
+fn check_pieces(link: &Link, table: &str, t: &TensorRef, ps: Vec<pieces::Piece>) -> Result<u64> {
+    pieces::check(link, t, ps)?.ok_or_else(|| Error::Corrupt {
         file: t.file.clone(),
         what: format!(
             "tensor {:?} (a chunk of row-range table {table:?}) fails its CRC32 check",
             t.name
         ),
-    })?;
-    loaded.bytes_read += spans.iter().map(|s| s.2).sum::<u64>() + extra;
-    Ok(())
+    })
 }
