@@ -2,9 +2,10 @@
 //! step of its commit, on a real S3-compatible server that ignores conditional writes (Garage),
 //! while another save takes the lock and commits: whatever exits 0 is committed and reads, what
 //! came too late fails with a clear error and leaves the other's commit as it was, and every
-//! checkpoint left verifies. Three shapes: two `--overwrite`s of one prefix, a managed root whose
-//! newest step is replaced while a delta of it is saved as the next step, and a new step saved
-//! while a newer one commits.
+//! checkpoint left verifies. Four shapes: two `--overwrite`s of one prefix, a managed root whose
+//! newest step is replaced while a delta of it is saved as the next step, a new step saved
+//! while a newer one commits, and a plain delta (`--parent`, no root) whose parent is replaced
+//! before or during its commit (also on the local disk).
 
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -18,16 +19,34 @@ const LEASE_SECONDS: f64 = 1.5;
 /// after its checks, after its last check of the locks, after writing its index.
 const STEPS: [&str; 4] = ["locked", "checked", "fenced", "indexed"];
 
+/// The object store's settings, or none for runs on the local disk.
+type Env = Vec<(String, String)>;
+
 fn saver(g: &Garage, args: &[&str]) -> Command {
+    saver_in(&env_of(g), args)
+}
+
+fn env_of(g: &Garage) -> Env {
+    g.env()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+}
+
+fn saver_in(env: &Env, args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_saver"));
     c.args(args)
-        .envs(g.env())
+        .envs(env.iter().cloned())
         .env("SAVER_S3_LEASE_SECONDS", LEASE_SECONDS.to_string());
     c
 }
 
 fn ok(g: &Garage, args: &[&str]) -> String {
-    let out = saver(g, args).output().unwrap();
+    ok_in(&env_of(g), args)
+}
+
+fn ok_in(env: &Env, args: &[&str]) -> String {
+    let out = saver_in(env, args).output().unwrap();
     assert!(
         out.status.success(),
         "saver {args:?}: {}",
@@ -61,7 +80,11 @@ fn is_stopped(pid: u32) -> bool {
 
 /// Starts `saver args` stopped at commit step `step`; returns once it has stopped there.
 fn paused_at(g: &Garage, args: &[&str], step: &str) -> Child {
-    let mut child = saver(g, args)
+    paused_in(&env_of(g), args, step)
+}
+
+fn paused_in(env: &Env, args: &[&str], step: &str) -> Child {
+    let mut child = saver_in(env, args)
         .env("SAVER_STOP_AT", format!("commit:{step}"))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -312,4 +335,98 @@ fn a_committer_paused_past_its_lease_never_replaces_what_another_committed() {
             }
         });
     });
+}
+
+/// A plain delta (`save --parent`, no managed root) paused at `step` of its commit while its
+/// parent is overwritten: it never commits a delta of a parent that is gone. Paused before its
+/// locks (`ready`), it fails naming the parent and the save that replaced it; paused holding
+/// the parent directory's lock past its lease (an object store's), the overwrite takes the lock
+/// and the delta fails naming the taker or the replacement. The parent holds the overwrite's
+/// save, and the delta's directory no committed checkpoint.
+/// `dir` is where both go: a prefix of the store `env` names, or a local directory.
+fn a_plain_delta_beside_a_replaced_parent(env: &Env, dir: &str, step: &str, round: u64) {
+    let at = if env.is_empty() {
+        "the local disk"
+    } else {
+        "Garage"
+    };
+    let (parent, delta) = (format!("{dir}/parent"), format!("{dir}/delta"));
+    let save = |spec: &str, extra: &[&str]| {
+        let mut a = vec!["save", "--synthetic", spec, "--no-fsync"];
+        a.extend_from_slice(extra);
+        a.into_iter().map(str::to_string).collect::<Vec<_>>()
+    };
+    ok_in(
+        env,
+        &save("tiny,seed=1", &["--out", &parent])
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    let args = save("tiny,seed=2", &["--parent", &parent, "--out", &delta]);
+    let late = paused_in(
+        env,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        step,
+    );
+    if step != "ready" {
+        std::thread::sleep(past_the_lease(round));
+    } else {
+        std::thread::sleep(Duration::from_millis(round * 37));
+    }
+    let over = save("tiny,seed=3", &["--overwrite", "--out", &parent]);
+    let over = saver_in(env, &over.iter().map(String::as_str).collect::<Vec<_>>())
+        .output()
+        .unwrap();
+    let late = resume(late);
+    let what = format!("a plain delta paused at {step} on {at}, round {round}");
+    println!("{what}: {}", String::from_utf8_lossy(&late.stderr).trim());
+    assert!(
+        over.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&over.stderr)
+    );
+    ok_in(env, &["verify", &parent]);
+    let err = String::from_utf8_lossy(&late.stderr);
+    assert!(
+        !late.status.success(),
+        "{what}: the delta of a replaced parent committed"
+    );
+    assert!(!err.contains("panicked"), "{what}: {err}");
+    if step == "ready" {
+        assert!(
+            err.contains("the parent") && err.contains("was replaced by save"),
+            "{what}: {err}"
+        );
+    } else {
+        assert!(
+            err.contains("is no longer this process's") || err.contains("was replaced by save"),
+            "{what}: {err}"
+        );
+    }
+    let verify = saver_in(env, &["verify", &delta]).output().unwrap();
+    assert!(
+        !verify.status.success(),
+        "{what}: the delta's directory commits a save"
+    );
+}
+
+#[test]
+fn a_plain_delta_never_commits_over_a_parent_replaced_before_its_commit_on_the_local_disk() {
+    for round in 0..4 {
+        let dir = tempfile::tempdir().unwrap();
+        let dir = dir.path().to_str().unwrap();
+        a_plain_delta_beside_a_replaced_parent(&Env::new(), dir, "ready", round);
+    }
+}
+
+#[test]
+fn a_plain_delta_never_commits_over_a_parent_replaced_during_its_commit_on_an_object_store() {
+    let Some(g) = Garage::start() else { return };
+    for round in 0..2 {
+        for step in ["ready", "locked", "checked", "fenced"] {
+            let dir = g.url(&format!("lease/plain-delta-{step}-{round}"));
+            a_plain_delta_beside_a_replaced_parent(&env_of(&g), &dir, step, round);
+        }
+    }
 }

@@ -92,6 +92,7 @@ pub(crate) fn commit_under(
     if !missing.is_empty() {
         return Ok(CommitState::Missing(missing));
     }
+    stop_point("ready");
     // The rule's lock first, always: a rule's lock is never taken under a directory's.
     let rule_lock = rule.map(CommitRule::lock).transpose()?;
     let lock = storage.lock_commit(COMMIT_LOCK_WAIT)?;
@@ -191,7 +192,7 @@ fn still_held(locks: &[Option<&dyn CommitLock>]) -> Result<Duration> {
 }
 
 /// Stops this process (SIGSTOP) at the commit's step `step` if `SAVER_STOP_AT` names it
-/// (`commit:locked`, `commit:checked`, `commit:fenced`, `commit:indexed`): how the tests pause
+/// (`commit:ready`, before its locks, `commit:locked`, `commit:checked`, `commit:fenced`, `commit:indexed`): how the tests pause
 /// a committer past its lock's lease at every step of its commit, as a frozen machine would.
 fn stop_point(step: &str) {
     static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();

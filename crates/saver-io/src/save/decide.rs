@@ -2,7 +2,8 @@
 //! options hold, and, for a delta, its parent (opened, and checked to be one a delta may name),
 //! decided once and before a row is read. What follows (a delta's comparison with its parent,
 //! the claim of the shards, the plan, the writes, the commit) only reads the [`Decided`], and
-//! checks here, before the save's shard manifests, that its parent is still there.
+//! checks here, before the save's shard manifests, that its parent is still there, and again at
+//! the commit itself, under the parent directory's commit lock ([`Parent`] is a [`CommitRule`]).
 
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -14,9 +15,10 @@ use saver_core::{PlanOptions, SaveInput};
 use crate::error::{Error, Result};
 use crate::load::checkpoint::{Checkpoint, MAX_CHAIN_LINKS};
 use crate::load::documents::committed;
+use crate::save::commit::CommitRule;
 use crate::save::options::SaveOptions;
 use crate::save::rejection::check_not_rejected;
-use crate::storage::Storage;
+use crate::storage::{CommitLock, Storage, COMMIT_LOCK_WAIT};
 
 /// What a save decided before it reads a row.
 pub(crate) struct Decided {
@@ -236,6 +238,25 @@ impl Parent {
                 ))
             ),
         })
+    }
+}
+
+/// A delta commits only while its parent's directory still commits the save it was made from:
+/// a save that replaced the parent meanwhile (and removed its files) would leave a delta that no
+/// read can follow. Checked under the parent directory's commit lock, taken before the delta's
+/// own (a parent's lock before its child's, always, so two saves never wait on each other), so
+/// the parent cannot be replaced between the check and the delta's index.
+impl CommitRule for Parent {
+    fn lock(&self) -> Result<Box<dyn CommitLock>> {
+        crate::storage::open_location(&self.chain.dirs()[0])?.lock_commit(COMMIT_LOCK_WAIT)
+    }
+
+    fn refusal(&self, _manifest: &saver_core::Manifest) -> Result<Option<String>> {
+        match self.check_held() {
+            Ok(()) => Ok(None),
+            Err(Error::Chain { link, message }) => Ok(Some(format!("{link}: {message}"))),
+            Err(e) => Err(e),
+        }
     }
 }
 

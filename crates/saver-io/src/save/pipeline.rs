@@ -17,7 +17,9 @@ use saver_core::{PlanOptions, SaveInput, SavePlan};
 use crate::error::{Error, Result};
 use crate::save::checksum::{combine_crcs, CrcRun};
 use crate::save::claim::{claim_shards, reclaim_ended_saves, remove_own, Leftovers};
-use crate::save::commit::{commit_under, files_left_alone, wait_for_commit, CommitState};
+use crate::save::commit::{
+    commit_under, files_left_alone, wait_for_commit, CommitRule, CommitState,
+};
 use crate::save::compressing::CompressedFile;
 use crate::save::decide::{plan_options, Decided};
 use crate::save::delta::DeltaOf;
@@ -229,7 +231,13 @@ fn write_and_commit(
 
     let t2 = Instant::now();
     let n = plan_opts.shard_num;
-    let rule = opts.commit_rule.as_deref();
+    // A managed save's rule checks its parent step under the root's lock; a plain delta's
+    // parent is checked under its own directory's.
+    let rule = opts.commit_rule.as_deref().or(shared
+        .decided
+        .parent
+        .as_ref()
+        .map(|p| p as &dyn CommitRule));
     let state = match (plan_opts.shard_index, opts.wait) {
         (Some(_), Some(timeout)) => {
             wait_for_commit(storage, &save_id, n, opts.durable, timeout, rule)?
