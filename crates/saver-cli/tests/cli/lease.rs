@@ -343,6 +343,7 @@ fn a_committer_paused_past_its_lease_never_replaces_what_another_committed() {
 /// the parent directory's lock past its lease (an object store's), the overwrite takes the lock
 /// and the delta fails naming the taker or the replacement. The parent holds the overwrite's
 /// save, and the delta's directory no committed checkpoint.
+///
 /// `dir` is where both go: a prefix of the store `env` names, or a local directory.
 fn a_plain_delta_beside_a_replaced_parent(env: &Env, dir: &str, step: &str, round: u64) {
     let at = if env.is_empty() {

@@ -192,8 +192,9 @@ fn still_held(locks: &[Option<&dyn CommitLock>]) -> Result<Duration> {
 }
 
 /// Stops this process (SIGSTOP) at the commit's step `step` if `SAVER_STOP_AT` names it
-/// (`commit:ready`, before its locks, `commit:locked`, `commit:checked`, `commit:fenced`, `commit:indexed`): how the tests pause
-/// a committer past its lock's lease at every step of its commit, as a frozen machine would.
+/// (`commit:ready`, before its locks; `commit:locked`, `commit:checked`, `commit:fenced`,
+/// `commit:indexed`): how the tests pause a committer before its locks and past its lock's lease
+/// at every step of its commit, as a frozen machine would.
 fn stop_point(step: &str) {
     static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let at = AT.get_or_init(|| std::env::var("SAVER_STOP_AT").ok());

@@ -244,7 +244,8 @@ impl Parent {
 /// A delta commits only while its parent's directory still commits the save it was made from:
 /// a save that replaced the parent meanwhile (and removed its files) would leave a delta that no
 /// read can follow. Checked under the parent directory's commit lock, taken before the delta's
-/// own (a parent's lock before its child's, always, so two saves never wait on each other), so
+/// own (a parent's lock before its child's, always, so no two saves wait on each other in a
+/// circle), so
 /// the parent cannot be replaced between the check and the delta's index.
 impl CommitRule for Parent {
     fn lock(&self) -> Result<Box<dyn CommitLock>> {
