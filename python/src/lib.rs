@@ -252,11 +252,13 @@ fn copied<R: Send>(
     let dense = dense_tensors(dense)?
         .into_iter()
         .map(DenseTensor::into_owned)
-        .collect();
+        .collect::<saver_core::Result<_>>()
+        .map_err(err)?;
     let chunks = row_chunks(chunks)?
         .into_iter()
         .map(RowRangeChunk::into_owned)
-        .collect();
+        .collect::<saver_core::Result<_>>()
+        .map_err(err)?;
     py.detach(|| {
         start(input(
             tables.iter().map(TableRef::from).collect(),

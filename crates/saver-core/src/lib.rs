@@ -97,4 +97,4 @@ pub use table::{
     ChangeTracking, ColumnTable, EmbeddingTable, RowView, SlotSpec, SparseTable, TableSchema,
     TableSnapshot,
 };
-pub use tensor::DenseTensor;
+pub use tensor::{ByteSource, DenseTensor};

@@ -44,22 +44,56 @@ pub struct DenseTensor<'a> {
     data: Bytes<'a>,
 }
 
-/// A tensor's bytes: borrowed, owned, or shared.
+/// A tensor's bytes: borrowed, owned, shared, or read on demand.
 #[derive(Clone, Debug)]
 enum Bytes<'a> {
     Cow(Cow<'a, [u8]>),
     Shared(Arc<Vec<u8>>),
     /// A background save's copy (see [`crate::moment_copy`]).
     Copied(Arc<MomentCopy>),
+    /// Read from where they lie as the save writes them ([`DenseTensor::deferred`]).
+    Deferred(Arc<dyn ByteSource + 'a>),
 }
 
-impl std::ops::Deref for Bytes<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
+/// Where the bytes of a tensor read on demand lie ([`DenseTensor::deferred`]): another
+/// checkpoint, a file. A save asks for them a writer's chunk at a time, from several threads
+/// at once, so that a tool rewriting a tensor larger than memory holds only those chunks.
+pub trait ByteSource: std::fmt::Debug + Send + Sync {
+    /// The number of bytes.
+    fn len(&self) -> u64;
+
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Fills `out` with the bytes from `offset`; `offset + out.len()` is within [`Self::len`].
+    /// An error (a checksum that fails, a file gone) fails the save that asked.
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()>;
+}
+
+/// Every byte of `source`, into memory of their own.
+fn read_whole(source: &dyn ByteSource) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; source.len() as usize];
+    source.read_at(0, &mut out)?;
+    Ok(out)
+}
+
+impl Bytes<'_> {
+    /// The bytes, when they are in memory.
+    fn in_memory(&self) -> Option<&[u8]> {
         match self {
-            Bytes::Cow(c) => c,
-            Bytes::Shared(s) => s,
-            Bytes::Copied(c) => c,
+            Bytes::Cow(c) => Some(c),
+            Bytes::Shared(s) => Some(s),
+            Bytes::Copied(c) => Some(c),
+            Bytes::Deferred(_) => None,
+        }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Bytes::Deferred(d) => d.len(),
+            b => b.in_memory().map_or(0, |b| b.len() as u64),
         }
     }
 }
@@ -89,12 +123,12 @@ impl<'a> DenseTensor<'a> {
 
     fn checked(name: String, dtype: Dtype, shape: Vec<u64>, data: Bytes<'a>) -> Result<Self> {
         let expected = byte_len(&name, dtype, &shape)?;
-        if expected != data.len() as u64 {
+        if expected != data.len() {
             return Err(Error::LengthMismatch {
                 what: "dense tensor",
                 name,
                 expected,
-                actual: data.len() as u64,
+                actual: data.len(),
             });
         }
         Ok(Self {
@@ -103,6 +137,18 @@ impl<'a> DenseTensor<'a> {
             shape,
             data,
         })
+    }
+
+    /// A tensor whose bytes are read from `source` as the save writes them, a writer's chunk at
+    /// a time: what `reshard`, `compact` and `save --from` give for a row-range table, so that
+    /// they hold what a save holds, not the table. [`Self::bytes`] reads them whole.
+    pub fn deferred(
+        name: impl Into<String>,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        source: Arc<dyn ByteSource + 'a>,
+    ) -> Result<Self> {
+        Self::checked(name.into(), dtype, shape, Bytes::Deferred(source))
     }
 
     /// A tensor of `f32` values, borrowed without copy where the platform is little-endian.
@@ -130,14 +176,45 @@ impl<'a> DenseTensor<'a> {
         &self.shape
     }
 
-    /// The raw bytes.
-    pub fn data(&self) -> &[u8] {
-        &self.data
+    /// The raw bytes, when they are in memory: `None` for a tensor read on demand
+    /// ([`Self::deferred`]; [`Self::bytes`] reads those).
+    pub fn data(&self) -> Option<&[u8]> {
+        self.data.in_memory()
+    }
+
+    /// The raw bytes, read whole where the tensor is read on demand.
+    pub fn bytes(&self) -> Result<Cow<'_, [u8]>> {
+        match &self.data {
+            Bytes::Deferred(d) => Ok(Cow::Owned(read_whole(&**d)?)),
+            b => Ok(Cow::Borrowed(b.in_memory().unwrap_or_default())),
+        }
+    }
+
+    /// Fills `out` with the bytes from `offset`, wherever they are: what a save's writer asks
+    /// for, a chunk at a time. `offset + out.len()` must be within [`Self::byte_len`].
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        let end = offset.checked_add(out.len() as u64);
+        if end.is_none_or(|end| end > self.byte_len()) {
+            return Err(Error::LengthMismatch {
+                what: "read of dense tensor",
+                name: self.name.clone(),
+                expected: self.byte_len(),
+                actual: offset.saturating_add(out.len() as u64),
+            });
+        }
+        match &self.data {
+            Bytes::Deferred(d) => d.read_at(offset, out),
+            b => {
+                let at = offset as usize;
+                out.copy_from_slice(&b.in_memory().unwrap_or_default()[at..at + out.len()]);
+                Ok(())
+            }
+        }
     }
 
     /// Byte length.
     pub fn byte_len(&self) -> u64 {
-        self.data.len() as u64
+        self.data.len()
     }
 
     /// The same tensor under another name.
@@ -150,7 +227,9 @@ impl<'a> DenseTensor<'a> {
     pub fn view(&self) -> DenseTensor<'_> {
         let data = match &self.data {
             Bytes::Copied(c) => Bytes::Copied(Arc::clone(c)),
-            _ => Bytes::Cow(Cow::Borrowed(&self.data)),
+            Bytes::Deferred(d) => Bytes::Deferred(Arc::clone(d) as Arc<dyn ByteSource + '_>),
+            Bytes::Cow(c) => Bytes::Cow(Cow::Borrowed(c)),
+            Bytes::Shared(s) => Bytes::Cow(Cow::Borrowed(s)),
         };
         DenseTensor {
             name: self.name.clone(),
@@ -171,20 +250,22 @@ impl<'a> DenseTensor<'a> {
     /// The tensor with bytes of its own: a copy where it borrowed them, so that the caller may
     /// change its buffers at once (what a background save needs), made on every core into the
     /// memory the last background save's copy of this tensor left ([`crate::moment_copy`]);
-    /// shared bytes stay shared.
-    pub fn into_owned(self) -> DenseTensor<'static> {
+    /// shared bytes stay shared; bytes read on demand are read now, whole (their source may
+    /// not outlive the call).
+    pub fn into_owned(self) -> Result<DenseTensor<'static>> {
         let data = match self.data {
             Bytes::Cow(Cow::Borrowed(b)) => Bytes::Copied(Arc::new(MomentCopy::of(&self.name, b))),
             Bytes::Cow(Cow::Owned(v)) => Bytes::Cow(Cow::Owned(v)),
             Bytes::Shared(s) => Bytes::Shared(s),
             Bytes::Copied(c) => Bytes::Copied(c),
+            Bytes::Deferred(d) => Bytes::Cow(Cow::Owned(read_whole(&*d)?)),
         };
-        DenseTensor {
+        Ok(DenseTensor {
             name: self.name,
             dtype: self.dtype,
             shape: self.shape,
             data,
-        }
+        })
     }
 }
 

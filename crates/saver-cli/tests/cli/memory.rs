@@ -3,6 +3,9 @@
 //! pages included) stays under it, and the results agree (one digest throughout). Saves to and
 //! reads from an S3-compatible store (Garage on loopback) are held to the same bound.
 //!
+//! Row-range tables (what `saver.torch` saves) are held to the same bound by every command that
+//! copies them: `save --from`, `reshard`, a delta's comparison, `compact`, `export`, `digest`.
+//!
 //! Needs an optimised build to run in reasonable time, so a debug `cargo test` skips it;
 //! `tests/run.sh` runs it with `cargo test --release -p saver-cli --test memory`.
 
@@ -289,5 +292,166 @@ fn every_command_runs_in_bounded_memory_on_a_model_larger_than_the_bound() {
         std::fs::read_dir(&tmp).unwrap().count(),
         0,
         "temporary files are nameless"
+    );
+}
+
+/// Rows of the row-range model: a 64-wide f32 slot and a scalar one, 260 bytes a row (about
+/// 680 MB).
+const TABLE_ROWS: u64 = 2_600_000;
+
+/// Writes a plain safetensors model holding row-range table `item` (named so by the file's
+/// `saver_row_tables` metadata, as an export writes it) and a dense tensor.
+fn write_row_model(path: &Path) {
+    let dim = 64u64;
+    let tensors = [
+        ("item/weight", vec![TABLE_ROWS, dim], TABLE_ROWS * dim * 4),
+        ("item/adagrad", vec![TABLE_ROWS], TABLE_ROWS * 4),
+        ("mlp/w", vec![1 << 18], 1 << 20),
+    ];
+    let mut header = serde_json::Map::new();
+    header.insert(
+        "__metadata__".into(),
+        serde_json::json!({ "saver_row_tables": "[\"item\"]" }),
+    );
+    let mut off = 0;
+    for (name, shape, len) in &tensors {
+        header.insert(
+            name.to_string(),
+            serde_json::json!({ "dtype": "F32", "shape": shape, "data_offsets": [off, off + len] }),
+        );
+        off += len;
+    }
+    let mut h = serde_json::to_vec(&header).unwrap();
+    h.resize(h.len().next_multiple_of(8), b' ');
+    let mut f = BufWriter::with_capacity(1 << 20, File::create(path).unwrap());
+    f.write_all(&(h.len() as u64).to_le_bytes()).unwrap();
+    f.write_all(&h).unwrap();
+    let mut x = 7u32;
+    let mut block = Vec::with_capacity(1 << 20);
+    let mut left = (off - (1 << 20)) / 4;
+    while left > 0 {
+        block.clear();
+        for _ in 0..left.min(1 << 18) {
+            x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            block.extend_from_slice(&((x >> 8) as f32 / 1e6).to_le_bytes());
+        }
+        left -= (block.len() / 4) as u64;
+        f.write_all(&block).unwrap();
+    }
+    f.write_all(&vec![3u8; 1 << 20]).unwrap();
+    f.flush().unwrap();
+}
+
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "needs an optimised build: tests/run.sh runs it"
+)]
+fn every_command_copies_a_row_range_table_larger_than_the_bound_in_bounded_memory() {
+    let d = tempfile::tempdir().unwrap();
+    let p = |x: &str| d.path().join(x).to_str().unwrap().to_string();
+    let model = p("rows.safetensors");
+    write_row_model(Path::new(&model));
+    let size = std::fs::metadata(&model).unwrap().len();
+    assert!(
+        size > 4 * LIMIT,
+        "the model ({size} bytes) must dwarf the bound"
+    );
+    let tmp = d.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let commands: Vec<(&str, Vec<String>)> = vec![
+        (
+            "save --from",
+            args(&[
+                "save",
+                "--from",
+                &model,
+                "--out",
+                &p("ck"),
+                "--shards",
+                "3",
+                "--no-fsync",
+            ]),
+        ),
+        ("digest of the input", args(&["digest", &model])),
+        ("digest of the checkpoint", args(&["digest", &p("ck")])),
+        (
+            "reshard",
+            args(&[
+                "reshard",
+                &p("ck"),
+                "--out",
+                &p("ck2"),
+                "--shards",
+                "2",
+                "--no-fsync",
+            ]),
+        ),
+        ("digest of the reshard", args(&["digest", &p("ck2")])),
+        // Every row compared with the parent's, none changed: the delta holds no rows.
+        (
+            "delta of the same rows",
+            args(&[
+                "save",
+                "--from",
+                &p("ck"),
+                "--parent",
+                &p("ck2"),
+                "--out",
+                &p("d1"),
+                "--no-fsync",
+            ]),
+        ),
+        ("digest of the chain", args(&["digest", &p("d1")])),
+        (
+            "compact",
+            args(&[
+                "compact",
+                &p("d1"),
+                "--out",
+                &p("ck3"),
+                "--shards",
+                "1",
+                "--no-fsync",
+            ]),
+        ),
+        ("digest of the compaction", args(&["digest", &p("ck3")])),
+        ("export", args(&["export", &p("ck3"), "--out", &p("ex")])),
+        ("digest of the export", args(&["digest", &p("ex")])),
+        (
+            "save --from the export",
+            args(&["save", "--from", &p("ex"), "--out", &p("ck4"), "--no-fsync"]),
+        ),
+        ("digest of that", args(&["digest", &p("ck4")])),
+    ];
+    let mut digests = Vec::new();
+    for (what, args) in &commands {
+        let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+        if args[0] != "export" {
+            args.extend(["--parallel", "2"]);
+        }
+        let (out, rss) = run(&args, &tmp, &[]);
+        eprintln!("{what}: peak RSS {} MiB", rss >> 20);
+        assert!(
+            rss < LIMIT,
+            "{what} peaked at {} MiB, over the {} MiB bound (model {} MiB)",
+            rss >> 20,
+            LIMIT >> 20,
+            size >> 20
+        );
+        if args[0] == "digest" {
+            digests.push(out.trim().to_string());
+        }
+    }
+    assert_eq!(digests.len(), 7);
+    assert!(digests.windows(2).all(|w| w[0] == w[1]), "{digests:?}");
+    let delta_bytes: u64 = std::fs::read_dir(p("d1"))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert!(
+        delta_bytes < 1 << 20,
+        "the delta of unchanged rows holds none, yet takes {delta_bytes} bytes"
     );
 }

@@ -483,7 +483,7 @@ mod tests {
                 let mut m = p
                     .shard_manifest(pos, &crcs, &BTreeMap::new(), None)
                     .unwrap();
-                m.dense_given = p.dense_given();
+                m.dense_given = p.dense_given().unwrap();
                 m
             })
             .collect();

@@ -295,13 +295,24 @@ impl SavePlan<'_> {
                 bytes,
             } => {
                 let dp = &self.shards[*shard].dense[*dense];
-                let data = self.dense[dp.dense].data();
-                sink.put(Piece {
-                    shard: *shard,
-                    loc: dp.loc,
-                    offset: bytes.start,
-                    bytes: &data[bytes.start as usize..bytes.end as usize],
-                })
+                let tensor = &self.dense[dp.dense];
+                match tensor.data() {
+                    Some(data) => sink.put(Piece {
+                        shard: *shard,
+                        loc: dp.loc,
+                        offset: bytes.start,
+                        bytes: &data[bytes.start as usize..bytes.end as usize],
+                    }),
+                    // Read on demand: this chunk's bytes only, into the sink's own memory.
+                    None => {
+                        let len = (bytes.end - bytes.start) as usize;
+                        let mut buf = sink.lend(*shard, dp.loc, bytes.start, len)?;
+                        tensor
+                            .read_at(bytes.start, buf.as_mut())
+                            .map_err(S::Error::from)?;
+                        sink.put_lent(*shard, dp.loc, bytes.start, buf)
+                    }
+                }
             }
         }
     }

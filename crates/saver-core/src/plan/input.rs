@@ -215,12 +215,12 @@ impl<'a> SaveInput<'a> {
                 .dense
                 .into_iter()
                 .map(DenseTensor::into_owned)
-                .collect(),
+                .collect::<Result<_>>()?,
             row_chunks: self
                 .row_chunks
                 .into_iter()
                 .map(RowRangeChunk::into_owned)
-                .collect(),
+                .collect::<Result<_>>()?,
         })
     }
 

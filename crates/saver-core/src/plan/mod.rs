@@ -680,22 +680,25 @@ impl<'a> SavePlan<'a> {
     /// Every dense tensor this process was given, with a CRC32 of its content and whether the
     /// block filters keep it in the shard the plan assigns it to (whichever process writes that
     /// shard): what every process of a save must agree on, and what must be written once.
-    pub fn dense_given(&self) -> Vec<DenseGiven> {
+    /// A tensor read on demand ([`DenseTensor::deferred`]) is read for it.
+    pub fn dense_given(&self) -> Result<Vec<DenseGiven>> {
         self.dense[..self.given_dense]
             .par_iter()
             .zip(&self.dense_shard)
-            .map(|(d, &shard)| DenseGiven {
-                name: d.name().to_string(),
-                dtype: d.dtype(),
-                shape: d.shape().to_vec(),
-                crc32: crc32fast::hash(d.data()),
-                kept: self.opts.filters.keep_block(&BlockInfo {
-                    kind: BlockKind::Dense,
-                    table: None,
-                    slot: None,
-                    dense: Some(d.name()),
-                    shard,
-                }),
+            .map(|(d, &shard)| {
+                Ok(DenseGiven {
+                    name: d.name().to_string(),
+                    dtype: d.dtype(),
+                    shape: d.shape().to_vec(),
+                    crc32: crc32fast::hash(&d.bytes()?),
+                    kept: self.opts.filters.keep_block(&BlockInfo {
+                        kind: BlockKind::Dense,
+                        table: None,
+                        slot: None,
+                        dense: Some(d.name()),
+                        shard,
+                    }),
+                })
             })
             .collect()
     }

@@ -120,13 +120,32 @@ impl<'a> RowRangeChunk<'a> {
         rows: std::ops::Range<u64>,
         values: Vec<u8>,
     ) -> Result<RowRangeChunk<'static>> {
-        let mut shape = whole.to_vec();
-        let mut offset = vec![0; whole.len()];
-        if let (Some(n), Some(at)) = (shape.first_mut(), offset.first_mut()) {
-            *n = rows.end.saturating_sub(rows.start);
-            *at = rows.start;
-        }
+        let (shape, offset) = rows_within(whole, rows);
         RowRangeChunk::new(table, slot, dtype, shape, values)?.at(&offset, whole)
+    }
+
+    /// The chunk of rows `rows` (all their columns) of a slot of shape `whole`, whose values are
+    /// read from `source` as the save writes them ([`DenseTensor::deferred`]): a tool's copy of
+    /// a table larger than memory, held a writer's chunk at a time.
+    pub fn of_rows_deferred(
+        table: &str,
+        slot: &str,
+        dtype: Dtype,
+        whole: &[u64],
+        rows: std::ops::Range<u64>,
+        source: std::sync::Arc<dyn crate::ByteSource + 'a>,
+    ) -> Result<Self> {
+        check_table_name(table)?;
+        check_slot_name(slot)?;
+        let (shape, offset) = rows_within(whole, rows);
+        let origin = vec![0; shape.len()];
+        let values = DenseTensor::deferred(
+            chunk_tensor_name(table, slot, &origin),
+            dtype,
+            shape,
+            source,
+        )?;
+        Self::of_values(table, slot, values)?.at(&offset, whole)
     }
 
     /// A chunk of `f32` values, borrowed without copy where the platform is little-endian.
@@ -280,16 +299,27 @@ impl<'a> RowRangeChunk<'a> {
     }
 
     /// The chunk with bytes of its own (see [`DenseTensor::into_owned`]).
-    pub fn into_owned(self) -> RowRangeChunk<'static> {
-        RowRangeChunk {
+    pub fn into_owned(self) -> Result<RowRangeChunk<'static>> {
+        Ok(RowRangeChunk {
             table: self.table,
             slot: self.slot,
             whole: self.whole,
             offset: self.offset,
-            values: self.values.into_owned(),
+            values: self.values.into_owned()?,
             changed: self.changed,
-        }
+        })
     }
+}
+
+/// The shape and offset of rows `rows` (all their columns) of a slot of shape `whole`.
+fn rows_within(whole: &[u64], rows: std::ops::Range<u64>) -> (Vec<u64>, Vec<u64>) {
+    let mut shape = whole.to_vec();
+    let mut offset = vec![0; whole.len()];
+    if let (Some(n), Some(at)) = (shape.first_mut(), offset.first_mut()) {
+        *n = rows.end.saturating_sub(rows.start);
+        *at = rows.start;
+    }
+    (shape, offset)
 }
 
 /// The name of the tensor that holds the chunk of `table`'s `slot` at `offset` in a data file:

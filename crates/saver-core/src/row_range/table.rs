@@ -440,7 +440,7 @@ mod tests {
         // 50 rows in blocks of 16: 4 blocks a slot.
         assert_eq!(chunks.len(), 8);
         assert_eq!(chunks[1].rows(), 26..42);
-        let w: &[f32] = bytemuck::cast_slice(chunks[1].values().data());
+        let w: &[f32] = bytemuck::cast_slice(chunks[1].values().data().unwrap());
         assert_eq!(w[0], 26.0);
         assert_eq!(t.blocks_copied(), 0);
         // A write after the moment copies the one block it touches, in each slot.
@@ -451,7 +451,7 @@ mod tests {
         })
         .unwrap();
         assert_eq!(t.blocks_copied(), 2);
-        let w: &[f32] = bytemuck::cast_slice(chunks[1].values().data());
+        let w: &[f32] = bytemuck::cast_slice(chunks[1].values().data().unwrap());
         assert_eq!(
             w[4 * 3],
             30.0,

@@ -161,7 +161,7 @@ fn write_and_commit(
     if let Some(d) = &shared.delta {
         tokens.extend(d.tracking.iter().copied());
     }
-    let dense_given = plan.dense_given();
+    let dense_given = plan.dense_given()?;
     let plan_seconds = shared.t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();

@@ -57,6 +57,34 @@ pub struct PlainTensor {
     pub entry: HeaderEntry,
 }
 
+/// Bytes `start..start + len` of a tensor of a plain input, read on demand.
+struct PlainRows<'p> {
+    input: &'p PlainInput,
+    tensor: &'p PlainTensor,
+    start: u64,
+    len: u64,
+}
+
+impl std::fmt::Debug for PlainRows<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlainRows")
+            .field("tensor", &self.tensor.entry.name)
+            .field("start", &self.start)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl saver_core::ByteSource for PlainRows<'_> {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> saver_core::Result<()> {
+        Ok(self.input.read(self.tensor, self.start + offset, out)?)
+    }
+}
+
 /// A table found in a plain input.
 #[derive(Clone, Debug)]
 pub struct PlainTableSpec {
@@ -307,12 +335,9 @@ impl PlainInput {
     }
 
     /// The row-range tables' chunks of shards `0..shards` (or of shard `only`): each slot's rows
-    /// of the shard (the partition rule's row cut), read whole into memory.
-    pub fn row_chunks(
-        &self,
-        shards: u32,
-        only: Option<u32>,
-    ) -> Result<Vec<RowRangeChunk<'static>>> {
+    /// of the shard (the partition rule's row cut), read from the input as the save writes them
+    /// ([`RowRangeChunk::of_rows_deferred`]), never held whole.
+    pub fn row_chunks(&self, shards: u32, only: Option<u32>) -> Result<Vec<RowRangeChunk<'_>>> {
         let mut chunks = Vec::new();
         for shard in saver_core::Shard::selected(shards, only) {
             for table in &self.row_tables {
@@ -320,16 +345,19 @@ impl PlainInput {
                 for (slot, t) in &table.slots {
                     let e = &t.entry;
                     let row_bytes = e.len / table.rows.max(1);
-                    let mut values = vec![0u8; ((mine.end - mine.start) * row_bytes) as usize];
-                    self.read(t, mine.start * row_bytes, &mut values)?;
-                    let name = &table.name;
-                    chunks.push(RowRangeChunk::of_rows(
-                        name,
+                    let source = PlainRows {
+                        input: self,
+                        tensor: t,
+                        start: mine.start * row_bytes,
+                        len: (mine.end - mine.start) * row_bytes,
+                    };
+                    chunks.push(RowRangeChunk::of_rows_deferred(
+                        &table.name,
                         slot,
                         e.dtype,
                         &e.shape,
                         mine.clone(),
-                        values,
+                        Arc::new(source),
                     )?);
                 }
             }

@@ -1,12 +1,15 @@
 //! Rewriting a checkpoint for another number of shards, and compacting a chain into one
 //! checkpoint.
 
+use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 
-use saver_core::RowRangeChunk;
+use saver_core::{ByteSource, RowRangeChunk};
 
 use crate::error::Result;
 use crate::load::checkpoint::Checkpoint;
+use crate::load::checkpoint::RowsInto;
 use crate::load::link::Link;
 use crate::save::{save, SaveOptions, SaveReport};
 use crate::source::first_trainer_state;
@@ -22,8 +25,8 @@ use crate::source::{save_input, SourceTables};
 ///
 /// Memory: the rows of hashed tables are read from `src` as the save writes them, in the order
 /// they lie in its files, so the rewrite holds what a save holds (`opts.plan`'s buffers) plus the
-/// dense tensors and the row-range tables, whatever the number of hashed rows. Every byte read is
-/// checked against its checksum.
+/// dense tensors, whatever the number of rows: the row-range tables are read a writer's chunk at
+/// a time too ([`row_chunks`]). Every byte read is checked against its checksum.
 pub fn reshard(src: &Checkpoint, out: &Path, opts: &SaveOptions) -> Result<SaveReport> {
     let tables = SourceTables::of_checkpoint(src)?;
     let dense = src.dense_tensors(None, &mut crate::LoadReport::default())?;
@@ -32,27 +35,92 @@ pub fn reshard(src: &Checkpoint, out: &Path, opts: &SaveOptions) -> Result<SaveR
 }
 
 /// The row-range tables of `src` (resolved over its chain) as chunks of rows for `shards`
-/// shards: table rows cut into `shards` even ranges ([`Checkpoint::load_row_tables`]), each
+/// shards: table rows cut into `shards` even ranges ([`saver_core::Shard::rows_of`]), each
 /// range of every slot (all its columns) one chunk; only shard `only`'s when given, for a process
 /// of a multi-process save.
+///
+/// The chunks hold no rows: the save reads each writer's chunk of them from `src` as it writes
+/// it ([`RowRangeChunk::of_rows_deferred`]), each byte checked against its checksum, so that a
+/// copy of tables larger than memory holds what a save holds. Every read is of `src` as it was
+/// opened: a checkpoint replaced meanwhile fails the save (which [`compact`] then runs again on
+/// the new one), never a copy of two saves.
 pub fn row_chunks(
     src: &Checkpoint,
     shards: u32,
     only: Option<u32>,
-) -> Result<Vec<RowRangeChunk<'static>>> {
+) -> Result<Vec<RowRangeChunk<'_>>> {
     let mut chunks = Vec::new();
     for shard in saver_core::Shard::selected(shards, only) {
-        for t in src.load_row_tables(Some(shard))?.0 {
+        for t in &src.manifest().row_tables {
+            let rows = shard.rows_of(t.rows);
             // A shard of no rows is a chunk too: it keeps a table of no rows in the copy.
-            for s in t.slots {
-                let rows = t.rows.clone();
-                let chunk =
-                    RowRangeChunk::of_rows(&t.name, &s.name, s.dtype, &s.shape, rows, s.values);
-                chunks.push(chunk?);
+            for s in &t.slots {
+                let width = s.shape.get(1).copied().unwrap_or(1);
+                let source = SlotRows {
+                    src,
+                    table: t.name.clone(),
+                    slot: s.name.clone(),
+                    rows: rows.clone(),
+                    row_bytes: s.dtype.byte_len(width).unwrap_or(0),
+                };
+                chunks.push(RowRangeChunk::of_rows_deferred(
+                    &t.name,
+                    &s.name,
+                    s.dtype,
+                    &s.shape,
+                    rows.clone(),
+                    Arc::new(source),
+                )?);
             }
         }
     }
     Ok(chunks)
+}
+
+/// Rows `rows` of one slot of a row-range table of a checkpoint, as bytes read on demand.
+#[derive(Debug)]
+struct SlotRows<'c> {
+    src: &'c Checkpoint,
+    table: String,
+    slot: String,
+    rows: Range<u64>,
+    row_bytes: u64,
+}
+
+impl ByteSource for SlotRows<'_> {
+    fn len(&self) -> u64 {
+        (self.rows.end - self.rows.start) * self.row_bytes
+    }
+
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> saver_core::Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        // The whole rows the bytes asked for lie in; a writer's chunk that starts or ends
+        // within a row reads that row whole, beside.
+        let first = offset / self.row_bytes;
+        let last = (offset + out.len() as u64).div_ceil(self.row_bytes);
+        let rows = self.rows.start + first..self.rows.start + last;
+        let skip = (offset - first * self.row_bytes) as usize;
+        let covering = ((last - first) * self.row_bytes) as usize;
+        let read = |buf: &mut [u8]| {
+            self.src
+                .load_rows_once(
+                    &self.table,
+                    rows.clone(),
+                    &mut [RowsInto::new(&self.slot, buf)],
+                )
+                .map(drop)
+        };
+        if skip == 0 && covering == out.len() {
+            read(out)?;
+        } else {
+            let mut whole = vec![0u8; covering];
+            read(&mut whole)?;
+            out.copy_from_slice(&whole[skip..skip + out.len()]);
+        }
+        Ok(())
+    }
 }
 
 /// Compacts the checkpoint in `dir` (a delta and its chain) into `out`: one full checkpoint
@@ -68,7 +136,7 @@ fn rewrite(
     src: &Link,
     tables: SourceTables<'_>,
     dense: Vec<crate::LoadedDense>,
-    chunks: Vec<RowRangeChunk<'static>>,
+    chunks: Vec<RowRangeChunk<'_>>,
     out: &Path,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {

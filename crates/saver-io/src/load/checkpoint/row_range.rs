@@ -270,7 +270,10 @@ impl Checkpoint {
         self.on_latest(|c| c.load_rows_once(table, rows.clone(), &mut into.borrow_mut()))
     }
 
-    fn load_rows_once(
+    /// [`Self::load_rows`] of this opening only: an error, not a load of another save, where
+    /// the checkpoint was replaced meanwhile. For a reader of many ranges that must all come from
+    /// one save (a reshard's), and retries the whole.
+    pub(crate) fn load_rows_once(
         &self,
         table: &str,
         rows: Range<u64>,

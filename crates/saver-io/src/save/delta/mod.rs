@@ -334,9 +334,12 @@ fn changes<'t>(
             dense: Some(d.name()),
             shard,
         });
-        let same = in_parent.get(d.name()).is_some_and(|t| {
-            t.dtype == d.dtype() && t.shape == d.shape() && t.crc32 == crc32fast::hash(d.data())
-        });
+        let same = match in_parent.get(d.name()) {
+            Some(t) if t.dtype == d.dtype() && t.shape == d.shape() => {
+                t.crc32 == crc32fast::hash(&d.bytes()?)
+            }
+            _ => false,
+        };
         if kept && same {
             dense_in_parent.push(d.name().to_string());
         } else {

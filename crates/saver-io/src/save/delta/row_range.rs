@@ -61,11 +61,12 @@ fn changes_of<'t>(c: &'t RowRangeChunk<'_>, chain: &Checkpoint) -> Result<RowRan
     let Some(row_bytes) = dtype.byte_len(width).map(|b| b as usize).filter(|&b| b > 0) else {
         return Ok(c.view());
     };
-    let data = values.data();
     let count = (rows.end - rows.start) as usize;
     let step = (COMPARE_BYTES / row_bytes).max(1) as u64;
     let (mut changed, mut changed_values) = (Vec::new(), Vec::new());
-    let mut parent = Vec::new();
+    // Ours a step at a time too: a chunk read on demand (a reshard's, `save --from`'s) is never
+    // held whole.
+    let (mut parent, mut ours) = (Vec::new(), Vec::new());
     let mut at = rows.start;
     while at < rows.end {
         let end = (at + step).min(rows.end);
@@ -75,8 +76,8 @@ fn changes_of<'t>(c: &'t RowRangeChunk<'_>, chain: &Checkpoint) -> Result<RowRan
             into = into.columns(cols.clone());
         }
         chain.load_rows(c.table(), at..end, &mut [into])?;
-        let ours =
-            &data[(at - rows.start) as usize * row_bytes..(end - rows.start) as usize * row_bytes];
+        ours.resize(parent.len(), 0);
+        values.read_at((at - rows.start) * row_bytes as u64, &mut ours)?;
         for (i, (old, new)) in parent
             .chunks_exact(row_bytes)
             .zip(ours.chunks_exact(row_bytes))
