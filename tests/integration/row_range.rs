@@ -931,3 +931,97 @@ fn a_reshard_copies_rows_that_straddle_its_writer_chunks_exactly() {
         }
     }
 }
+
+/// A compaction of a checkpoint on an object store that other saves keep replacing copies one
+/// save, whole: its row-range rows are read a writer's chunk at a time, all from the checkpoint
+/// it opened; one replaced meanwhile (its objects removed) fails the copy, which runs again on
+/// the new one, never a copy of rows of two saves. Raced for real, many rounds, varied timing.
+#[test]
+fn a_compaction_racing_overwrites_on_the_object_store_copies_one_save() {
+    let Some(g) = crate::common::garage::shared() else {
+        return;
+    };
+    let url = g.url("row-range/race");
+    let remote = std::path::Path::new(&url);
+    let (rows, cols) = (10_000u64, 8u64);
+    // Version `v` of the table: every value tells its version, row and column.
+    let version = |v: u64| -> SaveInput<'static> {
+        let mut input = SaveInput::new();
+        for r in [0..4000, 4000..rows] {
+            let vals: Vec<f32> = r
+                .clone()
+                .flat_map(|r| (0..cols).map(move |c| (v * 100_000 + r * cols + c) as f32))
+                .collect();
+            let shape = vec![r.end - r.start, cols];
+            input = input.row_chunk(
+                RowRangeChunk::new("emb", "weight", Dtype::F32, shape, {
+                    bytemuck::cast_slice::<f32, u8>(&vals).to_vec()
+                })
+                .unwrap()
+                .at(&[r.start, 0], &[rows, cols])
+                .unwrap(),
+            );
+        }
+        input
+    };
+    let mut opts = SaveOptions::default();
+    opts.overwrite = true;
+    opts.durable = false;
+    save(remote, version(0), &opts).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let out = tempfile::tempdir().unwrap();
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            // Bounded, so that a copy that fails does not leave it running.
+            let mut v = 1;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && v < 400 {
+                save(remote, version(v), &opts).unwrap();
+                // Pauses about as long as a copy takes, so that some copies see no
+                // replacement and others one or more.
+                std::thread::sleep(std::time::Duration::from_millis(100 + v * 337 % 1200));
+                v += 1;
+            }
+            v
+        });
+        let mut copy = SaveOptions::default();
+        copy.plan.shard_num = 2;
+        copy.plan.chunk_bytes = 65536;
+        copy.durable = false;
+        /// Stops the writer however this thread leaves the scope, a failed assertion too.
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let stopping = Stop(&stop);
+        let mut seen = std::collections::BTreeSet::new();
+        for round in 0..8 {
+            let dir = out.path().join(format!("c{round}"));
+            saver::io::tools::reshard::compact(remote, &dir, &copy).unwrap();
+            let mut back = vec![0f32; (rows * cols) as usize];
+            Checkpoint::open(&dir)
+                .unwrap()
+                .load_rows(
+                    "emb",
+                    0..rows,
+                    &mut [RowsInto::new("weight", bytemuck::cast_slice_mut(&mut back))],
+                )
+                .unwrap();
+            let v = back[0] as u64 / 100_000;
+            for (i, &x) in back.iter().enumerate() {
+                assert_eq!(
+                    x,
+                    (v * 100_000 + i as u64) as f32,
+                    "round {round}: value {i}"
+                );
+            }
+            seen.insert(v);
+            std::thread::sleep(std::time::Duration::from_millis(round * 23 % 70));
+        }
+        drop(stopping);
+        let saved = writer.join().unwrap();
+        assert!(saved > 2, "the overwrites raced the copies ({saved} saves)");
+        eprintln!("copies of versions {seen:?} while {saved} saves replaced the checkpoint");
+    });
+}
