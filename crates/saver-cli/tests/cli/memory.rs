@@ -20,19 +20,16 @@ const LIMIT: u64 = 160 << 20;
 /// Rows of the model: 8-byte ids and two 32-wide f32 slots, 264 bytes a row (about 800 MB).
 const ROWS: u64 = 3_000_000;
 
-/// Writes a plain safetensors model: table `emb` (ids scrambled, unique) and a dense tensor.
-fn write_model(path: &Path) {
-    let dim = 32u64;
-    let dense = 1u64 << 20;
-    let tensors = [
-        ("emb/ids", "I64", vec![ROWS], ROWS * 8),
-        ("emb/embedding", "F32", vec![ROWS, dim], ROWS * dim * 4),
-        ("emb/adagrad", "F32", vec![ROWS, dim], ROWS * dim * 4),
-        ("mlp/w", "F32", vec![dense / 4], dense),
-    ];
-    let mut header = serde_json::Map::new();
+/// Creates a safetensors file at `path` and writes its header: `tensors` (name, dtype, shape,
+/// bytes) laid out in order, `header` holding anything else (`__metadata__`). The caller writes
+/// the tensors' bytes in that order.
+fn create_safetensors(
+    path: &Path,
+    tensors: &[(&str, &str, Vec<u64>, u64)],
+    mut header: serde_json::Map<String, serde_json::Value>,
+) -> BufWriter<File> {
     let mut off = 0;
-    for (name, dtype, shape, len) in &tensors {
+    for (name, dtype, shape, len) in tensors {
         header.insert(
             name.to_string(),
             serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [off, off + len] }),
@@ -44,6 +41,20 @@ fn write_model(path: &Path) {
     let mut f = BufWriter::with_capacity(1 << 20, File::create(path).unwrap());
     f.write_all(&(h.len() as u64).to_le_bytes()).unwrap();
     f.write_all(&h).unwrap();
+    f
+}
+
+/// Writes a plain safetensors model: table `emb` (ids scrambled, unique) and a dense tensor.
+fn write_model(path: &Path) {
+    let dim = 32u64;
+    let dense = 1u64 << 20;
+    let tensors = [
+        ("emb/ids", "I64", vec![ROWS], ROWS * 8),
+        ("emb/embedding", "F32", vec![ROWS, dim], ROWS * dim * 4),
+        ("emb/adagrad", "F32", vec![ROWS, dim], ROWS * dim * 4),
+        ("mlp/w", "F32", vec![dense / 4], dense),
+    ];
+    let mut f = create_safetensors(path, &tensors, serde_json::Map::new());
     for r in 0..ROWS {
         // An odd multiplier is a bijection on u64: unique ids in no useful order.
         f.write_all(&r.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes())
@@ -109,6 +120,36 @@ fn run(args: &[&str], tmp: &Path, env: &[(&str, String)]) -> (String, u64) {
     output
 }
 
+/// Runs each `(what, args)` in turn (`--parallel 2` added to all but `export`), asserting its
+/// peak RSS under [`LIMIT`] (the model is `size` bytes); returns what the digests printed.
+fn run_within_bound(
+    commands: &[(&str, Vec<String>)],
+    tmp: &Path,
+    env: &[(&str, String)],
+    size: u64,
+) -> Vec<String> {
+    let mut digests = Vec::new();
+    for (what, args) in commands {
+        let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+        if args[0] != "export" {
+            args.extend(["--parallel", "2"]);
+        }
+        let (out, rss) = run(&args, tmp, env);
+        eprintln!("{what}: peak RSS {} MiB", rss >> 20);
+        assert!(
+            rss < LIMIT,
+            "{what} peaked at {} MiB, over the {} MiB bound (model {} MiB)",
+            rss >> 20,
+            LIMIT >> 20,
+            size >> 20
+        );
+        if args[0] == "digest" {
+            digests.push(out.trim().to_string());
+        }
+    }
+    digests
+}
+
 #[test]
 #[cfg_attr(
     debug_assertions,
@@ -126,7 +167,6 @@ fn every_command_runs_in_bounded_memory_on_a_model_larger_than_the_bound() {
     );
     let tmp = d.path().join("tmp");
     std::fs::create_dir(&tmp).unwrap();
-    let par = ["--parallel", "2"];
     // Saves to and reads from an S3-compatible store: its parts in flight and being filled are
     // held within the same bound.
     let g = crate::garage::Garage::start();
@@ -268,25 +308,7 @@ fn every_command_runs_in_bounded_memory_on_a_model_larger_than_the_bound() {
         ]);
     }
     let env = g.as_ref().map(|g| g.env()).unwrap_or_default();
-    let mut digests = Vec::new();
-    for (what, args) in &commands {
-        let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
-        if args[0] != "export" {
-            args.extend(par);
-        }
-        let (out, rss) = run(&args, &tmp, &env);
-        eprintln!("{what}: peak RSS {} MiB", rss >> 20);
-        assert!(
-            rss < LIMIT,
-            "{what} peaked at {} MiB, over the {} MiB bound (model {} MiB)",
-            rss >> 20,
-            LIMIT >> 20,
-            size >> 20
-        );
-        if args[0] == "digest" {
-            digests.push(out.trim().to_string());
-        }
-    }
+    let digests = run_within_bound(&commands, &tmp, &env, size);
     assert!(digests.windows(2).all(|w| w[0] == w[1]), "{digests:?}");
     assert_eq!(
         std::fs::read_dir(&tmp).unwrap().count(),
@@ -304,31 +326,24 @@ const TABLE_ROWS: u64 = 2_600_000;
 fn write_row_model(path: &Path) {
     let dim = 64u64;
     let tensors = [
-        ("item/weight", vec![TABLE_ROWS, dim], TABLE_ROWS * dim * 4),
-        ("item/adagrad", vec![TABLE_ROWS], TABLE_ROWS * 4),
-        ("mlp/w", vec![1 << 18], 1 << 20),
+        (
+            "item/weight",
+            "F32",
+            vec![TABLE_ROWS, dim],
+            TABLE_ROWS * dim * 4,
+        ),
+        ("item/adagrad", "F32", vec![TABLE_ROWS], TABLE_ROWS * 4),
+        ("mlp/w", "F32", vec![1 << 18], 1 << 20),
     ];
-    let mut header = serde_json::Map::new();
-    header.insert(
+    let mut metadata = serde_json::Map::new();
+    metadata.insert(
         "__metadata__".into(),
         serde_json::json!({ "saver_row_tables": "[\"item\"]" }),
     );
-    let mut off = 0;
-    for (name, shape, len) in &tensors {
-        header.insert(
-            name.to_string(),
-            serde_json::json!({ "dtype": "F32", "shape": shape, "data_offsets": [off, off + len] }),
-        );
-        off += len;
-    }
-    let mut h = serde_json::to_vec(&header).unwrap();
-    h.resize(h.len().next_multiple_of(8), b' ');
-    let mut f = BufWriter::with_capacity(1 << 20, File::create(path).unwrap());
-    f.write_all(&(h.len() as u64).to_le_bytes()).unwrap();
-    f.write_all(&h).unwrap();
+    let mut f = create_safetensors(path, &tensors, metadata);
     let mut x = 7u32;
     let mut block = Vec::with_capacity(1 << 20);
-    let mut left = (off - (1 << 20)) / 4;
+    let mut left = TABLE_ROWS * (dim + 1);
     while left > 0 {
         block.clear();
         for _ in 0..left.min(1 << 18) {
@@ -425,25 +440,7 @@ fn every_command_copies_a_row_range_table_larger_than_the_bound_in_bounded_memor
         ),
         ("digest of that", args(&["digest", &p("ck4")])),
     ];
-    let mut digests = Vec::new();
-    for (what, args) in &commands {
-        let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
-        if args[0] != "export" {
-            args.extend(["--parallel", "2"]);
-        }
-        let (out, rss) = run(&args, &tmp, &[]);
-        eprintln!("{what}: peak RSS {} MiB", rss >> 20);
-        assert!(
-            rss < LIMIT,
-            "{what} peaked at {} MiB, over the {} MiB bound (model {} MiB)",
-            rss >> 20,
-            LIMIT >> 20,
-            size >> 20
-        );
-        if args[0] == "digest" {
-            digests.push(out.trim().to_string());
-        }
-    }
+    let digests = run_within_bound(&commands, &tmp, &[], size);
     assert_eq!(digests.len(), 7);
     assert!(digests.windows(2).all(|w| w[0] == w[1]), "{digests:?}");
     let delta_bytes: u64 = std::fs::read_dir(p("d1"))
