@@ -120,6 +120,25 @@ fn run(args: &[&str], tmp: &Path, env: &[(&str, String)]) -> (String, u64) {
     output
 }
 
+/// Writes a model named `name` in `dir` with `write`, checks that it dwarfs [`LIMIT`], and makes
+/// the commands' `$TMPDIR`: the model's path, its size in bytes, and that directory.
+fn model_past_the_bound(
+    dir: &Path,
+    name: &str,
+    write: fn(&Path),
+) -> (String, u64, std::path::PathBuf) {
+    let model = dir.join(name);
+    write(&model);
+    let size = std::fs::metadata(&model).unwrap().len();
+    assert!(
+        size > 4 * LIMIT,
+        "the model ({size} bytes) must dwarf the bound"
+    );
+    let tmp = dir.join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    (model.to_str().unwrap().to_string(), size, tmp)
+}
+
 /// Runs each `(what, args)` in turn (`--parallel 2` added to all but `export`), asserting its
 /// peak RSS under [`LIMIT`] (the model is `size` bytes); returns what the digests printed.
 fn run_within_bound(
@@ -158,15 +177,7 @@ fn run_within_bound(
 fn every_command_runs_in_bounded_memory_on_a_model_larger_than_the_bound() {
     let d = tempfile::tempdir().unwrap();
     let p = |x: &str| d.path().join(x).to_str().unwrap().to_string();
-    let model = p("model.safetensors");
-    write_model(Path::new(&model));
-    let size = std::fs::metadata(&model).unwrap().len();
-    assert!(
-        size > 4 * LIMIT,
-        "the model ({size} bytes) must dwarf the bound"
-    );
-    let tmp = d.path().join("tmp");
-    std::fs::create_dir(&tmp).unwrap();
+    let (model, size, tmp) = model_past_the_bound(d.path(), "model.safetensors", write_model);
     // Saves to and reads from an S3-compatible store: its parts in flight and being filled are
     // held within the same bound.
     let g = crate::garage::Garage::start();
@@ -365,15 +376,7 @@ fn write_row_model(path: &Path) {
 fn every_command_copies_a_row_range_table_larger_than_the_bound_in_bounded_memory() {
     let d = tempfile::tempdir().unwrap();
     let p = |x: &str| d.path().join(x).to_str().unwrap().to_string();
-    let model = p("rows.safetensors");
-    write_row_model(Path::new(&model));
-    let size = std::fs::metadata(&model).unwrap().len();
-    assert!(
-        size > 4 * LIMIT,
-        "the model ({size} bytes) must dwarf the bound"
-    );
-    let tmp = d.path().join("tmp");
-    std::fs::create_dir(&tmp).unwrap();
+    let (model, size, tmp) = model_past_the_bound(d.path(), "rows.safetensors", write_row_model);
     let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let commands: Vec<(&str, Vec<String>)> = vec![
         (
