@@ -192,8 +192,17 @@ impl RunReader {
             runs.sort_unstable_by_key(|r| (r.link, r.seg, r.first));
         }
         let widths: Vec<usize> = t.row_bytes.iter().map(|&b| b as usize).collect();
-        let gap = (COALESCE_BYTES / t.row_bytes.iter().copied().max().unwrap_or(1).max(1)).max(1);
+        let remote = t.links.iter().any(|l| l.rows.checkpoint().is_remote());
         let window = (WINDOW_BYTES / t.full_row_bytes()).max(1);
+        // On a remote store a gap costs bytes, not a round trip: the store fetches short gaps
+        // between the ranges asked for anyway, and the CRC check of a tensor read in part reads
+        // every gap later, a request each. Rows up to a window apart are read in one piece, so
+        // that their gap is read once, now, and counts toward its tensor's check.
+        let gap = if remote {
+            window
+        } else {
+            (COALESCE_BYTES / t.row_bytes.iter().copied().max().unwrap_or(1).max(1)).max(1)
+        };
         self.scratch.resize_with(widths.len(), Vec::new);
         // The pieces to read: runs `a..b` of `runs`, rows `first..end` of one link's segment.
         let mut groups: Vec<Group> = Vec::new();
@@ -206,12 +215,13 @@ impl RunReader {
             let mut b = a + 1;
             while b < runs.len() {
                 let r = &runs[b];
-                if r.link != link
-                    || r.seg != seg
-                    || r.first < end
-                    || r.first - end > gap
-                    || r.first + r.count - first > window
-                {
+                if r.link != link || r.seg != seg || r.first < end || r.first - end > gap {
+                    break;
+                }
+                if r.first + r.count - first > window {
+                    // The rows up to the next run are read with this piece, not left as a gap
+                    // that its tensor's CRC check reads later with a request of its own.
+                    end = r.first;
                     break;
                 }
                 end = r.first + r.count;
@@ -242,7 +252,7 @@ impl RunReader {
                 _ => by_link.push(i..i + 1),
             }
         }
-        if t.links.iter().any(|l| l.rows.checkpoint().is_remote()) {
+        if remote {
             // Every piece of a link in one batch, and the links at once: a remote store fetches
             // them together, where one piece at a time waited a round trip each.
             let read: Vec<Vec<Vec<Vec<u8>>>> = by_link
