@@ -2,13 +2,16 @@
 //! requests and kept in memory, so that the load's many small reads (a delta chain's merge reads
 //! each link's ids, removed ids and rows part by part) do not each wait on a round trip.
 //!
-//! A load asks for what it will read (`checkpoint::ahead`): whole tensors of the segments that lie
-//! inside its target buckets (so a resharding load reads no byte it would not have read anyway),
-//! smallest first, up to [`AHEAD_BYTES`]: a large tensor is read in large pieces, whose round
-//! trips matter little. Each link fetches its share with one batch of ranged GETs, which the store
-//! merges and sends concurrently, and the links go at once. The reads of the load are served from
-//! memory where they fall inside a tensor read ahead ([`ReadAhead::serve`]); every other read goes
-//! to the store as before. What was read ahead counts once in the load's bytes read, and the CRC32
+//! A load asks for what it will read (`checkpoint::ahead`), in two batches, so that a resharding
+//! load reads no byte it would not have read anyway: first the whole tensors of the segments that
+//! lie inside its target buckets and the ids of those that straddle an edge; then, found by a
+//! binary search of those ids served from memory, the target's rows of the straddling segments'
+//! slots, widened to the CRC blocks around them (what their check reads besides). Smallest first,
+//! up to [`AHEAD_BYTES`]: a large tensor is read in large pieces, whose round trips matter little.
+//! Each link fetches its share with one batch of ranged GETs, which the store merges and sends
+//! concurrently, and the links go at once. The reads of the load are served from memory where
+//! they fall inside bytes read ahead ([`ReadAhead::serve`]); every other read goes to the store
+//! as before. What was read ahead counts once in the load's bytes read, and the CRC32
 //! of every tensor is still checked from the bytes the load read.
 
 use std::collections::BTreeMap;

@@ -35,6 +35,15 @@ fn block_bytes(t: &TensorRef) -> u64 {
     t.blocks.as_ref().map_or(t.len, |b| b.bytes).max(1)
 }
 
+/// The bytes of the blocks of `t` that `range` touches: what a check of a read of `range` reads.
+pub(crate) fn blocks_around(t: &TensorRef, range: Range<u64>) -> Range<u64> {
+    if range.is_empty() {
+        return range;
+    }
+    let block = block_bytes(t);
+    range.start / block * block..range.end.div_ceil(block).saturating_mul(block).min(t.len)
+}
+
 /// Bytes `range` of `t` cut at its blocks' ends: `(offset, len)` per block they touch, in order.
 fn block_spans(t: &TensorRef, range: Range<u64>) -> impl Iterator<Item = (u64, u64)> {
     let block = block_bytes(t);

@@ -423,18 +423,29 @@ impl Opened {
     }
 }
 
-/// Reads ahead what a load of `buckets` of `tables` reads whole from a remote store (see
-/// [`crate::load::ahead`]), on the load's `pool`.
+/// Reads ahead what a load of `buckets` of `tables` reads from a remote store (see
+/// [`crate::load::ahead`]), on the load's `pool`: in two batches, since the rows of a segment that
+/// straddles an edge of `buckets` are found in its ids, which the first one fetches.
 fn read_ahead<'c>(
     pool: &rayon::ThreadPool,
     tables: &[ChainTable<'c>],
     buckets: &Range<u32>,
 ) -> Result<Ahead<'c>> {
-    let wanted = tables
-        .iter()
-        .flat_map(|t| t.tensors_within(buckets))
-        .collect();
-    pool.install(|| Ahead::plan(wanted))
+    pool.install(|| {
+        let mut ahead = Ahead::new();
+        ahead.read(
+            tables
+                .iter()
+                .flat_map(|t| t.tensors_within(buckets))
+                .collect(),
+        )?;
+        let straddling: Vec<Vec<_>> = tables
+            .par_iter()
+            .map(|t| t.straddling_within(buckets))
+            .collect::<Result<_>>()?;
+        ahead.read(straddling.into_iter().flatten().collect())?;
+        Ok(ahead)
+    })
 }
 
 /// Checks what every table of a load read only in part, all tables at once on the load's `pool`:

@@ -12,6 +12,7 @@ use saver_core::table::{RowChunk, TableSnapshot};
 use saver_core::TableSchema;
 use saver_core::{SlotSpec, SparseTable};
 
+use super::ahead::Wanted;
 use super::Checkpoint;
 use crate::error::{Error, Result};
 use crate::load::rows::{core_error as core, handles_of, BucketRows, SlotBuffers, VisitRows};
@@ -184,24 +185,40 @@ impl<'c> ChainTable<'c> {
             .fold(0, usize::saturating_add)
     }
 
-    /// The tensors of every link that a load of `buckets` reads whole, with their links.
-    pub(super) fn tensors_within(
-        &self,
-        buckets: &Range<u32>,
-    ) -> Vec<(
-        &'c crate::load::link::Link,
-        &'c saver_core::manifest::TensorRef,
-    )> {
-        self.links
-            .iter()
-            .flat_map(|l| std::iter::once(&l.rows).chain(&l.removed))
+    /// What a load of `buckets` reads of every link first, for reading ahead: the bytes of each
+    /// tensor `StoredTable::tensors_within` names (all of it), with their links.
+    pub(super) fn tensors_within(&self, buckets: &Range<u32>) -> Vec<Wanted<'c>> {
+        self.stored()
             .flat_map(|t| {
                 let link = t.checkpoint();
                 t.tensors_within(buckets)
                     .into_iter()
-                    .map(move |r| (link, r))
+                    .map(move |r| (link, r, 0..r.len))
             })
             .collect()
+    }
+
+    /// What a load of `buckets` reads of every link next, once [`Self::tensors_within`] is held:
+    /// the target's rows of the segments that straddle its edges (see
+    /// `StoredTable::straddling_within`), with their links.
+    pub(super) fn straddling_within(&self, buckets: &Range<u32>) -> Result<Vec<Wanted<'c>>> {
+        let mut out = Vec::new();
+        for t in self.stored() {
+            let link = t.checkpoint();
+            out.extend(
+                t.straddling_within(buckets)?
+                    .into_iter()
+                    .map(|(r, bytes)| (link, r, bytes)),
+            );
+        }
+        Ok(out)
+    }
+
+    /// Every link's tables: its rows, and its removed ids.
+    fn stored(&self) -> impl Iterator<Item = &StoredTable<'c>> {
+        self.links
+            .iter()
+            .flat_map(|l| std::iter::once(&l.rows).chain(&l.removed))
     }
 
     /// The number of links the table is resolved over.
