@@ -634,6 +634,59 @@ fn a_delta_names_its_parent_in_the_bucket() {
     assert!(err.to_string().contains("not in one bucket"), "{err}");
 }
 
+/// A resharding load of a delta chain from the store reads every target's rows as from the same
+/// chain on disk, and about the bytes the local load reads: its read-ahead takes the rows of the
+/// segments that straddle the target's edges, not those segments whole.
+#[test]
+fn a_chain_on_the_store_loads_each_target_reading_what_its_rows_need() {
+    let Some(g) = garage::shared() else { return };
+    let model = common::Model::new(60_000);
+    let local = tempfile::tempdir().unwrap();
+    let (base, delta) = (local.path().join("base"), local.path().join("step2"));
+    save(&base, model.input(), &options(2)).unwrap();
+    for id in (0..60_000u64).step_by(7) {
+        model
+            .user
+            .insert(id, &[&[5u8; 32][..], &[6u8; 32][..], &[7u8; 8][..]])
+            .unwrap();
+    }
+    let mut o = options(3);
+    o.parent = Some(base.clone());
+    save(&delta, model.input(), &o).unwrap();
+    for link in ["base", "step2"] {
+        let store = ObjectStorage::from_url(&g.url(&format!("chain-reshard/{link}"))).unwrap();
+        for f in std::fs::read_dir(local.path().join(link)).unwrap() {
+            let f = f.unwrap().path();
+            let name = f.file_name().unwrap().to_str().unwrap().to_string();
+            store.put(&name, &std::fs::read(&f).unwrap(), true).unwrap();
+        }
+    }
+    let remote_url = g.url("chain-reshard/step2");
+    let remote = Checkpoint::open(Path::new(&remote_url)).unwrap();
+    assert_eq!(remote.links().len(), 2);
+    let on_disk = Checkpoint::open(&delta).unwrap();
+    let n = 5u32;
+    for j in 0..n {
+        let mut o = LoadOptions::default();
+        o.shard_num = n;
+        o.shard_index = Some(j);
+        o.parallel = 2;
+        let (got, want) = (remote.restore(&o).unwrap(), on_disk.restore(&o).unwrap());
+        assert_eq!(
+            restored_digest(&got).unwrap(),
+            restored_digest(&want).unwrap(),
+            "target {j} of {n}"
+        );
+        let ratio = got.report.bytes_read as f64 / want.report.bytes_read.max(1) as f64;
+        assert!(
+            ratio < 1.3,
+            "target {j} of {n}: {} bytes read from the store, {} from disk",
+            got.report.bytes_read,
+            want.report.bytes_read
+        );
+    }
+}
+
 /// A load from the store that cuts a checksummed block at its first or last row reads the rest
 /// of the block beside its rows, to check it: a byte flipped there, outside the rows it returns,
 /// fails that load, as it fails the load of the target whose rows hold the byte. Both loads, into

@@ -321,6 +321,29 @@ mod tests {
     }
 
     proptest! {
+        /// The bytes a read-ahead takes around a range ([`blocks_around`]) hold the range, leave
+        /// its check nothing more to read, and reach no further than the blocks it touches.
+        #[test]
+        fn blocks_around_a_range_are_all_its_check_reads(
+            len in 1usize..5000,
+            block in prop::option::of(1u64..700),
+            a in 0.0f64..1.0,
+            b in 0.0f64..1.0,
+        ) {
+            let bytes = vec![7u8; len];
+            let t = tensor(&bytes, block);
+            let (a, b) = ((a * len as f64) as u64, (b * len as f64) as u64);
+            let range = a.min(b)..a.max(b);
+            prop_assume!(!range.is_empty());
+            let around = blocks_around(&t, range.clone());
+            prop_assert!(around.start <= range.start && range.end <= around.end);
+            prop_assert!(around.end <= t.len);
+            prop_assert!(planned_gaps(&t, std::slice::from_ref(&around)).is_empty());
+            let size = block_bytes(&t);
+            prop_assert!(range.start - around.start < size);
+            prop_assert!(around.end - range.end < size);
+        }
+
         /// A load that reads rows `ranges` (disjoint) of a tensor in chunks, in any order, each
         /// chunk taking the gaps beside it ([`EdgeGaps`]), takes every planned gap exactly once
         /// and leaves its check nothing to read; without the gaps the check reads exactly them;
