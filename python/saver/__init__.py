@@ -489,9 +489,12 @@ def _load_opened(ck: "Checkpoint", shards, shard_index, tables, exclude_slots, d
             if t not in held["tables"] and t not in held["row_tables"]:
                 raise InputError(f"tables: {os.fspath(path)} holds no table {t!r} (it holds {sorted(held['tables']) + sorted(held['row_tables'])})")
     hashed = None if tables is None else [t for t in tables if t in held["tables"]]
-    tables_out, dense_out, report = [], [], {}
-    # The hashed tables and dense tensors, unless none are wanted.
-    if dense or (held["tables"] and (hashed is None or hashed)):
+    want_hashed = bool(held["tables"]) and (hashed is None or bool(hashed))
+    out = Loaded(report={})
+    requests = _row_requests(ck, held["row_tables"], out, shards, shard_index, tables, exclude_slots, into or {})
+    # One request through the one opening: the hashed tables, the dense tensors and every
+    # row-range target, checked before the first byte lands and read from one save.
+    if dense or want_hashed or requests:
         tables_out, dense_out, report = ck._native.load(
             shards,
             shard_index,
@@ -499,24 +502,28 @@ def _load_opened(ck: "Checkpoint", shards, shard_index, tables, exclude_slots, d
             [exclude_slots] if isinstance(exclude_slots, str) else [str(g) for g in exclude_slots],
             dense,
             parallel,
+            want_hashed,
+            [(name, a, b, targets) for (name, (a, b)), targets in requests.items()],
         )
-    out = Loaded(report=report)
-    _load_row_tables(ck, held["row_tables"], out, shards, shard_index, tables, exclude_slots, into or {})
-    for name, key, ids, slots in tables_out:
-        columns = {"ids": ids.view(np.int64) if key == "I64" else ids}
-        for slot, dtype, shape, data in slots:
-            columns[slot] = _rows(data, dtype, shape, ids.shape[0])
-        out.tables[name] = columns
-    for name, dtype, shape, data in dense_out:
-        out.dense[name] = (
-            _typed(data, dtype, shape) if dtype in _TO_NUMPY or dtype in _PATTERN_BITS else data
-        )
+        out.report.update(report)
+        for name, key, ids, slots in tables_out:
+            columns = {"ids": ids.view(np.int64) if key == "I64" else ids}
+            for slot, dtype, shape, data in slots:
+                columns[slot] = _rows(data, dtype, shape, ids.shape[0])
+            out.tables[name] = columns
+        for name, dtype, shape, data in dense_out:
+            out.dense[name] = (
+                _typed(data, dtype, shape) if dtype in _TO_NUMPY or dtype in _PATTERN_BITS else data
+            )
+    out.report.setdefault("row_tables", {"bytes_wanted": 0, "bytes_read": 0, "chunks": 0})
     return out
 
 
-def _load_row_tables(ck, held, out, shards, shard_index, tables, exclude_slots, into) -> None:
-    """Fills ``into``'s buffers, and returns the other row-range tables (``held``, from the
-    manifest) in ``out``: every request in one native call through `ck`'s opening."""
+def _row_requests(ck, held, out, shards, shard_index, tables, exclude_slots, into) -> dict:
+    """The row-range targets of a load: ``into``'s buffers, checked, and a buffer of its own for
+    each other row-range table (``held``, from the manifest), put in ``out``. Returns them as
+    ``{(table, (first row, end row)): [(slot, columns, the buffer's bytes)]}``, for the one
+    native call of the load."""
     import fnmatch
 
     path = ck.path
@@ -524,9 +531,7 @@ def _load_row_tables(ck, held, out, shards, shard_index, tables, exclude_slots, 
         if name not in held:
             raise InputError(f"into: {path} holds no row-range table {name!r} (it holds {sorted(held)})")
     patterns = [exclude_slots] if isinstance(exclude_slots, str) else list(exclude_slots)
-    stats = out.report.setdefault("row_tables", {"bytes_wanted": 0, "bytes_read": 0, "chunks": 0})
     offsets = out.report.setdefault("row_offsets", {})
-    # (table, (first row, end row)) -> [(slot, columns, the buffer's bytes)]: one native call.
     requests = {}
 
     def fill(name, slot, buffer, offset):
@@ -569,13 +574,7 @@ def _load_row_tables(ck, held, out, shards, shard_index, tables, exclude_slots, 
             fill(name, slot, buffer, (start, 0)[: len(shape)])
             columns[slot] = Bits(buffer, dtype) if dtype in _PATTERN_BITS else buffer
         out.tables[name] = columns
-    if requests:
-        wanted, read, chunks = ck._native.load_rows(
-            [(name, a, b, targets) for (name, (a, b)), targets in requests.items()]
-        )
-        stats["bytes_wanted"] += wanted
-        stats["bytes_read"] += read
-        stats["chunks"] += chunks
+    return requests
 
 
 def _check_target_dtype(a: np.ndarray, dtype: str, what: str) -> None:

@@ -51,11 +51,9 @@ class Opened:
         exclude_slots: list[str],
         load_dense: bool,
         parallel: Optional[int],
+        hashed: bool,
+        rows: list[tuple[str, int, int, list[tuple[str, Optional[tuple[int, int]], np.ndarray]]]],
     ) -> tuple[Tables, Dense, dict]: ...
-    def load_rows(
-        self,
-        tables: list[tuple[str, int, int, list[tuple[str, Optional[tuple[int, int]], np.ndarray]]]],
-    ) -> tuple[int, int, int]: ...
 
 def open(path: str) -> Opened: ...
 def save(path: str, tables: Tables, dense: Dense, chunks: Chunks, args: dict) -> dict: ...

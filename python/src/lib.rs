@@ -16,14 +16,13 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use rayon::prelude::*;
 
 use saver_core::{
     ColumnTable, DenseTensor, Dtype, KeyDtype, RowRangeChunk, SaveInput, SlotSpec, SparseTable,
     TableRef,
 };
 use saver_io::tools::digest::{Content, DigestVersion};
-use saver_io::{Checkpoint, LoadOptions, SaveOptions};
+use saver_io::{Checkpoint, LoadOptions, LoadRequest, SaveOptions};
 
 create_exception!(
     _saver,
@@ -643,9 +642,13 @@ impl Opened {
         Ok(d)
     }
 
-    /// Loads the hashed tables (all rows, or shard `shard_index` of `shards`) and dense tensors
-    /// into arrays that own the memory the core filled: handed to numpy without a copy.
-    #[pyo3(signature = (shards, shard_index, tables, exclude_slots, load_dense, parallel))]
+    /// One load request through this opening, read with the GIL released: the hashed tables
+    /// (all rows, or shard `shard_index` of `shards`; none unless `hashed`) and dense tensors into
+    /// arrays that own the memory the core filled (handed to numpy without a copy), and rows of
+    /// row-range tables into the caller's arrays, in place. Every target is checked before the
+    /// first byte lands; a target whose memory another target of the request also covers is
+    /// refused, naming it.
+    #[pyo3(signature = (shards, shard_index, tables, exclude_slots, load_dense, parallel, hashed, rows))]
     #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn load<'py>(
         &self,
@@ -656,6 +659,8 @@ impl Opened {
         exclude_slots: Vec<String>,
         load_dense: bool,
         parallel: Option<usize>,
+        hashed: bool,
+        mut rows: Vec<RowsLoadIn<'py>>,
     ) -> PyResult<(Vec<TableOut<'py>>, Vec<DenseOut<'py>>, Bound<'py, PyDict>)> {
         let mut opts = {
             let mut o = LoadOptions::default();
@@ -672,58 +677,10 @@ impl Opened {
         if let Some(p) = parallel {
             opts.parallel = p;
         }
-        // Row-range tables are read through `load_rows`.
-        let columns = py.detach(|| self.ck.load_columns(&opts)).map_err(err)?;
-        let m = self.ck.manifest();
-        let mut out = Vec::with_capacity(columns.tables.len());
-        for t in columns.tables {
-            let slots = t
-                .slots
-                .iter()
-                .zip(t.data)
-                .map(|(s, data)| {
-                    let array = PyArray1::from_vec(py, data);
-                    (s.name.clone(), s.dtype.name(), s.shape.clone(), array)
-                })
-                .collect();
-            let ids = PyArray1::from_vec(py, t.ids);
-            out.push((t.name, t.key_dtype.dtype().name(), ids, slots));
-        }
-        let dense = columns
-            .dense
-            .into_iter()
-            .map(|d| {
-                let name = d.name;
-                (
-                    name,
-                    d.dtype.name(),
-                    d.shape,
-                    PyArray1::from_vec(py, d.data),
-                )
-            })
-            .collect();
-        let r = &columns.report;
-        let report = PyDict::new(py);
-        report.set_item("rows", r.rows)?;
-        report.set_item("bytes_read", r.bytes_read)?;
-        report.set_item("read_amplification", r.read_amplification)?;
-        report.set_item("load_seconds", r.load_seconds)?;
-        report.set_item("step", m.step)?;
-        report.set_item("metadata", m.user_metadata.clone())?;
-        Ok((out, dense, report))
-    }
-
-    /// Reads rows of row-range tables into the caller's arrays, in place, with the GIL
-    /// released: (bytes wanted, bytes read, chunks read).
-    fn load_rows(
-        &self,
-        py: Python<'_>,
-        mut tables: Vec<RowsLoadIn<'_>>,
-    ) -> PyResult<(u64, u64, u64)> {
-        // Every target borrowed before any is filled: one whose memory another target of this
-        // load also covers is refused here, naming it, with nothing written yet.
-        let mut borrowed: Vec<Vec<PyReadwriteArray1<'_, u8>>> = Vec::with_capacity(tables.len());
-        for (table, _, _, into) in &tables {
+        // Every row-range target borrowed before any is filled: one whose memory another target
+        // of this load also covers is refused here, naming it, with nothing written yet.
+        let mut borrowed: Vec<Vec<PyReadwriteArray1<'_, u8>>> = Vec::with_capacity(rows.len());
+        for (table, _, _, into) in &rows {
             let mut views = Vec::with_capacity(into.len());
             for (slot, _, out) in into {
                 views.push(out.try_readwrite().map_err(|_| {
@@ -736,9 +693,9 @@ impl Opened {
             }
             borrowed.push(views);
         }
-        let mut requests = Vec::with_capacity(tables.len());
-        for ((table, start, end, into), views) in tables.iter_mut().zip(&mut borrowed) {
-            let mut targets = Vec::with_capacity(into.len());
+        let mut targets = Vec::with_capacity(rows.len());
+        for ((table, start, end, into), views) in rows.iter_mut().zip(&mut borrowed) {
+            let mut slots = Vec::with_capacity(into.len());
             for ((slot, cols, _), out) in into.iter_mut().zip(views.iter_mut()) {
                 let out = out
                     .as_slice_mut()
@@ -747,25 +704,66 @@ impl Opened {
                 if let Some((a, b)) = *cols {
                     t = t.columns(a..b);
                 }
-                targets.push(t);
+                slots.push(t);
             }
-            requests.push((table.as_str(), *start..*end, targets));
+            targets.push((table.as_str(), *start..*end, slots));
         }
         let ck = &self.ck;
-        py.detach(|| {
-            // Every table at once, so that no core waits at the end of one table's reads while
-            // another table's are still to come.
-            requests
-                .par_iter_mut()
-                .map(
-                    |(table, rows, targets)| -> saver_io::Result<(u64, u64, u64)> {
-                        let l = ck.load_rows(table, rows.clone(), targets)?;
-                        Ok((l.bytes_wanted, l.bytes_read, l.chunks))
-                    },
+        let loaded = py
+            .detach(|| {
+                let mut request = if hashed {
+                    LoadRequest::columns(&opts)
+                } else {
+                    LoadRequest::dense_only(&opts)
+                };
+                for (table, rows, slots) in targets {
+                    request = request.rows(table, rows, slots);
+                }
+                ck.load(request)
+            })
+            .map_err(err)?;
+        let m = self.ck.manifest();
+        let mut out = Vec::with_capacity(loaded.columns.len());
+        for t in loaded.columns {
+            let slots = t
+                .slots
+                .iter()
+                .zip(t.data)
+                .map(|(s, data)| {
+                    let array = PyArray1::from_vec(py, data);
+                    (s.name.clone(), s.dtype.name(), s.shape.clone(), array)
+                })
+                .collect();
+            let ids = PyArray1::from_vec(py, t.ids);
+            out.push((t.name, t.key_dtype.dtype().name(), ids, slots));
+        }
+        let dense = loaded
+            .dense
+            .into_iter()
+            .map(|d| {
+                let name = d.name;
+                (
+                    name,
+                    d.dtype.name(),
+                    d.shape,
+                    PyArray1::from_vec(py, d.data),
                 )
-                .try_reduce(|| (0, 0, 0), |a, b| Ok((a.0 + b.0, a.1 + b.1, a.2 + b.2)))
-        })
-        .map_err(err)
+            })
+            .collect();
+        let r = &loaded.report;
+        let report = PyDict::new(py);
+        report.set_item("rows", r.rows)?;
+        report.set_item("bytes_read", r.bytes_read)?;
+        report.set_item("read_amplification", r.read_amplification)?;
+        report.set_item("load_seconds", r.load_seconds)?;
+        report.set_item("step", m.step)?;
+        report.set_item("metadata", m.user_metadata.clone())?;
+        let of_rows = PyDict::new(py);
+        of_rows.set_item("bytes_wanted", loaded.rows.bytes_wanted)?;
+        of_rows.set_item("bytes_read", loaded.rows.bytes_read)?;
+        of_rows.set_item("chunks", loaded.rows.chunks)?;
+        report.set_item("row_tables", of_rows)?;
+        Ok((out, dense, report))
     }
 }
 

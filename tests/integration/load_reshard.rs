@@ -7,7 +7,7 @@ use std::path::Path;
 
 use common::{rows_of, table, Model};
 use proptest::prelude::*;
-use saver::io::{Error, TableSink};
+use saver::io::{Error, LoadRequest, TableSink};
 use saver::{
     save, Checkpoint, Dtype, EmbeddingTable, KeyDtype, LoadOptions, PartitionRule, PlanOptions,
     SaveOptions, SlotSpec,
@@ -272,9 +272,9 @@ fn user_sinks_get_mismatches_named_in(ck: &Checkpoint) {
     )
     .unwrap();
     let err = ck
-        .load_into(0, &LoadOptions::default(), &|t| {
+        .load(LoadRequest::sinks(&LoadOptions::default(), 0, &|t| {
             (t.name == "user").then_some(&wrong_dtype as &dyn TableSink)
-        })
+        }))
         .unwrap_err()
         .to_string();
     assert!(
@@ -288,17 +288,17 @@ fn user_sinks_get_mismatches_named_in(ck: &Checkpoint) {
     )
     .unwrap();
     let err = ck
-        .load_into(0, &LoadOptions::default(), &|t| {
+        .load(LoadRequest::sinks(&LoadOptions::default(), 0, &|t| {
             (t.name == "user").then_some(&wrong_shape as &dyn TableSink)
-        })
+        }))
         .unwrap_err()
         .to_string();
     assert!(err.contains("[9]"), "{err}");
     let wrong_key = EmbeddingTable::new("user", KeyDtype::U64, vec![]).unwrap();
     let err = ck
-        .load_into(0, &LoadOptions::default(), &|t| {
+        .load(LoadRequest::sinks(&LoadOptions::default(), 0, &|t| {
             (t.name == "user").then_some(&wrong_key as &dyn TableSink)
-        })
+        }))
         .unwrap_err()
         .to_string();
     assert!(err.contains("I64 ids"), "{err}");
@@ -309,9 +309,9 @@ fn user_sinks_get_mismatches_named_in(ck: &Checkpoint) {
     )
     .unwrap();
     let err = ck
-        .load_into(0, &LoadOptions::default(), &|t| {
+        .load(LoadRequest::sinks(&LoadOptions::default(), 0, &|t| {
             (t.name == "user").then_some(&missing as &dyn TableSink)
-        })
+        }))
         .unwrap_err()
         .to_string();
     assert!(err.contains("no slot \"adam_m\""), "{err}");
@@ -332,17 +332,17 @@ fn user_sinks_get_mismatches_named_in(ck: &Checkpoint) {
         vec![SlotSpec::new("embedding", Dtype::F32, vec![8])],
     )
     .unwrap();
+    let two = {
+        let mut o = LoadOptions::default();
+        o.shard_num = 2;
+        o
+    };
     let r = ck
-        .load_into(
-            1,
-            &{
-                let mut o = LoadOptions::default();
-                o.shard_num = 2;
-                o
-            },
-            &|t| (t.name == "user").then_some(&emb as &dyn TableSink),
-        )
-        .unwrap();
+        .load(LoadRequest::sinks(&two, 1, &|t| {
+            (t.name == "user").then_some(&emb as &dyn TableSink)
+        }))
+        .unwrap()
+        .report;
     assert_eq!(r.rows as usize, saver::SparseTable::len(&emb));
     assert!(saver::SparseTable::len(&emb) > 0);
 }

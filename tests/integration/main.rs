@@ -10,6 +10,7 @@ mod delta;
 mod export_refusals;
 mod hostile;
 mod import_rounds;
+mod load_request;
 mod load_reshard;
 mod manager;
 mod manager_races;

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use saver::io::LoadRequest;
 use saver::{
     save, save_async, Checkpoint, Dtype, RowRangeTable, RowsInto, SaveInput, SaveOptions, SlotSpec,
 };
@@ -156,8 +157,9 @@ fn a_table_restores_from_any_split_and_saves_deltas() {
     let middle = RowRangeTable::new("emb", 5000, 1000..4000, slots()).unwrap();
     let loaded = Checkpoint::open(&base)
         .unwrap()
-        .load_into_table(&middle)
-        .unwrap();
+        .load(LoadRequest::rows_only().into_table(&middle))
+        .unwrap()
+        .rows;
     assert_eq!(loaded.bytes_wanted, 3000 * (8 * 4 + 8));
     middle
         .read(2999..3001, |first, parts| {
@@ -178,7 +180,7 @@ fn a_table_restores_from_any_split_and_saves_deltas() {
     let whole = RowRangeTable::new("emb", 5000, 0..5000, slots()).unwrap();
     Checkpoint::open(&base)
         .unwrap()
-        .load_into_table(&whole)
+        .load(LoadRequest::rows_only().into_table(&whole))
         .unwrap();
     whole
         .update(1500..1510, |mut r| {
@@ -206,6 +208,9 @@ fn a_table_restores_from_any_split_and_saves_deltas() {
         vec![SlotSpec::new("weight", Dtype::F32, vec![4])],
     )
     .unwrap();
-    let e = ck.load_into_table(&other).unwrap_err().to_string();
+    let e = ck
+        .load(LoadRequest::rows_only().into_table(&other))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("\"weight\""), "{e}");
 }

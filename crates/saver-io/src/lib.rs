@@ -41,7 +41,8 @@ pub mod tools;
 
 pub use error::{Error, Result};
 pub use load::checkpoint::{
-    ChainTable, Checkpoint, LoadedRowSlot, LoadedRowTable, RowsInto, RowsLoaded,
+    ChainTable, Checkpoint, LoadRequest, Loaded, LoadedRowSlot, LoadedRowTable, RowsInto,
+    RowsLoaded, SinkFor,
 };
 pub use load::link::Link;
 pub use load::restore::{LoadOptions, LoadReport, LoadedDense, Restored, RestoredShard, TableSink};

@@ -5,9 +5,9 @@ use std::process::ExitCode;
 use serde::Serialize;
 
 use saver_core::Shard;
-use saver_io::load::checkpoint::read_latest;
+use saver_io::load::arrays::Columns;
 use saver_io::tools::digest::{digest, Content, DigestVersion};
-use saver_io::{Checkpoint, LoadOptions, LoadReport};
+use saver_io::{Checkpoint, LoadOptions, LoadReport, LoadRequest, Restored};
 
 use super::CmdResult;
 use crate::cli::{LoadArgs, LoadTarget};
@@ -57,40 +57,55 @@ pub(super) fn run(args: LoadArgs) -> CmdResult {
         o.huge_pages = huge_pages;
         o
     };
-    // Opened again if it is replaced while it is read (see `read_latest`).
-    let (tables, load, dense, rows, digest) = read_latest(&dir, || {
-        let ck = Checkpoint::open(&dir)?;
-        let tables = ck.table_manifests().count();
-        // The shard's rows of each row-range table, by the cut the Python package uses.
-        let shard = shard_index.map(|index| Shard {
-            index,
-            count: shards,
-        });
-        let (row_tables, rows) = ck.load_row_tables(shard)?;
-        let with_rows = |content: Content<'_>| -> saver_io::Result<String> {
+    // One request for both kinds of table, read from one save: a checkpoint replaced while it
+    // is read is read again whole (`Checkpoint::load`).
+    let ck = Checkpoint::open(&dir)?;
+    let tables = ck.table_manifests().count();
+    // The shard's rows of each row-range table, by the partition rule's row cut.
+    let shard = shard_index.map_or(Shard::WHOLE, |index| Shard {
+        index,
+        count: shards,
+    });
+    let request = match into {
+        LoadTarget::Tables => LoadRequest::tables(&opts),
+        LoadTarget::Arrays => LoadRequest::columns(&opts),
+    };
+    let l = ck.load(request.row_tables(shard))?;
+    let row_rows: u64 = l.row_tables.iter().map(|t| t.rows.end - t.rows.start).sum();
+    let rows = (l.row_tables.len(), row_rows, l.rows.bytes_read);
+    let dense = l.dense.len();
+    let load = l.report.clone();
+    let digest = if no_digest {
+        None
+    } else {
+        let with_rows = |content: Content<'_>| {
             digest(
                 Content::WithRowTables {
                     content: Box::new(content),
-                    row_tables: &row_tables,
+                    row_tables: &l.row_tables,
                 },
                 DigestVersion::V2,
             )
         };
-        let row_rows: u64 = row_tables.iter().map(|t| t.rows.end - t.rows.start).sum();
-        let rows = (row_tables.len(), row_rows, rows.bytes_read);
-        Ok(match into {
-            LoadTarget::Tables => {
-                let r = ck.restore(&opts)?;
-                let digest = (!no_digest).then(|| with_rows((&r).into())).transpose()?;
-                (tables, r.report, r.dense.len(), rows, digest)
-            }
-            LoadTarget::Arrays => {
-                let c = ck.load_columns(&opts)?;
-                let digest = (!no_digest).then(|| with_rows((&c).into())).transpose()?;
-                (tables, c.report, c.dense.len(), rows, digest)
-            }
+        Some(match into {
+            LoadTarget::Tables => with_rows(
+                (&Restored {
+                    shards: l.shards,
+                    dense: l.dense,
+                    report: l.report,
+                })
+                    .into(),
+            )?,
+            LoadTarget::Arrays => with_rows(
+                (&Columns {
+                    tables: l.columns,
+                    dense: l.dense,
+                    report: l.report,
+                })
+                    .into(),
+            )?,
         })
-    })?;
+    };
     let report = Report {
         dir: dir.display().to_string(),
         shards,

@@ -343,7 +343,7 @@ impl RowRangeTable {
     }
 
     /// Fills the table from `load`, called once per block and slot with its rows and its
-    /// buffer: what a restart does (saver-io's `Checkpoint::load_into_table`).
+    /// buffer: what a restart does (saver-io's `LoadRequest::into_table`).
     pub fn fill(
         &self,
         mut load: impl FnMut(&SlotSpec, Range<u64>, &mut [u8]) -> Result<()>,

@@ -123,7 +123,7 @@ pub enum Content<'a> {
     Columns(&'a Columns),
     /// A load's tables and dense tensors (`content`: [`Content::Restored`] or
     /// [`Content::Columns`]) with its row-range tables
-    /// ([`crate::Checkpoint::load_row_tables`]): a load of all of them gives the digest of the
+    /// ([`crate::LoadRequest::row_tables`]): a load of all of them gives the digest of the
     /// checkpoint.
     WithRowTables {
         /// The tables and dense tensors.

@@ -1,5 +1,6 @@
-//! The loads of a [`Checkpoint`]: [`Checkpoint::restore`] into new tables,
-//! [`Checkpoint::load_into`] into the caller's, [`Checkpoint::load_columns`] into arrays. One
+//! The loads of a [`Checkpoint`]'s hashed tables, as a [`LoadRequest`] asks for them: into new
+//! tables ([`Checkpoint::restore`]), into the caller's sinks, into arrays
+//! ([`Checkpoint::load_columns`]). One
 //! implementation each, for a full checkpoint and a chain alike (a full checkpoint is a chain of
 //! one link): the options are read here once (which tables and slots, which target shards, the
 //! checks of a caller's table, renames, change tracking, dense tensors, read-ahead, the report).
@@ -17,7 +18,7 @@ use saver_core::partition::BUCKETS;
 use saver_core::{EmbeddingTable, PartitionRule, Shard, SlotSpec, SparseTable};
 
 use super::table::{Run, RunReader};
-use super::{read_ahead, Ahead, ChainTable, Checkpoint};
+use super::{read_ahead, Ahead, ChainTable, Checkpoint, LoadRequest};
 use crate::error::Result;
 use crate::load::arrays::{Columns, TableColumns};
 use crate::load::link::Link;
@@ -89,11 +90,18 @@ impl Checkpoint {
     /// A checkpoint replaced while it is read (a save overwrote it, and removed its files after
     /// its commit) is read again as it is now, as every load of a `Checkpoint` is: see
     /// [`Self::on_latest`].
+    ///
+    /// The shorthand of [`Self::load`] with [`LoadRequest::tables`].
     pub fn restore(&self, opts: &LoadOptions) -> Result<Restored> {
-        self.on_latest(|c| c.restore_once(opts))
+        let l = self.load(LoadRequest::tables(opts))?;
+        Ok(Restored {
+            shards: l.shards,
+            dense: l.dense,
+            report: l.report,
+        })
     }
 
-    fn restore_once(&self, opts: &LoadOptions) -> Result<Restored> {
+    pub(super) fn restore_once(&self, opts: &LoadOptions) -> Result<Restored> {
         let (start, fetched) = (Instant::now(), self.bytes_fetched());
         let selected = self.select(opts)?;
         let targets = target_shards(opts)?;
@@ -140,26 +148,9 @@ impl Checkpoint {
         })
     }
 
-    /// Loads target shard `shard` of `opts.shard_num` into user sinks: `sink_for` returns the
-    /// sink for a checkpoint table (by its manifest entry), or `None` to skip it. Each sink gets
-    /// the slots it asks for ([`TableSink::wanted_slots`], checked against the checkpoint's).
-    /// Dense tensors are not loaded (see [`Self::load_dense_tensors`]). A sink may hold part of
-    /// the rows if this fails: load into a fresh table and swap it in on success, as
-    /// [`Self::restore`] does.
-    ///
-    /// A checkpoint replaced while it is read is read again as it is now (see
-    /// [`Self::on_latest`]); the sinks then hold some rows of the old checkpoint too, so load into
-    /// fresh tables.
-    pub fn load_into<'s>(
-        &self,
-        shard: u32,
-        opts: &LoadOptions,
-        sink_for: &dyn Fn(&TableManifest) -> Option<&'s dyn TableSink>,
-    ) -> Result<LoadReport> {
-        self.on_latest(|c| c.load_into_once(shard, opts, sink_for))
-    }
-
-    fn load_into_once<'s>(
+    /// Target shard `shard` of `opts.shard_num` into the sinks `sink_for` gives:
+    /// [`LoadRequest::sinks`].
+    pub(super) fn load_into_once<'s>(
         &self,
         shard: u32,
         opts: &LoadOptions,
@@ -195,11 +186,18 @@ impl Checkpoint {
     ///
     /// A checkpoint replaced while it is read is read again as it is now (see
     /// [`Self::on_latest`]).
+    ///
+    /// The shorthand of [`Self::load`] with [`LoadRequest::columns`].
     pub fn load_columns(&self, opts: &LoadOptions) -> Result<Columns> {
-        self.on_latest(|c| c.load_columns_once(opts))
+        let l = self.load(LoadRequest::columns(opts))?;
+        Ok(Columns {
+            tables: l.columns,
+            dense: l.dense,
+            report: l.report,
+        })
     }
 
-    fn load_columns_once(&self, opts: &LoadOptions) -> Result<Columns> {
+    pub(super) fn load_columns_once(&self, opts: &LoadOptions) -> Result<Columns> {
         let (start, fetched) = (Instant::now(), self.bytes_fetched());
         let selected = self.select(opts)?;
         target_shards(opts)?;
@@ -261,7 +259,7 @@ impl Checkpoint {
     /// store beside it (both mostly wait on round trips, and the dense tensors' would otherwise
     /// add to the end of the load), after it otherwise. Returns `load`'s value, its report with
     /// the dense tensors' figures added, and the dense tensors.
-    fn with_dense<T>(
+    pub(super) fn with_dense<T>(
         &self,
         opts: &LoadOptions,
         load: impl FnOnce() -> Result<(T, LoadReport)>,
@@ -295,7 +293,12 @@ impl Checkpoint {
     }
 
     /// `report` with the load's duration, the bytes it read and its read amplification.
-    fn finished(&self, mut report: LoadReport, start: Instant, fetched: u64) -> LoadReport {
+    pub(super) fn finished(
+        &self,
+        mut report: LoadReport,
+        start: Instant,
+        fetched: u64,
+    ) -> LoadReport {
         report.load_seconds = start.elapsed().as_secs_f64();
         report.bytes_read = self.bytes_fetched() - fetched;
         finish_report(&mut report);

@@ -15,11 +15,13 @@
 
 mod ahead;
 mod loads;
+mod request;
 mod row_range;
 mod table;
 
 pub use crate::load::link::read_latest;
 use ahead::Ahead;
+pub use request::{LoadRequest, Loaded, SinkFor};
 pub(crate) use row_range::{parent_lacks, parent_slot, ChangedRowsOrder};
 pub use row_range::{LoadedRowSlot, LoadedRowTable, RowsInto, RowsLoaded};
 pub use table::ChainTable;

@@ -74,8 +74,8 @@ impl std::ops::AddAssign for RowsLoaded {
     }
 }
 
-/// One row-range table's rows as [`Checkpoint::load_row_tables`] read them, into memory of
-/// their own.
+/// One row-range table's rows as a request's whole row-range tables (`LoadRequest::row_tables`)
+/// read them, into memory of their own.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadedRowTable {
     /// The table's name.
@@ -100,18 +100,16 @@ pub struct LoadedRowSlot {
 }
 
 impl Checkpoint {
-    /// Every row-range table's rows for `shard` (all of them for `None`): rows
-    /// `rows·j/M..rows·(j+1)/M` of shard `j` of `M`, the cut `saver load` and the Python
-    /// package use, each slot whole into memory of its own. To fill buffers of the caller's,
-    /// use [`Self::load_rows`].
-    pub fn load_row_tables(
+    /// Every row-range table's rows of `shard` ([`saver_core::Shard::rows_of`]), each slot whole
+    /// into memory of its own: a request's `LoadRequest::row_tables`.
+    pub(crate) fn load_row_tables_once(
         &self,
-        shard: Option<saver_core::Shard>,
+        shard: saver_core::Shard,
     ) -> Result<(Vec<LoadedRowTable>, RowsLoaded)> {
         let mut tables = Vec::new();
         let mut total = RowsLoaded::default();
         for t in &self.manifest().row_tables {
-            let rows = shard.unwrap_or(saver_core::Shard::WHOLE).rows_of(t.rows);
+            let rows = shard.rows_of(t.rows);
             let mut slots: Vec<LoadedRowSlot> = t
                 .slots
                 .iter()
@@ -130,7 +128,7 @@ impl Checkpoint {
                 .iter_mut()
                 .map(|s| RowsInto::new(&s.name, &mut s.values))
                 .collect();
-            total += self.load_rows(&t.name, rows.clone(), &mut into)?;
+            total += self.load_rows_once(&t.name, rows.clone(), &mut into)?;
             tables.push(LoadedRowTable {
                 name: t.name.clone(),
                 rows,
@@ -140,11 +138,10 @@ impl Checkpoint {
         Ok((tables, total))
     }
 
-    /// Fills `table` (a [`saver_core::RowRangeTable`] of the trainer's) with its rows from the
-    /// checkpoint's row-range table of its name: each block of each slot read straight into the
-    /// table's memory. Every slot of `table` must be in the checkpoint, of the same dtype and row
-    /// shape, in a table of the same rows.
-    pub fn load_into_table(&self, table: &saver_core::RowRangeTable) -> Result<RowsLoaded> {
+    /// The checks of a request's `LoadRequest::into_table` target that
+    /// need no data: the checkpoint holds a row-range table of its name and rows, and each of its
+    /// slots of the same dtype and row shape.
+    pub(crate) fn check_into_table(&self, table: &saver_core::RowRangeTable) -> Result<()> {
         let held = self
             .row_table(table.name())
             .ok_or_else(|| Error::InvalidOption {
@@ -166,12 +163,10 @@ impl Checkpoint {
                 ),
             });
         }
-        let mut total = RowsLoaded::default();
-        let mut failed = None;
-        let filled = table.fill(|spec, rows, out| {
+        for spec in table.slots() {
             let saved = held.slots.iter().find(|s| s.name == spec.name);
             if !saved.is_some_and(|s| s.dtype == spec.dtype && s.shape[1..] == spec.shape[..]) {
-                return Err(saver_core::Error::InvalidOption {
+                return Err(Error::InvalidOption {
                     option: "table",
                     why: format!(
                         "row-range table {:?} slot {:?} of {} rows of {:?} is not in the \
@@ -183,8 +178,21 @@ impl Checkpoint {
                     ),
                 });
             }
+        }
+        Ok(())
+    }
+
+    /// Fills a trainer's row-range table, checked by [`Self::check_into_table`], from this
+    /// opening.
+    pub(crate) fn load_into_table_once(
+        &self,
+        table: &saver_core::RowRangeTable,
+    ) -> Result<RowsLoaded> {
+        let mut total = RowsLoaded::default();
+        let mut failed = None;
+        let filled = table.fill(|spec, rows, out| {
             // The load's own error (corrupt, not found, ...) is returned whole, below.
-            match self.load_rows(table.name(), rows, &mut [RowsInto::new(&spec.name, out)]) {
+            match self.load_rows_once(table.name(), rows, &mut [RowsInto::new(&spec.name, out)]) {
                 Ok(loaded) => {
                     total += loaded;
                     Ok(())
@@ -234,42 +242,6 @@ impl Checkpoint {
         })
     }
 
-    /// Reads rows `rows` of row-range table `table` into the caller's buffers, one per slot
-    /// wanted ([`RowsInto`]): only the bytes of the chunks the range overlaps, whatever split
-    /// the checkpoint was saved with, each checked against its chunk's CRC32s.
-    ///
-    /// ```
-    /// use saver_core::{RowRangeChunk, SaveInput};
-    /// use saver_io::{save, Checkpoint, RowsInto, SaveOptions};
-    ///
-    /// # let dir = tempfile::tempdir()?;
-    /// // Saved by two workers' chunks: rows 0..6 and 6..10 of a table of 10 rows of 4 values.
-    /// let a: Vec<f32> = (0..24).map(|v| v as f32).collect();
-    /// let b: Vec<f32> = (24..40).map(|v| v as f32).collect();
-    /// let input = SaveInput::new()
-    ///     .row_chunk(RowRangeChunk::from_f32("item", "weight", vec![6, 4], &a)?.at(&[0, 0], &[10, 4])?)
-    ///     .row_chunk(RowRangeChunk::from_f32("item", "weight", vec![4, 4], &b)?.at(&[6, 0], &[10, 4])?);
-    /// save(dir.path(), input, &SaveOptions::default())?;
-    /// // Rows 5..7, columns 1..3, straight into a buffer of ours.
-    /// let mut out = vec![0f32; 2 * 2];
-    /// let ck = Checkpoint::open(dir.path())?;
-    /// ck.load_rows("item", 5..7, &mut [
-    ///     RowsInto::new("weight", bytemuck::cast_slice_mut(&mut out)).columns(1..3),
-    /// ])?;
-    /// assert_eq!(out, [21.0, 22.0, 25.0, 26.0]);
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn load_rows(
-        &self,
-        table: &str,
-        rows: Range<u64>,
-        into: &mut [RowsInto<'_>],
-    ) -> Result<RowsLoaded> {
-        // Filled again from the start if the checkpoint is replaced meanwhile.
-        let into = std::cell::RefCell::new(into);
-        self.on_latest(|c| c.load_rows_once(table, rows.clone(), &mut into.borrow_mut()))
-    }
-
     /// [`Self::load_rows`] of this opening only: an error, not a load of another save, where
     /// the checkpoint was replaced meanwhile. For a reader of many ranges that must all come from
     /// one save (a reshard's), and retries the whole.
@@ -279,6 +251,29 @@ impl Checkpoint {
         rows: Range<u64>,
         into: &mut [RowsInto<'_>],
     ) -> Result<RowsLoaded> {
+        let slots = self.check_rows(table, &rows, into)?;
+        // Each target is its own buffer: they are filled at once, a slot's chunks in turn.
+        let parts = into
+            .par_iter_mut()
+            .zip(slots)
+            .map(|(target, slot)| self.fill_slot(table, slot, &rows, target))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(parts
+            .into_iter()
+            .fold(RowsLoaded::default(), |mut all, part| {
+                all += part;
+                all
+            }))
+    }
+
+    /// The checks of a load of rows `rows` of `table` into `into` that need no data: the table,
+    /// the rows, each target's slot, columns and buffer size. Returns each target's slot.
+    pub(crate) fn check_rows(
+        &self,
+        table: &str,
+        rows: &Range<u64>,
+        into: &[RowsInto<'_>],
+    ) -> Result<Vec<&RowSlotManifest>> {
         let Some(t) = self.row_table(table) else {
             let held: Vec<&str> = self
                 .manifest()
@@ -303,10 +298,10 @@ impl Checkpoint {
                 ),
             });
         }
-        let slots = into
-            .iter()
+        into.iter()
             .map(|target| {
-                t.slots
+                let slot = t
+                    .slots
                     .iter()
                     .find(|s| s.name == target.slot)
                     .ok_or_else(|| Error::InvalidOption {
@@ -316,21 +311,11 @@ impl Checkpoint {
                             target.slot,
                             t.slots.iter().map(|s| s.name.as_str()).collect::<Vec<_>>()
                         ),
-                    })
+                    })?;
+                target_shape(table, slot, rows, target)?;
+                Ok(slot)
             })
-            .collect::<Result<Vec<_>>>()?;
-        // Each target is its own buffer: they are filled at once, a slot's chunks in turn.
-        let parts = into
-            .par_iter_mut()
-            .zip(slots)
-            .map(|(target, slot)| self.fill_slot(table, slot, &rows, target))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(parts
-            .into_iter()
-            .fold(RowsLoaded::default(), |mut all, part| {
-                all += part;
-                all
-            }))
+            .collect()
     }
 
     /// Fills one target: from the chunks of `slot` (the newest link's) that rows `rows`
@@ -342,34 +327,12 @@ impl Checkpoint {
         rows: &Range<u64>,
         target: &mut RowsInto<'_>,
     ) -> Result<RowsLoaded> {
-        let width = slot.shape.get(1).copied().unwrap_or(1);
-        let cols = target.cols.clone().unwrap_or(0..width);
-        let invalid = |why: String| Error::InvalidOption {
-            option: "into",
-            why: format!("row-range table {table:?} slot {:?}: {why}", slot.name),
-        };
-        if cols.start > cols.end || cols.end > width {
-            return Err(invalid(format!(
-                "columns {cols:?} are not within its {width} columns"
-            )));
-        }
-        let el = slot
-            .dtype
-            .byte_len(1)
-            .filter(|_| slot.dtype.bits().is_multiple_of(8))
-            .ok_or_else(|| invalid(format!("{} has no whole bytes per value", slot.dtype)))?;
-        let out_row = (cols.end - cols.start) * el;
-        let want = (rows.end - rows.start)
-            .checked_mul(out_row)
-            .ok_or_else(|| invalid("the range is too large".into()))?;
-        if target.out.len() as u64 != want {
-            return Err(invalid(format!(
-                "the buffer has {} bytes; {} rows of columns {cols:?} of {} take {want}",
-                target.out.len(),
-                rows.end - rows.start,
-                slot.dtype
-            )));
-        }
+        let TargetShape {
+            cols,
+            el,
+            out_row,
+            want,
+        } = target_shape(table, slot, rows, target)?;
         // The links the range needs, newest first: a link's patches there need its parent.
         let mut needed: Vec<(&Link, &RowSlotManifest)> = Vec::new();
         for (i, link) in self.links.iter().enumerate() {
@@ -779,5 +742,58 @@ fn check_pieces(link: &Link, table: &str, t: &TensorRef, ps: Vec<pieces::Piece>)
             "tensor {:?} (a chunk of row-range table {table:?}) fails its CRC32 check",
             t.name
         ),
+    })
+}
+
+/// The shape of one row-range target: the columns it takes, a value's bytes, a target row's
+/// bytes, and the bytes it wants.
+struct TargetShape {
+    cols: Range<u64>,
+    el: u64,
+    out_row: u64,
+    want: u64,
+}
+
+/// Checks `target` against `slot` (its columns within the slot's, whole bytes per value, a
+/// buffer of the size the rows and columns take), and returns its shape.
+fn target_shape(
+    table: &str,
+    slot: &RowSlotManifest,
+    rows: &Range<u64>,
+    target: &RowsInto<'_>,
+) -> Result<TargetShape> {
+    let width = slot.shape.get(1).copied().unwrap_or(1);
+    let cols = target.cols.clone().unwrap_or(0..width);
+    let invalid = |why: String| Error::InvalidOption {
+        option: "into",
+        why: format!("row-range table {table:?} slot {:?}: {why}", slot.name),
+    };
+    if cols.start > cols.end || cols.end > width {
+        return Err(invalid(format!(
+            "columns {cols:?} are not within its {width} columns"
+        )));
+    }
+    let el = slot
+        .dtype
+        .byte_len(1)
+        .filter(|_| slot.dtype.bits().is_multiple_of(8))
+        .ok_or_else(|| invalid(format!("{} has no whole bytes per value", slot.dtype)))?;
+    let out_row = (cols.end - cols.start) * el;
+    let want = (rows.end - rows.start)
+        .checked_mul(out_row)
+        .ok_or_else(|| invalid("the range is too large".into()))?;
+    if target.out.len() as u64 != want {
+        return Err(invalid(format!(
+            "the buffer has {} bytes; {} rows of columns {cols:?} of {} take {want}",
+            target.out.len(),
+            rows.end - rows.start,
+            slot.dtype
+        )));
+    }
+    Ok(TargetShape {
+        cols,
+        el,
+        out_row,
+        want,
     })
 }
