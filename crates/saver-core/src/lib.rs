@@ -77,6 +77,8 @@ pub mod plan;
 pub mod prefetch;
 pub mod quantize;
 pub mod row_range;
+// Models generated from a spec, for benchmarks and tests: not part of a trainer's build.
+#[cfg(any(test, feature = "synthetic"))]
 pub mod synthetic;
 pub mod table;
 pub mod tensor;

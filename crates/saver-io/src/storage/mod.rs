@@ -2,8 +2,8 @@
 //!
 //! Everything saver-io does to files goes through [`Storage`]: positional writes into new files,
 //! durable commit by rename, exclusive creation (for the commit claim), listing and positional
-//! reads. [`LocalFs`] implements it on a local or shared POSIX filesystem; [`FaultyStorage`] wraps
-//! any storage and injects failures, to test that every failure path leaves no half-valid
+//! reads. [`LocalFs`] implements it on a local or shared POSIX filesystem; `FaultyStorage` (feature `fixtures`)
+//! wraps any storage and injects failures, to test that every failure path leaves no half-valid
 //! checkpoint behind. `ObjectStorage` (feature `s3`) keeps a checkpoint under a prefix of an
 //! S3-compatible bucket. [`open_location`] and [`create_location`] take either: a path, or a
 //! URL (`s3://bucket/prefix`), which never silently becomes a local path.
@@ -13,6 +13,8 @@
 
 pub(crate) mod at_once;
 mod direct;
+// A test fixture: storage that fails on purpose. Not part of a trainer's build.
+#[cfg(any(test, feature = "fixtures"))]
 mod faulty;
 pub(crate) mod identity;
 mod local;
@@ -29,6 +31,7 @@ use std::sync::Arc;
 use saver_core::plan::Spill;
 
 pub use direct::Lent;
+#[cfg(any(test, feature = "fixtures"))]
 pub use faulty::{Fault, FaultyStorage};
 pub use local::LocalFs;
 pub use local::LocalLock;
