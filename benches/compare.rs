@@ -25,7 +25,8 @@ use common::{cpu_seconds, gib_s, human, median, rss};
 use std::time::Instant;
 
 use saver::core::synthetic::{parse_size, SyntheticModel, SyntheticSpec};
-use saver::{save, Checkpoint, DirectIo, LoadOptions, SaveOptions};
+use saver::io::DirectIo;
+use saver::{save, Checkpoint, LoadOptions, SaveOptions};
 
 /// One benchmarked configuration: runs once, returns what it built (dropped untimed).
 type Run<'a> = Box<dyn FnMut() -> Box<dyn std::any::Any> + 'a>;

@@ -6,8 +6,9 @@
 use std::path::PathBuf;
 
 use saver::core::synthetic::{SyntheticModel, SyntheticSpec};
+use saver::core::BlockKind;
 use saver::io::tools::export::{export, ExportOptions};
-use saver::{save, BlockKind, Checkpoint, Dtype, Filters, SaveOptions};
+use saver::{save, Checkpoint, Dtype, Filters, SaveOptions};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = std::env::args()

@@ -46,33 +46,26 @@ pub use saver_core as core;
 pub use saver_io as io;
 
 /// Everything a trainer needs, for `use saver::prelude::*;` (also re-exported at the top level):
-/// tables, snapshots and rows, dense tensors, filters, save and load options and reports, the
+/// tables, dense tensors, filters, save and load options and reports, the
 /// background save, verify and export, and the checkpoint manager of a training job.
 pub mod prelude {
     // Not inlined: each item's page is its own crate's, where the links in its docs resolve
     // (inlined here, links to items this crate does not re-export render as literal `[…]`).
     #[doc(no_inline)]
-    pub use saver_core::table::moment;
-    #[doc(no_inline)]
-    pub use saver_core::table::{RowChunk, RowMut, TableSemantics};
+    pub use saver_core::table::{moment, RowMut};
     #[doc(no_inline)]
     pub use saver_core::{
-        BlockKind, ColumnTable, Compression, DenseTensor, Dtype, EmbeddingTable, Filters,
-        ForeignRows, KeyDtype, PartitionRule, PlanOptions, RowRangeChunk, RowRangeTable, RowView,
-        RowsMut, SaveInput, Shard, SlotSpec, SparseTable, TableRef, TableSnapshot,
+        Compression, DenseTensor, Dtype, EmbeddingTable, Filters, ForeignRows, KeyDtype,
+        PartitionRule, PlanOptions, RowRangeChunk, RowRangeTable, SaveInput, Shard, SlotSpec,
+        SparseTable,
     };
     #[doc(no_inline)]
-    pub use saver_io::manage::{
-        CleanReport, KeepBest, ManagedSave, PruneReport, Started, StepInfo, WhenBusy,
-    };
-    #[doc(no_inline)]
-    pub use saver_io::tools::export::{export, ExportOptions, ExportReport};
+    pub use saver_io::tools::export::{export, ExportOptions};
     #[doc(no_inline)]
     pub use saver_io::{
-        save, save_async, verify, Checkpoint, CheckpointManager, DeltaMethod, DirectIo,
-        LoadOptions, LoadReport, LoadedDense, LoadedRowSlot, LoadedRowTable, Policy, Progress,
-        Restored, RestoredShard, Retention, RowsInto, RowsLoaded, SaveHandle, SaveOptions,
-        SaveReport, Status, TableSink, VerifyReport,
+        save, save_async, verify, Checkpoint, CheckpointManager, DeltaMethod, LoadOptions,
+        LoadReport, LoadedDense, Policy, Progress, Restored, Retention, RowsInto, SaveHandle,
+        SaveOptions, SaveReport, Status, TableSink,
     };
 }
 

@@ -805,7 +805,7 @@ impl saver::SparseTable for Named<'_> {
     fn len(&self) -> usize {
         self.0.len()
     }
-    fn snapshot(&self) -> saver::core::Result<Box<dyn saver::TableSnapshot + '_>> {
+    fn snapshot(&self) -> saver::core::Result<Box<dyn saver::core::TableSnapshot + '_>> {
         saver::SparseTable::snapshot(self.0)
     }
 }

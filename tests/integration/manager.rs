@@ -207,7 +207,7 @@ struct Troubled {
 }
 
 struct TroubledSnapshot<'a> {
-    inner: Box<dyn saver::TableSnapshot + 'a>,
+    inner: Box<dyn saver::core::TableSnapshot + 'a>,
     table: &'a Troubled,
 }
 
@@ -218,7 +218,7 @@ impl SparseTable for Troubled {
     fn len(&self) -> usize {
         self.inner.len()
     }
-    fn snapshot(&self) -> saver::core::Result<Box<dyn saver::TableSnapshot + '_>> {
+    fn snapshot(&self) -> saver::core::Result<Box<dyn saver::core::TableSnapshot + '_>> {
         Ok(Box::new(TroubledSnapshot {
             inner: self.inner.snapshot()?,
             table: self,
@@ -226,7 +226,7 @@ impl SparseTable for Troubled {
     }
 }
 
-impl saver::TableSnapshot for TroubledSnapshot<'_> {
+impl saver::core::TableSnapshot for TroubledSnapshot<'_> {
     fn scan(
         &self,
         max_rows: usize,

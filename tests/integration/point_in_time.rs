@@ -418,7 +418,7 @@ impl SparseTable for MyTable {
             check.extend_from_slice(&row[1].to_le_bytes());
         }
         drop(rows);
-        let copy = saver::ColumnTable::new(
+        let copy = saver::core::ColumnTable::new(
             "mine",
             KeyDtype::U64,
             self.schema.slots.clone(),

@@ -56,3 +56,38 @@ fn a_trainer_needs_one_import() {
     assert!(e.contains("\"w\"") && e.contains("F32"), "{e}");
     assert_eq!(restored.shards[0].tables[0].len(), 100);
 }
+
+/// The prelude stays small enough to read: a name joins it as a reviewed decision (raise the
+/// bound here), and everything else is reached by its crate's path (`saver::core::…`,
+/// `saver::io::…`).
+#[test]
+fn the_prelude_holds_at_most_40_names() {
+    let lib = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/src/lib.rs")).unwrap();
+    let start = lib
+        .find("pub mod prelude {")
+        .expect("src/lib.rs has a prelude");
+    let end = start + lib[start..].find("\n}\n").expect("the prelude ends");
+    let mut names = Vec::new();
+    for item in lib[start..end].split("pub use ").skip(1) {
+        let item = &item[..item.find(';').unwrap()];
+        let list = match (item.find('{'), item.rfind('}')) {
+            (Some(a), Some(b)) => &item[a + 1..b],
+            _ => item.rsplit("::").next().unwrap(),
+        };
+        names.extend(
+            list.split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(str::to_string),
+        );
+    }
+    assert!(
+        names.len() >= 20,
+        "the count missed the prelude's names: {names:?}"
+    );
+    assert!(
+        names.len() <= 40,
+        "the prelude holds {} names: {names:?}",
+        names.len()
+    );
+}

@@ -8,10 +8,9 @@ use std::time::Duration;
 
 use common::{checkpoint_bytes, dir_bytes, Model};
 use saver::io::storage::{Fault, FaultyStorage, LocalFs, Storage};
+use saver::io::DirectIo;
 use saver::io::{save_to, Error};
-use saver::{
-    save, Checkpoint, DirectIo, Filters, ForeignRows, LoadOptions, PlanOptions, SaveOptions,
-};
+use saver::{save, Checkpoint, Filters, ForeignRows, LoadOptions, PlanOptions, SaveOptions};
 
 fn opts(shards: u32, parallel: usize) -> SaveOptions {
     {

@@ -168,7 +168,7 @@ pub fn restored_digest(r: &saver::Restored) -> saver::Result<String> {
 /// The (version-2) digest of tables and dense tensors read from files.
 pub fn source_digest(
     tables: &saver::io::source::SourceTables<'_>,
-    dense: &[saver::LoadedDense],
+    dense: &[saver::io::LoadedDense],
 ) -> saver::Result<String> {
     use saver::io::tools::digest::{digest, Content, DigestVersion};
     digest(Content::Files { tables, dense }, DigestVersion::V2)
