@@ -297,20 +297,21 @@ impl Compressed {
     }
 
     /// The raw byte range of frame `k`.
-    pub fn frame_raw_range(&self, k: usize) -> std::ops::Range<usize> {
+    pub(crate) fn frame_raw_range(&self, k: usize) -> std::ops::Range<usize> {
         let start = k * self.frame_raw_bytes;
         start..(start + self.frame_raw_bytes).min(self.raw_len)
     }
 
     /// Decompresses frame `k` into `out`, which holds exactly its raw bytes.
-    pub fn frame_into(&self, k: usize, out: &mut [u8]) -> Result<(), CodecError> {
+    #[cfg(test)]
+    pub(crate) fn frame_into(&self, k: usize, out: &mut [u8]) -> Result<(), CodecError> {
         let start: usize = self.frame_lens[..k].iter().map(|&l| l as usize).sum();
         let stored = &self.bytes[start..start + self.frame_lens[k] as usize];
         decompress_frame(self.filter, stored, out)
     }
 
     /// The whole raw column: the frames in order, each found where the one before ended (not
-    /// by summing the lengths before it, as [`Self::frame_into`] must).
+    /// by summing the lengths before it, as a read of one frame must).
     pub fn decompress(&self) -> Result<Vec<u8>, CodecError> {
         let mut out = vec![0u8; self.raw_len];
         let mut start = 0;

@@ -13,7 +13,7 @@
 //! it all at once.
 //!
 //! A copy is also placed where its file will put it: the plan tells each copy where within a
-//! page its bytes start in their file ([`MomentCopy::place_in_page`]), and the next moment's copy
+//! page its bytes start in their file (`MomentCopy::place_in_page`), and the next moment's copy
 //! of the same tensor starts at that place within a page of its memory. A file written with
 //! direct I/O then sends the copy's pages to the disk straight from it, instead of copying them
 //! into page-aligned memory of its own on the cores the trainer uses.
@@ -41,7 +41,7 @@ const UNPLACED: usize = usize::MAX;
 /// background save copies while the trainer waits (its dense tensors, a Python caller's arrays)
 /// is copied at the machine's pace, not one core's, the new memory's pages faulted in by every
 /// core at once.
-pub fn copy_on_every_core<T: bytemuck::Pod + Send + Sync>(src: &[T]) -> Vec<T> {
+pub(crate) fn copy_on_every_core<T: bytemuck::Pod + Send + Sync>(src: &[T]) -> Vec<T> {
     let piece = (PIECE / std::mem::size_of::<T>().max(1)).max(1);
     if src.len() <= piece {
         return src.to_vec();
@@ -150,7 +150,7 @@ impl MomentCopy {
 
     /// Says that the file these bytes go to puts them at `in_page` bytes into a page, so that the
     /// next moment's copy of this tensor starts there within a page of its memory.
-    pub fn place_in_page(&self, in_page: usize) {
+    pub(crate) fn place_in_page(&self, in_page: usize) {
         self.place.store(in_page % PAGE, Ordering::Relaxed);
     }
 }

@@ -70,7 +70,7 @@ pub fn removed_table_of(name: &str) -> Option<&str> {
 
 /// Checks a table name given to the planner: a table name, or the companion table of one that
 /// holds its removed ids in a delta ([`removed_table_name`]).
-pub fn check_plan_table_name(name: &str) -> Result<()> {
+pub(crate) fn check_plan_table_name(name: &str) -> Result<()> {
     match removed_table_of(name) {
         Some(_) => Ok(()),
         None => check_table_name(name),
@@ -94,7 +94,7 @@ pub fn check_slot_name(name: &str) -> Result<()> {
 }
 
 /// Checks a dense tensor name: non-empty, no control characters, not the safetensors metadata key.
-pub fn check_dense_name(name: &str) -> Result<()> {
+pub(crate) fn check_dense_name(name: &str) -> Result<()> {
     check_common("dense tensor", name)?;
     if name == SAFETENSORS_METADATA {
         return Err(invalid("dense tensor", name, "reserved by safetensors"));
@@ -103,7 +103,7 @@ pub fn check_dense_name(name: &str) -> Result<()> {
 }
 
 /// Tensor name of one slot (or [`IDS`] / [`BUCKET_INDEX`]) of one segment of a table partition.
-pub fn sparse_tensor_name(table: &str, slot: &str, shard: u32, segment: u32) -> String {
+pub(crate) fn sparse_tensor_name(table: &str, slot: &str, shard: u32, segment: u32) -> String {
     format!("{table}/{slot}:s{shard}.{segment}")
 }
 
@@ -151,7 +151,7 @@ pub fn check_file_name(name: &str, named_in: &str) -> Result<()> {
 ///
 /// Deterministic, so processes of a multi-process save never need to agree on names at run time,
 /// and different per save, so a new save never overwrites the files of the checkpoint it replaces.
-pub fn data_file_name(save_id: &str, shard: u32, file: u32) -> String {
+pub(crate) fn data_file_name(save_id: &str, shard: u32, file: u32) -> String {
     format!("model-{save_id}-s{shard:05}-f{file:04}.safetensors")
 }
 

@@ -4,7 +4,7 @@
 /// of more than 128 bytes spans three or more, and a line left out costs a full miss per row).
 /// Only a hint: it reads nothing and cannot fault, whatever the address.
 #[inline(always)]
-pub fn prefetch_range(addr: u64, bytes: usize) {
+pub(crate) fn prefetch_range(addr: u64, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
@@ -22,7 +22,7 @@ pub fn prefetch_range(addr: u64, bytes: usize) {
     let _ = (addr, bytes);
 }
 
-/// [`prefetch_range`] of `bytes`.
+/// `prefetch_range` of `bytes`.
 #[inline(always)]
 pub fn prefetch(bytes: &[u8]) {
     prefetch_range(bytes.as_ptr() as u64, bytes.len());

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::moment_copy::MomentCopy;
 
 /// Number of elements of a shape, refusing overflow.
-pub fn element_count(shape: &[u64]) -> Option<u64> {
+pub(crate) fn element_count(shape: &[u64]) -> Option<u64> {
     shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d))
 }
 

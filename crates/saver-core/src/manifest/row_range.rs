@@ -200,7 +200,7 @@ impl RowTableManifest {
     }
 
     /// Whether some slot holds patches: rows of a delta's parent are read with it.
-    pub fn has_patches(&self) -> bool {
+    pub(crate) fn has_patches(&self) -> bool {
         self.slots.iter().any(|s| !s.patches.is_empty())
     }
 }

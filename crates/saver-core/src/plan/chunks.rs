@@ -194,33 +194,6 @@ impl SavePlan<'_> {
         }
     }
 
-    /// Bytes a chunk produces (for progress reporting).
-    pub fn chunk_len(&self, chunk: &Chunk) -> u64 {
-        match chunk {
-            Chunk::Rows {
-                shard,
-                partition,
-                rows,
-                ..
-            } => {
-                let part = &self.shards[*shard].partitions[*partition];
-                let t = &self.tables[part.table];
-                t.saved_row_bytes(&part.slots) * rows.len() as u64
-            }
-            Chunk::BucketIndex {
-                shard,
-                partition,
-                segment,
-            } => {
-                self.shards[*shard].partitions[*partition].segments[*segment]
-                    .bucket_index
-                    .len() as u64
-                    * 8
-            }
-            Chunk::Dense { bytes, .. } => bytes.end - bytes.start,
-        }
-    }
-
     /// Produces a chunk's bytes and hands each piece to `sink`: for a row chunk, the ids, then
     /// every kept slot in order.
     pub fn produce<S: PieceSink>(

@@ -282,7 +282,7 @@ pub struct DensePlan {
 /// One data file.
 #[derive(Clone, Debug)]
 pub struct FilePlan {
-    /// File name (see [`crate::naming::data_file_name`]).
+    /// File name (see `crate::naming::data_file_name`).
     pub name: String,
     /// File number within the shard.
     pub index: u32,
@@ -762,11 +762,6 @@ impl<'a> SavePlan<'a> {
     /// Name of the table a partition belongs to.
     pub fn table_name(&self, table: usize) -> &str {
         &self.tables[table].name
-    }
-
-    /// The input dense tensor `d`.
-    pub fn dense_tensor(&self, d: usize) -> &DenseTensor<'a> {
-        &self.dense[d]
     }
 
     /// Total bytes of tensor data over all planned files.

@@ -281,7 +281,7 @@ impl<'a> RowRangeChunk<'a> {
     }
 
     /// The chunk's values, as the tensor the checkpoint stores (named by
-    /// [`chunk_tensor_name`]; by [`patch_tensor_names`] when it holds only some rows).
+    /// [`chunk_tensor_name`]; by `patch_tensor_names` when it holds only some rows).
     pub fn values(&self) -> &DenseTensor<'a> {
         &self.values
     }
@@ -336,14 +336,14 @@ pub fn chunk_tensor_name(table: &str, slot: &str, offset: &[u64]) -> String {
 /// The names of the two tensors that hold a delta's changed rows of the chunk of `table`'s
 /// `slot` at `offset` ([`RowRangeChunk::only_rows`]): the chunk's name ([`chunk_tensor_name`])
 /// with `.rows` (their row numbers) and `.values` (their values).
-pub fn patch_tensor_names(table: &str, slot: &str, offset: &[u64]) -> (String, String) {
+pub(crate) fn patch_tensor_names(table: &str, slot: &str, offset: &[u64]) -> (String, String) {
     let chunk = chunk_tensor_name(table, slot, offset);
     (format!("{chunk}.rows"), format!("{chunk}.values"))
 }
 
 /// Whether `name` has the form of a chunk tensor's name ([`chunk_tensor_name`]) of table
-/// `table`, or of a delta's changed rows of one ([`patch_tensor_names`]).
-pub fn is_chunk_tensor_name_of(name: &str, table: &str) -> bool {
+/// `table`, or of a delta's changed rows of one (`patch_tensor_names`).
+pub(crate) fn is_chunk_tensor_name_of(name: &str, table: &str) -> bool {
     let Some(rest) = name.strip_prefix(table).and_then(|r| r.strip_prefix('/')) else {
         return false;
     };
@@ -365,7 +365,7 @@ pub fn is_chunk_tensor_name_of(name: &str, table: &str) -> bool {
 /// Why the rectangles `pieces` (offset, shape) do not tile a slot of shape `whole`: one out of
 /// bounds, two overlapping, or (when `complete`) some element covered by none. `None` when they
 /// do. Empty pieces cover nothing and are ignored.
-pub fn tiling_problem(
+pub(crate) fn tiling_problem(
     whole: &[u64],
     pieces: &[(&[u64], &[u64])],
     complete: bool,
@@ -432,7 +432,7 @@ pub fn tiling_problem(
 
 /// Checks the chunks one process gives: per table, one row count for every slot; per slot, one
 /// dtype and one whole shape; chunks inside it, none overlapping another.
-pub fn check_chunks(chunks: &[RowRangeChunk<'_>]) -> Result<()> {
+pub(crate) fn check_chunks(chunks: &[RowRangeChunk<'_>]) -> Result<()> {
     // (table, slot) -> (dtype, whole, pieces)
     type Pieces<'c> = (Dtype, &'c [u64], Vec<(&'c [u64], &'c [u64])>);
     let mut slots: BTreeMap<(&str, &str), Pieces<'_>> = BTreeMap::new();

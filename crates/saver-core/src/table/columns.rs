@@ -122,7 +122,7 @@ impl<'a> ColumnTable<'a> {
     }
 
     /// This table with its ids and rows copied (by every core: see
-    /// [`crate::moment_copy::copy_on_every_core`]), for a save that outlives the arrays it was given.
+    /// `crate::moment_copy::copy_on_every_core`), for a save that outlives the arrays it was given.
     pub fn copied(&self) -> ColumnTable<'static> {
         ColumnTable {
             schema: self.schema.clone(),

@@ -203,7 +203,7 @@ impl<'a> RowView<'a> {
 }
 
 /// Reads one little-endian element of a plain numeric dtype as `f64`.
-pub fn scalar_as_f64(dtype: Dtype, b: &[u8]) -> Option<f64> {
+pub(crate) fn scalar_as_f64(dtype: Dtype, b: &[u8]) -> Option<f64> {
     fn arr<const N: usize>(b: &[u8]) -> Option<[u8; N]> {
         b.get(..N)?.try_into().ok()
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 
 use saver_core::manifest::FileManifest;
-use saver_core::naming::{shard_manifest_name, SaverFile, INDEX_FILE};
+use saver_core::naming::{SaverFile, INDEX_FILE};
 use saver_core::{Index, Manifest};
 
 use crate::error::{Error, Result};
@@ -341,7 +341,7 @@ impl Link {
 
     /// Bytes the checkpoint's files have delivered to its reads so far (a remote store's merged
     /// ranges counted whole): what a load's `bytes_read` and read amplification count.
-    pub fn bytes_fetched(&self) -> u64 {
+    pub(crate) fn bytes_fetched(&self) -> u64 {
         self.fetched.load(Ordering::Relaxed)
     }
 
@@ -386,7 +386,7 @@ impl Link {
     }
 
     /// Reads `buf.len()` bytes of tensor `t` from byte `offset` of the tensor.
-    pub fn read_tensor_range(
+    pub(crate) fn read_tensor_range(
         &self,
         t: &saver_core::manifest::TensorRef,
         offset: u64,
@@ -399,7 +399,7 @@ impl Link {
     /// one file go to its handle together, so an object store merges neighbours and fetches them
     /// concurrently. A compressed tensor's range is read as the stored frames that hold it,
     /// then decompressed into the buffer.
-    pub fn read_tensor_ranges(
+    pub(crate) fn read_tensor_ranges(
         &self,
         reads: &mut [(&saver_core::manifest::TensorRef, u64, &mut [u8])],
     ) -> Result<()> {
@@ -504,12 +504,5 @@ impl Link {
             });
         }
         Ok(buf)
-    }
-
-    /// Names of the shard manifests of this checkpoint (kept for forensics).
-    pub fn shard_manifest_names(&self) -> Vec<String> {
-        (0..self.manifest.shard_num)
-            .map(|s| shard_manifest_name(&self.manifest.save_id, s))
-            .collect()
     }
 }

@@ -494,7 +494,7 @@ fn retention_after(
 
 /// The step the save of `step` is a delta of, or why it is full: by `policy`, given the
 /// committed steps (ascending, steps before `step` only count).
-pub fn delta_parent<'s>(
+pub(crate) fn delta_parent<'s>(
     steps: &'s [StepInfo],
     step: u64,
     policy: &Policy,

@@ -166,7 +166,7 @@ impl Policy {
     }
 
     /// Keeps the policy in `root` for later processes and restarts.
-    pub fn keep_in(&self, root: &dyn Storage) -> Result<()> {
+    pub(crate) fn keep_in(&self, root: &dyn Storage) -> Result<()> {
         self.check()?;
         let json = serde_json::to_vec_pretty(self).expect("a policy serializes");
         root.put(POLICY_FILE, &json, true)

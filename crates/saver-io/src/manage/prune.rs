@@ -46,7 +46,7 @@ pub struct PruneReport {
 
 /// The steps `rules` keep among the committed, whole `steps` (ascending), with every link their
 /// chains need.
-pub fn kept_steps(steps: &[StepInfo], rules: &Retention) -> BTreeSet<u64> {
+pub(crate) fn kept_steps(steps: &[StepInfo], rules: &Retention) -> BTreeSet<u64> {
     let mut kept = BTreeSet::new();
     kept.extend(
         steps

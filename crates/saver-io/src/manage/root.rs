@@ -32,7 +32,7 @@ pub fn step_dir_name(step: u64) -> String {
 }
 
 /// The step a directory name names, if it is a step directory's name.
-pub fn parse_step_dir(name: &str) -> Option<u64> {
+pub(crate) fn parse_step_dir(name: &str) -> Option<u64> {
     let digits = name.strip_prefix(STEP_PREFIX)?;
     if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -295,7 +295,7 @@ impl Root {
     /// The newest committed step whose chain is whole and every link of its chain, newest
     /// first (empty: the root holds none), reading only those steps' manifests and those of
     /// newer steps that are not whole.
-    pub fn latest_chain(&self) -> Result<Vec<StepInfo>> {
+    pub(crate) fn latest_chain(&self) -> Result<Vec<StepInfo>> {
         let mut read: BTreeMap<u64, Read> = BTreeMap::new();
         let mut links = BTreeMap::new();
         for step in self.step_dirs()?.into_iter().rev() {

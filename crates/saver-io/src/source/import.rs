@@ -45,7 +45,7 @@ impl Model {
     }
 
     /// A model from a whole-checkpoint restore (one target shard).
-    pub fn from_restored(r: Restored, ckpt: &Link) -> Result<Self> {
+    pub(crate) fn from_restored(r: Restored, ckpt: &Link) -> Result<Self> {
         let tables = r.shards.into_iter().flat_map(|s| s.tables).collect();
         Ok(Self {
             tables,

@@ -60,7 +60,7 @@ impl<'s> SourceTables<'s> {
     /// `exclude_slots` leaves, read as [`Self::of_checkpoint`] reads them: the one place, with
     /// the load loop's engine, where a reader of a checkpoint's rows chooses between one full
     /// checkpoint and a chain.
-    pub fn of_checkpoint_selected(
+    pub(crate) fn of_checkpoint_selected(
         ckpt: &'s Checkpoint,
         tables: &[String],
         exclude_slots: &[String],
@@ -73,7 +73,7 @@ impl<'s> SourceTables<'s> {
     }
 
     /// The tables as [`SparseTable`]s.
-    pub fn as_dyn(&self) -> Vec<&dyn SparseTable> {
+    pub(crate) fn as_dyn(&self) -> Vec<&dyn SparseTable> {
         match self {
             Self::Stored(t) => t.iter().map(|t| t as &dyn SparseTable).collect(),
             Self::Chain(t) => t.iter().map(|t| t as &dyn SparseTable).collect(),
@@ -82,7 +82,7 @@ impl<'s> SourceTables<'s> {
     }
 
     /// The tables as [`BucketRows`].
-    pub fn as_bucket_rows(&self) -> Vec<&dyn BucketRows> {
+    pub(crate) fn as_bucket_rows(&self) -> Vec<&dyn BucketRows> {
         match self {
             Self::Stored(t) => t.iter().map(|t| t as &dyn BucketRows).collect(),
             Self::Chain(t) => t.iter().map(|t| t as &dyn BucketRows).collect(),
@@ -225,7 +225,7 @@ pub(crate) fn first_trainer_state(ckpt: &Link) -> Option<String> {
 
 /// Whether `dir` holds a saver checkpoint (its index says so). Reads the index only if it is a
 /// regular file.
-pub fn is_checkpoint(dir: &Path) -> bool {
+pub(crate) fn is_checkpoint(dir: &Path) -> bool {
     #[derive(serde::Deserialize)]
     struct Probe {
         metadata: ProbeMetadata,

@@ -412,7 +412,7 @@ impl PlainInput {
 
     /// [`Self::tables`] with groups of about `group_bytes` (at least 4 KiB) instead of
     /// `GROUP_BYTES`: smaller groups hold less and cost more reads.
-    pub fn tables_grouped(
+    pub(crate) fn tables_grouped(
         &self,
         scratch: &Path,
         parallel: usize,
@@ -421,7 +421,7 @@ impl PlainInput {
         self.tables_in_rounds(scratch, parallel, group_bytes, None)
     }
 
-    /// [`Self::tables_grouped`], each table of more than one group distributed in `rounds`
+    /// `Self::tables_grouped`, each table of more than one group distributed in `rounds`
     /// rounds (at most one per group; 1: a single pass) instead of as many as suit its size and
     /// the machine's memory (`None`, see the module docs).
     pub fn tables_in_rounds(

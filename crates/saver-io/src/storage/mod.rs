@@ -103,7 +103,7 @@ fn url_storage(url: &str) -> Result<Arc<dyn Storage>> {
 
 /// Whether `a` and `b` are one location: the same directory (symbolic links resolved), or the
 /// same bucket and prefix.
-pub fn same_location(a: &Path, b: &Path) -> bool {
+pub(crate) fn same_location(a: &Path, b: &Path) -> bool {
     match (location_url(a), location_url(b)) {
         (None, None) => match (a.canonicalize(), b.canonicalize()) {
             (Ok(a), Ok(b)) => a == b,

@@ -50,15 +50,6 @@ impl DigestVersion {
         }
     }
 
-    /// The version numbered `n`, if there is one.
-    pub fn from_number(n: u32) -> Option<Self> {
-        match n {
-            1 => Some(DigestVersion::V1),
-            2 => Some(DigestVersion::V2),
-            _ => None,
-        }
-    }
-
     fn tag(self) -> &'static [u8] {
         match self {
             DigestVersion::V1 => DIGEST_TAG,

@@ -276,7 +276,7 @@ impl Checkpoint {
     }
 
     /// How a delta saved into `child_dir` (which exists) names this chain's newest link.
-    pub fn parent_ref_for(&self, child_dir: &Path) -> Result<ParentRef> {
+    pub(crate) fn parent_ref_for(&self, child_dir: &Path) -> Result<ParentRef> {
         let newest = self.newest();
         Ok(ParentRef {
             path: relative_path(child_dir, &self.dirs[0])?,
@@ -374,7 +374,7 @@ impl Checkpoint {
     }
 
     /// Bytes the links' files have delivered to reads so far: see [`Link::bytes_fetched`].
-    pub fn bytes_fetched(&self) -> u64 {
+    pub(crate) fn bytes_fetched(&self) -> u64 {
         self.links().iter().map(Link::bytes_fetched).sum()
     }
 }

@@ -221,11 +221,6 @@ impl<'c> ChainTable<'c> {
             .flat_map(|l| std::iter::once(&l.rows).chain(&l.removed))
     }
 
-    /// The number of links the table is resolved over.
-    pub fn link_count(&self) -> usize {
-        self.links.len()
-    }
-
     /// Bytes of one whole row: id and every slot.
     pub(super) fn full_row_bytes(&self) -> u64 {
         8 + self.row_bytes.iter().sum::<u64>()
@@ -373,7 +368,7 @@ impl<'c> ChainTable<'c> {
     }
 
     /// Visits the live rows of `buckets` in (bucket, id bits) order, at most `batch` at a time.
-    pub fn visit_buckets(
+    pub(crate) fn visit_buckets(
         &self,
         buckets: Range<u32>,
         batch: usize,
