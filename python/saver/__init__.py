@@ -324,7 +324,7 @@ def save(
     staging buffers, the fastest here; ``"off"`` writes through the page cache straight from
     the arrays (no staging memory, slower); ``"on"`` wherever the filesystem takes it.
     ``wait``: with ``shard_index``, the seconds this process waits for the other shards and the
-    commit before it fails naming the missing shards (default: none, it returns once its shard
+    commit before it fails naming the missing shards, 0 to a week (default: none, it returns once its shard
     is written and the last process commits; a :class:`Manager`'s saves wait 600 s, so that
     every process decides the next save from the same committed steps).
 

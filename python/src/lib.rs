@@ -115,62 +115,39 @@ struct SaveArgs {
 }
 
 impl SaveArgs {
+    /// The save's options, through the library's one mapping of save settings: a refusal names
+    /// the keyword (`keep_rows`, `wait`).
     fn options(self) -> PyResult<SaveOptions> {
-        let mut opts = {
-            let mut o = SaveOptions::default();
-            o.save_id = self.save_id;
-            o.step = self.step;
-            o.overwrite = self.overwrite;
-            o.durable = self.durable;
-            o.user_metadata = self.metadata;
-            o
+        let settings = {
+            let mut s = saver_io::SaveSettings::default();
+            s.shards = self.shards;
+            s.shard_index = self.shard_index;
+            s.save_id = self.save_id;
+            s.parallel = self.parallel;
+            s.step = self.step;
+            s.metadata = self.metadata;
+            s.overwrite = self.overwrite;
+            s.durable = self.durable;
+            s.skip_foreign_rows = self.skip_foreign_rows;
+            s.parent = self.parent;
+            s.exclude_slots = self.exclude_slots;
+            s.keep_rows = self.keep_rows;
+            s.compress = self.compress;
+            s.direct_io = self.direct_io;
+            s.wait_seconds = self.wait;
+            s
         };
-        opts.plan.shard_num = self.shards;
-        opts.plan.shard_index = self.shard_index;
-        if self.skip_foreign_rows {
-            opts.plan.foreign_rows = saver_core::ForeignRows::Skip;
-        }
-        if let Some(p) = self.parallel {
-            opts.plan.parallel = p;
-        }
-        opts.parent = self.parent;
-        if let Some(w) = self.wait {
-            opts.wait = Some(
-                std::time::Duration::try_from_secs_f64(w)
-                    .map_err(|_| err(format!("wait: must be a number of seconds, got {w}")))?,
-            );
-        }
-        opts.direct_io = match self.direct_io.as_str() {
-            "auto" => saver_io::DirectIo::Auto,
-            "on" => saver_io::DirectIo::On,
-            "off" => saver_io::DirectIo::Off,
-            other => {
-                return Err(err(format!(
-                    "direct_io: must be 'auto', 'on' or 'off', got {other:?}"
-                )))
+        settings.options().map_err(|e| match e {
+            saver_io::Error::InvalidOption { option, why } => {
+                let keyword = if option == "wait_seconds" {
+                    "wait"
+                } else {
+                    option
+                };
+                err(format!("{keyword}: {why}"))
             }
-        };
-        opts.plan.compression = match self.compress.as_deref() {
-            None => None,
-            Some("zstd") => Some(saver_core::Compression::default()),
-            Some(other) => {
-                return Err(err(format!(
-                    "compress: must be None or 'zstd', got {other:?}"
-                )))
-            }
-        };
-        let mut filters = saver_core::Filters::new();
-        for g in &self.exclude_slots {
-            filters = filters.exclude_slots(g).map_err(err)?;
-        }
-        for c in &self.keep_rows {
-            let cond: saver_core::ScalarCondition = c
-                .parse()
-                .map_err(|e| err(format!("keep_rows {c:?}: {e}")))?;
-            filters = filters.keep_rows_where(cond);
-        }
-        opts.plan.filters = filters;
-        Ok(opts)
+            e => err(e),
+        })
     }
 }
 

@@ -50,5 +50,6 @@ pub use manage::{CheckpointManager, Policy, Retention};
 pub use save::background::{save_async, SaveHandle};
 pub use save::{
     save, save_to, DeltaMethod, DirectIo, Progress, ProgressFn, SaveOptions, SaveReport,
+    SaveSettings,
 };
 pub use tools::verify::{verify, verify_storage, Problem, Status, VerifyReport};

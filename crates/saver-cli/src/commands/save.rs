@@ -2,14 +2,14 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::Serialize;
 
 use saver_core::synthetic::{SyntheticModel, SyntheticSpec};
-use saver_core::{Filters, ForeignRows, ScalarCondition};
+use saver_core::ScalarCondition;
 use saver_io::source::{save_input, Source, SourceTables};
-use saver_io::{save, CheckpointManager, DirectIo, SaveOptions, SaveReport};
+use saver_io::{save, CheckpointManager, SaveOptions, SaveReport, SaveSettings};
 
 use super::CmdResult;
 use crate::cli::{DirectIoWhen, SaveArgs};
@@ -30,24 +30,53 @@ struct Report<'a> {
     throughput_bytes_per_second: f64,
 }
 
-fn filters(args: &SaveArgs) -> Result<Filters, Box<dyn std::error::Error>> {
-    let mut f = Filters::new();
-    for g in &args.exclude_slots {
-        f = f.exclude_slots(g)?;
-    }
-    if !args.tables.is_empty() {
-        let mut b = globset::GlobSetBuilder::new();
-        for g in &args.tables {
-            b.add(globset::Glob::new(g).map_err(|e| format!("--tables {g:?}: {e}"))?);
+/// The save's options from its flags, through the library's one mapping of save settings: a
+/// refusal names the flag (`--keep-rows`, from the setting `keep_rows`).
+fn options(args: &SaveArgs) -> Result<SaveOptions, Box<dyn std::error::Error>> {
+    let wait_seconds = match args.wait_seconds.as_deref() {
+        None => None,
+        Some(w) => Some(
+            w.trim()
+                .parse::<f64>()
+                .map_err(|_| format!("--wait-seconds {w:?}: give a number of seconds"))?,
+        ),
+    };
+    let settings = {
+        let mut s = SaveSettings::default();
+        s.shards = args.shards;
+        s.shard_index = args.shard_index;
+        s.save_id = args.save_id.clone();
+        s.parallel = Some(args.parallel);
+        s.step = args.step;
+        s.overwrite = args.overwrite;
+        s.durable = !args.no_fsync;
+        // Every process builds or reads the whole model and saves its own shard of it.
+        s.skip_foreign_rows = true;
+        s.parent = args.parent.clone();
+        s.exclude_slots = args.exclude_slots.clone();
+        s.tables = args.tables.clone();
+        s.keep_rows = args.keep_rows.clone();
+        if let Some(c) = args.compress.compression() {
+            s.compress = Some("zstd".into());
+            s.compress_level = Some(c.level);
         }
-        let set = b.build()?;
-        f = f.keep_blocks(move |blk| blk.table.is_none_or(|t| set.is_match(t)));
-    }
-    for c in &args.keep_rows {
-        let cond: ScalarCondition = c.parse().map_err(|e| format!("--keep-rows: {e}"))?;
-        f = f.keep_rows_where(cond);
-    }
-    Ok(f)
+        s.direct_io = match args.direct_io {
+            DirectIoWhen::Auto => "auto",
+            DirectIoWhen::On => "on",
+            DirectIoWhen::Off => "off",
+        }
+        .into();
+        s.wait_seconds = wait_seconds;
+        s.max_file_size = Some(args.max_file_size);
+        s.plan_memory = Some(args.plan_memory);
+        s
+    };
+    settings.options().map_err(|e| match e {
+        saver_io::Error::InvalidOption { option, why } => {
+            format!("--{}: {why}", option.replace('_', "-")).into()
+        }
+        e => e.into(),
+    })
 }
 
 pub(super) fn run(args: SaveArgs) -> CmdResult {
@@ -58,31 +87,7 @@ pub(super) fn run(args: SaveArgs) -> CmdResult {
                 .into(),
         );
     }
-    let mut opts = {
-        let mut o = SaveOptions::default();
-        o.step = args.step;
-        o.save_id = args.save_id.clone();
-        o.durable = !args.no_fsync;
-        o.overwrite = args.overwrite;
-        o.direct_io = match args.direct_io {
-            DirectIoWhen::Auto => DirectIo::Auto,
-            DirectIoWhen::On => DirectIo::On,
-            DirectIoWhen::Off => DirectIo::Off,
-        };
-        o.wait = args.wait_seconds.as_deref().map(parse_wait).transpose()?;
-        o.parent = args.parent.clone();
-        o
-    };
-    opts.plan.shard_num = args.shards;
-    opts.plan.shard_index = args.shard_index;
-    opts.plan.parallel = args.parallel;
-    opts.plan.max_file_size = args.max_file_size;
-    opts.plan.plan_memory = args.plan_memory;
-    opts.plan.compression = args.compress.compression();
-    opts.plan.filters = filters(&args)?;
-    // Every process builds or reads the whole model and saves its own shard of it.
-    opts.plan.foreign_rows = ForeignRows::Skip;
-    opts.plan.validate()?;
+    let mut opts = options(&args)?;
 
     // A managed root: the step's directory under it, and the manager that decides full or delta
     // and applies retention after the commit.
@@ -253,20 +258,6 @@ pub(super) fn run(args: SaveArgs) -> CmdResult {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `--wait-seconds`: a finite number of seconds from 0 to a week.
-fn parse_wait(s: &str) -> Result<Duration, String> {
-    const WEEK: f64 = 7.0 * 24.0 * 3600.0;
-    match s.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && (0.0..=WEEK).contains(&v) => Ok(Duration::from_secs_f64(v)),
-        _ => Err(format!(
-            "--wait-seconds {s:?}: expected a number of seconds from 0 to {WEEK} (a week)"
-        )),
-    }
-}
-
-/// Says once, on stderr, that files of other saves were left in the directory: a save removes
-/// only its own files and those of the checkpoint it replaced, so a crashed or rejected save's
-/// files stay until someone who knows no such save runs removes them.
 fn note_left_alone(out: &std::path::Path, report: &SaveReport) {
     let saver_like: Vec<&String> = report
         .left_alone

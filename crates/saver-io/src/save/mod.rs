@@ -26,6 +26,7 @@ pub(crate) mod pipeline;
 pub(crate) mod rejection;
 mod report;
 mod schedule;
+mod settings;
 mod sink;
 
 use std::path::Path;
@@ -41,6 +42,7 @@ pub use commit::{try_commit, CommitRule, CommitState};
 pub use options::{DirectIo, Progress, ProgressFn, SaveOptions};
 pub use pipeline::{write_plan, PlanWritten};
 pub use report::{DeltaMethod, SaveReport};
+pub use settings::SaveSettings;
 
 use crate::save::pipeline::save_prepared;
 
