@@ -10,7 +10,11 @@ job's), once per round, in turn; medians over the rounds:
   `{"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}`;
 - restore into the same model, warm (files read once before) and cold (evicted first):
   `saver.torch.load` against `dcp.load` of the same dict, then `load_state_dict` of both;
-- resharding load: the checkpoints saved by 2 ranks loaded by 3 ranks (a plan of 3);
+- resharding load: the checkpoints saved by 2 ranks loaded by 3 ranks, table-wise (a plan of
+  3 that keeps each table whole), and column-wise (a plan change: every table cut into 4 column
+  shards of 8 columns, each rank reading some columns of every row; DCP's load of the fused
+  row-wise state refuses the new cut, so DCP restores the weights alone there, saver.torch the
+  weights and the state converted to the new cut);
 - the limit of a restore (benches/plain_limit.py): each rank's own bytes (its shards of the
   weights and of the fused optimizer's state) read from a plain file of its own into the same
   tensors, a thread a core, warm and cold. (Saves have none here: saver's save of 2 ranks beat
@@ -59,14 +63,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def model(world, scale):
+def model(world, scale, sharding="table_wise"):
     configs = [
         torchrec.EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=max(1, int(r * scale)), feature_names=[f"f{i}"])
         for i, r in enumerate(TABLE_ROWS)
     ]
     ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, ebc.parameters(), {"lr": 0.1})
-    constraints = {f"t{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(len(TABLE_ROWS))}
+    # Column-wise: 4 shards of 8 columns a table, spread over the ranks.
+    cut = dict(min_partition=DIM // 4) if sharding == "column_wise" else {}
+    constraints = {f"t{i}": ParameterConstraints(sharding_types=[sharding], **cut) for i in range(len(TABLE_ROWS))}
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints)
     plan = planner.collective_plan(ebc, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
     return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan)
@@ -134,13 +140,21 @@ def dcp_restore(m, path):
     m.fused_optimizer.load_state_dict(sd["optim"])
 
 
+def dcp_restore_weights(m, path):
+    """DCP's restore of the weights alone: its load of the fused row-wise state (a value a row
+    per column shard) into a plan of other column cuts refuses the new shape."""
+    sd = {"model": m.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    m.load_state_dict(sd["model"])
+
+
 def rank_main(rank, world, port, args, phase, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     times = {}
     ok = False
     try:
-        m = model(world, args.scale)
+        m = model(world, args.scale, "column_wise" if phase == "replan" else "table_wise")
         work = args.work
         s_path, d_path = os.path.join(work, "saver"), os.path.join(work, "dcp")
         # The limit of a restore: each rank's own bytes read from a plain file of its own.
@@ -177,10 +191,12 @@ def rank_main(rank, world, port, args, phase, out):
         else:  # a plan of `world` ranks reads what 2 ranks saved
             for r in range(args.rounds + 1):
                 got = {}
-                for who, path, f in (("saver", s_path, lambda: saver.torch.load(s_path, m)), ("dcp", d_path, lambda: dcp_restore(m, d_path))):
+                dcp_f = dcp_restore_weights if phase == "replan" else dcp_restore
+                for who, path, f in (("saver", s_path, lambda: saver.torch.load(s_path, m)), ("dcp", d_path, lambda: dcp_f(m, d_path))):
                     if rank == 0:
                         warm([path])
-                    got[f"reshard {who}"] = timed(f, f"reshard {who}")
+                    key = "replan" if phase == "replan" else "reshard"
+                    got[f"{key} {who}"] = timed(f, f"{key} {who}")
                 if r > 0:
                     for k, v in got.items():
                         times.setdefault(k, []).append(v)
@@ -214,6 +230,8 @@ def main():
     times = torch.load(out)
     mp.spawn(rank_main, args=(3, free_port(), args, "reshard", out), nprocs=3, join=True)
     times.update(torch.load(out))
+    mp.spawn(rank_main, args=(3, free_port(), args, "replan", out), nprocs=3, join=True)
+    times.update(torch.load(out))
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = sum(max(1, int(r * args.scale)) for r in TABLE_ROWS)
     print(f"TorchRec DMP, 2 ranks (gloo, CPU), table-wise, fused row-wise Adagrad: {rows} rows of dim {DIM}, "
@@ -221,7 +239,8 @@ def main():
     print("| operation | saver.torch | DCP | limit | saver / DCP | saver / limit |")
     print("| --- | --- | --- | --- | --- | --- |")
     for label, a, b in (("blocking save", "save saver", "save dcp"), ("restore, warm", "load saver warm", "load dcp warm"),
-                        ("restore, cold", "load saver cold", "load dcp cold"), ("resharding load 2 -> 3 ranks, warm", "reshard saver", "reshard dcp")):
+                        ("restore, cold", "load saver cold", "load dcp cold"), ("resharding load 2 -> 3 ranks, warm", "reshard saver", "reshard dcp"),
+                        ("resharding load 2 -> 3 ranks, table-wise -> column-wise, warm", "replan saver", "replan dcp")):
         limit = med.get(a.replace("saver", "limit"))
         limits = (f"{limit:.3f} s", f"{med[a] / limit:.3f}") if limit else ("-", "-")
         print(f"| {label} | {med[a]:.3f} s | {med[b]:.3f} s | {limits[0]} | {med[a] / med[b]:.3f} | {limits[1]} |")
