@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::load::documents::committed;
 use crate::manage::prune::{remove_step, PruneMarker};
 use crate::manage::root::{Root, PRUNE_MARKER};
-use crate::save::claim::{ended_saves, reclaim_ended_saves, saves_in, writers_have_ended};
+use crate::save::owned::{ended_saves, reclaim_ended_saves, saves_in, writers_have_ended};
 
 /// What a clean reclaimed and what it left alone.
 #[derive(Clone, Debug, Default, Serialize)]

@@ -31,9 +31,8 @@ use saver_core::{Index, Manifest};
 
 use crate::error::{Error, Result};
 use crate::load::documents::{committed, get_if_exists, read_shard_manifest, MAX_JSON_BYTES};
-use crate::save::claim::read_claim;
 use crate::save::late;
-use crate::save::rejection::{check_not_rejected, is_committed, mark_rejected};
+use crate::save::owned::{check_not_rejected, is_committed, mark_rejected, read_claim};
 use crate::storage::at_once::{all_at_once, calls_at_once};
 use crate::storage::{CommitLock, Storage, COMMIT_LOCK_WAIT};
 

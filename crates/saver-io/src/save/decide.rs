@@ -17,7 +17,7 @@ use crate::load::checkpoint::{Checkpoint, MAX_CHAIN_LINKS};
 use crate::load::documents::committed;
 use crate::save::commit::CommitRule;
 use crate::save::options::SaveOptions;
-use crate::save::rejection::check_not_rejected;
+use crate::save::owned::check_not_rejected;
 use crate::storage::{CommitLock, Storage, COMMIT_LOCK_WAIT};
 
 /// What a save decided before it reads a row.

@@ -11,7 +11,7 @@ use saver_core::{Index, Manifest};
 
 use crate::error::{Error, Result};
 use crate::load::documents::{committed, get_if_exists, MAX_JSON_BYTES};
-use crate::save::rejection::mark_rejected;
+use crate::save::owned::mark_rejected;
 use crate::storage::{Storage, COMMIT_LOCK_WAIT};
 
 /// Takes back the index `save_id` wrote over `replaced` after its lock was lost (`lost`, the

@@ -5,25 +5,25 @@
 //!
 //! 1. `decide`: its name, what it replaces, that its options hold, a delta's parent (opened);
 //! 2. `delta` (a delta only): its changes against the parent, spooled as tables;
-//! 3. `claim`: the shards claimed, so that it is their one writer;
+//! 3. `owned`: the shards claimed, so that it is their one writer;
 //! 4. `pipeline`: planned (saver-core's plan) and written, durable, with its shard manifests
 //!    (`schedule`, `sink`, `compressing` move the bytes, `checksum` sums them);
 //! 5. `commit`: committed under the directory's lock; what it replaced removed.
 //!
-//! `rejection` is the marker of a save that can never commit, which the claim, the commit and
-//! the decision of a retry read.
+//! `owned` holds all that a save owns in a directory: its claims, its rejection marker (a save
+//! that can never commit, which the claim, the commit and the decision of a retry read) and its
+//! leftovers.
 
 pub(crate) mod background;
 mod checksum;
-pub(crate) mod claim;
 pub(crate) mod commit;
 mod compressing;
 pub(crate) mod decide;
 pub(crate) mod delta;
 mod late;
 mod options;
+pub(crate) mod owned;
 pub(crate) mod pipeline;
-pub(crate) mod rejection;
 mod report;
 mod schedule;
 mod settings;

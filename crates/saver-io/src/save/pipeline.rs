@@ -16,13 +16,13 @@ use saver_core::{PlanOptions, SaveInput, SavePlan};
 
 use crate::error::{Error, Result};
 use crate::save::checksum::{combine_crcs, CrcRun};
-use crate::save::claim::{claim_shards, reclaim_ended_saves, remove_own, Leftovers};
 use crate::save::commit::{
     commit_under, files_left_alone, wait_for_commit, CommitRule, CommitState,
 };
 use crate::save::compressing::CompressedFile;
 use crate::save::decide::{plan_options, Decided};
 use crate::save::delta::DeltaOf;
+use crate::save::owned::{claim_shards, reclaim_ended_saves, remove_own, Leftovers};
 use crate::save::schedule::{Claimer, FileQueues};
 use crate::save::sink::{FileSink, Files};
 use crate::storage::at_once::{all_at_once, calls_at_once, each_at_once, STORE_CALLS_AT_ONCE};
