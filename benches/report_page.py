@@ -130,7 +130,8 @@ def main():
         lines.append(f"| {label} | {ratio(get('saver'), get('dcp'))} | {ratio(get('saver'), get('torch'))} | "
                      f"{ratio(get('saver'), get('safetensors'))} | {ratio(get('saver'), get('limit'))} |")
     for label, a, b in (("blocking save, TorchRec", "save saver", "save dcp"), ("restore, warm, TorchRec", "load saver warm", "load dcp warm"),
-                        ("restore, cold, TorchRec", "load saver cold", "load dcp cold"), ("resharding load 2 → 3 ranks, TorchRec", "reshard saver", "reshard dcp")):
+                        ("restore, cold, TorchRec", "load saver cold", "load dcp cold"), ("resharding load 2 → 3 ranks, TorchRec", "reshard saver", "reshard dcp"),
+                        ("resharding load 2 → 3 ranks into column shards, TorchRec", "replan saver", "replan dcp")):
         lines.append(f"| {label} | {ratio(rm[a], rm[b])} | - | - | {ratio(rm[a], rm.get(a.replace('saver', 'limit')))} |")
     lines.append(f"| background save: training lost, plain model | {ratio(m['lost saver'], m['lost dcp'])} | - | - | - |")
     for what, key in (("save", "save"), ("restore", "load")):
@@ -191,8 +192,11 @@ def main():
         "of the model's and the fused optimizer's state dicts, then `load_state_dict` of both). Each "
         f"operation is timed on the slowest rank. The resharding load reads the checkpoint of {r['world']} "
         f"ranks into a plan of {r['reshard_world']}, table-wise as well: each table moves whole to another "
-        "rank, its column cut unchanged (a load into another column cut reads each row's bytes and "
-        "scatters its columns, and is not measured here).",
+        "rank, its column cut unchanged; and into a column-wise plan of "
+        f"{r['reshard_world']} (a plan change: every table in 4 column shards of 8 columns, each rank "
+        "reading some columns of every row, scattered in memory). There DCP restores the weights "
+        "alone, since its load of the fused row-wise state (a value a row per column shard) refuses "
+        "the new cut; saver.torch restores the weights and the state, converted to the new cut.",
         "",
         f"![seconds per operation]({rel}/plot-torchrec-times.png)",
         "",
@@ -200,7 +204,8 @@ def main():
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for label, a, b in (("blocking save", "save saver", "save dcp"), ("restore, warm", "load saver warm", "load dcp warm"),
-                        ("restore, cold", "load saver cold", "load dcp cold"), ("resharding load 2 → 3 ranks", "reshard saver", "reshard dcp")):
+                        ("restore, cold", "load saver cold", "load dcp cold"), ("resharding load 2 → 3 ranks", "reshard saver", "reshard dcp"),
+                        ("resharding load 2 → 3 ranks, into column shards", "replan saver", "replan dcp")):
         limit = rm.get(a.replace("saver", "limit"))
         lines.append(f"| {label} | {seconds(rm[a])} | {seconds(rm[b])} | {seconds(limit)} | {ratio(rm[a], rm[b])} | {ratio(rm[a], limit)} |")
     lines += [
