@@ -7,13 +7,24 @@ use std::time::Instant;
 use serde::Serialize;
 
 use saver_core::synthetic::{SyntheticModel, SyntheticSpec};
+use saver_core::SaveInput;
 use saver_core::ScalarCondition;
-use saver_io::source::{save_input, Source, SourceTables};
+use saver_io::source::Source;
+use saver_io::tools::reshard::with_source_input;
 use saver_io::{save, CheckpointManager, SaveOptions, SaveReport, SaveSettings};
 
 use super::CmdResult;
 use crate::cli::{DirectIoWhen, SaveArgs};
 use crate::output;
+
+/// A save's outcome: its report, what retention did (with --root), why it was full (with
+/// --root), the seconds the model's input took before the save began.
+type Saved = (
+    SaveReport,
+    Option<saver_io::manage::PruneReport>,
+    Option<String>,
+    f64,
+);
 
 #[derive(Serialize)]
 struct Report<'a> {
@@ -114,9 +125,39 @@ pub(super) fn run(args: SaveArgs) -> CmdResult {
         (None, None) => return Err("one of --out or --root is required".into()),
     };
     let t0 = Instant::now();
-    let synthetic;
-    let (source, dense, tables): (Source, _, SourceTables<'_>);
-    let input = match (&args.synthetic, &args.from) {
+    let progress = output::byte_progress(args.out_fmt.json, "writing");
+    opts.progress = progress.as_ref().map(|(_, f)| f.clone());
+    let step = args.step;
+    // Full or delta (with --parent) is the library's choice, from the options; a table read
+    // from files is compared with the parent as it is read, in bounded memory.
+    let save_it =
+        |input: SaveInput<'_>, opts: &SaveOptions| -> Result<Saved, Box<dyn std::error::Error>> {
+            let input_seconds = t0.elapsed().as_secs_f64();
+            // A condition on a slot no table has would silently keep every row.
+            for c in &args.keep_rows {
+                let cond: ScalarCondition = c.parse()?;
+                if !input
+                    .tables
+                    .iter()
+                    .any(|t| t.slots().iter().any(|s| s.name == cond.slot))
+                {
+                    return Err(
+                        format!("--keep-rows {c:?}: no table has a slot {:?}", cond.slot).into(),
+                    );
+                }
+            }
+            let (report, pruned, full_because) = match &manager {
+                Some(m) => {
+                    let mut opts = opts.clone();
+                    opts.step = None;
+                    let done = m.save(step.expect("--root requires --step"), input, &opts)?;
+                    (done.save, done.pruned, done.full_because)
+                }
+                None => (save(&out, input, opts)?, None, None),
+            };
+            Ok((report, pruned, full_because, input_seconds))
+        };
+    let (report, pruned, full_because, input_seconds) = match (&args.synthetic, &args.from) {
         (Some(spec), _) => {
             if args.import_rounds.is_some() {
                 return Err(
@@ -124,75 +165,26 @@ pub(super) fn run(args: SaveArgs) -> CmdResult {
                 );
             }
             let spec: SyntheticSpec = spec.parse()?;
-            synthetic = SyntheticModel::generate(&spec)?;
+            let synthetic = SyntheticModel::generate(&spec)?;
             // Row-range tables (kind=rows): each process holds the rows of its shard.
             let mut input = synthetic.input();
             input.row_chunks = synthetic.row_chunks(opts.plan.shard_num, opts.plan.shard_index)?;
-            input
+            save_it(input, &opts)?
         }
         (None, Some(path)) => {
-            source = Source::open(path)?;
-            // The row-range tables (a checkpoint's, or a plain export's): this process's shard
-            // of rows of each.
-            let (shards, only) = (opts.plan.shard_num, opts.plan.shard_index);
-            let row_chunks = match &source {
-                Source::Checkpoint(c) => saver_io::tools::reshard::row_chunks(c, shards, only)?,
-                Source::Plain(p) => p.row_chunks(shards, only)?,
-            };
+            let source = Source::open(path)?;
             for w in source.warnings() {
                 eprintln!("warning: {w}");
             }
-            if opts.trainer_state.is_none() {
-                opts.trainer_state = source.trainer_state();
-            }
-            opts.user_metadata = source.user_metadata();
-            // A plain input's rows are sorted out by bucket in temporary files beside the
-            // checkpoint (on its filesystem, and gone with the process), or in the system's
-            // temporary directory when the checkpoint goes to an object store.
-            // A managed save's scratch is its root, which exists: the step's directory is made
-            // by the save, and removed by it if the save fails before writing anything.
+            // A managed save's scratch is beside its root, which exists: the step's directory is
+            // made by the save, and removed by it if the save fails before writing anything.
             let beside = manager
                 .as_ref()
                 .map_or(out.as_path(), |m| m.root().location());
-            let scratch = saver_io::storage::scratch_dir(beside);
-            if saver_io::storage::location_url(beside).is_none() {
-                std::fs::create_dir_all(beside)
-                    .map_err(|e| format!("create {}: {e}", beside.display()))?;
-            }
             let rounds = args.import_rounds.map(|r| r as usize);
-            tables = source.tables_in_rounds(&scratch, args.parallel, rounds)?;
-            dense = source.dense()?;
-            let mut input = save_input(&tables, &dense)?;
-            input.row_chunks = row_chunks;
-            input
+            with_source_input(&source, &mut opts, beside, rounds, save_it)?
         }
         (None, None) => return Err("one of --synthetic or --from is required".into()),
-    };
-    let input_seconds = t0.elapsed().as_secs_f64();
-    // A condition on a slot no table has would silently keep every row.
-    for c in &args.keep_rows {
-        let cond: ScalarCondition = c.parse()?;
-        if !input
-            .tables
-            .iter()
-            .any(|t| t.slots().iter().any(|s| s.name == cond.slot))
-        {
-            return Err(format!("--keep-rows {c:?}: no table has a slot {:?}", cond.slot).into());
-        }
-    }
-
-    let progress = output::byte_progress(args.out_fmt.json, "writing");
-    opts.progress = progress.as_ref().map(|(_, f)| f.clone());
-    // Full or delta (with --parent) is the library's choice, from the options; a table read
-    // from files is compared with the parent as it is read, in bounded memory.
-    let (report, pruned, full_because) = match &manager {
-        Some(m) => {
-            opts.step = None;
-            let step = args.step.expect("--root requires --step");
-            let done = m.save(step, input, &opts)?;
-            (done.save, done.pruned, done.full_because)
-        }
-        None => (save(&out, input, &opts)?, None, None),
     };
     if let Some((bar, _)) = progress {
         bar.finish_and_clear();

@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
-use saver_core::{ByteSource, RowRangeChunk};
+use saver_core::{ByteSource, RowRangeChunk, SaveInput};
 
 use crate::error::Result;
 use crate::load::checkpoint::Checkpoint;
@@ -13,7 +13,7 @@ use crate::load::checkpoint::RowsInto;
 use crate::load::link::Link;
 use crate::save::{save, SaveOptions, SaveReport};
 use crate::source::first_trainer_state;
-use crate::source::{save_input, SourceTables};
+use crate::source::{save_input, Source, SourceTables};
 
 /// Rewrites the newest state of `src` (a delta resolved over its chain) into `out` as a full
 /// checkpoint of `opts.plan.shard_num` shards. Tables, slots, dense tensors and user metadata are
@@ -121,6 +121,42 @@ impl ByteSource for SlotRows<'_> {
         }
         Ok(())
     }
+}
+
+/// What `saver save --from` saves: the model of `source` (a checkpoint or chain, or a plain
+/// safetensors input) as this process's input, handed to `save` with `opts` completed: the
+/// source's trainer state where `opts` gives none, its user metadata, and this process's shard
+/// of rows of every row-range table (`opts.plan.shard_index`, or all of them). A plain input's
+/// rows are first distributed by bucket into temporary files beside `beside` (the checkpoint's
+/// location, on its filesystem, gone with the process; the system's temporary directory when it
+/// is an object store), in `rounds` rounds (`None`: as many as suit the table and the machine).
+/// Nothing is held whole but the dense tensors: the tables' rows are read as the save writes
+/// them.
+pub fn with_source_input<T, E: From<crate::Error>>(
+    source: &Source,
+    opts: &mut SaveOptions,
+    beside: &Path,
+    rounds: Option<usize>,
+    save: impl FnOnce(SaveInput<'_>, &SaveOptions) -> std::result::Result<T, E>,
+) -> std::result::Result<T, E> {
+    let (shards, only) = (opts.plan.shard_num, opts.plan.shard_index);
+    let row_chunks = match source {
+        Source::Checkpoint(c) => row_chunks(c, shards, only)?,
+        Source::Plain(p) => p.row_chunks(shards, only)?,
+    };
+    if opts.trainer_state.is_none() {
+        opts.trainer_state = source.trainer_state();
+    }
+    opts.user_metadata = source.user_metadata();
+    let scratch = crate::storage::scratch_dir(beside);
+    if crate::storage::location_url(beside).is_none() {
+        std::fs::create_dir_all(beside).map_err(crate::error::io_err("create", beside))?;
+    }
+    let tables = source.tables_in_rounds(&scratch, opts.plan.parallel, rounds)?;
+    let dense = source.dense()?;
+    let mut input = save_input(&tables, &dense)?;
+    input.row_chunks = row_chunks;
+    save(input, opts)
 }
 
 /// Compacts the checkpoint in `dir` (a delta and its chain) into `out`: one full checkpoint
