@@ -218,8 +218,10 @@ def _save_arguments(tables, dense, options):
     if options.get("direct_io", "auto") not in ("auto", "on", "off"):
         raise InputError(f"direct_io: must be 'auto', 'on' or 'off', got {options['direct_io']!r}")
     wait = options.get("wait")
-    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 86_400):
-        raise InputError(f"wait: must be a number of seconds from 0 to 86400, or None, got {wait!r}")
+    # The bound is the library's (saver_io::SaveSettings, a week, as `saver save --wait-seconds`),
+    # checked here first so that a wrong type or value is an InputError before any array is read.
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 7 * 86_400):
+        raise InputError(f"wait: must be a number of seconds from 0 to a week (604800), or None, got {wait!r}")
     if options["foreign_rows"] not in ("error", "skip"):
         raise InputError(f"foreign_rows: must be 'error' or 'skip', got {options['foreign_rows']!r}")
     tables_in = []
@@ -323,10 +325,10 @@ def save(
     durable save on local ext4 and XFS around the page cache, through about 40 MiB of aligned
     staging buffers, the fastest here; ``"off"`` writes through the page cache straight from
     the arrays (no staging memory, slower); ``"on"`` wherever the filesystem takes it.
-    ``wait``: with ``shard_index``, the seconds this process waits for the other shards and the
-    commit before it fails naming the missing shards, 0 to a week (default: none, it returns once its shard
-    is written and the last process commits; a :class:`Manager`'s saves wait 600 s, so that
-    every process decides the next save from the same committed steps).
+    ``wait``: with ``shard_index``, the seconds (0 to a week) this process waits for the other
+    shards and the commit before it fails naming the missing shards (default: none, it returns
+    once its shard is written and the last process commits; a :class:`Manager`'s saves wait
+    600 s, so that every process decides the next save from the same committed steps).
 
     Every array is read in place (no copy), so none may change until this returns; other Python
     threads run meanwhile. :func:`save_async` copies them instead, and returns.

@@ -434,6 +434,17 @@ def test_deltas_filters_and_excluded_slots(tmp_path):
         saver.save(tmp_path / "g", tables={"t": {"ids": ids, "freq": freq}}, keep_rows="freq=>3")
 
 
+@pytest.mark.parametrize("given, named", [(dict(wait=-1.0), "wait: "), (dict(wait=float("nan")), "wait: "),
+                                          (dict(wait=8 * 24 * 3600.0), "wait: "), (dict(direct_io="sometimes"), "direct_io: "),
+                                          (dict(compress="gzip"), "compress: ")])
+def test_a_save_option_out_of_bounds_is_refused_by_name_as_the_command_line_refuses_it(tmp_path, given, named):
+    # One mapping of save options (saver_io::SaveSettings) serves the package and `saver save`.
+    ids = np.arange(10, dtype=np.int64)
+    with pytest.raises(saver.SaverError, match=named):
+        saver.save(tmp_path / "x", tables={"t": {"ids": ids, "e": np.zeros((10, 2), np.float32)}}, **given)
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+
+
 def test_s3_locations_work_as_directories_do(garage, tmp_path):
     rng = np.random.default_rng(9)
     ids = rng.choice(2**40, size=20000, replace=False).astype(np.int64)
