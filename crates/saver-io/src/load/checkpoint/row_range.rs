@@ -138,9 +138,9 @@ impl Checkpoint {
         Ok((tables, total))
     }
 
-    /// The checks of a request's `LoadRequest::into_table` target that
-    /// need no data: the checkpoint holds a row-range table of its name and rows, and each of its
-    /// slots of the same dtype and row shape.
+    /// The checks of a request's `LoadRequest::into_table` target that need no data: the
+    /// checkpoint holds a row-range table of its name and rows, and each of its slots of the same
+    /// dtype and row shape.
     pub(crate) fn check_into_table(&self, table: &saver_core::RowRangeTable) -> Result<()> {
         let held = self
             .row_table(table.name())
