@@ -149,14 +149,14 @@ impl Checkpoint {
     }
 
     /// Target shard `shard` of `opts.shard_num` into the sinks `sink_for` gives:
-    /// [`LoadRequest::sinks`].
+    /// [`LoadRequest::sinks`]. The report's duration and bytes read are the request's to fill in
+    /// (its load also reads the dense tensors beside).
     pub(super) fn load_into_once<'s>(
         &self,
         shard: u32,
         opts: &LoadOptions,
         sink_for: &dyn Fn(&TableManifest) -> Option<&'s dyn TableSink>,
     ) -> Result<LoadReport> {
-        let (start, fetched) = (Instant::now(), self.bytes_fetched());
         PartitionRule::check_shard(shard, opts.shard_num)?;
         let mut selected = Vec::new();
         let mut sinks = Vec::new();
@@ -175,8 +175,7 @@ impl Checkpoint {
             });
         }
         let engine = self.engine(&selected)?;
-        let report = engine.fill(self, &selected, &sinks, opts)?;
-        Ok(self.finished(report, start, fetched))
+        engine.fill(self, &selected, &sinks, opts)
     }
 
     /// Loads the selected tables (and dense tensors) into arrays: all rows, or with
