@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::time::Instant;
 
-use saver_core::manifest::TableManifest;
+use saver_core::manifest::{RowSlotManifest, TableManifest};
 use saver_core::{RowRangeTable, Shard};
 
 use super::row_range::{LoadedRowTable, RowsInto, RowsLoaded};
@@ -220,9 +220,11 @@ impl Checkpoint {
     }
 
     fn load_once(&self, request: &mut LoadRequest<'_>) -> Result<Loaded> {
-        for t in &request.rows {
-            self.check_rows(&t.table, &t.rows, &t.into)?;
-        }
+        let slots = request
+            .rows
+            .iter()
+            .map(|t| self.check_rows(&t.table, &t.rows, &t.into))
+            .collect::<Result<Vec<_>>>()?;
         for t in &request.into_tables {
             self.check_into_table(t)?;
         }
@@ -246,22 +248,15 @@ impl Checkpoint {
                 (loaded.columns, loaded.dense, loaded.report) = (c.tables, c.dense, c.report);
             }
             Hashed::Sinks { shard, sink_for } => {
-                let (start, fetched) = (Instant::now(), self.bytes_fetched());
-                let ((), report, dense) = self.with_dense(opts, || {
-                    Ok(((), self.load_into_once(*shard, opts, *sink_for)?))
-                })?;
-                loaded.dense = dense;
-                loaded.report = self.finished(report, start, fetched);
+                (loaded.report, loaded.dense) =
+                    self.timed_with_dense(opts, || self.load_into_once(*shard, opts, *sink_for))?;
             }
             Hashed::Skip => {
-                let (start, fetched) = (Instant::now(), self.bytes_fetched());
-                let ((), report, dense) =
-                    self.with_dense(opts, || Ok(((), LoadReport::default())))?;
-                loaded.dense = dense;
-                loaded.report = self.finished(report, start, fetched);
+                (loaded.report, loaded.dense) =
+                    self.timed_with_dense(opts, || Ok(LoadReport::default()))?;
             }
         }
-        loaded.rows = self.fill_rows(&mut request.rows)?;
+        loaded.rows = self.fill_rows(&mut request.rows, &slots)?;
         for t in &request.into_tables {
             loaded.rows += self.load_into_table_once(t)?;
         }
@@ -315,13 +310,31 @@ impl Checkpoint {
             .rows)
     }
 
-    /// Fills every caller-buffer target of a request, all tables at once, so that no core waits
-    /// at the end of one table's reads while another table's are still to come.
-    fn fill_rows(&self, targets: &mut [RowsTarget<'_>]) -> Result<RowsLoaded> {
+    /// `load` beside the dense tensors `opts` selects ([`Self::with_dense`]), its report
+    /// finished with the duration and the bytes read of both.
+    fn timed_with_dense(
+        &self,
+        opts: &LoadOptions,
+        load: impl FnOnce() -> Result<LoadReport>,
+    ) -> Result<(LoadReport, Vec<LoadedDense>)> {
+        let (start, fetched) = (Instant::now(), self.bytes_fetched());
+        let ((), report, dense) = self.with_dense(opts, || Ok(((), load()?)))?;
+        Ok((self.finished(report, start, fetched), dense))
+    }
+
+    /// Fills every caller-buffer target of a request, checked already (`slots`: each target's
+    /// slots), all tables at once, so that no core waits at the end of one table's reads while
+    /// another table's are still to come.
+    fn fill_rows(
+        &self,
+        targets: &mut [RowsTarget<'_>],
+        slots: &[Vec<&RowSlotManifest>],
+    ) -> Result<RowsLoaded> {
         use rayon::prelude::*;
         targets
             .par_iter_mut()
-            .map(|t| self.load_rows_once(&t.table, t.rows.clone(), &mut t.into))
+            .zip(slots)
+            .map(|(t, slots)| self.fill_checked_rows(&t.table, &t.rows, &mut t.into, slots))
             .try_reduce(RowsLoaded::default, |mut a, b| {
                 a += b;
                 Ok(a)

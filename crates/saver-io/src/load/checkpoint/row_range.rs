@@ -252,11 +252,23 @@ impl Checkpoint {
         into: &mut [RowsInto<'_>],
     ) -> Result<RowsLoaded> {
         let slots = self.check_rows(table, &rows, into)?;
+        self.fill_checked_rows(table, &rows, into, &slots)
+    }
+
+    /// Fills `into`, rows `rows` of `table`, whose targets [`Self::check_rows`] passed and
+    /// found `slots` for.
+    pub(crate) fn fill_checked_rows(
+        &self,
+        table: &str,
+        rows: &Range<u64>,
+        into: &mut [RowsInto<'_>],
+        slots: &[&RowSlotManifest],
+    ) -> Result<RowsLoaded> {
         // Each target is its own buffer: they are filled at once, a slot's chunks in turn.
         let parts = into
             .par_iter_mut()
             .zip(slots)
-            .map(|(target, slot)| self.fill_slot(table, slot, &rows, target))
+            .map(|(target, slot)| self.fill_slot(table, slot, rows, target))
             .collect::<Result<Vec<_>>>()?;
         Ok(parts
             .into_iter()
