@@ -65,9 +65,10 @@ const KINDS: [Kind; 4] = [
 
 fn opts(kind: &Kind, parent: &Path) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.parent = kind.delta.then(|| parent.to_path_buf());
-        o
+        SaveOptions {
+            parent: kind.delta.then(|| parent.to_path_buf()),
+            ..Default::default()
+        }
     };
     o.plan.parallel = 2;
     if kind.filter {

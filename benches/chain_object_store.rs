@@ -32,10 +32,11 @@ type Run<'a> = Box<dyn Fn() -> f64 + 'a>;
 
 fn opts(parent: Option<&str>, shards: u32) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.overwrite = true;
-        o.parent = parent.map(Into::into);
-        o
+        SaveOptions {
+            overwrite: true,
+            parent: parent.map(Into::into),
+            ..Default::default()
+        }
     };
     o.plan.parallel = 2;
     o.plan.shard_num = shards;

@@ -79,11 +79,12 @@ struct Flags {
 
 fn opts(flags: &Flags, parallel: usize, durable: bool, shards: u32) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.durable = durable;
-        o.direct_io = flags.direct_io;
-        o.overwrite = true;
-        o
+        SaveOptions {
+            durable,
+            direct_io: flags.direct_io,
+            overwrite: true,
+            ..Default::default()
+        }
     };
     o.plan.parallel = parallel;
     o.plan.shard_num = shards;
@@ -368,9 +369,10 @@ fn main() {
             Box::new(move || {
                 Box::new(
                     ck.load_columns(&{
-                        let mut o = LoadOptions::default();
-                        o.parallel = p;
-                        o
+                        LoadOptions {
+                            parallel: p,
+                            ..Default::default()
+                        }
                     })
                     .unwrap(),
                 )
@@ -385,9 +387,10 @@ fn main() {
             Box::new(move || {
                 Box::new(
                     ck.restore(&{
-                        let mut o = LoadOptions::default();
-                        o.parallel = p;
-                        o
+                        LoadOptions {
+                            parallel: p,
+                            ..Default::default()
+                        }
                     })
                     .unwrap(),
                 )
@@ -418,11 +421,12 @@ fn main() {
     for j in 0..3 {
         let r = ck8
             .restore(&{
-                let mut o = LoadOptions::default();
-                o.shard_num = 3;
-                o.shard_index = Some(j);
-                o.parallel = 2;
-                o
+                LoadOptions {
+                    shard_num: 3,
+                    shard_index: Some(j),
+                    parallel: 2,
+                    ..Default::default()
+                }
             })
             .unwrap();
         let rep = &r.report;

@@ -89,9 +89,10 @@ fn scaled(preset: &str, bytes: u64) -> SyntheticSpec {
 
 fn opts(compressed: bool) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.overwrite = true;
-        o
+        SaveOptions {
+            overwrite: true,
+            ..Default::default()
+        }
     };
     o.plan.parallel = 2;
     o.plan.compression = compressed.then(Compression::default);
@@ -113,9 +114,10 @@ fn load(dir: &Path) -> f64 {
     let r = Checkpoint::open(dir)
         .unwrap()
         .restore(&{
-            let mut o = LoadOptions::default();
-            o.parallel = 2;
-            o
+            LoadOptions {
+                parallel: 2,
+                ..Default::default()
+            }
         })
         .unwrap();
     let secs = t.elapsed().as_secs_f64();

@@ -28,10 +28,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn opts(parent: Option<&Path>) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.overwrite = true;
-        o.parent = parent.map(Path::to_path_buf);
-        o
+        SaveOptions {
+            overwrite: true,
+            parent: parent.map(Path::to_path_buf),
+            ..Default::default()
+        }
     };
     o.plan.shard_num = 4;
     o
@@ -211,12 +212,11 @@ fn main() {
     );
 
     let compacted_ck = Checkpoint::open(&compacted).unwrap();
-    let lopts = |j| {
-        let mut o = LoadOptions::default();
-        o.shard_num = 2;
-        o.shard_index = Some(j);
-        o.load_dense = false;
-        o
+    let lopts = |j| LoadOptions {
+        shard_num: 2,
+        shard_index: Some(j),
+        load_dense: false,
+        ..Default::default()
     };
     for (what, into_arrays) in [("load into arrays", true), ("restore into tables", false)] {
         let (mut ct, mut cht) = (Vec::new(), Vec::new());

@@ -58,12 +58,15 @@ mod garage;
 /// `latest()` and a prune to the newest 10, printed as a table row each.
 fn list_and_prune(label: &str, root: &std::path::Path, n: u64, opts: &SaveOptions) {
     let keep_all = {
-        let mut o = Policy::default();
-        o.full_every = 1;
+        let mut o = Policy {
+            full_every: 1,
+            ..Default::default()
+        };
         o.retention = {
-            let mut o = Retention::default();
-            o.keep_latest = usize::MAX;
-            o
+            Retention {
+                keep_latest: usize::MAX,
+                ..Default::default()
+            }
         };
         o
     };
@@ -86,9 +89,10 @@ fn list_and_prune(label: &str, root: &std::path::Path, n: u64, opts: &SaveOption
     let latest_s = t0.elapsed().as_secs_f64();
     let t0 = Instant::now();
     let keep = {
-        let mut o = Retention::default();
-        o.keep_latest = 10;
-        o
+        Retention {
+            keep_latest: 10,
+            ..Default::default()
+        }
     };
     let pruned = mm.prune(Some(&keep), false).unwrap();
     let prune_s = t0.elapsed().as_secs_f64();
@@ -189,9 +193,10 @@ fn main() {
     println!("| root | steps(), a step | latest() | prune to the newest 10, a removed step |");
     println!("| --- | --- | --- | --- |");
     let quick = {
-        let mut o = SaveOptions::default();
-        o.durable = false;
-        o
+        SaveOptions {
+            durable: false,
+            ..Default::default()
+        }
     };
     list_and_prune("local disk", &dir.join("many"), checkpoints, &quick);
     if let Some(g) = garage::shared() {

@@ -278,9 +278,10 @@ fn remove_all(url: &str) {
 
 fn opts(parallel: usize, shards: u32) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.overwrite = true;
-        o
+        SaveOptions {
+            overwrite: true,
+            ..Default::default()
+        }
     };
     o.plan.parallel = parallel;
     o.plan.shard_num = shards;
@@ -415,17 +416,19 @@ fn main() {
     };
     let (whole, eighths) = (objects(&ck, "probe"), objects(&ck8, "probe8"));
     let reshard_opts = {
-        let mut o = LoadOptions::default();
-        o.shard_num = 3;
-        o.shard_index = Some(1);
-        o.parallel = 2;
-        o
+        LoadOptions {
+            shard_num: 3,
+            shard_index: Some(1),
+            parallel: 2,
+            ..Default::default()
+        }
     };
     let reshard_read = ck8.load_columns(&reshard_opts).unwrap().report.bytes_read;
     let all = {
-        let mut o = LoadOptions::default();
-        o.parallel = 2;
-        o
+        LoadOptions {
+            parallel: 2,
+            ..Default::default()
+        }
     };
     let mut loads: Vec<(String, Run<'_>)> = vec![
         (

@@ -50,10 +50,11 @@ fn plan(c: &mut Criterion) {
                         let p = saver::core::plan::plan_with_spill(
                             &input,
                             &{
-                                let mut o = PlanOptions::default();
-                                o.shard_num = shards;
-                                o.plan_memory = if spilled { 0 } else { 1 << 40 };
-                                o
+                                PlanOptions {
+                                    shard_num: shards,
+                                    plan_memory: if spilled { 0 } else { 1 << 40 },
+                                    ..Default::default()
+                                }
                             },
                             spill,
                         )

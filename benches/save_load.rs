@@ -17,10 +17,11 @@ fn bytes() -> u64 {
 
 fn opts(parallel: usize, durable: bool) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.durable = durable;
-        o.overwrite = true;
-        o
+        SaveOptions {
+            durable,
+            overwrite: true,
+            ..Default::default()
+        }
     };
     o.plan.parallel = parallel;
     o
@@ -63,9 +64,10 @@ fn save_load(c: &mut Criterion) {
     g.bench_function("saver restore (owning), parallel 2", |b| {
         b.iter(|| {
             ck.restore(&{
-                let mut o = LoadOptions::default();
-                o.parallel = 2;
-                o
+                LoadOptions {
+                    parallel: 2,
+                    ..Default::default()
+                }
             })
             .unwrap()
         })

@@ -96,9 +96,11 @@ fn main() {
         let mut opens = Vec::new();
         for k in 0..=runs {
             let mut o = {
-                let mut o = SaveOptions::default();
-                o.overwrite = true;
-                o.save_id = Some(format!("s{k}"));
+                let o = SaveOptions {
+                    overwrite: true,
+                    save_id: Some(format!("s{k}")),
+                    ..Default::default()
+                };
                 o
             };
             o.plan.shard_num = shards;

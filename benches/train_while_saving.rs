@@ -309,8 +309,10 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
     // The stall of a blocking save: stop, save, resume; the table as the trainers left it.
     let idle = |k: &str, parallel: usize| {
         let mut opts = {
-            let mut o = SaveOptions::default();
-            o.save_id = Some(format!("{tag}idle{k}"));
+            let o = SaveOptions {
+                save_id: Some(format!("{tag}idle{k}")),
+                ..Default::default()
+            };
             o
         };
         opts.plan.parallel = parallel;
@@ -349,8 +351,10 @@ fn case(a: &Args, scratch: &std::path::Path, trainers: usize, hot_percent: u64) 
         ];
         for (k, (parallel, of_other)) in runs.into_iter().enumerate() {
             let mut opts = {
-                let mut o = SaveOptions::default();
-                o.save_id = Some(format!("{tag}k{k}"));
+                let o = SaveOptions {
+                    save_id: Some(format!("{tag}k{k}")),
+                    ..Default::default()
+                };
                 o
             };
             opts.plan.parallel = parallel;

@@ -119,9 +119,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("  save {} committed ({} rows)", r.save_id, r.rows);
         }
         let opts = {
-            let mut o = SaveOptions::default();
-            o.save_id = Some(format!("step{}", state.step));
-            o.step = Some(state.step);
+            let o = SaveOptions {
+                save_id: Some(format!("step{}", state.step)),
+                step: Some(state.step),
+                ..Default::default()
+            };
             o
         }
         .with_trainer_state(&state)?;

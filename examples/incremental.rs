@@ -83,9 +83,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             links = 1;
         } else {
             let opts = {
-                let mut o = SaveOptions::default();
-                o.parent = Some(last.clone());
-                o
+                SaveOptions {
+                    parent: Some(last.clone()),
+                    ..Default::default()
+                }
             };
             let r = save(&dir, SaveInput::new().table(&table), &opts)?;
             links += 1;
@@ -110,17 +111,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A restart: the newest checkpoint (a delta) restored into tables that track their changes,
     // with it as their baseline, so the next delta is tracked at once.
     let restored = Checkpoint::open(&last)?.restore(&{
-        let mut o = LoadOptions::default();
-        o.change_tracking = true;
-        o
+        LoadOptions {
+            change_tracking: true,
+            ..Default::default()
+        }
     })?;
     let table = &restored.shards[0].tables[0];
     train(table, STEPS + 1);
     let dir = root.join("after-restart");
     let opts = {
-        let mut o = SaveOptions::default();
-        o.parent = Some(last.clone());
-        o
+        SaveOptions {
+            parent: Some(last.clone()),
+            ..Default::default()
+        }
     };
     let r = save(&dir, SaveInput::new().table(table), &opts)?;
     let check = root.join("check-full");

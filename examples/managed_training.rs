@@ -50,15 +50,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .nth(1)
         .map_or_else(|| tmp.path().join("run"), PathBuf::from);
     let policy = {
-        let mut o = Policy::default();
-        o.every_steps = 5;
-        o.full_every = 3;
-        o.max_chain_links = 3;
+        let mut o = Policy {
+            every_steps: 5,
+            full_every: 3,
+            max_chain_links: 3,
+            ..Default::default()
+        };
         o.retention = {
-            let mut o = Retention::default();
-            o.keep_latest = 2;
-            o.keep_every = Some(20);
-            o
+            Retention {
+                keep_latest: 2,
+                keep_every: Some(20),
+                ..Default::default()
+            }
         };
         o
     };

@@ -16,10 +16,11 @@ fn child_save(dir: &str, n: u32, i: u32) -> Result<(), Box<dyn std::error::Error
     // Every process builds the same model (as replicated workers would) and saves its shard.
     let model = SyntheticModel::generate(&SPEC.parse::<SyntheticSpec>()?)?;
     let mut opts = {
-        let mut o = SaveOptions::default();
-        o.save_id = Some("example-step-100".into());
-        o.wait = Some(Duration::from_secs(120));
-        o
+        SaveOptions {
+            save_id: Some("example-step-100".into()),
+            wait: Some(Duration::from_secs(120)),
+            ..Default::default()
+        }
     };
     opts.plan.shard_num = n;
     opts.plan.shard_index = Some(i);
@@ -35,10 +36,11 @@ fn child_save(dir: &str, n: u32, i: u32) -> Result<(), Box<dyn std::error::Error
 fn child_load(dir: &str, m: u32, j: u32) -> Result<(), Box<dyn std::error::Error>> {
     let ck = Checkpoint::open(dir)?;
     let r = ck.restore(&{
-        let mut o = LoadOptions::default();
-        o.shard_num = m;
-        o.shard_index = Some(j);
-        o
+        LoadOptions {
+            shard_num: m,
+            shard_index: Some(j),
+            ..Default::default()
+        }
     })?;
     for t in &r.shards[0].tables {
         assert!(t

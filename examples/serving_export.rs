@@ -34,10 +34,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ck = Checkpoint::open(&ckpt_dir)?;
     let out = root.join("export-f16");
     let e = export(&ck, &out, &{
-        let mut o = ExportOptions::default();
-        o.dtype = Some(Dtype::F16);
-        o.max_file_size = 1 << 20;
-        o
+        ExportOptions {
+            dtype: Some(Dtype::F16),
+            max_file_size: 1 << 20,
+            ..Default::default()
+        }
     })?;
     println!(
         "export: {} tensors in {} files under {}",

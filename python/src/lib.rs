@@ -119,23 +119,24 @@ impl SaveArgs {
     /// the keyword (`keep_rows`, `wait`).
     fn options(self) -> PyResult<SaveOptions> {
         let settings = {
-            let mut s = saver_io::SaveSettings::default();
-            s.shards = self.shards;
-            s.shard_index = self.shard_index;
-            s.save_id = self.save_id;
-            s.parallel = self.parallel;
-            s.step = self.step;
-            s.metadata = self.metadata;
-            s.overwrite = self.overwrite;
-            s.durable = self.durable;
-            s.skip_foreign_rows = self.skip_foreign_rows;
-            s.parent = self.parent;
-            s.exclude_slots = self.exclude_slots;
-            s.keep_rows = self.keep_rows;
-            s.compress = self.compress;
-            s.direct_io = self.direct_io;
-            s.wait_seconds = self.wait;
-            s
+            saver_io::SaveSettings {
+                shards: self.shards,
+                shard_index: self.shard_index,
+                save_id: self.save_id,
+                parallel: self.parallel,
+                step: self.step,
+                metadata: self.metadata,
+                overwrite: self.overwrite,
+                durable: self.durable,
+                skip_foreign_rows: self.skip_foreign_rows,
+                parent: self.parent,
+                exclude_slots: self.exclude_slots,
+                keep_rows: self.keep_rows,
+                compress: self.compress,
+                direct_io: self.direct_io,
+                wait_seconds: self.wait,
+                ..Default::default()
+            }
         };
         settings.options().map_err(|e| match e {
             saver_io::Error::InvalidOption { option, why } => {
@@ -398,11 +399,12 @@ impl Manager {
         keep_every: Option<u64>,
     ) -> PyResult<Self> {
         let mut policy = {
-            let mut o = saver_io::Policy::default();
-            o.every_steps = every_steps;
-            o.full_every = full_every;
-            o.max_chain_links = max_chain_links;
-            o
+            saver_io::Policy {
+                every_steps,
+                full_every,
+                max_chain_links,
+                ..Default::default()
+            }
         };
         policy.retention.keep_latest = keep_latest;
         policy.retention.keep_every = keep_every;
@@ -640,12 +642,13 @@ impl Opened {
         mut rows: Vec<RowsLoadIn<'py>>,
     ) -> PyResult<(Vec<TableOut<'py>>, Vec<DenseOut<'py>>, Bound<'py, PyDict>)> {
         let mut opts = {
-            let mut o = LoadOptions::default();
-            o.shard_num = shards;
-            o.shard_index = shard_index;
-            o.load_dense = load_dense;
-            o.exclude_slots = exclude_slots;
-            o
+            LoadOptions {
+                shard_num: shards,
+                shard_index,
+                load_dense,
+                exclude_slots,
+                ..Default::default()
+            }
         };
         if let Some(t) = tables {
             opts.required_tables = t.clone();

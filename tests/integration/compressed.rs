@@ -16,17 +16,15 @@ use saver::{
 };
 
 fn opts(shards: u32, compressed: bool) -> SaveOptions {
-    {
-        let mut o = SaveOptions::default();
-        o.plan = {
-            let mut o = PlanOptions::default();
-            o.shard_num = shards;
-            o.parallel = 2;
-            o.compression = compressed.then(Compression::default);
-            o
-        };
-        o.durable = false;
-        o
+    SaveOptions {
+        plan: PlanOptions {
+            shard_num: shards,
+            parallel: 2,
+            compression: compressed.then(Compression::default),
+            ..Default::default()
+        },
+        durable: false,
+        ..Default::default()
     }
 }
 
@@ -70,9 +68,10 @@ fn restore_all(dir: &Path, shards: u32) -> saver::Restored {
     Checkpoint::open(dir)
         .unwrap()
         .restore(&{
-            let mut o = LoadOptions::default();
-            o.shard_num = shards;
-            o
+            LoadOptions {
+                shard_num: shards,
+                ..Default::default()
+            }
         })
         .unwrap()
 }

@@ -29,10 +29,11 @@ fn model(spec: &str) -> SyntheticModel {
 
 fn opts(id: &str) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.save_id = Some(id.into());
-        o.overwrite = true;
-        o
+        SaveOptions {
+            save_id: Some(id.into()),
+            overwrite: true,
+            ..Default::default()
+        }
     };
     o.plan.shard_num = 2;
     o.plan.parallel = 2;

@@ -49,10 +49,11 @@ fn tables_of(state: &State) -> Vec<EmbeddingTable> {
 
 fn options(shards: u32, threshold: Option<u8>, parent: Option<&Path>) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.durable = false;
-        o.parent = parent.map(Path::to_path_buf);
-        o
+        SaveOptions {
+            durable: false,
+            parent: parent.map(Path::to_path_buf),
+            ..Default::default()
+        }
     };
     o.plan.shard_num = shards;
     o.plan.parallel = 2;
@@ -164,10 +165,11 @@ proptest! {
         let reference = Checkpoint::open(&full).unwrap();
         for j in 0..load_shards {
             let opts = {
-let mut o = LoadOptions::default();
-o.shard_num = load_shards;
-o.shard_index = Some(j);
-o
+LoadOptions {
+    shard_num: load_shards,
+    shard_index: Some(j),
+    ..Default::default()
+}
 };
             let a = chain.restore(&opts).unwrap();
             let b = reference.restore(&opts).unwrap();
@@ -243,10 +245,11 @@ fn large_deltas_merge_in_many_batches() {
     let reference = Checkpoint::open(&full).unwrap();
     for (shards, j) in [(1, 0), (3, 1)] {
         let opts = {
-            let mut o = LoadOptions::default();
-            o.shard_num = shards;
-            o.shard_index = Some(j);
-            o
+            LoadOptions {
+                shard_num: shards,
+                shard_index: Some(j),
+                ..Default::default()
+            }
         };
         let (a, b) = (
             chain.load_columns(&opts).unwrap(),
@@ -838,9 +841,10 @@ fn tables_restored_with_tracking_give_a_tracked_delta_at_once() {
     for loaded in [tmp.path().join("base"), delta] {
         let chain = Checkpoint::open(&loaded).unwrap();
         let opts = {
-            let mut o = LoadOptions::default();
-            o.change_tracking = true;
-            o
+            LoadOptions {
+                change_tracking: true,
+                ..Default::default()
+            }
         };
         let restored = chain.restore(&opts).unwrap();
         let tables = &restored.shards[0].tables;
@@ -961,11 +965,10 @@ fn a_corrupt_byte_in_any_link_is_refused_by_every_read_and_never_laundered() {
                 dirs.push(dir);
             }
             let tip = dirs.last().unwrap().clone();
-            let shard = |j| {
-                let mut o = LoadOptions::default();
-                o.shard_num = 2;
-                o.shard_index = Some(j);
-                o
+            let shard = |j| LoadOptions {
+                shard_num: 2,
+                shard_index: Some(j),
+                ..Default::default()
             };
             let chain_digest = |dir: &Path| -> Result<String, Error> {
                 let source = Source::open(dir)?;
@@ -1137,7 +1140,10 @@ fn a_delta_with_bad_options_is_refused_before_its_parent_is_read() {
     let root = tempfile::tempdir().unwrap();
     let t = EmbeddingTable::new("emb", KeyDtype::I64, slots()).unwrap();
     // A multi-process save without a save id.
-    let mut o = SaveOptions::default().with_parent(root.path().join("no-such-parent"));
+    let mut o = SaveOptions {
+        parent: Some(root.path().join("no-such-parent")),
+        ..Default::default()
+    };
     o.plan.shard_num = 2;
     o.plan.shard_index = Some(0);
     let e = saver::save(root.path().join("d"), SaveInput::new().table(&t), &o)
@@ -1150,7 +1156,10 @@ fn a_delta_with_bad_options_is_refused_before_its_parent_is_read() {
     // A directory that holds a checkpoint, without --overwrite.
     let full = root.path().join("full");
     saver::save(&full, SaveInput::new().table(&t), &SaveOptions::default()).unwrap();
-    let o = SaveOptions::default().with_parent(root.path().join("no-such-parent"));
+    let o = SaveOptions {
+        parent: Some(root.path().join("no-such-parent")),
+        ..Default::default()
+    };
     let e = saver::save(&full, SaveInput::new().table(&t), &o)
         .unwrap_err()
         .to_string();

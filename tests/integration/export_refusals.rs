@@ -27,19 +27,21 @@ fn table(name: &str, rows: &[[f32; 4]]) -> EmbeddingTable {
 
 fn opts() -> SaveOptions {
     {
-        let mut o = SaveOptions::default();
-        o.durable = false;
-        o
+        SaveOptions {
+            durable: false,
+            ..Default::default()
+        }
     }
 }
 
 fn export_opts(quantize: Option<Quantization>) -> ExportOptions {
     {
-        let mut o = ExportOptions::default();
-        o.quantize = quantize;
-        o.durable = false;
-        o.parallel = 2;
-        o
+        ExportOptions {
+            quantize,
+            durable: false,
+            parallel: 2,
+            ..Default::default()
+        }
     }
 }
 

@@ -25,10 +25,11 @@ fn small_checkpoint(dir: &Path) -> String {
     )
     .unwrap();
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.durable = false;
-        o.save_id = Some("s1".into());
-        o
+        SaveOptions {
+            durable: false,
+            save_id: Some("s1".into()),
+            ..Default::default()
+        }
     };
     o.plan.shard_num = 2;
     o.plan.max_file_size = 8 << 10;
@@ -210,9 +211,10 @@ fn a_real_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint() {
     )
     .unwrap();
     let err = save(&dir, big.input(), &{
-        let mut o = SaveOptions::default();
-        o.overwrite = true;
-        o
+        SaveOptions {
+            overwrite: true,
+            ..Default::default()
+        }
     })
     .unwrap_err()
     .to_string();
@@ -298,9 +300,10 @@ fn training_threads_never_tear_a_saved_row() {
         for k in 0..5 {
             let dir = tmp.path().join(format!("c{k}"));
             let mut o = {
-                let mut o = SaveOptions::default();
-                o.durable = false;
-                o
+                SaveOptions {
+                    durable: false,
+                    ..Default::default()
+                }
             };
             o.plan.shard_num = 3;
             o.plan.parallel = 2;

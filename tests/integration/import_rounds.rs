@@ -49,10 +49,11 @@ fn write_plain(path: &Path, rows: usize, seed: u64) {
 
 fn opts(shards: u32, parallel: usize) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.save_id = Some("rounds".into());
-        o.durable = false;
-        o
+        SaveOptions {
+            save_id: Some("rounds".into()),
+            durable: false,
+            ..Default::default()
+        }
     };
     o.plan.shard_num = shards;
     o.plan.parallel = parallel;

@@ -111,9 +111,11 @@ fn load_one_version(ck: &Checkpoint, round: usize) -> u64 {
 /// load takes, ~0.3 s here: a load that a commit cuts, whose files that commit removed, is read
 /// again from the start and can finish before the next).
 fn race(dir: &Path, rounds: usize, pause: u64) {
-    let mut opts = SaveOptions::default();
-    opts.overwrite = true;
-    opts.durable = false;
+    let opts = SaveOptions {
+        overwrite: true,
+        durable: false,
+        ..Default::default()
+    };
     save_version(dir, 0, &opts);
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {

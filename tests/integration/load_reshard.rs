@@ -14,17 +14,15 @@ use saver::{
 };
 
 fn save_opts(shards: u32) -> SaveOptions {
-    {
-        let mut o = SaveOptions::default();
-        o.plan = {
-            let mut o = PlanOptions::default();
-            o.shard_num = shards;
-            o.parallel = 2;
-            o.max_block_bytes = 16 << 10;
-            o
-        };
-        o.durable = false;
-        o
+    SaveOptions {
+        plan: PlanOptions {
+            shard_num: shards,
+            parallel: 2,
+            max_block_bytes: 16 << 10,
+            ..Default::default()
+        },
+        durable: false,
+        ..Default::default()
     }
 }
 
@@ -75,9 +73,10 @@ proptest! {
         save(dir.path(), saver::SaveInput::new().table(&t), &save_opts(n)).unwrap();
         let ck = Checkpoint::open(dir.path()).unwrap();
         let restored = ck.restore(&{
-let mut o = LoadOptions::default();
-o.shard_num = m;
-o
+LoadOptions {
+    shard_num: m,
+    ..Default::default()
+}
 }).unwrap();
         let mut union = BTreeMap::new();
         for shard in &restored.shards {
@@ -97,10 +96,11 @@ o
         // Loading one target shard alone gives the same rows as in the all-shards restore.
         let j = m / 2;
         let one = ck.restore(&{
-let mut o = LoadOptions::default();
-o.shard_num = m;
-o.shard_index = Some(j);
-o
+LoadOptions {
+    shard_num: m,
+    shard_index: Some(j),
+    ..Default::default()
+}
 }).unwrap();
         prop_assert_eq!(rows_of(&one.shards[0].tables[0]), rows_of(&restored.shards[j as usize].tables[0]));
     }
@@ -122,11 +122,12 @@ fn resharding_8_to_3_reads_little_more_than_it_keeps() {
     for j in 0..3 {
         let r = ck
             .restore(&{
-                let mut o = LoadOptions::default();
-                o.shard_num = 3;
-                o.shard_index = Some(j);
-                o.load_dense = false;
-                o
+                LoadOptions {
+                    shard_num: 3,
+                    shard_index: Some(j),
+                    load_dense: false,
+                    ..Default::default()
+                }
             })
             .unwrap();
         assert!(
@@ -152,12 +153,13 @@ fn selection_renaming_and_dense() {
     rename.insert("user".to_string(), "user_v2".to_string());
     let r = ck
         .restore(&{
-            let mut o = LoadOptions::default();
-            o.tables = vec!["us*".into()];
-            o.exclude_slots = vec!["adagrad".into(), "freq".into()];
-            o.dense = vec!["*.bias".into()];
-            o.rename = rename;
-            o
+            LoadOptions {
+                tables: vec!["us*".into()],
+                exclude_slots: vec!["adagrad".into(), "freq".into()],
+                dense: vec!["*.bias".into()],
+                rename,
+                ..Default::default()
+            }
         })
         .unwrap();
     let t = &r.shards[0].tables;
@@ -174,9 +176,10 @@ fn selection_renaming_and_dense() {
     // A closure selects tables too.
     let r = ck
         .restore(&{
-            let mut o = LoadOptions::default();
-            o.table_filter = Some(std::sync::Arc::new(|n: &str| n == "item"));
-            o
+            LoadOptions {
+                table_filter: Some(std::sync::Arc::new(|n: &str| n == "item")),
+                ..Default::default()
+            }
         })
         .unwrap();
     assert_eq!(rows_of(&r.shards[0].tables[0]), rows_of(&m.item));
@@ -317,9 +320,10 @@ fn user_sinks_get_mismatches_named_in(ck: &Checkpoint) {
     assert!(err.contains("no slot \"adam_m\""), "{err}");
     let err = ck
         .restore(&{
-            let mut o = LoadOptions::default();
-            o.required_tables = vec!["clicks".into()];
-            o
+            LoadOptions {
+                required_tables: vec!["clicks".into()],
+                ..Default::default()
+            }
         })
         .err()
         .unwrap()
@@ -333,9 +337,10 @@ fn user_sinks_get_mismatches_named_in(ck: &Checkpoint) {
     )
     .unwrap();
     let two = {
-        let mut o = LoadOptions::default();
-        o.shard_num = 2;
-        o
+        LoadOptions {
+            shard_num: 2,
+            ..Default::default()
+        }
     };
     let r = ck
         .load(LoadRequest::sinks(&two, 1, &|t| {
@@ -405,10 +410,11 @@ fn a_flipped_bucket_index_byte_fails_every_load_that_reads_its_segment() {
                     continue;
                 }
                 let o = {
-                    let mut o = LoadOptions::default();
-                    o.shard_num = m;
-                    o.shard_index = Some(j);
-                    o
+                    LoadOptions {
+                        shard_num: m,
+                        shard_index: Some(j),
+                        ..Default::default()
+                    }
                 };
                 for err in [ck.restore(&o).err(), ck.load_columns(&o).err()] {
                     let err = err.unwrap_or_else(|| panic!("target {j} of {m} loaded"));
@@ -517,10 +523,11 @@ fn partial_reads_check_ids_structurally() {
     let errs: BTreeSet<String> = (0..4)
         .filter_map(|j| {
             ck.restore(&{
-                let mut o = LoadOptions::default();
-                o.shard_num = 4;
-                o.shard_index = Some(j);
-                o
+                LoadOptions {
+                    shard_num: 4,
+                    shard_index: Some(j),
+                    ..Default::default()
+                }
             })
             .err()
             .map(|e| e.to_string())
@@ -576,11 +583,10 @@ fn a_flipped_byte_in_a_segment_read_in_part_is_never_returned() {
         };
         let t = &seg.slots[0];
         assert!(t.blocks.is_some(), "{} is not longer than a block", t.name);
-        let target_opts = |j| {
-            let mut o = LoadOptions::default();
-            o.shard_num = m;
-            o.shard_index = Some(j);
-            o
+        let target_opts = |j| LoadOptions {
+            shard_num: m,
+            shard_index: Some(j),
+            ..Default::default()
         };
         let intact: Vec<_> = (0..m)
             .map(|j| loaded_rows(&ck.restore(&target_opts(j)).unwrap()))
@@ -705,11 +711,12 @@ fn columnar_loads_equal_the_tables_whole_and_per_target() {
     for j in 0..3 {
         let part = ck
             .load_columns(&{
-                let mut o = LoadOptions::default();
-                o.shard_num = 3;
-                o.shard_index = Some(j);
-                o.exclude_slots = vec!["adagrad".into()];
-                o
+                LoadOptions {
+                    shard_num: 3,
+                    shard_index: Some(j),
+                    exclude_slots: vec!["adagrad".into()],
+                    ..Default::default()
+                }
             })
             .unwrap();
         let item = part.tables.iter().find(|t| t.name == "item").unwrap();
@@ -745,10 +752,11 @@ fn huge_page_arrays_hold_the_same_rows() {
     for huge_pages in [false, true] {
         let c = ck
             .load_columns(&{
-                let mut o = LoadOptions::default();
-                o.huge_pages = huge_pages;
-                o.chunk_bytes = 1 << 20;
-                o
+                LoadOptions {
+                    huge_pages,
+                    chunk_bytes: 1 << 20,
+                    ..Default::default()
+                }
             })
             .unwrap();
         assert_eq!(

@@ -56,16 +56,19 @@ fn train(table: &EmbeddingTable, state: &mut State, step: u64) {
 
 fn opts() -> SaveOptions {
     {
-        let mut o = SaveOptions::default();
-        o.durable = false;
-        o
+        SaveOptions {
+            durable: false,
+            ..Default::default()
+        }
     }
 }
 
 fn policy(full_every: u32, keep_latest: usize) -> Policy {
-    let mut p = Policy::default();
-    p.full_every = full_every;
-    p.max_chain_links = full_every as usize;
+    let mut p = Policy {
+        full_every,
+        max_chain_links: full_every as usize,
+        ..Default::default()
+    };
     // The test's deltas are large beside their small bases; the cadence is what is tested.
     p.max_delta_fraction = 100.0;
     p.retention.keep_latest = keep_latest;
@@ -77,9 +80,10 @@ fn restored_state(dir: &Path, shards: u32) -> State {
     let r = saver::Checkpoint::open(dir)
         .unwrap()
         .restore(&{
-            let mut o = LoadOptions::default();
-            o.shard_num = shards;
-            o
+            LoadOptions {
+                shard_num: shards,
+                ..Default::default()
+            }
         })
         .unwrap();
     let mut state = State::new();
@@ -172,9 +176,10 @@ fn a_job_saves_deltas_keeps_the_latest_and_restarts_from_the_newest() {
     let again = CheckpointManager::open(root.path(), policy(1, 1)).unwrap();
     let (step, r) = again
         .restore_latest(&{
-            let mut o = LoadOptions::default();
-            o.shard_num = 3;
-            o
+            LoadOptions {
+                shard_num: 3,
+                ..Default::default()
+            }
         })
         .unwrap()
         .unwrap();
@@ -903,9 +908,10 @@ fn prune_child() {
             }) as Arc<dyn saver::io::storage::Storage>)
         });
     let rules = {
-        let mut o = Retention::default();
-        o.keep_latest = 2;
-        o
+        Retention {
+            keep_latest: 2,
+            ..Default::default()
+        }
     };
     saver::io::manage::prune::prune(&root, &rules, false).unwrap();
     println!(
@@ -1002,9 +1008,10 @@ fn a_prune_killed_at_every_operation_leaves_every_listed_step_whole() {
         again
             .prune(
                 Some(&{
-                    let mut o = Retention::default();
-                    o.keep_latest = 2;
-                    o
+                    Retention {
+                        keep_latest: 2,
+                        ..Default::default()
+                    }
                 }),
                 false,
             )

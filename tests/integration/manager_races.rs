@@ -59,11 +59,12 @@ fn restored(path: &Path) -> State {
 
 fn opts(save_id: &str, overwrite: bool) -> SaveOptions {
     {
-        let mut o = SaveOptions::default();
-        o.durable = false;
-        o.overwrite = overwrite;
-        o.save_id = Some(save_id.into());
-        o
+        SaveOptions {
+            durable: false,
+            overwrite,
+            save_id: Some(save_id.into()),
+            ..Default::default()
+        }
     }
 }
 
@@ -80,13 +81,16 @@ struct Outcomes {
 /// (about as long as a save takes there), in both orders.
 fn replace_newest_racing_save_next(root: &Path, rounds: usize, spread: u64) -> Outcomes {
     let policy = {
-        let mut o = Policy::default();
-        o.full_every = 4;
-        o.max_delta_fraction = 100.0;
+        let mut o = Policy {
+            full_every: 4,
+            max_delta_fraction: 100.0,
+            ..Default::default()
+        };
         o.retention = {
-            let mut o = Retention::default();
-            o.keep_latest = 8;
-            o
+            Retention {
+                keep_latest: 8,
+                ..Default::default()
+            }
         };
         o
     };

@@ -261,11 +261,12 @@ fn digest_of(dir: &Path, shards: u32, index: u32) -> String {
     let ckpt = Checkpoint::open(dir).unwrap();
     let r = ckpt
         .restore(&{
-            let mut o = LoadOptions::default();
-            o.shard_num = shards;
-            o.shard_index = Some(index);
-            o.parallel = 2;
-            o
+            LoadOptions {
+                shard_num: shards,
+                shard_index: Some(index),
+                parallel: 2,
+                ..Default::default()
+            }
         })
         .unwrap();
     restored_digest(&r).unwrap()
@@ -323,11 +324,12 @@ fn checkpoints_round_trip_through_the_object_store() {
     let ckpt = Checkpoint::open(remote).unwrap();
     let r = ckpt
         .restore(&{
-            let mut o = LoadOptions::default();
-            o.shard_num = 4;
-            o.shard_index = Some(1);
-            o.parallel = 2;
-            o
+            LoadOptions {
+                shard_num: 4,
+                shard_index: Some(1),
+                parallel: 2,
+                ..Default::default()
+            }
         })
         .unwrap();
     let amp = r.report.bytes_read as f64 / r.report.bytes_kept.max(1) as f64;
@@ -667,10 +669,12 @@ fn a_chain_on_the_store_loads_each_target_reading_what_its_rows_need() {
     let on_disk = Checkpoint::open(&delta).unwrap();
     let n = 5u32;
     for j in 0..n {
-        let mut o = LoadOptions::default();
-        o.shard_num = n;
-        o.shard_index = Some(j);
-        o.parallel = 2;
+        let o = LoadOptions {
+            shard_num: n,
+            shard_index: Some(j),
+            parallel: 2,
+            ..Default::default()
+        };
         let (got, want) = (remote.restore(&o).unwrap(), on_disk.restore(&o).unwrap());
         assert_eq!(
             restored_digest(&got).unwrap(),
@@ -736,11 +740,12 @@ fn a_flipped_byte_beside_a_targets_rows_fails_its_load_from_the_store() {
         let remote = Checkpoint::open(Path::new(&url)).unwrap();
         for j in [1, 2] {
             let o = {
-                let mut o = LoadOptions::default();
-                o.shard_num = n;
-                o.shard_index = Some(j);
-                o.parallel = 2;
-                o
+                LoadOptions {
+                    shard_num: n,
+                    shard_index: Some(j),
+                    parallel: 2,
+                    ..Default::default()
+                }
             };
             let errs = [remote.restore(&o).err(), remote.load_columns(&o).err()];
             for e in errs {
@@ -751,10 +756,11 @@ fn a_flipped_byte_beside_a_targets_rows_fails_its_load_from_the_store() {
         }
         // Target 0 reads none of that block: it loads.
         let o = {
-            let mut o = LoadOptions::default();
-            o.shard_num = n;
-            o.shard_index = Some(0);
-            o
+            LoadOptions {
+                shard_num: n,
+                shard_index: Some(0),
+                ..Default::default()
+            }
         };
         remote.load_columns(&o).unwrap();
     }
@@ -833,11 +839,12 @@ fn library_readers_racing_overwrites_get_a_whole_saved_checkpoint() {
                     let load = || -> saver::Result<(u32, String)> {
                         let chain = Checkpoint::open(dir)?;
                         let r = chain.restore(&{
-                            let mut o = LoadOptions::default();
-                            o.shard_num = 1 + reader % 2;
-                            o.shard_index = Some(0);
-                            o.parallel = 2;
-                            o
+                            LoadOptions {
+                                shard_num: 1 + reader % 2,
+                                shard_index: Some(0),
+                                parallel: 2,
+                                ..Default::default()
+                            }
                         })?;
                         Ok((reader % 2, restored_digest(&r)?))
                     };

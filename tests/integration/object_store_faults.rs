@@ -210,9 +210,10 @@ fn setup() -> (Arc<Faulty>, ObjectStorage, SyntheticModel) {
 
 fn opts() -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.overwrite = true;
-        o
+        SaveOptions {
+            overwrite: true,
+            ..Default::default()
+        }
     };
     o.plan.parallel = 2;
     o

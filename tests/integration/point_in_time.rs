@@ -220,10 +220,11 @@ fn find_moment(
 
 fn opts(id: &str) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.save_id = Some(id.into());
-        o.durable = false;
-        o
+        SaveOptions {
+            save_id: Some(id.into()),
+            durable: false,
+            ..Default::default()
+        }
     };
     o.plan.shard_num = 2;
     o.plan.parallel = 1;
@@ -529,10 +530,12 @@ fn an_overlapping_background_save_never_holds_an_earlier_moment_under_its_step()
         for k in 0..8u64 {
             let step = |k: u64| 10 * k + 1;
             let opts = |step: u64| {
-                let mut o = SaveOptions::default();
-                o.save_id = Some(format!("s{step}"));
-                o.step = Some(step);
-                o.durable = false;
+                let o = SaveOptions {
+                    save_id: Some(format!("s{step}")),
+                    step: Some(step),
+                    durable: false,
+                    ..Default::default()
+                };
                 o
             };
             hot(step(k));

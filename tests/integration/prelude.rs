@@ -27,11 +27,12 @@ fn a_trainer_needs_one_import() {
     let written = Arc::new(AtomicU64::new(0));
     let counter = Arc::clone(&written);
     let opts = {
-        let mut o = SaveOptions::default();
-        o.progress = Some(Arc::new(move |p: saver::Progress| {
-            counter.fetch_add(p.bytes, Ordering::Relaxed);
-        }));
-        o
+        SaveOptions {
+            progress: Some(Arc::new(move |p: saver::Progress| {
+                counter.fetch_add(p.bytes, Ordering::Relaxed);
+            })),
+            ..Default::default()
+        }
     };
     let weights = [0.5f32, -1.0, 2.0];
     let dir = tempfile::tempdir().unwrap();

@@ -40,11 +40,12 @@ fn model(seed: u64) -> SyntheticModel {
 
 fn opts(id: &str, shards: u32, overwrite: bool) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.save_id = Some(id.into());
-        o.overwrite = overwrite;
-        o.durable = false;
-        o
+        SaveOptions {
+            save_id: Some(id.into()),
+            overwrite,
+            durable: false,
+            ..Default::default()
+        }
     };
     o.plan.shard_num = shards;
     o.plan.parallel = 2;

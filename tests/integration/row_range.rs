@@ -399,7 +399,15 @@ fn a_checkpoint_of_both_kinds_loads_reshards_and_takes_deltas() {
         .table(&more)
         .dense(saver::DenseTensor::from_f32("mlp", vec![2, 3], &mlp).unwrap())
         .row_chunk(chunk("weight", &[50, 3], 0..50, 0..3));
-    save(&delta, input, &SaveOptions::default().with_parent(d.path())).unwrap();
+    save(
+        &delta,
+        input,
+        &SaveOptions {
+            parent: Some(d.path().into()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let ck = Checkpoint::open(&delta).unwrap();
     assert_eq!(ck.links().len(), 2);
     let r = ck.restore(&saver::LoadOptions::default()).unwrap();
@@ -643,8 +651,10 @@ fn an_export_consolidates_a_row_range_table_cast_or_quantized() {
     let (rows, cols) = (3000u64, 8u64);
     save_split(d.path(), rows, cols, &[700, 2100], &[3], 3);
     let ck = Checkpoint::open(d.path()).unwrap();
-    let mut o = saver::ExportOptions::default();
-    o.dtype = Some(Dtype::F16);
+    let o = saver::ExportOptions {
+        dtype: Some(Dtype::F16),
+        ..Default::default()
+    };
     saver::export(&ck, &d.path().join("f16"), &o).unwrap();
     let t = exported_tensors(&d.path().join("f16"));
     let (dtype, shape, bytes) = &t["emb/weight"];
@@ -662,12 +672,14 @@ fn an_export_consolidates_a_row_range_table_cast_or_quantized() {
         "the f16 export is the cast of every saved value"
     );
     assert_eq!(t["emb/state"].1, vec![3000]);
-    let mut q = saver::ExportOptions::default();
-    q.quantize = Some(saver::core::quantize::Quantization {
-        bits: saver::core::quantize::QuantBits::Int8,
-        layout: saver::core::quantize::QuantLayout::Fused,
-    });
-    q.quantize_slots = vec!["weight".into()];
+    let q = saver::ExportOptions {
+        quantize: Some(saver::core::quantize::Quantization {
+            bits: saver::core::quantize::QuantBits::Int8,
+            layout: saver::core::quantize::QuantLayout::Fused,
+        }),
+        quantize_slots: vec!["weight".into()],
+        ..Default::default()
+    };
     saver::export(&ck, &d.path().join("q"), &q).unwrap();
     let t = exported_tensors(&d.path().join("q"));
     let (dtype, shape, fused) = &t["emb/weight"];
@@ -735,7 +747,10 @@ fn empty_row_range_tables_are_kept() {
     saver::save(
         d.path().join("delta"),
         input,
-        &SaveOptions::default().with_parent(d.path().join("full")),
+        &SaveOptions {
+            parent: Some(d.path().join("full")),
+            ..Default::default()
+        },
     )
     .unwrap();
     let delta = Checkpoint::open(d.path().join("delta")).unwrap();
@@ -828,7 +843,7 @@ proptest! {
             })
             .collect();
         let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let mut opts = SaveOptions::default().with_save_id("same");
+        let mut opts = SaveOptions { save_id: Some("same".into()), ..Default::default() };
         opts.plan.shard_num = shards;
         opts.plan.chunk_bytes = chunk_bytes;
         let mut input = SaveInput::new();
@@ -906,8 +921,10 @@ fn a_reshard_copies_rows_that_straddle_its_writer_chunks_exactly() {
     .unwrap();
     let mut input = SaveInput::new();
     input.row_chunks = vec![chunk("weight", &[rows, 3], 0..2600, 0..3), changed];
-    let mut opts = SaveOptions::default();
-    opts.parent = Some(base.clone());
+    let opts = SaveOptions {
+        parent: Some(base.clone()),
+        ..Default::default()
+    };
     save(&delta, input, &opts).unwrap();
     let mut opts = SaveOptions::default();
     opts.plan.shard_num = 3;
@@ -964,9 +981,11 @@ fn a_compaction_racing_overwrites_on_the_object_store_copies_one_save() {
         }
         input
     };
-    let mut opts = SaveOptions::default();
-    opts.overwrite = true;
-    opts.durable = false;
+    let opts = SaveOptions {
+        overwrite: true,
+        durable: false,
+        ..Default::default()
+    };
     save(remote, version(0), &opts).unwrap();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let out = tempfile::tempdir().unwrap();

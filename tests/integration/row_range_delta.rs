@@ -116,7 +116,7 @@ impl Model {
                         id,
                     );
                     if let Some(p) = parent {
-                        opts = opts.with_parent(p);
+                        opts.parent = Some(p.into());
                     }
                     save(dir, input, &opts).unwrap();
                 });
@@ -317,7 +317,15 @@ fn a_delta_holds_tables_new_or_reshaped_whole() {
         .row_chunk(grown.chunk("state", 0..600, 0..1))
         .row_chunk(other);
     let delta = d.path().join("delta");
-    let report = save(&delta, input, &SaveOptions::default().with_parent(&base)).unwrap();
+    let report = save(
+        &delta,
+        input,
+        &SaveOptions {
+            parent: Some(base.clone()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     assert!(
         report.delta_tables.contains_key("other"),
         "{:?}",
@@ -342,7 +350,10 @@ fn a_delta_holds_tables_new_or_reshaped_whole() {
     save(
         &next,
         SaveInput::new().table(&users),
-        &SaveOptions::default().with_parent(&delta),
+        &SaveOptions {
+            parent: Some(delta.clone()),
+            ..Default::default()
+        },
     )
     .unwrap();
     let ck = Checkpoint::open(&next).unwrap();

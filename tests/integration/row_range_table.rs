@@ -192,7 +192,10 @@ fn a_table_restores_from_any_split_and_saves_deltas() {
     save(
         &delta,
         SaveInput::new().row_table(&whole).unwrap(),
-        &SaveOptions::default().with_parent(&base),
+        &SaveOptions {
+            parent: Some(base.clone()),
+            ..Default::default()
+        },
     )
     .unwrap();
     let ck = Checkpoint::open(&delta).unwrap();

@@ -13,17 +13,15 @@ use saver::io::{save_to, Error};
 use saver::{save, Checkpoint, Filters, ForeignRows, LoadOptions, PlanOptions, SaveOptions};
 
 fn opts(shards: u32, parallel: usize) -> SaveOptions {
-    {
-        let mut o = SaveOptions::default();
-        o.plan = {
-            let mut o = PlanOptions::default();
-            o.shard_num = shards;
-            o.parallel = parallel;
-            o.max_file_size = 64 << 10;
-            o
-        };
-        o.save_id = Some("t1".into());
-        o
+    SaveOptions {
+        plan: PlanOptions {
+            shard_num: shards,
+            parallel,
+            max_file_size: 64 << 10,
+            ..Default::default()
+        },
+        save_id: Some("t1".into()),
+        ..Default::default()
     }
 }
 
@@ -570,9 +568,10 @@ fn a_panicking_background_save_removes_its_own_files() {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("users-file.txt"), b"mine").unwrap();
         let mut opts = {
-            let mut o = saver::SaveOptions::default();
-            o.durable = false;
-            o
+            saver::SaveOptions {
+                durable: false,
+                ..Default::default()
+            }
         };
         opts.plan.shard_num = 2;
         match *what {

@@ -103,10 +103,11 @@ fn write_plain(p: &Plain, path: &Path) {
 
 fn opts(shards: u32) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.save_id = Some("streaming".into());
-        o.durable = false;
-        o
+        SaveOptions {
+            save_id: Some("streaming".into()),
+            durable: false,
+            ..Default::default()
+        }
     };
     o.plan.shard_num = shards;
     o.plan.parallel = 2;
@@ -209,11 +210,12 @@ proptest! {
         // Export: ids ascending, rows with them, bit-exact, whatever the sort's run size.
         let e = d.path().join("export");
         export(&ck, &e, &{
-let mut o = ExportOptions::default();
-o.sort_memory = sort_memory;
-o.durable = false;
-o.parallel = 2;
-o
+ExportOptions {
+    sort_memory,
+    durable: false,
+    parallel: 2,
+    ..Default::default()
+}
 }).unwrap();
         let back = read_plain(&e).unwrap();
         for (t, (ids, slots)) in p.tables.iter().enumerate() {
@@ -277,8 +279,10 @@ proptest! {
         let t = crate::common::table("t", key, slots, &ids);
         save(d.path(), SaveInput::new().table(&t), &SaveOptions::default()).unwrap();
         let ck = Checkpoint::open(d.path()).unwrap();
-        let mut all_shards = LoadOptions::default();
-        all_shards.shard_num = shards;
+        let all_shards = LoadOptions {
+            shard_num: shards,
+            ..Default::default()
+        };
         let restored = ck.restore(&all_shards).unwrap();
         let columns = ck.load_columns(&LoadOptions::default()).unwrap();
         let tables: BTreeMap<String, Vec<&dyn SparseTable>> =

@@ -69,10 +69,11 @@ fn write(t: &EmbeddingTable, id: u64, seed: u64) {
 
 fn opts(save_id: &str, n: u32) -> SaveOptions {
     let mut o = {
-        let mut o = SaveOptions::default();
-        o.save_id = Some(save_id.into());
-        o.durable = false;
-        o
+        SaveOptions {
+            save_id: Some(save_id.into()),
+            durable: false,
+            ..Default::default()
+        }
     };
     o.plan.shard_num = n;
     o.plan.parallel = 2;
@@ -353,9 +354,10 @@ fn a_restart_without_change_tracking_says_why_its_first_delta_is_compared() {
     // Restored with tracking, the first delta is tracked.
     let restored = ck
         .restore(&{
-            let mut o = LoadOptions::default();
-            o.change_tracking = true;
-            o
+            LoadOptions {
+                change_tracking: true,
+                ..Default::default()
+            }
         })
         .unwrap();
     let input = restored.shards[0]

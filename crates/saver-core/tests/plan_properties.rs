@@ -82,9 +82,10 @@ proptest! {
         let a = make_table("a", &ids_a, 4);
         let b = make_table("b", &ids_b, 1);
         let opts = {
-let mut o = PlanOptions::default();
-o.shard_num = shard_num;
-o
+PlanOptions {
+    shard_num,
+    ..Default::default()
+}
 };
         let p_input = SaveInput::new().table(&a).table(&b);
         let p = plan(&p_input, &opts).unwrap();
@@ -115,19 +116,21 @@ o
             .dense(DenseTensor::from_f32("w2", vec![10, 5], &w[..50]).unwrap());
         let all_input = input();
         let all = plan(&all_input, &{
-let mut o = PlanOptions::default();
-o.shard_num = shard_num;
-o
+PlanOptions {
+    shard_num,
+    ..Default::default()
+}
 }).unwrap();
         for j in 0..shard_num {
             let one_input = input();
             let one = plan(&one_input, &{
-let mut o = PlanOptions::default();
-o.shard_num = shard_num;
-o.shard_index = Some(j);
-o.foreign_rows = ForeignRows::Skip;
-o.parallel = 1;
-o
+PlanOptions {
+    shard_num,
+    shard_index: Some(j),
+    foreign_rows: ForeignRows::Skip,
+    parallel: 1,
+    ..Default::default()
+}
 }).unwrap();
             let a = &all.shards()[j as usize];
             let b = &one.shards()[0];
@@ -168,11 +171,12 @@ o
             input = input.dense(DenseTensor::new(format!("d{i}"), Dtype::U8, vec![b.len() as u64], b.as_slice()).unwrap());
         }
         let opts = {
-let mut o = PlanOptions::default();
-o.shard_num = 1;
-o.max_file_size = max_file_kib << 10;
-o.max_block_bytes = 64 << 10;
-o
+PlanOptions {
+    shard_num: 1,
+    max_file_size: max_file_kib << 10,
+    max_block_bytes: 64 << 10,
+    ..Default::default()
+}
 };
         let p = plan(&input, &opts).unwrap();
         let s = &p.shards()[0];
@@ -199,9 +203,10 @@ o
         let rev: Vec<u64> = ids.iter().rev().copied().collect();
         let t2 = make_table("t", &rev, 2);
         let o = {
-let mut o = PlanOptions::default();
-o.shard_num = shard_num;
-o
+PlanOptions {
+    shard_num,
+    ..Default::default()
+}
 };
         let p1_input = SaveInput::new().table(&t1);
         let p1 = plan(&p1_input, &o).unwrap();
@@ -231,10 +236,11 @@ fn filter_that_drops_everything_gives_an_empty_valid_plan() {
         .table(&t)
         .dense(DenseTensor::from_f32("w", vec![8], &w).unwrap());
     let opts = {
-        let mut o = PlanOptions::default();
-        o.shard_num = 3;
-        o.filters = Filters::new().keep_blocks(|_| false);
-        o
+        PlanOptions {
+            shard_num: 3,
+            filters: Filters::new().keep_blocks(|_| false),
+            ..Default::default()
+        }
     };
     let p = plan(&input, &opts).unwrap();
     assert_eq!(p.shards().len(), 3);
@@ -247,10 +253,11 @@ fn filter_that_drops_everything_gives_an_empty_valid_plan() {
 
     // A row filter dropping every row keeps the table, empty, with no tensors.
     let opts = {
-        let mut o = PlanOptions::default();
-        o.shard_num = 2;
-        o.filters = Filters::new().keep_rows(|_| false);
-        o
+        PlanOptions {
+            shard_num: 2,
+            filters: Filters::new().keep_rows(|_| false),
+            ..Default::default()
+        }
     };
     let p_input = SaveInput::new().table(&t);
     let p = plan(&p_input, &opts).unwrap();
@@ -266,11 +273,13 @@ fn dropping_a_tables_ids_drops_its_slots_too() {
     let a = make_table("a", &(0..100).collect::<Vec<_>>(), 4);
     let b = make_table("b", &(0..100).collect::<Vec<_>>(), 4);
     let opts = {
-        let mut o = PlanOptions::default();
-        o.shard_num = 2;
-        o.filters = Filters::new()
-            .keep_blocks(|blk| !(blk.table == Some("a") && blk.kind == saver_core::BlockKind::Ids));
-        o
+        PlanOptions {
+            shard_num: 2,
+            filters: Filters::new().keep_blocks(|blk| {
+                !(blk.table == Some("a") && blk.kind == saver_core::BlockKind::Ids)
+            }),
+            ..Default::default()
+        }
     };
     let p_input = SaveInput::new().table(&a).table(&b);
     let p = plan(&p_input, &opts).unwrap();
@@ -293,12 +302,13 @@ fn dropping_a_tables_ids_drops_its_slots_too() {
 fn excluded_slots_and_row_thresholds() {
     let t = make_table("t", &(0..1000).collect::<Vec<_>>(), 4);
     let opts = {
-        let mut o = PlanOptions::default();
-        o.filters = Filters::new()
-            .exclude_slots("fr*")
-            .unwrap()
-            .keep_rows_where("freq>=5".parse().unwrap());
-        o
+        PlanOptions {
+            filters: Filters::new()
+                .exclude_slots("fr*")
+                .unwrap()
+                .keep_rows_where("freq>=5".parse().unwrap()),
+            ..Default::default()
+        }
     };
     let p_input = SaveInput::new().table(&t);
     let p = plan(&p_input, &opts).unwrap();
@@ -326,9 +336,10 @@ fn negative_and_extreme_ids_are_planned() {
     for n in [1, 2, 3, 5, 16] {
         let input = SaveInput::new().table(&t);
         let p = plan(&input, &{
-            let mut o = PlanOptions::default();
-            o.shard_num = n;
-            o
+            PlanOptions {
+                shard_num: n,
+                ..Default::default()
+            }
         })
         .unwrap();
         let rows: BTreeSet<u64> = planned_rows(&p).into_iter().map(|(_, id, _)| id).collect();
@@ -397,9 +408,10 @@ fn large_partitions_are_cut_into_bounded_segments() {
     let ids: Vec<u64> = (0..50_000).collect();
     let t = make_table("t", &ids, 16);
     let opts = {
-        let mut o = PlanOptions::default();
-        o.max_block_bytes = 64 << 10;
-        o
+        PlanOptions {
+            max_block_bytes: 64 << 10,
+            ..Default::default()
+        }
     };
     let p_input = SaveInput::new().table(&t);
     let p = plan(&p_input, &opts).unwrap();
@@ -437,9 +449,10 @@ fn large_shards_are_split_into_files_for_the_writer_threads() {
     };
     let files = |split_files| {
         let opts = {
-            let mut o = PlanOptions::default();
-            o.split_files = split_files;
-            o
+            PlanOptions {
+                split_files,
+                ..Default::default()
+            }
         };
         let p_input = input();
         let p = plan(&p_input, &opts).unwrap();
@@ -455,9 +468,10 @@ fn large_shards_are_split_into_files_for_the_writer_threads() {
     assert_eq!(files(1), vec![640 << 20]);
     let input = input();
     let err = plan(&input, &{
-        let mut o = PlanOptions::default();
-        o.split_files = 0;
-        o
+        PlanOptions {
+            split_files: 0,
+            ..Default::default()
+        }
     })
     .err()
     .unwrap();
@@ -476,11 +490,12 @@ fn segments_stay_whole_in_one_file() {
         .iter()
         .fold(SaveInput::new(), |input, t| input.table(t));
     let opts = {
-        let mut o = PlanOptions::default();
-        o.shard_num = 2;
-        o.max_file_size = 2 << 20;
-        o.max_block_bytes = 64 << 10;
-        o
+        PlanOptions {
+            shard_num: 2,
+            max_file_size: 2 << 20,
+            max_block_bytes: 64 << 10,
+            ..Default::default()
+        }
     };
     let p = plan(&input, &opts).unwrap();
     for s in p.shards() {

@@ -41,19 +41,20 @@ pub(super) fn run(args: ExportArgs) -> CmdResult {
     });
     let (src, out) = (src.as_path(), out.as_path());
     let opts = {
-        let mut o = ExportOptions::default();
-        o.max_file_size = max_file_size;
-        o.tables = tables;
-        o.exclude_slots = exclude_slots;
-        o.dtype = dtype.map(|d| match d {
-            CastDtype::F32 => Dtype::F32,
-            CastDtype::F16 => Dtype::F16,
-            CastDtype::Bf16 => Dtype::BF16,
-        });
-        o.quantize = quantize;
-        o.quantize_slots = quantize_slots;
-        o.overwrite = overwrite;
-        o
+        ExportOptions {
+            max_file_size,
+            tables,
+            exclude_slots,
+            dtype: dtype.map(|d| match d {
+                CastDtype::F32 => Dtype::F32,
+                CastDtype::F16 => Dtype::F16,
+                CastDtype::Bf16 => Dtype::BF16,
+            }),
+            quantize,
+            quantize_slots,
+            overwrite,
+            ..Default::default()
+        }
     };
     // Read again if the source is replaced meanwhile (see `read_latest`).
     let r = output::while_working(fmt.json, "exporting", || {

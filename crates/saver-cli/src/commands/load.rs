@@ -50,12 +50,13 @@ pub(super) fn run(args: LoadArgs) -> CmdResult {
         None => dir,
     };
     let opts = {
-        let mut o = LoadOptions::default();
-        o.shard_num = shards;
-        o.shard_index = shard_index;
-        o.parallel = parallel;
-        o.huge_pages = huge_pages;
-        o
+        LoadOptions {
+            shard_num: shards,
+            shard_index,
+            parallel,
+            huge_pages,
+            ..Default::default()
+        }
     };
     // One request for both kinds of table, read from one save: a checkpoint replaced while it
     // is read is read again whole (`Checkpoint::load`).

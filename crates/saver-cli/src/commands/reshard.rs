@@ -38,10 +38,12 @@ fn run(src: &Path, out: &Path, shards: Option<u32>, write: &RewriteFlags) -> Cmd
         let chain = Checkpoint::open(src)?;
         let shards = shards.unwrap_or(chain.newest().manifest().shard_num);
         let mut opts = {
-            let mut o = SaveOptions::default();
-            o.durable = durable;
-            o.overwrite = overwrite;
-            o.progress = progress.as_ref().map(|(_, f)| f.clone());
+            let o = SaveOptions {
+                durable,
+                overwrite,
+                progress: progress.as_ref().map(|(_, f)| f.clone()),
+                ..Default::default()
+            };
             o
         };
         opts.plan.shard_num = shards;

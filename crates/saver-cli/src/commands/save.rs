@@ -53,14 +53,16 @@ fn options(args: &SaveArgs) -> Result<SaveOptions, Box<dyn std::error::Error>> {
         ),
     };
     let settings = {
-        let mut s = SaveSettings::default();
-        s.shards = args.shards;
-        s.shard_index = args.shard_index;
-        s.save_id = args.save_id.clone();
-        s.parallel = Some(args.parallel);
-        s.step = args.step;
-        s.overwrite = args.overwrite;
-        s.durable = !args.no_fsync;
+        let mut s = SaveSettings {
+            shards: args.shards,
+            shard_index: args.shard_index,
+            save_id: args.save_id.clone(),
+            parallel: Some(args.parallel),
+            step: args.step,
+            overwrite: args.overwrite,
+            durable: !args.no_fsync,
+            ..Default::default()
+        };
         // Every process builds or reads the whole model and saves its own shard of it.
         s.skip_foreign_rows = true;
         s.parent = args.parent.clone();

@@ -119,7 +119,6 @@ pub use crate::table::workers::ForeignRows;
 
 /// How to plan a save.
 #[derive(Clone, Debug)]
-#[non_exhaustive]
 pub struct PlanOptions {
     /// Number of shards of the checkpoint (≥ 1).
     pub shard_num: u32,

@@ -55,7 +55,6 @@ pub type NameFilter = dyn Fn(&str) -> bool + Send + Sync;
 
 /// What to load, and for which target shard.
 #[derive(Clone)]
-#[non_exhaustive]
 pub struct LoadOptions {
     /// Number of target shards `M` (default 1).
     pub shard_num: u32,

@@ -15,7 +15,6 @@ pub const POLICY_FILE: &str = "saver-policy.json";
 /// How a root's checkpoints are saved and kept.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-#[non_exhaustive]
 pub struct Policy {
     /// Save every this many steps ([`crate::manage::CheckpointManager::is_due`]); 1: every step
     /// the trainer asks for.
@@ -52,7 +51,6 @@ impl Default for Policy {
 /// needs; only committed steps count, so a save under way never stands in for one that is done.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-#[non_exhaustive]
 pub struct Retention {
     /// The newest this many committed steps (at least 1).
     pub keep_latest: usize,

@@ -64,7 +64,7 @@ use crate::save::pipeline::save_prepared;
 /// let input = SaveInput::new()
 ///     .table(&table)
 ///     .dense(DenseTensor::from_f32("mlp.weight", vec![4, 4], &mlp)?);
-/// let report = save(dir.path(), input, &SaveOptions::default().with_step(1200))?;
+/// let report = save(dir.path(), input, &SaveOptions { step: Some(1200), ..Default::default() })?;
 /// assert!(report.bytes_written > 0);
 /// assert_eq!(verify(dir.path(), 2)?.status, Status::Ok);
 /// # Ok::<(), Box<dyn std::error::Error>>(())

@@ -29,7 +29,6 @@ pub type ProgressFn = dyn Fn(Progress) + Send + Sync;
 
 /// How to save.
 #[derive(Clone)]
-#[non_exhaustive]
 pub struct SaveOptions {
     /// Shards, filters, parallelism, file sizes. The save sets `plan.save_id` from
     /// [`Self::save_id`]: a save refuses one set here to anything else.
@@ -114,7 +113,7 @@ impl SaveOptions {
     /// ```
     /// use saver_core::Shard;
     /// use saver_io::SaveOptions;
-    /// let opts = SaveOptions::for_shard(Shard { index: 3, count: 8 }, "run7-step1200").with_step(1200);
+    /// let opts = SaveOptions::for_shard(Shard { index: 3, count: 8 }, "run7-step1200");
     /// assert_eq!((opts.plan.shard_num, opts.plan.shard_index), (8, Some(3)));
     /// ```
     pub fn for_shard(shard: saver_core::Shard, save_id: impl Into<String>) -> Self {
@@ -123,24 +122,6 @@ impl SaveOptions {
         o.plan.shard_index = Some(shard.index);
         o.save_id = Some(save_id.into());
         o
-    }
-
-    /// The same options, for trainer step `step` (stored in the manifest).
-    pub fn with_step(mut self, step: u64) -> Self {
-        self.step = Some(step);
-        self
-    }
-
-    /// The same options, for the save named `save_id` (see [`Self::save_id`]).
-    pub fn with_save_id(mut self, save_id: impl Into<String>) -> Self {
-        self.save_id = Some(save_id.into());
-        self
-    }
-
-    /// The same options, for a delta over the checkpoint at `parent` (see [`Self::parent`]).
-    pub fn with_parent(mut self, parent: impl Into<PathBuf>) -> Self {
-        self.parent = Some(parent.into());
-        self
     }
 
     /// Stores a typed trainer state (step, RNG state, data position…), read back with

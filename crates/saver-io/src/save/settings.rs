@@ -20,7 +20,6 @@ const LONGEST_WAIT_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
 /// is an [`Error::InvalidOption`] naming that field, which each front end spells its own way
 /// (`--keep-rows`, `keep_rows=`).
 #[derive(Clone, Debug)]
-#[non_exhaustive]
 pub struct SaveSettings {
     /// Shards of the save (`plan.shard_num`; default 1).
     pub shards: u32,

@@ -31,7 +31,6 @@ use crate::storage::{Storage, WriteHandle};
 
 /// How to export.
 #[derive(Clone, Debug)]
-#[non_exhaustive]
 pub struct ExportOptions {
     /// Largest file (a single larger tensor gets its own file).
     pub max_file_size: u64,
