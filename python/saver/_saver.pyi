@@ -1,6 +1,6 @@
 # Type hints of the native module (python/src/lib.rs); the package's API is in __init__.py.
 # python/tests/test_stubs.py checks that these names and parameters are the module's own.
-from typing import Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -11,10 +11,14 @@ class SaveHandle:
     def bytes_written(self) -> int: ...
     def wait(self) -> dict: ...
 
+# A device tensor's bytes, read by the save as it writes (saver/_staging.py's StagedTensor:
+# `nbytes`, `what` and `read_into(offset, address, length)`).
+ByteSource = Any
+
 Tables = list[tuple[str, str, np.ndarray, list[tuple[str, str, list[int], np.ndarray]]]]
-Dense = list[tuple[str, str, list[int], np.ndarray]]
+Dense = list[tuple[str, str, list[int], Union[np.ndarray, ByteSource]]]
 # (table, slot, dtype, chunk shape, offset, whole slot shape, bytes)
-Chunks = list[tuple[str, str, str, list[int], list[int], list[int], np.ndarray]]
+Chunks = list[tuple[str, str, str, list[int], list[int], list[int], Union[np.ndarray, ByteSource]]]
 # (step, why) of each step passed over or left alone
 StepsWhy = list[tuple[int, str]]
 

@@ -78,8 +78,114 @@ type SlotIn<'py> = (String, String, Vec<u64>, PyReadonlyArray1<'py, u8>);
 /// One table from Python: name, id dtype name, the ids' 64 bits, and its slots.
 type TableIn<'py> = (String, String, PyReadonlyArray1<'py, u64>, Vec<SlotIn<'py>>);
 
+/// A tensor's bytes from Python: a flat byte array read in place, or a source the save reads as
+/// it writes, a writer's chunk at a time (a device tensor staged through the host seam's
+/// bounded ring of host buffers, `saver/_staging.py`).
+#[derive(FromPyObject)]
+enum BytesIn<'py> {
+    Array(PyReadonlyArray1<'py, u8>),
+    Source(StagedSource),
+}
+
 /// One dense tensor from Python: name, dtype name, shape, bytes.
-type DenseIn<'py> = (String, String, Vec<u64>, PyReadonlyArray1<'py, u8>);
+type DenseIn<'py> = (String, String, Vec<u64>, BytesIn<'py>);
+
+/// Bytes read from a Python object as the save writes them: its `read_into(offset, address,
+/// length)` fills the `length` bytes at `address` with its bytes from `offset` (the staging
+/// ring copies them from the device through a host buffer). Called from the save's writer
+/// threads, each taking the GIL for the call; the ring waits for its copies without it.
+struct StagedSource {
+    source: Py<PyAny>,
+    len: u64,
+    what: String,
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for StagedSource {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self {
+            len: obj.getattr("nbytes")?.extract()?,
+            what: obj.getattr("what")?.extract()?,
+            source: obj.to_owned().unbind(),
+        })
+    }
+}
+
+impl std::fmt::Debug for StagedSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagedSource")
+            .field("what", &self.what)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl saver_core::ByteSource for StagedSource {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> saver_core::Result<()> {
+        Python::attach(|py| {
+            self.source
+                .call_method1(
+                    py,
+                    "read_into",
+                    (offset, out.as_mut_ptr() as usize, out.len()),
+                )
+                .map(drop)
+        })
+        .map_err(|e| saver_core::Error::External(format!("{}: {e}", self.what).into()))
+    }
+}
+
+impl BytesIn<'_> {
+    /// The tensor `name` of `dtype` and `shape` over these bytes.
+    fn tensor<'a>(
+        &'a self,
+        name: String,
+        dtype: Dtype,
+        shape: Vec<u64>,
+    ) -> PyResult<DenseTensor<'a>> {
+        match self {
+            BytesIn::Array(a) => DenseTensor::new(name, dtype, shape, Cow::Borrowed(a.as_slice()?)),
+            BytesIn::Source(s) => {
+                DenseTensor::deferred(name, dtype, shape, Arc::new(s.clone_ref()))
+            }
+        }
+        .map_err(err)
+    }
+
+    /// A row-range chunk of `table`'s `slot` of `dtype` and `shape` over these bytes.
+    fn chunk<'a>(
+        &'a self,
+        table: &str,
+        slot: &str,
+        dtype: Dtype,
+        shape: Vec<u64>,
+    ) -> PyResult<RowRangeChunk<'a>> {
+        match self {
+            BytesIn::Array(a) => {
+                RowRangeChunk::new(table, slot, dtype, shape, Cow::Borrowed(a.as_slice()?))
+            }
+            BytesIn::Source(s) => {
+                RowRangeChunk::deferred(table, slot, dtype, shape, Arc::new(s.clone_ref()))
+            }
+        }
+        .map_err(err)
+    }
+}
+
+impl StagedSource {
+    fn clone_ref(&self) -> Self {
+        Python::attach(|py| Self {
+            source: self.source.clone_ref(py),
+            len: self.len,
+            what: self.what.clone(),
+        })
+    }
+}
 
 /// One chunk of a row-range table from Python: table, slot, dtype name, the chunk's shape, its
 /// offset in the slot, the slot's whole shape, bytes.
@@ -90,7 +196,7 @@ type ChunkIn<'py> = (
     Vec<u64>,
     Vec<u64>,
     Vec<u64>,
-    PyReadonlyArray1<'py, u8>,
+    BytesIn<'py>,
 );
 
 /// How to save: the keyword arguments of `saver.save` (see its docstring), as a dict.
@@ -174,8 +280,7 @@ fn borrowed_tables<'a>(tables: &'a [TableIn<'_>]) -> PyResult<Vec<ColumnTable<'a
 fn dense_tensors<'a>(dense: &'a [DenseIn<'_>]) -> PyResult<Vec<DenseTensor<'a>>> {
     let mut tensors = Vec::with_capacity(dense.len());
     for (name, dt, shape, bytes) in dense {
-        let data = Cow::Borrowed(bytes.as_slice()?);
-        tensors.push(DenseTensor::new(name.clone(), dtype(dt)?, shape.clone(), data).map_err(err)?);
+        tensors.push(bytes.tensor(name.clone(), dtype(dt)?, shape.clone())?);
     }
     Ok(tensors)
 }
@@ -185,9 +290,9 @@ fn row_chunks<'a>(chunks: &'a [ChunkIn<'_>]) -> PyResult<Vec<RowRangeChunk<'a>>>
     chunks
         .iter()
         .map(|(table, slot, dt, shape, offset, whole, bytes)| {
-            let data = Cow::Borrowed(bytes.as_slice()?);
-            RowRangeChunk::new(table, slot, dtype(dt)?, shape.clone(), data)
-                .and_then(|c| c.at(offset, whole))
+            bytes
+                .chunk(table, slot, dtype(dt)?, shape.clone())?
+                .at(offset, whole)
                 .map_err(err)
         })
         .collect()

@@ -104,19 +104,40 @@ impl MomentCopy {
     /// A copy of tensor `name`'s bytes `src`, on every core, into the memory a past moment's
     /// copy of the same tensor left if there is any, placed where that copy's file put it.
     pub fn of(name: &str, src: &[u8]) -> Self {
-        Self::of_in(&KEPT, name, src)
+        Self::filled_in(&KEPT, name, src.len(), |out| {
+            copy_into(out, src);
+            Ok(())
+        })
+        .expect("a copy of memory cannot fail")
     }
 
-    fn of_in(pool: &'static Pool, name: &str, src: &[u8]) -> Self {
-        let len = src.len();
+    /// `len` bytes that `fill` writes, in the memory the last moment's copy of `name` left, as
+    /// [`Self::of`] copies: a background save's copy of a tensor its save reads on demand (a
+    /// device tensor staged through a host ring). A fill that fails gives the memory back.
+    pub(crate) fn filled(
+        name: &str,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> crate::Result<()>,
+    ) -> crate::Result<Self> {
+        Self::filled_in(&KEPT, name, len, fill)
+    }
+
+    fn filled_in(
+        pool: &'static Pool,
+        name: &str,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> crate::Result<()>,
+    ) -> crate::Result<Self> {
         if len < KEPT_FROM {
-            return Self {
-                mem: src.to_vec(),
+            let mut mem = vec![0u8; len];
+            fill(&mut mem)?;
+            return Ok(Self {
+                mem,
                 start: 0,
                 len,
                 place: AtomicUsize::new(UNPLACED),
                 kept: None,
-            };
+            });
         }
         let key = (name.to_string(), len);
         let reused = with_kept(pool, |k| {
@@ -128,7 +149,7 @@ impl MomentCopy {
             }
             Some(buf)
         });
-        let (mut mem, place) = match reused {
+        let (mem, place) = match reused {
             Some(b) => (b.mem, b.place),
             // Zeroed by the allocator, whose fresh pages cost nothing until the copy faults them
             // in, on every core.
@@ -138,14 +159,16 @@ impl MomentCopy {
             UNPLACED => 0,
             p => (p + PAGE - mem.as_ptr() as usize % PAGE) % PAGE,
         };
-        copy_into(&mut mem[start..start + len], src);
-        Self {
+        // Made before it is filled, so that a fill that fails gives the memory back (`Drop`).
+        let mut copy = Self {
             mem,
             start,
             len,
             place: AtomicUsize::new(place),
             kept: Some((pool, key.0)),
-        }
+        };
+        fill(&mut copy.mem[start..start + len])?;
+        Ok(copy)
     }
 
     /// Says that the file these bytes go to puts them at `in_page` bytes into a page, so that the
@@ -256,7 +279,13 @@ mod tests {
     fn copies_reuse_the_last_moments_memory_and_only_it() {
         // A pool of the test's own: the process's is shared with every other test's saves.
         let pool: &'static Pool = Box::leak(Box::default());
-        let of = |name: &str, src: &[u8]| MomentCopy::of_in(pool, name, src);
+        let of = |name: &str, src: &[u8]| {
+            MomentCopy::filled_in(pool, name, src.len(), |out| {
+                copy_into(out, src);
+                Ok(())
+            })
+            .unwrap()
+        };
         let (a, b, small) = (bytes(3 << 20, 3), bytes(5 << 20, 7), bytes(100, 9));
         let first = [of("a", &a), of("b", &b), of("s", &small)];
         assert_eq!(&*first[0], &a[..]);

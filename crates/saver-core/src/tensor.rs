@@ -190,6 +190,26 @@ impl<'a> DenseTensor<'a> {
         }
     }
 
+    /// The CRC32 of the bytes; a tensor read on demand is read 8 MiB at a time for it, never
+    /// whole (a device tensor staged through a bounded host ring stays bounded).
+    pub fn crc32(&self) -> Result<u32> {
+        const PIECE: u64 = 8 << 20;
+        let Bytes::Deferred(source) = &self.data else {
+            return Ok(crc32fast::hash(self.data.in_memory().unwrap_or_default()));
+        };
+        let len = source.len();
+        let mut buf = vec![0u8; PIECE.min(len) as usize];
+        let mut hasher = crc32fast::Hasher::new();
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(buf.len() as u64) as usize;
+            source.read_at(at, &mut buf[..n])?;
+            hasher.update(&buf[..n]);
+            at += n as u64;
+        }
+        Ok(hasher.finalize())
+    }
+
     /// Fills `out` with the bytes from `offset`, wherever they are: what a save's writer asks
     /// for, a chunk at a time. `offset + out.len()` must be within [`Self::byte_len`].
     pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
@@ -250,15 +270,19 @@ impl<'a> DenseTensor<'a> {
     /// The tensor with bytes of its own: a copy where it borrowed them, so that the caller may
     /// change its buffers at once (what a background save needs), made on every core into the
     /// memory the last background save's copy of this tensor left ([`crate::moment_copy`]);
-    /// shared bytes stay shared; bytes read on demand are read now, whole (their source may
-    /// not outlive the call).
+    /// shared bytes stay shared; bytes read on demand are read now, whole, into that memory too
+    /// (their source may not outlive the call).
     pub fn into_owned(self) -> Result<DenseTensor<'static>> {
         let data = match self.data {
             Bytes::Cow(Cow::Borrowed(b)) => Bytes::Copied(Arc::new(MomentCopy::of(&self.name, b))),
             Bytes::Cow(Cow::Owned(v)) => Bytes::Cow(Cow::Owned(v)),
             Bytes::Shared(s) => Bytes::Shared(s),
             Bytes::Copied(c) => Bytes::Copied(c),
-            Bytes::Deferred(d) => Bytes::Cow(Cow::Owned(read_whole(&*d)?)),
+            Bytes::Deferred(d) => Bytes::Copied(Arc::new(MomentCopy::filled(
+                &self.name,
+                d.len() as usize,
+                |out| d.read_at(0, out),
+            )?)),
         };
         Ok(DenseTensor {
             name: self.name,
@@ -272,6 +296,38 @@ impl<'a> DenseTensor<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Bytes read on demand, counting the largest read.
+    #[derive(Debug)]
+    struct Counted(Vec<u8>, std::sync::atomic::AtomicUsize);
+
+    impl ByteSource for Counted {
+        fn len(&self) -> u64 {
+            self.0.len() as u64
+        }
+        fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+            self.1
+                .fetch_max(out.len(), std::sync::atomic::Ordering::Relaxed);
+            out.copy_from_slice(&self.0[offset as usize..offset as usize + out.len()]);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_tensor_read_on_demand_is_checksummed_and_copied_a_piece_at_a_time() {
+        for len in [0, 1, 4097, (8 << 20) + 3, (17 << 20) + 1] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+            let source = Arc::new(Counted(bytes.clone(), Default::default()));
+            let t =
+                DenseTensor::deferred("w", Dtype::U8, vec![len as u64], source.clone()).unwrap();
+            assert_eq!(t.crc32().unwrap(), crc32fast::hash(&bytes), "{len}");
+            let most = source.1.load(std::sync::atomic::Ordering::Relaxed);
+            assert!(most <= 8 << 20, "a read of {most} bytes for {len}");
+            // A background save's copy of it: the same bytes, owned.
+            let owned = t.into_owned().unwrap();
+            assert_eq!(owned.data().unwrap(), &bytes[..], "{len}");
+        }
+    }
 
     #[test]
     fn dense_tensor_checks_length() {

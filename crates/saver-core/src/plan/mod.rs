@@ -679,7 +679,7 @@ impl<'a> SavePlan<'a> {
     /// Every dense tensor this process was given, with a CRC32 of its content and whether the
     /// block filters keep it in the shard the plan assigns it to (whichever process writes that
     /// shard): what every process of a save must agree on, and what must be written once.
-    /// A tensor read on demand ([`DenseTensor::deferred`]) is read for it.
+    /// A tensor read on demand ([`DenseTensor::deferred`]) is read for it, a piece at a time.
     pub fn dense_given(&self) -> Result<Vec<DenseGiven>> {
         self.dense[..self.given_dense]
             .par_iter()
@@ -689,7 +689,7 @@ impl<'a> SavePlan<'a> {
                     name: d.name().to_string(),
                     dtype: d.dtype(),
                     shape: d.shape().to_vec(),
-                    crc32: crc32fast::hash(&d.bytes()?),
+                    crc32: d.crc32()?,
                     kept: self.opts.filters.keep_block(&BlockInfo {
                         kind: BlockKind::Dense,
                         table: None,

@@ -124,9 +124,31 @@ impl<'a> RowRangeChunk<'a> {
         RowRangeChunk::new(table, slot, dtype, shape, values)?.at(&offset, whole)
     }
 
+    /// A chunk like [`Self::new`] whose `dtype` values of `shape` are read from `source` as the
+    /// save writes them ([`DenseTensor::deferred`]), a writer's chunk at a time: a tensor in
+    /// device memory staged through a bounded host ring, or a tool's copy of a table larger
+    /// than memory.
+    pub fn deferred(
+        table: &str,
+        slot: &str,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        source: std::sync::Arc<dyn crate::ByteSource + 'a>,
+    ) -> Result<Self> {
+        check_table_name(table)?;
+        check_slot_name(slot)?;
+        let origin = vec![0; shape.len()];
+        let values = DenseTensor::deferred(
+            chunk_tensor_name(table, slot, &origin),
+            dtype,
+            shape,
+            source,
+        )?;
+        Self::of_values(table, slot, values)
+    }
+
     /// The chunk of rows `rows` (all their columns) of a slot of shape `whole`, whose values are
-    /// read from `source` as the save writes them ([`DenseTensor::deferred`]): a tool's copy of
-    /// a table larger than memory, held a writer's chunk at a time.
+    /// read from `source` as the save writes them ([`Self::deferred`]).
     pub fn of_rows_deferred(
         table: &str,
         slot: &str,
@@ -135,17 +157,8 @@ impl<'a> RowRangeChunk<'a> {
         rows: std::ops::Range<u64>,
         source: std::sync::Arc<dyn crate::ByteSource + 'a>,
     ) -> Result<Self> {
-        check_table_name(table)?;
-        check_slot_name(slot)?;
         let (shape, offset) = rows_within(whole, rows);
-        let origin = vec![0; shape.len()];
-        let values = DenseTensor::deferred(
-            chunk_tensor_name(table, slot, &origin),
-            dtype,
-            shape,
-            source,
-        )?;
-        Self::of_values(table, slot, values)?.at(&offset, whole)
+        Self::deferred(table, slot, dtype, shape, source)?.at(&offset, whole)
     }
 
     /// A chunk of `f32` values, borrowed without copy where the platform is little-endian.

@@ -335,9 +335,7 @@ fn changes<'t>(
             shard,
         });
         let same = match in_parent.get(d.name()) {
-            Some(t) if t.dtype == d.dtype() && t.shape == d.shape() => {
-                t.crc32 == crc32fast::hash(&d.bytes()?)
-            }
+            Some(t) if t.dtype == d.dtype() && t.shape == d.shape() => t.crc32 == d.crc32()?,
             _ => false,
         };
         if kept && same {
