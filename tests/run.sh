@@ -46,15 +46,12 @@ rust_counts() {
   cat "$@" | sed -n 's/^test result: [a-zA-Z]*\. \([0-9]*\) passed; \([0-9]*\) failed; \([0-9]*\) ignored.*/\1 \2 \3/p' |
     awk '{p+=$1; f+=$2; i+=$3} END {printf "%d passed, %d failed, %d ignored", p, f, i}'
 }
-# pytest's last line: "=== 150 passed, 2 skipped in 30.12s ===".
+# pytest's summary lines ("=== 150 passed, 2 skipped in 30.12s ==="), summed over its runs.
 python_counts() {
-  local line
-  line=$(grep -E '[0-9]+ (passed|failed)' "$1" | tail -1)
-  local p f s
-  p=$(echo "$line" | grep -oE '[0-9]+ passed' | grep -oE '[0-9]+' || echo 0)
-  f=$(echo "$line" | grep -oE '[0-9]+ failed' | grep -oE '[0-9]+' || echo 0)
-  s=$(echo "$line" | grep -oE '[0-9]+ skipped' | grep -oE '[0-9]+' || echo 0)
-  echo "$p passed, $f failed, $s skipped"
+  grep -E '[0-9]+ (passed|failed)' "$1" | awk '
+    { for (i = 1; i < NF; i++) { w = $(i + 1); sub(/[^a-z].*/, "", w)
+        if (w == "passed") p += $i; else if (w == "failed") f += $i; else if (w == "skipped") s += $i } }
+    END { printf "%d passed, %d failed, %d skipped", p, f, s }'
 }
 # The optional suites run where their tools are (and must, where .ci/run requires them).
 garage_bin="${SAVER_GARAGE_BIN:-$(command -v garage || echo "$HOME/.cargo/bin/garage")}"

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _host
+from . import _host, _staging
 from ._dtypes import _PATTERN_BITS, _PATTERN_TYPE, _TO_NUMPY, _TO_SAVER, Bits
 from ._errors import InputError, ReplacedError, SaverError, SaverWarning
 from ._native import native as _saver
@@ -87,7 +87,7 @@ def _counts(options: dict) -> None:
 
 
 def _dtype_name(a: np.ndarray, what: str) -> str:
-    if isinstance(a, Bits) and a.saver_dtype is not None:
+    if isinstance(a, (Bits, _staging.StagedTensor)) and a.saver_dtype is not None:
         return a.saver_dtype
     name = _TO_SAVER.get(a.dtype.newbyteorder("="))
     if name is None:
@@ -100,7 +100,10 @@ def _dtype_name(a: np.ndarray, what: str) -> str:
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
-    """The bytes of a C-contiguous array, as a flat uint8 view (no copy)."""
+    """The bytes of a C-contiguous array, as a flat uint8 view (no copy); a staged device
+    tensor is its own source of bytes."""
+    if isinstance(a, _staging.StagedTensor):
+        return a
     return a.reshape(-1).view(np.uint8)
 
 
@@ -123,6 +126,10 @@ class SaveReport:
     #: Of a :class:`Manager`'s save: why it is full rather than a delta (``None``: a delta, or
     #: not a managed save).
     full_because: Optional[str] = None
+    #: Bytes of device tensors the save read through the staging ring (0 for a model in host
+    #: memory), and the ring's host memory (pinned on CUDA; ``staging_bytes``).
+    staged_bytes: int = 0
+    staging_bytes: int = 0
 
 
 # Rows a row filter sees at a time.
@@ -184,15 +191,15 @@ def _is_row_range(columns) -> bool:
     )
 
 
-def _chunk_arguments(name, columns):
-    """The native arguments of a row-range table's chunks."""
+def _chunk_arguments(name, columns, staging):
+    """The native arguments of a row-range table's chunks (a chunk in device memory staged)."""
     out = []
     for slot, given in columns.items():
         for c in given if isinstance(given, (list, tuple)) else [given]:
             what = f"row-range table {name!r} slot {slot!r}"
             if not isinstance(c, Chunk):
                 raise InputError(f"{what}: give saver.Chunk values (a table without 'ids' is a row-range table), got {type(c).__name__}")
-            a = _host.readable(c.values, what)
+            a = _host.readable(c.values, what, staging)
             if a.ndim not in (1, 2):
                 raise InputError(f"{what}: a chunk has one dimension (a value per row) or two (rows, columns), got shape {a.shape}")
             offset = c.offset if c.offset is not None else (0,) * a.ndim
@@ -206,9 +213,10 @@ def _chunk_arguments(name, columns):
     return out
 
 
-def _save_arguments(tables, dense, options):
+def _save_arguments(tables, dense, options, staging):
     """The arguments of the native save: tables and dense tensors as flat bytes with their dtype
-    names and shapes, row-range chunks with their places, and the options as a dict."""
+    names and shapes, row-range chunks with their places, and the options as a dict. Dense
+    tensors and chunks in device memory are added to ``staging``."""
     _counts(options)
     row_filter = options.get("row_filter")
     if row_filter is not None:
@@ -230,7 +238,7 @@ def _save_arguments(tables, dense, options):
         if _is_row_range(columns):
             if row_filter is not None:
                 raise InputError(f"row-range table {name!r}: row_filter applies to tables with ids only")
-            chunks_in.extend(_chunk_arguments(name, columns))
+            chunks_in.extend(_chunk_arguments(name, columns, staging))
             continue
         if "ids" not in columns:
             raise InputError(
@@ -260,10 +268,11 @@ def _save_arguments(tables, dense, options):
     dense_in = []
     for name, value in (dense or {}).items():
         what = f"dense tensor {name!r}"
-        a = _host.readable(value, what)
+        a = _host.readable(value, what, staging)
         dense_in.append((name, _dtype_name(a, what), [int(d) for d in a.shape], _bytes(a)))
     args = dict(options)
     args.pop("row_filter", None)
+    args.pop("staging_bytes", None)
     args["metadata"] = {str(k): str(v) for k, v in (args["metadata"] or {}).items()}
     for key in ("exclude_slots", "keep_rows"):
         given = args[key]
@@ -271,6 +280,15 @@ def _save_arguments(tables, dense, options):
     args["parent"] = None if args["parent"] is None else os.fspath(args["parent"])
     args["skip_foreign_rows"] = args.pop("foreign_rows") == "skip"
     return tables_in, dense_in, chunks_in, args
+
+
+def _saved(call, tables, dense, options) -> SaveReport:
+    """Runs the native save ``call`` on the arguments of ``tables``, ``dense`` and
+    ``options``, its device tensors staged; its report with the staging's."""
+    staging = _staging.Staging(options.get("staging_bytes"))
+    arguments = _save_arguments(tables, dense, options, staging)
+    staging.start()
+    return SaveReport(**call(*arguments), **staging.report())
 
 
 def save(
@@ -294,6 +312,7 @@ def save(
     compress: Optional[str] = None,
     direct_io: str = "auto",
     wait: Optional[float] = None,
+    staging_bytes: Optional[int] = None,
 ) -> SaveReport:
     """Saves sparse tables and dense tensors as a checkpoint at ``path`` (a directory or an
     ``s3://bucket/prefix`` location), committed when this returns.
@@ -301,8 +320,9 @@ def save(
     ``tables`` maps a table name to its columns: ``"ids"``, a 1-D int64 or uint64 array of
     distinct ids, and one array per slot whose first dimension is the number of ids (row ``i`` of
     every slot belongs to ``ids[i]``). ``dense`` maps a tensor name to an array. Arrays may be
-    numpy arrays, CPU torch tensors or anything ``numpy.asarray`` takes; a strided view is copied
-    once, a contiguous array is not.
+    numpy arrays, torch tensors (CPU or CUDA: see ``staging_bytes``) or anything
+    ``numpy.asarray`` takes; a strided view is copied once, a contiguous array is not. A CUDA
+    tensor among a hashed table's columns is copied to the host whole.
 
     ``shards``: the number of shards of the checkpoint; with ``shard_index``, this process writes
     only that shard (every process of a multi-process save passes the same ``save_id`` and every
@@ -329,6 +349,12 @@ def save(
     shards and the commit before it fails naming the missing shards (default: none, it returns
     once its shard is written and the last process commits; a :class:`Manager`'s saves wait
     600 s, so that every process decides the next save from the same committed steps).
+    ``staging_bytes``: the host memory (pinned on CUDA) through which dense tensors and chunks
+    in device memory are read, a writer's chunk at a time, while the writers write the chunks
+    before (default: the smaller of 256 MiB and 1/8 of those tensors); the report's
+    ``staged_bytes`` and ``staging_bytes`` say what it read and held. Its copies come after the
+    work queued on the caller's current CUDA stream. A device tensor whose storage is freed
+    (size 0) fails the save, naming it.
 
     Every array is read in place (no copy), so none may change until this returns; other Python
     threads run meanwhile. :func:`save_async` copies them instead, and returns.
@@ -350,16 +376,17 @@ def save(
         compress=compress,
         direct_io=direct_io,
         wait=wait,
+        staging_bytes=staging_bytes,
     )
-    report = _saver.save(os.fspath(path), *_save_arguments(tables, dense, options))
-    return SaveReport(**report)
+    return _saved(lambda *a: _saver.save(os.fspath(path), *a), tables, dense, options)
 
 
 class SaveHandle:
     """A save running in the background (:func:`save_async`)."""
 
-    def __init__(self, native):
+    def __init__(self, native, staging=None):
         self._native = native
+        self._staging = staging
 
     def done(self) -> bool:
         """Whether the save has ended, committed or failed (``wait`` then returns at once)."""
@@ -373,7 +400,16 @@ class SaveHandle:
     def wait(self) -> SaveReport:
         """Waits for the save (other Python threads run meanwhile) and returns its report, or
         raises its error. Only once."""
-        return SaveReport(**self._native.wait())
+        return SaveReport(**self._native.wait(), **(self._staging.report() if self._staging else {}))
+
+
+def _started(call, tables, dense, options):
+    """Starts the native background save ``call``: (its handle, the staging it copied
+    through)."""
+    staging = _staging.Staging(options.get("staging_bytes"))
+    arguments = _save_arguments(tables, dense, options, staging)
+    staging.start()
+    return call(*arguments), staging
 
 
 def save_async(
@@ -393,7 +429,7 @@ def save_async(
     lower CPU priority. Options as :func:`save`. Errors found before the moment (bad arguments)
     are raised here; later ones by :meth:`SaveHandle.wait`. The copies' memory is kept for the
     next background save (:func:`background_memory`)."""
-    return SaveHandle(_saver.save_async(os.fspath(path), *_save_arguments(tables, dense, _options(options))))
+    return SaveHandle(*_started(lambda *a: _saver.save_async(os.fspath(path), *a), tables, dense, _options(options)))
 
 
 @dataclass
@@ -445,8 +481,10 @@ def load(
     ``dense=False`` leaves the dense tensors out.
 
     Row-range tables (saved as :class:`Chunk` values): ``into={table: {slot: Chunk(buffer,
-    offset=(row, col))}}`` fills your buffers in place (a numpy array or a CPU torch tensor,
-    C-contiguous), reading only the bytes they take; those tables are then not returned. Any
+    offset=(row, col))}}`` fills your buffers in place (a numpy array or a torch tensor,
+    C-contiguous; a tensor in device memory through a host buffer of its size, pinned on CUDA,
+    copied to it once the whole load is read and checked: ``report["landed_bytes"]``), reading
+    only the bytes they take; those tables are then not returned. Any
     other row-range table comes back whole, ``{slot: array}`` (with ``shard_index=j``: rows
     ``rows * j // shards`` to ``rows * (j + 1) // shards``, their first row in
     ``report["row_offsets"][table]``).
@@ -493,7 +531,8 @@ def _load_opened(ck: "Checkpoint", shards, shard_index, tables, exclude_slots, d
     hashed = None if tables is None else [t for t in tables if t in held["tables"]]
     want_hashed = bool(held["tables"]) and (hashed is None or bool(hashed))
     out = Loaded(report={})
-    requests = _row_requests(ck, held["row_tables"], out, shards, shard_index, tables, exclude_slots, into or {})
+    landing = _staging.Landing()
+    requests = _row_requests(ck, held["row_tables"], out, shards, shard_index, tables, exclude_slots, into or {}, landing)
     # One request through the one opening: the hashed tables, the dense tensors and every
     # row-range target, checked before the first byte lands and read from one save.
     if dense or want_hashed or requests:
@@ -518,14 +557,17 @@ def _load_opened(ck: "Checkpoint", shards, shard_index, tables, exclude_slots, d
                 _typed(data, dtype, shape) if dtype in _TO_NUMPY or dtype in _PATTERN_BITS else data
             )
     out.report.setdefault("row_tables", {"bytes_wanted": 0, "bytes_read": 0, "chunks": 0})
+    # Every byte read and checked: only now do device targets change.
+    out.report["landed_bytes"] = landing.finish()
     return out
 
 
-def _row_requests(ck, held, out, shards, shard_index, tables, exclude_slots, into) -> dict:
+def _row_requests(ck, held, out, shards, shard_index, tables, exclude_slots, into, landing) -> dict:
     """The row-range targets of a load: ``into``'s buffers, checked, and a buffer of its own for
     each other row-range table (``held``, from the manifest), put in ``out``. Returns them as
     ``{(table, (first row, end row)): [(slot, columns, the buffer's bytes)]}``, for the one
-    native call of the load."""
+    native call of the load. A buffer in device memory is filled through a host buffer of
+    ``landing``'s."""
     import fnmatch
 
     path = ck.path
@@ -542,7 +584,7 @@ def _row_requests(ck, held, out, shards, shard_index, tables, exclude_slots, int
         if spec is None:
             raise InputError(f"{what}: row-range table {name!r} has no slot {slot!r} (it has {sorted(held[name]['slots'])})")
         whole = tuple(spec[1])
-        a = _host.writable(buffer, what)
+        a = _host.writable(buffer, what, landing)
         _check_target_dtype(a, spec[0], what)
         offset = tuple(_int(f"{what} offset", o, 0) for o in offset) if offset is not None else (0,) * len(whole)
         if a.ndim != len(whole) or len(offset) != len(whole):
@@ -794,7 +836,7 @@ class Manager:
         step = _int("step", step, 0)
         if full:
             self._native.force_full()
-        return SaveReport(**self._native.save(step, *_save_arguments(tables, dense, _options(options))))
+        return _saved(lambda *a: self._native.save(step, *a), tables, dense, _options(options))
 
     def save_async(
         self, step: int, tables=None, dense=None, *, full: bool = False, **options: Any
@@ -806,7 +848,7 @@ class Manager:
         step = _int("step", step, 0)
         if full:
             self._native.force_full()
-        running = self._native.save_async(step, *_save_arguments(tables, dense, _options(options)))
+        running, _ = _started(lambda *a: self._native.save_async(step, *a), tables, dense, _options(options))
         return ManagedSaveHandle(self, step, skipped=running is not None)
 
     def prune(self, *, keep_latest: Optional[int] = None, dry_run: bool = False) -> dict:
@@ -913,6 +955,7 @@ def _options(given: Mapping[str, Any]) -> dict:
         compress=None,
         direct_io="auto",
         wait=None,
+        staging_bytes=None,
     )
     unknown = set(given) - set(options)
     if unknown:

@@ -4,16 +4,22 @@ module reads or fills, and where loaded memory becomes a tensor again. Every ten
 calls `.cpu()` or `.numpy()` or decides what a device tensor gets (python/tests/test_host.py
 holds the package to it).
 
-Today a CPU tensor or a numpy array is taken as it is, without a copy; a tensor on another
-device is copied to the host by `saver.save` (`readable`) and refused where saver would fill or
-keep a view of it (`writable`, `on_host`). torch is imported only when a tensor is given."""
+A CPU tensor or a numpy array is taken as it is, without a copy. A tensor in device memory
+that a save gives as a dense tensor or a row-range chunk (every tensor of `saver.torch`) is
+staged: the save's writers read it a chunk at a time through a bounded ring of host buffers
+(`_staging`), never whole. A device tensor among a hashed table's columns is copied to the host
+(its rows are read in bucket order, not in runs). A device tensor is refused where saver would
+fill in place or keep a view of it (`writable`, `on_host`), but for the buffers of a load's
+row-range targets, which land through host buffers (`_staging.Landing`). torch is imported only
+when a tensor is given."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
+from . import _staging
 from ._dtypes import _ML_DTYPES_PATTERNS, _PATTERN_BITS, _PATTERN_TYPE, _TORCH_PATTERNS, Bits
 from ._errors import InputError
 
@@ -30,9 +36,25 @@ def _pattern_view(t, pattern: str) -> Bits:
     return Bits(t.view(width).numpy(), pattern)
 
 
-def readable(value: Any, what: str) -> np.ndarray:
+def saver_dtype_of(tensor: Any, what: str) -> str:
+    """The saver dtype name of a torch tensor's dtype."""
+    import torch
+
+    pattern = _TORCH_PATTERNS.get(str(tensor.dtype))
+    if pattern is not None:
+        return pattern
+    from . import _dtype_name
+
+    return _dtype_name(torch.empty((), dtype=tensor.dtype).numpy(), what)
+
+
+def readable(value: Any, what: str, staging: Optional[_staging.Staging] = None):
     """``value`` as a C-contiguous numpy array a save reads: no copy for a contiguous array or
-    a CPU torch tensor, one copy for a strided view or a tensor on another device."""
+    a CPU torch tensor, one copy for a strided view or a tensor on another device. With
+    ``staging``, a device tensor comes as a :class:`_staging.StagedTensor` its save reads
+    through the staging ring instead (no whole copy)."""
+    if staging is not None and _staging.is_staged(value):
+        return staging.add(value, what, saver_dtype_of(value, what))
     if _is_tensor(value):
         # `.numpy()` shares a CPU tensor's memory.
         t = value.detach().cpu()
@@ -54,10 +76,14 @@ def readable(value: Any, what: str) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-def writable(value: Any, what: str) -> np.ndarray:
+def writable(value: Any, what: str, landing: Optional[_staging.Landing] = None) -> np.ndarray:
     """``value`` as a writable C-contiguous numpy array over the caller's memory, which a load
     fills in place (a CPU torch tensor shares it; a dtype numpy has no type for comes as a
-    :class:`Bits` view of it), or an :class:`InputError`: a load into a copy would be lost."""
+    :class:`Bits` view of it), or an :class:`InputError`: a load into a copy would be lost.
+    With ``landing``, a device tensor is filled through a host buffer of ``landing``'s, copied
+    to it when the load ends."""
+    if landing is not None and _staging.is_staged(value):
+        value = landing.add(value.detach(), what)
     if _is_tensor(value):
         t = value.detach()
         on_host(t, what, "load into a CPU tensor and copy it over")

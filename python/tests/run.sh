@@ -15,5 +15,13 @@ cargo build --quiet -p saver-cli
 SAVER_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/saver" \
   "$venv/bin/python" -m pytest -q --basetemp "${CARGO_TARGET_DIR:-$root/target}/pytest-tmp" \
   "$root/python/tests"
+# The torch suites again with the CPU stand-in of a device (saver/_staging.py): every torch
+# tensor a save reads goes through the staging ring, as a CUDA tensor does.
+SAVER_STAND_IN_DEVICE=1 SAVER_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/saver" \
+  "$venv/bin/python" -m pytest -q --basetemp "${CARGO_TARGET_DIR:-$root/target}/pytest-tmp" \
+  "$root/python/tests/test_torch.py" "$root/python/tests/test_torch_sharded.py" \
+  "$root/python/tests/test_torch_dtypes.py" "$root/python/tests/test_torchrec.py" \
+  "$root/python/tests/test_torch_trust.py" "$root/python/tests/test_one_opening.py" \
+  "$root/python/tests/test_staging.py"
 # The package's example: a training loop that saves in the background and resumes.
 "$venv/bin/python" "$root/python/examples/train_loop.py"

@@ -1,7 +1,7 @@
-"""The host seam (saver/_host.py) is the one place where a tensor becomes host memory and back:
-no other module of the package calls `.cpu()`, `.numpy()` or `.to(...)` on a tensor or looks at
-its device, so that what a device tensor gets (today a copy or a refusal, next a staging ring)
-is decided there alone."""
+"""The host seam (saver/_host.py, with its staging ring saver/_staging.py) is the one place
+where a tensor becomes host memory and back: no other module of the package calls `.cpu()`,
+`.numpy()` or `.to(...)` on a tensor or looks at its device, so that what a device tensor gets
+(staged through the ring, copied, or refused) is decided there alone."""
 
 import ast
 import os
@@ -28,7 +28,7 @@ def _sources():
 def test_no_module_but_the_host_seam_moves_a_tensor_to_or_from_host_memory():
     offenders = []
     for path in _sources():
-        if os.path.basename(path) == "_host.py":
+        if os.path.basename(path) in ("_host.py", "_staging.py"):
             continue
         for node in ast.walk(ast.parse(open(path).read(), path)):
             if isinstance(node, ast.Attribute) and node.attr in HOST_ONLY:

@@ -335,3 +335,48 @@ def test_an_embedding_of_no_rows_or_no_columns_is_saved_and_loaded(tmp_path):
     back_opt = torch.optim.Adagrad(back.parameters())
     saver.torch.load(tmp_path / "ck", back, back_opt)
     assert_same(model, back)
+
+
+def _rank_agreeing_on_its_own_group(rank, world, path, port, out):
+    import torch.distributed as dist
+
+    import gloo_ranks
+
+    with gloo_ranks.group(rank, world, port):
+        # A group of its own beside the default one, as a gloo group beside NCCL: every
+        # collective saver makes must name it.
+        side = dist.new_group(backend="gloo")
+        groups = []
+        for name in ("all_gather_object", "broadcast_object_list"):
+            real = getattr(dist, name)
+
+            def spy(*args, _real=real, **kwargs):
+                groups.append(kwargs.get("group"))
+                return _real(*args, **kwargs)
+
+            setattr(dist, name, spy)
+        model = Dlrm(seed=3)
+        opt = optimizers(model)[0]
+        train(model, opt, 1)
+        saver.torch.save(path, model, opt, process_group=side)
+        h = saver.torch.save_async(path + "-bg", model, opt, process_group=side)
+        h.wait()
+        back = Dlrm(seed=9)
+        saver.torch.load(path, back, optimizers(back)[0], process_group=side)
+        with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{len(groups)} {sum(g is side for g in groups)}\n")
+        torch.save(back.state_dict(), os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_the_ranks_agree_on_the_process_group_given_and_only_on_it(tmp_path):
+    from test_torch import _free_port
+
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_rank_agreeing_on_its_own_group, args=(2, str(tmp_path / "ck"), _free_port(), str(out)), nprocs=2, join=True)
+    for rank in range(2):
+        calls, on_side = map(int, (out / f"rank{rank}.txt").read_text().split())
+        assert calls > 0 and calls == on_side, f"rank {rank}: {on_side} of {calls} collectives on the group given"
+    a, b = (torch.load(out / f"rank{r}.pt") for r in range(2))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 
 import saver as _s
-from saver import _host
 
 
 def _sharded_types():
@@ -65,7 +64,6 @@ def _chunks_of(t, what, reading=False):
         raise _s.InputError(f"{what}: a sharded tensor of shape {shape}; a table has rows, and columns")
     out = []
     for tensor, offset in _local_parts(t):
-        _host.on_host(tensor, f"{what}: a shard", "saver.torch saves CPU tensors")
         out.append(_s.Chunk(tensor.detach(), offset=offset, shape=shape))
     if not reading and _is_dtensor(t) and out and _shards_wrapper(t) is None:
         from torch.distributed.tensor import Replicate

@@ -12,7 +12,6 @@ from typing import Any, Iterable, Optional
 import torch
 
 import saver as _s
-from saver import _host
 
 
 _EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -36,8 +35,6 @@ def _table_params(model: torch.nn.Module, tables: Optional[Iterable[str]]) -> di
         if named[name].dim() != 2:
             raise _s.InputError(f"tables: parameter {name!r} has shape {tuple(named[name].shape)}; a table has rows and columns")
         out[name] = named[name]
-    for name, p in out.items():
-        _host.on_host(p, f"parameter {name!r}", "saver.torch saves CPU tensors (move the model, or copy it, to the CPU)")
     return out
 
 

@@ -16,12 +16,12 @@ from ._fused import _broadcast_fill, _column_mean_fill, _convert, _dense_part, _
 from ._items import _table_params, chunk_items, load_request
 from ._metadata import _meta
 from ._optim import _check_hyper, _check_optimizer, _check_optimizer_class, _load_optimizer, _param_names, _updates
-from ._ranks import _agreed, _same_checkpoint, _world
+from ._ranks import _agreed, _gathered, _same_checkpoint, _world, on_group
 
 
 def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
          optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True,
-         fallback: bool = False) -> Any:
+         fallback: bool = False, process_group: Any = None) -> Any:
     """Fills ``model``'s parameters and buffers and ``optimizer``'s state and hyperparameters in
     place from the checkpoint at ``source`` (a path, or a :class:`saver.Manager`: its newest
     committed step), and returns the ``extra`` saved with them. Row-range tables are read
@@ -34,7 +34,15 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     optimizer as they were. A read that fails midway (a checksum) says which tables may already
     hold part of the checkpoint; with a Manager and ``fallback=True`` the next older committed
     step is then loaded into the same model and optimizer (a :class:`saver.SaverWarning` names
-    the step passed over), so that training never goes on from a mixture."""
+    the step passed over), so that training never goes on from a mixture. CUDA tensors are
+    filled through pinned host buffers once every byte is read and checked.
+    ``process_group``: the group saver's agreement between ranks runs on (as
+    :func:`save`)."""
+    with on_group(process_group):
+        return _load_from(source, model, optimizer, strict, fallback)
+
+
+def _load_from(source, model, optimizer, strict, fallback):
     if isinstance(source, _s.Manager):
         latest = _load_newest(source, model, optimizer, strict, fallback)
         if latest is None:
@@ -46,13 +54,14 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
 
 
 def load_latest(manager: "_s.Manager", model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                *, strict: bool = True, fallback: bool = False):
+                *, strict: bool = True, fallback: bool = False, process_group: Any = None):
     """:func:`load` of ``manager``'s newest committed step (with ``fallback``, the newest that
     loads): ``(step, extra)``, the step read and the ``extra`` saved with it, or ``None`` when
     the root holds no step. Where a restarted job resumes, as :meth:`saver.Manager.load_latest`."""
     if not isinstance(manager, _s.Manager):
         raise _s.InputError(f"manager: give a saver.Manager, got {type(manager).__name__}")
-    return _load_newest(manager, model, optimizer, strict, fallback)
+    with on_group(process_group):
+        return _load_newest(manager, model, optimizer, strict, fallback)
 
 
 def _load_newest(manager, model, optimizer, strict, fallback):
@@ -84,10 +93,7 @@ def _load_newest(manager, model, optimizer, strict, fallback):
             failure = f"rank {_world()[0]}: {e}"
         failures = [failure]
         if world > 1:
-            import torch.distributed as dist
-
-            failures = [None] * world
-            dist.all_gather_object(failures, failure)
+            failures = _gathered(failure)
         failed = [f for f in failures if f]
         if not failed:
             return step, extra
@@ -118,10 +124,7 @@ def _load_once(path, model, optimizer, strict):
         failure = e
     if _world()[1] > 1:
         # Every rank learns whether every rank opened one and the same save.
-        import torch.distributed as dist
-
-        seen = [None] * _world()[1]
-        dist.all_gather_object(seen, None if failure is None else f"rank {_world()[0]}: {failure}")
+        seen = _gathered(None if failure is None else f"rank {_world()[0]}: {failure}")
         failed = [f for f in seen if f]
         if failed:
             raise (failure if failure is not None else _s.SaverError("; ".join(failed)))

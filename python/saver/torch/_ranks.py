@@ -3,27 +3,58 @@ save (a dead rank learnt of within a tick), the checkpoint every rank opened."""
 
 from __future__ import annotations
 
+import contextvars
 import os
+from contextlib import contextmanager
 
 import saver as _s
 
+#: The process group saver's own agreement runs on (`process_group=`; None: the default group).
+_GROUP = contextvars.ContextVar("saver_process_group", default=None)
+
+
+@contextmanager
+def on_group(group):
+    """Runs the body's agreement between ranks on `group` (a gloo group beside NCCL, so that it
+    never needs device memory); None keeps the default group."""
+    token = _GROUP.set(group)
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
+
+
+def _group():
+    return _GROUP.get()
+
 
 def _world():
-    """(rank, world size) under an initialized torch.distributed of more than one rank, else
-    (0, 1)."""
+    """(rank, world size) under an initialized torch.distributed of more than one rank (in the
+    group given), else (0, 1)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.get_rank(), dist.get_world_size()
+    group = _group()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
+
+
+def _gathered(value):
+    """Every rank's `value`, in rank order, on every rank."""
+    import torch.distributed as dist
+
+    seen = [None] * _world()[1]
+    dist.all_gather_object(seen, value, group=_group())
+    return seen
 
 
 def _agreed(value):
     """Rank 0's `value`, on every rank."""
     import torch.distributed as dist
 
+    group = _group()
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     return box[0]
 
 
@@ -42,8 +73,6 @@ def _agree(call, rank, world):
         return call()
     import threading
 
-    import torch.distributed as dist
-
     box = {}
 
     def share():
@@ -57,9 +86,8 @@ def _agree(call, rank, world):
     while True:
         worker.join(_TICK)
         mine = "running" if worker.is_alive() else box.get("failure", "done")
-        seen = [None] * world
         try:
-            dist.all_gather_object(seen, mine)
+            seen = _gathered(mine)
         except Exception as e:  # noqa: BLE001 - a peer gone: this rank's error, whatever it was
             raise _s.SaverError(f"rank {rank}: another rank left the save (died, or its process group ended): {e}") from e
         failed = [f for f in seen if f not in ("running", "done")]
@@ -75,6 +103,7 @@ class RanksHandle:
 
     def __init__(self, handle, rank, world):
         self._handle, self._rank, self._world = handle, rank, world
+        self._group = _group()
 
     def done(self) -> bool:
         """Whether **this rank's** share has ended: another rank's may end a step earlier or
@@ -85,7 +114,8 @@ class RanksHandle:
     def wait(self):
         """Waits for every rank's share, agreed through the process group: this rank's report,
         or, on every rank, the error of any rank that failed or died."""
-        return _agree(self._handle.wait, self._rank, self._world)
+        with on_group(self._group):
+            return _agree(self._handle.wait, self._rank, self._world)
 
     def __getattr__(self, name):
         return getattr(self._handle, name)
@@ -98,9 +128,6 @@ def _same_checkpoint(ck, path):
     rank, world = _world()
     if world == 1:
         return
-    import torch.distributed as dist
-
-    seen = [None] * world
-    dist.all_gather_object(seen, (ck.save_id, os.fspath(path)))
+    seen = _gathered((ck.save_id, os.fspath(path)))
     if len({s for s, _ in seen}) > 1:
         raise _s.InputError("the ranks opened different checkpoints: " + ", ".join(f"rank {r} {p} (save {s})" for r, (s, p) in enumerate(seen)))

@@ -11,14 +11,13 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 import saver as _s
-from saver import _host
 
 from ._forms import _chunks_of, _column_ranges, _is_sharded
 from ._fused import _dense_part, _fused_state, _is_rowwise, _rowwise_chunks
 from ._items import _table_params, chunk_items, dense_item, save_arguments, table_item
 from ._metadata import META_KEY, META_VERSION, _jsonable
 from ._optim import _optimizer_state
-from ._ranks import RanksHandle, _agree, _agreed, _world
+from ._ranks import RanksHandle, _agree, _agreed, _gathered, _world, on_group
 
 
 def _collect(model, optimizer, tables, step, extra, rank, world):
@@ -55,7 +54,6 @@ def _collect(model, optimizer, tables, step, extra, rank, world):
             continue
         if name in table_params:
             continue
-        _host.on_host(t, f"state {name!r}", "saver.torch saves CPU tensors")
         dense[name] = t.detach()
     for name, p in table_params.items():
         by_table[name] = {"param": p.detach()}
@@ -119,16 +117,13 @@ def _save(target, model, optimizer, step, extra, tables, background, options):
         # Each rank sees the row-wise state of the shards it holds: the metadata, which every
         # rank must give alike, takes them all. A rank that cannot give its share says so
         # here, and every rank raises (rather than wait for it).
-        import torch.distributed as dist
-
         failure, rowwise = None, {}
         try:
             items, meta = _collect(model, optimizer, tables, step, extra, rank, world)
             rowwise = meta["rowwise"]
         except Exception as e:  # noqa: BLE001 - told to every rank, then raised
             failure = f"rank {rank}: {e}"
-        seen = [None] * world
-        dist.all_gather_object(seen, (failure, rowwise))
+        seen = _gathered((failure, rowwise))
         failed = [f for f, _ in seen if f]
         if failed:
             raise _s.InputError("; ".join(failed))
@@ -168,20 +163,27 @@ def _save(target, model, optimizer, step, extra, tables, background, options):
 
 def save(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
          optimizer: Optional[torch.optim.Optimizer] = None, *, step: Optional[int] = None,
-         extra: Any = None, tables: Optional[Iterable[str]] = None, **options: Any):
+         extra: Any = None, tables: Optional[Iterable[str]] = None, process_group: Any = None,
+         **options: Any):
     """Saves ``model`` (its ``state_dict()``) and ``optimizer`` at ``target`` (a path, or a
     :class:`saver.Manager`, which needs ``step``), committed when this returns. ``extra``:
     anything JSON holds, given back by :func:`load`. ``tables``: parameter names of 2-D
     parameters to save as row-range tables beside the embeddings found. Other options as
     :func:`saver.save` (``compress``, ``parent``, ``durable``...; ``direct_io`` is ``"off"`` here:
     the tensors are written from their own memory through the page cache, with no staging
-    buffers; :func:`save_async` keeps ``"auto"``). Tensors are read in place: none may change until this returns."""
-    return _save(target, model, optimizer, step, extra, tables, False, options)
+    buffers; :func:`save_async` keeps ``"auto"``). Tensors are read in place: none may change until this returns.
+    CUDA tensors are read through the staging ring (:func:`saver.save`'s ``staging_bytes``).
+    ``process_group``: the torch.distributed group saver's own agreement between ranks (save
+    id, outcome) runs on, e.g. a gloo group made beside an NCCL one
+    (``dist.new_group(backend="gloo")``); default: the default group."""
+    with on_group(process_group):
+        return _save(target, model, optimizer, step, extra, tables, False, options)
 
 
 def save_async(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
                optimizer: Optional[torch.optim.Optimizer] = None, *, step: Optional[int] = None,
-               extra: Any = None, tables: Optional[Iterable[str]] = None, **options: Any):
+               extra: Any = None, tables: Optional[Iterable[str]] = None, process_group: Any = None,
+               **options: Any):
     """:func:`save` in the background: returns a handle once the model and optimizer state are
     copied (every core copies), so that training may go on at once; ``handle.wait()`` returns
     the report, or raises the save's error. Under ``torch.distributed`` every rank calls it at
@@ -191,5 +193,7 @@ def save_async(target: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Mo
     within a second, not when a Manager's wait for the commit ends); its ``done()`` is this
     rank's alone. The copy's memory is kept for the next
     background save, which copies into it at memory speed rather than the kernel's page-fault
-    speed and writes it to the disk from there (:func:`saver.background_memory`)."""
-    return _save(target, model, optimizer, step, extra, tables, True, options)
+    speed and writes it to the disk from there (:func:`saver.background_memory`).
+    ``process_group`` as :func:`save` (the handle's ``wait()`` agrees on it too)."""
+    with on_group(process_group):
+        return _save(target, model, optimizer, step, extra, tables, True, options)

@@ -1,0 +1,319 @@
+"""The host seam's staging ring: how a tensor in device memory reaches the native writers.
+
+A save does not copy a device tensor to the host whole. The tensor is handed to the native
+module as a :class:`StagedTensor`, a source of bytes that the save's writer threads read a
+writer's chunk at a time (``read_into``), as they write. Each read takes a buffer of the
+process's :class:`Ring` (host memory allocated once and reused, pinned on CUDA; bounded: by
+default the smaller of 256 MiB and 1/8 of the staged state), copies the range into it on a
+stream of the ring's own with an event per chunk, waits for that event alone, and hands the bytes
+to the writer, which checksums and writes them while other writers' chunks copy. A writer that
+finds every buffer in use waits for one (without the GIL). The Rust crates link no CUDA: torch
+owns device memory, streams and events.
+
+The copies of a save run after the work already queued on the caller's current stream (the
+ring's stream waits on it once per save), so a save started right after a training step saves
+that step's values.
+
+A load fills a device tensor through a host buffer of its size (pinned on CUDA), copied to the
+device once the whole load has been read and checked (:class:`Landing`): a refused load leaves
+the device tensors as they were, as it leaves host buffers.
+
+Without a GPU the same code runs with a CPU stand-in (``SAVER_STAND_IN_DEVICE=1``): CPU torch
+tensors are then taken as device tensors, and their copies run on a worker thread of their own
+into the ring's (pageable) buffers, each waited for by its future as a CUDA copy is by its
+event. The tests run the package's saves through it."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any, Optional
+
+from ._errors import InputError
+
+#: The largest ring a save makes unless told (``staging_bytes``).
+DEFAULT_RING_BYTES = 256 << 20
+#: A buffer of the ring: a writer's chunk (the plan's default ``chunk_bytes``), so that one
+#: read of a writer is one copy.
+SLOT_BYTES = 8 << 20
+#: The smallest buffer, for small states: below it a copy's fixed cost dominates.
+MIN_SLOT_BYTES = 64 << 10
+
+
+def stand_in() -> bool:
+    """Whether CPU tensors are staged as device tensors (the CPU stand-in of the tests)."""
+    return os.environ.get("SAVER_STAND_IN_DEVICE", "") not in ("", "0")
+
+
+def is_staged(tensor: Any) -> bool:
+    """Whether a save stages ``tensor`` through the ring rather than reading it in place."""
+    device = getattr(tensor, "device", None)
+    if device is None or not hasattr(tensor, "untyped_storage"):
+        return False
+    return device.type != "cpu" or stand_in()
+
+
+def check_storage(tensor: Any, what: str) -> None:
+    """Refuses a tensor whose storage is gone: TorchRec frees a table's device storage during
+    a step (memory stashing), and a freed tensor read would save zeros or garbage."""
+    if tensor.numel() == 0:
+        return
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0 or tensor.data_ptr() == 0:
+        raise InputError(f"{what}: its storage on {tensor.device} is freed or resized to 0 bytes (a table TorchRec stashed?); nothing was saved from it")
+    needed = (tensor.storage_offset() + 1) * tensor.element_size()
+    if storage.nbytes() < needed:
+        raise InputError(f"{what}: its storage on {tensor.device} holds {storage.nbytes()} bytes, too few for the tensor; it was resized")
+
+
+class _CudaCopies:
+    """Device-to-host copies on a CUDA stream of their own, an event per chunk."""
+
+    def __init__(self, device):
+        import torch
+
+        self._torch = torch
+        self.stream = torch.cuda.Stream(device=device)
+        # The save's moment: its copies come after the caller's queued work.
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+
+    def start(self, dst, src):
+        torch = self._torch
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    @staticmethod
+    def finish(event) -> None:
+        event.synchronize()
+
+
+class _StandInCopies:
+    """The CPU stand-in of :class:`_CudaCopies`: each copy runs on a worker thread of its own
+    and is waited for by its future, as a CUDA copy is by its event."""
+
+    _pool = None
+    _lock = threading.Lock()
+
+    def __init__(self, device):
+        with _StandInCopies._lock:
+            if _StandInCopies._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                _StandInCopies._pool = ThreadPoolExecutor(1, thread_name_prefix="saver-stand-in-copy")
+
+    def start(self, dst, src):
+        return self._pool.submit(dst.copy_, src)
+
+    @staticmethod
+    def finish(future) -> None:
+        future.result()
+
+
+def _copies_for(device):
+    return _StandInCopies(device) if device.type == "cpu" else _CudaCopies(device)
+
+
+class Ring:
+    """Host buffers a save's reads of device tensors copy through: ``slots`` buffers of
+    ``slot_bytes``, allocated when first needed, kept for the next save of the same size."""
+
+    def __init__(self, capacity: int, slot_bytes: int, pinned: bool):
+        self.slot_bytes = slot_bytes
+        self.slots = max(1, capacity // slot_bytes)
+        self.pinned = pinned
+        self._free = []
+        self._made = 0
+        self._cond = threading.Condition()
+        #: Bytes copied through the ring, and the most buffers in use at once, since made.
+        self.bytes_copied = 0
+        self.most_in_use = 0
+        self._in_use = 0
+
+    @property
+    def capacity(self) -> int:
+        """The ring's host memory once every buffer is made."""
+        return self.slots * self.slot_bytes
+
+    @property
+    def allocated(self) -> int:
+        """The host memory its buffers hold now."""
+        return self._made * self.slot_bytes
+
+    def _take(self):
+        with self._cond:
+            while not self._free and self._made >= self.slots:
+                self._cond.wait()
+            if self._free:
+                buf = self._free.pop()
+            else:
+                import torch
+
+                buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+                self._made += 1
+            self._in_use += 1
+            self.most_in_use = max(self.most_in_use, self._in_use)
+            return buf
+
+    def _give(self, buf) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._in_use -= 1
+            self._cond.notify()
+
+    def copy(self, copies, flat, offset: int, address: int, length: int, check) -> None:
+        """Copies bytes ``offset .. offset + length`` of ``flat`` (a device tensor's bytes) to
+        host memory at ``address``, a buffer at a time."""
+        done = 0
+        while done < length:
+            n = min(self.slot_bytes, length - done)
+            buf = self._take()
+            try:
+                check()
+                handle = copies.start(buf[:n], flat[offset + done : offset + done + n])
+                copies.finish(handle)
+                ctypes.memmove(address + done, buf.data_ptr(), n)
+            finally:
+                self._give(buf)
+            done += n
+        with self._cond:
+            self.bytes_copied += length
+
+
+_ring: Optional[Ring] = None
+_ring_lock = threading.Lock()
+
+
+def ring_for(staged_bytes: int, staging_bytes: Optional[int]) -> Ring:
+    """The process's ring for a save staging ``staged_bytes``: ``staging_bytes`` of buffers if
+    given, else the smaller of :data:`DEFAULT_RING_BYTES` and 1/8 of the staged bytes. Reused
+    while the size asked for is the same, so that pinned memory is allocated once."""
+    global _ring
+    if staging_bytes is not None:
+        if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < MIN_SLOT_BYTES:
+            raise InputError(f"staging_bytes: must be a number of bytes of at least {MIN_SLOT_BYTES}, got {staging_bytes!r}")
+        capacity = staging_bytes
+    else:
+        capacity = max(MIN_SLOT_BYTES, min(DEFAULT_RING_BYTES, staged_bytes // 8))
+    # Two buffers at least where the bound allows, so that one copies while one is read out.
+    slot = max(MIN_SLOT_BYTES, min(SLOT_BYTES, capacity // 2))
+    pinned = not stand_in()
+    with _ring_lock:
+        if _ring is None or (_ring.slot_bytes, _ring.slots, _ring.pinned) != (slot, max(1, capacity // slot), pinned):
+            _ring = Ring(capacity, slot, pinned)
+        return _ring
+
+
+class Staging:
+    """The staging of one save: its ring and one copy engine per device, made on first use."""
+
+    def __init__(self, staging_bytes: Optional[int] = None):
+        self.staging_bytes = staging_bytes
+        self.tensors = []
+        self._copies = {}
+        self._lock = threading.Lock()
+        self.ring: Optional[Ring] = None
+        self._copied_before = 0
+
+    def add(self, tensor, what: str, dtype_name: str) -> "StagedTensor":
+        """``tensor`` (in device memory) as a source of its bytes for the native save."""
+        check_storage(tensor, what)
+        staged = StagedTensor(self, tensor, what, dtype_name)
+        self.tensors.append(staged)
+        return staged
+
+    def start(self) -> None:
+        """Makes the ring once every tensor of the save is known (its default size is 1/8 of
+        them), and fixes the save's moment on each device."""
+        if not self.tensors:
+            return
+        self.ring = ring_for(sum(t.nbytes for t in self.tensors), self.staging_bytes)
+        self._copied_before = self.ring.bytes_copied
+        for t in self.tensors:
+            self._engine(t.device)
+
+    def _engine(self, device):
+        with self._lock:
+            key = str(device)
+            if key not in self._copies:
+                self._copies[key] = _copies_for(device)
+            return self._copies[key]
+
+    def report(self) -> dict:
+        """What the staging used, for the save's report."""
+        if self.ring is None:
+            return {"staged_bytes": 0, "staging_bytes": 0}
+        return {"staged_bytes": self.ring.bytes_copied - self._copied_before, "staging_bytes": self.ring.capacity}
+
+
+class StagedTensor:
+    """A device tensor's bytes as the native save reads them: ``nbytes``, ``what`` (its name in
+    errors) and ``read_into(offset, address, length)``; and ``shape``, ``ndim`` and
+    ``saver_dtype`` for the Python half's checks."""
+
+    def __init__(self, staging: Staging, tensor, what: str, dtype_name: str):
+        import torch
+
+        t = tensor.detach()
+        # A strided device tensor is made contiguous on its device (a device copy): the ring
+        # copies contiguous byte ranges.
+        flat_source = t if t.is_contiguous() else t.contiguous()
+        self._tensor = t
+        self._flat = flat_source.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+        self._staging = staging
+        self.device = t.device
+        self.what = what
+        self.saver_dtype = dtype_name
+        self.shape = tuple(t.shape)
+        self.ndim = t.dim()
+        self.nbytes = int(t.numel() * t.element_size())
+
+    def read_into(self, offset: int, address: int, length: int) -> None:
+        """Fills the ``length`` bytes at ``address`` with this tensor's bytes from ``offset``."""
+        if offset < 0 or length < 0 or offset + length > self.nbytes:
+            raise InputError(f"{self.what}: bytes {offset}..{offset + length} asked of {self.nbytes}")
+        ring = self._staging.ring
+        if ring is None:
+            raise InputError(f"{self.what}: read before its save started")
+        ring.copy(self._staging._engine(self.device), self._flat, offset, address, length, lambda: check_storage(self._tensor, self.what))
+
+
+class Landing:
+    """Host buffers a load fills in place of device tensors, copied to them once the load has
+    read and checked everything (so that a load refused halfway leaves them as they were)."""
+
+    def __init__(self):
+        self._pairs = []
+
+    def add(self, tensor, what: str):
+        """A host tensor of ``tensor``'s shape and dtype that the load fills for it."""
+        import torch
+
+        check_storage(tensor, what)
+        if not tensor.is_contiguous():
+            raise InputError(f"{what}: a device tensor a load fills must be contiguous")
+        host = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
+        self._pairs.append((host, tensor, what))
+        return host
+
+    def finish(self) -> int:
+        """Copies every filled buffer to its device tensor; the bytes copied."""
+        import torch
+
+        copied = 0
+        devices = set()
+        with torch.no_grad():
+            for host, tensor, what in self._pairs:
+                check_storage(tensor, what)
+                tensor.copy_(host, non_blocking=True)
+                copied += host.numel() * host.element_size()
+                if tensor.device.type == "cuda":
+                    devices.add(tensor.device)
+        # The host buffers are freed when this returns: their copies must be done by then.
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
+        self._pairs.clear()
+        return copied

@@ -1,0 +1,172 @@
+"""The staging ring of the host seam (saver/_staging.py): device tensors reach the writers a
+chunk at a time through a bounded ring of host buffers. Without a GPU these tests run it with
+its CPU stand-in (SAVER_STAND_IN_DEVICE=1: CPU torch tensors are staged as device tensors, their
+copies run on a thread of their own); on a machine with CUDA the last tests run it for real."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import saver
+from saver import _staging
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setenv("SAVER_STAND_IN_DEVICE", "1")
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dense = {
+        "big": torch.randn(3_000_001, generator=g),  # 12 MB: not a whole number of buffers
+        "bf16": torch.randn(5, 7, generator=g).to(torch.bfloat16),
+        "flags": torch.rand(33, generator=g) > 0.5,
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "host": np.arange(10, dtype=np.int32),  # a numpy array beside: read in place
+        "strided": torch.arange(100, dtype=torch.int64).reshape(10, 10)[:, ::3],
+    }
+    rows = torch.randn(2000, 64, generator=g)
+    tables = {"emb": {"w": [saver.Chunk(rows[:1500], offset=(0, 0), shape=(2000, 64)), saver.Chunk(rows[1500:], offset=(1500, 0), shape=(2000, 64))]}}
+    return tables, dense
+
+
+def test_a_staged_save_holds_the_bytes_of_one_read_in_place(tmp_path, monkeypatch):
+    monkeypatch.delenv("SAVER_STAND_IN_DEVICE", raising=False)
+    tables, dense = _state()
+    plain = saver.save(tmp_path / "plain", tables, dense)
+    assert plain.staged_bytes == 0 and plain.staging_bytes == 0
+    monkeypatch.setenv("SAVER_STAND_IN_DEVICE", "1")
+    staged = saver.save(tmp_path / "staged", tables, dense, parallel=4)
+    assert saver.digest(tmp_path / "staged") == saver.digest(tmp_path / "plain")
+    dense_bytes = sum(t.numel() * t.element_size() for t in dense.values() if torch.is_tensor(t))
+    chunk_bytes = 2000 * 64 * 4
+    torch_bytes = dense_bytes + chunk_bytes
+    # A chunk's bytes go through the ring once; a dense tensor's twice, since every process of a
+    # save checksums every dense tensor it is given before the writes (their agreement).
+    assert staged.staged_bytes == 2 * dense_bytes + chunk_bytes
+    # The default bound: the smaller of 256 MiB and 1/8 of the staged bytes.
+    assert staged.staging_bytes <= torch_bytes // 8
+    loaded = saver.load(tmp_path / "staged")
+    assert np.array_equal(loaded.dense["big"], dense["big"].numpy())
+    assert np.array_equal(loaded.dense["strided"], dense["strided"].contiguous().numpy())
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 8])
+def test_the_ring_never_holds_more_than_its_bound_however_many_writers_read(tmp_path, stand_in, parallel):
+    tables, dense = _state(seed=parallel)
+    bound = 256 << 10  # two buffers of 128 KiB for 20 MB of tensors
+    report = saver.save(tmp_path / "ck", tables, dense, parallel=parallel, staging_bytes=bound)
+    ring = _staging._ring
+    assert report.staging_bytes == bound == ring.capacity
+    assert ring.allocated <= bound and ring.most_in_use <= ring.slots == 2
+    back = saver.load(tmp_path / "ck")
+    assert np.array_equal(back.tables["emb"]["w"], torch.cat([c.values for c in tables["emb"]["w"]]).numpy())
+    # The next save of the same size reuses the ring's buffers.
+    again = saver.save(tmp_path / "again", tables, dense, parallel=parallel, staging_bytes=bound)
+    assert _staging._ring is ring and again.staged_bytes == report.staged_bytes
+
+
+def test_a_freed_tensor_fails_the_save_by_name_and_nothing_is_committed(tmp_path, stand_in):
+    tables, dense = _state()
+    gone = torch.ones(1000)
+    gone.untyped_storage().resize_(0)  # as TorchRec's memory stashing leaves a table mid-step
+    with pytest.raises(saver.InputError, match=r"dense tensor 'gone'.*freed"):
+        saver.save(tmp_path / "ck", tables, {**dense, "gone": gone})
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_tensor_freed_while_its_save_reads_it_fails_that_save_and_commits_nothing(tmp_path, stand_in, monkeypatch):
+    tables, dense = _state()
+    victim = dense["big"].clone()
+    dense["big"] = victim
+    start = _staging._StandInCopies.start
+    copies = {"n": 0}
+    lock = threading.Lock()
+
+    def start_then_free(self, dst, src):
+        with lock:
+            copies["n"] += 1
+            if copies["n"] == 3:
+                victim.untyped_storage().resize_(0)
+        return start(self, dst, src)
+
+    monkeypatch.setattr(_staging._StandInCopies, "start", start_then_free)
+    with pytest.raises(saver.SaverError, match=r"dense tensor 'big'.*freed"):
+        saver.save(tmp_path / "ck", tables, dense, staging_bytes=256 << 10)
+    with pytest.raises(saver.SaverError):
+        saver.open(tmp_path / "ck")
+
+
+def test_a_background_save_of_staged_tensors_holds_its_moment(tmp_path, stand_in):
+    tables, dense = _state()
+    before = {k: v.clone() for k, v in dense.items() if torch.is_tensor(v)}
+    handle = saver.save_async(tmp_path / "ck", tables, dense)
+    for v in dense.values():
+        if torch.is_tensor(v) and v.numel() and v.dtype != torch.bool:
+            v.add_(1)  # training goes on once the call returns
+    report = handle.wait()
+    assert report.staged_bytes > 0
+    back = saver.load(tmp_path / "ck")
+    assert np.array_equal(back.dense["big"], before["big"].numpy())
+
+
+def test_staging_bytes_is_checked_by_name(tmp_path, stand_in):
+    tables, dense = _state()
+    for bad in (0, -1, 1000, "1MiB", True):
+        with pytest.raises(saver.InputError, match="staging_bytes"):
+            saver.save(tmp_path / "ck", tables, dense, staging_bytes=bad)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_torch_model_saved_through_the_ring_loads_bitwise(tmp_path, stand_in):
+    model = torch.nn.Sequential(torch.nn.Embedding(5000, 32), torch.nn.Linear(32, 8))
+    opt = torch.optim.Adagrad(model.parameters())
+    model(torch.arange(10)).sum().backward()
+    opt.step()
+    report = saver.torch.save(tmp_path / "ck", model, opt)
+    assert report.staged_bytes >= sum(p.numel() * 4 for p in model.parameters())
+    assert report.staging_bytes < report.staged_bytes
+    back = torch.nn.Sequential(torch.nn.Embedding(5000, 32), torch.nn.Linear(32, 8))
+    back_opt = torch.optim.Adagrad(back.parameters())
+    saver.torch.load(tmp_path / "ck", back, back_opt)
+    for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_a_cuda_model_is_saved_through_pinned_buffers_after_the_queued_work(tmp_path):
+    x = torch.zeros(8 << 20, device="cuda")
+    # Queued on the current stream: the save's copies must come after it.
+    x.add_(1)
+    y = torch.full((1000, 64), 2.0, device="cuda")
+    report = saver.save(tmp_path / "ck", {"t": {"w": saver.Chunk(y)}}, {"x": x})
+    assert report.staged_bytes == x.numel() * 4 + y.numel() * 4 and _staging._ring.pinned
+    back = saver.load(tmp_path / "ck")
+    assert (back.dense["x"] == 1).all() and (back.tables["t"]["w"] == 2).all()
+
+
+def test_a_load_lands_device_targets_only_once_every_byte_is_read_and_checked(tmp_path, stand_in):
+    rows = torch.arange(2000 * 64, dtype=torch.float32).reshape(2000, 64)
+    saver.save(tmp_path / "ck", {"emb": {"w": saver.Chunk(rows)}})
+    a, b = torch.zeros(1000, 64), torch.zeros(1000, 32)
+    loaded = saver.load(tmp_path / "ck", into={"emb": {"w": [saver.Chunk(a, offset=(0, 0)), saver.Chunk(b, offset=(1000, 32))]}})
+    assert torch.equal(a, rows[:1000]) and torch.equal(b, rows[1000:, 32:])
+    assert loaded.report["landed_bytes"] == (a.numel() + b.numel()) * 4
+    # A flipped byte in the rows of the second target: the load is refused, and the first
+    # target, whose rows were read and were whole, is not changed either.
+    data = [p for p in (tmp_path / "ck").rglob("*.safetensors")]
+    assert len(data) == 1
+    raw = bytearray(data[0].read_bytes())
+    raw[-100] ^= 0xFF
+    data[0].write_bytes(bytes(raw))
+    c, d = torch.full((1000, 64), -1.0), torch.full((1000, 64), -1.0)
+    with pytest.raises(saver.SaverError, match="emb"):
+        saver.load(tmp_path / "ck", into={"emb": {"w": [saver.Chunk(c, offset=(0, 0)), saver.Chunk(d, offset=(1000, 0))]}})
+    assert (c == -1).all() and (d == -1).all()
