@@ -1,0 +1,104 @@
+"""The staging ring's own cost (python/saver/_staging.py), on one model, in one run.
+
+A CUDA model's save reads every tensor through the ring: a device-to-host copy into a pinned
+buffer, then a host copy into the writer's buffer, then the write. Without a GPU the device copy
+cannot be timed, but everything else the ring adds can: with SAVER_STAND_IN_DEVICE=1 the CPU
+tensors of the same model go through the same ring (their "device" copy a host copy on the
+stand-in's thread). Three saves of the same state, durable, same bytes, interleaved, medians:
+
+- ``in place``: saver.torch.save of the CPU model (what the ring replaces);
+- ``staged``: the same through the ring (default bound: 1/8 of the state);
+- ``copy + torch.save``: what a GPU user does without saver: the state copied to host memory
+  whole (here a clone stands for `.cpu()`), then torch.save of it, fsync'd.
+
+    python benches/staging_ring.py [--gib 1.0] [--rounds 5] [--work DIR]
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import saver
+import saver.torch
+
+
+def model_of(gib):
+    rows = int(gib * (1 << 30) / 4 / 2 / 128)  # weights and Adagrad's sum, 128 columns
+    m = torch.nn.Sequential(torch.nn.Embedding(rows, 128), torch.nn.Linear(128, 64))
+    opt = torch.optim.Adagrad(m.parameters())
+    m(torch.arange(64)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def fsync_tree(path):
+    for root, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--work", default=None)
+    args = ap.parse_args()
+    work = args.work or tempfile.mkdtemp(prefix="staging-ring-")
+    os.makedirs(work, exist_ok=True)
+    model, opt = model_of(args.gib)
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 2
+
+    def in_place(path):
+        os.environ.pop("SAVER_STAND_IN_DEVICE", None)
+        return saver.torch.save(path, model, opt)
+
+    def staged(path):
+        os.environ["SAVER_STAND_IN_DEVICE"] = "1"
+        try:
+            return saver.torch.save(path, model, opt)
+        finally:
+            os.environ.pop("SAVER_STAND_IN_DEVICE", None)
+
+    def copy_then_torch_save(path):
+        host = {k: v.clone() for k, v in model.state_dict().items()}
+        host_opt = {k: {s: t.clone() if torch.is_tensor(t) else t for s, t in st.items()} for k, st in opt.state_dict()["state"].items()}
+        os.makedirs(path)
+        torch.save({"model": host, "opt": host_opt}, os.path.join(path, "model.pt"))
+        fsync_tree(path)
+
+    cases = {"in place": in_place, "staged": staged, "copy + torch.save": copy_then_torch_save}
+    times = {k: [] for k in cases}
+    ring = None
+    for r in range(args.rounds + 1):
+        for name, save in cases.items():
+            path = os.path.join(work, name.replace(" ", "_").replace("+", ""))
+            shutil.rmtree(path, ignore_errors=True)
+            os.sync()
+            t = time.perf_counter()
+            report = save(path)
+            took = time.perf_counter() - t
+            if name == "staged":
+                ring = report
+            if r:  # round 0 warms up
+                times[name].append(took)
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" if v and r else k for k, v in times.items()), file=sys.stderr)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"# Staging ring, {state_bytes / (1 << 30):.2f} GiB of state, {args.rounds} rounds, medians\n")
+    print("| save | seconds | / in place | / copy + torch.save |")
+    print("| --- | --- | --- | --- |")
+    for k, v in med.items():
+        print(f"| {k} | {v:.3f} | {v / med['in place']:.3f} | {v / med['copy + torch.save']:.3f} |")
+    print(f"\nThe ring held {ring.staging_bytes / (1 << 20):.1f} MiB and read {ring.staged_bytes / (1 << 30):.2f} GiB through it.")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
