@@ -25,3 +25,6 @@ SAVER_STAND_IN_DEVICE=1 SAVER_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/saver
   "$root/python/tests/test_staging.py"
 # The package's example: a training loop that saves in the background and resumes.
 "$venv/bin/python" "$root/python/examples/train_loop.py"
+# The staging ring's benchmark still runs (tiny size, one round; figures not kept).
+"$venv/bin/python" "$root/benches/staging_ring.py" --gib 0.01 --rounds 1 \
+  --work "${CARGO_TARGET_DIR:-$root/target}/staging-ring-quick" > /dev/null
