@@ -98,6 +98,10 @@ struct StagedSource {
     source: Py<PyAny>,
     len: u64,
     what: String,
+    /// Whether its bytes stay as they are after the call returns (a copy of the moment in
+    /// device memory), so that a background save reads them as it writes rather than copying
+    /// them to the host during the call.
+    lasting: bool,
 }
 
 impl<'a, 'py> FromPyObject<'a, 'py> for StagedSource {
@@ -107,6 +111,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for StagedSource {
         Ok(Self {
             len: obj.getattr("nbytes")?.extract()?,
             what: obj.getattr("what")?.extract()?,
+            lasting: obj.getattr("lasting")?.extract()?,
             source: obj.to_owned().unbind(),
         })
     }
@@ -150,6 +155,9 @@ impl BytesIn<'_> {
     ) -> PyResult<DenseTensor<'a>> {
         match self {
             BytesIn::Array(a) => DenseTensor::new(name, dtype, shape, Cow::Borrowed(a.as_slice()?)),
+            BytesIn::Source(s) if s.lasting => {
+                DenseTensor::lasting(name, dtype, shape, Arc::new(s.clone_ref()))
+            }
             BytesIn::Source(s) => {
                 DenseTensor::deferred(name, dtype, shape, Arc::new(s.clone_ref()))
             }
@@ -169,6 +177,9 @@ impl BytesIn<'_> {
             BytesIn::Array(a) => {
                 RowRangeChunk::new(table, slot, dtype, shape, Cow::Borrowed(a.as_slice()?))
             }
+            BytesIn::Source(s) if s.lasting => {
+                RowRangeChunk::lasting(table, slot, dtype, shape, Arc::new(s.clone_ref()))
+            }
             BytesIn::Source(s) => {
                 RowRangeChunk::deferred(table, slot, dtype, shape, Arc::new(s.clone_ref()))
             }
@@ -183,6 +194,7 @@ impl StagedSource {
             source: self.source.clone_ref(py),
             len: self.len,
             what: self.what.clone(),
+            lasting: self.lasting,
         })
     }
 }
@@ -319,7 +331,8 @@ fn in_place<R: Send>(
 /// background save takes, so that the caller may change its arrays once it returns. The copies
 /// are taken holding the GIL, so that no Python code changes the arrays while they are copied,
 /// and by every core (rayon's threads need no GIL), so that the caller waits for them at the
-/// machine's pace, not one core's.
+/// machine's pace, not one core's. A staged source whose bytes last (a copy of the moment in
+/// device memory) is not copied: the save reads it as it writes.
 fn copied<R: Send>(
     py: Python<'_>,
     tables: &[TableIn<'_>],
@@ -331,6 +344,8 @@ fn copied<R: Send>(
         .iter()
         .map(|t| Arc::new(t.copied()) as Arc<dyn SparseTable>)
         .collect();
+    // A lasting source (a device copy of the moment) stays as it is: the save reads it as it
+    // writes.
     let dense = dense_tensors(dense)?
         .into_iter()
         .map(DenseTensor::into_owned)

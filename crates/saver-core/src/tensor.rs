@@ -53,6 +53,10 @@ enum Bytes<'a> {
     Copied(Arc<MomentCopy>),
     /// Read from where they lie as the save writes them ([`DenseTensor::deferred`]).
     Deferred(Arc<dyn ByteSource + 'a>),
+    /// Read as the save writes them from a source that outlives every call and holds its bytes
+    /// unchanged while a save reads it ([`DenseTensor::lasting`]): a background save keeps it
+    /// rather than copying it.
+    Lasting(Arc<dyn ByteSource>),
 }
 
 /// Where the bytes of a tensor read on demand lie ([`DenseTensor::deferred`]): another
@@ -86,14 +90,23 @@ impl Bytes<'_> {
             Bytes::Cow(c) => Some(c),
             Bytes::Shared(s) => Some(s),
             Bytes::Copied(c) => Some(c),
-            Bytes::Deferred(_) => None,
+            Bytes::Deferred(_) | Bytes::Lasting(_) => None,
+        }
+    }
+
+    /// Where bytes read on demand come from.
+    fn on_demand(&self) -> Option<&dyn ByteSource> {
+        match self {
+            Bytes::Deferred(d) => Some(&**d),
+            Bytes::Lasting(d) => Some(&**d),
+            _ => None,
         }
     }
 
     fn len(&self) -> u64 {
-        match self {
-            Bytes::Deferred(d) => d.len(),
-            b => b.in_memory().map_or(0, |b| b.len() as u64),
+        match self.on_demand() {
+            Some(d) => d.len(),
+            None => self.in_memory().map_or(0, |b| b.len() as u64),
         }
     }
 }
@@ -151,6 +164,19 @@ impl<'a> DenseTensor<'a> {
         Self::checked(name.into(), dtype, shape, Bytes::Deferred(source))
     }
 
+    /// A tensor read on demand like [`Self::deferred`], from a source that holds its bytes
+    /// unchanged for as long as any save reads it (a copy of the save's moment in device
+    /// memory): [`Self::into_owned`], and so a background save, keeps it as it is rather than
+    /// reading it whole during the call.
+    pub fn lasting(
+        name: impl Into<String>,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        source: Arc<dyn ByteSource>,
+    ) -> Result<Self> {
+        Self::checked(name.into(), dtype, shape, Bytes::Lasting(source))
+    }
+
     /// A tensor of `f32` values, borrowed without copy where the platform is little-endian.
     pub fn from_f32(name: impl Into<String>, shape: Vec<u64>, values: &'a [f32]) -> Result<Self> {
         Self::new(
@@ -184,9 +210,9 @@ impl<'a> DenseTensor<'a> {
 
     /// The raw bytes, read whole where the tensor is read on demand.
     pub fn bytes(&self) -> Result<Cow<'_, [u8]>> {
-        match &self.data {
-            Bytes::Deferred(d) => Ok(Cow::Owned(read_whole(&**d)?)),
-            b => Ok(Cow::Borrowed(b.in_memory().unwrap_or_default())),
+        match self.data.on_demand() {
+            Some(d) => Ok(Cow::Owned(read_whole(d)?)),
+            None => Ok(Cow::Borrowed(self.data.in_memory().unwrap_or_default())),
         }
     }
 
@@ -194,7 +220,7 @@ impl<'a> DenseTensor<'a> {
     /// whole (a device tensor staged through a bounded host ring stays bounded).
     pub fn crc32(&self) -> Result<u32> {
         const PIECE: u64 = 8 << 20;
-        let Bytes::Deferred(source) = &self.data else {
+        let Some(source) = self.data.on_demand() else {
             return Ok(crc32fast::hash(self.data.in_memory().unwrap_or_default()));
         };
         let len = source.len();
@@ -222,9 +248,10 @@ impl<'a> DenseTensor<'a> {
                 actual: offset.saturating_add(out.len() as u64),
             });
         }
-        match &self.data {
-            Bytes::Deferred(d) => d.read_at(offset, out),
-            b => {
+        match self.data.on_demand() {
+            Some(d) => d.read_at(offset, out),
+            None => {
+                let b = &self.data;
                 let at = offset as usize;
                 out.copy_from_slice(&b.in_memory().unwrap_or_default()[at..at + out.len()]);
                 Ok(())
@@ -248,6 +275,7 @@ impl<'a> DenseTensor<'a> {
         let data = match &self.data {
             Bytes::Copied(c) => Bytes::Copied(Arc::clone(c)),
             Bytes::Deferred(d) => Bytes::Deferred(Arc::clone(d) as Arc<dyn ByteSource + '_>),
+            Bytes::Lasting(d) => Bytes::Lasting(Arc::clone(d)),
             Bytes::Cow(c) => Bytes::Cow(Cow::Borrowed(c)),
             Bytes::Shared(s) => Bytes::Cow(Cow::Borrowed(s)),
         };
@@ -278,6 +306,7 @@ impl<'a> DenseTensor<'a> {
             Bytes::Cow(Cow::Owned(v)) => Bytes::Cow(Cow::Owned(v)),
             Bytes::Shared(s) => Bytes::Shared(s),
             Bytes::Copied(c) => Bytes::Copied(c),
+            Bytes::Lasting(d) => Bytes::Lasting(d),
             Bytes::Deferred(d) => Bytes::Copied(Arc::new(MomentCopy::filled(
                 &self.name,
                 d.len() as usize,
@@ -311,6 +340,20 @@ mod tests {
             out.copy_from_slice(&self.0[offset as usize..offset as usize + out.len()]);
             Ok(())
         }
+    }
+
+    #[test]
+    fn a_lasting_tensor_is_kept_as_it_is_by_a_background_save_not_read_during_the_call() {
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i % 253) as u8).collect();
+        let source = Arc::new(Counted(bytes.clone(), Default::default()));
+        let t = DenseTensor::lasting("w", Dtype::U8, vec![10_000], source.clone()).unwrap();
+        let owned = t.into_owned().unwrap();
+        assert_eq!(source.1.load(std::sync::atomic::Ordering::Relaxed), 0);
+        assert!(owned.data().is_none(), "still read on demand");
+        let mut out = vec![0u8; 100];
+        owned.read_at(5_000, &mut out).unwrap();
+        assert_eq!(out, bytes[5_000..5_100]);
+        assert_eq!(owned.crc32().unwrap(), crc32fast::hash(&bytes));
     }
 
     #[test]

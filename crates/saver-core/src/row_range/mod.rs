@@ -147,6 +147,27 @@ impl<'a> RowRangeChunk<'a> {
         Self::of_values(table, slot, values)
     }
 
+    /// A chunk like [`Self::deferred`] whose source holds its bytes unchanged for as long as any
+    /// save reads it ([`DenseTensor::lasting`]): a background save keeps it as it is.
+    pub fn lasting(
+        table: &str,
+        slot: &str,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        source: std::sync::Arc<dyn crate::ByteSource>,
+    ) -> Result<Self> {
+        check_table_name(table)?;
+        check_slot_name(slot)?;
+        let origin = vec![0; shape.len()];
+        let values = DenseTensor::lasting(
+            chunk_tensor_name(table, slot, &origin),
+            dtype,
+            shape,
+            source,
+        )?;
+        Self::of_values(table, slot, values)
+    }
+
     /// The chunk of rows `rows` (all their columns) of a slot of shape `whole`, whose values are
     /// read from `source` as the save writes them ([`Self::deferred`]).
     pub fn of_rows_deferred(
