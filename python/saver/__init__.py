@@ -130,6 +130,12 @@ class SaveReport:
     #: memory), and the ring's host memory (pinned on CUDA; ``staging_bytes``).
     staged_bytes: int = 0
     staging_bytes: int = 0
+    #: Of a background save of device tensors: how it took its moment, ``"device copy"`` (a
+    #: copy in device memory, drained through the ring as the save writes) or ``"host copy"``
+    #: (copied through the ring into host memory during the call); and the device memory the
+    #: device copy used.
+    moment: Optional[str] = None
+    device_copy_bytes: int = 0
 
 
 # Rows a row filter sees at a time.
@@ -273,6 +279,7 @@ def _save_arguments(tables, dense, options, staging):
     args = dict(options)
     args.pop("row_filter", None)
     args.pop("staging_bytes", None)
+    args.pop("device_copy", None)
     args["metadata"] = {str(k): str(v) for k, v in (args["metadata"] or {}).items()}
     for key in ("exclude_slots", "keep_rows"):
         given = args[key]
@@ -406,9 +413,9 @@ class SaveHandle:
 def _started(call, tables, dense, options):
     """Starts the native background save ``call``: (its handle, the staging it copied
     through)."""
-    staging = _staging.Staging(options.get("staging_bytes"))
+    staging = _staging.Staging(options.get("staging_bytes"), options.get("device_copy"))
     arguments = _save_arguments(tables, dense, options, staging)
-    staging.start()
+    staging.start(background=True)
     return call(*arguments), staging
 
 
@@ -428,7 +435,15 @@ def save_async(
     thread write the arrays until it returns. The save runs on threads of its own at a
     lower CPU priority. Options as :func:`save`. Errors found before the moment (bad arguments)
     are raised here; later ones by :meth:`SaveHandle.wait`. The copies' memory is kept for the
-    next background save (:func:`background_memory`)."""
+    next background save (:func:`background_memory`).
+
+    Tensors in device memory: where every device has room for a copy of them (or with
+    ``device_copy=True``), the moment is a copy on the device, taken after the work queued on
+    the caller's current stream (which then waits for it, so the caller may write the tensors
+    at once without the host waiting), and the save drains it through the staging ring as it
+    writes, freeing it when it ends; otherwise (``device_copy=False``, or no room) they are
+    copied through the ring into host memory during the call. The report's ``moment`` and
+    ``device_copy_bytes`` say which, and what it used."""
     return SaveHandle(*_started(lambda *a: _saver.save_async(os.fspath(path), *a), tables, dense, _options(options)))
 
 
@@ -956,6 +971,7 @@ def _options(given: Mapping[str, Any]) -> dict:
         direct_io="auto",
         wait=None,
         staging_bytes=None,
+        device_copy=None,
     )
     unknown = set(given) - set(options)
     if unknown:

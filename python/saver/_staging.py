@@ -90,6 +90,23 @@ class _CudaCopies:
     def finish(event) -> None:
         event.synchronize()
 
+    def room(self, device, nbytes: int) -> bool:
+        """Whether the device has room for a copy of ``nbytes`` (and a tenth more)."""
+        free, _ = self._torch.cuda.mem_get_info(device)
+        return free >= nbytes + nbytes // 10
+
+    def snapshot(self, tensors):
+        """Device copies of ``tensors`` on the ring's stream, after the caller's queued work; the
+        caller's stream then waits for them, so that its next writes come after the copies
+        without the host waiting."""
+        torch = self._torch
+        with torch.cuda.stream(self.stream):
+            copies = [t.clone() for t in tensors]
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        torch.cuda.current_stream(self.stream.device).wait_event(done)
+        return copies
+
 
 class _StandInCopies:
     """The CPU stand-in of :class:`_CudaCopies`: each copy runs on a worker thread of its own
@@ -111,6 +128,16 @@ class _StandInCopies:
     @staticmethod
     def finish(future) -> None:
         future.result()
+
+    @staticmethod
+    def room(device, nbytes: int) -> bool:
+        # The stand-in's device memory: SAVER_STAND_IN_DEVICE_FREE bytes (unbounded if unset).
+        free = os.environ.get("SAVER_STAND_IN_DEVICE_FREE")
+        return free is None or int(free) >= nbytes + nbytes // 10
+
+    @staticmethod
+    def snapshot(tensors):
+        return [t.clone() for t in tensors]
 
 
 def _copies_for(device):
@@ -175,6 +202,8 @@ class Ring:
                 check()
                 handle = copies.start(buf[:n], flat[offset + done : offset + done + n])
                 copies.finish(handle)
+                # Freed while it copied: what landed may be anything.
+                check()
                 ctypes.memmove(address + done, buf.data_ptr(), n)
             finally:
                 self._give(buf)
@@ -210,8 +239,15 @@ def ring_for(staged_bytes: int, staging_bytes: Optional[int]) -> Ring:
 class Staging:
     """The staging of one save: its ring and one copy engine per device, made on first use."""
 
-    def __init__(self, staging_bytes: Optional[int] = None):
+    def __init__(self, staging_bytes: Optional[int] = None, device_copy: Optional[bool] = None):
+        if device_copy not in (None, True, False):
+            raise InputError(f"device_copy: must be None (where the device has room), True or False, got {device_copy!r}")
         self.staging_bytes = staging_bytes
+        self.device_copy = device_copy
+        #: How a background save took its moment of the staged tensors: "device copy" or
+        #: "host copy" (None: a blocking save, or nothing staged).
+        self.moment: Optional[str] = None
+        self.device_copy_bytes = 0
         self.tensors = []
         self._copies = {}
         self._lock = threading.Lock()
@@ -225,15 +261,33 @@ class Staging:
         self.tensors.append(staged)
         return staged
 
-    def start(self) -> None:
+    def start(self, background: bool = False) -> None:
         """Makes the ring once every tensor of the save is known (its default size is 1/8 of
-        them), and fixes the save's moment on each device."""
+        them), and fixes the save's moment on each device. For a background save, the moment
+        is a copy of the staged tensors in device memory where every device has room for it
+        (``device_copy``), which the save then drains through the ring while training goes on;
+        otherwise the native module copies them to host memory through the ring during the
+        call."""
         if not self.tensors:
             return
         self.ring = ring_for(sum(t.nbytes for t in self.tensors), self.staging_bytes)
         self._copied_before = self.ring.bytes_copied
+        by_device = {}
         for t in self.tensors:
             self._engine(t.device)
+            by_device.setdefault(str(t.device), []).append(t)
+        if not background:
+            return
+        room = all(self._engine(ts[0].device).room(ts[0].device, sum(t.nbytes for t in ts)) for ts in by_device.values())
+        if self.device_copy is False or (self.device_copy is None and not room):
+            self.moment = "host copy"
+            return
+        for ts in by_device.values():
+            copies = self._engine(ts[0].device).snapshot([t._flat for t in ts])
+            for t, c in zip(ts, copies):
+                t.hold(c)
+                self.device_copy_bytes += t.nbytes
+        self.moment = "device copy"
 
     def _engine(self, device):
         with self._lock:
@@ -246,7 +300,8 @@ class Staging:
         """What the staging used, for the save's report."""
         if self.ring is None:
             return {"staged_bytes": 0, "staging_bytes": 0}
-        return {"staged_bytes": self.ring.bytes_copied - self._copied_before, "staging_bytes": self.ring.capacity}
+        return {"staged_bytes": self.ring.bytes_copied - self._copied_before, "staging_bytes": self.ring.capacity,
+                "moment": self.moment, "device_copy_bytes": self.device_copy_bytes}
 
 
 class StagedTensor:
@@ -270,6 +325,16 @@ class StagedTensor:
         self.shape = tuple(t.shape)
         self.ndim = t.dim()
         self.nbytes = int(t.numel() * t.element_size())
+        #: Whether these bytes stay as they are once the save's call returns (a device copy of
+        #: the moment): a background save then reads them as it writes.
+        self.lasting = False
+
+    def hold(self, copy) -> None:
+        """Reads ``copy`` (the flat bytes of a device copy of the tensor, taken at the save's
+        moment) from now on, for as long as the save runs."""
+        self._flat = copy
+        self._tensor = copy
+        self.lasting = True
 
     def read_into(self, offset: int, address: int, length: int) -> None:
         """Fills the ``length`` bytes at ``address`` with this tensor's bytes from ``offset``."""

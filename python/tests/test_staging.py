@@ -83,35 +83,67 @@ def test_a_tensor_freed_while_its_save_reads_it_fails_that_save_and_commits_noth
     tables, dense = _state()
     victim = dense["big"].clone()
     dense["big"] = victim
-    start = _staging._StandInCopies.start
+    finish = _staging._StandInCopies.finish
     copies = {"n": 0}
     lock = threading.Lock()
 
-    def start_then_free(self, dst, src):
+    def finish_then_free(future):
+        # The third copy ends, then the tensor's storage is freed (as a stash would, mid-save).
+        finish(future)
         with lock:
             copies["n"] += 1
             if copies["n"] == 3:
                 victim.untyped_storage().resize_(0)
-        return start(self, dst, src)
 
-    monkeypatch.setattr(_staging._StandInCopies, "start", start_then_free)
+    monkeypatch.setattr(_staging._StandInCopies, "finish", staticmethod(finish_then_free))
     with pytest.raises(saver.SaverError, match=r"dense tensor 'big'.*freed"):
-        saver.save(tmp_path / "ck", tables, dense, staging_bytes=256 << 10)
+        # One writer: on the CPU stand-in a copy from freed host memory would fault, where on
+        # CUDA it reads the caching allocator's stale block (the check after each copy).
+        saver.save(tmp_path / "ck", tables, dense, staging_bytes=256 << 10, parallel=1)
     with pytest.raises(saver.SaverError):
         saver.open(tmp_path / "ck")
 
 
-def test_a_background_save_of_staged_tensors_holds_its_moment(tmp_path, stand_in):
+@pytest.mark.parametrize("how", ["device copy", "host copy: no room", "host copy: asked"])
+def test_a_background_save_of_staged_tensors_holds_its_moment(tmp_path, stand_in, monkeypatch, how):
     tables, dense = _state()
+    staged = sum(t.numel() * t.element_size() for t in dense.values() if torch.is_tensor(t)) + 2000 * 64 * 4
+    options = {}
+    if how == "host copy: no room":
+        monkeypatch.setenv("SAVER_STAND_IN_DEVICE_FREE", str(staged))  # a tenth short
+    if how == "host copy: asked":
+        options["device_copy"] = False
     before = {k: v.clone() for k, v in dense.items() if torch.is_tensor(v)}
-    handle = saver.save_async(tmp_path / "ck", tables, dense)
-    for v in dense.values():
+    rows_before = torch.cat([c.values for c in tables["emb"]["w"]]).clone()
+    # The save's reads after the call wait until training has changed every tensor.
+    trained = threading.Event()
+    read_into = _staging.StagedTensor.read_into
+
+    def read_after_training(self, offset, address, length):
+        if self.lasting:
+            trained.wait(30)
+        return read_into(self, offset, address, length)
+
+    monkeypatch.setattr(_staging.StagedTensor, "read_into", read_after_training)
+    handle = saver.save_async(tmp_path / "ck", tables, dense, **options)
+    for v in list(dense.values()) + [c.values for c in tables["emb"]["w"]]:
         if torch.is_tensor(v) and v.numel() and v.dtype != torch.bool:
             v.add_(1)  # training goes on once the call returns
+    trained.set()
     report = handle.wait()
+    assert report.moment == how.split(":")[0]
+    assert report.device_copy_bytes == (staged if how == "device copy" else 0)
     assert report.staged_bytes > 0
     back = saver.load(tmp_path / "ck")
     assert np.array_equal(back.dense["big"], before["big"].numpy())
+    assert np.array_equal(back.tables["emb"]["w"], rows_before.numpy())
+
+
+def test_device_copy_is_checked_by_name(tmp_path, stand_in):
+    tables, dense = _state()
+    with pytest.raises(saver.InputError, match="device_copy"):
+        saver.save_async(tmp_path / "ck", tables, dense, device_copy="yes")
+    assert not (tmp_path / "ck").exists()
 
 
 def test_staging_bytes_is_checked_by_name(tmp_path, stand_in):
