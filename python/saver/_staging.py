@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from typing import Any, Optional
 
 from ._errors import InputError
@@ -110,7 +111,9 @@ class _CudaCopies:
 
 class _StandInCopies:
     """The CPU stand-in of :class:`_CudaCopies`: each copy runs on a worker thread of its own
-    and is waited for by its future, as a CUDA copy is by its event."""
+    and is waited for by its future, as a CUDA copy is by its event. Each copy takes
+    ``SAVER_STAND_IN_DEVICE_LATENCY`` seconds more (default 0), as a transfer over a bus would,
+    so that the ring's overlap and backpressure can be seen on a CPU."""
 
     _pool = None
     _lock = threading.Lock()
@@ -123,7 +126,14 @@ class _StandInCopies:
                 _StandInCopies._pool = ThreadPoolExecutor(1, thread_name_prefix="saver-stand-in-copy")
 
     def start(self, dst, src):
-        return self._pool.submit(dst.copy_, src)
+        latency = float(os.environ.get("SAVER_STAND_IN_DEVICE_LATENCY", "0") or 0)
+
+        def transfer():
+            if latency:
+                time.sleep(latency)
+            dst.copy_(src)
+
+        return self._pool.submit(transfer)
 
     @staticmethod
     def finish(future) -> None:
@@ -222,8 +232,6 @@ def ring_for(staged_bytes: int, staging_bytes: Optional[int]) -> Ring:
     while the size asked for is the same, so that pinned memory is allocated once."""
     global _ring
     if staging_bytes is not None:
-        if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < MIN_SLOT_BYTES:
-            raise InputError(f"staging_bytes: must be a number of bytes of at least {MIN_SLOT_BYTES}, got {staging_bytes!r}")
         capacity = staging_bytes
     else:
         capacity = max(MIN_SLOT_BYTES, min(DEFAULT_RING_BYTES, staged_bytes // 8))
@@ -240,8 +248,10 @@ class Staging:
     """The staging of one save: its ring and one copy engine per device, made on first use."""
 
     def __init__(self, staging_bytes: Optional[int] = None, device_copy: Optional[bool] = None):
-        if device_copy not in (None, True, False):
+        if device_copy is not None and not isinstance(device_copy, bool):
             raise InputError(f"device_copy: must be None (where the device has room), True or False, got {device_copy!r}")
+        if staging_bytes is not None and (isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < MIN_SLOT_BYTES):
+            raise InputError(f"staging_bytes: must be a number of bytes of at least {MIN_SLOT_BYTES}, got {staging_bytes!r}")
         self.staging_bytes = staging_bytes
         self.device_copy = device_copy
         #: How a background save took its moment of the staged tensors: "device copy" or
@@ -256,6 +266,8 @@ class Staging:
 
     def add(self, tensor, what: str, dtype_name: str) -> "StagedTensor":
         """``tensor`` (in device memory) as a source of its bytes for the native save."""
+        if tensor.device.type not in ("cuda", "cpu"):
+            raise InputError(f"{what} is on {tensor.device}; saver stages CUDA tensors (move it to a CUDA device or the CPU)")
         check_storage(tensor, what)
         staged = StagedTensor(self, tensor, what, dtype_name)
         self.tensors.append(staged)

@@ -28,3 +28,7 @@ SAVER_STAND_IN_DEVICE=1 SAVER_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/saver
 # The staging ring's benchmark still runs (tiny size, one round; figures not kept).
 "$venv/bin/python" "$root/benches/staging_ring.py" --gib 0.01 --rounds 1 \
   --work "${CARGO_TARGET_DIR:-$root/target}/staging-ring-quick" > /dev/null
+# The device check runs on a CPU through the stand-in (tiny sizes; figures not kept), so that it
+# is ready for a GPU machine and exits non-zero on a restore that is not bitwise.
+"$venv/bin/python" "$root/benches/gpu_check.py" --cpu-fake \
+  --work "${CARGO_TARGET_DIR:-$root/target}/gpu-check-quick" > /dev/null

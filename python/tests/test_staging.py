@@ -202,3 +202,43 @@ def test_a_load_lands_device_targets_only_once_every_byte_is_read_and_checked(tm
     with pytest.raises(saver.SaverError, match="emb"):
         saver.load(tmp_path / "ck", into={"emb": {"w": [saver.Chunk(c, offset=(0, 0)), saver.Chunk(d, offset=(1000, 0))]}})
     assert (c == -1).all() and (d == -1).all()
+
+
+def test_a_tensor_on_a_device_saver_cannot_stage_is_refused_by_name(tmp_path):
+    meta = torch.empty(10, device="meta")
+    with pytest.raises(saver.InputError, match=r"dense tensor 'm' is on meta; saver stages CUDA tensors"):
+        saver.save(tmp_path / "ck", dense={"m": meta})
+    assert not (tmp_path / "ck").exists()
+    # The options are checked whatever the tensors' devices.
+    with pytest.raises(saver.InputError, match="staging_bytes"):
+        saver.save(tmp_path / "ck", dense={"a": np.zeros(3, np.float32)}, staging_bytes=10)
+
+
+def test_a_copy_that_fails_halfway_fails_the_save_commits_nothing_and_frees_the_ring(tmp_path, stand_in, monkeypatch):
+    tables, dense = _state()
+    # Copies that take a while, so that the writers wait for buffers (backpressure).
+    monkeypatch.setenv("SAVER_STAND_IN_DEVICE_LATENCY", "0.002")
+    finish = _staging._StandInCopies.finish
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def failing_finish(future):
+        finish(future)
+        with lock:
+            calls["n"] += 1
+            if calls["n"] == 40:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(_staging._StandInCopies, "finish", staticmethod(failing_finish))
+    with pytest.raises(saver.SaverError, match="illegal memory access"):
+        saver.save(tmp_path / "ck", tables, dense, staging_bytes=256 << 10, parallel=4)
+    with pytest.raises(saver.SaverError):
+        saver.open(tmp_path / "ck")
+    ring = _staging._ring
+    assert ring._in_use == 0 and len(ring._free) == ring._made <= ring.slots, "every buffer back in the ring"
+    # The ring serves the next save as before.
+    monkeypatch.setattr(_staging._StandInCopies, "finish", staticmethod(finish))
+    saver.save(tmp_path / "ok", tables, dense, staging_bytes=256 << 10, parallel=4)
+    monkeypatch.delenv("SAVER_STAND_IN_DEVICE")
+    saver.save(tmp_path / "plain", tables, dense)
+    assert saver.digest(tmp_path / "ok") == saver.digest(tmp_path / "plain")

@@ -64,10 +64,22 @@ impl<'a> RowRangeChunk<'a> {
         shape: Vec<u64>,
         data: impl Into<Cow<'a, [u8]>>,
     ) -> Result<Self> {
+        Self::named(table, slot, shape.len(), |name| {
+            DenseTensor::new(name, dtype, shape, data)
+        })
+    }
+
+    /// A chunk of `table`'s `slot` over the tensor `values` makes under the chunk's tensor name
+    /// (of a chunk of `rank` dimensions at the slot's origin), the names checked first.
+    fn named(
+        table: &str,
+        slot: &str,
+        rank: usize,
+        values: impl FnOnce(String) -> Result<DenseTensor<'a>>,
+    ) -> Result<Self> {
         check_table_name(table)?;
         check_slot_name(slot)?;
-        let origin = vec![0; shape.len()];
-        let values = DenseTensor::new(chunk_tensor_name(table, slot, &origin), dtype, shape, data)?;
+        let values = values(chunk_tensor_name(table, slot, &vec![0; rank]))?;
         Self::of_values(table, slot, values)
     }
 
@@ -80,12 +92,9 @@ impl<'a> RowRangeChunk<'a> {
         shape: Vec<u64>,
         data: std::sync::Arc<Vec<u8>>,
     ) -> Result<RowRangeChunk<'static>> {
-        check_table_name(table)?;
-        check_slot_name(slot)?;
-        let origin = vec![0; shape.len()];
-        let values =
-            DenseTensor::shared(chunk_tensor_name(table, slot, &origin), dtype, shape, data)?;
-        RowRangeChunk::of_values(table, slot, values)
+        RowRangeChunk::named(table, slot, shape.len(), |name| {
+            DenseTensor::shared(name, dtype, shape, data)
+        })
     }
 
     fn of_values(table: &str, slot: &str, values: DenseTensor<'a>) -> Result<Self> {
@@ -135,16 +144,9 @@ impl<'a> RowRangeChunk<'a> {
         shape: Vec<u64>,
         source: std::sync::Arc<dyn crate::ByteSource + 'a>,
     ) -> Result<Self> {
-        check_table_name(table)?;
-        check_slot_name(slot)?;
-        let origin = vec![0; shape.len()];
-        let values = DenseTensor::deferred(
-            chunk_tensor_name(table, slot, &origin),
-            dtype,
-            shape,
-            source,
-        )?;
-        Self::of_values(table, slot, values)
+        Self::named(table, slot, shape.len(), |name| {
+            DenseTensor::deferred(name, dtype, shape, source)
+        })
     }
 
     /// A chunk like [`Self::deferred`] whose source holds its bytes unchanged for as long as any
@@ -156,16 +158,9 @@ impl<'a> RowRangeChunk<'a> {
         shape: Vec<u64>,
         source: std::sync::Arc<dyn crate::ByteSource>,
     ) -> Result<Self> {
-        check_table_name(table)?;
-        check_slot_name(slot)?;
-        let origin = vec![0; shape.len()];
-        let values = DenseTensor::lasting(
-            chunk_tensor_name(table, slot, &origin),
-            dtype,
-            shape,
-            source,
-        )?;
-        Self::of_values(table, slot, values)
+        Self::named(table, slot, shape.len(), |name| {
+            DenseTensor::lasting(name, dtype, shape, source)
+        })
     }
 
     /// The chunk of rows `rows` (all their columns) of a slot of shape `whole`, whose values are
