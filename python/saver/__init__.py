@@ -289,12 +289,19 @@ def _save_arguments(tables, dense, options, staging):
     return tables_in, dense_in, chunks_in, args
 
 
-def _saved(call, tables, dense, options) -> SaveReport:
-    """Runs the native save ``call`` on the arguments of ``tables``, ``dense`` and
-    ``options``, its device tensors staged; its report with the staging's."""
-    staging = _staging.Staging(options.get("staging_bytes"))
+def _staged_arguments(tables, dense, options, background=False):
+    """The native save's arguments of ``tables``, ``dense`` and ``options``, with the staging
+    of their device tensors, started (for a background save: its moment taken)."""
+    staging = _staging.Staging(options.get("staging_bytes"), options.get("device_copy") if background else None)
     arguments = _save_arguments(tables, dense, options, staging)
-    staging.start()
+    staging.start(background)
+    return arguments, staging
+
+
+def _saved(call, tables, dense, options) -> SaveReport:
+    """Runs the native save ``call`` on ``tables``, ``dense`` and ``options``; its report
+    with the staging's."""
+    arguments, staging = _staged_arguments(tables, dense, options)
     return SaveReport(**call(*arguments), **staging.report())
 
 
@@ -413,9 +420,7 @@ class SaveHandle:
 def _started(call, tables, dense, options):
     """Starts the native background save ``call``: (its handle, the staging it copied
     through)."""
-    staging = _staging.Staging(options.get("staging_bytes"), options.get("device_copy"))
-    arguments = _save_arguments(tables, dense, options, staging)
-    staging.start(background=True)
+    arguments, staging = _staged_arguments(tables, dense, options, background=True)
     return call(*arguments), staging
 
 

@@ -150,3 +150,17 @@ def copy_into(target: Any, array: Any, name: str) -> None:
         raise InputError(f"{name}: the checkpoint holds {src.dtype} of shape {tuple(src.shape)}, the model {target.dtype} of shape {tuple(target.shape)}")
     with torch.no_grad():
         target.copy_(src)
+
+
+def empty_beside(like: Any, shape, dtype):
+    """An uninitialized tensor of ``shape`` and ``dtype`` on ``like``'s device: a load's target
+    for optimizer state the optimizer has not made yet, which must live where its parameter
+    does (a CUDA parameter's Adagrad sum on the CUDA device, filled through a landing)."""
+    import torch
+
+    return torch.empty(tuple(shape), dtype=dtype, device=like.device)
+
+
+def copied_beside(tensor: Any, like: Any):
+    """A copy of ``tensor`` on ``like``'s device."""
+    return tensor.to(like.device, copy=True)

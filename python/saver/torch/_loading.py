@@ -201,7 +201,7 @@ def _load_once(path, model, optimizer, strict):
                 dtype, shape = held["slots"][slot]
                 t = st.get(key)
                 if not (torch.is_tensor(t) and tuple(t.shape) == tuple(shape)):
-                    t = torch.empty(tuple(shape), dtype=_host.torch_dtype(dtype, f"{name}/{slot}"))
+                    t = _host.empty_beside(p, shape, _host.torch_dtype(dtype, f"{name}/{slot}"))
                     made[(name, key)] = t
                 slots[slot] = _s.Chunk(t)
         to_fill(name, slots)

@@ -131,4 +131,4 @@ def _load_optimizer(optimizer, meta, dense, by_name, names, path):
             with torch.no_grad():
                 t.copy_(src)
         else:
-            st[state_key] = src.clone()
+            st[state_key] = _host.copied_beside(src, p)
