@@ -26,6 +26,7 @@ import torch
 
 import saver
 import saver.torch
+from gpu_check import fsync_tree  # benches/, beside this script
 
 
 def model_of(gib):
@@ -35,14 +36,6 @@ def model_of(gib):
     m(torch.arange(64)).sum().backward()
     opt.step()
     return m, opt
-
-
-def fsync_tree(path):
-    for root, _, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
 
 
 def main():
