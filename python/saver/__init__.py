@@ -491,6 +491,7 @@ def load(
     dense: bool = True,
     parallel: Optional[int] = None,
     into: Optional[Mapping[str, Mapping[str, "Chunk"]]] = None,
+    staging_bytes: Optional[int] = None,
 ) -> Loaded:
     """Loads a checkpoint (or the newest link of a delta chain) at ``path`` into numpy arrays.
 
@@ -502,9 +503,11 @@ def load(
 
     Row-range tables (saved as :class:`Chunk` values): ``into={table: {slot: Chunk(buffer,
     offset=(row, col))}}`` fills your buffers in place (a numpy array or a torch tensor,
-    C-contiguous; a tensor in device memory through a host buffer of its size, pinned on CUDA,
-    copied to it once the whole load is read and checked: ``report["landed_bytes"]``), reading
-    only the bytes they take; those tables are then not returned. Any
+    C-contiguous), reading only the bytes they take; those tables are then not returned. A
+    tensor in device memory (CUDA) lands in rounds through two host buffers, pinned on CUDA, of
+    ``staging_bytes`` together (default: the smaller of 256 MiB and 1/8 of the bytes it lands):
+    each round is read and checked against its chunks' CRC32s, then copied to the device while
+    the next is read (``report["landed_bytes"]``, ``["landing_rounds"]``, ``["landing_bytes"]``). Any
     other row-range table comes back whole, ``{slot: array}`` (with ``shard_index=j``: rows
     ``rows * j // shards`` to ``rows * (j + 1) // shards``, their first row in
     ``report["row_offsets"][table]``).
@@ -519,7 +522,8 @@ def load(
     shards = _int("shards", shards, 1, (1 << 32) - 1)
     options = dict(shards=shards, shard_index=_int("shard_index", shard_index, 0, shards - 1, optional=True),
                    tables=tables, exclude_slots=exclude_slots, dense=dense,
-                   parallel=_int("parallel", parallel, 1, 4096, optional=True), into=into)
+                   parallel=_int("parallel", parallel, 1, 4096, optional=True), into=into,
+                   staging_bytes=staging_bytes)
     if isinstance(path, Checkpoint):
         return path.load(**options)
     for attempt in range(_REOPENS + 1):
@@ -536,7 +540,7 @@ def load(
 _REOPENS = 32
 
 
-def _load_opened(ck: "Checkpoint", shards, shard_index, tables, exclude_slots, dense, parallel, into) -> Loaded:
+def _load_opened(ck: "Checkpoint", shards, shard_index, tables, exclude_slots, dense, parallel, into, staging_bytes) -> Loaded:
     """:func:`load` through `ck`'s one opening."""
     path = ck.path
     shards = _int("shards", shards, 1, (1 << 32) - 1)
@@ -551,21 +555,36 @@ def _load_opened(ck: "Checkpoint", shards, shard_index, tables, exclude_slots, d
     hashed = None if tables is None else [t for t in tables if t in held["tables"]]
     want_hashed = bool(held["tables"]) and (hashed is None or bool(hashed))
     out = Loaded(report={})
-    landing = _staging.Landing()
+    landing = _staging.Landing(staging_bytes)
     requests = _row_requests(ck, held["row_tables"], out, shards, shard_index, tables, exclude_slots, into or {}, landing)
-    # One request through the one opening: the hashed tables, the dense tensors and every
-    # row-range target, checked before the first byte lands and read from one save.
-    if dense or want_hashed or requests:
-        tables_out, dense_out, report = ck._native.load(
-            shards,
-            shard_index,
-            hashed,
-            [exclude_slots] if isinstance(exclude_slots, str) else [str(g) for g in exclude_slots],
-            dense,
-            parallel,
-            want_hashed,
-            [(name, a, b, targets) for (name, (a, b)), targets in requests.items()],
-        )
+    excluded = [exclude_slots] if isinstance(exclude_slots, str) else [str(g) for g in exclude_slots]
+    rows_read = {"bytes_wanted": 0, "bytes_read": 0, "chunks": 0}
+
+    def read(pieces, first):
+        # One request through the one opening: the hashed tables, the dense tensors, every
+        # host row-range target and the device targets' first round, checked before the first
+        # byte lands; then the device targets' other rounds, from the same save.
+        if first:
+            merged = {key: list(ts) for key, ts in requests.items()}
+            for key, ts in pieces.items():
+                merged.setdefault(key, []).extend(ts)
+            if not (dense or want_hashed or merged):
+                return None
+            result = ck._native.load(shards, shard_index, hashed, excluded, dense, parallel, want_hashed,
+                                     [(name, a, b, ts) for (name, (a, b)), ts in merged.items()])
+        else:
+            try:
+                result = ck._native.load(shards, shard_index, None, excluded, False, parallel, False,
+                                         [(name, a, b, ts) for (name, (a, b)), ts in pieces.items()])
+            except InputError as e:
+                raise SaverError(f"{e} (refused after {landing.landed_bytes} bytes had landed in device targets)") from e
+        for k in rows_read:
+            rows_read[k] += result[2]["row_tables"][k]
+        return result
+
+    first = landing.land(read)
+    if first is not None:
+        tables_out, dense_out, report = first
         out.report.update(report)
         for name, key, ids, slots in tables_out:
             columns = {"ids": ids.view(np.int64) if key == "I64" else ids}
@@ -576,9 +595,10 @@ def _load_opened(ck: "Checkpoint", shards, shard_index, tables, exclude_slots, d
             out.dense[name] = (
                 _typed(data, dtype, shape) if dtype in _TO_NUMPY or dtype in _PATTERN_BITS else data
             )
-    out.report.setdefault("row_tables", {"bytes_wanted": 0, "bytes_read": 0, "chunks": 0})
-    # Every byte read and checked: only now do device targets change.
-    out.report["landed_bytes"] = landing.finish()
+    out.report["row_tables"] = rows_read
+    out.report["landed_bytes"] = landing.landed_bytes
+    out.report["landing_rounds"] = landing.rounds
+    out.report["landing_bytes"] = landing.host_bytes
     return out
 
 
@@ -586,8 +606,8 @@ def _row_requests(ck, held, out, shards, shard_index, tables, exclude_slots, int
     """The row-range targets of a load: ``into``'s buffers, checked, and a buffer of its own for
     each other row-range table (``held``, from the manifest), put in ``out``. Returns them as
     ``{(table, (first row, end row)): [(slot, columns, the buffer's bytes)]}``, for the one
-    native call of the load. A buffer in device memory is filled through a host buffer of
-    ``landing``'s."""
+    native call of the load. A buffer in device memory is given to ``landing`` instead, which
+    fills it in rounds."""
     import fnmatch
 
     path = ck.path
@@ -605,7 +625,8 @@ def _row_requests(ck, held, out, shards, shard_index, tables, exclude_slots, int
             raise InputError(f"{what}: row-range table {name!r} has no slot {slot!r} (it has {sorted(held[name]['slots'])})")
         whole = tuple(spec[1])
         a = _host.writable(buffer, what, landing)
-        _check_target_dtype(a, spec[0], what)
+        on_device = isinstance(a, _staging.DeviceTarget)
+        _check_target_dtype(a.like if on_device else a, spec[0], what)
         offset = tuple(_int(f"{what} offset", o, 0) for o in offset) if offset is not None else (0,) * len(whole)
         if a.ndim != len(whole) or len(offset) != len(whole):
             raise InputError(f"{what}: the slot has shape {whole}; give a buffer and an offset of {len(whole)} dimensions, got {a.shape} at {offset}")
@@ -613,7 +634,10 @@ def _row_requests(ck, held, out, shards, shard_index, tables, exclude_slots, int
             raise InputError(f"{what}: a buffer of shape {a.shape} at {offset} reaches past the slot's shape {whole} (rows {offset[0]}..{offset[0] + a.shape[0]} of {whole[0]})")
         cols = (offset[1], offset[1] + a.shape[1]) if len(whole) == 2 else None
         rows = (offset[0], offset[0] + a.shape[0])
-        requests.setdefault((name, rows), []).append((slot, cols, a.reshape(-1).view(np.uint8)))
+        if on_device:
+            landing.add(a, name, rows, slot, cols)
+        else:
+            requests.setdefault((name, rows), []).append((slot, cols, a.reshape(-1).view(np.uint8)))
 
     for name, slots in into.items():
         for slot, given in slots.items():
@@ -786,11 +810,12 @@ class Checkpoint:
         dense: bool = True,
         parallel: Optional[int] = None,
         into: Optional[Mapping[str, Mapping[str, "Chunk"]]] = None,
+        staging_bytes: Optional[int] = None,
     ) -> Loaded:
         """:func:`load` through this opening: every table and tensor of this one save. Raises
         :class:`ReplacedError` if the checkpoint was replaced and its read failed for it."""
         try:
-            return _load_opened(self, shards, shard_index, tables, exclude_slots, dense, parallel, into)
+            return _load_opened(self, shards, shard_index, tables, exclude_slots, dense, parallel, into, staging_bytes)
         except InputError:
             raise
         except SaverError as e:

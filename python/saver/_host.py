@@ -10,7 +10,7 @@ staged: the save's writers read it a chunk at a time through a bounded ring of h
 (`_staging`), never whole. A device tensor among a hashed table's columns is copied to the host
 (its rows are read in bucket order, not in runs). A device tensor is refused where saver would
 fill in place or keep a view of it (`writable`, `on_host`), but for the buffers of a load's
-row-range targets, which land through host buffers (`_staging.Landing`). torch is imported only
+row-range targets, which land through bounded host buffers (`_staging.Landing`). torch is imported only
 when a tensor is given."""
 
 from __future__ import annotations
@@ -76,14 +76,18 @@ def readable(value: Any, what: str, staging: Optional[_staging.Staging] = None):
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-def writable(value: Any, what: str, landing: Optional[_staging.Landing] = None) -> np.ndarray:
+def writable(value: Any, what: str, landing: Optional[_staging.Landing] = None):
     """``value`` as a writable C-contiguous numpy array over the caller's memory, which a load
     fills in place (a CPU torch tensor shares it; a dtype numpy has no type for comes as a
     :class:`Bits` view of it), or an :class:`InputError`: a load into a copy would be lost.
-    With ``landing``, a device tensor is filled through a host buffer of ``landing``'s, copied
-    to it when the load ends."""
+    With ``landing``, a device tensor comes as a :class:`_staging.DeviceTarget` that
+    ``landing`` fills through its host buffers (its ``like``: a zero-size host array of its
+    dtype, for the load's checks)."""
     if landing is not None and _staging.is_staged(value):
-        value = landing.add(value.detach(), what)
+        import torch
+
+        t = value.detach()
+        return landing.target(t, what, writable(torch.empty(0, dtype=t.dtype), what))
     if _is_tensor(value):
         t = value.detach()
         on_host(t, what, "load into a CPU tensor and copy it over")

@@ -14,9 +14,11 @@ The copies of a save run after the work already queued on the caller's current s
 ring's stream waits on it once per save), so a save started right after a training step saves
 that step's values.
 
-A load fills a device tensor through a host buffer of its size (pinned on CUDA), copied to the
-device once the whole load has been read and checked (:class:`Landing`): a refused load leaves
-the device tensors as they were, as it leaves host buffers.
+A load fills device tensors in rounds through two host buffers (pinned on CUDA), bounded as
+the ring is (:class:`Landing`): each round is read and checked against the chunks' CRC32s into
+one buffer, then copied to the device while the next round reads into the other. A load refused
+by its checks (shapes, dtypes, slots) leaves the device tensors as they were, as it leaves host
+buffers.
 
 Without a GPU the same code runs with a CPU stand-in (``SAVER_STAND_IN_DEVICE=1``): CPU torch
 tensors are then taken as device tensors, and their copies run on a worker thread of their own
@@ -358,39 +360,162 @@ class StagedTensor:
         ring.copy(self._staging._engine(self.device), self._flat, offset, address, length, lambda: check_storage(self._tensor, self.what))
 
 
-class Landing:
-    """Host buffers a load fills in place of device tensors, copied to them once the load has
-    read and checked everything (so that a load refused halfway leaves them as they were)."""
+class DeviceTarget:
+    """A device tensor a load fills (a row-range target), as the load's checks see it: its
+    ``shape`` and ``ndim``, and ``like``, a zero-size host array of its dtype."""
 
-    def __init__(self):
-        self._pairs = []
-
-    def add(self, tensor, what: str):
-        """A host tensor of ``tensor``'s shape and dtype that the load fills for it."""
+    def __init__(self, tensor, what: str, like):
         import torch
 
+        self.tensor = tensor
+        self.what = what
+        self.like = like
+        self.shape = tuple(tensor.shape)
+        self.ndim = tensor.dim()
+        self.nbytes = int(tensor.numel() * tensor.element_size())
+        self.flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else None
+
+
+class _Buffers:
+    """The two host buffers a load lands through (pinned on CUDA), kept for the next load of
+    the same size; a load running beside another takes a pair of its own."""
+
+    _free = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def take(cls, nbytes: int, pinned: bool):
+        with cls._lock:
+            pairs = cls._free.get((nbytes, pinned))
+            if pairs:
+                return pairs.pop()
+        import torch
+
+        return [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+
+    @classmethod
+    def give(cls, nbytes: int, pinned: bool, pair) -> None:
+        with cls._lock:
+            # Pairs of one size kept (two at most, for loads beside each other): a process that
+            # loads at several sizes keeps those of the last.
+            if (nbytes, pinned) not in cls._free:
+                cls._free.clear()
+            kept = cls._free.setdefault((nbytes, pinned), [])
+            if len(kept) < 2:
+                kept.append(pair)
+
+
+class Landing:
+    """The device tensors a load fills, landed in rounds through two host buffers (pinned on
+    CUDA) of half the load's bound each (``staging_bytes``: by default the smaller of 256 MiB and
+    1/8 of the bytes landed). Each round is one native read of the checkpoint into one buffer,
+    every chunk it touches checked against its CRC32s before the read returns; only then is the
+    buffer copied to the device tensors, on a stream of the landing's own (after the work already
+    queued on the caller's stream), while the next round reads into the other buffer. The first
+    round is read with the rest of the load (its host targets, hashed tables and dense tensors),
+    so that every check that needs no data runs before the first byte lands anywhere; a read that
+    fails midway leaves the rounds before it landed, as it leaves a host target partly filled."""
+
+    def __init__(self, staging_bytes: Optional[int] = None):
+        if staging_bytes is not None and (isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < MIN_SLOT_BYTES):
+            raise InputError(f"staging_bytes: must be a number of bytes of at least {MIN_SLOT_BYTES}, got {staging_bytes!r}")
+        self.staging_bytes = staging_bytes
+        self._targets = []
+        #: What the landing did: bytes copied to device tensors, rounds read, host memory held.
+        self.landed_bytes = 0
+        self.rounds = 0
+        self.host_bytes = 0
+
+    def target(self, tensor, what: str, like) -> DeviceTarget:
+        """``tensor`` (in device memory) as a target the load's checks can see."""
+        if tensor.device.type not in ("cuda", "cpu"):
+            raise InputError(f"{what} is on {tensor.device}; saver loads into CUDA tensors (or CPU ones)")
         check_storage(tensor, what)
         if not tensor.is_contiguous():
             raise InputError(f"{what}: a device tensor a load fills must be contiguous")
-        host = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
-        self._pairs.append((host, tensor, what))
-        return host
+        return DeviceTarget(tensor, what, like)
 
-    def finish(self) -> int:
-        """Copies every filled buffer to its device tensor; the bytes copied."""
-        import torch
+    def add(self, target: DeviceTarget, table: str, rows: tuple, slot: str, cols) -> None:
+        """Rows ``rows`` of ``table``'s ``slot`` (columns ``cols``, or all) land in ``target``."""
+        if target.nbytes:
+            self._targets.append((target, table, rows, slot, cols))
 
-        copied = 0
-        devices = set()
-        with torch.no_grad():
-            for host, tensor, what in self._pairs:
-                check_storage(tensor, what)
-                tensor.copy_(host, non_blocking=True)
-                copied += host.numel() * host.element_size()
-                if tensor.device.type == "cuda":
-                    devices.add(tensor.device)
-        # The host buffers are freed when this returns: their copies must be done by then.
-        for device in devices:
-            torch.cuda.current_stream(device).synchronize()
-        self._pairs.clear()
-        return copied
+    def _rounds(self, buffer_bytes: int):
+        """The pieces of the targets, packed into rounds of at most ``buffer_bytes`` (a piece
+        is a run of whole rows): ``[[(target, table, slot, cols, first row, end row, its first
+        row in the target, offset in the buffer, bytes)]]``."""
+        rounds, current, used = [], [], 0
+        for target, table, (start, end), slot, cols in self._targets:
+            row_bytes = target.nbytes // (end - start)
+            r = 0
+            while r < end - start:
+                room = (buffer_bytes - used) // row_bytes
+                if room == 0:
+                    rounds.append(current)
+                    current, used = [], 0
+                    continue
+                n = min(room, end - start - r)
+                current.append((target, table, slot, cols, start + r, start + r + n, r, used, n * row_bytes))
+                # Pieces start 512-byte aligned, as a device copy likes them.
+                used += -(-(n * row_bytes) // 512) * 512
+                r += n
+        if current:
+            rounds.append(current)
+        return rounds
+
+    def land(self, read):
+        """Reads the load in rounds, ``read(pieces, first)`` being one native read of the
+        request's ``{(table, (first row, end row)): [(slot, cols, host bytes)]}`` (``first``: the
+        load's first read, which takes its other targets too), and copies each round to its
+        device tensors. Returns the first read's result."""
+        if not self._targets:
+            return read({}, True)
+        total = sum(t.nbytes for t, *_ in self._targets)
+        bound = self.staging_bytes if self.staging_bytes is not None else max(MIN_SLOT_BYTES, min(DEFAULT_RING_BYTES, total // 8))
+        widest = max(t.nbytes // (e - s) for t, _, (s, e), _, _ in self._targets)
+        # A buffer holds one row at least, however wide (the bound is then exceeded, and said).
+        buffer_bytes = max(-(-widest // 512) * 512, (bound // 2) // 512 * 512)
+        rounds = self._rounds(buffer_bytes)
+        pinned = not stand_in()
+        pair = _Buffers.take(buffer_bytes, pinned)
+        engines = {}
+        pending = [[], []]
+        first = None
+        try:
+            for k, pieces in enumerate(rounds):
+                buf = pair[k % 2]
+                # The copies out of this buffer two rounds ago: done before it is read into.
+                for engine, handle in pending[k % 2]:
+                    engine.finish(handle)
+                pending[k % 2] = []
+                request = {}
+                for target, table, slot, cols, a, b, _, offset, nbytes in pieces:
+                    request.setdefault((table, (a, b)), []).append((slot, cols, buf[offset : offset + nbytes].numpy()))
+                result = read(request, k == 0)
+                if k == 0:
+                    first = result
+                for target, _, _, _, a, b, r, offset, nbytes in pieces:
+                    check_storage(target.tensor, target.what)
+                    key = str(target.tensor.device)
+                    if key not in engines:
+                        engines[key] = _copies_for(target.tensor.device)
+                    at = r * (nbytes // (b - a))
+                    handle = engines[key].start(target.flat[at : at + nbytes], buf[offset : offset + nbytes])
+                    pending[k % 2].append((engines[key], handle))
+                    self.landed_bytes += nbytes
+                self.rounds += 1
+        finally:
+            # Every copy out of the buffers done before they go back to the pool (also when a
+            # read failed), so that no later load reads into memory still being copied.
+            failure = None
+            for handles in pending:
+                for engine, handle in handles:
+                    try:
+                        engine.finish(handle)
+                    except Exception as e:  # the first failure is raised, once all are waited
+                        failure = failure or e
+            _Buffers.give(buffer_bytes, pinned, pair)
+        self.host_bytes = 2 * buffer_bytes
+        if failure is not None:
+            raise failure
+        return first

@@ -187,24 +187,115 @@ def test_a_cuda_model_is_saved_through_pinned_buffers_after_the_queued_work(tmp_
     assert (back.dense["x"] == 1).all() and (back.tables["t"]["w"] == 2).all()
 
 
-def test_a_load_lands_device_targets_only_once_every_byte_is_read_and_checked(tmp_path, stand_in):
-    rows = torch.arange(2000 * 64, dtype=torch.float32).reshape(2000, 64)
-    saver.save(tmp_path / "ck", {"emb": {"w": saver.Chunk(rows)}})
-    a, b = torch.zeros(1000, 64), torch.zeros(1000, 32)
-    loaded = saver.load(tmp_path / "ck", into={"emb": {"w": [saver.Chunk(a, offset=(0, 0)), saver.Chunk(b, offset=(1000, 32))]}})
-    assert torch.equal(a, rows[:1000]) and torch.equal(b, rows[1000:, 32:])
-    assert loaded.report["landed_bytes"] == (a.numel() + b.numel()) * 4
-    # A flipped byte in the rows of the second target: the load is refused, and the first
-    # target, whose rows were read and were whole, is not changed either.
-    data = [p for p in (tmp_path / "ck").rglob("*.safetensors")]
+def _corrupt_last_rows(path):
+    data = list(path.rglob("*.safetensors"))
     assert len(data) == 1
     raw = bytearray(data[0].read_bytes())
     raw[-100] ^= 0xFF
     data[0].write_bytes(bytes(raw))
+
+
+def test_a_load_lands_device_targets_in_bounded_rounds_beside_host_targets(tmp_path, stand_in):
+    rows = torch.arange(2000 * 64, dtype=torch.float32).reshape(2000, 64)
+    other = np.arange(300 * 8, dtype=np.int64).reshape(300, 8)
+    saver.save(tmp_path / "ck", {"emb": {"w": saver.Chunk(rows)}, "host": {"v": saver.Chunk(other)}}, {"d": np.ones(5, np.float32)})
+    a, b = torch.zeros(1000, 64), torch.zeros(1000, 32)
+    host = np.zeros((300, 8), np.int64)
+    bound = 64 << 10
+    loaded = saver.load(tmp_path / "ck", staging_bytes=bound, into={
+        "emb": {"w": [saver.Chunk(a, offset=(0, 0)), saver.Chunk(b, offset=(1000, 32))]},
+        "host": {"v": saver.Chunk(host)},  # a numpy target of the same load: filled in place
+    })
+    assert torch.equal(a, rows[:1000]) and torch.equal(b, rows[1000:, 32:])
+    assert np.array_equal(host, other) and np.array_equal(loaded.dense["d"], np.ones(5, np.float32))
+    landed = (a.numel() + b.numel()) * 4
+    assert loaded.report["landed_bytes"] == landed
+    # Two buffers of half the bound: as many rounds as it takes to carry the bytes through one.
+    assert loaded.report["landing_bytes"] == bound
+    assert loaded.report["landing_rounds"] == -(-landed // (bound // 2))
+    # The rows read for the device targets and the host one, counted over every round.
+    assert loaded.report["row_tables"]["bytes_wanted"] == landed + other.nbytes
+
+
+def test_a_row_wider_than_the_bound_lands_whole_and_the_report_says_what_it_held(tmp_path, stand_in):
+    rows = torch.randn(6, 100_000)
+    saver.save(tmp_path / "ck", {"wide": {"w": saver.Chunk(rows)}})
+    into = torch.zeros(6, 100_000)
+    loaded = saver.load(tmp_path / "ck", staging_bytes=64 << 10, into={"wide": {"w": saver.Chunk(into)}})
+    assert torch.equal(into, rows)
+    assert loaded.report["landing_rounds"] == 6 and loaded.report["landing_bytes"] == 2 * 400_384
+
+
+def test_the_next_round_reads_while_the_last_one_copies_to_the_device(tmp_path, stand_in, monkeypatch):
+    rows = torch.randn(4000, 64)
+    saver.save(tmp_path / "ck", {"emb": {"w": saver.Chunk(rows)}})
+    events = []
+    start, finish = _staging._StandInCopies.start, _staging._StandInCopies.finish
+
+    def logged_start(self, dst, src):
+        future = start(self, dst, src)
+        events.append(("copy", id(future)))
+        return future
+
+    def logged_finish(future):
+        events.append(("done", id(future)))
+        finish(future)
+
+    monkeypatch.setattr(_staging._StandInCopies, "start", logged_start)
+    monkeypatch.setattr(_staging._StandInCopies, "finish", staticmethod(logged_finish))
+    ck = saver.open(tmp_path / "ck")
+
+    class Reads:
+        def __init__(self, native):
+            self._native = native
+
+        def load(self, *args):
+            events.append(("read", None))
+            return self._native.load(*args)
+
+        def __getattr__(self, name):
+            return getattr(self._native, name)
+
+    ck._native = Reads(ck._native)
+    into = torch.zeros(4000, 64)
+    loaded = ck.load(staging_bytes=128 << 10, into={"emb": {"w": saver.Chunk(into)}})
+    assert torch.equal(into, rows) and loaded.report["landing_rounds"] >= 8
+    # Every copy is waited for only after the next round's read was started (double
+    # buffering), and before its buffer is read into again (two rounds on).
+    reads = [i for i, (kind, _) in enumerate(events) if kind == "read"]
+    for i, (kind, handle) in enumerate(events):
+        if kind != "copy":
+            continue
+        done = events.index(("done", handle), i)
+        between = [r for r in reads if i < r < done]
+        assert len(between) == 1 or (not between and not [r for r in reads if r > i]), events
+
+
+def test_a_corrupt_round_fails_the_load_by_name_after_the_rounds_before_it_landed(tmp_path, stand_in):
+    rows = torch.arange(2000 * 64, dtype=torch.float32).reshape(2000, 64)
+    saver.save(tmp_path / "ck", {"emb": {"w": saver.Chunk(rows)}})
+    _corrupt_last_rows(tmp_path / "ck")
+    # One round for the whole load: it fails before any byte reaches the device targets.
     c, d = torch.full((1000, 64), -1.0), torch.full((1000, 64), -1.0)
     with pytest.raises(saver.SaverError, match="emb"):
-        saver.load(tmp_path / "ck", into={"emb": {"w": [saver.Chunk(c, offset=(0, 0)), saver.Chunk(d, offset=(1000, 0))]}})
+        saver.load(tmp_path / "ck", staging_bytes=4 << 20, into={"emb": {"w": [saver.Chunk(c, offset=(0, 0)), saver.Chunk(d, offset=(1000, 0))]}})
     assert (c == -1).all() and (d == -1).all()
+    # Bounded rounds: those read before the corrupt one were checked and landed; the corrupt
+    # round's rows never reach the device, and the error says the load stopped.
+    with pytest.raises(saver.SaverError, match="emb"):
+        saver.load(tmp_path / "ck", staging_bytes=64 << 10, into={"emb": {"w": [saver.Chunk(c, offset=(0, 0)), saver.Chunk(d, offset=(1000, 0))]}})
+    assert torch.equal(c, rows[:1000])
+    assert (d[-1] == -1).all()
+    # The buffers went back: a good load of the same size runs through them.
+    e = torch.zeros(1000, 64)
+    saver.load(tmp_path / "ck", staging_bytes=64 << 10, into={"emb": {"w": saver.Chunk(e, offset=(0, 0))}})
+    assert torch.equal(e, rows[:1000])
+
+
+def test_staging_bytes_of_a_load_is_checked_by_name(tmp_path, stand_in):
+    saver.save(tmp_path / "ck", {"emb": {"w": saver.Chunk(np.zeros((4, 4), np.float32))}})
+    with pytest.raises(saver.InputError, match="staging_bytes"):
+        saver.load(tmp_path / "ck", staging_bytes=100)
 
 
 def test_a_tensor_on_a_device_saver_cannot_stage_is_refused_by_name(tmp_path):

@@ -34,8 +34,9 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     optimizer as they were. A read that fails midway (a checksum) says which tables may already
     hold part of the checkpoint; with a Manager and ``fallback=True`` the next older committed
     step is then loaded into the same model and optimizer (a :class:`saver.SaverWarning` names
-    the step passed over), so that training never goes on from a mixture. CUDA tensors are
-    filled through pinned host buffers once every byte is read and checked.
+    the step passed over), so that training never goes on from a mixture. CUDA tables are
+    filled in bounded rounds through two pinned host buffers, each round checked before it is
+    copied to the device (:func:`saver.load`'s ``staging_bytes``).
     ``process_group``: the group saver's agreement between ranks runs on (as
     :func:`save`)."""
     with on_group(process_group):
