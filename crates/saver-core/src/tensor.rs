@@ -1,7 +1,8 @@
 //! Shapes and dense tensors.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
@@ -42,6 +43,39 @@ pub struct DenseTensor<'a> {
     dtype: Dtype,
     shape: Vec<u64>,
     data: Bytes<'a>,
+    read: Arc<ReadCrcs>,
+}
+
+/// The CRC32s of the pieces of a tensor read on demand that [`DenseTensor::read_at`] handed
+/// out, by offset: once a save's writers have read it all, its [`DenseTensor::crc32`] is theirs
+/// combined, so that its bytes are not read a second time (a device tensor's not copied twice
+/// through the staging ring).
+#[derive(Debug, Default)]
+struct ReadCrcs(Mutex<BTreeMap<u64, (u64, crc32fast::Hasher)>>);
+
+impl ReadCrcs {
+    fn record(&self, offset: u64, bytes: &[u8]) {
+        let mut h = crc32fast::Hasher::new();
+        h.update(bytes);
+        let mut pieces = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        pieces.insert(offset, (bytes.len() as u64, h));
+    }
+
+    /// The CRC32 of bytes `0..len`, if the pieces read cover them end to end.
+    fn combined(&self, len: u64) -> Option<u32> {
+        let pieces = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut whole = crc32fast::Hasher::new();
+        let mut at = 0;
+        while at < len {
+            let (n, h) = pieces.get(&at)?;
+            if *n == 0 {
+                return None;
+            }
+            whole.combine(h);
+            at += n;
+        }
+        (at == len).then(|| whole.finalize())
+    }
 }
 
 /// A tensor's bytes: borrowed, owned, shared, or read on demand.
@@ -149,6 +183,7 @@ impl<'a> DenseTensor<'a> {
             dtype,
             shape,
             data,
+            read: Arc::default(),
         })
     }
 
@@ -216,14 +251,19 @@ impl<'a> DenseTensor<'a> {
         }
     }
 
-    /// The CRC32 of the bytes; a tensor read on demand is read 8 MiB at a time for it, never
-    /// whole (a device tensor staged through a bounded host ring stays bounded).
+    /// The CRC32 of the bytes. A tensor read on demand gives the CRC32s of the pieces a save's
+    /// writers have read of it, combined, once they cover it ([`Self::read_at`]); otherwise it
+    /// is read 8 MiB at a time for it, never whole (a device tensor staged through a bounded
+    /// host ring stays bounded).
     pub fn crc32(&self) -> Result<u32> {
         const PIECE: u64 = 8 << 20;
         let Some(source) = self.data.on_demand() else {
             return Ok(crc32fast::hash(self.data.in_memory().unwrap_or_default()));
         };
         let len = source.len();
+        if let Some(crc) = self.read.combined(len) {
+            return Ok(crc);
+        }
         let mut buf = vec![0u8; PIECE.min(len) as usize];
         let mut hasher = crc32fast::Hasher::new();
         let mut at = 0;
@@ -249,7 +289,11 @@ impl<'a> DenseTensor<'a> {
             });
         }
         match self.data.on_demand() {
-            Some(d) => d.read_at(offset, out),
+            Some(d) => {
+                d.read_at(offset, out)?;
+                self.read.record(offset, out);
+                Ok(())
+            }
             None => {
                 let b = &self.data;
                 let at = offset as usize;
@@ -284,6 +328,7 @@ impl<'a> DenseTensor<'a> {
             dtype: self.dtype,
             shape: self.shape.clone(),
             data,
+            read: Arc::clone(&self.read),
         }
     }
 
@@ -318,6 +363,7 @@ impl<'a> DenseTensor<'a> {
             dtype: self.dtype,
             shape: self.shape,
             data,
+            read: self.read,
         })
     }
 }
@@ -354,6 +400,71 @@ mod tests {
         owned.read_at(5_000, &mut out).unwrap();
         assert_eq!(out, bytes[5_000..5_100]);
         assert_eq!(owned.crc32().unwrap(), crc32fast::hash(&bytes));
+    }
+
+    /// Bytes read on demand, counting every byte read.
+    #[derive(Debug)]
+    struct Tallied(Vec<u8>, std::sync::atomic::AtomicU64);
+
+    impl ByteSource for Tallied {
+        fn len(&self) -> u64 {
+            self.0.len() as u64
+        }
+        fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+            self.1
+                .fetch_add(out.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            out.copy_from_slice(&self.0[offset as usize..offset as usize + out.len()]);
+            Ok(())
+        }
+    }
+
+    proptest::proptest! {
+        /// A tensor whose pieces a save's writers read (in any order, from several threads,
+        /// some twice) gives their CRC32s combined, reading nothing more; one they leave a gap
+        /// in is read for its CRC32, which is the same.
+        #[test]
+        fn the_crc_of_a_tensor_its_writers_read_is_theirs_combined(
+            len in 0usize..70_000,
+            cuts in proptest::collection::vec(1usize..20_000, 0..12),
+            gap in proptest::option::of(0usize..12),
+            again in 0usize..12,
+        ) {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 131 % 251) as u8).collect();
+            let mut pieces = Vec::new();
+            let mut at = 0;
+            for c in cuts.iter().copied().chain(std::iter::once(usize::MAX)) {
+                if at >= len {
+                    break;
+                }
+                let n = c.min(len - at);
+                pieces.push(at..at + n);
+                at += n;
+            }
+            let source = Arc::new(Tallied(bytes.clone(), Default::default()));
+            let t = DenseTensor::deferred("w", Dtype::U8, vec![len as u64], source.clone()).unwrap();
+            let gap = gap.filter(|&g| g < pieces.len());
+            let read: Vec<_> = pieces.iter().enumerate().filter(|(i, _)| Some(*i) != gap).map(|(_, p)| p.clone()).collect();
+            std::thread::scope(|s| {
+                for (k, p) in read.iter().rev().enumerate() {
+                    let t = &t;
+                    s.spawn(move || {
+                        let mut out = vec![0u8; p.len()];
+                        t.read_at(p.start as u64, &mut out).unwrap();
+                        if k == again {
+                            t.read_at(p.start as u64, &mut out).unwrap();
+                        }
+                    });
+                }
+            });
+            let before = source.1.load(std::sync::atomic::Ordering::Relaxed);
+            proptest::prop_assert_eq!(t.crc32().unwrap(), crc32fast::hash(&bytes));
+            let after = source.1.load(std::sync::atomic::Ordering::Relaxed);
+            if gap.is_none() {
+                proptest::prop_assert_eq!(after, before, "read again for its CRC32");
+            } else {
+                proptest::prop_assert_eq!(after - before, len as u64);
+            }
+        }
     }
 
     #[test]

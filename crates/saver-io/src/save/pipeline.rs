@@ -161,7 +161,6 @@ fn write_and_commit(
     if let Some(d) = &shared.delta {
         tokens.extend(d.tracking.iter().copied());
     }
-    let dense_given = plan.dense_given()?;
     let plan_seconds = shared.t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
@@ -178,6 +177,10 @@ fn write_and_commit(
     if let Some(parent) = &shared.decided.parent {
         parent.check_held()?;
     }
+    // After the writes, not before: a tensor read on demand (a device tensor staged through
+    // the ring) then gives the CRC32s of the pieces its writers read, combined, rather than
+    // being read a second time for them; one this process does not write is read for it here.
+    let dense_given = plan.dense_given()?;
     // What the files hold as written, as their manifests record it: stored bytes where
     // compressed.
     let mut bytes_written = 0;
