@@ -11,6 +11,9 @@ stand-in's thread). Three saves of the same state, durable, same bytes, interlea
 - ``copy + torch.save``: what a GPU user does without saver: the state copied to host memory
   whole (here a clone stands for `.cpu()`), then torch.save of it, fsync'd.
 
+Then three restores of the saved step (see ``load_cases``): in place, landed through the
+bounded host buffers, and torch.load + copy.
+
     python benches/staging_ring.py [--gib 1.0] [--rounds 5] [--work DIR]
 """
 
@@ -90,7 +93,65 @@ def main():
     for k, v in med.items():
         print(f"| {k} | {v:.3f} | {v / med['in place']:.3f} | {v / med['copy + torch.save']:.3f} |")
     print(f"\nThe ring held {ring.staging_bytes / (1 << 20):.1f} MiB and read {ring.staged_bytes / (1 << 30):.2f} GiB through it.")
+    print()
+    load_cases(work, model, opt, args.rounds)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def load_cases(work, model, opt, rounds):
+    """Three restores of the same step into the same model, interleaved, medians: saver.torch.load
+    into the CPU model (in place), the same with its tensors as device tensors (their tables land
+    in rounds through the landing's two bounded host buffers), and torch.load of the whole state
+    then a copy into the model's tensors (what a GPU user does without saver: map_location="cpu"
+    and load_state_dict). Every file is in the page cache (read by round 0)."""
+    from saver import _staging
+
+    saved = os.path.join(work, "staged")
+    pt = os.path.join(work, "copy__torch.save", "model.pt")
+    landing = {}
+    land = _staging.Landing.land
+
+    def watched(self, read):
+        try:
+            return land(self, read)
+        finally:
+            landing.update(host=self.host_bytes, rounds=self.rounds, landed=self.landed_bytes)
+
+    _staging.Landing.land = watched
+
+    def in_place():
+        os.environ.pop("SAVER_STAND_IN_DEVICE", None)
+        saver.torch.load(saved, model, opt)
+
+    def landed():
+        os.environ["SAVER_STAND_IN_DEVICE"] = "1"
+        try:
+            saver.torch.load(saved, model, opt)
+        finally:
+            os.environ.pop("SAVER_STAND_IN_DEVICE", None)
+
+    def torch_load_then_copy():
+        state = torch.load(pt, map_location="cpu")
+        with torch.no_grad():
+            for k, t in model.state_dict().items():
+                t.copy_(state["model"][k])
+
+    cases = {"in place": in_place, "landed": landed, "torch.load + copy": torch_load_then_copy}
+    times = {k: [] for k in cases}
+    for r in range(rounds + 1):
+        for name, load in cases.items():
+            t = time.perf_counter()
+            load()
+            if r:
+                times[name].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"# Landing, the same state restored, {rounds} rounds, medians (page cache warm)\n")
+    print("| load | seconds | / in place | / torch.load + copy |")
+    print("| --- | --- | --- | --- |")
+    for k, v in med.items():
+        print(f"| {k} | {v:.3f} | {v / med['in place']:.3f} | {v / med['torch.load + copy']:.3f} |")
+    print(f"\nThe landing held {landing['host'] / (1 << 20):.1f} MiB of host buffers and carried "
+          f"{landing['landed'] / (1 << 30):.2f} GiB in {landing['rounds']} rounds; torch.load held the whole state.")
 
 
 if __name__ == "__main__":
