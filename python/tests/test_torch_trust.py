@@ -8,7 +8,6 @@ import sys
 import time
 import warnings
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
