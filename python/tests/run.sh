@@ -22,7 +22,7 @@ SAVER_STAND_IN_DEVICE=1 SAVER_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/saver
   "$root/python/tests/test_torch.py" "$root/python/tests/test_torch_sharded.py" \
   "$root/python/tests/test_torch_dtypes.py" "$root/python/tests/test_torchrec.py" \
   "$root/python/tests/test_torch_trust.py" "$root/python/tests/test_one_opening.py" \
-  "$root/python/tests/test_staging.py"
+  "$root/python/tests/test_staging.py" "$root/python/tests/test_dcp.py"
 # The package's example: a training loop that saves in the background and resumes.
 "$venv/bin/python" "$root/python/examples/train_loop.py"
 # The staging ring's benchmark still runs (tiny size, one round; figures not kept).

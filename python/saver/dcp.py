@@ -1,0 +1,340 @@
+"""saver behind PyTorch's distributed checkpoint API (DCP): ``dcp.save(state_dict,
+storage_writer=saver.dcp.StorageWriter(path))`` and ``dcp.load(state_dict,
+storage_reader=saver.dcp.StorageReader(path))`` write and read saver checkpoints, with DCP's
+planners unchanged.
+
+What the writer makes is a saver checkpoint like any other (``saver verify``, ``inspect``,
+``digest``, ``reshard``, ``export`` and :func:`saver.load` work on it):
+
+- every tensor DCP writes is a row-range table of its fully qualified name (slot ``value``),
+  and each chunk DCP hands a rank (a DTensor's or ShardedTensor's local shard, a whole tensor)
+  a :class:`saver.Chunk` at its global offset, every block checked by its CRC32s on load. A
+  tensor of three or more dimensions is stored as two, its first dimension by the product of
+  the others (its chunks must then be cut along the first dimension only, as FSDP's ``Shard(0)``
+  cuts them); a 0-d tensor as one value;
+- a BYTE_IO item (a scheduler's or data loader's state) is a table of its bytes (slot
+  ``bytes``);
+- DCP's metadata (each tensor's dtype, global size and chunks, the default planners' flattening
+  of nested state dicts) is JSON in the checkpoint's metadata (``dcp``), not a pickle: reading a
+  checkpoint never runs code from it;
+- every rank's share is one shard of one saver save, under the save id the coordinator draws,
+  committed once by saver's own protocol when the last shard is durable, under new names: a
+  re-save into the same path replaces the old checkpoint only at that commit, so a crash
+  leaves the old one or the new one, never a mixture.
+
+The reader opens the checkpoint once, and reads each of DCP's read items through that opening
+(every rank checks the ranks opened the same save), only the rows its item overlaps, straight
+into the target where it is a contiguous tensor (CUDA ones through saver's landing), else into
+a buffer copied over. A corrupt block fails the load, naming the tensor.
+
+Not yet: ``use_collectives=False`` (the ranks cannot then agree on one save), DCP's
+``AsyncStager`` (``dcp.async_save`` with these classes stages through DCP's own stager), a
+:class:`saver.Manager` as the target, the ``HuggingFaceStorageReader`` layout, and importing
+``.distcp`` checkpoints.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import uuid
+from typing import Any, Optional, Union
+
+import torch
+from torch.distributed.checkpoint import StorageReader as _StorageReader
+from torch.distributed.checkpoint import StorageWriter as _StorageWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+import saver as _s
+from saver import _host
+
+#: The checkpoint metadata key that holds DCP's metadata, as JSON.
+META_KEY = "dcp"
+#: Its layout's version.
+META_VERSION = 1
+
+_DTYPES = {str(t): t for t in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def _dtype(name: str, fqn: str):
+    if name not in _DTYPES:
+        raise _s.InputError(f"{fqn}: dtype {name} is not one saver.dcp stores")
+    return _DTYPES[name]
+
+
+def _stored(size, fqn: str):
+    """The (rows, columns) shape a tensor of global ``size`` is stored as (or (rows,))."""
+    size = tuple(size)
+    if len(size) == 0:
+        return (1,)
+    if len(size) <= 2:
+        return size
+    return (size[0], math.prod(size[1:]))
+
+
+def _stored_chunk(size, offsets, sizes, fqn: str):
+    """The stored offset and shape of a DCP chunk ``offsets``/``sizes`` of a tensor of ``size``."""
+    size, offsets, sizes = tuple(size), tuple(offsets), tuple(sizes)
+    if len(size) == 0:
+        return (0,), (1,)
+    if len(size) <= 2:
+        return offsets, sizes
+    if any(o != 0 for o in offsets[1:]) or tuple(sizes[1:]) != size[1:]:
+        raise _s.InputError(f"{fqn}: a chunk at {offsets} of {sizes} of a tensor of size {size} is cut along a dimension past the first; saver.dcp stores tensors of 3 or more dimensions cut along the first only (Shard(0))")
+    return (offsets[0], 0), (sizes[0], math.prod(size[1:]))
+
+
+def _meta_json(metadata: Metadata) -> str:
+    """DCP's metadata as JSON: tensors, byte items and the planner's flattening."""
+    tensors, blobs = {}, []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            blobs.append(fqn)
+            continue
+        tensors[fqn] = {"dtype": str(md.properties.dtype), "size": list(md.size),
+                        "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks]}
+    planner_data = metadata.planner_data
+    if planner_data is not None:
+        # DCP's default planners' flattening: each flat key's path, of names and list indices.
+        if not isinstance(planner_data, dict) or not all(
+                isinstance(v, (tuple, list)) and all(isinstance(x, (str, int)) for x in v) for v in planner_data.values()):
+            raise _s.InputError("saver.dcp stores the planner data of DCP's default planners (a state dict's flattening); this planner's is something else")
+        planner_data = {k: list(v) for k, v in planner_data.items()}
+    return json.dumps({"version": META_VERSION, "tensors": tensors, "bytes": blobs, "planner_data": planner_data})
+
+
+def _metadata_of(text: str, path: str) -> Metadata:
+    try:
+        m = json.loads(text)
+    except ValueError:
+        raise _s.SaverError(f"{path}: its {META_KEY!r} metadata is not JSON") from None
+    if m.get("version") != META_VERSION:
+        raise _s.SaverError(f"{path}: saver.dcp metadata of version {m.get('version')}; this saver reads version {META_VERSION}")
+    state = {}
+    for fqn, t in m["tensors"].items():
+        chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in t["chunks"]]
+        state[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=_dtype(t["dtype"], fqn)), size=torch.Size(t["size"]), chunks=chunks)
+    for fqn in m["bytes"]:
+        state[fqn] = BytesStorageMetadata()
+    planner_data = m["planner_data"]
+    if planner_data is not None:
+        planner_data = {k: tuple(v) for k, v in planner_data.items()}
+    return Metadata(state_dict_metadata=state, planner_data=planner_data)
+
+
+def _done(value):
+    """A torch future already done with ``value`` (what DCP waits on)."""
+    f = torch.futures.Future()
+    f.set_result(value)
+    return f
+
+
+class StorageWriter(_StorageWriter):
+    """DCP's ``StorageWriter`` writing a saver checkpoint at ``path``: give it to
+    ``dcp.save(state_dict, storage_writer=saver.dcp.StorageWriter(path))`` (and
+    ``checkpoint_id=`` may name the path instead). ``overwrite`` (default True, as DCP's
+    ``FileSystemWriter``): a committed checkpoint at ``path`` is replaced, at the new one's
+    commit. ``durable`` and other keyword options as :func:`saver.save`."""
+
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, overwrite: bool = True, **options: Any):
+        super().__init__()
+        self.path = None if path is None else os.fspath(path)
+        self.overwrite = overwrite
+        self.options = options
+        self.rank, self.world, self.coordinator = 0, 1, True
+        #: The report of this rank's save, once written.
+        self.report: Optional[_s.SaveReport] = None
+
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self.report = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives") is False:
+            raise _s.InputError("saver.dcp: use_collectives=False is not supported: the ranks agree on one save through DCP's collectives")
+        self.coordinator = is_coordinator
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank = kwargs.get("rank", self.rank)
+        if self.path is None:
+            raise _s.InputError("saver.dcp.StorageWriter: give a path (or dcp.save's checkpoint_id)")
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self.path)
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        """The coordinator's: draws the save id and DCP's metadata of the whole save (as DCP's
+        default planner makes it), given to every rank in its plan, so that every shard of
+        the save records the same."""
+        from dataclasses import replace
+
+        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+        _, metadata = create_default_global_save_plan([replace(p) for p in plans], rewrite_index_hints=False)
+        merged = {}
+        for p in plans:
+            if isinstance(p.planner_data, dict):
+                merged.update(p.planner_data)
+        metadata = replace(metadata, planner_data=merged or None)
+        shared = {"save_id": f"dcp-{uuid.uuid4().hex[:16]}", "meta": _meta_json(metadata), "world": len(plans)}
+        return [replace(p, storage_data=shared) for p in plans]
+
+    def write_data(self, plan, planner):
+        shared = plan.storage_data
+        if not isinstance(shared, dict) or "save_id" not in shared:
+            raise _s.InputError("saver.dcp.StorageWriter: the plan carries no save id (was prepare_global_plan skipped?)")
+        tables, results = {}, []
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                # One byte more than the item's: an empty item is still a table of one row.
+                values = torch.frombuffer(bytearray(raw + b"\0"), dtype=torch.uint8)
+                tables.setdefault(fqn, {}).setdefault("bytes", []).append(_s.Chunk(values))
+                results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=None))
+                continue
+            td = item.tensor_data
+            t = planner.resolve_data(item).detach()
+            offset, shape = _stored_chunk(td.size, td.chunk.offsets, td.chunk.sizes, fqn)
+            values = t.reshape(shape) if t.dim() != len(shape) or tuple(t.shape) != tuple(shape) else t
+            tables.setdefault(fqn, {}).setdefault("value", []).append(_s.Chunk(values, offset=offset, shape=_stored(td.size, fqn)))
+            results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(), storage_data=None))
+        options = {"overwrite": self.overwrite, **self.options}
+        if shared["world"] > 1:
+            options.update(shards=shared["world"], shard_index=self.rank)
+        self.report = _s.save(self.path, tables=tables, save_id=shared["save_id"], metadata={META_KEY: shared["meta"]}, **options)
+        self._save_id = shared["save_id"]
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results) -> None:
+        """The coordinator's, once every rank has written: the save must be the checkpoint at
+        the path now (saver committed it when its last shard was durable)."""
+        ck = _s.open(self.path)
+        if ck.save_id != self._save_id:
+            raise _s.SaverError(f"{self.path}: holds save {ck.save_id}, not this save {self._save_id} (another save replaced it)")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class StorageReader(_StorageReader):
+    """DCP's ``StorageReader`` reading a saver checkpoint written by :class:`StorageWriter`:
+    ``dcp.load(state_dict, storage_reader=saver.dcp.StorageReader(path))``, at any number of
+    ranks, whatever number saved it."""
+
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, parallel: Optional[int] = None):
+        super().__init__()
+        self.path = None if path is None else os.fspath(path)
+        self.parallel = parallel
+        self._ck = None
+        self.report: Optional[dict] = None
+
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self._ck = None
+
+    def _opened(self):
+        if self._ck is None:
+            if self.path is None:
+                raise _s.InputError("saver.dcp.StorageReader: give a path (or dcp.load's checkpoint_id)")
+            self._ck = _s.open(self.path)
+        return self._ck
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        ck = self._opened()
+        text = ck.metadata.get(META_KEY)
+        if text is None:
+            raise _s.InputError(f"{self.path}: not a checkpoint saver.dcp wrote (its metadata has no {META_KEY!r}); load it with saver.load")
+        return _metadata_of(text, self.path)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._metadata = metadata
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        """Every rank's plan carries the save the coordinator opened: a rank that opened
+        another (the path replaced between their openings) refuses to read."""
+        from dataclasses import replace
+
+        save_id = self._opened().save_id
+        return [replace(p, storage_data={"save_id": save_id}) for p in plans]
+
+    def read_data(self, plan, planner):
+        ck = self._opened()
+        want = (plan.storage_data or {}).get("save_id")
+        if want is not None and want != ck.save_id:
+            raise _s.SaverError(f"{self.path} was replaced between the ranks' openings (this rank opened save {ck.save_id}, the coordinator {want}); load again")
+        size_of = {fqn: tuple(md.size) for fqn, md in self._metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+        into, after, blobs, targets = {}, [], [], []
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                blobs.append(item)
+                continue
+            size = size_of[fqn]
+            # The item's part of the target, already narrowed by DCP's planner.
+            dest = planner.resolve_tensor(item).detach()
+            targets.append((item, dest))
+            start = [a + b for a, b in zip(item.storage_index.offset, item.storage_offsets)]
+            slot = into.setdefault(fqn, {}).setdefault("value", [])
+            if len(size) == 0:
+                buf = _host.empty_beside(dest, (1,), dest.dtype)
+                slot.append(_s.Chunk(buf, offset=(0,)))
+                after.append((dest, buf.reshape(())))
+            elif len(size) <= 2 and dest.is_contiguous():
+                slot.append(_s.Chunk(dest, offset=tuple(start)))
+            elif len(size) <= 2:
+                buf = _host.empty_beside(dest, tuple(item.lengths), dest.dtype)
+                slot.append(_s.Chunk(buf, offset=tuple(start)))
+                after.append((dest, buf))
+            else:
+                # Whole stored rows (each a slab of the trailing dimensions), the item's part
+                # of them copied over.
+                rows = item.lengths[0]
+                buf = _host.empty_beside(dest, (rows, math.prod(size[1:])), dest.dtype)
+                slot.append(_s.Chunk(buf, offset=(start[0], 0)))
+                part = buf.view((rows, *size[1:]))
+                for d in range(1, len(size)):
+                    part = part.narrow(d, start[d], item.lengths[d])
+                after.append((dest, part))
+        tables = sorted(set(into) | {b.storage_index.fqn for b in blobs})
+        if not tables:
+            return _done(None)
+        loaded = ck.load(into=into, tables=tables, dense=False, parallel=self.parallel)
+        self.report = loaded.report
+        with torch.no_grad():
+            for dest, buf in after:
+                dest.copy_(buf)
+        for item in blobs:
+            raw = loaded.tables[item.storage_index.fqn]["bytes"]
+            planner.load_bytes(item, io.BytesIO(raw[:-1].tobytes()))
+        for item, dest in targets:
+            planner.commit_tensor(item, dest)
+        return _done(None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))

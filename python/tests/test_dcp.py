@@ -1,0 +1,220 @@
+"""saver behind DCP's own API (saver/dcp.py): dcp.save and dcp.load through saver's
+StorageWriter and StorageReader, with DCP's own FileSystemWriter/FileSystemReader as the
+oracle: the same state dict saved both ways, loaded both ways, compared bitwise."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import saver
+import saver.dcp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import gloo_ranks  # noqa: E402
+
+
+def _state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "emb.weight": torch.randn(300, 16, generator=g),
+            "conv.weight": torch.randn(6, 3, 5, 5, generator=g),  # 4-d: stored as 6 x 75
+            "bias": torch.randn(7, generator=g).to(torch.bfloat16),
+            "scale": torch.tensor(1.5 + seed, dtype=torch.float64),  # 0-d
+            "mask": torch.rand(40, generator=g) > 0.5,
+            "count": torch.arange(12, dtype=torch.int64).reshape(3, 4) * (seed + 1),
+        },
+        "optim": {"state": {"0": {"exp_avg": torch.randn(300, 16, generator=g), "step": torch.tensor(float(seed))}},
+                  "param_groups": [{"lr": 0.01 * (seed + 1), "params": ["0"]}]},
+        # Not a tensor: DCP's planner writes it as a BYTE_IO item.
+        "extra": {"epoch": 3 + seed, "note": f"seed {seed}"},
+    }
+
+
+def _raised(excinfo):
+    """The exception a rank raised inside DCP, which wraps it in a CheckpointException."""
+    e = excinfo.value
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return e
+    first = next(iter(failures.values()))
+    return first[0] if isinstance(first, tuple) else first
+
+
+def _zeros_like(state):
+    if isinstance(state, dict):
+        return {k: _zeros_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_zeros_like(v) for v in state]
+    if torch.is_tensor(state):
+        return torch.zeros_like(state)
+    return None if not isinstance(state, (int, float, str)) else type(state)()
+
+
+def _assert_same(a, b, where="state"):
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    else:
+        assert a == b, where
+
+
+def test_a_state_dict_saved_through_saver_loads_bitwise_as_dcps_own_files_do(tmp_path):
+    state = _state(0)
+    dcp.save(state, storage_writer=saver.dcp.StorageWriter(tmp_path / "saver"))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")))
+    ours, theirs = _zeros_like(state), _zeros_like(state)
+    dcp.load(ours, storage_reader=saver.dcp.StorageReader(tmp_path / "saver"))
+    dcp.load(theirs, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")))
+    _assert_same(ours, state)
+    _assert_same(ours, theirs)
+    # A saver checkpoint like any other: verified, opened, loaded without DCP.
+    assert saver.verify(tmp_path / "saver")["status"] == "ok"
+    ck = saver.open(tmp_path / "saver")
+    assert "model.emb.weight" in ck.row_tables and not ck.dense
+    plain = saver.load(tmp_path / "saver", tables=["model.emb.weight"])
+    assert np.array_equal(plain.tables["model.emb.weight"]["value"], state["model"]["emb.weight"].numpy())
+
+
+def test_checkpoint_id_names_the_path_and_a_resave_replaces_the_old_checkpoint_at_its_commit(tmp_path):
+    path = tmp_path / "ck"
+    dcp.save(_state(0), checkpoint_id=str(path), storage_writer=saver.dcp.StorageWriter())
+    first = saver.open(path).save_id
+    dcp.save(_state(1), checkpoint_id=str(path), storage_writer=saver.dcp.StorageWriter())
+    assert saver.open(path).save_id != first
+    back = _zeros_like(_state(1))
+    dcp.load(back, checkpoint_id=str(path), storage_reader=saver.dcp.StorageReader())
+    _assert_same(back, _state(1))
+    # Nothing of the first save is left beside the second.
+    assert not [p for p in path.rglob("*") if first in p.name]
+    # Without overwrite a committed checkpoint is kept, and the save says why.
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(_state(2), storage_writer=saver.dcp.StorageWriter(path, overwrite=False))
+    assert isinstance(_raised(e), saver.SaverError) and "already holds a committed checkpoint" in str(_raised(e))
+    again = _zeros_like(_state(1))
+    dcp.load(again, storage_reader=saver.dcp.StorageReader(path))
+    _assert_same(again, _state(1))
+
+
+def test_a_flipped_byte_in_any_data_file_fails_the_load_naming_the_tensor(tmp_path):
+    state = {"w": torch.randn(4000, 16), "v": torch.randn(3000)}
+    dcp.save(state, storage_writer=saver.dcp.StorageWriter(tmp_path / "saver"))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")))
+    ours = next((tmp_path / "saver").rglob("*.safetensors"))
+    theirs = next((tmp_path / "dcp").glob("*.distcp"))
+    raw = bytearray(ours.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    ours.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(_zeros_like(state), storage_reader=saver.dcp.StorageReader(tmp_path / "saver"))
+    assert isinstance(_raised(e), saver.SaverError), _raised(e)
+    assert "CRC32" in str(_raised(e)) and ('table "w"' in str(_raised(e)) or 'table "v"' in str(_raised(e))), _raised(e)
+    # DCP's own files carry no checksum: the same flip in them loads silently.
+    raw = bytearray(theirs.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    theirs.write_bytes(bytes(raw))
+    back = _zeros_like(state)
+    dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")))
+    assert not (torch.equal(back["w"], state["w"]) and torch.equal(back["v"], state["v"]))
+
+
+def test_a_checkpoint_saver_dcp_did_not_write_is_refused_by_name(tmp_path):
+    saver.save(tmp_path / "ck", dense={"a": np.zeros(3, np.float32)})
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({"a": torch.zeros(3)}, storage_reader=saver.dcp.StorageReader(tmp_path / "ck"))
+    # DCP words a failed metadata read its own way, our reason inside.
+    assert "not a checkpoint saver.dcp wrote (its metadata has no 'dcp')" in str(_raised(e))
+
+
+def test_a_tensor_cut_past_its_first_dimension_is_refused_by_name(tmp_path):
+    with pytest.raises(saver.InputError, match="conv: a chunk .* cut along a dimension past the first"):
+        saver.dcp._stored_chunk((4, 6, 5), (0, 3, 0), (4, 3, 5), "conv")
+
+
+# --- ranks: DTensors as FSDP2 shards them, saved at 2 ranks and loaded at 1 and 3 ---------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _whole(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    return {"rows": torch.randn(10, 6, generator=g), "cols": torch.randn(5, 9, generator=g),
+            "both": torch.randn(7, 4, 3, generator=g), "same": torch.randn(11, generator=g)}
+
+
+def _dtensor_state(whole, world):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    return {
+        "rows": distribute_tensor(whole["rows"], mesh, [Shard(0)]),
+        "cols": distribute_tensor(whole["cols"], mesh, [Shard(1)]),
+        "both": distribute_tensor(whole["both"], mesh, [Shard(0)]),
+        "same": distribute_tensor(whole["same"], mesh, [Replicate()]),
+        "sched": {"last_epoch": 9, "lrs": [0.5, 0.25]},
+    }
+
+
+def _rank(rank, world, port, path, oracle, save, out):
+    from torch.distributed.tensor import DTensor
+
+    with gloo_ranks.group(rank, world, port):
+        whole = _whole(0)
+        state = _dtensor_state(whole if save else {k: torch.zeros_like(v) for k, v in whole.items()}, world)
+        if not save:
+            state["sched"] = {"last_epoch": 0, "lrs": [0.0, 0.0]}
+        if save:
+            dcp.save(state, storage_writer=saver.dcp.StorageWriter(path))
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(oracle))
+            return
+        dcp.load(state, storage_reader=saver.dcp.StorageReader(path))
+        theirs = _dtensor_state({k: torch.zeros_like(v) for k, v in whole.items()}, world)
+        dcp.load(theirs, storage_reader=dcp.FileSystemReader(oracle))
+        for k, v in state.items():
+            if isinstance(v, DTensor):
+                assert torch.equal(v.to_local(), theirs[k].to_local()), k
+                assert torch.equal(v.full_tensor(), whole[k]), k
+        assert state["sched"] == {"last_epoch": 9, "lrs": [0.5, 0.25]} == theirs["sched"]
+        torch.save({k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}, os.path.join(out, f"{rank}.pt"))
+
+
+def _ranks(world, path, oracle, save, out):
+    os.makedirs(out, exist_ok=True)
+    mp.spawn(_rank, args=(world, _free_port(), str(path), str(oracle), save, str(out)), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("load_world", [1, 3])
+def test_dtensors_saved_at_two_ranks_load_at_one_and_three_bitwise_as_dcps_own(tmp_path, load_world):
+    _ranks(2, tmp_path / "saver", tmp_path / "dcp", True, tmp_path / "out")
+    # One save of two shards, committed once: verified like any saver checkpoint.
+    assert saver.verify(tmp_path / "saver")["status"] == "ok"
+    ck = saver.open(tmp_path / "saver")
+    assert ck.save_id.startswith("dcp-")
+    _ranks(load_world, tmp_path / "saver", tmp_path / "dcp", False, tmp_path / "out")
+    assert len(list((tmp_path / "out").glob("*.pt"))) == load_world
+    # And by the command line, which knows nothing of DCP.
+    bin_ = os.environ.get("SAVER_BIN")
+    assert bin_ and os.path.exists(bin_), "SAVER_BIN must name the saver binary (python/tests/run.sh sets it)"
+    out = subprocess.run([bin_, "inspect", str(tmp_path / "saver")], capture_output=True, text=True)
+    assert out.returncode == 0 and "both" in out.stdout, out.stderr
