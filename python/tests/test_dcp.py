@@ -218,3 +218,69 @@ def test_dtensors_saved_at_two_ranks_load_at_one_and_three_bitwise_as_dcps_own(t
     assert bin_ and os.path.exists(bin_), "SAVER_BIN must name the saver binary (python/tests/run.sh sets it)"
     out = subprocess.run([bin_, "inspect", str(tmp_path / "saver")], capture_output=True, text=True)
     assert out.returncode == 0 and "both" in out.stdout, out.stderr
+
+
+def test_dcp_async_save_through_saver_holds_the_state_of_its_call(tmp_path):
+    state = _state(3)
+    future = dcp.async_save(state, storage_writer=saver.dcp.StorageWriter(tmp_path / "ck"))
+    # DCP's stager copied the state before the call returned: a write now is not saved.
+    with torch.no_grad():
+        state["model"]["emb.weight"].add_(1)
+    future.result()
+    back = _zeros_like(state)
+    dcp.load(back, storage_reader=saver.dcp.StorageReader(tmp_path / "ck"))
+    _assert_same(back, _state(3))
+
+
+def test_use_collectives_false_is_refused_by_name(tmp_path):
+    with pytest.raises((CheckpointException, saver.InputError)) as e:
+        dcp.save(_state(0), storage_writer=saver.dcp.StorageWriter(tmp_path / "ck"), use_collectives=False)
+    assert "use_collectives=False is not supported" in str(_raised(e))
+    assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").rglob("*.safetensors"))
+
+
+_RESAVER = """
+import sys, torch, torch.distributed.checkpoint as dcp, saver.dcp
+path = sys.argv[1]
+k = int(sys.argv[2])
+while True:
+    k += 1
+    state = {"a": torch.full((4000, 512), float(k)), "b": torch.full((3, 500, 7), float(k)),
+             "k": {"step": k}}
+    dcp.save(state, storage_writer=saver.dcp.StorageWriter(path))
+    print(k, flush=True)
+"""
+
+
+def test_a_resave_killed_at_any_moment_leaves_the_old_checkpoint_or_the_new_never_a_mixture(tmp_path):
+    import random
+    import signal
+    import time
+    import warnings
+
+    warnings.simplefilter("ignore")
+    script = tmp_path / "resave.py"
+    script.write_text(_RESAVER)
+    path = tmp_path / "ck"
+    rng = random.Random(7)
+    rounds = int(os.environ.get("SAVER_RACE_ROUNDS", "8"))
+    committed, seen = 0, set()
+    for r in range(rounds):
+        child = subprocess.Popen([sys.executable, str(script), str(path), str(committed)], stdout=subprocess.PIPE, text=True)
+        # Wait for one save to land, then kill at a varied moment within the next ones.
+        first = child.stdout.readline()
+        assert first, f"round {r}: the saving process died before its first save"
+        time.sleep(rng.uniform(0.0, 0.4))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        done = [int(first)] + [int(line) for line in child.stdout.read().split()]
+        back = {"a": torch.zeros(4000, 512), "b": torch.zeros(3, 500, 7), "k": {"step": 0}}
+        dcp.load(back, storage_reader=saver.dcp.StorageReader(path))
+        k = back["k"]["step"]
+        # The newest save reported, or the one after it (committed, killed before it said so).
+        assert k in (done[-1], done[-1] + 1), (k, done)
+        assert (back["a"] == k).all() and (back["b"] == k).all(), f"round {r}: a mixture of saves around {k}"
+        assert saver.verify(path)["status"] == "ok"
+        seen.add(k)
+        committed = k
+    assert len(seen) == rounds
