@@ -28,6 +28,9 @@ SAVER_STAND_IN_DEVICE=1 SAVER_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/saver
 # The staging ring's benchmark still runs (tiny size, one round; figures not kept).
 "$venv/bin/python" "$root/benches/staging_ring.py" --gib 0.01 --rounds 1 \
   --work "${CARGO_TARGET_DIR:-$root/target}/staging-ring-quick" > /dev/null
+# saver behind DCP's API against DCP's own files still runs (tiny size, one round).
+"$venv/bin/python" "$root/benches/dcp_compare.py" --gib 0.01 --rounds 1 --flips 2 \
+  --work "${CARGO_TARGET_DIR:-$root/target}/dcp-compare-quick" > /dev/null
 # The device check runs on a CPU through the stand-in (tiny sizes; figures not kept), so that it
 # is ready for a GPU machine and exits non-zero on a restore that is not bitwise.
 "$venv/bin/python" "$root/benches/gpu_check.py" --cpu-fake \
