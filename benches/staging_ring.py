@@ -14,7 +14,10 @@ stand-in's thread). Three saves of the same state, durable, same bytes, interlea
 Then three restores of the saved step (see ``load_cases``): in place, landed through the
 bounded host buffers, and torch.load + copy.
 
-    python benches/staging_ring.py [--gib 1.0] [--rounds 5] [--work DIR]
+    python benches/staging_ring.py [--gib 1.0] [--rounds 5] [--model table|dense] [--work DIR]
+
+``--model dense``: Linear layers only, every tensor a dense tensor (which a save checksums for
+its agreement as well as writes) rather than a row-range table.
 """
 
 import argparse
@@ -32,8 +35,18 @@ import saver.torch
 from gpu_check import fsync_tree  # benches/, beside this script
 
 
-def model_of(gib):
+def model_of(gib, kind="table"):
+    """A model of ``gib`` GiB with Adagrad's state: an embedding (a row-range table) and a small
+    Linear, or (``dense``) Linear layers only, saved as dense tensors."""
     rows = int(gib * (1 << 30) / 4 / 2 / 128)  # weights and Adagrad's sum, 128 columns
+    if kind == "dense":
+        width = 4096
+        layers = max(1, int(gib * (1 << 30) / 4 / 2 / (width * width)))
+        m = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+        opt = torch.optim.Adagrad(m.parameters())
+        m(torch.randn(4, width)).sum().backward()
+        opt.step()
+        return m, opt
     m = torch.nn.Sequential(torch.nn.Embedding(rows, 128), torch.nn.Linear(128, 64))
     opt = torch.optim.Adagrad(m.parameters())
     m(torch.arange(64)).sum().backward()
@@ -46,10 +59,11 @@ def main():
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--work", default=None)
+    ap.add_argument("--model", choices=["table", "dense"], default="table")
     args = ap.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="staging-ring-")
     os.makedirs(work, exist_ok=True)
-    model, opt = model_of(args.gib)
+    model, opt = model_of(args.gib, args.model)
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 2
 
     def in_place(path):
@@ -87,7 +101,7 @@ def main():
                 times[name].append(took)
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" if v and r else k for k, v in times.items()), file=sys.stderr)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"# Staging ring, {state_bytes / (1 << 30):.2f} GiB of state, {args.rounds} rounds, medians\n")
+    print(f"# Staging ring, {args.model} model, {state_bytes / (1 << 30):.2f} GiB of state, {args.rounds} rounds, medians\n")
     print("| save | seconds | / in place | / copy + torch.save |")
     print("| --- | --- | --- | --- |")
     for k, v in med.items():
