@@ -27,10 +27,13 @@ The reader opens the checkpoint once, and reads each of DCP's read items through
 into the target where it is a contiguous tensor (CUDA ones through saver's landing), else into
 a buffer copied over. A corrupt block fails the load, naming the tensor.
 
+A :class:`saver.Manager` may stand for the path (``StorageWriter(manager, step=1200)``,
+``StorageReader(manager)`` for its newest step), and :func:`import_dcp` turns a checkpoint of
+DCP's own files into a saver checkpoint.
+
 Not yet: ``use_collectives=False`` (the ranks cannot then agree on one save), DCP's
-``AsyncStager`` (``dcp.async_save`` with these classes stages through DCP's own stager), a
-:class:`saver.Manager` as the target, the ``HuggingFaceStorageReader`` layout, and importing
-``.distcp`` checkpoints.
+``AsyncStager`` (``dcp.async_save`` with these classes stages through DCP's own stager), the
+``HuggingFaceStorageReader`` layout, and ``saver save --from`` a ``.distcp`` directory.
 """
 
 from __future__ import annotations
@@ -146,11 +149,20 @@ class StorageWriter(_StorageWriter):
     ``dcp.save(state_dict, storage_writer=saver.dcp.StorageWriter(path))`` (and
     ``checkpoint_id=`` may name the path instead). ``overwrite`` (default True, as DCP's
     ``FileSystemWriter``): a committed checkpoint at ``path`` is replaced, at the new one's
-    commit. ``durable`` and other keyword options as :func:`saver.save`."""
+    commit. ``path`` may be a :class:`saver.Manager` instead, with ``step=``: the save is that
+    step of the manager's root (a delta by its policy, retention applied). ``durable`` and other
+    keyword options as :func:`saver.save`."""
 
-    def __init__(self, path: Union[str, os.PathLike, None] = None, *, overwrite: bool = True, **options: Any):
+    def __init__(self, path: Union[str, os.PathLike, "_s.Manager", None] = None, *, step: Optional[int] = None,
+                 overwrite: bool = True, **options: Any):
         super().__init__()
-        self.path = None if path is None else os.fspath(path)
+        self.manager = path if isinstance(path, _s.Manager) else None
+        if self.manager is not None and step is None:
+            raise _s.InputError("step: a Manager saves steps; give saver.dcp.StorageWriter(manager, step=...)")
+        if self.manager is None and step is not None:
+            raise _s.InputError("step: give a saver.Manager to save a step (a path is one checkpoint)")
+        self.step = step
+        self.path = None if path is None or self.manager is not None else os.fspath(path)
         self.overwrite = overwrite
         self.options = options
         self.rank, self.world, self.coordinator = 0, 1, True
@@ -171,11 +183,11 @@ class StorageWriter(_StorageWriter):
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.rank = kwargs.get("rank", self.rank)
-        if self.path is None:
+        if self.path is None and self.manager is None:
             raise _s.InputError("saver.dcp.StorageWriter: give a path (or dcp.save's checkpoint_id)")
 
     def storage_meta(self) -> Optional[StorageMeta]:
-        return StorageMeta(checkpoint_id=self.path)
+        return StorageMeta(checkpoint_id=self.path if self.manager is None else f"{self.manager.root} step {self.step}")
 
     def prepare_local_plan(self, plan):
         return plan
@@ -218,16 +230,25 @@ class StorageWriter(_StorageWriter):
             values = t.reshape(shape) if t.dim() != len(shape) or tuple(t.shape) != tuple(shape) else t
             tables.setdefault(fqn, {}).setdefault("value", []).append(_s.Chunk(values, offset=offset, shape=_stored(td.size, fqn)))
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(), storage_data=None))
-        options = {"overwrite": self.overwrite, **self.options}
+        options = dict(self.options)
         if shared["world"] > 1:
             options.update(shards=shared["world"], shard_index=self.rank)
-        self.report = _s.save(self.path, tables=tables, save_id=shared["save_id"], metadata={META_KEY: shared["meta"]}, **options)
+        metadata = {META_KEY: shared["meta"]}
+        if self.manager is not None:
+            self.report = self.manager.save(self.step, tables=tables, save_id=shared["save_id"], metadata=metadata, **options)
+        else:
+            self.report = _s.save(self.path, tables=tables, save_id=shared["save_id"], metadata=metadata, overwrite=self.overwrite, **options)
         self._save_id = shared["save_id"]
         return _done(results)
 
     def finish(self, metadata: Metadata, results) -> None:
         """The coordinator's, once every rank has written: the save must be the checkpoint at
         the path now (saver committed it when its last shard was durable)."""
+        if self.manager is not None:
+            held = [s for s in self.manager.steps() if s["step"] == self.step]
+            if not held or held[-1]["save_id"] != self._save_id:
+                raise _s.SaverError(f"{self.manager.root}: step {self.step} is not this save {self._save_id} once every rank wrote (another save replaced it, or its chain is not whole)")
+            return
         ck = _s.open(self.path)
         if ck.save_id != self._save_id:
             raise _s.SaverError(f"{self.path}: holds save {ck.save_id}, not this save {self._save_id} (another save replaced it)")
@@ -240,10 +261,20 @@ class StorageWriter(_StorageWriter):
 class StorageReader(_StorageReader):
     """DCP's ``StorageReader`` reading a saver checkpoint written by :class:`StorageWriter`:
     ``dcp.load(state_dict, storage_reader=saver.dcp.StorageReader(path))``, at any number of
-    ranks, whatever number saved it."""
+    ranks, whatever number saved it. ``path`` may be a :class:`saver.Manager`: its newest
+    committed step, or ``step=``."""
 
-    def __init__(self, path: Union[str, os.PathLike, None] = None, *, parallel: Optional[int] = None):
+    def __init__(self, path: Union[str, os.PathLike, "_s.Manager", None] = None, *, step: Optional[int] = None,
+                 parallel: Optional[int] = None):
         super().__init__()
+        if isinstance(path, _s.Manager):
+            steps = path.steps()
+            chosen = [s for s in steps if step is None or s["step"] == step]
+            if not chosen:
+                raise _s.InputError(f"{path.root} holds no committed step{'' if step is None else f' {step}'} (it holds {[s['step'] for s in steps]})")
+            path = chosen[-1]["path"]
+        elif step is not None:
+            raise _s.InputError("step: give a saver.Manager to load a step (a path is one checkpoint)")
         self.path = None if path is None else os.fspath(path)
         self.parallel = parallel
         self._ck = None
@@ -338,3 +369,21 @@ class StorageReader(_StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def import_dcp(source: Union[str, os.PathLike], path: Union[str, os.PathLike, "_s.Manager"], *,
+               step: Optional[int] = None, **options: Any) -> Optional[_s.SaveReport]:
+    """Reads the checkpoint of DCP's own files at ``source`` (``FileSystemWriter``'s) whole, in
+    this process, and saves it through :class:`StorageWriter` at ``path`` (a path, or a
+    :class:`saver.Manager` with ``step``): every tensor and BYTE_IO item, under the same names,
+    loadable with :class:`StorageReader` into any sharding. The whole state is held in memory
+    once while it is copied."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(os.fspath(source)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    writer = StorageWriter(path, step=step, **options)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    return writer.report

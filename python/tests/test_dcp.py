@@ -284,3 +284,31 @@ def test_a_resave_killed_at_any_moment_leaves_the_old_checkpoint_or_the_new_neve
         seen.add(k)
         committed = k
     assert len(seen) == rounds
+
+
+def test_a_manager_takes_dcp_saves_as_steps_and_loads_its_newest(tmp_path):
+    m = saver.Manager(tmp_path / "run")
+    for step in (10, 20):
+        dcp.save(_state(step), storage_writer=saver.dcp.StorageWriter(m, step=step))
+    assert [s["step"] for s in m.steps()] == [10, 20]
+    back = _zeros_like(_state(20))
+    dcp.load(back, storage_reader=saver.dcp.StorageReader(m))
+    _assert_same(back, _state(20))
+    older = _zeros_like(_state(10))
+    dcp.load(older, storage_reader=saver.dcp.StorageReader(m, step=10))
+    _assert_same(older, _state(10))
+    with pytest.raises(saver.InputError, match="step: a Manager saves steps"):
+        saver.dcp.StorageWriter(m)
+    with pytest.raises(saver.InputError, match="holds no committed step 30"):
+        saver.dcp.StorageReader(m, step=30)
+
+
+def test_a_checkpoint_of_dcps_own_files_imports_into_saver_tensor_by_tensor(tmp_path):
+    state = _state(4)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")))
+    report = saver.dcp.import_dcp(tmp_path / "dcp", tmp_path / "saver")
+    assert report is not None and report.bytes_written > 0
+    assert saver.verify(tmp_path / "saver")["status"] == "ok"
+    back = _zeros_like(state)
+    dcp.load(back, storage_reader=saver.dcp.StorageReader(tmp_path / "saver"))
+    _assert_same(back, state)
