@@ -31,8 +31,11 @@ A :class:`saver.Manager` may stand for the path (``StorageWriter(manager, step=1
 ``StorageReader(manager)`` for its newest step), and :func:`import_dcp` turns a checkpoint of
 DCP's own files into a saver checkpoint.
 
-Not yet: ``use_collectives=False`` (the ranks cannot then agree on one save), DCP's
-``AsyncStager`` (``dcp.async_save`` with these classes stages through DCP's own stager), the
+The writer is DCP's ``AsyncStager`` too: ``dcp.async_save(..., storage_writer=...)`` copies the
+state into host memory kept from the previous background save of the same layout (DCP makes a
+new stager and new memory for each call), released once the save's writes end.
+
+Not yet: ``use_collectives=False`` (the ranks cannot then agree on one save), the
 ``HuggingFaceStorageReader`` layout, and ``saver save --from`` a ``.distcp`` directory.
 """
 
@@ -57,6 +60,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 
 import saver as _s
@@ -137,6 +141,18 @@ def _metadata_of(text: str, path: str) -> Metadata:
     return Metadata(state_dict_metadata=state, planner_data=planner_data)
 
 
+def _tensors(value):
+    """Every tensor in a nested state dict."""
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif torch.is_tensor(value):
+        yield value
+
+
 def _done(value):
     """A torch future already done with ``value`` (what DCP waits on)."""
     f = torch.futures.Future()
@@ -144,7 +160,57 @@ def _done(value):
     return f
 
 
-class StorageWriter(_StorageWriter):
+def _layout(value) -> tuple:
+    """What a staged copy of ``value`` must match to be reused: its nesting, and each tensor's
+    kind, local shape, dtype and device (a DTensor's or ShardedTensor's local part)."""
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _layout(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_layout(v) for v in value))
+    if torch.is_tensor(value):
+        local = getattr(value, "_local_tensor", None)
+        if local is not None:
+            return ("dtensor", tuple(local.shape), str(local.dtype), str(value.placements))
+        shards = getattr(value, "local_shards", None)
+        if callable(shards):
+            return ("sharded", tuple((tuple(x.tensor.shape), str(x.tensor.dtype)) for x in shards()))
+        return ("tensor", tuple(value.shape), str(value.dtype), value.is_cuda)
+    return ("object", type(value).__name__)
+
+
+class _KeptCopies:
+    """Host copies of state dicts that background saves staged into, kept for the next
+    ``dcp.async_save`` of the same layout: its copy then lands in memory already mapped (memory
+    speed) rather than in fresh pages (page-fault speed), where DCP makes a new stager, and new
+    memory, for each call. A copy is taken by one save at a time, from its staging to the end
+    of its writes; a save that finds none free makes its own."""
+
+    _free: dict = {}
+    _lock = None
+
+    @classmethod
+    def take(cls, layout):
+        import threading
+
+        if cls._lock is None:
+            cls._lock = threading.Lock()
+        with cls._lock:
+            kept = cls._free.get(layout)
+            return kept.pop() if kept else None
+
+    @classmethod
+    def give(cls, layout, copy) -> None:
+        with cls._lock:
+            # The copies of one layout kept (two at most, for saves that overlap): a process
+            # whose state changes layout keeps those of the newest.
+            if layout not in cls._free:
+                cls._free.clear()
+            kept = cls._free.setdefault(layout, [])
+            if len(kept) < 2:
+                kept.append(copy)
+
+
+class StorageWriter(_StorageWriter, AsyncStager):
     """DCP's ``StorageWriter`` writing a saver checkpoint at ``path``: give it to
     ``dcp.save(state_dict, storage_writer=saver.dcp.StorageWriter(path))`` (and
     ``checkpoint_id=`` may name the path instead). ``overwrite`` (default True, as DCP's
@@ -165,6 +231,7 @@ class StorageWriter(_StorageWriter):
         self.path = None if path is None or self.manager is not None else os.fspath(path)
         self.overwrite = overwrite
         self.options = options
+        self._staged = None
         self.rank, self.world, self.coordinator = 0, 1, True
         #: The report of this rank's save, once written.
         self.report: Optional[_s.SaveReport] = None
@@ -234,12 +301,48 @@ class StorageWriter(_StorageWriter):
         if shared["world"] > 1:
             options.update(shards=shared["world"], shard_index=self.rank)
         metadata = {META_KEY: shared["meta"]}
-        if self.manager is not None:
-            self.report = self.manager.save(self.step, tables=tables, save_id=shared["save_id"], metadata=metadata, **options)
-        else:
-            self.report = _s.save(self.path, tables=tables, save_id=shared["save_id"], metadata=metadata, overwrite=self.overwrite, **options)
+        try:
+            if self.manager is not None:
+                self.report = self.manager.save(self.step, tables=tables, save_id=shared["save_id"], metadata=metadata, **options)
+            else:
+                self.report = _s.save(self.path, tables=tables, save_id=shared["save_id"], metadata=metadata, overwrite=self.overwrite, **options)
+        finally:
+            # The staged copy's bytes are written (or the save failed): the next background
+            # save may copy into it.
+            self._release()
         self._save_id = shared["save_id"]
         return _done(results)
+
+    # DCP's AsyncStager: `dcp.async_save(..., storage_writer=saver.dcp.StorageWriter(path))`
+    # stages through the writer.
+    _synchronize_after_execute = True
+
+    def stage(self, state_dict):
+        """The state dict copied to host memory (pinned where it holds CUDA tensors), into a
+        copy kept from an earlier background save of the same layout where one is free: what
+        ``dcp.async_save`` writes while training goes on."""
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        layout = _layout(state_dict)
+        copy = _KeptCopies.take(layout)
+        if copy is None:
+            cuda = any(t.is_cuda for t in _tensors(state_dict))
+            copy = _create_cpu_state_dict(state_dict, pin_memory=cuda and torch.cuda.is_available())
+        staged = _copy_state_dict(state_dict, copy)
+        self._staged = (layout, copy)
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` copies before it returns."""
+
+    def close(self) -> None:
+        """Gives back a staged copy no write used (a save that failed before its writes)."""
+        self._release()
+
+    def _release(self) -> None:
+        if self._staged is not None:
+            _KeptCopies.give(*self._staged)
+            self._staged = None
 
     def finish(self, metadata: Metadata, results) -> None:
         """The coordinator's, once every rank has written: the save must be the checkpoint at

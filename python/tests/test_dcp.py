@@ -312,3 +312,33 @@ def test_a_checkpoint_of_dcps_own_files_imports_into_saver_tensor_by_tensor(tmp_
     back = _zeros_like(state)
     dcp.load(back, storage_reader=saver.dcp.StorageReader(tmp_path / "saver"))
     _assert_same(back, state)
+
+
+def test_async_saves_stage_into_the_copy_the_last_one_kept_never_one_still_being_written(tmp_path):
+    state = _state(5)
+    dcp.async_save(state, storage_writer=saver.dcp.StorageWriter(tmp_path / "a")).result()
+
+    def pointers(staged):
+        return sorted(t.data_ptr() for t in saver.dcp._tensors(staged))
+
+    # The next background save of the same layout copies into the memory the last one used.
+    kept = pointers(next(iter(saver.dcp._KeptCopies._free[saver.dcp._layout(state)])))
+    first = saver.dcp.StorageWriter(tmp_path / "b")
+    assert pointers(first.stage(state)) == kept
+    # One taken and not yet written: a save beside it gets memory of its own.
+    second = saver.dcp.StorageWriter(tmp_path / "c")
+    assert not set(pointers(second.stage(state))) & set(kept)
+    first.close()
+    second.close()
+    # A state of another layout is never staged into it.
+    other = {"w": torch.zeros(3)}
+    assert not set(pointers(saver.dcp.StorageWriter(tmp_path / "d").stage(other))) & set(kept)
+    # And what the saves wrote is what each was given.
+    state["model"]["emb.weight"].fill_(7)
+    dcp.async_save(state, storage_writer=saver.dcp.StorageWriter(tmp_path / "e")).result()
+    back = _zeros_like(state)
+    dcp.load(back, storage_reader=saver.dcp.StorageReader(tmp_path / "e"))
+    _assert_same(back, state)
+    first_back = _zeros_like(state)
+    dcp.load(first_back, storage_reader=saver.dcp.StorageReader(tmp_path / "a"))
+    _assert_same(first_back, _state(5))
