@@ -6,7 +6,9 @@ turn: ``dcp.save`` through ``saver.dcp.StorageWriter`` and through DCP's
 ``FileSystemWriter(thread_count=T)`` (both durable: saver fsyncs, DCP's ``sync_files``), and
 ``dcp.load`` through ``saver.dcp.StorageReader`` and ``FileSystemReader`` into the same state
 dict, warm (every file read once first) and cold (evicted first); saver's writer and reader
-get ``parallel=T``, the same thread count. Rank 0 times each call between
+get ``parallel=T``, the same thread count; and ``dcp.async_save`` through each writer (saver's
+stages through its own kept copy, DCP's through a new ``DefaultStager``), timed until the call
+returns (the trainer's stall), its writes awaited untimed. Rank 0 times each call between
 two barriers (the whole call, every rank done). Medians after a warm-up round. Then, in one
 process, ``--flips`` loads of each checkpoint with one byte flipped in one of its data files
 (the byte put back after each): how many each reader caught, and how many DCP's loaded silently
@@ -79,6 +81,9 @@ def _rank(rank, world, port, args, out):
         "load, warm: FileSystemReader": (load_theirs, lambda: page_cache.warm([theirs])),
         "load, cold: saver.dcp.StorageReader": (load_ours, lambda: page_cache.evict([ours])),
         "load, cold: FileSystemReader": (load_theirs, lambda: page_cache.evict([theirs])),
+        # The trainer's stall: until the call returns (its save then ends untimed).
+        "async_save blocked: saver.dcp.StorageWriter": (lambda: dcp.async_save(state, storage_writer=saver.dcp.StorageWriter(ours, parallel=args.threads)), None),
+        "async_save blocked: FileSystemWriter + DefaultStager": (lambda: dcp.async_save(state, storage_writer=dcp.FileSystemWriter(theirs, thread_count=args.threads)), None),
     }
     times = {k: [] for k in cases}
     for r in range(args.rounds + 1):
@@ -87,10 +92,17 @@ def _rank(rank, world, port, args, out):
                 cache()
             dist.barrier()
             t = time.perf_counter()
-            call()
+            pending = call()
+            pending = pending if hasattr(pending, "result") else None
+            if pending is not None:
+                # A background save: the stall is the call; its writes end before the next case.
+                took = time.perf_counter() - t
+                pending.result()
             dist.barrier()
+            if pending is None:
+                took = time.perf_counter() - t
             if r:
-                times[name].append(time.perf_counter() - t)
+                times[name].append(took)
         if rank == 0:
             print(f"round {r}", file=sys.stderr)
     if rank == 0:
@@ -157,7 +169,8 @@ def main():
     print("| call | seconds | / DCP's own |")
     print("| --- | --- | --- |")
     for k, v in med.items():
-        base = med[k.split(":")[0] + ": " + ("FileSystemWriter" if k.startswith("save") else "FileSystemReader")]
+        kind = k.split(":")[0]
+        base = med[kind + ": " + ("FileSystemWriter + DefaultStager" if kind.startswith("async") else "FileSystemWriter" if kind == "save" else "FileSystemReader")]
         print(f"| {k} | {v:.3f} | {v / base:.3f} |")
     print("\n| reader | flipped bytes caught | loaded silently wrong | of |\n| --- | --- | --- | --- |")
     for k, (c, w) in caught.items():
