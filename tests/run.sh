@@ -39,6 +39,8 @@ examples() {
 run examples examples
 run interop bash tests/interop/run.sh
 run python bash python/tests/run.sh
+# saver.dcp on the newest torch release too (DCP's interfaces drift between releases).
+run python-newest-torch bash python/tests/newest_torch.sh
 step="verdict"
 
 # libtest's "test result: ok. 12 passed; 0 failed; 5 ignored; …" lines, summed.
@@ -66,5 +68,5 @@ else
   namespaces="SKIPPED (needs root and iproute2)"
 fi
 echo "verdict: PASSED in $(elapsed) · rust: $(rust_counts "$logs/rust.log" "$logs/memory.log")" \
-  "(ignored: child processes their parent tests run, and the memory test in the debug build, run by the memory step) · python: $(python_counts "$logs/python.log")" \
+  "(ignored: child processes their parent tests run, and the memory test in the debug build, run by the memory step) · python: $(python_counts "$logs/python.log") (saver.dcp on the newest torch: $(python_counts "$logs/python-newest-torch.log"))" \
   "· interop: passed · object-store tests: $object_store · network-namespace tests: $namespaces"
