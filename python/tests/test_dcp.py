@@ -91,6 +91,15 @@ def test_a_state_dict_saved_through_saver_loads_bitwise_as_dcps_own_files_do(tmp
     assert "model.emb.weight" in ck.row_tables and not ck.dense
     plain = saver.load(tmp_path / "saver", tables=["model.emb.weight"])
     assert np.array_equal(plain.tables["model.emb.weight"]["value"], state["model"]["emb.weight"].numpy())
+    # saver's own tools, which know nothing of DCP: resharded to 3 shards, the same content,
+    # and DCP's load reads the new checkpoint as it read the old.
+    bin_ = os.environ.get("SAVER_BIN")
+    assert bin_ and os.path.exists(bin_), "SAVER_BIN must name the saver binary (python/tests/run.sh sets it)"
+    subprocess.run([bin_, "reshard", str(tmp_path / "saver"), "--out", str(tmp_path / "three"), "--shards", "3"], check=True, capture_output=True)
+    assert saver.digest(tmp_path / "three") == saver.digest(tmp_path / "saver")
+    again = _zeros_like(state)
+    dcp.load(again, storage_reader=saver.dcp.StorageReader(tmp_path / "three"))
+    _assert_same(again, state)
 
 
 def test_checkpoint_id_names_the_path_and_a_resave_replaces_the_old_checkpoint_at_its_commit(tmp_path):
