@@ -156,6 +156,19 @@ def copy_into(target: Any, array: Any, name: str) -> None:
         target.copy_(src)
 
 
+def on_cuda(tensor: Any) -> bool:
+    """Whether ``tensor`` lives in CUDA memory."""
+    return bool(getattr(tensor, "is_cuda", False))
+
+
+def pin_host_copies(tensors) -> bool:
+    """Whether host copies of ``tensors`` are to be pinned: some live in CUDA memory (and CUDA
+    is here), so that their copies to and from the device run asynchronously."""
+    import torch
+
+    return any(on_cuda(t) for t in tensors) and torch.cuda.is_available()
+
+
 def empty_beside(like: Any, shape, dtype):
     """An uninitialized tensor of ``shape`` and ``dtype`` on ``like``'s device: a load's target
     for optimizer state the optimizer has not made yet, which must live where its parameter

@@ -33,7 +33,8 @@ DCP's own files into a saver checkpoint.
 
 The writer is DCP's ``AsyncStager`` too: ``dcp.async_save(..., storage_writer=...)`` copies the
 state into host memory kept from the previous background save of the same layout (DCP makes a
-new stager and new memory for each call), released once the save's writes end.
+new stager and new memory for each call), released once the save's writes end; the process
+keeps it until :func:`release_staged_memory`.
 
 Not yet: ``use_collectives=False`` (the ranks cannot then agree on one save), the
 ``HuggingFaceStorageReader`` layout, and ``saver save --from`` a ``.distcp`` directory.
@@ -45,6 +46,7 @@ import io
 import json
 import math
 import os
+import threading
 import uuid
 from typing import Any, Optional, Union
 
@@ -170,11 +172,11 @@ def _layout(value) -> tuple:
     if torch.is_tensor(value):
         local = getattr(value, "_local_tensor", None)
         if local is not None:
-            return ("dtensor", tuple(local.shape), str(local.dtype), str(value.placements))
+            return ("dtensor", tuple(local.shape), str(local.dtype), _host.on_cuda(local), str(value.placements))
         shards = getattr(value, "local_shards", None)
         if callable(shards):
             return ("sharded", tuple((tuple(x.tensor.shape), str(x.tensor.dtype)) for x in shards()))
-        return ("tensor", tuple(value.shape), str(value.dtype), value.is_cuda)
+        return ("tensor", tuple(value.shape), str(value.dtype), _host.on_cuda(value))
     return ("object", type(value).__name__)
 
 
@@ -186,14 +188,10 @@ class _KeptCopies:
     of its writes; a save that finds none free makes its own."""
 
     _free: dict = {}
-    _lock = None
+    _lock = threading.Lock()
 
     @classmethod
     def take(cls, layout):
-        import threading
-
-        if cls._lock is None:
-            cls._lock = threading.Lock()
         with cls._lock:
             kept = cls._free.get(layout)
             return kept.pop() if kept else None
@@ -208,6 +206,27 @@ class _KeptCopies:
             kept = cls._free.setdefault(layout, [])
             if len(kept) < 2:
                 kept.append(copy)
+
+    @classmethod
+    def held(cls) -> int:
+        with cls._lock:
+            return sum(t.numel() * t.element_size() for copies in cls._free.values() for c in copies for t in _tensors(c))
+
+    @classmethod
+    def release(cls) -> None:
+        with cls._lock:
+            cls._free.clear()
+
+
+def staged_memory() -> int:
+    """Bytes of host memory kept for the next ``dcp.async_save`` through saver's stager."""
+    return _KeptCopies.held()
+
+
+def release_staged_memory() -> None:
+    """Frees the host copies kept for the next ``dcp.async_save`` (a save running now keeps
+    its own until it ends)."""
+    _KeptCopies.release()
 
 
 class StorageWriter(_StorageWriter, AsyncStager):
@@ -326,8 +345,7 @@ class StorageWriter(_StorageWriter, AsyncStager):
         layout = _layout(state_dict)
         copy = _KeptCopies.take(layout)
         if copy is None:
-            cuda = any(t.is_cuda for t in _tensors(state_dict))
-            copy = _create_cpu_state_dict(state_dict, pin_memory=cuda and torch.cuda.is_available())
+            copy = _create_cpu_state_dict(state_dict, pin_memory=_host.pin_host_copies(_tensors(state_dict)))
         staged = _copy_state_dict(state_dict, copy)
         self._staged = (layout, copy)
         return staged

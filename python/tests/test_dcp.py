@@ -351,3 +351,7 @@ def test_async_saves_stage_into_the_copy_the_last_one_kept_never_one_still_being
     first_back = _zeros_like(state)
     dcp.load(first_back, storage_reader=saver.dcp.StorageReader(tmp_path / "a"))
     _assert_same(first_back, _state(5))
+    # The kept copy is what the process holds for the next background save, until released.
+    assert saver.dcp.staged_memory() >= state["model"]["emb.weight"].numel() * 4
+    saver.dcp.release_staged_memory()
+    assert saver.dcp.staged_memory() == 0
