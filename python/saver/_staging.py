@@ -376,33 +376,43 @@ class DeviceTarget:
         self.flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else None
 
 
-class _Buffers:
-    """The two host buffers a load lands through (pinned on CUDA), kept for the next load of
-    the same size; a load running beside another takes a pair of its own."""
+class Kept:
+    """What a process keeps for the next operation of the same kind (a load's host buffers, a
+    background save's staged copy), by key: taken by one operation at a time, at most two of a
+    key (for operations beside each other), and only those of the newest key given back, so
+    that a process whose sizes change keeps the newest rather than every one."""
 
-    _free = {}
-    _lock = threading.Lock()
+    def __init__(self):
+        self._free = {}
+        self._lock = threading.Lock()
 
-    @classmethod
-    def take(cls, nbytes: int, pinned: bool):
-        with cls._lock:
-            pairs = cls._free.get((nbytes, pinned))
-            if pairs:
-                return pairs.pop()
-        import torch
+    def take(self, key):
+        """A kept value of ``key``, now this caller's; None if none is free."""
+        with self._lock:
+            kept = self._free.get(key)
+            return kept.pop() if kept else None
 
-        return [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
-
-    @classmethod
-    def give(cls, nbytes: int, pinned: bool, pair) -> None:
-        with cls._lock:
-            # Pairs of one size kept (two at most, for loads beside each other): a process that
-            # loads at several sizes keeps those of the last.
-            if (nbytes, pinned) not in cls._free:
-                cls._free.clear()
-            kept = cls._free.setdefault((nbytes, pinned), [])
+    def give(self, key, value) -> None:
+        """Keeps ``value`` for the next :meth:`take` of ``key``."""
+        with self._lock:
+            if key not in self._free:
+                self._free.clear()
+            kept = self._free.setdefault(key, [])
             if len(kept) < 2:
-                kept.append(pair)
+                kept.append(value)
+
+    def values(self) -> list:
+        """Every value kept now."""
+        with self._lock:
+            return [v for vs in self._free.values() for v in vs]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+#: The host buffers of loads, by (bytes, pinned): a pair each.
+_landing_buffers = Kept()
 
 
 class Landing:
@@ -477,7 +487,11 @@ class Landing:
         buffer_bytes = max(-(-widest // 512) * 512, (bound // 2) // 512 * 512)
         rounds = self._rounds(buffer_bytes)
         pinned = not stand_in()
-        pair = _Buffers.take(buffer_bytes, pinned)
+        pair = _landing_buffers.take((buffer_bytes, pinned))
+        if pair is None:
+            import torch
+
+            pair = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
         engines = {}
         pending = [[], []]
         first = None
@@ -514,7 +528,7 @@ class Landing:
                         engine.finish(handle)
                     except Exception as e:  # the first failure is raised, once all are waited
                         failure = failure or e
-            _Buffers.give(buffer_bytes, pinned, pair)
+            _landing_buffers.give((buffer_bytes, pinned), pair)
         self.host_bytes = 2 * buffer_bytes
         if failure is not None:
             raise failure

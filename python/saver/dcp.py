@@ -46,7 +46,6 @@ import io
 import json
 import math
 import os
-import threading
 import uuid
 from typing import Any, Optional, Union
 
@@ -66,7 +65,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 
 import saver as _s
-from saver import _host
+from saver import _host, _staging
 
 #: The checkpoint metadata key that holds DCP's metadata, as JSON.
 META_KEY = "dcp"
@@ -180,53 +179,23 @@ def _layout(value) -> tuple:
     return ("object", type(value).__name__)
 
 
-class _KeptCopies:
-    """Host copies of state dicts that background saves staged into, kept for the next
-    ``dcp.async_save`` of the same layout: its copy then lands in memory already mapped (memory
-    speed) rather than in fresh pages (page-fault speed), where DCP makes a new stager, and new
-    memory, for each call. A copy is taken by one save at a time, from its staging to the end
-    of its writes; a save that finds none free makes its own."""
-
-    _free: dict = {}
-    _lock = threading.Lock()
-
-    @classmethod
-    def take(cls, layout):
-        with cls._lock:
-            kept = cls._free.get(layout)
-            return kept.pop() if kept else None
-
-    @classmethod
-    def give(cls, layout, copy) -> None:
-        with cls._lock:
-            # The copies of one layout kept (two at most, for saves that overlap): a process
-            # whose state changes layout keeps those of the newest.
-            if layout not in cls._free:
-                cls._free.clear()
-            kept = cls._free.setdefault(layout, [])
-            if len(kept) < 2:
-                kept.append(copy)
-
-    @classmethod
-    def held(cls) -> int:
-        with cls._lock:
-            return sum(t.numel() * t.element_size() for copies in cls._free.values() for c in copies for t in _tensors(c))
-
-    @classmethod
-    def release(cls) -> None:
-        with cls._lock:
-            cls._free.clear()
+#: Host copies of state dicts that background saves staged into, by layout, kept for the next
+#: ``dcp.async_save`` of the same layout: its copy then lands in memory already mapped (memory
+#: speed) rather than in fresh pages (page-fault speed), where DCP makes a new stager, and new
+#: memory, for each call. A copy is taken by one save from its staging to the end of its
+#: writes; a save that finds none free makes its own.
+_kept_copies = _staging.Kept()
 
 
 def staged_memory() -> int:
     """Bytes of host memory kept for the next ``dcp.async_save`` through saver's stager."""
-    return _KeptCopies.held()
+    return sum(t.numel() * t.element_size() for copy in _kept_copies.values() for t in _tensors(copy))
 
 
 def release_staged_memory() -> None:
     """Frees the host copies kept for the next ``dcp.async_save`` (a save running now keeps
     its own until it ends)."""
-    _KeptCopies.release()
+    _kept_copies.clear()
 
 
 class StorageWriter(_StorageWriter, AsyncStager):
@@ -343,7 +312,7 @@ class StorageWriter(_StorageWriter, AsyncStager):
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
         layout = _layout(state_dict)
-        copy = _KeptCopies.take(layout)
+        copy = _kept_copies.take(layout)
         if copy is None:
             copy = _create_cpu_state_dict(state_dict, pin_memory=_host.pin_host_copies(_tensors(state_dict)))
         staged = _copy_state_dict(state_dict, copy)
@@ -359,7 +328,7 @@ class StorageWriter(_StorageWriter, AsyncStager):
 
     def _release(self) -> None:
         if self._staged is not None:
-            _KeptCopies.give(*self._staged)
+            _kept_copies.give(*self._staged)
             self._staged = None
 
     def finish(self, metadata: Metadata, results) -> None:
