@@ -372,9 +372,19 @@ impl<'a> DenseTensor<'a> {
 mod tests {
     use super::*;
 
-    /// Bytes read on demand, counting the largest read.
+    /// Bytes read on demand, counting the largest read and every byte read.
     #[derive(Debug)]
-    struct Counted(Vec<u8>, std::sync::atomic::AtomicUsize);
+    struct Counted(
+        Vec<u8>,
+        std::sync::atomic::AtomicUsize,
+        std::sync::atomic::AtomicU64,
+    );
+
+    impl Counted {
+        fn new(bytes: Vec<u8>) -> Self {
+            Self(bytes, Default::default(), Default::default())
+        }
+    }
 
     impl ByteSource for Counted {
         fn len(&self) -> u64 {
@@ -383,6 +393,8 @@ mod tests {
         fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
             self.1
                 .fetch_max(out.len(), std::sync::atomic::Ordering::Relaxed);
+            self.2
+                .fetch_add(out.len() as u64, std::sync::atomic::Ordering::Relaxed);
             out.copy_from_slice(&self.0[offset as usize..offset as usize + out.len()]);
             Ok(())
         }
@@ -391,7 +403,7 @@ mod tests {
     #[test]
     fn a_lasting_tensor_is_kept_as_it_is_by_a_background_save_not_read_during_the_call() {
         let bytes: Vec<u8> = (0..10_000u32).map(|i| (i % 253) as u8).collect();
-        let source = Arc::new(Counted(bytes.clone(), Default::default()));
+        let source = Arc::new(Counted::new(bytes.clone()));
         let t = DenseTensor::lasting("w", Dtype::U8, vec![10_000], source.clone()).unwrap();
         let owned = t.into_owned().unwrap();
         assert_eq!(source.1.load(std::sync::atomic::Ordering::Relaxed), 0);
@@ -400,22 +412,6 @@ mod tests {
         owned.read_at(5_000, &mut out).unwrap();
         assert_eq!(out, bytes[5_000..5_100]);
         assert_eq!(owned.crc32().unwrap(), crc32fast::hash(&bytes));
-    }
-
-    /// Bytes read on demand, counting every byte read.
-    #[derive(Debug)]
-    struct Tallied(Vec<u8>, std::sync::atomic::AtomicU64);
-
-    impl ByteSource for Tallied {
-        fn len(&self) -> u64 {
-            self.0.len() as u64
-        }
-        fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
-            self.1
-                .fetch_add(out.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            out.copy_from_slice(&self.0[offset as usize..offset as usize + out.len()]);
-            Ok(())
-        }
     }
 
     proptest::proptest! {
@@ -440,7 +436,7 @@ mod tests {
                 pieces.push(at..at + n);
                 at += n;
             }
-            let source = Arc::new(Tallied(bytes.clone(), Default::default()));
+            let source = Arc::new(Counted::new(bytes.clone()));
             let t = DenseTensor::deferred("w", Dtype::U8, vec![len as u64], source.clone()).unwrap();
             let gap = gap.filter(|&g| g < pieces.len());
             let read: Vec<_> = pieces.iter().enumerate().filter(|(i, _)| Some(*i) != gap).map(|(_, p)| p.clone()).collect();
@@ -456,9 +452,9 @@ mod tests {
                     });
                 }
             });
-            let before = source.1.load(std::sync::atomic::Ordering::Relaxed);
+            let before = source.2.load(std::sync::atomic::Ordering::Relaxed);
             proptest::prop_assert_eq!(t.crc32().unwrap(), crc32fast::hash(&bytes));
-            let after = source.1.load(std::sync::atomic::Ordering::Relaxed);
+            let after = source.2.load(std::sync::atomic::Ordering::Relaxed);
             if gap.is_none() {
                 proptest::prop_assert_eq!(after, before, "read again for its CRC32");
             } else {
@@ -471,7 +467,7 @@ mod tests {
     fn a_tensor_read_on_demand_is_checksummed_and_copied_a_piece_at_a_time() {
         for len in [0, 1, 4097, (8 << 20) + 3, (17 << 20) + 1] {
             let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
-            let source = Arc::new(Counted(bytes.clone(), Default::default()));
+            let source = Arc::new(Counted::new(bytes.clone()));
             let t =
                 DenseTensor::deferred("w", Dtype::U8, vec![len as u64], source.clone()).unwrap();
             assert_eq!(t.crc32().unwrap(), crc32fast::hash(&bytes), "{len}");
