@@ -100,16 +100,23 @@ def main():
             if r:  # round 0 warms up
                 times[name].append(took)
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" if v and r else k for k, v in times.items()), file=sys.stderr)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"# Staging ring, {args.model} model, {state_bytes / (1 << 30):.2f} GiB of state, {args.rounds} rounds, medians\n")
-    print("| save | seconds | / in place | / copy + torch.save |")
-    print("| --- | --- | --- | --- |")
-    for k, v in med.items():
-        print(f"| {k} | {v:.3f} | {v / med['in place']:.3f} | {v / med['copy + torch.save']:.3f} |")
+    table(f"Staging ring, {args.model} model, {state_bytes / (1 << 30):.2f} GiB of state, {args.rounds} rounds, medians",
+          "save", times, "copy + torch.save")
     print(f"\nThe ring held {ring.staging_bytes / (1 << 20):.1f} MiB and read {ring.staged_bytes / (1 << 30):.2f} GiB through it.")
     print()
     load_cases(work, model, opt, args.rounds)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def table(title, what, times, other):
+    """The medians of ``times`` as a markdown table, each as a ratio to ``in place`` and to
+    ``other``."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"# {title}\n")
+    print(f"| {what} | seconds | / in place | / {other} |")
+    print("| --- | --- | --- | --- |")
+    for k, v in med.items():
+        print(f"| {k} | {v:.3f} | {v / med['in place']:.3f} | {v / med[other]:.3f} |")
 
 
 def load_cases(work, model, opt, rounds):
@@ -158,12 +165,7 @@ def load_cases(work, model, opt, rounds):
             load()
             if r:
                 times[name].append(time.perf_counter() - t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"# Landing, the same state restored, {rounds} rounds, medians (page cache warm)\n")
-    print("| load | seconds | / in place | / torch.load + copy |")
-    print("| --- | --- | --- | --- |")
-    for k, v in med.items():
-        print(f"| {k} | {v:.3f} | {v / med['in place']:.3f} | {v / med['torch.load + copy']:.3f} |")
+    table(f"Landing, the same state restored, {rounds} rounds, medians (page cache warm)", "load", times, "torch.load + copy")
     print(f"\nThe landing held {landing['host'] / (1 << 20):.1f} MiB of host buffers and carried "
           f"{landing['landed'] / (1 << 30):.2f} GiB in {landing['rounds']} rounds; torch.load held the whole state.")
 
