@@ -111,13 +111,18 @@ def on_host(tensor: Any, what: str, instead: str) -> None:
         raise InputError(f"{what} is on {device}; {instead}")
 
 
-def torch_dtype(name: str, what: str):
-    """The torch dtype of saver dtype ``name``, or an :class:`InputError` naming ``what``."""
+def torch_dtypes() -> dict:
+    """Every saver dtype torch has, by its saver name."""
     import torch
 
-    dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-              "U8": torch.uint8, "BOOL": torch.bool}
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+            "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def torch_dtype(name: str, what: str):
+    """The torch dtype of saver dtype ``name``, or an :class:`InputError` naming ``what``."""
+    dtypes = torch_dtypes()
     if name not in dtypes:
         raise InputError(f"{what}: dtype {name} has no torch type here")
     return dtypes[name]

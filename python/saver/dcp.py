@@ -72,8 +72,8 @@ META_KEY = "dcp"
 #: Its layout's version.
 META_VERSION = 1
 
-_DTYPES = {str(t): t for t in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+#: The torch dtypes saver stores, by the names DCP's metadata gives them ("torch.float32").
+_DTYPES = {str(t): t for t in _host.torch_dtypes().values()}
 
 
 def _dtype(name: str, fqn: str):
@@ -82,7 +82,7 @@ def _dtype(name: str, fqn: str):
     return _DTYPES[name]
 
 
-def _stored(size, fqn: str):
+def _stored(size):
     """The (rows, columns) shape a tensor of global ``size`` is stored as (or (rows,))."""
     size = tuple(size)
     if len(size) == 0:
@@ -283,7 +283,7 @@ class StorageWriter(_StorageWriter, AsyncStager):
             t = planner.resolve_data(item).detach()
             offset, shape = _stored_chunk(td.size, td.chunk.offsets, td.chunk.sizes, fqn)
             values = t.reshape(shape) if t.dim() != len(shape) or tuple(t.shape) != tuple(shape) else t
-            tables.setdefault(fqn, {}).setdefault("value", []).append(_s.Chunk(values, offset=offset, shape=_stored(td.size, fqn)))
+            tables.setdefault(fqn, {}).setdefault("value", []).append(_s.Chunk(values, offset=offset, shape=_stored(td.size)))
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(), storage_data=None))
         options = dict(self.options)
         if shared["world"] > 1:
