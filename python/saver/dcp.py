@@ -28,16 +28,20 @@ into the target where it is a contiguous tensor (CUDA ones through saver's landi
 a buffer copied over. A corrupt block fails the load, naming the tensor.
 
 A :class:`saver.Manager` may stand for the path (``StorageWriter(manager, step=1200)``,
-``StorageReader(manager)`` for its newest step), and :func:`import_dcp` turns a checkpoint of
-DCP's own files into a saver checkpoint.
+``StorageReader(manager)`` for its newest step). Either way round, without saver on the other
+side: :func:`import_dcp` turns a checkpoint of DCP's own files into a saver checkpoint, and
+:func:`export_hf` writes a saver.dcp checkpoint as the sharded safetensors files that DCP's
+stock ``HuggingFaceStorageReader`` loads.
 
 The writer is DCP's ``AsyncStager`` too: ``dcp.async_save(..., storage_writer=...)`` copies the
 state into host memory kept from the previous background save of the same layout (DCP makes a
 new stager and new memory for each call), released once the save's writes end; the process
 keeps it until :func:`release_staged_memory`.
 
-Not yet: ``use_collectives=False`` (the ranks cannot then agree on one save), the
-``HuggingFaceStorageReader`` layout, and ``saver save --from`` a ``.distcp`` directory.
+Not yet: ``use_collectives=False`` (the ranks cannot then agree on one save), the stock
+``HuggingFaceStorageReader`` reading a saver checkpoint in place (its files name each tensor by
+chunk, where that reader takes every file's names as the state dict's; :func:`export_hf` is the
+way there), and ``saver save --from`` a ``.distcp`` directory.
 """
 
 from __future__ import annotations
@@ -477,3 +481,128 @@ def import_dcp(source: Union[str, os.PathLike], path: Union[str, os.PathLike, "_
     writer = StorageWriter(path, step=step, **options)
     dcp.save(state, storage_writer=writer, no_dist=True)
     return writer.report
+
+
+#: safetensors' dtype names, by torch dtype name: what a safetensors header says.
+_SAFETENSORS_DTYPES = {"torch.float64": "F64", "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
+                       "torch.float8_e4m3fn": "F8_E4M3", "torch.float8_e5m2": "F8_E5M2",
+                       "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8",
+                       "torch.uint64": "U64", "torch.uint32": "U32", "torch.uint16": "U16", "torch.uint8": "U8",
+                       "torch.bool": "BOOL"}
+
+
+def _pieces(fqn: str, md: TensorStorageMetadata, piece_bytes: int):
+    """The (offsets, sizes) pieces of ``fqn``'s chunks, each cut along its first dimension into
+    parts of at most ``piece_bytes`` (at least one row)."""
+    width = md.properties.dtype.itemsize
+    for c in md.chunks:
+        offsets, sizes = list(c.offsets), list(c.sizes)
+        if not sizes:
+            yield offsets, sizes
+            continue
+        row = math.prod(sizes[1:]) * width
+        step = max(1, piece_bytes // max(1, row))
+        for start in range(0, max(1, sizes[0]), step):
+            yield [offsets[0] + start, *offsets[1:]], [min(step, sizes[0] - start), *sizes[1:]]
+
+
+def export_hf(source: Union[str, os.PathLike, "_s.Manager"], out: Union[str, os.PathLike], *,
+              step: Optional[int] = None, piece_bytes: int = 64 << 20) -> dict:
+    """Writes the checkpoint at ``source`` that :class:`StorageWriter` saved (a path, or a
+    :class:`saver.Manager`: its newest step, or ``step=``) into the new directory ``out`` as
+    sharded safetensors files that PyTorch's own
+    ``torch.distributed.checkpoint.HuggingFaceStorageReader(out)`` loads with ``dcp.load``
+    into any sharding, with no saver installed: every tensor under its fully qualified name in
+    its own dimensions, each of DCP's chunks cut along its first dimension into pieces of at
+    most ``piece_bytes``, each file holding at most one piece of a tensor and naming their
+    global offsets in its ``DCP_SHARDING_INFO``. BYTE_IO items have no place in that layout and
+    are left out (the returned ``skipped`` names them).
+
+    The checkpoint is opened once and each piece read through that opening, checked against
+    its CRC32s, one piece at a time (memory: about ``piece_bytes``). The files are written
+    under a temporary name beside ``out``, made durable, then renamed to ``out`` whole: a
+    crash leaves no partial ``out``. ``out`` must not exist or be an empty directory.
+
+    Returns ``{"files", "tensors", "bytes", "skipped"}``."""
+    import shutil
+
+    from saver._host import readable
+
+    if isinstance(source, _s.Manager):
+        steps = [s for s in source.steps() if step is None or s["step"] == step]
+        if not steps:
+            raise _s.InputError(f"{source.root} holds no committed step{'' if step is None else f' {step}'}")
+        source = steps[-1]["path"]
+    elif step is not None:
+        raise _s.InputError("step: give a saver.Manager to export a step (a path is one checkpoint)")
+    if not isinstance(piece_bytes, int) or piece_bytes <= 0:
+        raise _s.InputError(f"piece_bytes: a positive number of bytes, got {piece_bytes!r}")
+    source, out = os.fspath(source), os.fspath(out)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise _s.InputError(f"{out}: exists and is not an empty directory (export_hf writes a new one: DCP's reader takes every .safetensors file there)")
+    ck = _s.open(source)
+    text = ck.metadata.get(META_KEY)
+    if text is None:
+        raise _s.InputError(f"{source}: not a checkpoint saver.dcp wrote (its metadata has no {META_KEY!r}); export it with `saver export`")
+    meta = _metadata_of(text, source)
+    files: list = []  # file k: {fqn: (offsets, sizes)}, the k-th piece of each tensor
+    skipped = []
+    for fqn, md in meta.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            skipped.append(fqn)
+            continue
+        if str(md.properties.dtype) not in _SAFETENSORS_DTYPES:
+            raise _s.InputError(f"{fqn}: dtype {md.properties.dtype} has no safetensors name")
+        for k, piece in enumerate(_pieces(fqn, md, piece_bytes)):
+            if k == len(files):
+                files.append({})
+            files[k][fqn] = piece
+    parent = os.path.dirname(os.path.abspath(out))
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:12]}")
+    os.makedirs(tmp)
+    written = 0
+    try:
+        for k, pieces in enumerate(files):
+            header, at = {}, 0
+            for fqn, (offsets, sizes) in pieces.items():
+                md = meta.state_dict_metadata[fqn]
+                n = math.prod(sizes) * md.properties.dtype.itemsize
+                header[fqn] = {"dtype": _SAFETENSORS_DTYPES[str(md.properties.dtype)], "shape": sizes, "data_offsets": [at, at + n]}
+                at += n
+            header["__metadata__"] = {"format": "pt", "DCP_SHARDING_INFO": json.dumps({f: {"saved_offsets": o} for f, (o, _) in pieces.items()})}
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)
+            name = os.path.join(tmp, f"model-{k + 1:05}-of-{len(files):05}.safetensors")
+            with open(name, "wb") as f:
+                f.write(len(raw).to_bytes(8, "little"))
+                f.write(raw)
+                for fqn, (offsets, sizes) in pieces.items():
+                    md = meta.state_dict_metadata[fqn]
+                    size = tuple(md.size)
+                    stored_offset, stored_shape = _stored_chunk(size, offsets, sizes, fqn)
+                    buf = torch.empty(stored_shape, dtype=md.properties.dtype)
+                    if buf.numel() == 0:
+                        continue  # an empty chunk (an uneven cut's last rank): its place alone
+                    ck.load(into={fqn: {"value": _s.Chunk(buf, offset=stored_offset)}}, tables=[fqn], dense=False)
+                    f.write(memoryview(readable(buf, fqn)).cast("B"))
+                    written += buf.numel() * buf.element_size()
+                f.flush()
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty, as checked: the rename takes its place
+        os.rename(tmp, out)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"files": len(files), "tensors": sum(1 for md in meta.state_dict_metadata.values() if not isinstance(md, BytesStorageMetadata)),
+            "bytes": written, "skipped": skipped}
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

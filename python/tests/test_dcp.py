@@ -323,6 +323,93 @@ def test_a_checkpoint_of_dcps_own_files_imports_into_saver_tensor_by_tensor(tmp_
     _assert_same(back, state)
 
 
+# --- the other way: DCP's stock HuggingFaceStorageReader, with no saver installed ---------
+
+_STOCK_READER = """
+import sys
+sys.modules["saver"] = None  # what this process loads, it loads without saver
+import torch, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+ref = torch.load(sys.argv[2])
+back = {k: torch.zeros_like(v) for k, v in ref.items()}
+dcp.load(back, storage_reader=HuggingFaceStorageReader(sys.argv[1]), no_dist=True)
+for k in ref:
+    assert back[k].dtype == ref[k].dtype and back[k].shape == ref[k].shape, k
+    assert torch.equal(back[k].reshape(-1).view(torch.uint8), ref[k].reshape(-1).view(torch.uint8)), k
+print("same", len(ref))
+"""
+
+
+def _flat_tensors(state, prefix=""):
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update(_flat_tensors(v, f"{prefix}{k}."))
+        elif torch.is_tensor(v):
+            out[prefix + k] = v
+    return out
+
+
+def test_an_export_loads_bitwise_with_dcps_stock_huggingface_reader_and_no_saver(tmp_path):
+    state = _state(6)
+    dcp.save(state, storage_writer=saver.dcp.StorageWriter(tmp_path / "saver"))
+    # Pieces of 1000 bytes: the tables cut into many, each at its own offset in its own file.
+    done = saver.dcp.export_hf(tmp_path / "saver", tmp_path / "hf", piece_bytes=1000)
+    flat = _flat_tensors(state)
+    assert done["tensors"] == len(flat) and done["bytes"] == sum(t.numel() * t.element_size() for t in flat.values())
+    assert done["files"] == len(list((tmp_path / "hf").glob("*.safetensors"))) > 10
+    # Items that are not tensors have no place in that layout, and are named.
+    assert "extra.epoch" in done["skipped"] and not any(k in flat for k in done["skipped"])
+    torch.save(flat, tmp_path / "ref.pt")
+    out = subprocess.run([sys.executable, "-c", _STOCK_READER, str(tmp_path / "hf"), str(tmp_path / "ref.pt")], capture_output=True, text=True)
+    assert out.returncode == 0 and f"same {len(flat)}" in out.stdout, out.stderr[-3000:]
+    # And the same from a Manager's newest step; a directory already holding files is refused.
+    m = saver.Manager(tmp_path / "run")
+    dcp.save(state, storage_writer=saver.dcp.StorageWriter(m, step=5))
+    assert saver.dcp.export_hf(m, tmp_path / "hf2")["bytes"] == done["bytes"]
+    with pytest.raises(saver.InputError, match="hf2: exists and is not an empty directory"):
+        saver.dcp.export_hf(m, tmp_path / "hf2")
+
+
+def test_an_export_of_a_corrupt_checkpoint_fails_naming_the_tensor_and_leaves_nothing(tmp_path):
+    state = {"w": torch.randn(4000, 16), "v": torch.randn(3000)}
+    dcp.save(state, storage_writer=saver.dcp.StorageWriter(tmp_path / "saver"))
+    f = next((tmp_path / "saver").rglob("*.safetensors"))
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    f.write_bytes(bytes(raw))
+    with pytest.raises(saver.SaverError, match="CRC32") as e:
+        saver.dcp.export_hf(tmp_path / "saver", tmp_path / "hf")
+    assert 'table "w"' in str(e.value) or 'table "v"' in str(e.value)
+    # Neither the directory nor its temporary sibling is left.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saver"]
+
+
+def _stock_rank(rank, world, port, hf, out):
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.tensor import DTensor
+
+    with gloo_ranks.group(rank, world, port):
+        whole = _whole(0)
+        state = _dtensor_state({k: torch.zeros_like(v) for k, v in whole.items()}, world)
+        del state["sched"]  # a BYTE_IO item: not in that layout
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(hf))
+        for k, v in state.items():
+            assert isinstance(v, DTensor) and torch.equal(v.full_tensor(), whole[k]), k
+        with open(os.path.join(out, f"{rank}.ok"), "w") as f:
+            f.write("ok")
+
+
+def test_dtensors_saved_at_two_ranks_export_and_load_at_three_with_dcps_stock_reader(tmp_path):
+    _ranks(2, tmp_path / "saver", tmp_path / "dcp", True, tmp_path / "out")
+    done = saver.dcp.export_hf(tmp_path / "saver", tmp_path / "hf", piece_bytes=64)
+    assert sorted(done["skipped"]) == ["sched.last_epoch", "sched.lrs"], done
+    out = tmp_path / "stock"
+    out.mkdir()
+    mp.spawn(_stock_rank, args=(3, _free_port(), str(tmp_path / "hf"), str(out)), nprocs=3, join=True)
+    assert len(list(out.glob("*.ok"))) == 3
+
+
 def test_async_saves_stage_into_the_copy_the_last_one_kept_never_one_still_being_written(tmp_path):
     state = _state(5)
     dcp.async_save(state, storage_writer=saver.dcp.StorageWriter(tmp_path / "a")).result()
