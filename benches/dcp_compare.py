@@ -14,10 +14,13 @@ process, ``--flips`` loads of each checkpoint with one byte flipped in one of it
 (the byte put back after each): how many each reader caught, and how many DCP's loaded silently
 wrong.
 
-    python benches/dcp_compare.py [--gib 1.0] [--rounds 3] [--threads 2] [--flips 40] [--work DIR]
+    python benches/dcp_compare.py [--gib 1.0] [--rounds 3] [--threads 2] [--flips 40] [--work DIR] [--json OUT]
+
+``--json`` also writes the medians, the flips and the sizes for benches/report_page.py.
 """
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -154,6 +157,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--flips", type=int, default=40)
     ap.add_argument("--work", default=None)
+    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.work = args.work or tempfile.mkdtemp(prefix="dcp-compare-")
     os.makedirs(args.work, exist_ok=True)
@@ -175,6 +179,10 @@ def main():
     print("\n| reader | flipped bytes caught | loaded silently wrong | of |\n| --- | --- | --- | --- |")
     for k, (c, w) in caught.items():
         print(f"| {k} | {c} | {w} | {args.flips} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gib": args.gib, "threads": args.threads, "rounds": args.rounds, "world": 2, "medians": med,
+                       "flips": {k: {"caught": c, "wrong": w, "of": args.flips} for k, (c, w) in caught.items()}}, f, indent=1)
     shutil.rmtree(args.work, ignore_errors=True)
 
 

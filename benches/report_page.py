@@ -1,5 +1,5 @@
-"""Writes docs/BENCHMARKS.md and its plots from the JSON figures of benches/torch_peers.py and
-benches/torchrec_peers.py (one run of each, at one commit): `bash benches/report` runs them and
+"""Writes docs/BENCHMARKS.md and its plots from the JSON figures of benches/torch_peers.py,
+benches/torchrec_peers.py and benches/dcp_compare.py (one run of each, at one commit): `bash benches/report` runs them and
 then this. Every figure on the page is a median over the rounds, given as a ratio to a peer or to
 the limit measured in the same run; the seconds are beside it."""
 
@@ -53,6 +53,7 @@ def main():
     ap.add_argument("--commit", required=True)
     ap.add_argument("--torch", required=True)
     ap.add_argument("--torchrec", required=True)
+    ap.add_argument("--dcp", required=True)
     ap.add_argument("--rounds", type=int, required=True)
     ap.add_argument("--page", required=True)
     ap.add_argument("--plots", required=True)
@@ -62,7 +63,14 @@ def main():
         t = json.load(f)
     with open(args.torchrec) as f:
         r = json.load(f)
-    m, rm = t["medians"], r["medians"]
+    with open(args.dcp) as f:
+        d = json.load(f)
+    m, rm, dm = t["medians"], r["medians"], d["medians"]
+    # dcp_compare.py's calls: (label, saver's, DCP's own).
+    dcp_ops = [("dcp.save", "save: saver.dcp.StorageWriter", "save: FileSystemWriter"),
+               ("dcp.load, warm", "load, warm: saver.dcp.StorageReader", "load, warm: FileSystemReader"),
+               ("dcp.load, cold", "load, cold: saver.dcp.StorageReader", "load, cold: FileSystemReader"),
+               ("dcp.async_save: the call's stall", "async_save blocked: saver.dcp.StorageWriter", "async_save blocked: FileSystemWriter + DefaultStager")]
     rel = os.path.relpath(args.plots, os.path.dirname(args.page))
 
     def plain(op, who):
@@ -134,6 +142,8 @@ def main():
                         ("resharding load 2 → 3 ranks into column shards, TorchRec", "replan saver", "replan dcp")):
         lines.append(f"| {label} | {ratio(rm[a], rm[b])} | - | - | {ratio(rm[a], rm.get(a.replace('saver', 'limit')))} |")
     lines.append(f"| background save: training lost, plain model | {ratio(m['lost saver'], m['lost dcp'])} | - | - | - |")
+    for label, ours, theirs in dcp_ops:
+        lines.append(f"| DTensors at {d['world']} ranks through saver.dcp: {label} | {ratio(dm[ours], dm[theirs])} | - | - | - |")
     for what, key in (("save", "save"), ("restore", "load")):
         first = {who: peaks[f"{key} {who}"][0] for who, _ in PLAIN[:4]}
         lines.append(f"| peak memory of a {what}, plain model (first in a process) | {ratio(first['saver'], first['dcp'])} | "
@@ -217,6 +227,40 @@ def main():
         "way timed as a job, when this table was added at c569224: 0.137 s against 0.182 s; the "
         "report does not rerun it).",
     ]
+    flips = d["flips"]
+    lines += [
+        "",
+        "## Behind DCP's own API",
+        "",
+        f"A state dict of DTensors cut as FSDP2 cuts them (`Shard(0)`, `Shard(1)`, a `Replicate`d one, a 4-d "
+        f"tensor, a BYTE_IO item), {d['gib']:.2f} GiB at {d['world']} gloo ranks: `dcp.save` / `dcp.load` / "
+        "`dcp.async_save` with DCP's planners unchanged, through `saver.dcp.StorageWriter` / `StorageReader` "
+        f"and through DCP's own `FileSystemWriter(thread_count={d['threads']})` / `FileSystemReader` "
+        f"(saver's get `parallel={d['threads']}`), in turn each round. Both saves are durable (saver fsyncs, "
+        "DCP's `sync_files`). Each call is timed on rank 0 between two barriers; a background save until "
+        "its call returns (the trainer's stall; saver stages into the host copy it kept from the last "
+        "such save, DCP into a new `DefaultStager`'s). A load fills the same state dict, warm (every file "
+        "read once first) or cold (evicted first).",
+        "",
+        "| call | saver.dcp | DCP's own files | saver / DCP |",
+        "| --- | --- | --- | --- |",
+    ]
+    for label, ours, theirs in dcp_ops:
+        lines.append(f"| {label} | {seconds(dm[ours])} | {seconds(dm[theirs])} | {ratio(dm[ours], dm[theirs])} |")
+    lines += [
+        "",
+        "Then one byte flipped in one data file, past its header, for each of "
+        f"{flips['saver.dcp']['of']} loads of each checkpoint (the byte put back after each):",
+        "",
+        "| reader | flips caught | loaded silently wrong | of |",
+        "| --- | --- | --- | --- |",
+    ]
+    for who, label in (("saver.dcp", "saver.dcp.StorageReader"), ("DCP", "FileSystemReader")):
+        f = flips[who]
+        lines.append(f"| {label} | {f['caught']} | {f['wrong']} | {f['of']} |")
+    if any(f["caught"] + f["wrong"] < f["of"] for f in flips.values()):
+        lines += ["", "A flip neither caught nor loaded wrong fell where a load does not look (padding, "
+                  "a part of its file no tensor reads)."]
     lines += [
         "",
         "## Memory and bytes on disk",
@@ -249,12 +293,13 @@ def main():
         "",
         "## Reproduce",
         "",
-        "`bash benches/report` on a clean tree (it refuses a dirty one) reruns both scripts and rewrites "
+        "`bash benches/report` on a clean tree (it refuses a dirty one) reruns the three scripts and rewrites "
         "this page and its plots; the scripts alone print their tables:",
         "",
         "```",
         f"$VENV/bin/python benches/torch_peers.py --rounds {args.rounds}",
         f"$VENV/bin/python benches/torchrec_peers.py --rounds {args.rounds}",
+        f"$VENV/bin/python benches/dcp_compare.py --gib {d['gib']} --rounds {args.rounds} --flips {flips['saver.dcp']['of']}",
         "```",
         "",
         "with `$VENV` the venv of `python/tests/run.sh` (python/tests/venv.sh) and the package built "
