@@ -157,7 +157,7 @@ def test_staging_bytes_is_checked_by_name(tmp_path, stand_in):
     assert not (tmp_path / "ck").exists()
 
 
-def test_a_torch_model_saved_through_the_ring_loads_bitwise(tmp_path, stand_in):
+def test_a_torch_model_saved_through_the_ring_loads_bitwise_through_the_bound_it_is_given(tmp_path, stand_in, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Embedding(5000, 32), torch.nn.Linear(32, 8))
     opt = torch.optim.Adagrad(model.parameters())
     model(torch.arange(10)).sum().backward()
@@ -170,6 +170,25 @@ def test_a_torch_model_saved_through_the_ring_loads_bitwise(tmp_path, stand_in):
     saver.torch.load(tmp_path / "ck", back, back_opt)
     for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), k
+    # saver.torch.load lands through the bound it is given: its table (and the table's
+    # Adagrad sums) in rounds of half of it each.
+    landings = []
+    made = _staging.Landing.__init__
+
+    def recorded(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        landings.append(self)
+
+    monkeypatch.setattr(_staging.Landing, "__init__", recorded)
+    again = torch.nn.Sequential(torch.nn.Embedding(5000, 32), torch.nn.Linear(32, 8))
+    again_opt = torch.optim.Adagrad(again.parameters())
+    saver.torch.load(tmp_path / "ck", again, again_opt, staging_bytes=64 << 10)
+    for (k, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert [x.staging_bytes for x in landings] == [64 << 10]
+    assert landings[0].rounds >= 2 * 5000 * 32 * 4 // (32 << 10), landings[0].rounds
+    with pytest.raises(saver.InputError, match="staging_bytes"):
+        saver.torch.load(tmp_path / "ck", again, again_opt, staging_bytes=100)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -21,7 +21,7 @@ from ._ranks import _agreed, _gathered, _same_checkpoint, _world, on_group
 
 def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
          optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True,
-         fallback: bool = False, process_group: Any = None) -> Any:
+         fallback: bool = False, process_group: Any = None, staging_bytes: Optional[int] = None) -> Any:
     """Fills ``model``'s parameters and buffers and ``optimizer``'s state and hyperparameters in
     place from the checkpoint at ``source`` (a path, or a :class:`saver.Manager`: its newest
     committed step), and returns the ``extra`` saved with them. Row-range tables are read
@@ -36,36 +36,39 @@ def load(source: Union[os.PathLike, str, "_s.Manager"], model: torch.nn.Module,
     step is then loaded into the same model and optimizer (a :class:`saver.SaverWarning` names
     the step passed over), so that training never goes on from a mixture. CUDA tables are
     filled in bounded rounds through two pinned host buffers, each round checked before it is
-    copied to the device (:func:`saver.load`'s ``staging_bytes``).
+    copied to the device (``staging_bytes`` of them together, by default the smaller of 256 MiB
+    and 1/8 of the bytes landed, as :func:`saver.load`'s).
     ``process_group``: the group saver's agreement between ranks runs on (as
     :func:`save`)."""
     with on_group(process_group):
-        return _load_from(source, model, optimizer, strict, fallback)
+        return _load_from(source, model, optimizer, strict, fallback, staging_bytes)
 
 
-def _load_from(source, model, optimizer, strict, fallback):
+def _load_from(source, model, optimizer, strict, fallback, staging_bytes):
     if isinstance(source, _s.Manager):
-        latest = _load_newest(source, model, optimizer, strict, fallback)
+        latest = _load_newest(source, model, optimizer, strict, fallback, staging_bytes)
         if latest is None:
             raise _s.InputError(f"{source.root} holds no committed step")
         return latest[1]
     if fallback:
         raise _s.InputError("fallback: a path is one checkpoint; give a saver.Manager to fall back to older steps")
-    return _load(os.fspath(source), model, optimizer, strict)
+    return _load(os.fspath(source), model, optimizer, strict, staging_bytes)
 
 
 def load_latest(manager: "_s.Manager", model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                *, strict: bool = True, fallback: bool = False, process_group: Any = None):
+                *, strict: bool = True, fallback: bool = False, process_group: Any = None,
+                staging_bytes: Optional[int] = None):
     """:func:`load` of ``manager``'s newest committed step (with ``fallback``, the newest that
     loads): ``(step, extra)``, the step read and the ``extra`` saved with it, or ``None`` when
-    the root holds no step. Where a restarted job resumes, as :meth:`saver.Manager.load_latest`."""
+    the root holds no step. Where a restarted job resumes, as :meth:`saver.Manager.load_latest`;
+    ``staging_bytes`` as :func:`load`'s."""
     if not isinstance(manager, _s.Manager):
         raise _s.InputError(f"manager: give a saver.Manager, got {type(manager).__name__}")
     with on_group(process_group):
-        return _load_newest(manager, model, optimizer, strict, fallback)
+        return _load_newest(manager, model, optimizer, strict, fallback, staging_bytes)
 
 
-def _load_newest(manager, model, optimizer, strict, fallback):
+def _load_newest(manager, model, optimizer, strict, fallback, staging_bytes=None):
     """`(step, extra)` of a Manager's newest committed step loaded, or, with `fallback`, of the
     newest one that loads; None if it holds none. Every rank tries the same steps (rank 0's
     listing) and moves on together."""
@@ -84,10 +87,10 @@ def _load_newest(manager, model, optimizer, strict, fallback):
     for k, (step, path) in enumerate(steps):
         last = k + 1 == len(steps)
         if not fallback or last:
-            return step, _load(path, model, optimizer, strict)
+            return step, _load(path, model, optimizer, strict, staging_bytes)
         failure = None
         try:
-            extra = _load(path, model, optimizer, strict)
+            extra = _load(path, model, optimizer, strict, staging_bytes)
         except _s.InputError:
             raise  # the model does not fit the checkpoint: an older step would not fit either
         except _s.SaverError as e:
@@ -101,19 +104,19 @@ def _load_newest(manager, model, optimizer, strict, fallback):
         warnings.warn(f"step {step} does not load ({'; '.join(failed)}); falling back to step {steps[k + 1][0]}", _s.SaverWarning, stacklevel=3)
 
 
-def _load(path, model, optimizer, strict):
+def _load(path, model, optimizer, strict, staging_bytes=None):
     """`_load_once`, started over on a checkpoint that replaced the one it opened while it read
     (one process; ranks, which agreed on the save they opened, raise instead): every byte it
     had put into the model is then overwritten from the new one."""
     for attempt in range(_s._REOPENS + 1):
         try:
-            return _load_once(path, model, optimizer, strict)
+            return _load_once(path, model, optimizer, strict, staging_bytes)
         except _s.ReplacedError:
             if _world()[1] > 1 or attempt == _s._REOPENS:
                 raise
 
 
-def _load_once(path, model, optimizer, strict):
+def _load_once(path, model, optimizer, strict, staging_bytes=None):
     """Loads the checkpoint at `path` into `model` and `optimizer` through one opening."""
     optimizer = _dense_part(model, optimizer)
     failure = None
@@ -270,7 +273,7 @@ def _load_once(path, model, optimizer, strict):
         _check_optimizer(optimizer, meta, ck.dense, by_name, names, set(table_params) | set(sharded), path)
     filled = sorted({it.name for it in request})
     try:
-        loaded = ck.load(into=load_request(request), tables=filled or None)
+        loaded = ck.load(into=load_request(request), tables=filled or None, staging_bytes=staging_bytes)
     except _s.InputError:
         raise  # refused before any byte was read into the model
     except _s.ReplacedError:
