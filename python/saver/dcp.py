@@ -31,7 +31,8 @@ A :class:`saver.Manager` may stand for the path (``StorageWriter(manager, step=1
 ``StorageReader(manager)`` for its newest step). Either way round, without saver on the other
 side: :func:`import_dcp` turns a checkpoint of DCP's own files into a saver checkpoint, and
 :func:`export_hf` writes a saver.dcp checkpoint as the sharded safetensors files that DCP's
-stock ``HuggingFaceStorageReader`` loads.
+stock ``HuggingFaceStorageReader`` loads; from a shell, ``python -m saver.dcp import DCP_DIR
+OUT`` and ``python -m saver.dcp export-hf CHECKPOINT OUT``.
 
 The writer is DCP's ``AsyncStager`` too: ``dcp.async_save(..., storage_writer=...)`` copies the
 state into host memory kept from the previous background save of the same layout (DCP makes a
@@ -41,7 +42,8 @@ keeps it until :func:`release_staged_memory`.
 Not yet: ``use_collectives=False`` (the ranks cannot then agree on one save), the stock
 ``HuggingFaceStorageReader`` reading a saver checkpoint in place (its files name each tensor by
 chunk, where that reader takes every file's names as the state dict's; :func:`export_hf` is the
-way there), and ``saver save --from`` a ``.distcp`` directory.
+way there), and ``saver save --from`` a ``.distcp`` directory in the binary (it names such a
+directory and points here: ``python -m saver.dcp import``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import io
 import json
 import math
 import os
+import sys
 import uuid
 from typing import Any, Optional, Union
 
@@ -606,3 +609,36 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _main(argv=None) -> int:
+    """``python -m saver.dcp import DCP_DIR OUT`` and ``python -m saver.dcp export-hf CHECKPOINT
+    OUT``: the two ways across, from a shell."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m saver.dcp", description="Move checkpoints between DCP's layouts and saver's.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="a checkpoint of DCP's own files (.metadata, *.distcp) into a saver checkpoint")
+    imp.add_argument("source")
+    imp.add_argument("out")
+    exp = sub.add_parser("export-hf", help="a saver.dcp checkpoint as the files DCP's HuggingFaceStorageReader loads")
+    exp.add_argument("source")
+    exp.add_argument("out")
+    exp.add_argument("--piece-bytes", type=int, default=64 << 20)
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "import":
+            report = import_dcp(args.source, args.out)
+            print(f"{args.out}: saved {report.bytes_written} bytes from {args.source}")
+        else:
+            done = export_hf(args.source, args.out, piece_bytes=args.piece_bytes)
+            skipped = f"; left out (not tensors): {', '.join(done['skipped'])}" if done["skipped"] else ""
+            print(f"{args.out}: {done['tensors']} tensors, {done['bytes']} bytes in {done['files']} files{skipped}")
+    except _s.SaverError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -321,6 +321,21 @@ def test_a_checkpoint_of_dcps_own_files_imports_into_saver_tensor_by_tensor(tmp_
     back = _zeros_like(state)
     dcp.load(back, storage_reader=saver.dcp.StorageReader(tmp_path / "saver"))
     _assert_same(back, state)
+    # From a shell, both ways: in, then out to DCP's HuggingFace layout.
+    run = [sys.executable, "-m", "saver.dcp"]
+    out = subprocess.run(run + ["import", str(tmp_path / "dcp"), str(tmp_path / "shell")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    again = _zeros_like(state)
+    dcp.load(again, storage_reader=saver.dcp.StorageReader(tmp_path / "shell"))
+    _assert_same(again, state)
+    out = subprocess.run(run + ["export-hf", str(tmp_path / "shell"), str(tmp_path / "hf"), "--piece-bytes", "4096"], capture_output=True, text=True)
+    assert out.returncode == 0 and "left out (not tensors)" in out.stdout, out.stderr
+    torch.save(_flat_tensors(state), tmp_path / "ref.pt")
+    out = subprocess.run([sys.executable, "-c", _STOCK_READER, str(tmp_path / "hf"), str(tmp_path / "ref.pt")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # A refusal is a message naming the path, not a traceback.
+    out = subprocess.run(run + ["export-hf", str(tmp_path / "dcp"), str(tmp_path / "hf3")], capture_output=True, text=True)
+    assert out.returncode == 2 and "error:" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 # --- the other way: DCP's stock HuggingFaceStorageReader, with no saver installed ---------

@@ -528,6 +528,19 @@ fn bad_input_is_refused_with_one_clear_line_and_nothing_committed() {
     );
     assert!(!out.join("model.safetensors.index.json").exists());
 
+    // A directory of DCP's own files (.metadata, *.distcp) is named as one, with the way in.
+    let distcp = d.path().join("dcp");
+    std::fs::create_dir_all(&distcp).unwrap();
+    std::fs::write(distcp.join(".metadata"), b"\x80\x04").unwrap();
+    std::fs::write(distcp.join("__0_0.distcp"), b"PK").unwrap();
+    let (code, err) = fails(&["save", "--out", o, "--from", p(&distcp)]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("PyTorch DCP") && err.contains("python -m saver.dcp import"),
+        "{err}"
+    );
+    assert!(!out.join("model.safetensors.index.json").exists());
+
     // Loading, verifying and inspecting what is not a checkpoint.
     std::fs::create_dir_all(&out).unwrap();
     let (code, err) = fails(&["load", o]);
