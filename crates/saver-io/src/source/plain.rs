@@ -193,7 +193,10 @@ fn plain_dir_files(storage: &dyn Storage) -> Result<Vec<String>> {
     if files.is_empty() {
         // DCP's own checkpoints are a pickle and torch.save'd tensors: Python reads them, and
         // the package's import says how, rather than a bare "no file".
-        let dcp = storage.list()?.iter().any(|n| n == ".metadata" || n.ends_with(".distcp"));
+        let dcp = storage
+            .list()?
+            .iter()
+            .any(|n| n == ".metadata" || n.ends_with(".distcp"));
         let hint = if dcp {
             " (it is a checkpoint of PyTorch DCP's own files, .metadata and *.distcp: import it \
              with `python -m saver.dcp import DIR OUT`, from the Python package)"
