@@ -355,6 +355,20 @@ class StorageWriter(_StorageWriter, AsyncStager):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
+def _step_path(path, step: Optional[int], verb: str):
+    """The checkpoint a reader of ``path`` reads: ``path`` itself, or a :class:`saver.Manager`'s
+    newest committed step (``step=`` for another)."""
+    if isinstance(path, _s.Manager):
+        steps = path.steps()
+        chosen = [s for s in steps if step is None or s["step"] == step]
+        if not chosen:
+            raise _s.InputError(f"{path.root} holds no committed step{'' if step is None else f' {step}'} (it holds {[s['step'] for s in steps]})")
+        return chosen[-1]["path"]
+    if step is not None:
+        raise _s.InputError(f"step: give a saver.Manager to {verb} a step (a path is one checkpoint)")
+    return path
+
+
 class StorageReader(_StorageReader):
     """DCP's ``StorageReader`` reading a saver checkpoint written by :class:`StorageWriter`:
     ``dcp.load(state_dict, storage_reader=saver.dcp.StorageReader(path))``, at any number of
@@ -364,14 +378,7 @@ class StorageReader(_StorageReader):
     def __init__(self, path: Union[str, os.PathLike, "_s.Manager", None] = None, *, step: Optional[int] = None,
                  parallel: Optional[int] = None):
         super().__init__()
-        if isinstance(path, _s.Manager):
-            steps = path.steps()
-            chosen = [s for s in steps if step is None or s["step"] == step]
-            if not chosen:
-                raise _s.InputError(f"{path.root} holds no committed step{'' if step is None else f' {step}'} (it holds {[s['step'] for s in steps]})")
-            path = chosen[-1]["path"]
-        elif step is not None:
-            raise _s.InputError("step: give a saver.Manager to load a step (a path is one checkpoint)")
+        path = _step_path(path, step, "load")
         self.path = None if path is None else os.fspath(path)
         self.parallel = parallel
         self._ck = None
@@ -486,12 +493,8 @@ def import_dcp(source: Union[str, os.PathLike], path: Union[str, os.PathLike, "_
     return writer.report
 
 
-#: safetensors' dtype names, by torch dtype name: what a safetensors header says.
-_SAFETENSORS_DTYPES = {"torch.float64": "F64", "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
-                       "torch.float8_e4m3fn": "F8_E4M3", "torch.float8_e5m2": "F8_E5M2",
-                       "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8",
-                       "torch.uint64": "U64", "torch.uint32": "U32", "torch.uint16": "U16", "torch.uint8": "U8",
-                       "torch.bool": "BOOL"}
+#: safetensors' dtype names (saver's are the same), by torch dtype name: what a header says.
+_SAFETENSORS_DTYPES = {str(t): name for name, t in _host.torch_dtypes().items()}
 
 
 def _pieces(fqn: str, md: TensorStorageMetadata, piece_bytes: int):
@@ -531,13 +534,7 @@ def export_hf(source: Union[str, os.PathLike, "_s.Manager"], out: Union[str, os.
 
     from saver._host import readable
 
-    if isinstance(source, _s.Manager):
-        steps = [s for s in source.steps() if step is None or s["step"] == step]
-        if not steps:
-            raise _s.InputError(f"{source.root} holds no committed step{'' if step is None else f' {step}'}")
-        source = steps[-1]["path"]
-    elif step is not None:
-        raise _s.InputError("step: give a saver.Manager to export a step (a path is one checkpoint)")
+    source = _step_path(source, step, "export")
     if not isinstance(piece_bytes, int) or piece_bytes <= 0:
         raise _s.InputError(f"piece_bytes: a positive number of bytes, got {piece_bytes!r}")
     source, out = os.fspath(source), os.fspath(out)
@@ -554,8 +551,6 @@ def export_hf(source: Union[str, os.PathLike, "_s.Manager"], out: Union[str, os.
         if isinstance(md, BytesStorageMetadata):
             skipped.append(fqn)
             continue
-        if str(md.properties.dtype) not in _SAFETENSORS_DTYPES:
-            raise _s.InputError(f"{fqn}: dtype {md.properties.dtype} has no safetensors name")
         for k, piece in enumerate(_pieces(fqn, md, piece_bytes)):
             if k == len(files):
                 files.append({})
