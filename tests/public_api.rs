@@ -20,6 +20,15 @@ fn is_test_only(attrs: &[syn::Attribute]) -> bool {
     })
 }
 
+/// `#[doc(hidden)]`: public only because saver-io, another crate, calls it (the core→io seam:
+/// the plan's execution, the protocol's file names, the documents' checks). Such items are no
+/// part of the API users are offered, carry no promise between versions, and are listed apart.
+fn is_seam(attrs: &[syn::Attribute]) -> bool {
+    attrs.iter().any(|a| {
+        a.path().is_ident("doc") && a.parse_args::<syn::Ident>().is_ok_and(|i| i == "hidden")
+    })
+}
+
 fn is_pub(v: &syn::Visibility) -> bool {
     matches!(v, syn::Visibility::Public(_))
 }
@@ -53,7 +62,8 @@ fn public_items(module: &str, items: &[syn::Item], out: &mut BTreeSet<String>) {
     for item in items {
         match item {
             syn::Item::Fn(f) if is_pub(&f.vis) && !is_test_only(&f.attrs) => {
-                out.insert(at("fn", &f.sig.ident));
+                let kind = if is_seam(&f.attrs) { "seam-fn" } else { "fn" };
+                out.insert(at(kind, &f.sig.ident));
             }
             syn::Item::Struct(s) if is_pub(&s.vis) && !is_test_only(&s.attrs) => {
                 out.insert(at("struct", &s.ident));
@@ -93,7 +103,12 @@ fn public_items(module: &str, items: &[syn::Item], out: &mut BTreeSet<String>) {
                 for it in &i.items {
                     if let syn::ImplItem::Fn(f) = it {
                         if is_pub(&f.vis) && !is_test_only(&f.attrs) {
-                            out.insert(at("method", &format!("{ty}::{}", f.sig.ident)));
+                            let kind = if is_seam(&f.attrs) {
+                                "seam-method"
+                            } else {
+                                "method"
+                            };
+                            out.insert(at(kind, &format!("{ty}::{}", f.sig.ident)));
                         }
                     }
                 }
@@ -150,11 +165,13 @@ fn the_public_api_is_the_snapshot() {
     };
     let mut text = format!(
         "# The public API (tests/public_api.rs): {} functions and methods, {} types and traits, \
-         {} modules, {} re-exports.\n",
+         {} modules, {} re-exports; and {} functions and methods of the core→io seam \
+         (`#[doc(hidden)]`, listed as seam-fn and seam-method).\n",
         count(&["fn", "method"]),
         count(&["struct", "enum", "trait", "type"]),
         count(&["mod"]),
         count(&["use"]),
+        count(&["seam-fn", "seam-method"]),
     );
     for l in &all {
         text.push_str(l);
@@ -177,4 +194,64 @@ fn the_public_api_is_the_snapshot() {
              and list each rename in CHANGELOG.md"
         );
     }
+}
+
+/// Every `.rs` file under `dir`.
+fn rust_sources(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            rust_sources(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The seam is saver-io's alone: a hidden item that the CLI, the Python module, the facade or
+/// the examples call is API that users depend on, hidden from them, and belongs in the listed
+/// surface instead. (A call is the item's name followed by `(`, or a path to it.)
+#[test]
+fn the_seam_is_called_only_by_saver_io() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut all = BTreeSet::new();
+    surface("saver_core", &root.join("crates/saver-core/src"), &mut all);
+    surface("saver_io", &root.join("crates/saver-io/src"), &mut all);
+    let seam: Vec<String> = all
+        .iter()
+        .filter(|l| matches!(l.split(' ').nth(1), Some("seam-fn" | "seam-method")))
+        .map(|l| l.rsplit([' ', ':']).next().unwrap().to_string())
+        .collect();
+    assert!(
+        !seam.is_empty(),
+        "no seam item found: is_seam no longer sees `#[doc(hidden)]`"
+    );
+    let mut files = Vec::new();
+    for dir in ["crates/saver-cli/src", "python/src", "src", "examples"] {
+        rust_sources(&root.join(dir), &mut files);
+    }
+    let mut callers = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        for name in &seam {
+            let called = text.match_indices(name.as_str()).any(|(at, _)| {
+                let before = text[..at].chars().next_back();
+                let after = text[at + name.len()..].trim_start();
+                let word_start = !before.is_some_and(|c| c.is_alphanumeric() || c == '_');
+                let word_end = !text[at + name.len()..]
+                    .chars()
+                    .next()
+                    .is_some_and(|c| c.is_alphanumeric() || c == '_');
+                word_start && word_end && (after.starts_with('(') || before == Some(':'))
+            });
+            if called {
+                callers.push(format!("{} calls {name}", f.display()));
+            }
+        }
+    }
+    assert!(
+        callers.is_empty(),
+        "seam items (#[doc(hidden)]) called outside saver-io: {callers:#?}; make them part of \
+         the listed API (drop `#[doc(hidden)]`) or call what users are offered"
+    );
 }

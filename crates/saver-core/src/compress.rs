@@ -381,6 +381,7 @@ impl FrameCompressor {
     /// `raw` itself when compression does not make it shorter (a stored frame as long as its
     /// raw bytes holds them as they are). `raw` must hold whole elements of the filter, and at
     /// most `u32::MAX` bytes.
+    #[doc(hidden)]
     pub fn compress_frame(
         &mut self,
         raw: &[u8],
@@ -416,6 +417,7 @@ impl FrameCompressor {
 /// Decompresses one stored frame into `out`, which must be exactly its raw length: a frame that
 /// holds more or fewer bytes, or is not zstd, is an error. A stored frame exactly as long as its
 /// raw bytes holds them as they are.
+#[doc(hidden)]
 pub fn decompress_frame(filter: Filter, stored: &[u8], out: &mut [u8]) -> Result<(), CodecError> {
     if stored.len() == out.len() {
         out.copy_from_slice(stored);
@@ -502,6 +504,7 @@ pub enum ColumnKind {
 }
 
 /// The filters worth trying for a column of `kind`.
+#[doc(hidden)]
 pub fn candidates(kind: ColumnKind) -> Vec<Filter> {
     match kind {
         ColumnKind::Ids => vec![Filter::Delta8, Filter::Shuffle(8), Filter::Plain],

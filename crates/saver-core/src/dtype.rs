@@ -119,6 +119,7 @@ impl KeyDtype {
     }
 
     /// Renders the raw 64 id bits as the number the user knows.
+    #[doc(hidden)]
     pub fn format_id(self, bits: u64) -> String {
         match self {
             KeyDtype::I64 => (bits as i64).to_string(),
@@ -127,6 +128,7 @@ impl KeyDtype {
     }
 
     /// Sort key that orders raw id bits numerically in this key dtype.
+    #[doc(hidden)]
     pub fn order_key(self, bits: u64) -> u64 {
         match self {
             // Flipping the sign bit maps i64 order onto u64 order.

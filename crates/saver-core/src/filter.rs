@@ -135,16 +135,19 @@ impl Filters {
     }
 
     /// Whether every block filter keeps the block.
+    #[doc(hidden)]
     pub fn keep_block(&self, info: &BlockInfo<'_>) -> bool {
         self.blocks.iter().all(|f| f(info))
     }
 
     /// Whether every row filter keeps the row.
+    #[doc(hidden)]
     pub fn keep_row(&self, row: &RowView<'_>) -> bool {
         self.rows.iter().all(|f| f(row))
     }
 
     /// Whether any row filter is set (planning then reads slot values, otherwise only ids).
+    #[doc(hidden)]
     pub fn has_row_filters(&self) -> bool {
         !self.rows.is_empty()
     }

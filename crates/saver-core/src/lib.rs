@@ -29,7 +29,7 @@
 //! * [`Filters`] (closures) keep or drop blocks and rows: drop optimizer slots for serving, keep
 //!   rows seen at least 5 times, keep some tables. A table stays consistent whatever they do;
 //! * the [`SavePlan`] fixes every file, header and byte offset before a byte is written, and then
-//!   produces bytes lazily, chunk by chunk ([`SavePlan::produce`]), from any number of threads.
+//!   produces bytes lazily, chunk by chunk, from any number of threads (saver-io's writers).
 //!
 //! ```
 //! use saver_core::{plan, Dtype, EmbeddingTable, Filters, KeyDtype, PlanOptions, SaveInput, SlotSpec};
@@ -57,6 +57,14 @@
 //!
 //! The manifest types ([`Manifest`], [`ShardManifest`]) describe a written checkpoint; the format
 //! is specified in `docs/FORMAT.md`.
+//!
+//! ## What is not API
+//!
+//! Items marked `#[doc(hidden)]` (the plan's execution, the commit protocol's file names, the
+//! documents' own checks) are public only because saver-io, another crate, calls them: they carry
+//! no promise between versions, and nothing but saver-io may call them (`tests/public_api.rs`
+//! lists them apart and checks that the CLI, the Python module, the facade and the examples do
+//! not).
 
 #![warn(missing_docs)]
 // What is `pub` is reachable by users (the rest is `pub(crate)`), and every type a user can

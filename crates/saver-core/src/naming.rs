@@ -58,18 +58,20 @@ pub const REMOVED_SUFFIX: &str = ":removed";
 
 /// Name of the companion table of `table` in a delta checkpoint: the ids removed since the
 /// parent, without slots. The `:` keeps it apart from every table name a user can give.
+#[doc(hidden)]
 pub fn removed_table_name(table: &str) -> String {
     format!("{table}{REMOVED_SUFFIX}")
 }
 
 /// The table whose removed ids `name` holds, if `name` is such a companion table's name.
+#[doc(hidden)]
 pub fn removed_table_of(name: &str) -> Option<&str> {
     name.strip_suffix(REMOVED_SUFFIX)
         .filter(|t| check_table_name(t).is_ok())
 }
 
 /// Checks a table name given to the planner: a table name, or the companion table of one that
-/// holds its removed ids in a delta ([`removed_table_name`]).
+/// holds its removed ids in a delta (`removed_table_name`).
 pub(crate) fn check_plan_table_name(name: &str) -> Result<()> {
     match removed_table_of(name) {
         Some(_) => Ok(()),
@@ -108,6 +110,7 @@ pub(crate) fn sparse_tensor_name(table: &str, slot: &str, shard: u32, segment: u
 }
 
 /// Checks a save id: 1 to 64 characters of `[A-Za-z0-9_-]`, because it becomes part of file names.
+#[doc(hidden)]
 pub fn check_save_id(id: &str) -> Result<()> {
     let ok = !id.is_empty()
         && id.len() <= 64
@@ -126,6 +129,7 @@ pub fn check_save_id(id: &str) -> Result<()> {
 
 /// Checks a file name a document gives (or a storage call takes): one plain name inside the
 /// checkpoint directory, never a path out of it. `named_in` says where the name came from.
+#[doc(hidden)]
 pub fn check_file_name(name: &str, named_in: &str) -> Result<()> {
     let why = if name.is_empty() {
         "empty"
@@ -156,6 +160,7 @@ pub(crate) fn data_file_name(save_id: &str, shard: u32, file: u32) -> String {
 }
 
 /// File name of the manifest one shard writes once its data are durable.
+#[doc(hidden)]
 pub fn shard_manifest_name(save_id: &str, shard: u32) -> String {
     format!("saver-{save_id}-s{shard:05}.shard.json")
 }
@@ -167,18 +172,21 @@ pub fn manifest_name(save_id: &str) -> String {
 
 /// File name of the commit claim that format 1 writers before the ownership rules created; a
 /// replaced checkpoint's claim is removed with its other files.
+#[doc(hidden)]
 pub fn legacy_commit_claim_name(save_id: &str) -> String {
     format!("saver-{save_id}.commit-claim")
 }
 
 /// File name of the claim the one writer of shard `shard` of save `save_id` creates exclusively
 /// before writing anything: a second writer of the same shard finds it and is refused.
+#[doc(hidden)]
 pub fn writer_claim_name(save_id: &str, shard: u32) -> String {
     format!("saver-{save_id}-s{shard:05}.writer.json")
 }
 
 /// File name of the marker that says save `save_id` can never commit, and why (written under the
 /// commit lock, read by the save's other processes).
+#[doc(hidden)]
 pub fn rejected_name(save_id: &str) -> String {
     format!("saver-{save_id}.rejected")
 }
@@ -188,6 +196,7 @@ pub const COMMIT_LOCK: &str = ".saver-commit.lock";
 
 /// Whether `name` is the commit lock or one of the flags of an object store's flag lock
 /// (`.saver-commit.lock.<token>`): the lock's, never a save's file nor a user's.
+#[doc(hidden)]
 pub fn is_commit_lock(name: &str) -> bool {
     name.strip_prefix(COMMIT_LOCK)
         .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))

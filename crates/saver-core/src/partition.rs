@@ -74,6 +74,7 @@ impl Shard {
 
     /// Shards `0..count` (at least one), or only shard `only` of them: what a save of every
     /// shard, or one process of a multi-process save, writes.
+    #[doc(hidden)]
     pub fn selected(count: u32, only: Option<u32>) -> impl Iterator<Item = Shard> {
         let count = count.max(1);
         (0..count)
@@ -111,6 +112,7 @@ impl PartitionRule {
 
     /// Checks that shard `shard` of `shard_num` exists: at least one shard, and `shard` below
     /// their number.
+    #[doc(hidden)]
     pub fn check_shard(shard: u32, shard_num: u32) -> Result<()> {
         if shard_num == 0 {
             return Err(Error::ZeroShards);
@@ -135,7 +137,7 @@ impl PartitionRule {
 
     /// The shard of `shard_num` that owns `bucket`: the inverse of [`Self::bucket_range`].
     #[inline]
-    pub fn shard_of_bucket(bucket: u32, shard_num: u32) -> u32 {
+    pub(crate) fn shard_of_bucket(bucket: u32, shard_num: u32) -> u32 {
         ((u64::from(bucket) + 1) * u64::from(shard_num)).div_ceil(u64::from(BUCKETS)) as u32 - 1
     }
 

@@ -98,6 +98,7 @@ impl Quantization {
     /// FBGEMM's name of the conversion whose bytes these are: `Fused8BitRowwiseQuantizedSBFloat`
     /// or `FusedNBitRowwiseQuantizedSBHalf` (also for the split layout, whose three tensors are
     /// that form's parts).
+    #[doc(hidden)]
     pub fn format_name(&self) -> &'static str {
         if self.float_scale() {
             "Fused8BitRowwiseQuantizedSBFloat"
@@ -107,6 +108,7 @@ impl Quantization {
     }
 
     /// `fused` or `split`.
+    #[doc(hidden)]
     pub fn layout_name(&self) -> &'static str {
         match self.layout {
             QuantLayout::Split => "split",
@@ -115,6 +117,7 @@ impl Quantization {
     }
 
     /// Bytes of one fused row of `dim` values: the packed values, then scale and bias.
+    #[doc(hidden)]
     pub fn fused_row_bytes(&self, dim: usize) -> usize {
         let scale_bias = if self.float_scale() { 8 } else { 4 };
         self.bits.packed_bytes(dim) + scale_bias

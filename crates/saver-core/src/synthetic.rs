@@ -132,7 +132,7 @@ impl SyntheticSpec {
     }
 
     /// The slot specs of every table.
-    pub fn slot_specs(&self) -> Vec<SlotSpec> {
+    pub(crate) fn slot_specs(&self) -> Vec<SlotSpec> {
         self.slots
             .iter()
             .map(|s| match s.as_str() {

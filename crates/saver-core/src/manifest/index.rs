@@ -30,7 +30,7 @@ pub struct IndexMetadata {
 
 sealed_document! {
 /// The global index. Read only through [`Index::parse`], built only for a manifest
-/// ([`Index::for_manifest`]).
+/// (`Index::for_manifest`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Index parsed as RawIndex, serde(deny_unknown_fields) {
     /// Metadata.
@@ -42,6 +42,7 @@ pub struct Index parsed as RawIndex, serde(deny_unknown_fields) {
 
 impl Index {
     /// The index of a committed manifest.
+    #[doc(hidden)]
     pub fn for_manifest(m: &Manifest, manifest_crc32: u32) -> Index {
         let mut weight_map = BTreeMap::new();
         for t in m.tensor_refs() {

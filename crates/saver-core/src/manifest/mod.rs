@@ -98,6 +98,7 @@ pub const NEWEST_FORMAT_VERSION: u32 = ROW_RANGE_DELTA_FORMAT_VERSION;
 /// [`COMPRESSED_DELTA_FORMAT_VERSION`] when some tensor is compressed. A checkpoint that
 /// compresses nothing keeps the version older builds read; [`ROW_RANGE_FORMAT_VERSION`] for one
 /// with row-range tables, [`ROW_RANGE_DELTA_FORMAT_VERSION`] for a delta with them.
+#[doc(hidden)]
 pub fn format_version_of(parent: Option<&ParentRef>, compressed: bool, row_range: bool) -> u32 {
     match (parent.is_some(), compressed) {
         (true, _) if row_range => ROW_RANGE_DELTA_FORMAT_VERSION,
@@ -118,6 +119,7 @@ pub const MAX_USER_METADATA_BYTES: usize = 16 << 20;
 
 /// Checks user metadata against [`MAX_USER_METADATA_ENTRIES`] and [`MAX_USER_METADATA_BYTES`]:
 /// what a save is given, before it writes.
+#[doc(hidden)]
 pub fn check_user_metadata(m: &BTreeMap<String, String>) -> Result<()> {
     let bytes: usize = m.iter().map(|(k, v)| k.len() + v.len()).sum();
     if m.len() > MAX_USER_METADATA_ENTRIES || bytes > MAX_USER_METADATA_BYTES {
@@ -270,18 +272,21 @@ pub const ZSTD: &str = "zstd";
 
 impl TensorRef {
     /// Bytes the tensor takes in its file: the stored bytes when compressed.
+    #[doc(hidden)]
     pub fn stored_len(&self) -> u64 {
         self.codec.as_ref().map_or(self.len, |c| c.stored)
     }
 
     /// Raw bytes of each frame of a compressed tensor but the last: its CRC blocks' size, or
     /// the whole tensor when it has none.
+    #[doc(hidden)]
     pub fn frame_bytes(&self) -> u64 {
         self.blocks.as_ref().map_or(self.len, |b| b.bytes).max(1)
     }
 
     /// Checks that the codec, if any, describes this tensor: a known compressor and filter, a
     /// frame per block, frames no longer than their raw bytes, summing to the stored length.
+    #[doc(hidden)]
     pub fn check_codec(&self) -> std::result::Result<(), String> {
         let Some(c) = &self.codec else {
             return Ok(());
@@ -563,7 +568,7 @@ pub struct ShardManifest parsed as RawShardManifest {
     /// [`MAX_USER_METADATA_BYTES`], refused past them while it is read).
     #[serde(deserialize_with = "bounded_metadata")]
     pub user_metadata: BTreeMap<String, String>,
-    /// This shard's trainer state, as [`trainer_state::encode`] writes it.
+    /// This shard's trainer state, as `trainer_state::encode` writes it.
     pub trainer_state: Option<String>,
     /// The process that wrote this shard.
     #[serde(default)]
@@ -608,7 +613,7 @@ impl ShardManifest {
 pub struct ShardInfo {
     /// The shard.
     pub shard: u32,
-    /// Its trainer state, as [`trainer_state::encode`] writes it.
+    /// Its trainer state, as `trainer_state::encode` writes it.
     pub trainer_state: Option<String>,
     /// The process that wrote it.
     #[serde(default)]
@@ -617,7 +622,7 @@ pub struct ShardInfo {
 
 sealed_document! {
 /// The global manifest of a committed checkpoint. Read only through [`Manifest::parse`] or
-/// [`Manifest::parse_committed`], built only by [`Manifest::merge`].
+/// `Manifest::parse_committed`, built only by [`Manifest::merge`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Manifest parsed as RawManifest {
     /// Always [`FORMAT_NAME`].
@@ -643,7 +648,7 @@ pub struct Manifest parsed as RawManifest {
     pub user_metadata: BTreeMap<String, String>,
     /// The checkpoint this one is a delta of (`None`: a full checkpoint). A delta's tables hold
     /// the rows inserted or changed since the parent, and each has a companion table
-    /// ([`crate::naming::removed_table_name`]) of the ids removed since it.
+    /// (`crate::naming::removed_table_name`) of the ids removed since it.
     pub parent: Option<ParentRef>,
     /// The checkpoint this one replaced in its directory (`None`: the directory held none). Its
     /// files, and only they, were removed after this one was committed.

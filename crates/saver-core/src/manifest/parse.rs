@@ -159,6 +159,7 @@ impl Manifest {
     /// Parses the manifest `index` commits, given its bytes as read from `index`'s
     /// `saver_manifest`: checks its CRC against the index's, the manifest itself
     /// ([`Manifest::parse`]), and that both list the same save, tensors and bytes.
+    #[doc(hidden)]
     pub fn parse_committed(bytes: &[u8], index: &Index) -> Result<Manifest> {
         let file = &index.metadata.saver_manifest;
         let crc = crc32fast::hash(bytes);
@@ -194,6 +195,7 @@ impl ShardManifest {
 }
 
 /// Checks a parent path as a manifest gives it: relative, non-empty, no control characters.
+#[doc(hidden)]
 pub fn check_parent_path(path: &str) -> std::result::Result<(), String> {
     if path.is_empty() {
         return Err("path is empty".into());

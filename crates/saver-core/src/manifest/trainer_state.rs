@@ -30,6 +30,7 @@ fn error(message: impl Into<String>) -> Error {
 }
 
 /// Encodes a trainer state for a manifest: `postcard:` and the base64 of its postcard bytes.
+#[doc(hidden)]
 pub fn encode<T: Serialize>(state: &T) -> Result<String> {
     let bytes = postcard::to_stdvec(state).map_err(|e| error(e.to_string()))?;
     Ok(format!("{PREFIX}{}", STANDARD.encode(bytes)))
@@ -37,6 +38,7 @@ pub fn encode<T: Serialize>(state: &T) -> Result<String> {
 
 /// Decodes a trainer state written by [`encode`], or by a saver from before it (bincode 2 and
 /// base64).
+#[doc(hidden)]
 pub fn decode<T: DeserializeOwned>(stored: &str) -> Result<T> {
     if let Some(b64) = stored.strip_prefix(PREFIX) {
         let bytes = STANDARD.decode(b64).map_err(|e| error(e.to_string()))?;

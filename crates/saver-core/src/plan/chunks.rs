@@ -1,6 +1,6 @@
 //! Producing a plan's bytes lazily, in bounded chunks.
 //!
-//! The writer asks [`SavePlan::chunks`] for the work list and calls [`SavePlan::produce`] for each
+//! The writer asks [`SavePlan::chunks`] for the work list and calls `SavePlan::produce` for each
 //! chunk from any thread. A row chunk reads a run of rows of a segment *once*, all kept slots
 //! together (so a row is never torn across slot tensors), and hands out the ids bytes and every
 //! slot's bytes, each with its destination. Nothing larger than one chunk is ever materialised;
@@ -62,7 +62,7 @@ pub struct Piece<'b> {
     pub bytes: &'b [u8],
 }
 
-/// Where [`SavePlan::produce`] hands a chunk's bytes.
+/// Where `SavePlan::produce` hands a chunk's bytes.
 ///
 /// Bytes the plan already holds (ids, bucket indexes, dense tensors) are lent *to* the sink
 /// ([`PieceSink::put`]); rows the chunk gathers go into memory the sink lends
@@ -161,6 +161,7 @@ impl SavePlan<'_> {
     /// The file that receives most of a chunk's bytes, as (planned shard position, index into its
     /// files). A row chunk's ids and slots may lie in different files; this is the file of its
     /// widest slot.
+    #[doc(hidden)]
     pub fn chunk_file(&self, chunk: &Chunk) -> (usize, usize) {
         match chunk {
             Chunk::Rows {
@@ -196,6 +197,7 @@ impl SavePlan<'_> {
 
     /// Produces a chunk's bytes and hands each piece to `sink`: for a row chunk, the ids, then
     /// every kept slot in order.
+    #[doc(hidden)]
     pub fn produce<S: PieceSink>(
         &self,
         chunk: &Chunk,

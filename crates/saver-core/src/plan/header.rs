@@ -193,6 +193,7 @@ pub(crate) fn render_compressed_header(
 
 /// Renders a safetensors header with the given `__metadata__` pairs, padded so the data section
 /// starts at a multiple of `align`.
+#[doc(hidden)]
 pub fn render_header_with(
     metadata: &[(&str, String)],
     tensors: &[HeaderTensor],

@@ -228,6 +228,7 @@ impl<'a> SaveInput<'a> {
     /// of `shard_num` shards that writes every shard: each worker must give a table of every
     /// name, one per shard, with the same key dtype and slots. Empty when no worker tables were
     /// given.
+    #[doc(hidden)]
     pub fn worker_tables(
         &self,
         shard_num: u32,

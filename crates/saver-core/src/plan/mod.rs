@@ -67,6 +67,7 @@ pub const MIN_CRC_BLOCK_BYTES: u64 = 1 << 10;
 /// sixteenth of it (a power of two), from [`MIN_CRC_BLOCK_BYTES`] to [`CRC_BLOCK_BYTES`]. Small
 /// tensors get blocks too, so that a small model's resharding loads read about what they keep;
 /// at most 16 block CRC32s each.
+#[doc(hidden)]
 pub fn crc_block_bytes(len: u64) -> Option<u64> {
     (len > MIN_CRC_BLOCK_BYTES).then(|| {
         (len / 16)
@@ -80,7 +81,7 @@ pub fn crc_block_bytes(len: u64) -> Option<u64> {
 pub struct TensorCrc {
     /// CRC32 of the whole tensor, as its file header and manifest record it.
     pub crc32: u32,
-    /// CRC32 of each block, for a tensor with blocks ([`crc_block_bytes`]).
+    /// CRC32 of each block, for a tensor with blocks (`crc_block_bytes`).
     pub blocks: Option<BlockCrcs>,
     /// Where a compressed save stored the tensor; `None` where it lies as planned.
     pub stored: Option<Stored>,
@@ -191,6 +192,7 @@ impl Default for PlanOptions {
 
 impl PlanOptions {
     /// Checks every option, naming the first bad one.
+    #[doc(hidden)]
     pub fn validate(&self) -> Result<()> {
         PartitionRule::check_shard(self.shard_index.unwrap_or(0), self.shard_num)?;
         let bad = |option, why: &str| {
@@ -295,6 +297,7 @@ pub struct FilePlan {
 
 impl FilePlan {
     /// Total file size.
+    #[doc(hidden)]
     pub fn file_len(&self) -> u64 {
         self.data_start + self.data_len
     }
@@ -475,6 +478,7 @@ fn validate_input(input: &SaveInput<'_>) -> Result<()> {
 
 /// Which of `tables` would take the plan past `plan_memory` (16 bytes a row): tables in input
 /// order stay in memory while they fit, the rest spill (given a [`Spill`] store).
+#[doc(hidden)]
 pub fn tables_past_budget<'t>(
     tables: impl IntoIterator<Item = &'t (dyn SparseTable + 't)>,
     plan_memory: u64,
@@ -680,6 +684,7 @@ impl<'a> SavePlan<'a> {
     /// block filters keep it in the shard the plan assigns it to (whichever process writes that
     /// shard): what every process of a save must agree on, and what must be written once.
     /// A tensor read on demand ([`DenseTensor::deferred`]) is read for it, a piece at a time.
+    #[doc(hidden)]
     pub fn dense_given(&self) -> Result<Vec<DenseGiven>> {
         self.dense[..self.given_dense]
             .par_iter()
@@ -728,6 +733,7 @@ impl<'a> SavePlan<'a> {
 
     /// The most bytes of pre-images the tables' snapshots kept at once for their moment so far
     /// (each table's peak, summed): what copy-on-write costs this save in memory.
+    #[doc(hidden)]
     pub fn copy_on_write_peak(&self) -> u64 {
         self.tables
             .iter()
@@ -739,6 +745,7 @@ impl<'a> SavePlan<'a> {
     /// the plan is written, before the save commits.
     ///
     /// [`TableSnapshot::finish`]: crate::table::TableSnapshot::finish
+    #[doc(hidden)]
     pub fn finish_reads(&self) -> Result<()> {
         self.tables.iter().try_for_each(|t| t.snapshot.finish())
     }

@@ -83,6 +83,7 @@ impl SlotSpec {
 
 /// Validates a table's slot list: names legal and distinct, row sizes whole bytes and sane.
 /// Returns each slot's row byte size.
+#[doc(hidden)]
 pub fn validate_slots(table: &str, slots: &[SlotSpec]) -> Result<Vec<usize>> {
     let mut sizes = Vec::with_capacity(slots.len());
     for (i, slot) in slots.iter().enumerate() {
@@ -332,6 +333,7 @@ pub enum TableSemantics {
 
 /// [`TableSnapshot::scan`] of a snapshot that divides its rows into parts: every part in turn.
 /// What a snapshot implementing [`TableSnapshot::scan_part`] returns from `scan`.
+#[doc(hidden)]
 pub fn scan_every_part(
     snapshot: &dyn TableSnapshot,
     max_rows: usize,

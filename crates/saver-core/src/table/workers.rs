@@ -24,7 +24,7 @@ pub enum ForeignRows {
 }
 
 /// One table of a worker set: worker `s`'s table (`members[s]`) holds the rows of shard `s` of
-/// `members.len()`. Made by [`crate::SaveInput::worker_tables`].
+/// `members.len()`. Made by `crate::SaveInput::worker_tables`.
 pub struct WorkerTable<'a> {
     members: Vec<&'a dyn SparseTable>,
     foreign: ForeignRows,

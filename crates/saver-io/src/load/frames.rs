@@ -19,7 +19,7 @@ pub(crate) struct FrameRead {
 }
 
 impl FrameRead {
-    /// The frames of `t` (which must have a codec that [`TensorRef::check_codec`] accepted)
+    /// The frames of `t` (which must have a codec that `TensorRef::check_codec` accepted)
     /// holding raw bytes `offset..offset + len`.
     pub(crate) fn plan(t: &TensorRef, offset: u64, len: u64) -> Self {
         let c = t.codec.as_ref().expect("a compressed tensor");

@@ -136,7 +136,7 @@ impl Policy {
     /// The policy kept in `root`, if one is: an error naming the file and the field if it is not
     /// a policy whose every field is known and every value usable. A misspelled field is never
     /// taken for the default, which could make retention remove steps the user meant to keep.
-    pub fn kept_in(root: &dyn Storage) -> Result<Option<Self>> {
+    pub(crate) fn kept_in(root: &dyn Storage) -> Result<Option<Self>> {
         if !root.exists(POLICY_FILE)? {
             return Ok(None);
         }

@@ -40,7 +40,6 @@ use crate::storage::{LocalFs, Storage};
 
 pub use commit::{try_commit, CommitRule, CommitState};
 pub use options::{DirectIo, Progress, ProgressFn, SaveOptions};
-pub use pipeline::{write_plan, PlanWritten};
 pub use report::{DeltaMethod, SaveReport};
 pub use settings::SaveSettings;
 

@@ -314,7 +314,7 @@ fn row_range_rows(chunks: &[saver_core::RowRangeChunk<'_>]) -> u64 {
 
 /// What [`write_plan`] wrote.
 #[derive(Debug)]
-pub struct PlanWritten {
+pub(crate) struct PlanWritten {
     /// Checksums of every tensor, as `crcs[shard][file][tensor]`.
     pub crcs: Vec<Vec<Vec<TensorCrc>>>,
     /// Data files written with direct I/O (see [`WriteHandle::is_direct`]).
@@ -322,7 +322,7 @@ pub struct PlanWritten {
 }
 
 /// Writes every file of the plan. On error, every file this call created is removed.
-pub fn write_plan(
+pub(crate) fn write_plan(
     storage: &dyn Storage,
     plan: &SavePlan<'_>,
     parallel: usize,

@@ -848,7 +848,7 @@ impl<'p> PlainTable<'p> {
 
     /// Visits every row of the table in (bucket, id) order, at most `batch` rows at a time: ids
     /// and each slot's rows. One group is held at a time. Fails on a duplicate id.
-    pub fn visit_in_bucket_order(
+    pub(crate) fn visit_in_bucket_order(
         &self,
         batch: usize,
         visit: &mut crate::load::rows::VisitRows<'_>,

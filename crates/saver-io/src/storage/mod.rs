@@ -9,7 +9,7 @@
 //! URL (`s3://bucket/prefix`), which never silently becomes a local path.
 //!
 //! Names are single file names relative to the checkpoint directory. Every backend must refuse
-//! names that could leave it ([`check_file_name`]).
+//! names that could leave it (`check_file_name`).
 
 pub(crate) mod at_once;
 mod direct;
@@ -48,7 +48,7 @@ use crate::error::{Error, Result};
 /// manifest or index from an untrusted source must not make us read or write outside the directory.
 /// `named_in` says where the name was found, for the message. The rule is saver-core's
 /// ([`saver_core::naming::check_file_name`]), which the documents are checked with as they are parsed.
-pub fn check_file_name(name: &str, named_in: &str) -> Result<()> {
+pub(crate) fn check_file_name(name: &str, named_in: &str) -> Result<()> {
     Ok(saver_core::naming::check_file_name(name, named_in)?)
 }
 
@@ -164,7 +164,7 @@ pub(crate) fn relative_url(from: &Path, to: &Path) -> Result<Option<String>> {
 
 /// Where temporary files of work on `location` go: the directory itself (its filesystem), or
 /// the system's temporary directory for an object store.
-pub fn scratch_dir(location: &Path) -> std::path::PathBuf {
+pub(crate) fn scratch_dir(location: &Path) -> std::path::PathBuf {
     match location_url(location) {
         Some(_) => std::env::temp_dir(),
         None => location.to_path_buf(),

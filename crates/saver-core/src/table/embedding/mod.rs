@@ -481,6 +481,7 @@ impl EmbeddingTable {
 
     /// Inserts many rows: `slots[s]` holds `ids.len()` rows of slot `s` back to back. Used by
     /// loads; fastest when the ids come in bucket order, as a checkpoint holds them.
+    #[doc(hidden)]
     pub fn insert_chunk(&self, ids: &[u64], slots: &[&[u8]]) -> Result<()> {
         if slots.len() != self.schema.slots.len() {
             return Err(Error::LengthMismatch {

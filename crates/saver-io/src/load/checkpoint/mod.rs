@@ -3,7 +3,7 @@
 //! A full checkpoint is a chain of one link, read straight from its segments ([`Link`]). A
 //! delta checkpoint names its parent ([`ParentRef`]: a path relative to the delta, the parent's
 //! save id and the CRC32 of its manifest) and holds, per table, the rows inserted or changed since
-//! the parent and, in the companion table [`removed_table_name`](saver_core::naming::removed_table_name), the ids removed since it. The
+//! the parent and, in the companion table `removed_table_name`, the ids removed since it. The
 //! parent may itself be a delta. [`Checkpoint::open`] follows the links to a full checkpoint, checking
 //! each one; [`ChainTable`] presents one table of the chain as it would be in a full save of the
 //! newest state.

@@ -158,7 +158,7 @@ impl<'c> ChainTable<'c> {
     /// links replaced are not read) against its CRC32: see `StoredTable::finish_checks`. Call
     /// before returning or committing what was read.
     /// The bytes it reads count in [`Self::bytes_read`].
-    pub fn finish_checks(&self) -> Result<()> {
+    pub(crate) fn finish_checks(&self) -> Result<()> {
         // Links at once: on a remote store, each waits on its requests.
         let read: u64 = self
             .links

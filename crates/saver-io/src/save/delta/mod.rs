@@ -9,7 +9,7 @@
 //! is written whole; a parent row whose id the table no longer holds, or whose row a row filter
 //! now drops, is recorded as removed. Both go to nameless temporary files beside the checkpoint
 //! ([`spool`]) and are then saved like any table, with the removed ids in the companion table
-//! [`removed_table_name`], through the ordinary plan, write and commit: a delta is committed,
+//! `removed_table_name`, through the ordinary plan, write and commit: a delta is committed,
 //! verified and cleaned up exactly as a full checkpoint is.
 //!
 //! Memory: the comparison holds two batches of rows per side. Tables read from files (a
