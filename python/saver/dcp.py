@@ -39,8 +39,16 @@ state into host memory kept from the previous background save of the same layout
 new stager and new memory for each call), released once the save's writes end; the process
 keeps it until :func:`release_staged_memory`.
 
-Not yet: ``use_collectives=False`` (the ranks cannot then agree on one save), the stock
-``HuggingFaceStorageReader`` reading a saver checkpoint in place (its files name each tensor by
+``dcp.save(..., use_collectives=False)``: the ranks share no plan, so the caller gives every
+rank the same new ``save_id=`` (``StorageWriter(path, save_id=f"{job}-{step}")``), and each
+rank writes each of its chunks as a table of its own, with its part of DCP's metadata; saver's
+protocol still commits the save once, when the last rank's shard is durable (a rank's
+``finish`` cannot know when that is: the checkpoint at the path is the old one until then). A
+replicated tensor is then written by every rank that holds it, as DCP's own writer does in
+that mode; the reader merges the ranks' metadata, so such a checkpoint loads at any number of
+ranks too.
+
+Not yet: the stock ``HuggingFaceStorageReader`` reading a saver checkpoint in place (its files name each tensor by
 chunk, where that reader takes every file's names as the state dict's; :func:`export_hf` is the
 way there), and ``saver save --from`` a ``.distcp`` directory in the binary (it names such a
 directory and points here: ``python -m saver.dcp import``).
@@ -78,6 +86,9 @@ from saver import _host, _staging
 META_KEY = "dcp"
 #: Its layout's version.
 META_VERSION = 1
+#: The table that holds rank ``r``'s part of DCP's metadata, in a save made without DCP's
+#: collectives (``use_collectives=False``): ``RANK_META.format(r)``.
+RANK_META = "__saver_dcp_metadata__.r{}"
 
 #: The torch dtypes saver stores, by the names DCP's metadata gives them ("torch.float32").
 _DTYPES = {str(t): t for t in _host.torch_dtypes().values()}
@@ -149,6 +160,67 @@ def _metadata_of(text: str, path: str) -> Metadata:
     return Metadata(state_dict_metadata=state, planner_data=planner_data)
 
 
+def _rank_table(fqn: str, rank: int, k: int) -> str:
+    """The table of rank ``rank``'s ``k``-th chunk of ``fqn`` in a save made without DCP's
+    collectives: names differ between ranks and chunks, since ranks that share no plan may
+    hold the same chunk (a replicated tensor) and each writes its own."""
+    return f"{fqn}@r{rank}.{k}"
+
+
+def _merged_rank_metadata(parts, path: str):
+    """DCP's metadata of a save made without collectives, from every rank's part (each a
+    dict as :func:`_meta_json` writes, with its chunks' tables), and where each chunk and byte
+    item is: ``(metadata JSON, {(fqn, offsets): (table, sizes)}, {fqn: table})``. A chunk several ranks
+    wrote (a replicated tensor) is read from the lowest rank's table."""
+    tensors, blobs, planner_data = {}, [], {}
+    chunk_tables, byte_tables = {}, {}
+    for part in parts:
+        for fqn, t in part["tensors"].items():
+            have = tensors.setdefault(fqn, {"dtype": t["dtype"], "size": t["size"], "chunks": []})
+            if (have["dtype"], have["size"]) != (t["dtype"], t["size"]):
+                raise _s.SaverError(f"{path}: ranks saved {fqn} as {have['dtype']} of {have['size']} and as {t['dtype']} of {t['size']}")
+        for fqn, offsets, sizes, table in part["chunk_tables"]:
+            key = (fqn, tuple(offsets))
+            if key not in chunk_tables:
+                chunk_tables[key] = (table, tuple(sizes))
+                tensors[fqn]["chunks"].append([offsets, sizes])
+        for fqn, table in part["byte_tables"].items():
+            if fqn not in byte_tables:
+                byte_tables[fqn] = table
+                blobs.append(fqn)
+        planner_data.update(part.get("planner_data") or {})
+    text = json.dumps({"version": META_VERSION, "tensors": tensors, "bytes": blobs, "planner_data": planner_data or None})
+    return text, chunk_tables, byte_tables
+
+
+def _read_metadata(ck, path: str, otherwise: str, parallel: Optional[int] = None):
+    """DCP's metadata of the saver.dcp checkpoint ``ck`` opened at ``path``, and, for a save
+    made without collectives, where each chunk and byte item is (as
+    :func:`_merged_rank_metadata`; else ``None, None``): each chunk is then a table of its own.
+    ``otherwise`` says what to do with a checkpoint saver.dcp did not write."""
+    text = ck.metadata.get(META_KEY)
+    if text is None:
+        raise _s.InputError(f"{path}: not a checkpoint saver.dcp wrote (its metadata has no {META_KEY!r}); {otherwise}")
+    try:
+        world = json.loads(text).get("per_rank")
+    except (ValueError, AttributeError):
+        world = None  # _metadata_of names what is wrong with it
+    chunk_tables = byte_tables = None
+    if world is not None:
+        if not isinstance(world, int) or world < 1:
+            raise _s.SaverError(f"{path}: its {META_KEY!r} metadata names {world!r} ranks")
+        names = [RANK_META.format(r) for r in range(world)]
+        got = ck.load(tables=names, dense=False, parallel=parallel).tables
+        parts = []
+        for n in names:
+            try:
+                parts.append(json.loads(got[n]["bytes"].tobytes()))
+            except ValueError:
+                raise _s.SaverError(f"{path}: table {n} is not JSON") from None
+        text, chunk_tables, byte_tables = _merged_rank_metadata(parts, path)
+    return _metadata_of(text, path), chunk_tables, byte_tables
+
+
 def _tensors(value):
     """Every tensor in a nested state dict."""
     if isinstance(value, dict):
@@ -212,10 +284,16 @@ class StorageWriter(_StorageWriter, AsyncStager):
     ``FileSystemWriter``): a committed checkpoint at ``path`` is replaced, at the new one's
     commit. ``path`` may be a :class:`saver.Manager` instead, with ``step=``: the save is that
     step of the manager's root (a delta by its policy, retention applied). ``durable`` and other
-    keyword options as :func:`saver.save`."""
+    keyword options as :func:`saver.save`.
+
+    ``save_id``: the save's id, new for every save; drawn by the coordinator when not given.
+    ``dcp.save(..., use_collectives=False)`` needs it, the same on every rank (the ranks share
+    no plan to agree on one), and then ``world_size`` unless ``torch.distributed`` is
+    initialized."""
 
     def __init__(self, path: Union[str, os.PathLike, "_s.Manager", None] = None, *, step: Optional[int] = None,
-                 overwrite: bool = True, **options: Any):
+                 overwrite: bool = True, save_id: Optional[str] = None, world_size: Optional[int] = None,
+                 **options: Any):
         super().__init__()
         self.manager = path if isinstance(path, _s.Manager) else None
         if self.manager is not None and step is None:
@@ -227,7 +305,8 @@ class StorageWriter(_StorageWriter, AsyncStager):
         self.overwrite = overwrite
         self.options = options
         self._staged = None
-        self.rank, self.world, self.coordinator = 0, 1, True
+        self.save_id, self.world_size = save_id, world_size
+        self.rank, self.world, self.coordinator, self.collectives = 0, 1, True, True
         #: The report of this rank's save, once written.
         self.report: Optional[_s.SaveReport] = None
 
@@ -237,16 +316,27 @@ class StorageWriter(_StorageWriter, AsyncStager):
         self.report = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("use_collectives") is False:
-            raise _s.InputError("saver.dcp: use_collectives=False is not supported: the ranks agree on one save through DCP's collectives")
         self.coordinator = is_coordinator
+        self.collectives = kwargs.get("use_collectives", True) is not False
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
+        initialized = dist.is_available() and dist.is_initialized()
+        if initialized:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.rank = kwargs.get("rank", self.rank)
         if self.path is None and self.manager is None:
             raise _s.InputError("saver.dcp.StorageWriter: give a path (or dcp.save's checkpoint_id)")
+        if not self.collectives:
+            if self.save_id is None:
+                raise _s.InputError("save_id: dcp.save(..., use_collectives=False) shares no plan between the ranks, so give "
+                                    "saver.dcp.StorageWriter(..., save_id=...) the same id on every rank, new for every save")
+            if self.world_size is not None:
+                if initialized and self.world_size != self.world:
+                    raise _s.InputError(f"world_size: {self.world_size}, but torch.distributed runs {self.world} ranks")
+                self.world = self.world_size
+            elif not initialized and self.rank:
+                raise _s.InputError("world_size: without torch.distributed, give saver.dcp.StorageWriter(..., world_size=...) "
+                                    "the number of ranks that save")
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self.path if self.manager is None else f"{self.manager.root} step {self.step}")
@@ -268,34 +358,61 @@ class StorageWriter(_StorageWriter, AsyncStager):
             if isinstance(p.planner_data, dict):
                 merged.update(p.planner_data)
         metadata = replace(metadata, planner_data=merged or None)
-        shared = {"save_id": f"dcp-{uuid.uuid4().hex[:16]}", "meta": _meta_json(metadata), "world": len(plans)}
+        save_id = self.save_id or f"dcp-{uuid.uuid4().hex[:16]}"
+        if not self.collectives:
+            # Called by each rank on its own plan alone: the metadata is this rank's part.
+            shared = {"save_id": save_id, "meta": _meta_json(metadata), "world": self.world, "per_rank": True}
+        else:
+            shared = {"save_id": save_id, "meta": _meta_json(metadata), "world": len(plans)}
         return [replace(p, storage_data=shared) for p in plans]
 
     def write_data(self, plan, planner):
         shared = plan.storage_data
         if not isinstance(shared, dict) or "save_id" not in shared:
             raise _s.InputError("saver.dcp.StorageWriter: the plan carries no save id (was prepare_global_plan skipped?)")
+        per_rank = shared.get("per_rank", False)
         tables, results = {}, []
+        # Without collectives: each chunk a table of its own, and where each went.
+        chunk_tables, byte_tables, counts = [], {}, {}
         for item in plan.items:
             fqn = item.index.fqn
+            table = fqn
+            if per_rank:
+                k = counts[fqn] = counts.get(fqn, -1) + 1
+                table = _rank_table(fqn, self.rank, k)
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item)
                 raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                 # One byte more than the item's: an empty item is still a table of one row.
                 values = torch.frombuffer(bytearray(raw + b"\0"), dtype=torch.uint8)
-                tables.setdefault(fqn, {}).setdefault("bytes", []).append(_s.Chunk(values))
+                tables.setdefault(table, {}).setdefault("bytes", []).append(_s.Chunk(values))
+                byte_tables[fqn] = table
                 results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=None))
                 continue
             td = item.tensor_data
             t = planner.resolve_data(item).detach()
-            offset, shape = _stored_chunk(td.size, td.chunk.offsets, td.chunk.sizes, fqn)
-            values = t.reshape(shape) if t.dim() != len(shape) or tuple(t.shape) != tuple(shape) else t
-            tables.setdefault(fqn, {}).setdefault("value", []).append(_s.Chunk(values, offset=offset, shape=_stored(td.size)))
+            if per_rank:
+                # The chunk is the whole table, so it may be cut along any dimension.
+                shape = _stored(td.chunk.sizes)
+                chunk = _s.Chunk(t.reshape(shape), offset=(0,) * len(shape))
+                chunk_tables.append([fqn, list(td.chunk.offsets), list(td.chunk.sizes), table])
+            else:
+                offset, shape = _stored_chunk(td.size, td.chunk.offsets, td.chunk.sizes, fqn)
+                values = t.reshape(shape) if t.dim() != len(shape) or tuple(t.shape) != tuple(shape) else t
+                chunk = _s.Chunk(values, offset=offset, shape=_stored(td.size))
+            tables.setdefault(table, {}).setdefault("value", []).append(chunk)
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(), storage_data=None))
         options = dict(self.options)
         if shared["world"] > 1:
             options.update(shards=shared["world"], shard_index=self.rank)
-        metadata = {META_KEY: shared["meta"]}
+        if per_rank:
+            part = dict(json.loads(shared["meta"]), rank=self.rank, chunk_tables=chunk_tables, byte_tables=byte_tables)
+            raw = json.dumps(part).encode()
+            tables[RANK_META.format(self.rank)] = {"bytes": [_s.Chunk(torch.frombuffer(bytearray(raw), dtype=torch.uint8))]}
+            # What every shard records alike: the metadata is in the ranks' tables.
+            metadata = {META_KEY: json.dumps({"version": META_VERSION, "per_rank": shared["world"]})}
+        else:
+            metadata = {META_KEY: shared["meta"]}
         try:
             if self.manager is not None:
                 self.report = self.manager.save(self.step, tables=tables, save_id=shared["save_id"], metadata=metadata, **options)
@@ -340,7 +457,11 @@ class StorageWriter(_StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results) -> None:
         """The coordinator's, once every rank has written: the save must be the checkpoint at
-        the path now (saver committed it when its last shard was durable)."""
+        the path now (saver committed it when its last shard was durable). Without DCP's
+        collectives every rank calls it after its own writes alone, while others may still
+        write: nothing to check then."""
+        if not self.collectives:
+            return
         if self.manager is not None:
             held = [s for s in self.manager.steps() if s["step"] == self.step]
             if not held or held[-1]["save_id"] != self._save_id:
@@ -397,11 +518,8 @@ class StorageReader(_StorageReader):
         return self._ck
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        ck = self._opened()
-        text = ck.metadata.get(META_KEY)
-        if text is None:
-            raise _s.InputError(f"{self.path}: not a checkpoint saver.dcp wrote (its metadata has no {META_KEY!r}); load it with saver.load")
-        return _metadata_of(text, self.path)
+        metadata, self._chunk_tables, self._byte_tables = _read_metadata(self._opened(), self.path, "load it with saver.load", self.parallel)
+        return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._metadata = metadata
@@ -423,18 +541,25 @@ class StorageReader(_StorageReader):
         if want is not None and want != ck.save_id:
             raise _s.SaverError(f"{self.path} was replaced between the ranks' openings (this rank opened save {ck.save_id}, the coordinator {want}); load again")
         size_of = {fqn: tuple(md.size) for fqn, md in self._metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+        chunk_tables = getattr(self, "_chunk_tables", None)
+        byte_table = (lambda fqn: fqn) if chunk_tables is None else self._byte_tables.__getitem__
         into, after, blobs, targets = {}, [], [], []
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
                 blobs.append(item)
                 continue
-            size = size_of[fqn]
+            if chunk_tables is None:
+                table, size = fqn, size_of[fqn]
+                start = [a + b for a, b in zip(item.storage_index.offset, item.storage_offsets)]
+            else:
+                # The stored chunk is a table of its own: the item's place is in the chunk.
+                table, size = chunk_tables[(fqn, tuple(item.storage_index.offset))]
+                start = list(item.storage_offsets)
             # The item's part of the target, already narrowed by DCP's planner.
             dest = planner.resolve_tensor(item).detach()
             targets.append((item, dest))
-            start = [a + b for a, b in zip(item.storage_index.offset, item.storage_offsets)]
-            slot = into.setdefault(fqn, {}).setdefault("value", [])
+            slot = into.setdefault(table, {}).setdefault("value", [])
             if len(size) == 0:
                 buf = _host.empty_beside(dest, (1,), dest.dtype)
                 slot.append(_s.Chunk(buf, offset=(0,)))
@@ -455,7 +580,7 @@ class StorageReader(_StorageReader):
                 for d in range(1, len(size)):
                     part = part.narrow(d, start[d], item.lengths[d])
                 after.append((dest, part))
-        tables = sorted(set(into) | {b.storage_index.fqn for b in blobs})
+        tables = sorted(set(into) | {byte_table(b.storage_index.fqn) for b in blobs})
         if not tables:
             return _done(None)
         loaded = ck.load(into=into, tables=tables, dense=False, parallel=self.parallel)
@@ -464,7 +589,7 @@ class StorageReader(_StorageReader):
             for dest, buf in after:
                 dest.copy_(buf)
         for item in blobs:
-            raw = loaded.tables[item.storage_index.fqn]["bytes"]
+            raw = loaded.tables[byte_table(item.storage_index.fqn)]["bytes"]
             planner.load_bytes(item, io.BytesIO(raw[:-1].tobytes()))
         for item, dest in targets:
             planner.commit_tensor(item, dest)
@@ -498,18 +623,18 @@ _SAFETENSORS_DTYPES = {str(t): name for name, t in _host.torch_dtypes().items()}
 
 
 def _pieces(fqn: str, md: TensorStorageMetadata, piece_bytes: int):
-    """The (offsets, sizes) pieces of ``fqn``'s chunks, each cut along its first dimension into
-    parts of at most ``piece_bytes`` (at least one row)."""
+    """The (offsets, sizes, chunk's offsets) pieces of ``fqn``'s chunks, each cut along its first
+    dimension into parts of at most ``piece_bytes`` (at least one row)."""
     width = md.properties.dtype.itemsize
     for c in md.chunks:
         offsets, sizes = list(c.offsets), list(c.sizes)
         if not sizes:
-            yield offsets, sizes
+            yield offsets, sizes, offsets
             continue
         row = math.prod(sizes[1:]) * width
         step = max(1, piece_bytes // max(1, row))
         for start in range(0, max(1, sizes[0]), step):
-            yield [offsets[0] + start, *offsets[1:]], [min(step, sizes[0] - start), *sizes[1:]]
+            yield [offsets[0] + start, *offsets[1:]], [min(step, sizes[0] - start), *sizes[1:]], offsets
 
 
 def export_hf(source: Union[str, os.PathLike, "_s.Manager"], out: Union[str, os.PathLike], *,
@@ -541,11 +666,8 @@ def export_hf(source: Union[str, os.PathLike, "_s.Manager"], out: Union[str, os.
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise _s.InputError(f"{out}: exists and is not an empty directory (export_hf writes a new one: DCP's reader takes every .safetensors file there)")
     ck = _s.open(source)
-    text = ck.metadata.get(META_KEY)
-    if text is None:
-        raise _s.InputError(f"{source}: not a checkpoint saver.dcp wrote (its metadata has no {META_KEY!r}); export it with `saver export`")
-    meta = _metadata_of(text, source)
-    files: list = []  # file k: {fqn: (offsets, sizes)}, the k-th piece of each tensor
+    meta, chunk_tables, _ = _read_metadata(ck, source, "export it with `saver export`")
+    files: list = []  # file k: {fqn: (offsets, sizes, chunk offsets)}, the k-th piece of each tensor
     skipped = []
     for fqn, md in meta.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
@@ -562,26 +684,32 @@ def export_hf(source: Union[str, os.PathLike, "_s.Manager"], out: Union[str, os.
     try:
         for k, pieces in enumerate(files):
             header, at = {}, 0
-            for fqn, (offsets, sizes) in pieces.items():
+            for fqn, (offsets, sizes, _) in pieces.items():
                 md = meta.state_dict_metadata[fqn]
                 n = math.prod(sizes) * md.properties.dtype.itemsize
                 header[fqn] = {"dtype": _SAFETENSORS_DTYPES[str(md.properties.dtype)], "shape": sizes, "data_offsets": [at, at + n]}
                 at += n
-            header["__metadata__"] = {"format": "pt", "DCP_SHARDING_INFO": json.dumps({f: {"saved_offsets": o} for f, (o, _) in pieces.items()})}
+            header["__metadata__"] = {"format": "pt", "DCP_SHARDING_INFO": json.dumps({f: {"saved_offsets": p[0]} for f, p in pieces.items()})}
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)
             name = os.path.join(tmp, f"model-{k + 1:05}-of-{len(files):05}.safetensors")
             with open(name, "wb") as f:
                 f.write(len(raw).to_bytes(8, "little"))
                 f.write(raw)
-                for fqn, (offsets, sizes) in pieces.items():
+                for fqn, (offsets, sizes, chunk) in pieces.items():
                     md = meta.state_dict_metadata[fqn]
-                    size = tuple(md.size)
-                    stored_offset, stored_shape = _stored_chunk(size, offsets, sizes, fqn)
+                    if chunk_tables is None:
+                        table = fqn
+                        stored_offset, stored_shape = _stored_chunk(tuple(md.size), offsets, sizes, fqn)
+                    else:
+                        # The chunk is a table of its own; the piece is rows of it.
+                        table, _ = chunk_tables[(fqn, tuple(chunk))]
+                        stored_shape = _stored(sizes)
+                        stored_offset = (offsets[0] - chunk[0], *[0] * (len(stored_shape) - 1)) if sizes else (0,)
                     buf = torch.empty(stored_shape, dtype=md.properties.dtype)
                     if buf.numel() == 0:
                         continue  # an empty chunk (an uneven cut's last rank): its place alone
-                    ck.load(into={fqn: {"value": _s.Chunk(buf, offset=stored_offset)}}, tables=[fqn], dense=False)
+                    ck.load(into={table: {"value": _s.Chunk(buf, offset=stored_offset)}}, tables=[table], dense=False)
                     f.write(memoryview(readable(buf, fqn)).cast("B"))
                     written += buf.numel() * buf.element_size()
                 f.flush()

@@ -241,11 +241,87 @@ def test_dcp_async_save_through_saver_holds_the_state_of_its_call(tmp_path):
     _assert_same(back, _state(3))
 
 
-def test_use_collectives_false_is_refused_by_name(tmp_path):
+def test_use_collectives_false_needs_a_save_id_and_without_every_rank_commits_nothing(tmp_path):
     with pytest.raises((CheckpointException, saver.InputError)) as e:
         dcp.save(_state(0), storage_writer=saver.dcp.StorageWriter(tmp_path / "ck"), use_collectives=False)
-    assert "use_collectives=False is not supported" in str(_raised(e))
+    assert "save_id" in str(_raised(e))
     assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").rglob("*.safetensors"))
+    # One committed checkpoint, then rank 0 of a save of two ranks without collectives: the
+    # old checkpoint stays, since the save commits only once its last shard is durable.
+    dcp.save(_state(1), storage_writer=saver.dcp.StorageWriter(tmp_path / "ck"))
+    dcp.save(_state(2), storage_writer=saver.dcp.StorageWriter(tmp_path / "ck", save_id="half-1", world_size=2),
+             use_collectives=False)
+    back = _zeros_like(_state(1))
+    dcp.load(back, storage_reader=saver.dcp.StorageReader(tmp_path / "ck"))
+    _assert_same(back, _state(1))
+
+
+def _whole_nocoll(seed):
+    g = torch.Generator().manual_seed(200 + seed)
+    return {"rows": torch.randn(10, 6, generator=g), "cols": torch.randn(5, 9, generator=g),
+            "deep": torch.randn(4, 6, 3, generator=g), "same": torch.randn(11, generator=g),
+            "scale": torch.tensor(2.5 + seed)}
+
+
+def _nocoll_state(whole, world):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    return {
+        "rows": distribute_tensor(whole["rows"], mesh, [Shard(0)]),
+        "cols": distribute_tensor(whole["cols"], mesh, [Shard(1)]),
+        # Cut past its first dimension: each rank's chunk is a table of its own in this mode.
+        "deep": distribute_tensor(whole["deep"], mesh, [Shard(1)]),
+        "same": distribute_tensor(whole["same"], mesh, [Replicate()]),
+        "scale": whole["scale"].clone(),
+        "sched": {"last_epoch": 4},
+    }
+
+
+def _nocoll_rank(rank, world, port, path, save_id, save, out):
+    from torch.distributed.tensor import DTensor
+
+    with gloo_ranks.group(rank, world, port):
+        whole = _whole_nocoll(0)
+        if save:
+            state = _nocoll_state(whole, world)
+            dcp.save(state, storage_writer=saver.dcp.StorageWriter(path, save_id=save_id), use_collectives=False)
+            return
+        state = _nocoll_state({k: torch.zeros_like(v) for k, v in whole.items()}, world)
+        state["sched"] = {"last_epoch": 0}
+        dcp.load(state, storage_reader=saver.dcp.StorageReader(path))
+        for k, v in state.items():
+            if isinstance(v, DTensor):
+                assert torch.equal(v.full_tensor(), whole[k]), k
+        assert torch.equal(state["scale"], whole["scale"]) and state["sched"] == {"last_epoch": 4}
+        with open(os.path.join(out, f"{rank}.ok"), "w") as f:
+            f.write("ok")
+
+
+def test_use_collectives_false_commits_one_save_of_every_rank_that_loads_at_any_number_of_ranks(tmp_path):
+    path, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_nocoll_rank, args=(2, _free_port(), str(path), "job7-step3", True, str(out)), nprocs=2, join=True)
+    # One save of two shards, committed once by saver's protocol, under the caller's id.
+    assert saver.verify(path)["status"] == "ok"
+    assert saver.open(path).save_id == "job7-step3"
+    for world in (1, 3):
+        mp.spawn(_nocoll_rank, args=(world, _free_port(), str(path), None, False, str(out)), nprocs=world, join=True)
+    assert len(list(out.glob("*.ok"))) == 3
+    # The same id again is another save's: refused, the checkpoint kept.
+    with pytest.raises((CheckpointException, saver.SaverError)):
+        dcp.save({"x": torch.zeros(3)}, storage_writer=saver.dcp.StorageWriter(path, save_id="job7-step3"), use_collectives=False)
+    assert saver.open(path).save_id == "job7-step3"
+    # And out to DCP's stock reader, which knows nothing of saver's tables.
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    done = saver.dcp.export_hf(path, tmp_path / "hf", piece_bytes=40)
+    assert done["skipped"] == ["sched.last_epoch"], done
+    whole = _whole_nocoll(0)
+    back = {k: torch.zeros_like(v) for k, v in whole.items()}
+    dcp.load(back, storage_reader=HuggingFaceStorageReader(str(tmp_path / "hf")), no_dist=True)
+    for k in whole:
+        assert torch.equal(back[k], whole[k]), k
 
 
 _RESAVER = """
