@@ -183,7 +183,7 @@ pub struct ScalarCondition {
 
 impl ScalarCondition {
     /// Whether `v` satisfies the condition.
-    pub fn holds(&self, v: f64) -> bool {
+    pub(crate) fn holds(&self, v: f64) -> bool {
         match self.op {
             Comparison::Ge => v >= self.value,
             Comparison::Gt => v > self.value,

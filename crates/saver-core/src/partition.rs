@@ -91,7 +91,7 @@ impl Shard {
 
 impl PartitionRule {
     /// Checks that this build knows the rule (a manifest from a future version may not).
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.kind != RULE_KIND || self.buckets != BUCKETS {
             return Err(Error::Encoding {
                 what: "partition rule".into(),

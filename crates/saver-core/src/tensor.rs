@@ -333,7 +333,7 @@ impl<'a> DenseTensor<'a> {
     }
 
     /// The background save's copy the bytes are, if they are one ([`Self::into_owned`]).
-    pub fn moment_copy(&self) -> Option<&MomentCopy> {
+    pub(crate) fn moment_copy(&self) -> Option<&MomentCopy> {
         match &self.data {
             Bytes::Copied(c) => Some(c),
             _ => None,

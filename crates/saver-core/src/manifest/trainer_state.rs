@@ -97,7 +97,7 @@ pub mod legacy {
     type Result<T> = std::result::Result<T, Error>;
 
     /// Decodes all of `bytes` as a `T`; trailing bytes are an error.
-    pub fn from_slice<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
+    pub(crate) fn from_slice<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
         let mut d = Decoder { rest: bytes };
         let value = T::deserialize(&mut d)?;
         if !d.rest.is_empty() {

@@ -105,7 +105,7 @@ impl<'c> StoredTable<'c> {
 
     /// Every selected table of `ckpt` (globs `tables`, all if empty), without the slots matching
     /// `exclude_slots`, in manifest order.
-    pub fn all(ckpt: &'c Link, tables: &[String], exclude_slots: &[String]) -> Result<Vec<Self>> {
+    pub(crate) fn all(ckpt: &'c Link, tables: &[String], exclude_slots: &[String]) -> Result<Vec<Self>> {
         let opts = crate::LoadOptions {
             tables: tables.to_vec(),
             ..crate::LoadOptions::default()
@@ -393,7 +393,7 @@ impl<'c> StoredTable<'c> {
     }
 
     /// Tensors whose CRC32 was checked so far: each one read whole, its pieces tiling it.
-    pub fn tensors_checked(&self) -> u64 {
+    pub(crate) fn tensors_checked(&self) -> u64 {
         self.checked.load(Ordering::Relaxed)
     }
 
@@ -435,7 +435,7 @@ impl<'c> StoredTable<'c> {
     }
 
     /// The checkpoint the table is read from.
-    pub fn checkpoint(&self) -> &'c Link {
+    pub(crate) fn checkpoint(&self) -> &'c Link {
         self.ckpt
     }
 }

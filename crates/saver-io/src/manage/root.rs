@@ -188,7 +188,7 @@ impl Root {
     }
 
     /// The steps that have a directory, ascending.
-    pub fn step_dirs(&self) -> Result<Vec<u64>> {
+    pub(crate) fn step_dirs(&self) -> Result<Vec<u64>> {
         let mut steps: Vec<u64> = self
             .storage
             .list_dirs()?

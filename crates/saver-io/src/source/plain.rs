@@ -532,7 +532,7 @@ impl<'p> PlainTable<'p> {
     /// Distributes table `spec` of `input` into groups of about `group_bytes` in nameless
     /// temporary files in `scratch` (unless it is one group), reading with `parallel` threads,
     /// in `rounds` rounds (see [`PlainInput::tables_in_rounds`]).
-    pub fn distribute(
+    pub(crate) fn distribute(
         input: &'p PlainInput,
         spec: &'p PlainTableSpec,
         scratch: &Path,

@@ -171,7 +171,7 @@ impl<'c> ChainTable<'c> {
     }
 
     /// Tensors of the links whose CRC32 was checked so far.
-    pub fn tensors_checked(&self) -> u64 {
+    pub(crate) fn tensors_checked(&self) -> u64 {
         self.links.iter().map(|l| l.rows.tensors_checked()).sum()
     }
 
