@@ -121,17 +121,7 @@ fn public_items(module: &str, items: &[syn::Item], out: &mut BTreeSet<String>) {
 /// Every public item of the crate whose sources are under `src`, named `krate`.
 fn surface(krate: &str, src: &Path, out: &mut BTreeSet<String>) {
     let mut files = Vec::new();
-    let mut dirs = vec![src.to_path_buf()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                dirs.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                files.push(p);
-            }
-        }
-    }
+    rust_sources(src, &mut files);
     for f in files {
         let rel = f.strip_prefix(src).unwrap().with_extension("");
         let mut parts: Vec<String> = rel
