@@ -105,7 +105,11 @@ impl<'c> StoredTable<'c> {
 
     /// Every selected table of `ckpt` (globs `tables`, all if empty), without the slots matching
     /// `exclude_slots`, in manifest order.
-    pub(crate) fn all(ckpt: &'c Link, tables: &[String], exclude_slots: &[String]) -> Result<Vec<Self>> {
+    pub(crate) fn all(
+        ckpt: &'c Link,
+        tables: &[String],
+        exclude_slots: &[String],
+    ) -> Result<Vec<Self>> {
         let opts = crate::LoadOptions {
             tables: tables.to_vec(),
             ..crate::LoadOptions::default()
